@@ -1,0 +1,108 @@
+"""Signed, versioned msgspec frames: the wire format of every kvstage socket.
+
+The rendezvous server and the rank-to-rank control plane both speak it, so it lives with the
+server (which must not import torch) and the ranks import it from here.
+
+A frame is two zmq parts: ``[payload, mac]``. ``payload`` is a msgpack-encoded msgspec Struct
+from a tagged union (its type tag in field ``t``, its version in field ``v``). ``mac`` is
+HMAC-SHA256(token, payload) truncated to 16 bytes when a shared secret is configured, else empty.
+Decoding anything else raises exactly one error type, `WireError`. Never pickle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from pathlib import Path
+from typing import Any, Generic, Sequence, TypeVar
+
+import msgspec
+
+WIRE_VERSION = 1
+MAC_BYTES = 16
+DEFAULT_MAX_FRAME = 4 << 20  # bytes; a NIXL agent's metadata is a few KiB
+TOKEN_ENV = "KVSTAGE_AUTH_TOKEN"
+
+
+class WireError(ValueError):
+    """A frame that is malformed, truncated, oversized, of the wrong version or badly signed."""
+
+    def __init__(self, kind: str, detail: str):
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind  # "malformed" | "oversized" | "version" | "auth"
+
+
+class Message(msgspec.Struct, tag_field="t", kw_only=True, frozen=True):
+    """Base of every wire message: a type tag (`t`, the class name) and a version (`v`)."""
+
+    v: int = WIRE_VERSION
+
+
+M = TypeVar("M", bound=Message)
+
+
+def load_token(token: str | None = None, token_file: str | os.PathLike | None = None) -> bytes | None:
+    """The shared secret: explicit value, else a file's first line, else $KVSTAGE_AUTH_TOKEN.
+
+    Returns None when none is configured (authentication off).
+    """
+    if token is None and token_file is not None:
+        token = Path(token_file).read_text().strip()
+    if token is None:
+        token = os.environ.get(TOKEN_ENV) or None
+    if token is None:
+        return None
+    if not token:
+        raise ValueError("the auth token is empty")
+    return token.encode()
+
+
+def sign(token: bytes | None, payload: bytes) -> bytes:
+    if token is None:
+        return b""
+    return hmac.new(token, payload, hashlib.sha256).digest()[:MAC_BYTES]
+
+
+class Codec(Generic[M]):
+    """Encodes and decodes the messages of one channel (a union of Message subclasses)."""
+
+    def __init__(self, types: Sequence[type[M]], token: bytes | None = None,
+                 max_frame: int = DEFAULT_MAX_FRAME):
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder = msgspec.msgpack.Decoder(_union(types))
+        self.token = token
+        self.max_frame = max_frame
+
+    def encode(self, msg: M) -> list[bytes]:
+        payload = self._encoder.encode(msg)
+        if len(payload) > self.max_frame:
+            raise WireError("oversized", f"{type(msg).__name__} is {len(payload)} bytes (max {self.max_frame})")
+        return [payload, sign(self.token, payload)]
+
+    def decode(self, parts: Sequence[bytes | Any]) -> M:
+        """Verify and decode ``[payload, mac]``; raise WireError on anything wrong."""
+        if len(parts) != 2:
+            raise WireError("malformed", f"expected 2 frame parts, got {len(parts)}")
+        payload, mac = (bytes(p) for p in parts)
+        if len(payload) > self.max_frame:
+            raise WireError("oversized", f"{len(payload)} bytes (max {self.max_frame})")
+        if self.token is not None:
+            if len(mac) != MAC_BYTES or not hmac.compare_digest(mac, sign(self.token, payload)):
+                raise WireError("auth", "missing or wrong token")
+        try:
+            msg = self._decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise WireError("malformed", str(exc)) from None
+        if msg.v != WIRE_VERSION:
+            raise WireError("version", f"version {msg.v}, this build speaks {WIRE_VERSION}")
+        return msg
+
+
+def _union(types: Sequence[type]) -> Any:
+    if not types:
+        raise ValueError("a codec needs at least one message type")
+    u = types[0]
+    for t in types[1:]:
+        u = u | t
+    return u

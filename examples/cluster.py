@@ -1,0 +1,144 @@
+"""Start a bootstrap server and rank processes on this machine, and collect their results.
+
+Used by the PD demo, the benchmark and the integration tests, so all of them exercise the same
+real processes: `python -m bootstrap` and `examples/pd_rank.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def rank_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env.setdefault("UCX_MODULES", "^ib")        # FACTS: otherwise UCX crashes at exit
+    env.setdefault("GLOG_minloglevel", "2")     # Mooncake logs a lot through glog
+    env.setdefault("MC_LOG_LEVEL", "ERROR")
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.update(extra or {})
+    return env
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    addr: str
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+
+def start_bootstrap(host: str = "127.0.0.1", port: int = 0, env: dict | None = None, args: list | None = None,
+                    netns: str | None = None) -> Server:
+    cmd = [sys.executable, "-m", "bootstrap", "--host", host, "--port", str(port)] + (args or [])
+    if netns:
+        cmd = ["ip", "netns", "exec", netns] + cmd
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=rank_env(env), text=True)
+    line = proc.stdout.readline()
+    if "listening on" not in line:
+        proc.kill()
+        raise RuntimeError(f"bootstrap server did not start: {line!r}")
+    addr = line.strip().rsplit("tcp://", 1)[1]
+    return Server(proc, addr)
+
+
+@dataclass
+class RankProc:
+    proc: subprocess.Popen
+    spec_path: str
+    result_path: str
+    log_path: str
+
+    def result(self) -> list:
+        try:
+            return json.load(open(self.result_path))
+        except (OSError, ValueError):
+            return []
+
+    def log(self, tail: int = 4000) -> str:
+        try:
+            return Path(self.log_path).read_text()[-tail:]
+        except OSError:
+            return ""
+
+
+@dataclass
+class Cluster:
+    """A bootstrap server plus rank processes; use as a context manager (kills everything)."""
+
+    env: dict | None = None
+    server_args: list | None = None
+    workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="kvstage-"))
+    server: Server | None = None
+    procs: list = field(default_factory=list)
+
+    def __enter__(self) -> "Cluster":
+        self.server = start_bootstrap(env=self.env, args=self.server_args)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for p in self.procs:
+            if p.proc.poll() is None:
+                p.proc.kill()
+                p.proc.wait()
+        if self.server is not None:
+            self.server.stop()
+
+    @property
+    def addr(self) -> str:
+        return self.server.addr
+
+    def launch(self, managers: list[dict], name: str, env: dict | None = None, netns: str | None = None,
+               log_level: str = "WARNING", bootstrap: str | None = None) -> RankProc:
+        """Start one rank process hosting `managers` (pd_rank.py specs)."""
+        n = len(self.procs)
+        spec_path = os.path.join(self.workdir, f"{n:03d}-{name}.json")
+        result_path = spec_path.replace(".json", ".result.json")
+        log_path = spec_path.replace(".json", ".log")
+        spec = {"bootstrap": bootstrap or self.addr, "managers": managers, "result": result_path,
+                "log_level": log_level}
+        Path(spec_path).write_text(json.dumps(spec))
+        cmd = [sys.executable, str(HERE / "pd_rank.py"), spec_path]
+        if netns:
+            cmd = ["ip", "netns", "exec", netns] + cmd
+        log = open(log_path, "w")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=rank_env({**(self.env or {}),
+                                                                                         **(env or {})}))
+        rp = RankProc(proc, spec_path, result_path, log_path)
+        self.procs.append(rp)
+        return rp
+
+    def barrier(self, count: int | None = None, timeout_s: float = 60) -> dict:
+        """A spec entry making ranks wait for each other before closing (count: managers)."""
+        d = os.path.join(self.workdir, "barrier")
+        os.makedirs(d, exist_ok=True)
+        return {"dir": d, "count": count, "timeout_s": timeout_s}
+
+    def wait(self, timeout: float) -> list[RankProc]:
+        """Wait for every rank process; kill stragglers. Returns the processes."""
+        deadline = time.monotonic() + timeout
+        for p in self.procs:
+            left = max(0.1, deadline - time.monotonic())
+            try:
+                p.proc.wait(left)
+            except subprocess.TimeoutExpired:
+                p.proc.kill()
+                p.proc.wait()
+        return self.procs

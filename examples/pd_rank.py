@@ -1,0 +1,243 @@
+"""One rank process of the PD demo, the benchmark and the integration tests.
+
+    python examples/pd_rank.py SPEC.json
+
+The spec names the bootstrap server and one or more ranks to host in this process (each its own
+KVManager, e.g. the same rank of several test geometries). Every prefill rank fills the pages of
+each request with the deterministic pattern (kv_pattern.py) and sends them in chunks; every
+decode rank receives into random pages and verifies every byte. Per-request outcomes, latencies
+and the managers' stats are written as JSON to spec["result"].
+
+Scenario knobs per room (all optional): abort_after (prefill: chunks sent before abort(); decode:
+seconds after init before abort()), create_delay_s (prefill: wait before creating the sender),
+init_delay_s (decode), chunk_delay_s (prefill: pause between chunks).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import sys
+import threading
+import time
+import traceback
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from kv_pattern import KVPattern  # noqa: E402
+
+from transfer import EngineConfig, KVBuffers, KVLayout, KVManager, KVPoll, Timeouts  # noqa: E402
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          "float8_e4m3fn": torch.float8_e4m3fn, "int8": torch.int8, "uint8": torch.uint8}
+DONE = (KVPoll.Success, KVPoll.Failed)
+
+
+def build(spec: dict, bootstrap: str) -> tuple[KVManager, KVLayout, KVBuffers, KVPattern]:
+    g = spec["geometry"]
+    layout = KVLayout(num_layers=g["layers"], total_kv_heads=g["heads"], head_dim=g["head_dim"],
+                      dtype=DTYPES[g["dtype"]], page_size=g["page_size"], tp_size=spec["tp"],
+                      tp_rank=spec["rank"], mla=g.get("mla", False))
+    shape = (g["pages"] * layout.page_size, layout.local_heads, layout.head_dim)
+    k = [torch.zeros(shape, dtype=layout.dtype) for _ in range(layout.num_layers)]
+    v = None if layout.mla else [torch.zeros(shape, dtype=layout.dtype) for _ in range(layout.num_layers)]
+    buffers = KVBuffers(k, v)
+    cfg = EngineConfig(role=spec["role"], engine_id=spec["engine"], bootstrap=bootstrap,
+                       backend=spec.get("backend", "nixl"), staging=spec.get("staging"),
+                       host=spec.get("host", "127.0.0.1"), staging_workers=spec.get("workers"),
+                       staging_buffer_mb=spec.get("buffer_mb"), ring_mb=spec.get("ring_mb"),
+                       timeouts=Timeouts.from_env(**spec.get("timeouts", {})),
+                       backend_options=spec.get("backend_options", {}), auth_token=spec.get("token"))
+    mgr = KVManager(cfg, layout, buffers)
+    return mgr, layout, buffers, KVPattern(layout, seed=spec.get("pattern_seed", 7))
+
+
+class Pages:
+    """A free list of cache pages with random placement, like a serving engine's allocator."""
+
+    def __init__(self, n: int, rng: random.Random):
+        self.free = list(range(n))
+        self.rng = rng
+
+    def take(self, n: int) -> np.ndarray | None:
+        if len(self.free) < n:
+            return None
+        self.rng.shuffle(self.free)
+        out, self.free = self.free[:n], self.free[n:]
+        if self.rng.random() < 0.5:
+            out.sort()  # half the requests get runs of consecutive pages
+        return np.array(out, dtype=np.int64)
+
+    def give(self, pages: np.ndarray) -> None:
+        self.free.extend(int(p) for p in pages)
+
+
+def drive(spec: dict, bootstrap: str, result: dict) -> None:
+    mgr, layout, buffers, pattern = build(spec, bootstrap)
+    result["endpoint"] = mgr.endpoint
+    rng = random.Random(hash((spec.get("seed", 0), spec["engine"], spec["rank"])) & 0xFFFFFFFF)
+    pool = Pages(spec["geometry"]["pages"], rng)
+    rooms = list(spec["rooms"])
+    window = spec.get("inflight", 16)
+    tensors = buffers.tensors()
+    active: dict[int, dict] = {}
+    out = result["rooms"] = []
+    t_start = time.perf_counter()
+    deadline = time.monotonic() + spec.get("run_timeout_s", 120)
+    while (rooms or active) and time.monotonic() < deadline:
+        while rooms and len(active) < window:
+            r = rooms[0]
+            pages = pool.take(r["pages"])
+            if pages is None:
+                break
+            rooms.pop(0)
+            active[r["room"]] = start_room(mgr, spec, r, pages, pattern, tensors)
+        progressed = False
+        for room_id, st in list(active.items()):
+            progressed |= advance(mgr, spec, st)
+            state = st["handle"].poll()
+            if state in DONE and st["handle"].released:
+                rec = finish(spec, st, pattern, tensors)
+                out.append(rec)
+                pool.give(st["pages"])
+                del active[room_id]
+                progressed = True
+        if not progressed:
+            time.sleep(0.0005)
+    for room_id, st in active.items():  # ran out of time
+        out.append({"room": room_id, "state": st["handle"].poll().name, "failure": "driver timeout: "
+                    + str(st["handle"].failure), "kind": "driver_timeout", "latency_s": None, "verified": False})
+    result["wall_s"] = time.perf_counter() - t_start
+    result["stats"] = mgr.stats()
+    barrier(spec.get("barrier"), f"{spec['engine']}-{spec['rank']}")
+    if spec.get("linger_s"):
+        time.sleep(spec["linger_s"])
+    mgr.close()
+
+
+def barrier(b: dict | None, name: str) -> None:
+    """Stay up (serving peers) until every rank of the run is done, as real ranks would."""
+    if not b:
+        return
+    open(os.path.join(b["dir"], f"done-{name}"), "w").close()
+    deadline = time.monotonic() + b.get("timeout_s", 60)
+    while time.monotonic() < deadline:
+        if len([f for f in os.listdir(b["dir"]) if f.startswith("done-")]) >= b["count"]:
+            return
+        time.sleep(0.05)
+
+
+def start_room(mgr: KVManager, spec: dict, r: dict, pages: np.ndarray, pattern: KVPattern, tensors) -> dict:
+    st = {"room": r["room"], "pages": pages, "spec": r, "t0": time.perf_counter(), "chunk": 0, "sent": 0,
+          "aborted": False, "t_done": None}
+    if spec["role"] == "prefill":
+        pattern.fill(tensors, r["room"], pages)
+        delay = r.get("create_delay_s", 0)
+        st["create_at"] = time.perf_counter() + delay
+        st["handle"] = None
+        if not delay:
+            st["handle"] = mgr.sender(r["room"], len(pages))
+    else:
+        st["handle"] = mgr.receiver(r["room"], spec["peer_engine"])
+        delay = r.get("init_delay_s", 0)
+        st["init_at"] = time.perf_counter() + delay
+        st["inited"] = False
+        if not delay:
+            st["handle"].init(pages)
+            st["inited"], st["t0"] = True, time.perf_counter()
+    if st.get("handle") is None:
+        st["handle"] = _Pending()
+    return st
+
+
+class _Pending:
+    """Stands in until a delayed sender is created."""
+    released = False
+    failure = None
+
+    def poll(self):
+        return KVPoll.Bootstrapping
+
+
+def advance(mgr: KVManager, spec: dict, st: dict) -> bool:
+    r, now = st["spec"], time.perf_counter()
+    h = st["handle"]
+    if spec["role"] == "prefill":
+        if isinstance(h, _Pending):
+            if now < st["create_at"]:
+                return False
+            st["handle"] = h = mgr.sender(r["room"], len(st["pages"]))
+        chunks = r.get("chunks") or [len(st["pages"])]
+        if st["chunk"] < len(chunks) and now >= st.get("next_chunk_at", 0):
+            if r.get("abort_after") is not None and st["chunk"] >= r["abort_after"] and not st["aborted"]:
+                h.abort()
+                st["aborted"] = True
+                return True
+            if st["aborted"]:
+                return False
+            n = chunks[st["chunk"]]
+            h.send(st["pages"][st["sent"]:st["sent"] + n], last=st["chunk"] == len(chunks) - 1)
+            st["sent"] += n
+            st["chunk"] += 1
+            st["next_chunk_at"] = now + r.get("chunk_delay_s", 0)
+            return True
+    else:
+        if not st["inited"] and now >= st["init_at"]:
+            h.init(st["pages"])
+            st["inited"], st["t0"] = True, time.perf_counter()
+            return True
+        ab = r.get("abort_after")
+        if ab is not None and st["inited"] and not st["aborted"] and now - st["t0"] >= ab:
+            h.abort()
+            st["aborted"] = True
+            return True
+    if st["t_done"] is None and h.poll() in DONE:
+        st["t_done"] = time.perf_counter()
+    return False
+
+
+def finish(spec: dict, st: dict, pattern: KVPattern, tensors) -> dict:
+    h = st["handle"]
+    state = h.poll()
+    rec = {"room": st["room"], "state": state.name, "failure": h.failure, "kind": h.failure_kind,
+           "latency_s": (st["t_done"] or time.perf_counter()) - st["t0"], "pages": int(len(st["pages"])),
+           "verified": None}
+    if spec["role"] == "decode" and state is KVPoll.Success:
+        err = pattern.check(tensors, st["room"], st["pages"])
+        rec["verified"] = err is None
+        rec["error"] = err
+    return rec
+
+
+def main() -> int:
+    spec = json.load(open(sys.argv[1]))
+    logging.basicConfig(level=getattr(logging, spec.get("log_level", "WARNING")),
+                        format="%(asctime)s %(process)d %(threadName)s %(name)s %(levelname)s %(message)s")
+    results = [{"name": m.get("name", f"{m['engine']}/{m['rank']}"), "role": m["role"]} for m in spec["managers"]]
+    threads = []
+    for m, res in zip(spec["managers"], results):
+        def run(m=m, res=res):
+            try:
+                drive(m, spec["bootstrap"], res)
+            except Exception as exc:  # noqa: BLE001 - reported to the test/demo, not swallowed
+                res["error"] = f"{type(exc).__name__}: {exc}"
+                res["traceback"] = traceback.format_exc()
+        threads.append(threading.Thread(target=run, name=f"driver-{m['engine']}-{m['rank']}"))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    tmp = spec["result"] + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(results, f, default=str)
+    os.replace(tmp, spec["result"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""Decode scatter thread: copies landed ring pieces into the paged KV cache, off the
+control thread, and reports each one back so its ring region can be freed."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from .gather_scatter import Scatterer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ScatterJob:
+    room: int
+    key: tuple[int, int]
+    pages: np.ndarray                                # destination cache pages of the piece
+    parts: tuple[tuple[torch.Tensor, tuple[int, int]], ...]  # (ring view of a writer's part, dst heads)
+
+
+# report(room, key, ok, reason, seconds)
+Report = Callable[[int, tuple[int, int], bool, str | None, float], None]
+
+
+class ScatterWorker:
+    def __init__(self, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None, page_size: int,
+                 report: Report):
+        self._k, self._v, self._page_size = list(k), (list(v) if v is not None else None), page_size
+        self._report = report
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kvstage-scatter", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: ScatterJob) -> None:
+        self._jobs.put(job)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        scatterer = Scatterer()
+        device = self._k[0].device
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            room, key = job.room, job.key
+            t0 = time.perf_counter()
+            ok, reason = self._scatter(scatterer, job, device)
+            del job  # drop the ring views before the region is handed back
+            self._report(room, key, ok, reason, time.perf_counter() - t0)
+
+    def _scatter(self, scatterer: Scatterer, job: ScatterJob, device: torch.device) -> tuple[bool, str | None]:
+        try:
+            pages = torch.from_numpy(np.ascontiguousarray(job.pages, dtype=np.int64)).to(device)
+            for view, heads in job.parts:
+                scatterer.scatter(view, self._k, self._v, pages, self._page_size, heads)
+            if device.type == "cuda":
+                torch.cuda.current_stream(device).synchronize()
+            return True, None
+        except Exception as exc:  # noqa: BLE001 - fails the room, not the thread
+            log.exception("scatter for room %s failed", job.room)
+            return False, str(exc)

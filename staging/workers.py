@@ -1,0 +1,102 @@
+"""Prefill transfer workers: each owns ONE staging buffer, gathers a piece into it and posts
+ONE backend write from it, and never gathers into it again before that write is finished.
+
+Two or more workers overlap: one gathers the next piece while another's write is on the wire.
+Watermark waits happen before a job gets here (the control thread only hands out pieces whose
+ring region is free), so a worker never blocks on the decode side.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+
+from .buffers import StagingBuffer
+from .gather_scatter import Gatherer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GatherJob:
+    op_id: int
+    room: int
+    peer: str                 # backend name of the decode rank
+    pages: np.ndarray         # this rank's cache pages of the piece, in request order
+    heads: tuple[int, int]    # local head range to send
+    nbytes: int
+    dst_addr: int             # absolute address of this writer's part in the decode ring
+    dst_device: int
+    tag: bytes
+
+
+# submit(peer, src, dst, tag, on_done) posts one write on the backend's thread
+SubmitWrite = Callable[[str, np.ndarray, np.ndarray, bytes, Callable[[bool, str | None], None]], None]
+# report(op_id, room, ok, reason, gather_seconds)
+Report = Callable[[int, int, bool, str | None, float], None]
+
+
+class TransferWorkers:
+    def __init__(self, buffers: Sequence[StagingBuffer], k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None,
+                 page_size: int, submit: SubmitWrite, report: Report):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._k, self._v, self._page_size = list(k), (list(v) if v is not None else None), page_size
+        self._submit, self._report = submit, report
+        self._threads = [threading.Thread(target=self._run, args=(buf,), name=f"kvstage-xfer-{i}", daemon=True)
+                         for i, buf in enumerate(buffers)]
+        for t in self._threads:
+            t.start()
+
+    @property
+    def count(self) -> int:
+        return len(self._threads)
+
+    def submit(self, job: GatherJob) -> None:
+        self._jobs.put(job)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)
+        for t in self._threads:
+            t.join(timeout)
+
+    def _run(self, buf: StagingBuffer) -> None:
+        gatherer = Gatherer()
+        device = self._k[0].device
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                pages = torch.from_numpy(np.ascontiguousarray(job.pages, dtype=np.int64)).to(device)
+                n = gatherer.gather(self._k, self._v, pages, self._page_size, job.heads, buf.tensor)
+                if device.type == "cuda":
+                    torch.cuda.current_stream(device).synchronize()
+                if n != job.nbytes:
+                    raise ValueError(f"gathered {n} bytes, the piece has {job.nbytes}")
+            except Exception as exc:  # noqa: BLE001 - a bad piece fails its room, not the worker
+                log.exception("gather for room %s failed", job.room)
+                self._report(job.op_id, job.room, False, f"gather failed: {exc}", time.perf_counter() - t0)
+                continue
+            gather_s = time.perf_counter() - t0
+            done = threading.Event()
+            result: list = []
+
+            def on_done(ok: bool, reason: str | None, result=result, done=done) -> None:
+                result.append((ok, reason))
+                done.set()
+
+            src = np.array([[buf.addr, job.nbytes, buf.device]], dtype=np.uint64)
+            dst = np.array([[job.dst_addr, job.nbytes, job.dst_device]], dtype=np.uint64)
+            self._submit(job.peer, src, dst, job.tag, on_done)
+            done.wait()  # the buffer is ours again only when the backend is done with it
+            ok, reason = result[0]
+            self._report(job.op_id, job.room, ok, reason, gather_s)

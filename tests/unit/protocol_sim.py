@@ -1,0 +1,326 @@
+"""An in-memory world for the pure room state machines: P prefill ranks, D decode ranks,
+numpy KV caches, rings, per-pair FIFO control channels and a backend that copies bytes.
+
+A seeded scheduler picks what happens next (deliver a message, land a write, finish a
+scatter, tick the clock), so tests can explore many interleavings deterministically.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from staging.pieces import max_piece_pages
+from staging.ring import RemoteWatermark, RingAllocator, Watermark
+from transfer.config import Timeouts
+from transfer.layout import KVLayout
+from transfer.poll import KVPoll
+from transfer.protocol.actions import (PeerKey, PostWrite, PublishWatermark, Released, Scatter, Send,
+                                       StatusChanged)
+from transfer.protocol.decode_room import DecodeRoom, RoomPlan
+from transfer.protocol.head_mapping import compute_assignments
+from transfer.protocol.messages import (AllocGrant, AllocRequest, Quiesced, RoomDone, RoomFailed, RoomMeta,
+                                        WatermarkUpdate, WriterDone)
+from transfer.protocol.prefill_room import PrefillRoom
+
+
+@dataclass
+class Geometry:
+    P: int
+    D: int
+    H: int
+    layers: int = 2
+    page_size: int = 2
+    head_dim: int = 4
+    mla: bool = False
+    pages: int = 256           # pages per cache
+    ring_bytes: int = 4096
+    buffer_bytes: int = 2048
+    staged: bool = True
+
+
+@dataclass
+class PendingWrite:
+    src_rank: int
+    op: object
+    waiting: bool              # staged: waiting for the watermark
+
+
+@dataclass
+class World:
+    g: Geometry
+    seed: int
+    drop_tags: float = 0.0     # probability a tag is lost (the write itself lands)
+    dup_tags: float = 0.0
+    now: float = 0.0
+    rooms_p: dict = field(default_factory=dict)    # (rank, room) -> PrefillRoom
+    rooms_d: dict = field(default_factory=dict)    # (rank, room) -> DecodeRoom
+    chan: dict = field(default_factory=lambda: defaultdict(deque))  # (src key, dst key) -> messages
+    writes: list = field(default_factory=list)
+    tags: list = field(default_factory=list)       # (decode rank, src peer, tag)
+    scatters: list = field(default_factory=list)   # (decode rank, Scatter)
+    status_p: dict = field(default_factory=dict)
+    status_d: dict = field(default_factory=dict)
+    released_p: set = field(default_factory=set)
+    released_d: set = field(default_factory=set)
+    overlaps: int = 0
+
+    def __post_init__(self):
+        g = self.g
+        self.rng = random.Random(self.seed)
+        self.timeouts = Timeouts(metadata=50, watermark=50, arrival=5, scatter=5, room=100)
+        self.lp = [KVLayout(g.layers, g.H, g.head_dim, torch.uint8, g.page_size, g.P, r, g.mla) for r in range(g.P)]
+        self.ld = [KVLayout(g.layers, g.H, g.head_dim, torch.uint8, g.page_size, g.D, r, g.mla) for r in range(g.D)]
+        self.kp = [PeerKey("prefill", r, 1000 + r) for r in range(g.P)]
+        self.kd = [PeerKey("decode", r, 2000 + r) for r in range(g.D)]
+        nkv = 1 if g.mla else 2
+        self.nt = nkv * g.layers
+        nrng = np.random.default_rng(self.seed)
+        self.cp = [nrng.integers(0, 256, (self.nt, g.pages, g.page_size, l.local_heads, g.head_dim), dtype=np.uint8)
+                   for l in self.lp]
+        self.cd = [np.zeros((self.nt, g.pages, g.page_size, l.local_heads, g.head_dim), dtype=np.uint8) for l in self.ld]
+        self.mapping = compute_assignments(g.P, g.D, g.H, g.mla)
+        self.rings = [RingAllocator(g.ring_bytes, align=8) for _ in range(g.D)]
+        self.ring_mem = [np.zeros(g.ring_bytes, dtype=np.uint8) for _ in range(g.D)]
+        self.ring_owner = [np.full(g.ring_bytes, -1, dtype=np.int64) for _ in range(g.D)]
+        self.remote_wm = {(p, d): RemoteWatermark(self.kd[d].incarnation, g.ring_bytes)
+                          for p in range(g.P) for d in range(g.D)}
+        self.op_ids = itertools.count(1)
+        self.expected = {}  # (decode rank, room) -> (dst pages, src pages per prefill rank)
+        self.free_pages = {}  # decode rank -> pages no room uses yet
+
+    # -- set-up of rooms -----------------------------------------------------------------------
+    def plan_for(self, d: int) -> RoomPlan:
+        g = self.g
+        writers, notices = self.mapping.prefill_peers_of(d)
+        assigns = tuple((self.kp[p], self.mapping.find(p, d)) for p in writers)
+        hpb = self.nt * g.page_size * g.head_dim
+        staged = g.staged and g.P != g.D and not g.mla
+        mpp = max_piece_pages([hpb * a.num_heads for _, a in assigns], g.buffer_bytes, g.ring_bytes, 8) if staged else 0
+        return RoomPlan(assigns, tuple(self.kp[p] for p in notices), staged, hpb, mpp, self.kd[d].incarnation)
+
+    def add_room(self, room: int, n: int, chunks: list[int]):
+        """A request of n pages; each prefill rank sends it in the given chunk sizes."""
+        g = self.g
+        session = room * 7 + 1
+        src = [np.array(self.rng.sample(range(g.pages), n)) for _ in range(g.P)]
+        for p in range(g.P):
+            self.rooms_p[(p, room)] = PrefillRoom(room, n, self.lp[p], self.kp[p].incarnation, self.now,
+                                                  self.timeouts, self.op_ids)
+            self.status_p[(p, room)] = KVPoll.Bootstrapping
+        for d in range(g.D):
+            free = self.free_pages.setdefault(d, list(range(g.pages)))
+            self.rng.shuffle(free)
+            dst = np.array([free.pop() for _ in range(n)])
+            r = DecodeRoom(room, session, self.kd[d].incarnation, self.ld[d], self.now, self.timeouts)
+            self.rooms_d[(d, room)] = r
+            self.status_d[(d, room)] = KVPoll.Bootstrapping
+            self.expected[(d, room)] = (dst, src)
+            self.apply_d(d, r.on_plan(self.plan_for(d), self.now))
+            self.apply_d(d, r.init(dst, self.now))
+        self.pending_chunks = getattr(self, "pending_chunks", [])
+        for p in range(g.P):
+            pos = 0
+            for i, c in enumerate(chunks):
+                last = i == len(chunks) - 1
+                self.pending_chunks.append((p, room, src[p][pos:pos + c], last))
+                pos += c
+
+    # -- action application ----------------------------------------------------------------------
+    def apply_p(self, p: int, actions):
+        for a in actions:
+            if isinstance(a, Send):
+                self.chan[(self.kp[p], a.peer)].append(a.msg)
+            elif isinstance(a, PostWrite):
+                self.writes.append(PendingWrite(p, a.op, a.op.staged))
+            elif isinstance(a, (StatusChanged, Released)):
+                pass
+            else:
+                raise AssertionError(f"unexpected prefill action {a}")
+
+    def apply_d(self, d: int, actions):
+        for a in actions:
+            if isinstance(a, Send):
+                self.chan[(self.kd[d], a.peer)].append(a.msg)
+            elif isinstance(a, Scatter):
+                self.scatters.append((d, a))
+            elif isinstance(a, PublishWatermark):
+                wm = self.rings[d].watermark
+                for p in range(self.g.P):
+                    self.chan[(self.kd[d], self.kp[p])].append(
+                        WatermarkUpdate(src=self.kd[d].incarnation, dst=self.kp[p].incarnation,
+                                        epoch=self.kd[d].incarnation, round=wm.round, tail=wm.tail))
+            elif isinstance(a, (StatusChanged, Released)):
+                pass
+            else:
+                raise AssertionError(f"unexpected decode action {a}")
+
+    def refresh_status(self):
+        for key, r in self.rooms_p.items():
+            self.status_p[key] = r.state
+            if r.released:
+                self.released_p.add(key)
+        for key, r in self.rooms_d.items():
+            self.status_d[key] = r.state
+            if r.released:
+                self.released_d.add(key)
+
+    # -- events ----------------------------------------------------------------------------------
+    def deliver(self, src: PeerKey, dst: PeerKey):
+        msg = self.chan[(src, dst)].popleft()
+        if dst.engine_id == "prefill":
+            p = dst.tp_rank
+            room = getattr(msg, "room", None)
+            r = self.rooms_p.get((p, room))
+            if isinstance(msg, WatermarkUpdate):
+                self.remote_wm[(p, src.tp_rank)].update(msg.epoch, Watermark(msg.round, msg.tail))
+                return
+            if r is None:
+                return
+            if isinstance(msg, RoomMeta):
+                self.apply_p(p, r.add_meta(src, self.g.D, msg, self.now))
+            elif isinstance(msg, AllocGrant):
+                self.apply_p(p, r.on_grant(src, msg, self.now))
+            elif isinstance(msg, RoomDone):
+                self.apply_p(p, r.on_room_done(src, msg.session, self.now))
+            elif isinstance(msg, RoomFailed):
+                self.apply_p(p, r.on_room_failed(src, msg.session, msg.kind, msg.reason, self.now))
+            else:
+                raise AssertionError(msg)
+        else:
+            d = dst.tp_rank
+            r = self.rooms_d.get((d, msg.room))
+            if r is None:
+                return
+            if isinstance(msg, AllocRequest):
+                self.apply_d(d, r.on_alloc_request(src, msg, self.rings[d], self.now))
+            elif isinstance(msg, WriterDone):
+                self.apply_d(d, r.on_writer_done(src, msg, self.now))
+            elif isinstance(msg, RoomFailed):
+                self.apply_d(d, r.on_room_failed(src, msg.session, msg.kind, msg.reason, self.now))
+            elif isinstance(msg, Quiesced):
+                self.apply_d(d, r.on_quiesced(src, msg.session, self.rings[d], self.now))
+            else:
+                raise AssertionError(msg)
+
+    def write_ready(self, w: PendingWrite) -> bool:
+        if not w.op.staged:
+            return True
+        rw = self.remote_wm[(w.src_rank, w.op.peer.tp_rank)]
+        region_bytes = w.op.nbytes  # the writer's own part must be free
+        return rw.allows(w.op.ring_start + w.op.writer_offset, region_bytes)
+
+    def land(self, w: PendingWrite):
+        op, p, d = w.op, w.src_rank, w.op.peer.tp_rank
+        g = self.g
+        src = self.cp[p][:, op.src_pages][:, :, :, op.src_heads[0]:op.src_heads[1]]
+        if op.staged:
+            data = np.ascontiguousarray(src).reshape(-1)
+            assert data.size == op.nbytes
+            off = (op.ring_start % g.ring_bytes) + op.writer_offset
+            owners = self.ring_owner[d][off:off + op.nbytes]
+            # a byte may only be overwritten once the piece that owned it was scattered and freed
+            busy = owners[(owners >= 0) & (owners != op.ring_start)]
+            if busy.size:
+                self.overlaps += 1
+            self.ring_mem[d][off:off + op.nbytes] = data
+            self.ring_owner[d][off:off + op.nbytes] = op.ring_start
+        else:
+            self.cd[d][:, op.dst_pages, :, op.dst_heads[0]:op.dst_heads[1]] = src
+        self.apply_p(p, self.rooms_p[(p, op.room)].on_write_done(op.op_id, True, None, self.now))
+        if self.rng.random() >= self.drop_tags:
+            self.tags.append((d, self.kp[p], op.tag))
+            if self.rng.random() < self.dup_tags:
+                self.tags.append((d, self.kp[p], op.tag))
+
+    def do_scatter(self, d: int, s: Scatter):
+        g = self.g
+        r = self.rooms_d[(d, s.room)]
+        for part in s.parts:
+            nheads = part.dst_heads[1] - part.dst_heads[0]
+            data = self.ring_mem[d][part.region_offset:part.region_offset + part.nbytes]
+            block = data.reshape(self.nt, s.dst_pages.size, g.page_size, nheads, g.head_dim)
+            self.cd[d][:, s.dst_pages, :, part.dst_heads[0]:part.dst_heads[1]] = block
+            self.ring_owner[d][part.region_offset:part.region_offset + part.nbytes] = -1
+        self.apply_d(d, r.on_scattered(s.key, True, None, self.rings[d], self.now))
+
+    def cancel_failed_writes(self):
+        """What the engine shell does: queued writes of a failed room are never started."""
+        for w in list(self.writes):
+            r = self.rooms_p[(w.src_rank, w.op.room)]
+            if r.state is KVPoll.Failed:
+                self.writes.remove(w)
+                self.apply_p(w.src_rank, r.on_write_done(w.op.op_id, False, "cancelled", self.now))
+
+    def step(self) -> bool:
+        """One random event; False when nothing can happen any more."""
+        self.cancel_failed_writes()
+        choices = []
+        if self.pending_chunks:
+            choices.append("chunk")
+        live = [k for k, q in self.chan.items() if q]
+        if live:
+            choices += ["msg"] * 3
+        ready = [w for w in self.writes if self.write_ready(w)]
+        if ready:
+            choices += ["write"] * 2
+        if self.tags:
+            choices += ["tag"] * 2
+        if self.scatters:
+            choices.append("scatter")
+        if not choices:
+            return False
+        what = self.rng.choice(choices)
+        if what == "chunk":
+            # chunks of one prefill rank stay in order; ranks interleave freely
+            ranks = sorted({c[0] for c in self.pending_chunks})
+            p = self.rng.choice(ranks)
+            i = next(i for i, c in enumerate(self.pending_chunks) if c[0] == p)
+            _, room, pages, last = self.pending_chunks.pop(i)
+            r = self.rooms_p[(p, room)]
+            self.apply_p(p, r.add_chunk(pages, last, self.now))
+        elif what == "msg":
+            src, dst = self.rng.choice(live)
+            self.deliver(src, dst)
+        elif what == "write":
+            w = self.rng.choice(ready)
+            self.writes.remove(w)
+            self.land(w)
+        elif what == "tag":
+            d, peer, tag = self.tags.pop(self.rng.randrange(len(self.tags)))
+            r = self.rooms_d.get((d, tag.room))
+            if r is not None:
+                self.apply_d(d, r.on_tag(peer, tag, self.now)[1])
+        else:
+            d, s = self.scatters.pop(self.rng.randrange(len(self.scatters)))
+            self.do_scatter(d, s)
+        self.now += 0.001
+        return True
+
+    def tick_all(self):
+        for (p, _), r in self.rooms_p.items():
+            self.apply_p(p, r.tick(self.now))
+        for (d, _), r in self.rooms_d.items():
+            self.apply_d(d, r.tick(self.rings[d], self.now))
+
+    def run(self, max_steps: int = 200_000):
+        for _ in range(max_steps):
+            if not self.step():
+                break
+        self.refresh_status()
+
+    def check_bytes(self, room: int) -> bool:
+        g = self.g
+        for d in range(g.D):
+            dst, src = self.expected[(d, room)]
+            for a in self.mapping.for_decode(d):
+                got = self.cd[d][:, dst][:, :, :, a.dst_heads[0]:a.dst_heads[1]]
+                want = self.cp[a.prefill_rank][:, src[a.prefill_rank]][:, :, :, a.src_heads[0]:a.src_heads[1]]
+                if not np.array_equal(got, want):
+                    return False
+        return True

@@ -1,0 +1,98 @@
+import pytest
+import torch
+
+from transfer.layout import KVBuffers, KVLayout, LayoutSummary
+
+
+def layout(**kw):
+    base = dict(num_layers=2, total_kv_heads=8, head_dim=16, dtype=torch.bfloat16,
+                page_size=4, tp_size=4, tp_rank=1)
+    base.update(kw)
+    return KVLayout(**base)
+
+
+def test_local_heads_and_first_head():
+    assert layout().local_heads == 2 and layout().first_head == 2
+    rep = layout(total_kv_heads=2, tp_size=8, tp_rank=5)
+    assert rep.local_heads == 1 and rep.replication == 4 and rep.first_head == 1
+    assert list(rep.heads_of(3)) == [0] and list(rep.heads_of(4)) == [1]
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(total_kv_heads=6, tp_size=4), "total_kv_heads"),
+    (dict(tp_rank=4), "tp_rank"),
+    (dict(tp_rank=-1), "tp_rank"),
+    (dict(dtype=torch.complex64), "dtype"),
+    (dict(mla=True, total_kv_heads=2), "total_kv_heads"),
+    (dict(num_layers=0), "num_layers"),
+    (dict(head_dim=-3), "head_dim"),
+    (dict(page_size=2.5), "page_size"),
+    (dict(tp_size=True), "tp_size"),
+])
+def test_impossible_geometry_names_the_field(kw, field):
+    with pytest.raises(ValueError, match=field):
+        layout(**kw)
+
+
+def test_byte_geometry():
+    lay = layout(dtype=torch.float32)
+    assert lay.elem_size == 4 and lay.token_bytes == 2 * 16 * 4
+    assert lay.page_bytes == 4 * lay.token_bytes and lay.num_kv == 2
+    assert layout(mla=True, total_kv_heads=1, tp_rank=0).num_kv == 1
+
+
+def test_summary_mismatches():
+    a = layout().summary()
+    assert a.mismatches(layout(tp_size=2, tp_rank=0).summary()) == []  # TP may differ
+    diff = a.mismatches(layout(page_size=16).summary())
+    assert len(diff) == 1 and "page_size" in diff[0]
+    assert LayoutSummary(**{**{f: getattr(a, f) for f in a.__struct_fields__}, "protocol_version": 99}).mismatches(a)
+
+
+def make_buffers(lay, pages=3, **kw):
+    shape = (pages * lay.page_size, lay.local_heads, lay.head_dim)
+    k = [torch.zeros(shape, dtype=lay.dtype) for _ in range(lay.num_layers)]
+    v = None if lay.mla else [torch.zeros(shape, dtype=lay.dtype) for _ in range(lay.num_layers)]
+    return k, v
+
+
+def test_buffers_validate_ok():
+    lay = layout()
+    k, v = make_buffers(lay)
+    assert KVBuffers(k, v).validate(lay).num_pages == 3
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda k, v: k.pop(), "k has 1 layers"),
+    (lambda k, v: v.__setitem__(1, torch.zeros(12, 2, 8, dtype=torch.bfloat16)), r"v\[1\] has shape"),
+    (lambda k, v: k.__setitem__(0, torch.zeros(12, 2, 16, dtype=torch.float16)), r"k\[0\] has dtype"),
+    (lambda k, v: k.__setitem__(1, torch.zeros(16, 2, 12, dtype=torch.bfloat16).transpose(0, 2)[:12].transpose(1, 2)), r"k\[1\]"),
+    (lambda k, v: k.__setitem__(1, torch.zeros(10, 2, 16, dtype=torch.bfloat16)), r"k\[1\] has 10 tokens"),
+    (lambda k, v: k.__setitem__(1, torch.zeros(16, 2, 16, dtype=torch.bfloat16)), r"k\[1\] has 16 tokens"),
+    (lambda k, v: k.__setitem__(0, "x"), r"k\[0\] is str"),
+])
+def test_buffers_validate_errors(mutate, message):
+    lay = layout()
+    k, v = make_buffers(lay)
+    mutate(k, v)
+    with pytest.raises(ValueError, match=message):
+        KVBuffers(k, v).validate(lay)
+
+
+def test_buffers_noncontiguous():
+    lay = layout()
+    k, v = make_buffers(lay)
+    big = torch.zeros(12, 2, 32, dtype=torch.bfloat16)
+    v[0] = big[:, :, :16]
+    with pytest.raises(ValueError, match=r"v\[0\] is not contiguous"):
+        KVBuffers(k, v).validate(lay)
+
+
+def test_buffers_mla_and_v_presence():
+    mla = layout(mla=True, total_kv_heads=1, tp_rank=0)
+    k, _ = make_buffers(mla)
+    assert KVBuffers(k, None).validate(mla).num_pages == 3
+    with pytest.raises(ValueError, match="MLA"):
+        KVBuffers(k, k).validate(mla)
+    with pytest.raises(ValueError, match="v is None"):
+        KVBuffers(*make_buffers(layout())[:1], None).validate(layout())

@@ -1,0 +1,110 @@
+"""Prefill and decode room state machines together, over many random interleavings."""
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from transfer.poll import KVPoll
+
+from protocol_sim import Geometry, World
+
+GEOMS = [
+    Geometry(P=1, D=1, H=2), Geometry(P=2, D=2, H=4),
+    Geometry(P=4, D=2, H=8), Geometry(P=2, D=4, H=8),
+    Geometry(P=1, D=4, H=2), Geometry(P=4, D=1, H=2),
+    Geometry(P=2, D=1, H=1, mla=True), Geometry(P=1, D=2, H=1, mla=True),
+    Geometry(P=3, D=2, H=6), Geometry(P=8, D=2, H=2),
+]
+
+
+def run_rooms(g, seed, rooms, **kw):
+    w = World(g, seed, **kw)
+    for room, (n, chunks) in rooms.items():
+        w.add_room(room, n, chunks)
+    w.run()
+    return w
+
+
+@pytest.mark.parametrize("g", GEOMS, ids=lambda g: f"P{g.P}D{g.D}H{g.H}{'mla' if g.mla else ''}")
+@pytest.mark.parametrize("staged", [True, False])
+@pytest.mark.parametrize("seed", range(4))
+def test_rooms_complete_bit_exact(g, staged, seed):
+    g = Geometry(**{**g.__dict__, "staged": staged})
+    rooms = {1: (5, [2, 3]), 2: (1, [1]), 3: (12, [4, 0, 8]), 4: (7, [7])}
+    w = run_rooms(g, seed, rooms)
+    for room in rooms:
+        for d in range(g.D):
+            assert w.status_d[(d, room)] is KVPoll.Success, w.rooms_d[(d, room)].failure
+        for p in range(g.P):
+            assert w.status_p[(p, room)] is KVPoll.Success, w.rooms_p[(p, room)].failure
+        assert w.check_bytes(room)
+    assert w.overlaps == 0
+    for d in range(g.D):
+        assert w.rings[d].live_regions == 0  # every region freed
+    assert len(w.released_d) == len(w.rooms_d) and len(w.released_p) == len(w.rooms_p)
+
+
+@given(st.sampled_from(GEOMS[:6] + GEOMS[8:]), st.integers(0, 10**6),
+       st.lists(st.tuples(st.integers(1, 20), st.integers(1, 4)), min_size=1, max_size=8),
+       st.sampled_from([512, 1024, 4096]))
+@settings(max_examples=120, deadline=None)
+def test_random_rooms_small_rings(g, seed, specs, ring):
+    """Many rooms sharing a ring far smaller than the requests: splits, wraps, any order."""
+    g = Geometry(**{**g.__dict__, "ring_bytes": ring, "buffer_bytes": 1024})
+    rooms = {}
+    for i, (n, k) in enumerate(specs):
+        cuts = [n // k] * (k - 1)
+        rooms[i + 1] = (n, cuts + [n - sum(cuts)])
+    w = run_rooms(g, seed, rooms, dup_tags=0.2)
+    for room in rooms:
+        assert all(w.status_d[(d, room)] is KVPoll.Success for d in range(g.D))
+        assert all(w.status_p[(p, room)] is KVPoll.Success for p in range(g.P))
+        assert w.check_bytes(room)
+    assert w.overlaps == 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lost_tags_fail_cleanly_on_both_sides(seed):
+    g = Geometry(P=4, D=2, H=8)
+    w = run_rooms(g, seed, {1: (8, [4, 4]), 2: (6, [6])}, drop_tags=0.5)
+    # nothing more can happen; time passes: arrival deadlines fire
+    for _ in range(3):
+        w.now += 6
+        w.tick_all()
+        w.run()
+    for key, st_ in w.status_d.items():
+        room = w.rooms_d[key]
+        assert st_ in (KVPoll.Success, KVPoll.Failed)
+        if st_ is KVPoll.Failed:
+            assert room.failure
+    for key, st_ in w.status_p.items():
+        assert st_ in (KVPoll.Success, KVPoll.Failed)
+    # a failed room's ring regions are all released once writers quiesced
+    assert all(r.live_regions == 0 for r in w.rings)
+    assert len(w.released_d) == len(w.rooms_d)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+def test_abort_mid_transfer_reaches_the_other_side(seed, side):
+    g = Geometry(P=2, D=4, H=8)
+    w = World(g, seed)
+    w.add_room(1, 10, [3, 3, 4])
+    w.add_room(2, 4, [4])
+    for _ in range(40):
+        w.step()
+    if side == "prefill":
+        w.apply_p(0, w.rooms_p[(0, 1)].abort(w.now))
+    else:
+        w.apply_d(1, w.rooms_d[(1, 1)].abort(w.rings[1], w.now))
+    w.run()
+    w.refresh_status()
+    assert w.status_p[(0, 1)] is KVPoll.Failed or side == "decode"
+    affected_d = [d for d in range(4) if w.status_d[(d, 1)] is KVPoll.Failed]
+    assert affected_d, "the abort reached decode"
+    for d in affected_d:
+        assert w.rooms_d[(d, 1)].failure
+    # the other room is untouched and exact
+    assert all(w.status_d[(d, 2)] is KVPoll.Success for d in range(4)) and w.check_bytes(2)
+    assert all(r.live_regions == 0 for r in w.rings)
+    assert (0, 1) in w.released_p or side == "decode"

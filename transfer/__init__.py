@@ -1,0 +1,12 @@
+"""kvstage's data plane and public API.
+
+    from transfer import KVLayout, KVBuffers, EngineConfig, KVManager, KVSender, KVReceiver, KVPoll
+"""
+
+from .config import EngineConfig, Timeouts
+from .engine.handles import KVReceiver, KVSender
+from .engine.manager import KVManager
+from .layout import KVBuffers, KVLayout
+from .poll import KVPoll
+
+__all__ = ["KVLayout", "KVBuffers", "EngineConfig", "Timeouts", "KVManager", "KVSender", "KVReceiver", "KVPoll"]

@@ -1,0 +1,75 @@
+"""The control plane's sockets: one ROUTER this rank binds, one DEALER per peer it talks to.
+
+Owned by the control thread alone. Frames are signed and versioned (bootstrap.wire); what
+fails to decode comes back as a WireError for the caller to count, never as an exception.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import zmq
+
+from bootstrap.wire import Codec, WireError
+
+log = logging.getLogger(__name__)
+
+HWM = 100_000
+MAX_BATCH = 512
+
+
+class ControlSocket:
+    def __init__(self, ctx: zmq.Context, host: str, port: int, codec: Codec):
+        self.codec = codec
+        self._ctx = ctx
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.RCVHWM, HWM)
+        self.router.setsockopt(zmq.MAXMSGSIZE, codec.max_frame + 4096)
+        self.router.bind(f"tcp://{_bracket(host)}:{port if port else '*'}")
+        self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._dealers: dict[str, zmq.Socket] = {}
+        self.dropped_sends = 0
+
+    def recv_batch(self) -> list[object]:
+        """Decoded messages (or WireErrors) waiting on the ROUTER, without blocking."""
+        out: list[object] = []
+        for _ in range(MAX_BATCH):
+            try:
+                parts = self.router.recv_multipart(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                break
+            try:
+                out.append(self.codec.decode(parts[1:]))
+            except WireError as exc:
+                out.append(exc)
+        return out
+
+    def send(self, endpoint: str, msg: object) -> bool:
+        sock = self._dealers.get(endpoint)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, HWM)
+            sock.connect(endpoint)
+            self._dealers[endpoint] = sock
+        try:
+            sock.send_multipart(self.codec.encode(msg), zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            self.dropped_sends += 1
+            return False
+
+    def forget(self, endpoint: str) -> None:
+        sock = self._dealers.pop(endpoint, None)
+        if sock is not None:
+            sock.close(0)
+
+    def close(self) -> None:
+        for ep in list(self._dealers):
+            self.forget(ep)
+        self.router.close(0)
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host

@@ -1,0 +1,124 @@
+"""Message passing into the control thread: a queue plus a wake-up pipe the zmq poller watches.
+
+Any thread may `put`; only the control thread `drain`s. The pipe lets the control thread
+sleep in one poll() on both its socket and this queue.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+class EventQueue:
+    def __init__(self):
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+
+    @property
+    def fd(self) -> int:
+        return self._r
+
+    def put(self, event: Any) -> None:
+        self._q.put(event)
+        try:
+            os.write(self._w, b"\x01")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full or closed: a wake-up is already pending, or we are done
+
+    def drain(self) -> list[Any]:
+        try:
+            while os.read(self._r, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        out = []
+        while True:
+            try:
+                out.append(self._q.get_nowait())
+            except queue.Empty:
+                return out
+
+    def close(self) -> None:
+        for fd in (self._r, self._w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+# -- events ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NewSender:
+    room: int
+    num_pages: int
+    status: Any
+
+
+@dataclass(frozen=True)
+class SendChunk:
+    room: int
+    pages: np.ndarray
+    last: bool
+
+
+@dataclass(frozen=True)
+class NewReceiver:
+    room: int
+    session: int
+    prefill_engine: str
+    status: Any
+
+
+@dataclass(frozen=True)
+class InitReceiver:
+    room: int
+    pages: np.ndarray
+
+
+@dataclass(frozen=True)
+class Abort:
+    role: str
+    room: int
+
+
+@dataclass(frozen=True)
+class WriteDone:
+    op_id: int
+    room: int
+    ok: bool
+    reason: str | None
+
+
+@dataclass(frozen=True)
+class TagsArrived:
+    tags: list
+
+
+@dataclass(frozen=True)
+class ScatterDone:
+    room: int
+    key: tuple[int, int]
+    ok: bool
+    reason: str | None
+
+
+@dataclass(frozen=True)
+class LookupDone:
+    engine_id: str
+    records: list | None
+    error: str | None
+
+
+@dataclass(frozen=True)
+class Call:
+    """Run fn() on the control thread and hand the result to `done` (used by close/stats)."""
+
+    fn: Any
+    done: Any

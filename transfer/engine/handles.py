@@ -1,0 +1,151 @@
+"""The public per-request handles, `KVSender` and `KVReceiver`.
+
+They validate input in the caller's thread (a bad call raises and changes nothing), then hand
+it to the control thread; `poll()` reads a status the control thread publishes under a lock.
+A handle is meant for one caller thread at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from ..poll import KVPoll
+from .events import Abort, InitReceiver, SendChunk
+
+if TYPE_CHECKING:
+    from .manager import KVManager
+
+
+class RoomStatus:
+    """Written by the control thread, read by the caller."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)
+        self.state = KVPoll.Bootstrapping
+        self.failure: str | None = None
+        self.failure_kind: str | None = None
+        self.released = False
+
+    def update(self, state: KVPoll, failure: str | None, kind: str | None, released: bool) -> None:
+        with self._lock:
+            self.state = state
+            self.failure, self.failure_kind = failure, kind
+            self.released = self.released or released
+            self._changed.notify_all()
+
+    def snapshot(self) -> tuple[KVPoll, str | None, str | None, bool]:
+        with self._lock:
+            return self.state, self.failure, self.failure_kind, self.released
+
+    def wait(self, predicate, timeout: float | None) -> bool:
+        with self._lock:
+            return self._changed.wait_for(lambda: predicate(self), timeout)
+
+
+def as_pages(pages: Any, limit: int, what: str, unique: bool) -> np.ndarray:
+    """Any int sequence, numpy array or CPU tensor -> int64 numpy array, validated."""
+    if isinstance(pages, torch.Tensor):
+        if pages.device.type != "cpu":
+            raise ValueError(f"{what}: page indices must be a CPU tensor, got one on {pages.device}")
+        if pages.dtype.is_floating_point or pages.dtype.is_complex or pages.dtype == torch.bool:
+            raise ValueError(f"{what}: page indices must be integers, got {pages.dtype}")
+        arr = pages.detach().numpy().astype(np.int64, copy=True)
+    else:
+        arr = np.asarray(pages if not isinstance(pages, (str, bytes)) else [pages])
+        if arr.size == 0:
+            arr = arr.astype(np.int64)
+        if arr.dtype.kind not in "iu":
+            raise ValueError(f"{what}: page indices must be integers, got {arr.dtype}")
+        arr = arr.astype(np.int64, copy=True)
+    if arr.ndim != 1:
+        raise ValueError(f"{what}: page indices must be one-dimensional, got shape {tuple(arr.shape)}")
+    if arr.size and (arr.min() < 0 or arr.max() >= limit):
+        bad = int(arr[(arr < 0) | (arr >= limit)][0])
+        raise ValueError(f"{what}: page index {bad} is outside this rank's cache of {limit} pages")
+    if unique and np.unique(arr).size != arr.size:
+        raise ValueError(f"{what}: page indices repeat; every destination page must be distinct")
+    return arr
+
+
+class _Handle:
+    def __init__(self, mgr: "KVManager", room: int, role: str, status: RoomStatus):
+        self._mgr, self.room, self._role, self._status = mgr, room, role, status
+
+    def poll(self) -> KVPoll:
+        return self._status.snapshot()[0]
+
+    @property
+    def failure(self) -> str | None:
+        """Why the request failed (None unless poll() is Failed)."""
+        return self._status.snapshot()[1]
+
+    @property
+    def failure_kind(self) -> str | None:
+        return self._status.snapshot()[2]
+
+    @property
+    def released(self) -> bool:
+        """True once no write of this request can still land: its memory may be reused."""
+        return self._status.snapshot()[3]
+
+    def wait(self, timeout: float | None = None) -> KVPoll:
+        """Block until Success or Failed (or the timeout); return the state."""
+        self._status.wait(lambda s: s.state in (KVPoll.Success, KVPoll.Failed), timeout)
+        return self.poll()
+
+    def abort(self) -> None:
+        """Fail the request here and at its peers; resources are released once nothing can land."""
+        self._mgr._post(Abort(self._role, self.room))
+
+    def __repr__(self) -> str:
+        state, failure, _, _ = self._status.snapshot()
+        return f"<{type(self).__name__} room={self.room} {state.name}{': ' + failure if failure else ''}>"
+
+
+class KVSender(_Handle):
+    """Prefill side of one request: feed it chunk by chunk with send()."""
+
+    def __init__(self, mgr: "KVManager", room: int, num_pages: int, status: RoomStatus):
+        super().__init__(mgr, room, "prefill", status)
+        self.num_pages = num_pages
+        self._sent = 0
+        self._last = False
+
+    def send(self, pages: Any, last: bool = False) -> None:
+        """The next pages of the request (indices into this rank's cache, in request order)."""
+        if self._last:
+            raise ValueError(f"room {self.room}: send() after the last chunk")
+        arr = as_pages(pages, self._mgr.num_pages, f"room {self.room} send()", unique=False)
+        if self._sent + arr.size > self.num_pages:
+            raise ValueError(f"room {self.room}: {self._sent + arr.size} pages sent, the sender was created for "
+                             f"{self.num_pages}")
+        if last and self._sent + arr.size != self.num_pages:
+            raise ValueError(f"room {self.room}: the last chunk ends at page {self._sent + arr.size}, the request "
+                             f"has {self.num_pages}")
+        self._sent += arr.size
+        self._last = bool(last)
+        self._mgr._post(SendChunk(self.room, arr, bool(last)))
+
+
+class KVReceiver(_Handle):
+    """Decode side of one request: give it the destination pages with init()."""
+
+    def __init__(self, mgr: "KVManager", room: int, prefill_engine: str, status: RoomStatus):
+        super().__init__(mgr, room, "decode", status)
+        self.prefill_engine = prefill_engine
+        self._inited = False
+
+    def init(self, dst_pages: Any) -> None:
+        """Page indices in this rank's cache for the whole request, in request order."""
+        if self._inited:
+            raise ValueError(f"room {self.room}: init() called twice")
+        arr = as_pages(dst_pages, self._mgr.num_pages, f"room {self.room} init()", unique=True)
+        if arr.size == 0:
+            raise ValueError(f"room {self.room}: init() needs at least one page")
+        self._inited = True
+        self._mgr._post(InitReceiver(self.room, arr))

@@ -1,0 +1,222 @@
+"""`KVManager`: what one rank process embeds. It wires the backend's owning thread, the staging
+handler, the control thread and the bootstrap registration together, and takes them down in
+the opposite order, deregistering memory only once no peer can still write to it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import secrets
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any
+
+import msgspec
+import zmq
+
+from bootstrap import BootstrapClient, BootstrapError, RankInfo
+from staging.handler import StagingHandler
+
+from ..backends import create_backend
+from ..backends.base import MemRegion
+from ..config import EngineConfig
+from ..layout import KVBuffers, KVLayout
+from ..protocol.messages import peer_codec
+from .backend_thread import BackendThread
+from .events import Call, NewReceiver, NewSender, TagsArrived
+from .handles import KVReceiver, KVSender, RoomStatus
+from .loop import EngineLoop
+from .stats import Stats
+
+log = logging.getLogger("kvstage")
+
+
+class KVManager:
+    """The KV transfer engine of one prefill or decode rank (see DESIGN.md section 3)."""
+
+    def __init__(self, config: EngineConfig, layout: KVLayout, buffers: KVBuffers):
+        self.config = config.resolved()
+        self.layout = layout
+        self.buffers = buffers.validate(layout)
+        self.num_pages = buffers.num_pages
+        self.incarnation = secrets.randbits(63) | 1
+        self._stats = Stats()
+        self._rooms: dict[int, RoomStatus] = {}
+        self._rooms_lock = threading.Lock()
+        self._closed = False
+        cfg = self.config
+        self._stack = contextlib.ExitStack()
+        try:
+            self._start(cfg)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def _start(self, cfg: EngineConfig) -> None:
+        stack = self._stack
+        self.name = f"kvstage-{cfg.engine_id}-{cfg.role}{self.layout.tp_rank}-{self.incarnation & 0xFFFFFF:06x}"
+        self._backend = BackendThread(
+            lambda: create_backend(cfg.backend, self.name, cfg.host, **cfg.backend_options),
+            lambda tags: self._loop.post(TagsArrived(list(tags))), name="kvstage-backend")
+        stack.callback(self._backend.stop)
+        kind = "VRAM" if self.buffers.device.type == "cuda" else "DRAM"
+        dev = (self.buffers.device.index or 0) if kind == "VRAM" else 0
+        regions = [MemRegion(t.data_ptr(), t.numel() * t.element_size(), dev, kind) for t in self.buffers.tensors()]
+        kv_reg = self._backend.call(lambda b: b.register(regions))
+        stack.callback(lambda: self._backend.call(lambda b: b.deregister(kv_reg)))
+        staged = bool(cfg.staging) and not self.layout.mla
+        self._handler = StagingHandler(
+            cfg.role, lambda r: self._backend.call(lambda b: b.register(r)),
+            lambda reg: self._backend.call(lambda b: b.deregister(reg)),
+            epoch=self.incarnation, device=self.buffers.device,
+            workers=cfg.staging_workers if staged and cfg.role == "prefill" else 0,
+            buffer_bytes=int(cfg.staging_buffer_mb * (1 << 20)),
+            ring_bytes=int(cfg.ring_mb * (1 << 20)) if staged and cfg.role == "decode" else 0)
+        self._handler.open()
+        stack.callback(self._handler.close)
+        identity = self._backend.call(lambda b: b.identity())
+        backend_name = self._backend.call(lambda b: b.name)
+        self._ctx = zmq.Context()
+        stack.callback(self._ctx.term)
+        self._bootstrap = BootstrapClient(cfg.bootstrap, token=cfg.token_bytes)
+        stack.callback(self._bootstrap.close)
+        self._loop = EngineLoop(cfg, self.layout, self.buffers, self.incarnation, self._backend, backend_name,
+                                identity, self._handler, self._stats,
+                                lambda engine, timeout: self._bootstrap.lookup(engine, timeout_s=timeout),
+                                peer_codec(cfg.token_bytes), self._ctx)
+        stack.callback(self._stop_loop)
+        self._loop.start()
+        self.endpoint = self._loop.endpoint
+        self._info = RankInfo(
+            engine_id=cfg.engine_id, role=cfg.role, tp_size=self.layout.tp_size, tp_rank=self.layout.tp_rank,
+            ctrl_endpoint=self.endpoint, backend=cfg.backend, backend_identity=backend_name,
+            layout=msgspec.structs.asdict(self.layout.summary()), pools=self._pools(), incarnation=self.incarnation)
+        self._register(cfg.timeouts.bootstrap)
+        self._bootstrap.start_keepalive(self._info, interval_s=cfg.timeouts.heartbeat)
+        log.info("kvstage %s rank %d of %s ready on %s (backend %s, staging %s)", cfg.role, self.layout.tp_rank,
+                 cfg.engine_id, self.endpoint, cfg.backend, "on" if cfg.staging else "off")
+
+    def _pools(self) -> dict[str, int]:
+        pools = {"kv": sum(t.numel() * t.element_size() for t in self.buffers.tensors())}
+        if self._handler.ring is not None:
+            pools["staging_ring"] = self._handler.ring.nbytes
+        if self._handler.buffers:
+            pools["staging_buffers"] = sum(b.nbytes for b in self._handler.buffers)
+        return pools
+
+    def _register(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._bootstrap.register(self._info)
+                return
+            except BootstrapError as exc:
+                if getattr(exc, "kind", "") in ("auth", "conflict", "full", "invalid") or time.monotonic() > deadline:
+                    raise BootstrapError(f"registering with the bootstrap server {self.config.bootstrap} failed: "
+                                         f"{exc}") from exc
+                time.sleep(0.2)
+
+    # -- per-request handles -----------------------------------------------------------------------
+    def sender(self, room: int, num_pages: int) -> KVSender:
+        """Prefill side of a request; num_pages = pages of this request held by this rank."""
+        self._check("prefill", room)
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
+            raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        status = self._claim(room)
+        handle = KVSender(self, room, num_pages, status)
+        self._post(NewSender(room, num_pages, status))
+        return handle
+
+    def receiver(self, room: int, prefill_engine: str) -> KVReceiver:
+        """Decode side of a request whose KV comes from the prefill engine `prefill_engine`."""
+        self._check("decode", room)
+        if not prefill_engine or not isinstance(prefill_engine, str):
+            raise ValueError("prefill_engine must be a non-empty string")
+        status = self._claim(room)
+        handle = KVReceiver(self, room, prefill_engine, status)
+        self._post(NewReceiver(room, secrets.randbits(32) | 1, prefill_engine, status))
+        return handle
+
+    def _check(self, role: str, room: int) -> None:
+        if self._closed:
+            raise RuntimeError("the KVManager is closed")
+        if self.config.role != role:
+            raise ValueError(f"this is a {self.config.role} rank; {'sender' if role == 'prefill' else 'receiver'}() "
+                             f"belongs on a {role} rank")
+        if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 1 << 63:
+            raise ValueError(f"room must be an int in [0, 2**63), got {room!r}")
+
+    def _claim(self, room: int) -> RoomStatus:
+        with self._rooms_lock:
+            old = self._rooms.get(room)
+            if old is not None and not old.released:
+                raise ValueError(f"room {room} is still active on this rank")
+            status = RoomStatus()
+            self._rooms[room] = status
+            if len(self._rooms) > 4096:
+                for r in [r for r, s in self._rooms.items() if s.released]:
+                    del self._rooms[r]
+            return status
+
+    def _post(self, event: Any) -> None:
+        if self._closed:
+            raise RuntimeError("the KVManager is closed")
+        self._loop.post(event)
+
+    # -- observability and shutdown ------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Counters: bytes, write requests, descriptors, gather/scatter time, ring occupancy,
+        rooms by outcome, failures by kind, dropped messages by reason."""
+        out = self._stats.snapshot()
+        live = self._on_loop(_live_stats, timeout=2.0)
+        if live:
+            out.update(live)
+        return out
+
+    def _on_loop(self, fn, timeout: float) -> Any:
+        if self._closed or not self._loop.thread.is_alive():
+            return None
+        fut: Future = Future()
+        self._loop.post(Call(fn, fut.set_result))
+        try:
+            return fut.result(timeout)
+        except Exception:  # noqa: BLE001 - stats are best effort while busy
+            return None
+
+    def close(self) -> None:
+        """Fail what is in flight, tell peers, wait until nothing can still be written into this
+        rank's memory (bounded by timeouts.close), then release everything. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        with contextlib.suppress(Exception):
+            self._bootstrap.deregister(self.config.engine_id, self.layout.tp_rank, self.incarnation)
+        self._stack.close()
+
+    def _stop_loop(self) -> None:
+        if self._loop.thread.is_alive():
+            self._loop.post(Call(lambda loop: loop.begin_close(), lambda _: None))
+            self._loop.thread.join(self.config.timeouts.close + 5)
+        if self._loop.workers is not None:
+            self._loop.workers.stop()
+        if self._loop.scatter is not None:
+            self._loop.scatter.stop()
+
+    def __enter__(self) -> "KVManager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _live_stats(loop: EngineLoop) -> dict:
+    out = {"rooms_active": len(loop.rooms),
+           "peers_connected": sum(p.state == "connected" for p in loop.peers.values())}
+    a = loop.handler.allocator
+    if a is not None:
+        out.update(ring_bytes=a.size, ring_live_bytes=a.live_bytes, ring_live_regions=a.live_regions,
+                   ring_high_water_bytes=a.high_water)
+    out["staged_pieces_waiting"] = sum(len(q) for q in loop.waiting.values())
+    return out
+

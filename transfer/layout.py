@@ -1,0 +1,202 @@
+"""The KV-cache geometry of one rank (`KVLayout`), its tensors (`KVBuffers`), and the summary
+two peers compare before any byte moves. Pure: validation and arithmetic only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import msgspec
+import torch
+
+#: Bumped whenever the wire protocol or the staging region layout changes incompatibly.
+PROTOCOL_VERSION = 1
+#: Token-major cache layout: per layer [num_pages * page_size, local_heads, head_dim].
+LAYOUT_FORMAT = "NHD"
+
+SUPPORTED_DTYPES: dict[torch.dtype, str] = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "bfloat16",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+    torch.float8_e5m2: "float8_e5m2",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+}
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {value}")
+    return value
+
+
+class LayoutSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """What two peers must agree on to exchange KV (TP size and rank may differ)."""
+
+    dtype: str
+    head_dim: int
+    page_size: int
+    num_layers: int
+    total_kv_heads: int
+    mla: bool
+    layout_format: str = LAYOUT_FORMAT
+    protocol_version: int = PROTOCOL_VERSION
+
+    def mismatches(self, other: "LayoutSummary") -> list[str]:
+        """Human-readable differences, empty when compatible."""
+        out = []
+        for name in self.__struct_fields__:
+            mine, theirs = getattr(self, name), getattr(other, name)
+            if mine != theirs:
+                out.append(f"{name}: {mine!r} here vs {theirs!r} at peer")
+        return out
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Geometry of one rank's paged KV cache.
+
+    Local heads per rank are total_kv_heads // tp_size, or 1 when tp_size > total_kv_heads:
+    then copies of a head sit on consecutive ranks and rank r holds head r // (tp_size //
+    total_kv_heads). MLA has one replicated latent "head" and no V tensor.
+    """
+
+    num_layers: int
+    total_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    page_size: int
+    tp_size: int
+    tp_rank: int
+    mla: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "total_kv_heads", "head_dim", "page_size", "tp_size"):
+            _positive_int(name, getattr(self, name))
+        if isinstance(self.tp_rank, bool) or not isinstance(self.tp_rank, int):
+            raise ValueError(f"tp_rank must be an int, got {self.tp_rank!r}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype {self.dtype} is not supported; use one of "
+                             f"{', '.join(SUPPORTED_DTYPES.values())}")
+        if not isinstance(self.mla, bool):
+            raise ValueError(f"mla must be a bool, got {self.mla!r}")
+        if self.mla:
+            if self.total_kv_heads != 1:
+                raise ValueError(f"total_kv_heads must be 1 for MLA (one latent head), got {self.total_kv_heads}")
+        elif self.total_kv_heads % self.tp_size and self.tp_size % self.total_kv_heads:
+            raise ValueError(
+                f"total_kv_heads={self.total_kv_heads} must be divisible by tp_size={self.tp_size}, "
+                f"or tp_size a multiple of total_kv_heads (head replication)")
+
+    # -- derived geometry ---------------------------------------------------------------
+    @property
+    def local_heads(self) -> int:
+        return max(1, self.total_kv_heads // self.tp_size)
+
+    @property
+    def replication(self) -> int:
+        """How many consecutive ranks hold a copy of the same head (1: no replication)."""
+        return max(1, self.tp_size // self.total_kv_heads)
+
+    @property
+    def first_head(self) -> int:
+        """Global index of the first KV head this rank holds."""
+        return self.tp_rank // self.replication * self.local_heads
+
+    @property
+    def has_v(self) -> bool:
+        return not self.mla
+
+    @property
+    def num_kv(self) -> int:
+        """Tensors per layer: 2 (K and V) or 1 (MLA latent)."""
+        return 1 if self.mla else 2
+
+    @property
+    def elem_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def head_bytes(self) -> int:
+        return self.head_dim * self.elem_size
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token of one layer's K (or V) on this rank."""
+        return self.local_heads * self.head_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one layer's K (or V) on this rank."""
+        return self.page_size * self.token_bytes
+
+    def heads_of(self, rank: int) -> range:
+        """Global heads held by `rank` of this layout's TP group."""
+        return range(rank // self.replication * self.local_heads,
+                     rank // self.replication * self.local_heads + self.local_heads)
+
+    def summary(self) -> LayoutSummary:
+        return LayoutSummary(
+            dtype=SUPPORTED_DTYPES[self.dtype], head_dim=self.head_dim, page_size=self.page_size,
+            num_layers=self.num_layers, total_kv_heads=self.total_kv_heads, mla=self.mla)
+
+
+@dataclass
+class KVBuffers:
+    """One rank's KV cache: per layer a tensor [num_pages * page_size, local_heads, head_dim].
+
+    `v` is None for MLA. All tensors share dtype, device and token count, and are contiguous.
+    """
+
+    k: Sequence[torch.Tensor]
+    v: Sequence[torch.Tensor] | None = None
+    num_pages: int = field(default=0, init=False)
+
+    def validate(self, layout: KVLayout) -> "KVBuffers":
+        """Check the tensors against `layout`; set num_pages. Raises ValueError naming the layer."""
+        if layout.mla and self.v is not None:
+            raise ValueError("v must be None for an MLA layout (the latent lives in k)")
+        if not layout.mla and self.v is None:
+            raise ValueError("v is None but the layout is not MLA: pass one V tensor per layer")
+        groups = [("k", self.k)] + ([("v", self.v)] if self.v is not None else [])
+        expected_tail = (layout.local_heads, layout.head_dim)
+        tokens = device = None
+        for name, tensors in groups:
+            if len(tensors) != layout.num_layers:
+                raise ValueError(f"{name} has {len(tensors)} layers, layout has num_layers={layout.num_layers}")
+            for i, t in enumerate(tensors):
+                where = f"{name}[{i}]"
+                if not isinstance(t, torch.Tensor):
+                    raise ValueError(f"{where} is {type(t).__name__}, expected a torch.Tensor")
+                if t.dim() != 3 or tuple(t.shape[1:]) != expected_tail:
+                    raise ValueError(f"{where} has shape {tuple(t.shape)}, expected "
+                                     f"[num_pages * {layout.page_size}, {expected_tail[0]}, {expected_tail[1]}]")
+                if t.dtype != layout.dtype:
+                    raise ValueError(f"{where} has dtype {t.dtype}, layout says {layout.dtype}")
+                if not t.is_contiguous():
+                    raise ValueError(f"{where} is not contiguous")
+                if t.shape[0] % layout.page_size:
+                    raise ValueError(f"{where} has {t.shape[0]} tokens, not a multiple of page_size={layout.page_size}")
+                if tokens is None:
+                    tokens, device = t.shape[0], t.device
+                elif t.shape[0] != tokens:
+                    raise ValueError(f"{where} has {t.shape[0]} tokens, layer k[0] has {tokens}")
+                elif t.device != device:
+                    raise ValueError(f"{where} is on {t.device}, k[0] is on {device}")
+        if not tokens:
+            raise ValueError("the KV cache holds no pages")
+        self.num_pages = tokens // layout.page_size
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self.k[0].device
+
+    def tensors(self) -> list[torch.Tensor]:
+        """K tensors then V tensors, in layer order."""
+        return list(self.k) + (list(self.v) if self.v is not None else [])

@@ -1,0 +1,110 @@
+"""What the room state machines decide, for the engine shell to carry out.
+
+A state machine method takes an input (a message, a completion, the current time) and
+returns a list of these actions; it never performs IO itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import NamedTuple, Union
+
+import numpy as np
+
+from ..poll import KVPoll
+from .messages import PeerMessage
+from .tags import Tag
+
+
+class PeerKey(NamedTuple):
+    """One incarnation of one rank: a restarted rank is a different peer."""
+
+    engine_id: str
+    tp_rank: int
+    incarnation: int
+
+    def __str__(self) -> str:
+        return f"{self.engine_id}/{self.tp_rank}#{self.incarnation & 0xFFFF:04x}"
+
+
+@dataclass(frozen=True)
+class Send:
+    peer: PeerKey
+    msg: PeerMessage
+
+
+@dataclass(frozen=True)
+class WriteOp:
+    """One backend write request a prefill room wants made."""
+
+    op_id: int
+    room: int
+    peer: PeerKey
+    staged: bool
+    chunk: int
+    piece: int
+    src_pages: np.ndarray              # this rank's cache pages, in request order
+    dst_pages: np.ndarray | None       # direct: destination cache pages
+    src_heads: tuple[int, int]
+    dst_heads: tuple[int, int]
+    nbytes: int
+    tag: Tag
+    ring_start: int = -1               # staged: linear ring position of the whole region
+    writer_offset: int = 0             # staged: this writer's part inside the region
+
+    @property
+    def num_pages(self) -> int:
+        return int(self.src_pages.size)
+
+
+@dataclass(frozen=True)
+class PostWrite:
+    """Direct: post now. Staged: gather and post once the peer's watermark allows it."""
+
+    op: WriteOp
+
+
+@dataclass(frozen=True)
+class ScatterPart:
+    region_offset: int                 # byte offset of this writer's part inside the ring
+    nbytes: int
+    dst_heads: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Scatter:
+    """Decode (staged): copy a landed piece from the ring into the KV cache."""
+
+    room: int
+    key: tuple[int, int]               # (chunk, piece)
+    dst_pages: np.ndarray
+    parts: tuple[ScatterPart, ...]
+
+
+@dataclass(frozen=True)
+class PublishWatermark:
+    """Decode: the ring's watermark moved; tell every writer of the ring."""
+
+
+@dataclass(frozen=True)
+class StatusChanged:
+    state: KVPoll
+    failure: str | None = None
+    failure_kind: str | None = None
+    released: bool = False
+
+
+@dataclass(frozen=True)
+class Released:
+    """Nothing of the room can be touched any more; the shell may forget it."""
+
+
+Action = Union[Send, PostWrite, Scatter, PublishWatermark, StatusChanged, Released]
+
+
+@dataclass
+class Deadline:
+    """A named point in time a state machine waits for (checked on tick)."""
+
+    at: float
+    what: str = field(default="")

@@ -1,0 +1,329 @@
+"""The decode side of one room: metadata out, tags in, success only when every byte is in place.
+
+Pure state machine. Once the engine shell has connected the prefill ranks the room needs
+(`on_plan`) and the caller gave the destination pages (`init`), the room sends each of them its
+metadata. Direct path: tags mark writes landed in the KV pages. Staged path: writers ask for
+ring space per chunk; the room splits the chunk into pieces that fit, allocates them from the
+shared ring allocator, validates every tag against its allocation, asks for a scatter once all
+writers of a piece landed, and frees the region after it.
+
+A failed room keeps every ring region (and, for the direct path, reports its pages not
+released) until each writer that knew the room is known to have stopped writing: it said
+Quiesced, or it was declared lost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from staging.pieces import plan_pieces
+from staging.ring import Region, RingAllocator, TooLarge
+
+from ..config import Timeouts
+from ..layout import KVLayout
+from ..poll import KVPoll
+from .actions import Action, PeerKey, PublishWatermark, Released, Scatter, ScatterPart, Send, StatusChanged
+from .head_mapping import Assignment
+from .messages import AllocGrant, AllocRequest, Piece, RoomDone, RoomFailed, RoomMeta, WriterDone, encode_pages
+from .tags import Tag, TagKind
+from .tracker import ExpectedPiece, Outcome, RoomTracker
+
+TERMINAL = (KVPoll.Success, KVPoll.Failed)
+
+
+@dataclass(frozen=True)
+class RoomPlan:
+    """Who writes this decode rank's part of a room, and how (decided when peers connected)."""
+
+    writers: tuple[tuple[PeerKey, Assignment], ...]
+    notices: tuple[PeerKey, ...]                  # prefill ranks told about the room, not writing
+    staged: bool
+    head_page_bytes: int                          # bytes of one head of one page, all layers, K and V
+    max_piece_pages: int = 0                      # staged: largest piece (ring and buffers)
+    ring_epoch: int = 0
+
+    def writer_page_bytes(self, a: Assignment) -> int:
+        return self.head_page_bytes * a.num_heads
+
+
+@dataclass
+class WriterState:
+    peer: PeerKey
+    assignment: Assignment
+    tags: set = field(default_factory=set)        # distinct (chunk, piece) landed
+    done_at: float | None = None                  # WriterDone received
+    done_writes: int = 0
+    stopped: bool = False                         # quiesced or lost: it will not write again
+
+
+@dataclass
+class Allocation:
+    chunk: int
+    page_start: int
+    num_pages: int
+    pieces: list[Piece]
+    regions: dict[int, Region]                    # piece index -> region, until freed
+
+
+class DecodeRoom:
+    def __init__(self, room: int, session: int, me: int, layout: KVLayout, now: float, timeouts: Timeouts):
+        self.room = room
+        self.session = session
+        self.me = me
+        self.layout = layout
+        self.timeouts = timeouts
+        self.created = now
+        self.state = KVPoll.Bootstrapping
+        self.failure: str | None = None
+        self.failure_kind: str | None = None
+        self.plan: RoomPlan | None = None
+        self.dst_pages: np.ndarray | None = None
+        self.inited_at: float | None = None
+        self.meta_sent = False
+        self.writers: dict[int, WriterState] = {}
+        self.tracker: RoomTracker | None = None
+        self.allocs: dict[int, Allocation] = {}
+        self.scattering: dict[tuple[int, int], float] = {}   # piece key -> when asked
+        self.released = False
+
+    # -- set-up -----------------------------------------------------------------------------
+    def on_plan(self, plan: RoomPlan, now: float) -> list[Action]:
+        if self.state in TERMINAL or self.plan is not None:
+            return []
+        self.plan = plan
+        self.writers = {p.tp_rank: WriterState(p, a) for p, a in plan.writers}
+        out = self._set_state(KVPoll.WaitingForInput)
+        return out + self._start(now)
+
+    def on_plan_failed(self, kind: str, reason: str, now: float) -> list[Action]:
+        return self.fail(kind, reason, now)
+
+    def init(self, dst_pages: np.ndarray, now: float) -> list[Action]:
+        """Destination pages (validated by the caller's handle) for the whole request."""
+        if self.dst_pages is not None:
+            raise ValueError(f"room {self.room}: init() called twice")
+        self.dst_pages = dst_pages
+        self.inited_at = now
+        if self.state in TERMINAL:
+            return []
+        return self._start(now)
+
+    def _start(self, now: float) -> list[Action]:
+        if self.plan is None or self.dst_pages is None or self.meta_sent:
+            return []
+        n = int(self.dst_pages.size)
+        self.tracker = RoomTracker(n, {r: self.plan.writer_page_bytes(w.assignment) for r, w in self.writers.items()})
+        self.meta_sent = True
+        out: list[Action] = []
+        pages = b"" if self.plan.staged else encode_pages(self.dst_pages)
+        for peer, _ in self.plan.writers:
+            out.append(Send(peer, RoomMeta(src=self.me, dst=peer.incarnation, room=self.room, session=self.session,
+                                           num_pages=n, staged=self.plan.staged, dst_pages=pages)))
+        for peer in self.plan.notices:
+            out.append(Send(peer, RoomMeta(src=self.me, dst=peer.incarnation, room=self.room, session=self.session,
+                                           num_pages=n, staged=False)))
+        return out + self._set_state(KVPoll.Transferring)
+
+    # -- staged: allocation -----------------------------------------------------------------
+    def on_alloc_request(self, peer: PeerKey, req: AllocRequest, ring: RingAllocator, now: float) -> list[Action]:
+        w = self._writer(peer)
+        if w is None or req.session != self.session or self.state in TERMINAL:
+            return []
+        if not self.plan.staged:
+            return self.fail("protocol", f"{peer} asked for ring space in a direct-path room", now)
+        alloc = self.allocs.get(req.chunk)
+        if alloc is not None:
+            if (alloc.page_start, alloc.num_pages) != (req.page_start, req.num_pages):
+                return self.fail("protocol", f"writers disagree on chunk {req.chunk}: pages "
+                                             f"[{alloc.page_start}, +{alloc.num_pages}) vs [{req.page_start}, "
+                                             f"+{req.num_pages}) from {peer}", now)
+            return [self._grant(peer, alloc)]
+        if req.num_pages <= 0 or req.page_start < 0 or req.page_start + req.num_pages > self.tracker.num_pages \
+                or self.tracker.overlaps_plan(req.page_start, req.num_pages):
+            return self.fail("protocol", f"chunk {req.chunk} from {peer} covers pages [{req.page_start}, "
+                                         f"+{req.num_pages}) that are outside the room or already planned", now)
+        page_bytes = sum(self.plan.writer_page_bytes(w.assignment) for w in self.writers.values())
+        fit = ring.pages_fit_now(page_bytes)
+        pieces: list[Piece] = []
+        regions: dict[int, Region] = {}
+        for i, (start, count) in enumerate(plan_pieces(req.page_start, req.num_pages, self.plan.max_piece_pages,
+                                                       fit)):
+            region = ring.allocate(count * page_bytes)
+            if isinstance(region, TooLarge):  # max_piece_pages makes this impossible
+                raise AssertionError(str(region))
+            regions[i] = region
+            pieces.append(Piece(i, start, count, region.start, region.nbytes))
+            self.tracker.expect_piece(req.chunk, i, start, count, region.start, list(self.writers))
+        alloc = Allocation(req.chunk, req.page_start, req.num_pages, pieces, regions)
+        self.allocs[req.chunk] = alloc
+        return [self._grant(peer, alloc)]
+
+    def _grant(self, peer: PeerKey, alloc: Allocation) -> Send:
+        return Send(peer, AllocGrant(src=self.me, dst=peer.incarnation, room=self.room, session=self.session,
+                                     chunk=alloc.chunk, epoch=self.plan.ring_epoch, pieces=list(alloc.pieces)))
+
+    # -- arrivals ---------------------------------------------------------------------------
+    def on_tag(self, peer: PeerKey, tag: Tag, now: float) -> tuple[str, list[Action]]:
+        """Apply one arrived tag. Returns (verdict, actions): verdict is "ok", "duplicate",
+        "stale" (meant for another life of this room or peer: dropped) or "rejected"."""
+        w = self._writer(peer)
+        if w is None or tag.session != self.session or tag.src != peer.incarnation or self.tracker is None:
+            return "stale", []
+        if self.state in TERMINAL:
+            return "stale", []
+        if tag.writer != peer.tp_rank:
+            return "rejected", self.fail("protocol", f"tag from {peer} claims writer {tag.writer}", now)
+        if self.plan.staged:
+            if tag.kind is not TagKind.STAGED or tag.epoch != self.plan.ring_epoch:
+                return "rejected", self.fail("protocol", f"tag from {peer} is not a staged tag of ring epoch "
+                                                         f"{self.plan.ring_epoch}: {tag}", now)
+            arrival = self.tracker.arrive_staged(tag.writer, tag.chunk, tag.piece, tag.page_start, tag.num_pages,
+                                                 tag.nbytes, tag.ring_start)
+        else:
+            if tag.kind is not TagKind.DIRECT or tag.epoch != self.me:
+                return "rejected", self.fail("protocol", f"tag from {peer} is not a direct tag for this rank: "
+                                                         f"{tag}", now)
+            arrival = self.tracker.arrive_direct(tag.writer, tag.chunk, tag.page_start, tag.num_pages, tag.nbytes)
+        if arrival.outcome is Outcome.DUPLICATE:
+            return "duplicate", []
+        if arrival.outcome is Outcome.REJECTED:
+            return "rejected", self.fail("tag_mismatch", f"tag from {peer} rejected: {arrival.reason}", now)
+        w.tags.add((tag.chunk, tag.piece))
+        if arrival.outcome is Outcome.PIECE_LANDED:
+            return "ok", [self._scatter(arrival.piece, now)]
+        return "ok", self._check_complete(now)
+
+    def _scatter(self, piece: ExpectedPiece, now: float) -> Scatter:
+        self.scattering[piece.key] = now
+        region = self.allocs[piece.chunk].regions[piece.index]
+        per_head = piece.num_pages * self.plan.head_page_bytes
+        parts = tuple(ScatterPart(region.offset + per_head * w.assignment.dst_heads[0],
+                                  per_head * w.assignment.num_heads, w.assignment.dst_heads)
+                      for w in sorted(self.writers.values(), key=lambda s: s.assignment.writer_index))
+        dst = self.dst_pages[piece.page_start:piece.page_start + piece.num_pages]
+        return Scatter(self.room, piece.key, dst, parts)
+
+    def on_scattered(self, key: tuple[int, int], ok: bool, reason: str | None, ring: RingAllocator,
+                     now: float) -> list[Action]:
+        if self.scattering.pop(key, None) is None:
+            return []
+        chunk, index = key
+        out: list[Action] = []
+        if ok and self.state not in TERMINAL:
+            piece = next(p for p in self.tracker.pieces() if p.key == key)
+            self.tracker.mark_scattered(piece)
+        elif not ok:
+            out += self.fail("scatter", f"scatter of chunk {chunk} piece {index} failed: {reason}", now)
+        # every writer of the piece landed and the scatter is over: nothing touches the region
+        out += self._free(ring, [self.allocs[chunk].regions.pop(index)])
+        return out + self._check_complete(now) + self._maybe_release(ring)
+
+    def on_writer_done(self, peer: PeerKey, msg: WriterDone, now: float) -> list[Action]:
+        w = self._writer(peer)
+        if w is None or msg.session != self.session or self.state in TERMINAL:
+            return []
+        w.done_at, w.done_writes = now, msg.writes
+        return []
+
+    # -- failures ---------------------------------------------------------------------------
+    def on_room_failed(self, peer: PeerKey, session: int, kind: str, reason: str, now: float) -> list[Action]:
+        if session != self.session or (self._writer(peer) is None and peer not in (self.plan.notices if self.plan else ())):
+            return []
+        return self.fail(kind if kind.startswith("remote_") else f"remote_{kind}", f"prefill rank {peer.tp_rank} ({peer.engine_id}): {reason}", now,
+                         origin=peer)
+
+    def on_quiesced(self, peer: PeerKey, session: int, ring: RingAllocator | None, now: float) -> list[Action]:
+        w = self._writer(peer)
+        if w is None or session != self.session:
+            return []
+        w.stopped = True
+        return self._maybe_release(ring)
+
+    def on_peer_lost(self, peer: PeerKey, reason: str, ring: RingAllocator | None, now: float) -> list[Action]:
+        w = self._writer(peer)
+        notice = self.plan is not None and peer in self.plan.notices
+        if w is None and not notice:
+            return []
+        if w is not None:
+            w.stopped = True  # its lease ran out or its connection closed: it writes no more
+        out = []
+        if w is not None or not self.meta_sent:
+            out = self.fail("peer_lost", f"prefill rank {peer.tp_rank} ({peer}) lost: {reason}", now)
+        return out + self._maybe_release(ring)
+
+    def abort(self, ring: RingAllocator | None, now: float) -> list[Action]:
+        return self.fail("aborted", "aborted by the decode caller", now) + self._maybe_release(ring)
+
+    def tick(self, ring: RingAllocator | None, now: float) -> list[Action]:
+        if self.state in TERMINAL:
+            return self._maybe_release(ring)
+        t = self.timeouts
+        if self.inited_at is not None and now - self.inited_at > t.room:
+            return self.fail("timeout", f"room not complete {t.room:g} s after init", now)
+        for w in self.writers.values():
+            if w.done_at is not None and len(w.tags) < w.done_writes and now - w.done_at > t.arrival:
+                return self.fail("timeout", f"prefill rank {w.peer.tp_rank} reported {w.done_writes} writes done "
+                                            f"but only {len(w.tags)} notifications arrived within {t.arrival:g} s "
+                                            "(lost notification)", now)
+        for key, since in self.scattering.items():
+            if now - since > t.scatter:
+                return self.fail("timeout", f"scatter of chunk {key[0]} piece {key[1]} took over {t.scatter:g} s",
+                                 now)
+        return []
+
+    def fail(self, kind: str, reason: str, now: float, origin: PeerKey | None = None) -> list[Action]:
+        """Fail the room and tell every prefill peer but the one the failure came from."""
+        if self.state in TERMINAL:
+            return []
+        self.failure, self.failure_kind = reason, kind
+        out = self._set_state(KVPoll.Failed)
+        if self.meta_sent:
+            for peer in [p for p, _ in self.plan.writers] + list(self.plan.notices):
+                if peer == origin:
+                    continue
+                out.append(Send(peer, RoomFailed(src=self.me, dst=peer.incarnation, room=self.room,
+                                                 session=self.session, kind=kind, reason=reason)))
+        return out
+
+    # -- internals --------------------------------------------------------------------------
+    def _writer(self, peer: PeerKey) -> WriterState | None:
+        w = self.writers.get(peer.tp_rank)
+        return w if w is not None and w.peer == peer else None
+
+    def _check_complete(self, now: float) -> list[Action]:
+        if self.state in TERMINAL or self.tracker is None or not self.tracker.complete:
+            return []
+        out: list[Action] = []
+        for w in self.writers.values():
+            out.append(Send(w.peer, RoomDone(src=self.me, dst=w.peer.incarnation, room=self.room,
+                                             session=self.session)))
+        return out + self._set_state(KVPoll.Success)
+
+    def _free(self, ring: RingAllocator | None, regions: list[Region]) -> list[Action]:
+        moved = False
+        for region in regions:
+            moved |= ring.free(region) is not None
+        return [PublishWatermark()] if moved else []
+
+    def _maybe_release(self, ring: RingAllocator | None) -> list[Action]:
+        if self.released or self.state not in TERMINAL or self.scattering:
+            return []
+        if self.state is KVPoll.Failed and self.meta_sent and not all(w.stopped for w in self.writers.values()):
+            return []
+        self.released = True
+        leftover = [r for a in self.allocs.values() for r in a.regions.values()]
+        for a in self.allocs.values():
+            a.regions.clear()
+        out = self._free(ring, leftover) if leftover else []
+        return out + [StatusChanged(self.state, self.failure, self.failure_kind, released=True), Released()]
+
+    def _set_state(self, state: KVPoll) -> list[Action]:
+        if state == self.state or self.state in TERMINAL:
+            return []
+        self.state = state
+        out: list[Action] = [StatusChanged(state, self.failure, self.failure_kind)]
+        if state is KVPoll.Success:
+            out += self._maybe_release(None)
+        return out

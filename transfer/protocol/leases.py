@@ -1,0 +1,52 @@
+"""Liveness between two connected peers, and the writer's self-fence. Pure (time passed in).
+
+Each side sends numbered heartbeats and acknowledges the highest number it received. A peer
+is alive while we heard anything from it within `lease` seconds. A writer may only write to a
+peer while ``send_time(highest acked heartbeat) + lease`` lies ahead: the peer received that
+heartbeat at or after we sent it, so it will not declare us lost (and reuse memory we might
+still write) before our own fence has stopped us.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+
+class Lease:
+    MAX_UNACKED = 1024
+
+    def __init__(self, lease_s: float, now: float):
+        if lease_s <= 0:
+            raise ValueError("lease must be positive")
+        self.lease_s = lease_s
+        self.last_heard = now
+        self.seq = 0
+        self.peer_seq = 0                 # highest heartbeat number received from the peer
+        self._sent: OrderedDict[int, float] = OrderedDict({0: now})  # our seq -> send time
+        self.fence_base = now             # send time of the highest heartbeat the peer acked
+
+    def heard(self, now: float) -> None:
+        self.last_heard = max(self.last_heard, now)
+
+    def next_heartbeat(self, now: float) -> tuple[int, int]:
+        """(seq, ack) for the heartbeat to send now."""
+        self.seq += 1
+        self._sent[self.seq] = now
+        while len(self._sent) > self.MAX_UNACKED:
+            self._sent.popitem(last=False)
+        return self.seq, self.peer_seq
+
+    def on_heartbeat(self, seq: int, ack: int, now: float) -> None:
+        self.heard(now)
+        self.peer_seq = max(self.peer_seq, seq)
+        sent = self._sent.get(ack)
+        if sent is not None and sent > self.fence_base:
+            self.fence_base = sent
+            for old in [s for s in self._sent if s < ack]:
+                del self._sent[old]
+
+    def alive(self, now: float) -> bool:
+        return now - self.last_heard <= self.lease_s
+
+    def may_write(self, now: float) -> bool:
+        return now < self.fence_base + self.lease_s

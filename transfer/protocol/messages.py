@@ -1,0 +1,190 @@
+"""Rank-to-rank control messages: typed, versioned msgspec Structs (see bootstrap.wire).
+
+Every message names its sender's incarnation (`src`) and the receiver incarnation it is meant
+for (`dst`; 0 only in Hello, before the sender knows it), so nothing from a previous life of
+either peer is ever applied to the current one. Room-level messages carry the receiver's
+random `session` so a room id reused later cannot pick up stragglers of its earlier use.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+from bootstrap.wire import Codec, Message, WireError
+
+from ..layout import LayoutSummary
+
+
+class PeerMessage(Message, kw_only=True, frozen=True):
+    src: int
+    dst: int = 0
+
+
+class KVMemory(msgspec.Struct, frozen=True, kw_only=True):
+    """Where a decode rank's KV cache lives, for direct writes into its pages."""
+
+    k_addrs: list[int]
+    v_addrs: list[int]          # empty for MLA
+    num_pages: int
+    page_stride: int            # bytes between pages of one layer (page_size * token_stride)
+    token_stride: int           # bytes between tokens (local_heads * head_dim * elem)
+    mem_kind: str = "DRAM"
+    device: int = 0
+
+
+class RingInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """A decode rank's staging ring, advertised to its writers."""
+
+    addr: int
+    size: int
+    epoch: int
+    mem_kind: str = "DRAM"
+    device: int = 0
+
+
+class Hello(PeerMessage, kw_only=True, frozen=True):
+    """decode -> prefill, once per peer: who I am, how to write to me, what I hold."""
+
+    engine_id: str
+    role: str
+    tp_size: int
+    tp_rank: int
+    ctrl_endpoint: str
+    backend: str
+    backend_identity: bytes
+    layout: LayoutSummary
+    kv: KVMemory
+    ring: RingInfo | None = None
+    staging: bool = False
+    lease_s: float = 10.0
+
+
+class HelloAck(PeerMessage, kw_only=True, frozen=True):
+    """prefill -> decode: accepted (or why not), and what the writer side offers."""
+
+    ok: bool
+    reason: str = ""
+    engine_id: str = ""
+    tp_size: int = 0
+    tp_rank: int = 0
+    backend_name: str = ""
+    staging: bool = False
+    buffer_bytes: int = 0       # smallest per-worker staging buffer: bounds one write
+    lease_s: float = 10.0
+
+
+class RoomMeta(PeerMessage, kw_only=True, frozen=True):
+    """decode -> prefill, per room: where this room's pages go."""
+
+    room: int
+    session: int
+    num_pages: int
+    staged: bool
+    dst_pages: bytes = b""      # little-endian int64 page indices (direct path)
+
+    def pages(self) -> np.ndarray:
+        if len(self.dst_pages) % 8:
+            raise WireError("malformed", "dst_pages is not a whole number of int64")
+        return np.frombuffer(self.dst_pages, dtype="<i8")
+
+
+class AllocRequest(PeerMessage, kw_only=True, frozen=True):
+    """prefill -> decode (staged): this chunk is ready; where in your ring does it go?"""
+
+    room: int
+    session: int
+    chunk: int
+    page_start: int
+    num_pages: int
+
+
+class Piece(msgspec.Struct, frozen=True, array_like=True):
+    """One ring region of a chunk. Writers' parts follow each other in writer order, each
+    num_pages * (that writer's bytes per page) long; both sides derive them from the mapping."""
+
+    index: int
+    page_start: int
+    num_pages: int
+    start: int          # linear ring position of the region
+    region_nbytes: int
+
+
+class AllocGrant(PeerMessage, kw_only=True, frozen=True):
+    """decode -> prefill (staged): the pieces a chunk was split into, in ring order."""
+
+    room: int
+    session: int
+    chunk: int
+    epoch: int
+    pieces: list[Piece]
+
+
+class WatermarkUpdate(PeerMessage, kw_only=True, frozen=True):
+    """decode -> prefill: the ring's oldest live position moved."""
+
+    epoch: int
+    round: int
+    tail: int
+
+
+class WriterDone(PeerMessage, kw_only=True, frozen=True):
+    """prefill -> decode: all my writes for the room completed locally (tags should follow)."""
+
+    room: int
+    session: int
+    writes: int
+    nbytes: int
+
+
+class RoomDone(PeerMessage, kw_only=True, frozen=True):
+    """decode -> prefill: every byte of the room is in place."""
+
+    room: int
+    session: int
+
+
+class RoomFailed(PeerMessage, kw_only=True, frozen=True):
+    """either way: the room failed or was aborted here; kind says which failure."""
+
+    room: int
+    session: int
+    kind: str
+    reason: str
+
+
+class Quiesced(PeerMessage, kw_only=True, frozen=True):
+    """prefill -> decode: no write of mine for this room is in flight or will be posted."""
+
+    room: int
+    session: int
+
+
+class Heartbeat(PeerMessage, kw_only=True, frozen=True):
+    """Lease renewal between connected peers: my sequence number, and the highest of yours
+    I have received (the ack that lets a writer know how long it may still write)."""
+
+    seq: int
+    ack: int = 0
+
+
+class Goodbye(PeerMessage, kw_only=True, frozen=True):
+    """The sender is closing; fail what depends on it."""
+
+    reason: str = ""
+
+
+PEER_MESSAGES: tuple[type[PeerMessage], ...] = (
+    Hello, HelloAck, RoomMeta, AllocRequest, AllocGrant, WatermarkUpdate,
+    WriterDone, RoomDone, RoomFailed, Quiesced, Heartbeat, Goodbye)
+
+
+def peer_codec(token: bytes | None, max_frame: int | None = None) -> Codec[PeerMessage]:
+    """The codec of the rank-to-rank control plane."""
+    if max_frame is None:
+        return Codec(PEER_MESSAGES, token)
+    return Codec(PEER_MESSAGES, token, max_frame)
+
+
+def encode_pages(pages: np.ndarray) -> bytes:
+    return np.ascontiguousarray(pages, dtype="<i8").tobytes()

@@ -1,0 +1,338 @@
+"""The prefill side of one room: chunks in, writes out, success only when the decode confirms.
+
+Pure state machine. The room learns which decode ranks it serves from the first room
+metadata it receives (which names the decode TP size, hence the head mapping), writes each
+chunk to each of them (direct: one write per chunk; staged: one write per granted piece),
+reports its writes done, and succeeds when every decode rank it writes confirmed the room.
+A rank that holds only replicas nobody needs hears from one decode rank and succeeds once
+its input is complete, without writing.
+
+On failure it tells its decode peers, stops issuing writes, and once nothing of its is in
+flight any more says so (Quiesced), so the decode side can reuse the memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..config import Timeouts
+from ..layout import KVLayout
+from ..poll import KVPoll
+from .actions import Action, PeerKey, PostWrite, Released, Send, StatusChanged, WriteOp
+from .direct_ranges import direct_nbytes
+from .head_mapping import Assignment, HeadMapping, compute_assignments
+from .messages import AllocGrant, AllocRequest, Quiesced, RoomFailed, RoomMeta, WriterDone
+from .tags import TagKind, make_tag
+
+TERMINAL = (KVPoll.Success, KVPoll.Failed)
+
+
+@dataclass
+class Chunk:
+    index: int
+    page_start: int
+    pages: np.ndarray
+
+
+@dataclass
+class Flow:
+    """This prefill rank -> one decode rank, for this room."""
+
+    peer: PeerKey
+    session: int
+    assignment: Assignment | None       # None: a notice only, nothing to write
+    staged: bool
+    dst_pages: np.ndarray | None
+    issued: int = 0                     # chunks issued (direct) or requested (staged)
+    requested_at: dict[int, float] = field(default_factory=dict)  # staged: chunk -> when asked
+    granted: set[int] = field(default_factory=set)
+    inflight: set[int] = field(default_factory=set)               # op ids
+    writes: int = 0
+    nbytes: int = 0
+    done_sent_at: float | None = None
+    confirmed: bool = False
+
+
+class PrefillRoom:
+    def __init__(self, room: int, num_pages: int, layout: KVLayout, me: int, now: float,
+                 timeouts: Timeouts, op_ids: itertools.count | None = None):
+        if num_pages <= 0:
+            raise ValueError(f"num_pages must be positive, got {num_pages}")
+        self.room = room
+        self.num_pages = num_pages
+        self.layout = layout
+        self.me = me
+        self.timeouts = timeouts
+        self.created = now
+        self._op_ids = op_ids or itertools.count(1)
+        self.state = KVPoll.Bootstrapping
+        self.failure: str | None = None
+        self.failure_kind: str | None = None
+        self.chunks: list[Chunk] = []
+        self.pages_given = 0
+        self.last = False
+        self.mapping: HeadMapping | None = None
+        self.decode_engine: str | None = None
+        self.expected: set[int] = set()
+        self.flows: dict[int, Flow] = {}
+        self.ops: dict[int, WriteOp] = {}
+        self.released = False
+
+    # -- inputs -----------------------------------------------------------------------------
+    def add_chunk(self, pages: np.ndarray, last: bool, now: float) -> list[Action]:
+        """The next pages of the request, in order. Raises ValueError on bad input, unchanged."""
+        if self.last:
+            raise ValueError(f"room {self.room}: send() after the last chunk")
+        if self.pages_given + pages.size > self.num_pages:
+            raise ValueError(f"room {self.room}: {self.pages_given + pages.size} pages sent, "
+                             f"the sender was created for {self.num_pages}")
+        if last and self.pages_given + pages.size != self.num_pages:
+            raise ValueError(f"room {self.room}: last chunk ends at page {self.pages_given + pages.size} "
+                             f"of {self.num_pages}")
+        start = self.pages_given
+        self.pages_given += pages.size
+        self.last = last
+        if self.state in TERMINAL:
+            return []  # input still accounted for, nothing more is written
+        if pages.size:
+            self.chunks.append(Chunk(len(self.chunks), start, pages))
+        out = self._set_state(KVPoll.Transferring) if self._all_metas() else []
+        return out + self._pump(now)
+
+    def add_meta(self, peer: PeerKey, decode_tp: int, meta: RoomMeta, now: float) -> list[Action]:
+        if self.state in TERMINAL:
+            if self.state is KVPoll.Failed:
+                return [Send(peer, self._failed_msg(peer, meta.session))]
+            return []
+        if self.decode_engine is not None and peer.engine_id != self.decode_engine:
+            return [Send(peer, RoomFailed(src=self.me, dst=peer.incarnation, room=self.room, session=meta.session,
+                                          kind="protocol", reason=f"room {self.room} is already bound to "
+                                                                  f"decode engine {self.decode_engine}"))]
+        if self.mapping is None:
+            self.mapping = compute_assignments(self.layout.tp_size, decode_tp, self.layout.total_kv_heads,
+                                               self.layout.mla)
+            self.decode_engine = peer.engine_id
+            self.expected = set(self.mapping.decode_peers_of(self.layout.tp_rank))
+        if peer.tp_rank not in self.expected:
+            return [Send(peer, RoomFailed(src=self.me, dst=peer.incarnation, room=self.room, session=meta.session,
+                                          kind="protocol", reason=f"prefill rank {self.layout.tp_rank} does not "
+                                                                  f"serve decode rank {peer.tp_rank}"))]
+        old = self.flows.get(peer.tp_rank)
+        if old is not None:
+            if old.peer == peer and old.session == meta.session:
+                return []  # duplicate
+            return self.fail("protocol", f"decode rank {peer.tp_rank} sent metadata for room {self.room} twice "
+                                         f"({old.peer} then {peer})", now)
+        flow = Flow(peer, meta.session, self.mapping.find(self.layout.tp_rank, peer.tp_rank),
+                    meta.staged, None)
+        self.flows[peer.tp_rank] = flow
+        if meta.num_pages != self.num_pages:
+            return self.fail("protocol", f"decode rank {peer.tp_rank} expects {meta.num_pages} pages, this "
+                                         f"prefill rank was given {self.num_pages}", now)
+        if flow.assignment is not None and not meta.staged:
+            pages = meta.pages()
+            if pages.size != self.num_pages:
+                return self.fail("protocol", f"decode rank {peer.tp_rank} sent {pages.size} destination pages "
+                                             f"for {self.num_pages}", now)
+            flow.dst_pages = pages
+        out: list[Action] = []
+        if self._all_metas():
+            out += self._set_state(KVPoll.Transferring if self.chunks or self.last else KVPoll.WaitingForInput)
+        return out + self._pump(now)
+
+    def on_grant(self, peer: PeerKey, grant: AllocGrant, now: float) -> list[Action]:
+        flow = self._flow_of(peer, grant.session)
+        if flow is None or self.state in TERMINAL:
+            return []
+        if not flow.staged or grant.chunk not in flow.requested_at or grant.chunk in flow.granted:
+            return self.fail("protocol", f"unexpected ring allocation for chunk {grant.chunk} from {peer}", now)
+        chunk = self.chunks[grant.chunk]
+        a = flow.assignment
+        per_head = self._bytes_per_page(1)
+        pos = chunk.page_start
+        out: list[Action] = []
+        for piece in grant.pieces:
+            lo = piece.page_start - chunk.page_start
+            nbytes = piece.num_pages * per_head * a.num_heads
+            offset = piece.num_pages * per_head * a.dst_heads[0]  # parts follow in head order
+            if (piece.page_start != pos or piece.num_pages <= 0 or lo + piece.num_pages > chunk.pages.size
+                    or offset + nbytes > piece.region_nbytes):
+                return self.fail("protocol", f"ring allocation for chunk {grant.chunk} from {peer} does not "
+                                             f"match the chunk: {piece}", now)
+            pos += piece.num_pages
+            tag = make_tag(TagKind.STAGED, room=self.room, session=flow.session, epoch=grant.epoch, src=self.me,
+                           writer=self.layout.tp_rank, chunk=grant.chunk, piece=piece.index,
+                           page_start=piece.page_start, num_pages=piece.num_pages,
+                           nbytes=nbytes, ring_start=piece.start)
+            op = WriteOp(next(self._op_ids), self.room, peer, True, grant.chunk, piece.index,
+                         chunk.pages[lo:lo + piece.num_pages], None, a.src_heads, a.dst_heads,
+                         nbytes, tag, piece.start, offset)
+            out.append(self._post(flow, op))
+        if pos != chunk.page_start + chunk.pages.size:
+            return self.fail("protocol", f"ring allocation for chunk {grant.chunk} from {peer} does not cover it",
+                             now)
+        flow.granted.add(grant.chunk)
+        return out
+
+    def on_write_done(self, op_id: int, ok: bool, reason: str | None, now: float) -> list[Action]:
+        op = self.ops.pop(op_id, None)
+        if op is None:
+            return []
+        flow = self.flows[op.peer.tp_rank]
+        flow.inflight.discard(op_id)
+        if not ok:
+            out = self.fail("write", f"write of chunk {op.chunk} piece {op.piece} to {op.peer} failed: {reason}",
+                            now)
+            return out + self._maybe_release()
+        flow.writes += 1
+        flow.nbytes += op.nbytes
+        return self._check_done(now) + self._maybe_release()
+
+    def on_room_done(self, peer: PeerKey, session: int, now: float) -> list[Action]:
+        flow = self._flow_of(peer, session)
+        if flow is None or self.state in TERMINAL:
+            return []
+        flow.confirmed = True
+        return self._check_done(now)
+
+    def on_room_failed(self, peer: PeerKey, session: int, kind: str, reason: str, now: float) -> list[Action]:
+        flow = self._flow_of(peer, session)
+        if flow is None and not (self.mapping is None or peer.tp_rank in self.expected):
+            return []
+        return self.fail(kind if kind.startswith("remote_") else f"remote_{kind}", f"decode rank {peer.tp_rank} ({peer.engine_id}): {reason}", now,
+                         origin=peer)
+
+    def on_peer_lost(self, peer: PeerKey, reason: str, now: float) -> list[Action]:
+        flow = self.flows.get(peer.tp_rank)
+        if flow is None or flow.peer != peer:
+            return []
+        # writes to a lost peer will never be confirmed; the shell fails those in flight
+        return self.fail("peer_lost", f"decode rank {peer.tp_rank} ({peer}) lost: {reason}", now)
+
+    def abort(self, now: float) -> list[Action]:
+        return self.fail("aborted", "aborted by the prefill caller", now)
+
+    def tick(self, now: float) -> list[Action]:
+        if self.state in TERMINAL:
+            return []
+        t = self.timeouts
+        if not self._all_metas() and now - self.created > t.metadata:
+            missing = sorted(self.expected - set(self.flows)) if self.mapping else "any"
+            return self.fail("timeout", f"no room metadata from decode rank(s) {missing} within {t.metadata:g} s",
+                             now)
+        for flow in self.flows.values():
+            for chunk, asked in flow.requested_at.items():
+                if chunk not in flow.granted and now - asked > t.watermark:
+                    return self.fail("timeout", f"no ring allocation for chunk {chunk} from {flow.peer} within "
+                                                f"{t.watermark:g} s", now)
+            if flow.done_sent_at is not None and not flow.confirmed and now - flow.done_sent_at > t.arrival + t.scatter:
+                return self.fail("timeout", f"decode rank {flow.peer.tp_rank} did not confirm the room within "
+                                            f"{t.arrival + t.scatter:g} s of the last write", now)
+        return []
+
+    def fail(self, kind: str, reason: str, now: float, origin: PeerKey | None = None) -> list[Action]:
+        """Fail the room and tell every decode peer but the one the failure came from."""
+        if self.state in TERMINAL:
+            return []
+        self.failure, self.failure_kind = reason, kind
+        out: list[Action] = self._set_state(KVPoll.Failed)
+        for flow in self.flows.values():
+            if flow.peer != origin:
+                out.append(Send(flow.peer, self._failed_msg(flow.peer, flow.session)))
+        return out + self._maybe_release()
+
+    # -- internals --------------------------------------------------------------------------
+    @property
+    def inflight(self) -> int:
+        return len(self.ops)
+
+    def _failed_msg(self, peer: PeerKey, session: int) -> RoomFailed:
+        return RoomFailed(src=self.me, dst=peer.incarnation, room=self.room, session=session,
+                          kind=self.failure_kind or "failed", reason=self.failure or "")
+
+    def _flow_of(self, peer: PeerKey, session: int) -> Flow | None:
+        flow = self.flows.get(peer.tp_rank)
+        if flow is None or flow.peer != peer or flow.session != session:
+            return None
+        return flow
+
+    def _all_metas(self) -> bool:
+        return self.mapping is not None and self.expected <= set(self.flows)
+
+    def _bytes_per_page(self, num_heads: int) -> int:
+        return direct_nbytes(self.layout.num_kv * self.layout.num_layers, 1, self.layout.page_size,
+                             num_heads, self.layout.head_bytes)
+
+    def _post(self, flow: Flow, op: WriteOp) -> PostWrite:
+        self.ops[op.op_id] = op
+        flow.inflight.add(op.op_id)
+        return PostWrite(op)
+
+    def _pump(self, now: float) -> list[Action]:
+        if self.state in TERMINAL:
+            return []
+        out: list[Action] = []
+        for flow in self.flows.values():
+            a = flow.assignment
+            if a is None:
+                continue
+            while flow.issued < len(self.chunks):
+                chunk = self.chunks[flow.issued]
+                if flow.staged:
+                    flow.requested_at[chunk.index] = now
+                    out.append(Send(flow.peer, AllocRequest(
+                        src=self.me, dst=flow.peer.incarnation, room=self.room, session=flow.session,
+                        chunk=chunk.index, page_start=chunk.page_start, num_pages=int(chunk.pages.size))))
+                else:
+                    nbytes = chunk.pages.size * self._bytes_per_page(a.num_heads)
+                    tag = make_tag(TagKind.DIRECT, room=self.room, session=flow.session, epoch=flow.peer.incarnation,
+                                   src=self.me, writer=self.layout.tp_rank, chunk=chunk.index, piece=0,
+                                   page_start=chunk.page_start, num_pages=int(chunk.pages.size), nbytes=nbytes)
+                    dst = flow.dst_pages[chunk.page_start:chunk.page_start + chunk.pages.size]
+                    out.append(self._post(flow, WriteOp(next(self._op_ids), self.room, flow.peer, False,
+                                                        chunk.index, 0, chunk.pages, dst, a.src_heads,
+                                                        a.dst_heads, nbytes, tag)))
+                flow.issued += 1
+        return out + self._check_done(now)
+
+    def _flow_finished_writing(self, flow: Flow) -> bool:
+        return (self.last and flow.issued == len(self.chunks) and not flow.inflight
+                and (not flow.staged or len(flow.granted) == len(self.chunks)))
+
+    def _check_done(self, now: float) -> list[Action]:
+        if self.state in TERMINAL or not self._all_metas():
+            return []
+        out: list[Action] = []
+        for flow in self.flows.values():
+            if flow.assignment is None or flow.done_sent_at is not None:
+                continue
+            if self._flow_finished_writing(flow):
+                flow.done_sent_at = now
+                out.append(Send(flow.peer, WriterDone(src=self.me, dst=flow.peer.incarnation, room=self.room,
+                                                      session=flow.session, writes=flow.writes,
+                                                      nbytes=flow.nbytes)))
+        if self.last and all(f.assignment is None or (f.confirmed and f.done_sent_at is not None)
+                             for f in self.flows.values()):
+            out += self._set_state(KVPoll.Success) + self._maybe_release()
+        return out
+
+    def _set_state(self, state: KVPoll) -> list[Action]:
+        if state == self.state or self.state in TERMINAL:
+            return []
+        self.state = state
+        return [StatusChanged(state, self.failure, self.failure_kind)]
+
+    def _maybe_release(self) -> list[Action]:
+        if self.released or self.state not in TERMINAL or self.ops:
+            return []
+        self.released = True
+        out: list[Action] = []
+        if self.state is KVPoll.Failed:
+            for flow in self.flows.values():
+                if flow.assignment is not None:
+                    out.append(Send(flow.peer, Quiesced(src=self.me, dst=flow.peer.incarnation, room=self.room,
+                                                        session=flow.session)))
+        return out + [StatusChanged(self.state, self.failure, self.failure_kind, released=True), Released()]

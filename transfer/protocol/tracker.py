@@ -1,0 +1,168 @@
+"""Decode side: what a room expects, what has landed, and when it is complete. Pure.
+
+Staged path: the decode rank allocates every piece of a chunk itself, so each arrival must
+match its allocation exactly (page range, byte length, ring position, an expected writer); a
+piece is ready to scatter once all its writers have landed, and the room is complete once
+pieces covering every page have been scattered.
+
+Direct path: writes land in the KV pages themselves; each writer must cover every page of the
+room exactly once with the expected number of bytes.
+
+Arrivals may come in any order; exact duplicates are ignored; anything else that disagrees
+is rejected with a reason, and the caller fails the room.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+
+
+class Outcome(enum.Enum):
+    ACCEPTED = "accepted"          # recorded; more writers still expected for this piece
+    PIECE_LANDED = "piece_landed"  # staged: every writer of the piece landed, scatter it
+    DUPLICATE = "duplicate"        # already seen; ignore
+    REJECTED = "rejected"          # disagrees with what is expected; fail the room
+
+
+@dataclass(frozen=True)
+class Arrival:
+    outcome: Outcome
+    reason: str = ""
+    piece: "ExpectedPiece | None" = None
+
+
+@dataclass
+class ExpectedPiece:
+    chunk: int
+    index: int
+    page_start: int
+    num_pages: int
+    ring_start: int
+    writers: tuple[int, ...]
+    landed: set[int] = field(default_factory=set)
+    scattered: bool = False
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.chunk, self.index)
+
+
+class RoomTracker:
+    """Arrival bookkeeping of one room on one decode rank."""
+
+    def __init__(self, num_pages: int, writer_page_bytes: Mapping[int, int]):
+        """`writer_page_bytes`: expected writer rank -> bytes it writes per page of the room."""
+        if num_pages <= 0:
+            raise ValueError("a room has at least one page")
+        if not writer_page_bytes:
+            raise ValueError("a room has at least one writer")
+        self.num_pages = num_pages
+        self.writer_page_bytes = dict(writer_page_bytes)
+        self._covered = {w: np.zeros(num_pages, dtype=bool) for w in self.writer_page_bytes}
+        self._covered_count = dict.fromkeys(self.writer_page_bytes, 0)
+        self._pieces: dict[tuple[int, int], ExpectedPiece] = {}
+        self._planned = np.zeros(num_pages, dtype=bool)   # staged: pages already given a piece
+        self._scattered_pages = 0
+        self._direct_seen: set[tuple[int, int, int, int]] = set()
+
+    # -- staged path ----------------------------------------------------------------------
+    def overlaps_plan(self, page_start: int, num_pages: int) -> bool:
+        """Would a new chunk over these pages collide with pieces already planned?"""
+        return bool(self._planned[page_start:page_start + num_pages].any())
+
+    def expect_piece(self, chunk: int, index: int, page_start: int, num_pages: int,
+                     ring_start: int, writers: Sequence[int]) -> ExpectedPiece:
+        """Record an allocated piece. Raises ValueError if it cannot belong to this room."""
+        self._check_range(page_start, num_pages)
+        if self.overlaps_plan(page_start, num_pages):
+            raise ValueError(f"pages [{page_start}, {page_start + num_pages}) are already planned")
+        unknown = set(writers) - set(self.writer_page_bytes)
+        if unknown or not writers:
+            raise ValueError(f"piece writers {sorted(writers)} are not this room's writers")
+        piece = ExpectedPiece(chunk, index, page_start, num_pages, ring_start, tuple(writers))
+        if piece.key in self._pieces:
+            raise ValueError(f"piece {piece.key} is already expected")
+        self._pieces[piece.key] = piece
+        self._planned[page_start:page_start + num_pages] = True
+        return piece
+
+    def arrive_staged(self, writer: int, chunk: int, index: int, page_start: int, num_pages: int,
+                      nbytes: int, ring_start: int) -> Arrival:
+        piece = self._pieces.get((chunk, index))
+        if piece is None:
+            return Arrival(Outcome.REJECTED, f"no allocation for chunk {chunk} piece {index}")
+        if writer not in piece.writers:
+            return Arrival(Outcome.REJECTED, f"writer {writer} is not a writer of chunk {chunk} piece {index}")
+        got = (page_start, num_pages, nbytes, ring_start)
+        want = (piece.page_start, piece.num_pages, piece.num_pages * self.writer_page_bytes[writer],
+                piece.ring_start)
+        if got != want:
+            return Arrival(Outcome.REJECTED,
+                           f"chunk {chunk} piece {index} from writer {writer}: (pages start, count, bytes, "
+                           f"ring) {got} does not match the allocation {want}")
+        if writer in piece.landed:
+            return Arrival(Outcome.DUPLICATE, piece=piece)
+        piece.landed.add(writer)
+        if len(piece.landed) == len(piece.writers):
+            return Arrival(Outcome.PIECE_LANDED, piece=piece)
+        return Arrival(Outcome.ACCEPTED, piece=piece)
+
+    def mark_scattered(self, piece: ExpectedPiece) -> None:
+        if piece.scattered:
+            return
+        if len(piece.landed) != len(piece.writers):
+            raise ValueError(f"piece {piece.key} scattered before all writers landed")
+        piece.scattered = True
+        self._scattered_pages += piece.num_pages
+
+    def pieces(self) -> list[ExpectedPiece]:
+        return list(self._pieces.values())
+
+    # -- direct path ----------------------------------------------------------------------
+    def arrive_direct(self, writer: int, chunk: int, page_start: int, num_pages: int, nbytes: int) -> Arrival:
+        if writer not in self.writer_page_bytes:
+            return Arrival(Outcome.REJECTED, f"writer {writer} is not expected in this room")
+        key = (writer, chunk, page_start, num_pages)
+        if key in self._direct_seen:
+            return Arrival(Outcome.DUPLICATE)
+        if not self._in_range(page_start, num_pages):
+            return Arrival(Outcome.REJECTED, f"pages [{page_start}, {page_start + num_pages}) outside the "
+                                             f"room's {self.num_pages} pages")
+        want = num_pages * self.writer_page_bytes[writer]
+        if nbytes != want:
+            return Arrival(Outcome.REJECTED, f"writer {writer} sent {nbytes} bytes for {num_pages} pages, "
+                                             f"expected {want}")
+        cov = self._covered[writer]
+        if cov[page_start:page_start + num_pages].any():
+            return Arrival(Outcome.REJECTED, f"writer {writer} wrote pages [{page_start}, "
+                                             f"{page_start + num_pages}) twice")
+        cov[page_start:page_start + num_pages] = True
+        self._covered_count[writer] += num_pages
+        self._direct_seen.add(key)
+        return Arrival(Outcome.ACCEPTED)
+
+    # -- completion -----------------------------------------------------------------------
+    @property
+    def complete(self) -> bool:
+        """Every byte of the room is in place (staged: scattered; direct: landed)."""
+        if self._pieces or self._scattered_pages:
+            return self._scattered_pages == self.num_pages
+        return all(n == self.num_pages for n in self._covered_count.values())
+
+    @property
+    def pages_done(self) -> int:
+        if self._pieces:
+            return self._scattered_pages
+        return min(self._covered_count.values())
+
+    def _in_range(self, page_start: int, num_pages: int) -> bool:
+        return num_pages > 0 and page_start >= 0 and page_start + num_pages <= self.num_pages
+
+    def _check_range(self, page_start: int, num_pages: int) -> None:
+        if not self._in_range(page_start, num_pages):
+            raise ValueError(f"pages [{page_start}, {page_start + num_pages}) outside the room's "
+                             f"{self.num_pages} pages")
