@@ -42,6 +42,13 @@ class Message(msgspec.Struct, tag_field="t", kw_only=True, frozen=True):
 M = TypeVar("M", bound=Message)
 
 
+class _Versioned(msgspec.Struct):
+    """Just the version of any message: read first, so a newer peer gets "version", not
+    "malformed", even when its messages have other fields."""
+
+    v: int = WIRE_VERSION
+
+
 def load_token(token: str | None = None, token_file: str | os.PathLike | None = None) -> bytes | None:
     """The shared secret: explicit value, else a file's first line, else $KVSTAGE_AUTH_TOKEN.
 
@@ -71,6 +78,7 @@ class Codec(Generic[M]):
                  max_frame: int = DEFAULT_MAX_FRAME):
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder = msgspec.msgpack.Decoder(_union(types))
+        self._version = msgspec.msgpack.Decoder(_Versioned)
         self.token = token
         self.max_frame = max_frame
 
@@ -91,12 +99,15 @@ class Codec(Generic[M]):
             if len(mac) != MAC_BYTES or not hmac.compare_digest(mac, sign(self.token, payload)):
                 raise WireError("auth", "missing or wrong token")
         try:
-            msg = self._decoder.decode(payload)
+            version = self._version.decode(payload).v
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise WireError("malformed", str(exc)) from None
-        if msg.v != WIRE_VERSION:
-            raise WireError("version", f"version {msg.v}, this build speaks {WIRE_VERSION}")
-        return msg
+        if version != WIRE_VERSION:
+            raise WireError("version", f"version {version}, this build speaks {WIRE_VERSION}")
+        try:
+            return self._decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise WireError("malformed", str(exc)) from None
 
 
 def _union(types: Sequence[type]) -> Any:

@@ -8,9 +8,12 @@ each request with the deterministic pattern (kv_pattern.py) and sends them in ch
 decode rank receives into random pages and verifies every byte. Per-request outcomes, latencies
 and the managers' stats are written as JSON to spec["result"].
 
-Scenario knobs per room (all optional): abort_after (prefill: chunks sent before abort(); decode:
-seconds after init before abort()), create_delay_s (prefill: wait before creating the sender),
-init_delay_s (decode), chunk_delay_s (prefill: pause between chunks).
+Scenario knobs per room (all optional): abort_after_chunks (prefill: chunks sent before abort()),
+abort_after_s (decode: seconds after init before abort()), create_delay_s (prefill: wait before
+creating the sender), init_delay_s (decode: wait before init()), abort_before_init (decode: abort
+right after creating the receiver), chunk_delay_s (prefill: pause between chunks), hold_last_until
+(prefill: send the last chunk only once these files exist), touch_after_abort (decode: create this
+file, "{rank}" replaced by its rank, once it aborted).
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ def build(spec: dict, bootstrap: str) -> tuple[KVManager, KVLayout, KVBuffers, K
                        host=spec.get("host", "127.0.0.1"), staging_workers=spec.get("workers"),
                        staging_buffer_mb=spec.get("buffer_mb"), ring_mb=spec.get("ring_mb"),
                        timeouts=Timeouts.from_env(**spec.get("timeouts", {})),
-                       backend_options=spec.get("backend_options", {}), auth_token=spec.get("token"))
+                       backend_options=spec.get("backend_options", {}), auth_token=spec.get("token"),
+                       faults=spec.get("faults"))
     mgr = KVManager(cfg, layout, buffers)
     return mgr, layout, buffers, KVPattern(layout, seed=spec.get("pattern_seed", 7))
 
@@ -144,6 +148,10 @@ def start_room(mgr: KVManager, spec: dict, r: dict, pages: np.ndarray, pattern: 
             st["handle"] = mgr.sender(r["room"], len(pages))
     else:
         st["handle"] = mgr.receiver(r["room"], spec["peer_engine"])
+        if r.get("abort_before_init"):
+            st["handle"].abort()
+            st["aborted"], st["inited"], st["init_at"] = True, True, 0
+            return st
         delay = r.get("init_delay_s", 0)
         st["init_at"] = time.perf_counter() + delay
         st["inited"] = False
@@ -174,11 +182,13 @@ def advance(mgr: KVManager, spec: dict, st: dict) -> bool:
             st["handle"] = h = mgr.sender(r["room"], len(st["pages"]))
         chunks = r.get("chunks") or [len(st["pages"])]
         if st["chunk"] < len(chunks) and now >= st.get("next_chunk_at", 0):
-            if r.get("abort_after") is not None and st["chunk"] >= r["abort_after"] and not st["aborted"]:
+            if r.get("abort_after_chunks") is not None and st["chunk"] >= r["abort_after_chunks"] and not st["aborted"]:
                 h.abort()
                 st["aborted"] = True
                 return True
             if st["aborted"]:
+                return False
+            if st["chunk"] == len(chunks) - 1 and not all(map(os.path.exists, r.get("hold_last_until", []))):
                 return False
             n = chunks[st["chunk"]]
             h.send(st["pages"][st["sent"]:st["sent"] + n], last=st["chunk"] == len(chunks) - 1)
@@ -191,10 +201,12 @@ def advance(mgr: KVManager, spec: dict, st: dict) -> bool:
             h.init(st["pages"])
             st["inited"], st["t0"] = True, time.perf_counter()
             return True
-        ab = r.get("abort_after")
+        ab = r.get("abort_after_s")
         if ab is not None and st["inited"] and not st["aborted"] and now - st["t0"] >= ab:
             h.abort()
             st["aborted"] = True
+            if r.get("touch_after_abort"):
+                open(r["touch_after_abort"].format(rank=spec["rank"]), "w").close()
             return True
     if st["t_done"] is None and h.poll() in DONE:
         st["t_done"] = time.perf_counter()

@@ -90,6 +90,7 @@ class EngineConfig:
     ring_mb: float | None = None             # decode ring; env SGLANG_DISAGG_STAGING_POOL_SIZE_MB, 256
     timeouts: Timeouts | None = None         # None: Timeouts.from_env()
     backend_options: dict = field(default_factory=dict)
+    faults: dict | None = None               # tests and drills only: transfer.backends.faults.FaultPlan
 
     def resolved(self) -> "EngineConfig":
         """A copy with every None filled from the environment, validated."""

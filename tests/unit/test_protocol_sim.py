@@ -108,3 +108,17 @@ def test_abort_mid_transfer_reaches_the_other_side(seed, side):
     assert all(w.status_d[(d, 2)] is KVPoll.Success for d in range(4)) and w.check_bytes(2)
     assert all(r.live_regions == 0 for r in w.rings)
     assert (0, 1) in w.released_p or side == "decode"
+
+
+def test_prefill_abort_before_any_metadata_still_releases_decode():
+    """The prefill aborts before the decode metadata arrives: the late metadata is answered
+    with the failure AND a promise not to write, so the decode side releases the room."""
+    g = Geometry(P=2, D=2, H=4, staged=False)
+    w = World(g, 3)
+    w.add_room(1, 4, [2, 2])
+    w.apply_p(0, w.rooms_p[(0, 1)].abort(w.now))   # before any message was delivered
+    w.run()
+    w.refresh_status()
+    assert w.status_p[(0, 1)] is KVPoll.Failed
+    assert w.status_d[(0, 1)] is KVPoll.Failed and "abort" in w.rooms_d[(0, 1)].failure
+    assert (0, 1) in w.released_d

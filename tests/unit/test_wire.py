@@ -24,7 +24,7 @@ def samples():
               ring=RingInfo(addr=99, size=1 << 20, epoch=5), staging=True),
         RoomMeta(src=1, dst=2, room=42, session=7, num_pages=3, staged=False, dst_pages=encode_pages(np.array([5, 1, 9]))),
         AllocRequest(src=1, dst=2, room=42, session=7, chunk=0, page_start=0, num_pages=3),
-        AllocGrant(src=2, dst=1, room=42, session=7, chunk=0, epoch=5, pieces=[Piece(0, 0, 3, 4096, 1024, 512)]),
+        AllocGrant(src=2, dst=1, room=42, session=7, chunk=0, epoch=5, pieces=[Piece(0, 0, 3, 4096, 1024)]),
         WatermarkUpdate(src=2, dst=1, epoch=5, round=3, tail=256),
     ]
 

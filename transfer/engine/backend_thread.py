@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 MIN_SLEEP = 20e-6
 MAX_EAGER_SLEEP = 1e-3
-IDLE_WAIT = 10e-3
+IDLE_WAIT = 50e-3  # nothing pending, no tags expected: wake for commands, else rarely
 ABANDON_AFTER_DISCONNECT = 5.0
 
 

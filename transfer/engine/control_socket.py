@@ -19,8 +19,9 @@ MAX_BATCH = 512
 
 
 class ControlSocket:
-    def __init__(self, ctx: zmq.Context, host: str, port: int, codec: Codec):
+    def __init__(self, ctx: zmq.Context, host: str, port: int, codec: Codec, faults=None):
         self.codec = codec
+        self.faults = faults  # transfer.backends.faults.ControlFaults, tests only
         self._ctx = ctx
         self.router = ctx.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
@@ -46,6 +47,21 @@ class ControlSocket:
         return out
 
     def send(self, endpoint: str, msg: object) -> bool:
+        frames = self.codec.encode(msg)
+        if self.faults is None:
+            return self._send_frames(endpoint, frames)
+        ok = True
+        for ep, f in self.faults.outgoing(endpoint, frames):
+            ok &= self._send_frames(ep, f)
+        return ok
+
+    def flush_held(self) -> None:
+        """Send frames a fault plan held back (tests only)."""
+        if self.faults is not None:
+            for ep, f in self.faults.due():
+                self._send_frames(ep, f)
+
+    def _send_frames(self, endpoint: str, frames: list[bytes]) -> bool:
         sock = self._dealers.get(endpoint)
         if sock is None:
             sock = self._ctx.socket(zmq.DEALER)
@@ -54,7 +70,7 @@ class ControlSocket:
             sock.connect(endpoint)
             self._dealers[endpoint] = sock
         try:
-            sock.send_multipart(self.codec.encode(msg), zmq.NOBLOCK)
+            sock.send_multipart(frames, zmq.NOBLOCK)
             return True
         except zmq.Again:
             self.dropped_sends += 1

@@ -50,7 +50,8 @@ from .stats import Stats
 
 log = logging.getLogger("kvstage")
 
-TICK = 0.02
+TICK = 0.02        # deadline checks while rooms are active
+IDLE_TICK = 0.1    # ... and while none is (heartbeats and leases are seconds-scale)
 _OP_IDS = itertools.count(1)  # write ids, unique in the process
 FINISHED_MEMORY = 65536
 MAX_PENDING_ROOMS = 65536
@@ -83,19 +84,21 @@ class EngineView:
     records: list = field(default_factory=list)
     error: str = ""
     rooms: set = field(default_factory=set)
+    tombstones: list = field(default_factory=list)  # rooms that failed before their metadata went out
 
 
 class EngineLoop:
     def __init__(self, cfg: EngineConfig, layout: KVLayout, buffers: KVBuffers, me: int,
                  backend: BackendThread, backend_name: str, identity: bytes, handler: StagingHandler,
-                 stats: Stats, lookup: Callable[[str, float], list], codec, ctx: zmq.Context):
+                 stats: Stats, lookup: Callable[[str, float], list], codec, ctx: zmq.Context,
+                 control_faults: Any = None):
         self.cfg, self.layout, self.buffers, self.me = cfg, layout, buffers, me
         self.t = cfg.timeouts
         self.role = cfg.role
         self.backend, self.backend_name, self.identity = backend, backend_name, identity
         self.handler, self.stats, self._lookup = handler, stats, lookup
         self.events = EventQueue()
-        self.sock = ControlSocket(ctx, cfg.host, cfg.ctrl_port, codec)
+        self.sock = ControlSocket(ctx, cfg.host, cfg.ctrl_port, codec, control_faults)
         self.tags = TagCodec(cfg.token_bytes)
         self.summary: LayoutSummary = layout.summary()
         device = (buffers.device.index or 0) if buffers.device.type == "cuda" else 0
@@ -108,10 +111,11 @@ class EngineLoop:
         self.gone: OrderedDict[int, str] = OrderedDict()            # incarnations lost or replaced
         self.rooms: dict[int, Any] = {}
         self.status: dict[int, Any] = {}
-        self.finished: OrderedDict[int, None] = OrderedDict()
+        self.finished: OrderedDict[int, tuple[str, str]] = OrderedDict()  # room -> (kind, reason)
         self.pending: dict[int, list] = defaultdict(list)          # prefill: room -> early messages
         self.pending_since: dict[int, float] = {}
         self.engines: dict[str, EngineView] = {}
+        self.engine_of: dict[int, str] = {}                         # decode: room -> prefill engine
         self.waiting: dict[int, list] = defaultdict(list)          # decode peer -> staged ops + queued time
         self.write_deadline: dict[int, tuple[int, float]] = {}     # op id -> (room, deadline)
         self.workers: TransferWorkers | None = None
@@ -153,7 +157,8 @@ class EngineLoop:
                     self._safely(self._on_event, ev)
                 now = time.monotonic()
                 if now >= self._next_tick:
-                    self._next_tick = now + TICK
+                    self._next_tick = now + (TICK if self.rooms or self.waiting else IDLE_TICK)
+                    self.sock.flush_held()
                     self._safely(self._tick, now)
         finally:
             self._teardown()
@@ -295,7 +300,8 @@ class EngineLoop:
         view = self.engines.get(engine_id)
         if view is None or view.state == "failed" or (view.state == "ready" and self._stale(view)):
             rooms = view.rooms if view is not None else set()
-            view = EngineView(engine_id, rooms=rooms)
+            tombs = view.tombstones if view is not None else []
+            view = EngineView(engine_id, rooms=rooms, tombstones=tombs)
             self.engines[engine_id] = view
             threading.Thread(target=self._do_lookup, args=(engine_id,), name="kvstage-lookup", daemon=True).start()
         return view
@@ -335,6 +341,34 @@ class EngineLoop:
             return
         for room_id in list(view.rooms):
             self._try_plan(self.rooms.get(room_id), view, now)
+        self._flush_tombstones(view, now)
+
+    def _flush_tombstones(self, view: EngineView, now: float) -> None:
+        """Tell the prefill ranks of rooms that failed here before they heard of them, so
+        their senders fail now rather than at their metadata deadline."""
+        if not view.tombstones:
+            return
+        if view.state == "failed":
+            view.tombstones.clear()
+            return
+        if view.state != "ready":
+            return
+        writers, notices, _ = self._needed_ranks(view)
+        keep = []
+        for room_id, session, kind, reason, since in view.tombstones:
+            if now - since > self.t.metadata:
+                continue
+            waiting = False
+            for rank in writers + notices:
+                peer = self._ensure_peer(view, rank, now)
+                if peer.state == "connected":
+                    self._send(peer.key, RoomFailed(src=self.me, dst=peer.key.incarnation, room=room_id,
+                                                    session=session, kind=kind, reason=reason))
+                elif peer.state == "connecting":
+                    waiting = True
+            if waiting:
+                keep.append((room_id, session, kind, reason, since))
+        view.tombstones = keep
 
     def _needed_ranks(self, view: EngineView) -> tuple[list[int], list[int], Any]:
         P = view.records[0].tp_size
@@ -479,6 +513,7 @@ class EngineLoop:
         self.rooms[ev.room] = room
         self.status[ev.room] = ev.status
         self.finished.pop(ev.room, None)
+        self.engine_of[ev.room] = ev.prefill_engine
         view = self._engine(ev.prefill_engine, now)
         view.rooms.add(ev.room)
         self._try_plan(room, view, now)
@@ -491,8 +526,10 @@ class EngineLoop:
         kind, key, msg = item
         if room_id in self.finished:
             if kind == "meta":  # the decode side must not wait for a room that is over here
+                kind_, why = self.finished[room_id]
                 self._send(key, RoomFailed(src=self.me, dst=key.incarnation, room=room_id, session=msg.session,
-                                           kind="gone", reason="the prefill sender of this room has finished"))
+                                           kind=kind_, reason=f"the prefill sender of this room has finished: {why}"))
+                self._send(key, Quiesced(src=self.me, dst=key.incarnation, room=room_id, session=msg.session))
             self.stats.count("dropped_messages", "finished_room")
             return
         if len(self.pending) >= MAX_PENDING_ROOMS and room_id not in self.pending:
@@ -635,14 +672,22 @@ class EngineLoop:
             self.stats.count("rooms", "failed")
             self.stats.count("failures_by_kind", a.failure_kind or "unknown")
             log.warning("room %s failed (%s): %s", room.room, a.failure_kind, a.failure)
+            if self.role == "decode" and not room.meta_sent and a.failure_kind not in ("layout",):
+                view = self.engines.get(self.engine_of.get(room.room, ""))
+                if view is not None:
+                    view.rooms.discard(room.room)
+                    view.tombstones.append((room.room, room.session, a.failure_kind or "failed", a.failure or "",
+                                            time.monotonic()))
+                    self._flush_tombstones(view, time.monotonic())
 
     def _released(self, room: Any) -> None:
         self.rooms.pop(room.room, None)
+        self.engine_of.pop(room.room, None)
         self.status.pop(room.room, None)
         if room.room in self._eager_rooms:
             self._eager_rooms.discard(room.room)
             self.backend.expect_tags(-1)
-        self.finished[room.room] = None
+        self.finished[room.room] = (room.failure_kind or "gone", room.failure or "it succeeded")
         while len(self.finished) > FINISHED_MEMORY:
             self.finished.popitem(last=False)
 

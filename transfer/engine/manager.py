@@ -20,9 +20,11 @@ from staging.handler import StagingHandler
 
 from ..backends import create_backend
 from ..backends.base import MemRegion
+from ..backends.faults import ControlFaults, FaultPlan, FaultyBackend
 from ..config import EngineConfig
 from ..layout import KVBuffers, KVLayout
 from ..protocol.messages import peer_codec
+from ..protocol.tags import TagCodec
 from .backend_thread import BackendThread
 from .events import Call, NewReceiver, NewSender, TagsArrived
 from .handles import KVReceiver, KVSender, RoomStatus
@@ -56,9 +58,9 @@ class KVManager:
     def _start(self, cfg: EngineConfig) -> None:
         stack = self._stack
         self.name = f"kvstage-{cfg.engine_id}-{cfg.role}{self.layout.tp_rank}-{self.incarnation & 0xFFFFFF:06x}"
-        self._backend = BackendThread(
-            lambda: create_backend(cfg.backend, self.name, cfg.host, **cfg.backend_options),
-            lambda tags: self._loop.post(TagsArrived(list(tags))), name="kvstage-backend")
+        plan = FaultPlan.from_dict(cfg.faults) if cfg.faults else None
+        self._backend = BackendThread(lambda: self._make_backend(cfg, plan),
+                                      lambda tags: self._loop.post(TagsArrived(list(tags))), name="kvstage-backend")
         stack.callback(self._backend.stop)
         kind = "VRAM" if self.buffers.device.type == "cuda" else "DRAM"
         dev = (self.buffers.device.index or 0) if kind == "VRAM" else 0
@@ -84,7 +86,7 @@ class KVManager:
         self._loop = EngineLoop(cfg, self.layout, self.buffers, self.incarnation, self._backend, backend_name,
                                 identity, self._handler, self._stats,
                                 lambda engine, timeout: self._bootstrap.lookup(engine, timeout_s=timeout),
-                                peer_codec(cfg.token_bytes), self._ctx)
+                                peer_codec(cfg.token_bytes), self._ctx, ControlFaults(plan) if plan else None)
         stack.callback(self._stop_loop)
         self._loop.start()
         self.endpoint = self._loop.endpoint
@@ -96,6 +98,21 @@ class KVManager:
         self._bootstrap.start_keepalive(self._info, interval_s=cfg.timeouts.heartbeat)
         log.info("kvstage %s rank %d of %s ready on %s (backend %s, staging %s)", cfg.role, self.layout.tp_rank,
                  cfg.engine_id, self.endpoint, cfg.backend, "on" if cfg.staging else "off")
+
+    def _make_backend(self, cfg: EngineConfig, plan: FaultPlan | None):
+        backend = create_backend(cfg.backend, self.name, cfg.host, **cfg.backend_options)
+        if plan is None:
+            return backend
+        log.warning("kvstage rank %s runs with injected faults: %s", self.name, plan)
+        codec = TagCodec(cfg.token_bytes)
+        rooms = set(plan.corrupt_rooms)
+
+        def retag(data: bytes) -> bytes | None:
+            tag = codec.decode(data)
+            if tag.room not in rooms:
+                return None
+            return codec.encode(msgspec.structs.replace(tag, ring_start=tag.ring_start + 256, page_start=tag.page_start + 1))
+        return FaultyBackend(backend, plan, retag)
 
     def _pools(self) -> dict[str, int]:
         pools = {"kv": sum(t.numel() * t.element_size() for t in self.buffers.tensors())}

@@ -105,7 +105,9 @@ class PrefillRoom:
     def add_meta(self, peer: PeerKey, decode_tp: int, meta: RoomMeta, now: float) -> list[Action]:
         if self.state in TERMINAL:
             if self.state is KVPoll.Failed:
-                return [Send(peer, self._failed_msg(peer, meta.session))]
+                # never wrote to a peer it had not heard from: it may reuse its memory at once
+                return [Send(peer, self._failed_msg(peer, meta.session)),
+                        Send(peer, Quiesced(src=self.me, dst=peer.incarnation, room=self.room, session=meta.session))]
             return []
         if self.decode_engine is not None and peer.engine_id != self.decode_engine:
             return [Send(peer, RoomFailed(src=self.me, dst=peer.incarnation, room=self.room, session=meta.session,

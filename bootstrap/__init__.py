@@ -1,0 +1,11 @@
+"""kvstage rendezvous: the bootstrap server (``python -m bootstrap``) and the client ranks use.
+
+Prefill and decode ranks register here and look up each other's ranks; see docs/bootstrap.md.
+This package must not import torch: the server runs on machines without it.
+"""
+
+from .client import (BootstrapAuthError, BootstrapClient, BootstrapError, BootstrapTimeout,
+                     RankInfo, RankRecord, new_incarnation)
+
+__all__ = ["BootstrapClient", "RankInfo", "RankRecord", "BootstrapError", "BootstrapTimeout",
+           "BootstrapAuthError", "new_incarnation"]

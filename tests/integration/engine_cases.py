@@ -1,0 +1,130 @@
+"""Builds multi-geometry runs for the engine tests: every (topology, geometry) pair becomes one
+prefill engine and one decode engine; rank r of every engine lives in the same process, so a
+whole matrix costs one process per rank slot."""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "examples"))
+
+from cluster import Cluster  # noqa: E402
+
+TEST_TIMEOUTS = {"lease": 20.0, "heartbeat": 0.5, "connect": 20.0, "bootstrap": 45.0, "close": 5.0}
+
+
+@dataclass(frozen=True)
+class Topo:
+    P: int
+    D: int
+    H: int
+    mla: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"P{self.P}D{self.D}H{self.H}{'mla' if self.mla else ''}"
+
+
+@dataclass
+class Case:
+    topo: Topo
+    page_size: int = 16
+    dtype: str = "bfloat16"
+    staging: bool = False
+    backend: str = "nixl"
+    rooms: list = field(default_factory=list)
+    extra: dict = field(default_factory=dict)          # more pd_rank spec keys for both sides
+    prefill_extra: dict = field(default_factory=dict)
+    decode_extra: dict = field(default_factory=dict)
+    layers: int = 2
+    head_dim: int = 16
+    pages: int = 512
+
+    @property
+    def name(self) -> str:
+        return (f"{self.topo.name}-ps{self.page_size}-{self.dtype}-{'st' if self.staging else 'dr'}-"
+                f"{self.backend}")
+
+    def geometry(self) -> dict:
+        return {"layers": self.layers, "heads": self.topo.H, "head_dim": self.head_dim, "dtype": self.dtype,
+                "page_size": self.page_size, "pages": self.pages, "mla": self.topo.mla}
+
+
+def random_rooms(seed: int, count: int, page_size: int, max_tokens: int = 300, base: int = 1000) -> list[dict]:
+    """Random request lengths (1 token and non page-aligned included), uneven chunks."""
+    rng = random.Random(seed)
+    rooms = []
+    for i in range(count):
+        tokens = 1 if i == 0 else rng.choice([rng.randint(1, max_tokens), rng.randint(1, 40)])
+        pages = -(-tokens // page_size)
+        k = rng.randint(1, min(pages, 4))
+        cuts = sorted(rng.sample(range(1, pages), k - 1)) if k > 1 else []
+        b = [0] + cuts + [pages]
+        rooms.append({"room": base + i, "pages": pages, "tokens": tokens,
+                      "chunks": [y - x for x, y in zip(b, b[1:])]})
+    return rooms
+
+
+def manager_specs(case: Case, role: str, rank: int, barrier: dict) -> dict:
+    t = case.topo
+    spec = {"role": role, "rank": rank, "tp": t.P if role == "prefill" else t.D,
+            "engine": f"{'p' if role == 'prefill' else 'd'}-{case.name}", "backend": case.backend,
+            "staging": case.staging, "geometry": case.geometry(), "rooms": case.rooms, "ring_mb": 1,
+            "buffer_mb": 1, "workers": 2, "timeouts": dict(TEST_TIMEOUTS), "barrier": barrier, "inflight": 16}
+    if role == "decode":
+        spec["peer_engine"] = f"p-{case.name}"
+    spec.update(case.extra)
+    spec.update(case.prefill_extra if role == "prefill" else case.decode_extra)
+    return spec
+
+
+def run_cases(cases: list[Case], timeout: float = 240, env: dict | None = None, server_args: list | None = None):
+    """Run every case in one cluster; return {case name: {"prefill": [...], "decode": [...]}}
+    with each rank's result dict, plus the processes for exit-code checks."""
+    nprefill = max(c.topo.P for c in cases)
+    ndecode = max(c.topo.D for c in cases)
+    total = sum(c.topo.P + c.topo.D for c in cases)
+    out = {c.name: {"prefill": [], "decode": []} for c in cases}
+    t0 = time.monotonic()
+    with Cluster(env=env, server_args=server_args) as cl:
+        barrier = cl.barrier(total, timeout_s=timeout)
+        for r in range(nprefill):
+            specs = [manager_specs(c, "prefill", r, barrier) for c in cases if r < c.topo.P]
+            cl.launch(specs, f"prefill{r}")
+        for r in range(ndecode):
+            specs = [manager_specs(c, "decode", r, barrier) for c in cases if r < c.topo.D]
+            cl.launch(specs, f"decode{r}")
+        procs = cl.wait(timeout + 30)
+        for p in procs:
+            for res in p.result():
+                case = res["name"].split("/")[0][2:]
+                out[case][res["role"]].append(res)
+        logs = {Path(p.log_path).name: p.log() for p in procs}
+        codes = [p.proc.returncode for p in procs]
+    return out, codes, logs, time.monotonic() - t0
+
+
+def problems(results: dict, codes: list, logs: dict, expect_success: bool = True) -> list[str]:
+    """Everything that is not a clean, verified success, as readable lines."""
+    bad = []
+    if any(codes):
+        bad.append(f"rank process exit codes {codes}")
+    for case, sides in results.items():
+        for side, ranks in sides.items():
+            for res in ranks:
+                if res.get("error"):
+                    bad.append(f"{case} {res['name']}: {res['error']}\n{res.get('traceback', '')}")
+                for r in res.get("rooms", []):
+                    if expect_success and (r["state"] != "Success" or r["verified"] is False):
+                        bad.append(f"{case} {res['name']} room {r['room']}: {r['state']} {r['failure']} "
+                                   f"{r.get('error') or ''}")
+    if bad:
+        for name, text in logs.items():
+            if "Traceback" in text or "ERROR" in text:
+                bad.append(f"--- {name}\n{text[-3000:]}")
+    return bad

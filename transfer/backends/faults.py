@@ -1,0 +1,176 @@
+"""Deliberate misbehaviour around a real backend and the control plane, for tests and drills.
+
+`FaultyBackend` wraps a real NIXL or Mooncake backend: the bytes still move for real, but the
+notifications that arrive can be dropped, duplicated, reordered, delayed or corrupted, chosen
+writes can be reported failed, and the tags of chosen rooms can be rewritten so they disagree
+with their ring allocation. `ControlFaults` does the same to control-plane messages. Enable
+through `EngineConfig.faults` (a dict; see docs/operations.md); never in production.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .base import ArrivedTag, Backend, MemRegion, Registration, WriteHandle, WriteState
+
+
+@dataclass
+class FaultPlan:
+    drop_tags: float = 0.0          # probability an arrived notification is lost
+    dup_tags: float = 0.0           # probability it is delivered twice
+    reorder_tags: float = 0.0       # probability it is held back and delivered later, shuffled
+    corrupt_tags: float = 0.0       # probability a byte of it is flipped
+    fail_writes: float = 0.0        # probability a completed write is reported failed
+    corrupt_rooms: list = field(default_factory=list)  # rooms whose tags lie about their ring offset
+    drop_msgs: float = 0.0          # control plane: probability a message is not sent
+    dup_msgs: float = 0.0           # ... sent twice
+    reorder_msgs: float = 0.0       # ... held back and sent later
+    corrupt_msgs: float = 0.0       # ... a byte flipped
+    hold_s: float = 0.05            # how long held items wait at most
+    seed: int = 0
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FaultPlan":
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown fault settings: {sorted(unknown)}")
+        return cls(**d)
+
+
+class _Holder:
+    """Items held back for a random while, released shuffled."""
+
+    def __init__(self, rng: random.Random, hold_s: float):
+        self.rng, self.hold_s = rng, hold_s
+        self.items: list[tuple[float, object]] = []
+
+    def hold(self, item: object) -> None:
+        self.items.append((time.monotonic() + self.rng.uniform(0, self.hold_s), item))
+
+    def due(self, force: bool = False) -> list:
+        now = time.monotonic()
+        ready = [x for x in self.items if force or x[0] <= now]
+        self.items = [x for x in self.items if not (force or x[0] <= now)]
+        self.rng.shuffle(ready)
+        return [item for _, item in ready]
+
+
+def _flip(rng: random.Random, data: bytes) -> bytes:
+    if not data:
+        return data
+    b = bytearray(data)
+    i = rng.randrange(len(b))
+    b[i] ^= 1 << rng.randrange(8)
+    return bytes(b)
+
+
+class FaultyBackend(Backend):
+    def __init__(self, inner: Backend, plan: FaultPlan, retag: Callable[[bytes], bytes | None] | None = None):
+        """`retag(tag) -> tag` rewrites a tag of a room in plan.corrupt_rooms (None: leave it)."""
+        self.inner, self.plan, self._retag = inner, plan, retag
+        self.kind = inner.kind
+        self._rng = random.Random(plan.seed)
+        self._held = _Holder(self._rng, plan.hold_s)
+        self._failed: set[int] = set()
+        self.injected: dict[str, int] = {}
+
+    def _count(self, what: str) -> None:
+        self.injected[what] = self.injected.get(what, 0) + 1
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def identity(self) -> bytes:
+        return self.inner.identity()
+
+    def register(self, regions: Sequence[MemRegion]) -> Registration:
+        return self.inner.register(regions)
+
+    def deregister(self, registration: Registration) -> None:
+        self.inner.deregister(registration)
+
+    def connect(self, peer_identity: bytes) -> str:
+        return self.inner.connect(peer_identity)
+
+    def disconnect(self, peer: str) -> None:
+        self.inner.disconnect(peer)
+
+    def post_write(self, peer: str, src: np.ndarray, dst: np.ndarray, tag: bytes) -> WriteHandle:
+        if self._retag is not None and self.plan.corrupt_rooms:
+            new = self._retag(tag)
+            if new is not None:
+                tag = new
+                self._count("corrupted_room_tag")
+        return self.inner.post_write(peer, src, dst, tag)
+
+    def poll_write(self, handle: WriteHandle) -> WriteState:
+        state = self.inner.poll_write(handle)
+        if state is WriteState.DONE and self.plan.fail_writes and self._rng.random() < self.plan.fail_writes:
+            handle.state, handle.reason = WriteState.FAILED, "injected write failure"
+            self._count("failed_write")
+            return WriteState.FAILED
+        return state
+
+    def release_write(self, handle: WriteHandle) -> None:
+        self.inner.release_write(handle)
+
+    def progress(self) -> None:
+        self.inner.progress()
+
+    def drain_tags(self) -> list[ArrivedTag]:
+        p, rng = self.plan, self._rng
+        out: list[ArrivedTag] = []
+        for t in self.inner.drain_tags():
+            if rng.random() < p.drop_tags:
+                self._count("dropped_tag")
+                continue
+            if rng.random() < p.corrupt_tags:
+                t = ArrivedTag(t.peer, _flip(rng, t.tag))
+                self._count("corrupted_tag")
+            copies = 2 if rng.random() < p.dup_tags else 1
+            if copies == 2:
+                self._count("duplicated_tag")
+            for _ in range(copies):
+                if rng.random() < p.reorder_tags:
+                    self._held.hold(t)
+                    self._count("reordered_tag")
+                else:
+                    out.append(t)
+        return out + self._held.due()
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class ControlFaults:
+    """The control-plane half: applied by ControlSocket to every frame it sends."""
+
+    def __init__(self, plan: FaultPlan):
+        self.plan = plan
+        self._rng = random.Random(plan.seed + 1)
+        self._held = _Holder(self._rng, plan.hold_s)
+
+    def outgoing(self, endpoint: str, frames: list[bytes]) -> list[tuple[str, list[bytes]]]:
+        """What to actually send now for one frame (possibly nothing, or several)."""
+        p, rng = self.plan, self._rng
+        out = [(e, f) for e, f in self._held.due()]
+        if rng.random() < p.drop_msgs:
+            return out
+        if rng.random() < p.corrupt_msgs:
+            frames = [_flip(rng, frames[0]), frames[1]]
+        copies = 2 if rng.random() < p.dup_msgs else 1
+        for _ in range(copies):
+            if rng.random() < p.reorder_msgs:
+                self._held.hold((endpoint, frames))
+            else:
+                out.append((endpoint, frames))
+        return out
+
+    def due(self) -> list[tuple[str, list[bytes]]]:
+        return self._held.due()
