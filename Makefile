@@ -1,6 +1,7 @@
 # kvstage set-up and entry points. Every target creates or reuses the virtual environment in
 # .venv at the repository root; nothing needs to be installed by hand.
 #
+#   make demo   install everything (once), then run the PD demo (examples/pd_demo.py)
 #   make test   install everything (once), then run the whole test suite
 #   make venv   only the installation
 
@@ -14,8 +15,9 @@ REQS   := requirements/torch.txt requirements/nixl.txt requirements/base.txt pyp
 APT_PACKAGES := libibverbs1 libnuma1 iproute2
 
 PYTEST_ARGS ?=
+DEMO_ARGS ?=
 
-.PHONY: venv test apt clean
+.PHONY: venv test demo apt clean
 
 venv: $(STAMP)
 
@@ -43,6 +45,9 @@ $(STAMP): $(REQS) | apt
 
 test: apt $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: apt $(STAMP)
+	$(PY) examples/pd_demo.py $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

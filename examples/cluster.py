@@ -35,6 +35,11 @@ class Server:
     proc: subprocess.Popen
     addr: str
 
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
     def stop(self) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -66,6 +71,12 @@ class RankProc:
     result_path: str
     log_path: str
 
+    def kill(self) -> None:
+        """SIGKILL: the process dies with no chance to say goodbye."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
     def result(self) -> list:
         try:
             return json.load(open(self.result_path))
@@ -92,6 +103,19 @@ class Cluster:
     def __enter__(self) -> "Cluster":
         self.server = start_bootstrap(env=self.env, args=self.server_args)
         return self
+
+    def restart_server(self, down_s: float = 0.5) -> None:
+        """Kill the bootstrap server (SIGKILL) and start a new one on the same port."""
+        host, port = self.server.addr.rsplit(":", 1)
+        self.server.kill()
+        time.sleep(down_s)
+        for _ in range(50):
+            try:
+                self.server = start_bootstrap(host=host, port=int(port), env=self.env, args=self.server_args)
+                return
+            except RuntimeError:
+                time.sleep(0.1)
+        raise RuntimeError("could not restart the bootstrap server on its port")
 
     def __exit__(self, *exc) -> None:
         for p in self.procs:

@@ -111,6 +111,11 @@ def drive(spec: dict, bootstrap: str, result: dict) -> None:
                 pool.give(st["pages"])
                 del active[room_id]
                 progressed = True
+                if spec.get("progress"):
+                    _write_progress(spec["progress"], out)
+        if spec.get("started_file") and not os.path.exists(spec["started_file"]) and active and \
+                all(st["handle"].poll() in (KVPoll.Transferring,) for st in active.values()):
+            open(spec["started_file"], "w").close()  # tests strike "mid-transfer" after this
         if not progressed:
             time.sleep(0.0005)
     for room_id, st in active.items():  # ran out of time
@@ -136,9 +141,16 @@ def barrier(b: dict | None, name: str) -> None:
         time.sleep(0.05)
 
 
+def _write_progress(path: str, out: list) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump({"done": len(out), "ok": sum(r["state"] == "Success" and r["verified"] is not False for r in out)}, f)
+    os.replace(tmp, path)
+
+
 def start_room(mgr: KVManager, spec: dict, r: dict, pages: np.ndarray, pattern: KVPattern, tensors) -> dict:
     st = {"room": r["room"], "pages": pages, "spec": r, "t0": time.perf_counter(), "chunk": 0, "sent": 0,
-          "aborted": False, "t_done": None}
+          "aborted": False, "t_done": None, "wall0": time.time()}
     if spec["role"] == "prefill":
         pattern.fill(tensors, r["room"], pages)
         delay = r.get("create_delay_s", 0)
@@ -157,7 +169,7 @@ def start_room(mgr: KVManager, spec: dict, r: dict, pages: np.ndarray, pattern: 
         st["inited"] = False
         if not delay:
             st["handle"].init(pages)
-            st["inited"], st["t0"] = True, time.perf_counter()
+            st["inited"], st["t0"], st["wall0"] = True, time.perf_counter(), time.time()
     if st.get("handle") is None:
         st["handle"] = _Pending()
     return st
@@ -199,7 +211,7 @@ def advance(mgr: KVManager, spec: dict, st: dict) -> bool:
     else:
         if not st["inited"] and now >= st["init_at"]:
             h.init(st["pages"])
-            st["inited"], st["t0"] = True, time.perf_counter()
+            st["inited"], st["t0"], st["wall0"] = True, time.perf_counter(), time.time()
             return True
         ab = r.get("abort_after_s")
         if ab is not None and st["inited"] and not st["aborted"] and now - st["t0"] >= ab:
@@ -209,7 +221,7 @@ def advance(mgr: KVManager, spec: dict, st: dict) -> bool:
                 open(r["touch_after_abort"].format(rank=spec["rank"]), "w").close()
             return True
     if st["t_done"] is None and h.poll() in DONE:
-        st["t_done"] = time.perf_counter()
+        st["t_done"], st["wall1"] = time.perf_counter(), time.time()
     return False
 
 
@@ -218,7 +230,7 @@ def finish(spec: dict, st: dict, pattern: KVPattern, tensors) -> dict:
     state = h.poll()
     rec = {"room": st["room"], "state": state.name, "failure": h.failure, "kind": h.failure_kind,
            "latency_s": (st["t_done"] or time.perf_counter()) - st["t0"], "pages": int(len(st["pages"])),
-           "verified": None}
+           "verified": None, "start": st["wall0"], "end": st.get("wall1", time.time())}
     if spec["role"] == "decode" and state is KVPoll.Success:
         err = pattern.check(tensors, st["room"], st["pages"])
         rec["verified"] = err is None

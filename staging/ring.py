@@ -82,7 +82,7 @@ class RingAllocator:
         self._order: deque[int] = deque()   # starts of not-yet-trimmed regions, allocation order
         self._live: dict[int, Region] = {}  # start -> region
         self._watermark = Watermark(0, 0)
-        self.high_water = 0                 # most bytes live at once
+        self.high_water = 0                 # most bytes between watermark and head (backlog included)
 
     # -- queries --------------------------------------------------------------------------
     @property
@@ -95,8 +95,14 @@ class RingAllocator:
 
     @property
     def live_bytes(self) -> int:
-        """Bytes between the watermark and the head (what is not reusable yet)."""
+        """Bytes between the watermark and the head: what is not reusable yet, including
+        regions reserved ahead of free space (so it can exceed the ring's size)."""
         return self._head - self._watermark.linear(self.size) if self._live else 0
+
+    @property
+    def occupied_bytes(self) -> int:
+        """How much of the ring itself is held by live regions (at most its size)."""
+        return min(self.live_bytes, self.size)
 
     def is_free(self, region: Region) -> bool:
         return region_is_free(region.start, region.nbytes, self._watermark, self.size)

@@ -41,6 +41,7 @@ class Case:
     extra: dict = field(default_factory=dict)          # more pd_rank spec keys for both sides
     prefill_extra: dict = field(default_factory=dict)
     decode_extra: dict = field(default_factory=dict)
+    rank_extra: dict = field(default_factory=dict)     # (role, rank) -> more keys for that rank only
     layers: int = 2
     head_dim: int = 16
     pages: int = 512
@@ -80,6 +81,7 @@ def manager_specs(case: Case, role: str, rank: int, barrier: dict) -> dict:
         spec["peer_engine"] = f"p-{case.name}"
     spec.update(case.extra)
     spec.update(case.prefill_extra if role == "prefill" else case.decode_extra)
+    spec.update(case.rank_extra.get((role, rank), {}))
     return spec
 
 

@@ -47,6 +47,7 @@ class BackendThread:
         self._pending: list[_Write] = []
         self._eager_lock = threading.Lock()
         self._eager = 0
+        self._fences: dict[str, float] = {}  # peer -> monotonic time its write lease ends (under _eager_lock)
         self._stopping = False
         self.backend: Backend | None = None
         started: Future = Future()
@@ -76,6 +77,15 @@ class BackendThread:
     def disconnect(self, peer: str) -> None:
         """Forget a peer (asynchronously); its pending writes fail."""
         self._cmds.put(("disconnect", peer))
+
+    def fence(self, peer: str, until: float | None) -> None:
+        """Writes to `peer` must not be driven after `until` (time.monotonic); None: no fence.
+        The control thread moves it forward with every acknowledged heartbeat."""
+        with self._eager_lock:
+            if until is None:
+                self._fences.pop(peer, None)
+            else:
+                self._fences[peer] = until
 
     def expect_tags(self, delta: int) -> None:
         """Count of reasons to drain notifications eagerly (rooms expecting writes)."""
@@ -160,7 +170,18 @@ class BackendThread:
     def _poll_writes(self) -> bool:
         did = False
         now = time.monotonic()
+        with self._eager_lock:
+            fences = dict(self._fences)
         for w in list(self._pending):
+            if now > fences.get(w.peer, now + 1):
+                # the lease with this peer ran out (say this process was frozen): the peer may
+                # have reused the target memory, so this write is never driven again
+                self._pending.remove(w)
+                w.handle.reason = "the write lease with the peer expired"
+                self._release(w)
+                self._finish(w, False, w.handle.reason)
+                did = True
+                continue
             try:
                 state = self.backend.poll_write(w.handle)
             except Exception as exc:  # noqa: BLE001

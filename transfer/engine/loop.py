@@ -108,7 +108,10 @@ class EngineLoop:
         self.peers: dict[int, Peer] = {}
         self.by_rank: dict[tuple[str, int], int] = {}
         self.by_backend: dict[str, int] = {}
-        self.gone: OrderedDict[int, str] = OrderedDict()            # incarnations lost or replaced
+        self.gone: OrderedDict[int, str] = OrderedDict()            # incarnations lost (may reconnect)
+        self.gone_endpoint: dict[int, str] = {}                     # ... and where to tell them so
+        self._told_gone: dict[int, float] = {}
+        self.replaced: OrderedDict[int, None] = OrderedDict()       # superseded by a newer one: never again
         self.rooms: dict[int, Any] = {}
         self.status: dict[int, Any] = {}
         self.finished: OrderedDict[int, tuple[str, str]] = OrderedDict()  # room -> (kind, reason)
@@ -181,7 +184,10 @@ class EngineLoop:
             return self._on_hello(msg, now)
         peer = self.peers.get(msg.src)
         if peer is None:
-            self.stats.count("dropped_messages", "stale_peer" if msg.src in self.gone else "unknown_peer")
+            stale = msg.src in self.gone or msg.src in self.replaced
+            self.stats.count("dropped_messages", "stale_peer" if stale else "unknown_peer")
+            if msg.src in self.gone and not isinstance(msg, Goodbye):
+                self._tell_gone(msg.src, now)
             return
         if msg.dst != self.me:
             self.stats.count("dropped_messages", "stale_epoch")
@@ -196,6 +202,15 @@ class EngineLoop:
             self.stats.count("dropped_messages", "unexpected")
             return
         handler(peer, msg, now)
+
+    def _tell_gone(self, inc: int, now: float) -> None:
+        """A peer we declared lost still talks to us: tell it (at most once a second), so it
+        fails what it has with us and connects again."""
+        endpoint = self.gone_endpoint.get(inc)
+        if endpoint is None or now - self._told_gone.get(inc, -1e9) < 1.0:
+            return
+        self._told_gone[inc] = now
+        self.sock.send(endpoint, Goodbye(src=self.me, dst=inc, reason=f"you were declared lost: {self.gone[inc]}"))
 
     def _send(self, key: PeerKey, msg: PeerMessage) -> None:
         peer = self.peers.get(key.incarnation)
@@ -215,9 +230,12 @@ class EngineLoop:
         old = self.peers.get(msg.src)
         if old is not None and old.state == "connected":
             return self._send_ack(old, True, "")  # a retried Hello: ack again
-        if msg.src in self.gone:
+        if msg.src in self.replaced:
             self.stats.count("dropped_messages", "stale_peer")
             return
+        if self.gone.pop(msg.src, None) is not None:
+            self.gone_endpoint.pop(msg.src, None)
+            log.info("decode rank %s reconnects after it was lost", key)
         self._replace_rank(key, now)
         peer = Peer(key, "decode", msg.tp_size, msg.ctrl_endpoint, Lease(self.t.lease, now), kv=msg.kv,
                     ring=msg.ring, since=now)
@@ -236,6 +254,7 @@ class EngineLoop:
             self.stats.count("failures_by_kind", "layout" if not peer.backend_name else "connect")
             return self._send_ack(peer, False, peer.reason)
         self.by_backend[peer.backend_name] = key.incarnation
+        self.backend.fence(peer.backend_name, peer.lease.fence_base + peer.lease.lease_s)
         peer.state = "connected"
         peer.staging = bool(msg.staging and msg.ring is not None and self.handler.buffers)
         if peer.staging:
@@ -261,6 +280,9 @@ class EngineLoop:
             return
         peer.state, peer.backend_name = "connected", msg.backend_name
         peer.staging, peer.buffer_bytes = msg.staging, msg.buffer_bytes
+        if self.gone.pop(peer.key.incarnation, None) is not None:
+            self.gone_endpoint.pop(peer.key.incarnation, None)
+            log.info("prefill rank %s reconnected after it was lost", peer.key)
         self.by_backend[msg.backend_name] = peer.key.incarnation
         if self.handler.allocator is not None and peer.staging:
             wm = self.handler.allocator.watermark  # a new subscriber gets the watermark at once
@@ -271,8 +293,12 @@ class EngineLoop:
     def _replace_rank(self, key: PeerKey, now: float) -> None:
         """A rank re-appears with a new incarnation: its previous life is over."""
         old = self.by_rank.get((key.engine_id, key.tp_rank))
-        if old is not None and old != key.incarnation and old in self.peers:
-            self._peer_lost(self.peers[old], "the rank restarted (new incarnation)", now)
+        if old is not None and old != key.incarnation:
+            if old in self.peers:
+                self._peer_lost(self.peers[old], "the rank restarted (new incarnation)", now)
+            self.replaced[old] = None
+            while len(self.replaced) > FINISHED_MEMORY:
+                self.replaced.popitem(last=False)
 
     def _index(self, peer: Peer) -> None:
         self.peers[peer.key.incarnation] = peer
@@ -307,7 +333,8 @@ class EngineLoop:
         return view
 
     def _stale(self, view: EngineView) -> bool:
-        return any(r.incarnation in self.gone for r in view.records)
+        """The records name a rank we lost or saw replaced: the server may know better now."""
+        return any(r.incarnation in self.gone or r.incarnation in self.replaced for r in view.records)
 
     def _do_lookup(self, engine_id: str) -> None:
         try:
@@ -324,13 +351,8 @@ class EngineLoop:
             view.state, view.error = "failed", ev.error
         else:
             bad = [r for r in ev.records if r.role != "prefill"]
-            dead = [r for r in ev.records if r.incarnation in self.gone]
             if bad or not ev.records:
                 view.state, view.error = "failed", f"engine {ev.engine_id} is not a prefill engine"
-            elif dead:
-                view.state = "failed"
-                view.error = "; ".join(f"prefill rank {r.tp_rank} is down ({self.gone[r.incarnation]}) and has not "
-                                       "registered again" for r in dead)
             else:
                 view.state, view.records = "ready", sorted(ev.records, key=lambda r: r.tp_rank)
         self._engine_changed(ev.engine_id, now)
@@ -580,7 +602,8 @@ class EngineLoop:
         if self.role == "decode" and room is not None and self.handler.allocator is not None:
             self._apply(room, room.on_alloc_request(peer.key, msg, self.handler.allocator, now))
             a = self.handler.allocator
-            self.stats.maximum("ring_high_water_bytes", a.high_water)
+            self.stats.maximum("ring_high_water_bytes", min(a.high_water, a.size))
+            self.stats.maximum("ring_backlog_high_water_bytes", a.high_water)
         elif room is None:
             self.stats.count("dropped_messages", "finished_room")
 
@@ -597,13 +620,18 @@ class EngineLoop:
     # -- both: liveness ---------------------------------------------------------------------------------
     def _on_Heartbeat(self, peer: Peer, msg: Heartbeat, now: float) -> None:
         peer.lease.on_heartbeat(msg.seq, msg.ack, now)
+        if self.role == "prefill" and peer.backend_name:
+            self.backend.fence(peer.backend_name, peer.lease.fence_base + peer.lease.lease_s)
 
     def _on_Goodbye(self, peer: Peer, msg: Goodbye, now: float) -> None:
-        self._peer_lost(peer, f"it closed ({msg.reason})" if msg.reason else "it closed", now)
+        self._peer_lost(peer, f"it said goodbye: {msg.reason or 'closing'}", now, tell=False)
 
-    def _peer_lost(self, peer: Peer, reason: str, now: float) -> None:
+    def _peer_lost(self, peer: Peer, reason: str, now: float, tell: bool = True) -> None:
         if peer.state == "lost":
             return
+        if tell:  # it may be alive but frozen or cut off: when it wakes up it learns at once
+            self.sock.send(peer.endpoint, Goodbye(src=self.me, dst=peer.key.incarnation,
+                                                  reason=f"you were declared lost: {reason}"))
         log.warning("peer %s lost: %s", peer.key, reason)
         was = peer.state
         peer.state, peer.reason = "lost", reason
@@ -611,8 +639,11 @@ class EngineLoop:
         if self.by_rank.get((peer.key.engine_id, peer.key.tp_rank)) == peer.key.incarnation:
             del self.by_rank[(peer.key.engine_id, peer.key.tp_rank)]
         self.gone[peer.key.incarnation] = reason
+        self.gone_endpoint[peer.key.incarnation] = peer.endpoint
         while len(self.gone) > FINISHED_MEMORY:
-            self.gone.popitem(last=False)
+            old, _ = self.gone.popitem(last=False)
+            self.gone_endpoint.pop(old, None)
+            self._told_gone.pop(old, None)
         if peer.backend_name:
             self.by_backend.pop(peer.backend_name, None)
             if self.role == "prefill":
@@ -846,6 +877,8 @@ class EngineLoop:
                 self.pending.pop(room_id, None)
                 del self.pending_since[room_id]
                 self.stats.count("dropped_messages", "meta_without_sender")
+        if self.role == "decode":
+            self._plan_deadlines(now)
         for peer in list(self.peers.values()):
             if peer.state == "connecting" and now - peer.since > self.t.connect:
                 self._connect_failed(peer, now)
@@ -865,17 +898,30 @@ class EngineLoop:
                 self._stop.set()
 
     def _connect_failed(self, peer: Peer, now: float) -> None:
-        reason = f"no answer from {peer.endpoint} within {self.t.connect:g} s"
-        log.error("connecting to prefill rank %s failed: %s", peer.key, reason)
+        """Rooms keep waiting (the rank may be restarting): look the engine up again; each room
+        gives up at its own plan deadline (see _plan_deadlines)."""
+        reason = f"no answer from prefill rank {peer.key.tp_rank} at {peer.endpoint} within {self.t.connect:g} s"
+        log.warning("connecting to %s failed: %s", peer.key, reason)
         view = self.engines.get(peer.key.engine_id)
         self._peer_lost(peer, reason, now)
         if view is not None:
+            view.error = reason
+            if view.rooms or view.tombstones:
+                self._engine(peer.key.engine_id, now)
+
+    def _plan_deadlines(self, now: float) -> None:
+        """Decode rooms that could not reach their prefill ranks in time fail, saying why."""
+        limit = self.t.bootstrap + self.t.connect
+        for view in self.engines.values():
             for room_id in list(view.rooms):
                 room = self.rooms.get(room_id)
-                view.rooms.discard(room_id)
-                if room is not None:
-                    self._apply(room, room.on_plan_failed("connect", f"prefill rank {peer.key.tp_rank}: {reason}",
-                                                          now))
+                if room is None:
+                    view.rooms.discard(room_id)
+                elif now - room.created > limit:
+                    view.rooms.discard(room_id)
+                    why = view.error or f"prefill engine {view.engine_id} not ready"
+                    self._apply(room, room.on_plan_failed("connect", f"no connection to the prefill ranks of "
+                                                                     f"this room within {limit:g} s: {why}", now))
 
     # -- closing ---------------------------------------------------------------------------------------
     def begin_close(self) -> None:

@@ -233,7 +233,8 @@ def _live_stats(loop: EngineLoop) -> dict:
     a = loop.handler.allocator
     if a is not None:
         out.update(ring_bytes=a.size, ring_live_bytes=a.live_bytes, ring_live_regions=a.live_regions,
-                   ring_high_water_bytes=a.high_water)
+                   ring_occupied_bytes=a.occupied_bytes, ring_high_water_bytes=min(a.high_water, a.size),
+                   ring_backlog_high_water_bytes=a.high_water)
     out["staged_pieces_waiting"] = sum(len(q) for q in loop.waiting.values())
     return out
 

@@ -1,0 +1,182 @@
+"""Peers that die, freeze, or lose their rendezvous server, for real.
+
+Each test breaks something in the middle of transfers between real processes, then checks what
+users are promised: the surviving side fails the affected requests with a reason within the
+configured deadline, no thread hangs (every process finishes and exits 0), ring regions and
+handles are released, and the requests after recovery are bit-exact.
+"""
+
+import os
+import signal
+import time
+
+import pytest
+
+from engine_cases import ROOT  # noqa: F401 - sets up sys.path for the examples
+from cluster import Cluster
+
+pytestmark = pytest.mark.integration
+
+LEASE = 2.0
+FAST = {"lease": LEASE, "heartbeat": 0.25, "connect": 3.0, "bootstrap": 25.0, "close": 3.0, "arrival": 3.0,
+        "metadata": 30.0, "write": 5.0, "watermark": 10.0}
+GEOM = {"layers": 2, "heads": 2, "head_dim": 32, "dtype": "bfloat16", "page_size": 16, "pages": 512}
+
+
+def rooms(first: int, n: int, slow: bool) -> list[dict]:
+    """Requests of 8 pages; slow ones trickle in 4 chunks 0.4 s apart (a long transfer)."""
+    out = []
+    for i in range(first, first + n):
+        r = {"room": i, "pages": 8, "chunks": [2, 2, 2, 2] if slow else [8]}
+        if slow:
+            r["chunk_delay_s"] = 0.4
+        out.append(r)
+    return out
+
+
+def spec(role: str, rank: int, tp: int, room_list: list, backend: str, staging: bool, **kw) -> dict:
+    s = {"role": role, "rank": rank, "tp": tp, "engine": "pf" if role == "prefill" else "dc", "backend": backend,
+         "staging": staging, "geometry": GEOM, "rooms": room_list, "ring_mb": 1, "buffer_mb": 1, "inflight": 6,
+         "timeouts": FAST, "run_timeout_s": 90}
+    if role == "decode":
+        s["peer_engine"] = "pf"
+    s.update(kw)
+    return s
+
+
+def wait_file(path: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def rooms_of(proc) -> dict:
+    return {r["room"]: r for res in proc.result() for r in res.get("rooms", [])}
+
+
+def stats_of(proc) -> list:
+    return [res["stats"] for res in proc.result()]
+
+
+def assert_clean_exit(procs):
+    for p in procs:
+        assert p.proc.returncode == 0, f"{p.log_path} exited {p.proc.returncode}:\n{p.log()}"
+        for res in p.result():
+            assert not res.get("error"), f"{res['name']}: {res['error']}\n{res.get('traceback')}"
+
+
+def assert_failed_fast(recs: dict, room_ids, since: float, limit: float, words=()):
+    for room in room_ids:
+        r = recs[room]
+        assert r["state"] == "Failed", r
+        assert r["failure"], r
+        assert r["end"] - since <= limit, f"room {room} failed {r['end'] - since:.1f} s after the fault (> {limit})"
+        if words:
+            assert any(w in r["failure"] for w in words), r["failure"]
+
+
+def assert_verified(recs: dict, room_ids):
+    for room in room_ids:
+        assert recs[room]["state"] == "Success" and recs[room]["verified"] is not False, recs[room]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_decode_rank_killed_mid_transfer(backend, tmp_path):
+    started = str(tmp_path / "started")
+    with Cluster() as cl:
+        early, late = rooms(100, 6, True), rooms(200, 6, False)
+        prefill = [cl.launch([spec("prefill", r, 2, early + late, backend, True)], f"p{r}") for r in range(2)]
+        victim = cl.launch([spec("decode", 0, 1, early, backend, True, started_file=started)], "d-victim")
+        wait_file(started)
+        time.sleep(0.8)                                   # transfers of the slow rooms are under way
+        killed_at = time.time()
+        victim.kill()
+        survivor = cl.launch([spec("decode", 0, 1, late, backend, True)], "d-restarted")
+        for p in prefill + [survivor]:
+            p.proc.wait(150)
+        assert_clean_exit(prefill + [survivor])
+        for p in prefill:
+            recs = rooms_of(p)
+            assert_failed_fast(recs, [r["room"] for r in early], killed_at, LEASE + 3)
+            assert_verified(rooms_of(survivor), [r["room"] for r in late])
+            for st in stats_of(p):
+                assert st["staged_pieces_waiting"] == 0 and st["rooms_active"] == 0
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_prefill_rank_killed_mid_transfer(backend, tmp_path):
+    started = str(tmp_path / "started")
+    with Cluster() as cl:
+        early, late = rooms(100, 6, True), rooms(200, 6, False)
+        victim = cl.launch([spec("prefill", 0, 2, early, backend, True, started_file=started)], "p0-victim")
+        other = cl.launch([spec("prefill", 1, 2, early + late, backend, True)], "p1")
+        decode = cl.launch([spec("decode", 0, 1, early + late, backend, True)], "d0")
+        wait_file(started)
+        time.sleep(0.8)
+        killed_at = time.time()
+        victim.kill()
+        restarted = cl.launch([spec("prefill", 0, 2, late, backend, True)], "p0-restarted")
+        for p in (other, decode, restarted):
+            p.proc.wait(150)
+        assert_clean_exit([other, decode, restarted])
+        recs = rooms_of(decode)
+        assert_failed_fast(recs, [r["room"] for r in early], killed_at, LEASE + 3)
+        assert_verified(recs, [r["room"] for r in late])
+        (st,) = stats_of(decode)
+        assert st["ring_live_regions"] == 0 and st["ring_live_bytes"] == 0, "quarantined regions were released"
+        assert_failed_fast(rooms_of(other), [r["room"] for r in early], killed_at, LEASE + 3)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("frozen", ["decode", "prefill"])
+def test_peer_frozen_past_its_lease(frozen, tmp_path):
+    """SIGSTOP one side for twice the lease in the middle of transfers, then SIGCONT it: the
+    other side fails the affected rooms within the lease, the frozen one fails them when it
+    wakes up, and both serve the next requests bit-exact."""
+    started = str(tmp_path / "started")
+    with Cluster() as cl:
+        early, late = rooms(100, 6, True), rooms(200, 6, False)
+        for r in late:
+            r["create_delay_s"] = 2 * LEASE + 3           # after the freeze is over
+        p = cl.launch([spec("prefill", 0, 1, early + late, "nixl", False, started_file=started)], "p0")
+        d = cl.launch([spec("decode", 0, 1, early + late, "nixl", False)], "d0")
+        victim, survivor = (d, p) if frozen == "decode" else (p, d)
+        wait_file(started)
+        time.sleep(0.8)
+        stopped_at = time.time()
+        victim.proc.send_signal(signal.SIGSTOP)
+        time.sleep(2 * LEASE)
+        victim.proc.send_signal(signal.SIGCONT)
+        for x in (p, d):
+            x.proc.wait(150)
+        assert_clean_exit([p, d])
+        ids = [r["room"] for r in early]
+        assert_failed_fast(rooms_of(survivor), ids, stopped_at, LEASE + 3, words=("lost", "lease", "silent"))
+        assert all(rooms_of(victim)[i]["state"] == "Failed" for i in ids)
+        assert_verified(rooms_of(d), [r["room"] for r in late])
+
+
+@pytest.mark.timeout(240)
+def test_bootstrap_server_killed_and_restarted_mid_run(tmp_path):
+    """Connected ranks keep transferring while the rendezvous server is down; after it comes
+    back on the same port the ranks re-register, and a decode engine that starts only then
+    finds the prefill engine."""
+    started = str(tmp_path / "started")
+    with Cluster(server_args=["--lease-s", "3"]) as cl:
+        first, second = rooms(100, 8, True), rooms(300, 4, False)
+        for r in second:
+            r["room"] += 0
+        p = cl.launch([spec("prefill", 0, 1, first + second, "nixl", True, started_file=started)], "p0")
+        d1 = cl.launch([spec("decode", 0, 1, first, "nixl", True)], "d-first")
+        wait_file(started)
+        time.sleep(0.5)
+        cl.restart_server(down_s=1.5)
+        d2 = cl.launch([{**spec("decode", 0, 1, second, "nixl", True), "engine": "dc2"}], "d-after-restart")
+        for x in (p, d1, d2):
+            x.proc.wait(150)
+        assert_clean_exit([p, d1, d2])
+        assert_verified(rooms_of(d1), [r["room"] for r in first])
+        assert_verified(rooms_of(d2), [r["room"] for r in second])

@@ -1,0 +1,472 @@
+"""Mooncake TransferEngine backend (P2PHANDSHAKE; tcp by default, rdma where the hardware has it).
+
+Behaviour (measured facts in docs/backends.md and /work/shared/spec/FACTS.md):
+
+- The only Python call that carries a notify with a write is the *synchronous*
+  ``batch_transfer_sync(..., TransferNotify(name, msg))``; it blocks (and spins a core) until the
+  write completes, fails or times out. So ``post_write`` hands the call to a small per-peer
+  submit thread (one by default) and returns at once; ``poll_write`` reads the result. The
+  Mooncake C++ engine is used concurrently by these threads and by the owning thread (its
+  Python binding releases the GIL and guards its segment cache with a mutex; concurrent use is
+  exercised by the integration tests). Everything else is called by the single owning thread.
+- Identity: a small JSON document ``{"kvstage": "mooncake/1", "name": "host:port", "regions":
+  [[addr, length], ...]}``. The name is ``f"{host}:{engine.get_rpc_port()}"``, the address
+  Mooncake dials; ``regions`` lets the writer reject ranges outside the peer's registered memory
+  with a BackendError before posting (Mooncake itself rejects them too, as a failed write). A
+  bare ``b"host:port"`` identity also works (no local range check then).
+- Tags are arbitrary bytes: sent as ``msg = "kvstage1:" + base64(tag)`` with ``name`` = this
+  endpoint's name; ``drain_tags`` ignores notifies without that prefix (counted in
+  ``ignored_notifies``).
+- Environment, set before the engine exists and only when not already set:
+  ``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` / ``MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER`` = 65535
+  (batches over 1024 entries otherwise fail), ``MC_LOG_LEVEL`` = WARNING (glog INFO lines off;
+  warnings and errors stay on stderr).
+"""
+
+from __future__ import annotations
+
+import atexit
+import base64
+import binascii
+import json
+import os
+import queue
+import threading
+import weakref
+from typing import Sequence
+
+import numpy as np
+
+from .base import (
+    ArrivedTag,
+    Backend,
+    BackendError,
+    MemRegion,
+    RangeIndex,
+    Registration,
+    WriteHandle,
+    WriteState,
+    check_write_request,
+)
+
+ENV_DEFAULTS = {
+    "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER": "65535",
+    "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER": "65535",
+    "MC_LOG_LEVEL": "WARNING",
+}
+for _k, _v in ENV_DEFAULTS.items():
+    os.environ.setdefault(_k, _v)
+
+from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode  # noqa: E402
+
+TAG_PREFIX = "kvstage1:"
+IDENTITY_FORMAT = "mooncake/1"
+_KINDS = ("DRAM", "VRAM")
+
+_live: "weakref.WeakSet[MooncakeBackend]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    # Submit threads are daemon threads: close() stops them (waiting for a call already inside
+    # Mooncake to return) before the interpreter tears down, so no thread is in C++ code then.
+    for backend in list(_live):
+        try:
+            backend.close()
+        except Exception:  # pragma: no cover - best effort at exit
+            pass
+
+
+class _Job:
+    """One write handed to a submit thread. `done` is set once `result`/`error` are final."""
+
+    __slots__ = ("args", "done", "result", "error", "cancelled", "lock", "started")
+
+    def __init__(self, args: tuple):
+        self.args = args
+        self.done = threading.Event()
+        self.lock = threading.Lock()
+        self.started = False
+        self.cancelled = False
+        self.result: int | None = None
+        self.error: str | None = None
+
+    def cancel(self) -> bool:
+        """Cancel if not yet started; True when the write will never run."""
+        with self.lock:
+            if self.started:
+                return False
+            self.cancelled = True
+        self.done.set()
+        return True
+
+
+class _Submitter:
+    """A per-peer queue and its thread(s), each calling the blocking batch_transfer_sync."""
+
+    def __init__(self, engine: TransferEngine, peer: str, threads: int):
+        self._engine = engine
+        self._queue: "queue.SimpleQueue[_Job | None]" = queue.SimpleQueue()
+        self._stopping = False
+        self._threads = [
+            threading.Thread(target=self._run, name=f"kvstage-mooncake-{peer}-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, job: _Job) -> None:
+        self._queue.put(job)
+
+    def _run(self) -> None:
+        engine = self._engine
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            with job.lock:
+                if job.cancelled:
+                    continue
+                job.started = True
+            try:
+                job.result = int(engine.batch_transfer_sync(*job.args))
+            except BaseException as exc:  # noqa: BLE001 - reported through poll_write
+                job.error = f"{type(exc).__name__}: {exc}"
+            finally:
+                job.done.set()
+
+    def stop(self, timeout: float | None) -> bool:
+        """Stop the threads after the job they are in; True when all have exited."""
+        if not self._stopping:
+            self._stopping = True
+            for _ in self._threads:
+                self._queue.put(None)
+        for t in self._threads:
+            t.join(timeout)
+        return not any(t.is_alive() for t in self._threads)
+
+
+def _parse_identity(identity: bytes) -> tuple[str, RangeIndex | None]:
+    raw = bytes(identity)
+    if raw.startswith(b"{"):
+        try:
+            doc = json.loads(raw.decode("utf-8"))
+            if doc.get("kvstage") != IDENTITY_FORMAT:
+                raise ValueError(f"unknown identity format {doc.get('kvstage')!r}")
+            name = str(doc["name"])
+            regions = [(int(a), int(n)) for a, n in doc.get("regions", [])]
+        except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+            raise BackendError(f"malformed Mooncake identity: {exc}") from exc
+        index: RangeIndex | None = RangeIndex(regions)
+    else:
+        try:
+            name = raw.decode("ascii")
+        except UnicodeDecodeError as exc:
+            raise BackendError("malformed Mooncake identity: not JSON and not 'host:port'") from exc
+        index = None
+    host, _, port = name.rpartition(":")
+    if not host or not port.isdigit():
+        raise BackendError(f"malformed Mooncake identity: peer name {name!r} is not 'host:port'")
+    return name, index
+
+
+class MooncakeBackend(Backend):
+    """A Backend on one Mooncake TransferEngine (P2P handshake, no metadata server).
+
+    Options: ``protocol`` ("tcp" default, or "rdma"), ``device_name`` (RDMA device filter, ""
+    for all), ``submit_threads_per_peer`` (1: writes to one peer run one after another),
+    ``stall_timeout_s`` (None keeps Mooncake's 30 s; otherwise sets MC_TCP_PROGRESS_TIMEOUT_SEC
+    and MC_TRANSFER_TIMEOUT (floored at 5 s by Mooncake) for this process before the engine is
+    created: how long a write to a frozen peer holds its submit thread).
+    """
+
+    kind = "mooncake"
+
+    def __init__(
+        self,
+        name: str,
+        host: str = "127.0.0.1",
+        *,
+        protocol: str = "tcp",
+        device_name: str = "",
+        submit_threads_per_peer: int = 1,
+        stall_timeout_s: float | None = None,
+    ):
+        if not name or not isinstance(name, str):
+            raise ValueError("name must be a non-empty str")
+        if submit_threads_per_peer < 1:
+            raise ValueError("submit_threads_per_peer must be >= 1")
+        for k, v in ENV_DEFAULTS.items():
+            os.environ.setdefault(k, v)
+        if stall_timeout_s is not None:
+            if stall_timeout_s <= 0:
+                raise ValueError("stall_timeout_s must be > 0")
+            os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] = str(max(1, int(round(stall_timeout_s))))
+            os.environ["MC_TRANSFER_TIMEOUT"] = str(max(5, int(round(stall_timeout_s))))
+        self.label = name
+        self.host = host
+        self.protocol = protocol
+        self._threads_per_peer = submit_threads_per_peer
+        self._engine = TransferEngine()
+        ret = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
+        if ret != 0:
+            raise BackendError(f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol!r}) returned {ret}")
+        self._name = f"{host}:{self._engine.get_rpc_port()}"
+        self._regs: dict[int, Registration] = {}
+        self._index = RangeIndex()
+        self._peers: dict[str, RangeIndex | None] = {}
+        self._submitters: dict[str, _Submitter] = {}
+        self._retired: list[_Submitter] = []  # stopped by disconnect(); joined by close()
+        self._inflight: dict[int, WriteHandle] = {}
+        self.ignored_notifies = 0
+        self._closed = False
+        _live.add(self)
+
+    # ------------------------------------------------------------------ identity and memory
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def identity(self) -> bytes:
+        self._check_open()
+        regions = [[r.addr, r.length] for reg in self._regs.values() for r in reg.regions]
+        doc = {"kvstage": IDENTITY_FORMAT, "name": self._name, "regions": regions}
+        return json.dumps(doc, separators=(",", ":")).encode("utf-8")
+
+    def register(self, regions: Sequence[MemRegion]) -> Registration:
+        self._check_open()
+        regions = tuple(regions)
+        if not regions:
+            raise ValueError("regions: nothing to register")
+        taken = {r.addr for reg in self._regs.values() for r in reg.regions}
+        seen: set[int] = set()
+        for r in regions:
+            if r.kind not in _KINDS:
+                raise ValueError(f"regions: kind must be one of {_KINDS}, got {r.kind!r}")
+            if r.length <= 0 or r.addr <= 0:
+                raise ValueError(f"regions: bad region {r}")
+            if r.addr in taken or r.addr in seen:
+                # Mooncake keys registrations by start address: a second one would be undone by
+                # the first deregistration.
+                raise BackendError(f"address {r.addr:#x} is already registered with this Mooncake engine")
+            seen.add(r.addr)
+        addrs = [r.addr for r in regions]
+        lengths = [r.length for r in regions]
+        locations = {("*" if r.kind == "DRAM" else f"cuda:{r.device}") for r in regions}
+        try:
+            if len(locations) == 1:
+                ret = self._engine.batch_register_memory(addrs, lengths, locations.pop())
+            else:  # mixed kinds: one call per region, undone together on failure
+                ret = 0
+                for i, r in enumerate(regions):
+                    loc = "*" if r.kind == "DRAM" else f"cuda:{r.device}"
+                    ret = self._engine.register_memory(r.addr, r.length, loc)
+                    if ret != 0:
+                        break
+        except Exception as exc:
+            self._undo(addrs)
+            raise BackendError(f"Mooncake could not register {len(regions)} region(s): {exc}") from exc
+        if ret != 0:
+            self._undo(addrs)
+            raise BackendError(f"Mooncake could not register {len(regions)} region(s): return code {ret}")
+        reg = Registration(regions=regions, handle=addrs, active=True)
+        self._regs[id(reg)] = reg
+        self._rebuild_index()
+        return reg
+
+    def _undo(self, addrs: list[int]) -> None:
+        try:
+            self._engine.batch_unregister_memory(addrs)
+        except Exception:
+            pass
+
+    def deregister(self, registration: Registration) -> None:
+        if not registration.active:
+            return
+        registration.active = False
+        self._regs.pop(id(registration), None)
+        self._rebuild_index()
+        if self._engine is None:
+            return
+        try:
+            ret = self._engine.batch_unregister_memory(list(registration.handle or ()))
+        except Exception as exc:
+            raise BackendError(f"Mooncake deregistration failed: {exc}") from exc
+        if ret != 0:
+            raise BackendError(f"Mooncake deregistration failed: return code {ret}")
+
+    def _rebuild_index(self) -> None:
+        self._index = RangeIndex([(r.addr, r.length) for reg in self._regs.values() for r in reg.regions])
+
+    # ------------------------------------------------------------------ peers
+    def connect(self, peer_identity: bytes) -> str:
+        self._check_open()
+        name, index = _parse_identity(peer_identity)
+        self._peers[name] = index
+        if name not in self._submitters:
+            self._submitters[name] = _Submitter(self._engine, name, self._threads_per_peer)
+        return name
+
+    def disconnect(self, peer: str) -> None:
+        """Forget a peer; idempotent.
+
+        Its queued writes are cancelled (poll_write: FAILED, they never touch memory). A write
+        already inside Mooncake cannot be stopped: it stays PENDING until Mooncake returns (for a
+        frozen peer after its stall timeout) and poll_write then reports how it ended.
+        """
+        if peer not in self._peers:
+            return
+        for h in self._inflight.values():
+            if h.peer == peer and h.handle is not None:
+                h.handle.cancel()
+        del self._peers[peer]
+        sub = self._submitters.pop(peer, None)
+        if sub is not None:
+            sub.stop(timeout=0)  # the threads exit after the call they are in
+            self._retired.append(sub)
+
+    # ------------------------------------------------------------------ writes
+    def post_write(
+        self, peer: str, src: np.ndarray, dst: np.ndarray, tag: bytes, *, dst_kind: str | None = None
+    ) -> WriteHandle:
+        self._check_open()
+        if peer not in self._peers:
+            raise BackendError(f"unknown peer {peer!r}: connect() its identity first")
+        src, dst, tag = check_write_request(src, dst, tag)
+        if dst_kind is not None and dst_kind not in _KINDS:
+            raise ValueError(f"dst_kind must be one of {_KINDS}, got {dst_kind!r}")
+        outside = self._index.outside(src)
+        if len(outside):
+            i = int(outside[0])
+            raise BackendError(
+                f"source row {i} (addr {int(src[i, 0]):#x}, {int(src[i, 1])} bytes) is not inside registered"
+                f" memory ({len(outside)} such rows)"
+            )
+        remote = self._peers[peer]
+        if remote is not None:
+            outside = remote.outside(dst)
+            if len(outside):
+                i = int(outside[0])
+                raise BackendError(
+                    f"write to {peer!r}: destination row {i} (addr {int(dst[i, 0]):#x}, {int(dst[i, 1])} bytes)"
+                    f" is not inside memory the peer registered ({len(outside)} such rows)"
+                )
+        notify = TransferNotify(self._name, TAG_PREFIX + base64.b64encode(tag).decode("ascii"))
+        job = _Job(
+            (peer, src[:, 0].tolist(), dst[:, 0].tolist(), src[:, 1].tolist(), TransferOpcode.Write, notify)
+        )
+        handle = WriteHandle(peer=peer, nbytes=int(src[:, 1].sum()), ndesc=len(src), handle=job)
+        self._inflight[id(handle)] = handle
+        self._submitters[peer].submit(job)
+        return handle
+
+    def poll_write(self, handle: WriteHandle) -> WriteState:
+        job = handle.handle
+        if handle.state is not WriteState.PENDING or job is None or not job.done.is_set():
+            return handle.state
+        if job.cancelled:
+            handle.state = WriteState.FAILED
+            handle.reason = f"mooncake write to {handle.peer!r} cancelled before it started (peer disconnected)"
+        elif job.error is not None:
+            handle.state = WriteState.FAILED
+            handle.reason = f"mooncake write to {handle.peer!r} raised {job.error}"
+        elif job.result == 0:
+            handle.state = WriteState.DONE
+        else:
+            handle.state = WriteState.FAILED
+            handle.reason = (
+                f"mooncake write to {handle.peer!r} returned {job.result} (peer dead or unreachable,"
+                " address rejected by the peer, or Mooncake timeout; Mooncake's log on stderr says which)"
+            )
+        return handle.state
+
+    def release_write(self, handle: WriteHandle) -> None:
+        """Forget a write; idempotent.
+
+        On a PENDING write: if it has not started (queued behind another write to the same peer)
+        it is cancelled and never touches memory. If it is already inside Mooncake it cannot be
+        stopped: it runs to its end in its submit thread (for a frozen peer until Mooncake's stall
+        timeout, 30 s by default) and may still read the source and write the destination, tag
+        included. Either way the handle becomes FAILED ("released while pending"); in the second
+        case ``handle.extra["may_touch_memory"]`` is True. To reuse the source memory safely,
+        keep polling a PENDING write until it ends instead of releasing it.
+        """
+        job = handle.handle
+        if job is None:
+            return
+        self.poll_write(handle)
+        handle.handle = None
+        self._inflight.pop(id(handle), None)
+        if handle.state is WriteState.PENDING:
+            cancelled = job.cancel()
+            handle.state = WriteState.FAILED
+            handle.extra["may_touch_memory"] = not cancelled
+            handle.reason = (
+                f"mooncake write to {handle.peer!r} released while pending"
+                + (" (cancelled before it started)" if cancelled else " (still running inside Mooncake)")
+            )
+
+    # ------------------------------------------------------------------ target side
+    def drain_tags(self) -> list[ArrivedTag]:
+        if self._closed:
+            return []
+        out = []
+        for n in self._engine.get_notifies():
+            try:
+                name, msg = n.name, n.msg  # pybind decodes UTF-8: foreign notifies may not
+            except UnicodeDecodeError:
+                self.ignored_notifies += 1
+                continue
+            if not msg.startswith(TAG_PREFIX):
+                self.ignored_notifies += 1
+                continue
+            try:
+                tag = base64.b64decode(msg[len(TAG_PREFIX):], validate=True)
+            except (binascii.Error, ValueError):
+                self.ignored_notifies += 1
+                continue
+            out.append(ArrivedTag(peer=name, tag=tag))
+        return out
+
+    def progress(self) -> None:
+        """Nothing to drive: Mooncake's own threads move the bytes and the notifies."""
+
+    # ------------------------------------------------------------------ life cycle
+    def _check_open(self) -> None:
+        if self._closed:
+            raise BackendError(f"backend {self._name!r} is closed")
+
+    def close(self) -> None:
+        """Release everything; idempotent.
+
+        Queued writes are cancelled; a write already inside Mooncake is waited for (Mooncake
+        bounds it: at most its timeout, 30 s by default, for a frozen peer), so no thread is
+        inside the engine when it is dropped.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        _live.discard(self)
+        for handle in list(self._inflight.values()):
+            self.release_write(handle)
+        self._peers.clear()
+        subs, self._submitters = list(self._submitters.values()), {}
+        for sub in self._retired + subs:
+            sub.stop(timeout=None)
+        for reg in list(self._regs.values()):
+            try:
+                self.deregister(reg)
+            except BackendError:
+                pass
+        self._engine = None  # type: ignore[assignment]
+
+    def __del__(self) -> None:
+        # Dropped without close(): let the idle submit threads end (they hold the engine).
+        try:
+            for sub in list(getattr(self, "_submitters", {}).values()):
+                sub.stop(timeout=0)
+        except Exception:  # pragma: no cover - best effort
+            pass
+
+    def __repr__(self) -> str:
+        return f"MooncakeBackend(name={self._name!r}, peers={len(self._peers)}, closed={self._closed})"
