@@ -5,8 +5,10 @@ server (which must not import torch) and the ranks import it from here.
 
 A frame is two zmq parts: ``[payload, mac]``. ``payload`` is a msgpack-encoded msgspec Struct
 from a tagged union (its type tag in field ``t``, its version in field ``v``). ``mac`` is
-HMAC-SHA256(token, payload) truncated to 16 bytes when a shared secret is configured, else empty.
-Decoding anything else raises exactly one error type, `WireError`. Never pickle.
+HMAC-SHA256 of the payload, truncated to 16 bytes, keyed with the shared secret when one is
+configured (authentication) or with a fixed public key otherwise (integrity only: a corrupted
+frame is refused rather than misread). Decoding anything else raises exactly one error type,
+`WireError`. Never pickle.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ WIRE_VERSION = 1
 MAC_BYTES = 16
 DEFAULT_MAX_FRAME = 4 << 20  # bytes; a NIXL agent's metadata is a few KiB
 TOKEN_ENV = "KVSTAGE_AUTH_TOKEN"
+INTEGRITY_KEY = b"kvstage-integrity-v1"  # public: detects corruption, proves nothing about the sender
 
 
 class WireError(ValueError):
@@ -30,7 +33,7 @@ class WireError(ValueError):
 
     def __init__(self, kind: str, detail: str):
         super().__init__(f"{kind}: {detail}")
-        self.kind = kind  # "malformed" | "oversized" | "version" | "auth"
+        self.kind = kind  # "malformed" | "oversized" | "version" | "auth" | "integrity"
 
 
 class Message(msgspec.Struct, tag_field="t", kw_only=True, frozen=True):
@@ -66,9 +69,17 @@ def load_token(token: str | None = None, token_file: str | os.PathLike | None = 
 
 
 def sign(token: bytes | None, payload: bytes) -> bytes:
-    if token is None:
-        return b""
-    return hmac.new(token, payload, hashlib.sha256).digest()[:MAC_BYTES]
+    """The MAC of a payload: keyed by the token, or by the public integrity key without one."""
+    return hmac.new(token if token is not None else INTEGRITY_KEY, payload, hashlib.sha256).digest()[:MAC_BYTES]
+
+
+def verify(token: bytes | None, payload: bytes, mac: bytes) -> None:
+    """Raise WireError unless `mac` is the payload's MAC under `token` (or the integrity key)."""
+    if len(mac) != MAC_BYTES or not hmac.compare_digest(mac, sign(token, payload)):
+        if token is not None:
+            raise WireError("auth", "missing or wrong token")
+        raise WireError("integrity", "the frame's checksum does not match (corrupted, or signed with a token "
+                                     "this side does not have)")
 
 
 class Codec(Generic[M]):
@@ -95,9 +106,7 @@ class Codec(Generic[M]):
         payload, mac = (bytes(p) for p in parts)
         if len(payload) > self.max_frame:
             raise WireError("oversized", f"{len(payload)} bytes (max {self.max_frame})")
-        if self.token is not None:
-            if len(mac) != MAC_BYTES or not hmac.compare_digest(mac, sign(self.token, payload)):
-                raise WireError("auth", "missing or wrong token")
+        verify(self.token, payload, mac)
         try:
             version = self._version.decode(payload).v
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:

@@ -96,12 +96,15 @@ class Cluster:
 
     env: dict | None = None
     server_args: list | None = None
+    server_host: str = "127.0.0.1"
+    server_netns: str | None = None
     workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="kvstage-"))
     server: Server | None = None
     procs: list = field(default_factory=list)
 
     def __enter__(self) -> "Cluster":
-        self.server = start_bootstrap(env=self.env, args=self.server_args)
+        self.server = start_bootstrap(host=self.server_host, env=self.env, args=self.server_args,
+                                      netns=self.server_netns)
         return self
 
     def restart_server(self, down_s: float = 0.5) -> None:

@@ -13,7 +13,8 @@ abort_after_s (decode: seconds after init before abort()), create_delay_s (prefi
 creating the sender), init_delay_s (decode: wait before init()), abort_before_init (decode: abort
 right after creating the receiver), chunk_delay_s (prefill: pause between chunks), hold_last_until
 (prefill: send the last chunk only once these files exist), touch_after_abort (decode: create this
-file, "{rank}" replaced by its rank, once it aborted).
+file, "{rank}" replaced by its rank, once it aborted), start_after_file (both: do not start the
+room, nor any after it, before this file exists).
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ def drive(spec: dict, bootstrap: str, result: dict) -> None:
     while (rooms or active) and time.monotonic() < deadline:
         while rooms and len(active) < window:
             r = rooms[0]
+            if r.get("start_after_file") and not os.path.exists(r["start_after_file"]):
+                break
             pages = pool.take(r["pages"])
             if pages is None:
                 break

@@ -24,7 +24,7 @@ from transfer.protocol.actions import (PeerKey, PostWrite, PublishWatermark, Rel
                                        StatusChanged)
 from transfer.protocol.decode_room import DecodeRoom, RoomPlan
 from transfer.protocol.head_mapping import compute_assignments
-from transfer.protocol.messages import (AllocGrant, AllocRequest, Quiesced, RoomDone, RoomFailed, RoomMeta,
+from transfer.protocol.messages import (AllocGrant, AllocRequest, MetaAck, Quiesced, RoomDone, RoomFailed, RoomMeta,
                                         WatermarkUpdate, WriterDone)
 from transfer.protocol.prefill_room import PrefillRoom
 
@@ -57,6 +57,7 @@ class World:
     seed: int
     drop_tags: float = 0.0     # probability a tag is lost (the write itself lands)
     dup_tags: float = 0.0
+    drop_msgs: float = 0.0     # probability a control message is lost
     now: float = 0.0
     rooms_p: dict = field(default_factory=dict)    # (rank, room) -> PrefillRoom
     rooms_d: dict = field(default_factory=dict)    # (rank, room) -> DecodeRoom
@@ -132,10 +133,14 @@ class World:
                 pos += c
 
     # -- action application ----------------------------------------------------------------------
+    def send(self, src: PeerKey, dst: PeerKey, msg) -> None:
+        if self.rng.random() >= self.drop_msgs:
+            self.chan[(src, dst)].append(msg)
+
     def apply_p(self, p: int, actions):
         for a in actions:
             if isinstance(a, Send):
-                self.chan[(self.kp[p], a.peer)].append(a.msg)
+                self.send(self.kp[p], a.peer, a.msg)
             elif isinstance(a, PostWrite):
                 self.writes.append(PendingWrite(p, a.op, a.op.staged))
             elif isinstance(a, (StatusChanged, Released)):
@@ -146,15 +151,15 @@ class World:
     def apply_d(self, d: int, actions):
         for a in actions:
             if isinstance(a, Send):
-                self.chan[(self.kd[d], a.peer)].append(a.msg)
+                self.send(self.kd[d], a.peer, a.msg)
             elif isinstance(a, Scatter):
                 self.scatters.append((d, a))
             elif isinstance(a, PublishWatermark):
                 wm = self.rings[d].watermark
                 for p in range(self.g.P):
-                    self.chan[(self.kd[d], self.kp[p])].append(
-                        WatermarkUpdate(src=self.kd[d].incarnation, dst=self.kp[p].incarnation,
-                                        epoch=self.kd[d].incarnation, round=wm.round, tail=wm.tail))
+                    self.send(self.kd[d], self.kp[p],
+                              WatermarkUpdate(src=self.kd[d].incarnation, dst=self.kp[p].incarnation,
+                                              epoch=self.kd[d].incarnation, round=wm.round, tail=wm.tail))
             elif isinstance(a, (StatusChanged, Released)):
                 pass
             else:
@@ -182,7 +187,14 @@ class World:
                 return
             if r is None:
                 return
+            if isinstance(msg, RoomFailed) and r.released:
+                # the shell: a finished room has nothing in flight (an earlier Quiesced was lost)
+                self.send(dst, src, Quiesced(src=dst.incarnation, dst=src.incarnation, room=msg.room,
+                                             session=msg.session))
+                return
             if isinstance(msg, RoomMeta):
+                self.send(dst, src, MetaAck(src=dst.incarnation, dst=src.incarnation, room=msg.room,
+                                            session=msg.session))
                 self.apply_p(p, r.add_meta(src, self.g.D, msg, self.now))
             elif isinstance(msg, AllocGrant):
                 self.apply_p(p, r.on_grant(src, msg, self.now))
@@ -205,6 +217,8 @@ class World:
                 self.apply_d(d, r.on_room_failed(src, msg.session, msg.kind, msg.reason, self.now))
             elif isinstance(msg, Quiesced):
                 self.apply_d(d, r.on_quiesced(src, msg.session, self.rings[d], self.now))
+            elif isinstance(msg, MetaAck):
+                r.on_meta_ack(src, msg.session)
             else:
                 raise AssertionError(msg)
 
@@ -307,6 +321,21 @@ class World:
             self.apply_p(p, r.tick(self.now))
         for (d, _), r in self.rooms_d.items():
             self.apply_d(d, r.tick(self.rings[d], self.now))
+        for (p, d), view in self.remote_wm.items():   # heartbeats carry the watermark
+            wm = self.rings[d].watermark
+            if self.rng.random() >= self.drop_msgs:
+                view.update(self.kd[d].incarnation, wm)
+
+    def settle(self, max_time: float = 300.0, tick: float = 0.25):
+        """Run events; when nothing can happen, let time pass (deadlines, retransmissions)
+        until every room on both sides is released or max_time is up."""
+        while self.now < max_time:
+            self.run()
+            if all(r.released for r in self.rooms_p.values()) and all(r.released for r in self.rooms_d.values()):
+                break
+            self.now += tick
+            self.tick_all()
+        self.refresh_status()
 
     def run(self, max_steps: int = 200_000):
         for _ in range(max_steps):

@@ -415,8 +415,8 @@ def test_server_handle_replies_and_refusals():
         out = srv.handle(frames)
         err = (signed if is_signed else plain).decode(out)
         assert isinstance(err, m.Error) and (err.kind, err.rid) == (kind, rid), err
-        if not is_signed:
-            assert out[1] == b""
+        if not is_signed:  # not signed with the token: only the public integrity checksum
+            assert out[1] == sign(None, out[0]) != sign(TOKEN, out[0])
 
     payload = msgspec.msgpack.encode(m.Status(rid=11))
     refused([payload, b""], "auth", 11, is_signed=False)
@@ -433,9 +433,11 @@ def test_server_handle_replies_and_refusals():
     refused(bad, "bad_request", 14)
     assert srv.counters["refused_auth"] == 4 and srv.counters["bad_version"] == 1
 
-    open_srv = BootstrapServer()  # auth off: MACs are ignored, errors unsigned
+    open_srv = BootstrapServer()  # auth off: the MAC is an integrity checksum
     out = open_srv.handle([b"\xc1", b"whatever"])
-    assert plain.decode(out).kind == "malformed" and out[1] == b""
+    assert plain.decode(out).kind == "integrity" and out[1] == sign(None, out[0])
+    out = open_srv.handle([b"\xc1", sign(None, b"\xc1")])
+    assert plain.decode(out).kind == "malformed"
 
 
 def test_rate_limited_log(caplog):

@@ -122,3 +122,28 @@ def test_prefill_abort_before_any_metadata_still_releases_decode():
     assert w.status_p[(0, 1)] is KVPoll.Failed
     assert w.status_d[(0, 1)] is KVPoll.Failed and "abort" in w.rooms_d[(0, 1)].failure
     assert (0, 1) in w.released_d
+
+
+@given(st.sampled_from(GEOMS), st.integers(0, 10**6), st.sampled_from([0.05, 0.2]), st.booleans())
+@settings(max_examples=80, deadline=None)
+def test_lost_control_messages_never_hang_or_corrupt(g, seed, loss, staged):
+    """Any control message may be lost (and tags too): every room still ends, on both sides,
+    either bit-exact Success or Failed with a reason, and releases everything it held."""
+    g = Geometry(**{**g.__dict__, "staged": staged, "ring_bytes": 2048, "buffer_bytes": 1024})
+    w = World(g, seed, drop_msgs=loss, drop_tags=loss / 2)
+    rooms = {1: (5, [2, 3]), 2: (1, [1]), 3: (9, [4, 5])}
+    for room, (n, chunks) in rooms.items():
+        w.add_room(room, n, chunks)
+    w.settle()
+    for room in rooms:
+        for d in range(g.D):
+            r = w.rooms_d[(d, room)]
+            assert r.state in (KVPoll.Success, KVPoll.Failed) and r.released, (room, d, r.state)
+            assert r.state is KVPoll.Success or r.failure
+        for p in range(g.P):
+            r = w.rooms_p[(p, room)]
+            assert r.state in (KVPoll.Success, KVPoll.Failed) and r.released, (room, p, r.state)
+        if all(w.rooms_d[(d, room)].state is KVPoll.Success for d in range(g.D)):
+            assert w.check_bytes(room), "a room reported Success with wrong bytes"
+    assert w.overlaps == 0
+    assert all(r.live_regions == 0 for r in w.rings)

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bootstrap.wire import WIRE_VERSION, Codec, WireError
+from bootstrap.wire import WIRE_VERSION, Codec, WireError, sign
 from transfer.layout import LayoutSummary
 from transfer.protocol.messages import (PEER_MESSAGES, AllocGrant, AllocRequest, Hello, KVMemory, Piece, RingInfo,
                                RoomMeta, WatermarkUpdate, encode_pages, peer_codec)
@@ -52,7 +52,7 @@ def test_wrong_version_and_oversized():
     codec = peer_codec(None)
     payload = msgspec.msgpack.encode({"t": "Heartbeat", "v": WIRE_VERSION + 1, "src": 1})
     with pytest.raises(WireError) as e:
-        codec.decode([payload, b""])
+        codec.decode([payload, sign(None, payload)])
     assert e.value.kind == "version"
     small = peer_codec(None, max_frame=64)
     with pytest.raises(WireError) as e:
@@ -60,6 +60,18 @@ def test_wrong_version_and_oversized():
     assert e.value.kind == "oversized"
     with pytest.raises(WireError):
         small.encode(samples()[0])
+
+
+def test_corrupted_frames_are_refused_without_a_token_too():
+    codec = peer_codec(None)
+    for msg in samples():
+        payload, mac = codec.encode(msg)
+        for i in range(0, len(payload), 7):
+            bad = bytearray(payload)
+            bad[i] ^= 0x10
+            with pytest.raises(WireError) as e:
+                codec.decode([bytes(bad), mac])
+            assert e.value.kind == "integrity"
 
 
 def test_truncated_frames():
@@ -74,7 +86,7 @@ def test_truncated_frames():
         payload, _ = unsigned.encode(msg)
         for cut in range(len(payload)):
             with pytest.raises(WireError):
-                unsigned.decode([payload[:cut], b""])
+                unsigned.decode([payload[:cut], sign(None, payload[:cut])])
 
 
 @given(st.lists(st.binary(max_size=300), max_size=4))
@@ -100,8 +112,8 @@ def test_wrong_shapes_raise_only_wire_error(obj, name):
     if isinstance(obj, dict):
         payloads.append(msgspec.msgpack.encode({**obj, "t": name, "v": WIRE_VERSION}))
     for p in payloads:
-        try:
-            codec.decode([p, b""])
+        try:  # correctly checksummed, so the decoder itself is exercised
+            codec.decode([p, sign(None, p)])
         except WireError:
             pass
 
@@ -128,10 +140,11 @@ def test_tag_garbage_raises_only_wire_error(data):
             c.decode(data)
         except WireError:
             pass
-    try:
-        TagCodec(None).decode(b"KS" + data)
-    except WireError:
-        pass
+    for body in (b"KS" + data, b"KS" + data[:40]):
+        try:
+            TagCodec(None).decode(body + sign(None, body))
+        except WireError:
+            pass
 
 
 def test_tag_truncations():

@@ -37,7 +37,7 @@ from ..protocol.decode_room import DecodeRoom, RoomPlan
 from ..protocol.direct_ranges import CacheGeometry, direct_descriptors
 from ..protocol.head_mapping import compute_assignments
 from ..protocol.leases import Lease
-from ..protocol.messages import (AllocGrant, AllocRequest, Goodbye, Heartbeat, Hello, HelloAck, KVMemory,
+from ..protocol.messages import (AllocGrant, AllocRequest, Goodbye, Heartbeat, Hello, HelloAck, KVMemory, MetaAck,
                                  PeerMessage, Quiesced, RingInfo, RoomDone, RoomFailed, RoomMeta, WatermarkUpdate,
                                  WriterDone)
 from ..protocol.prefill_room import PrefillRoom
@@ -114,7 +114,7 @@ class EngineLoop:
         self.replaced: OrderedDict[int, None] = OrderedDict()       # superseded by a newer one: never again
         self.rooms: dict[int, Any] = {}
         self.status: dict[int, Any] = {}
-        self.finished: OrderedDict[int, tuple[str, str]] = OrderedDict()  # room -> (kind, reason)
+        self.finished: OrderedDict[int, tuple[KVPoll, str, str]] = OrderedDict()  # room -> (state, kind, reason)
         self.pending: dict[int, list] = defaultdict(list)          # prefill: room -> early messages
         self.pending_since: dict[int, float] = {}
         self.engines: dict[str, EngineView] = {}
@@ -546,9 +546,13 @@ class EngineLoop:
         if room is not None:
             return self._prefill_item(room, item, now)
         kind, key, msg = item
+        if kind == "failed":
+            # nothing of ours for this room is in flight to that peer (finished, or never started):
+            # say so, in case an earlier Quiesced was lost
+            self._send(key, Quiesced(src=self.me, dst=key.incarnation, room=room_id, session=msg.session))
         if room_id in self.finished:
             if kind == "meta":  # the decode side must not wait for a room that is over here
-                kind_, why = self.finished[room_id]
+                _, kind_, why = self.finished[room_id]
                 self._send(key, RoomFailed(src=self.me, dst=key.incarnation, room=room_id, session=msg.session,
                                            kind=kind_, reason=f"the prefill sender of this room has finished: {why}"))
                 self._send(key, Quiesced(src=self.me, dst=key.incarnation, room=room_id, session=msg.session))
@@ -572,7 +576,26 @@ class EngineLoop:
 
     def _on_RoomMeta(self, peer: Peer, msg: RoomMeta, now: float) -> None:
         if self.role == "prefill":
+            self._send(peer.key, MetaAck(src=self.me, dst=peer.key.incarnation, room=msg.room, session=msg.session))
             self._prefill_input(msg.room, ("meta", peer.key, msg), now)
+
+    def _on_MetaAck(self, peer: Peer, msg: MetaAck, now: float) -> None:
+        room = self.rooms.get(msg.room)
+        if self.role == "decode" and room is not None:
+            room.on_meta_ack(peer.key, msg.session)
+
+    def _answer_finished(self, peer: Peer, room_id: int, session: int) -> None:
+        """Decode: a writer still asks about a room that is over here; repeat the outcome."""
+        done = self.finished.get(room_id)
+        if done is None:
+            self.stats.count("dropped_messages", "unknown_room")
+            return
+        state, kind, why = done
+        if state is KVPoll.Success:
+            self._send(peer.key, RoomDone(src=self.me, dst=peer.key.incarnation, room=room_id, session=session))
+        else:
+            self._send(peer.key, RoomFailed(src=self.me, dst=peer.key.incarnation, room=room_id, session=session,
+                                            kind=kind, reason=why))
 
     def _on_AllocGrant(self, peer: Peer, msg: AllocGrant, now: float) -> None:
         room = self.rooms.get(msg.room)
@@ -604,13 +627,15 @@ class EngineLoop:
             a = self.handler.allocator
             self.stats.maximum("ring_high_water_bytes", min(a.high_water, a.size))
             self.stats.maximum("ring_backlog_high_water_bytes", a.high_water)
-        elif room is None:
-            self.stats.count("dropped_messages", "finished_room")
+        elif room is None and self.role == "decode":
+            self._answer_finished(peer, msg.room, msg.session)
 
     def _on_WriterDone(self, peer: Peer, msg: WriterDone, now: float) -> None:
         room = self.rooms.get(msg.room)
         if self.role == "decode" and room is not None:
             self._apply(room, room.on_writer_done(peer.key, msg, now))
+        elif room is None and self.role == "decode":
+            self._answer_finished(peer, msg.room, msg.session)
 
     def _on_Quiesced(self, peer: Peer, msg: Quiesced, now: float) -> None:
         room = self.rooms.get(msg.room)
@@ -622,6 +647,9 @@ class EngineLoop:
         peer.lease.on_heartbeat(msg.seq, msg.ack, now)
         if self.role == "prefill" and peer.backend_name:
             self.backend.fence(peer.backend_name, peer.lease.fence_base + peer.lease.lease_s)
+            if msg.wm_epoch and self.handler.on_watermark(peer.key.incarnation, msg.wm_epoch,
+                                                          Watermark(msg.wm_round, msg.wm_tail)):
+                self._dispatch_staged(peer.key.incarnation, now)
 
     def _on_Goodbye(self, peer: Peer, msg: Goodbye, now: float) -> None:
         self._peer_lost(peer, f"it said goodbye: {msg.reason or 'closing'}", now, tell=False)
@@ -718,7 +746,7 @@ class EngineLoop:
         if room.room in self._eager_rooms:
             self._eager_rooms.discard(room.room)
             self.backend.expect_tags(-1)
-        self.finished[room.room] = (room.failure_kind or "gone", room.failure or "it succeeded")
+        self.finished[room.room] = (room.state, room.failure_kind or "gone", room.failure or "it succeeded")
         while len(self.finished) > FINISHED_MEMORY:
             self.finished.popitem(last=False)
 
@@ -889,10 +917,14 @@ class EngineLoop:
                     self._peer_lost(peer, "its acknowledgements stopped (write lease expired)", now)
         if now >= self._next_heartbeat:
             self._next_heartbeat = now + self.t.heartbeat
+            wm = self.handler.allocator.watermark if self.handler.allocator is not None else None
             for peer in list(self.peers.values()):
                 if peer.state == "connected":
                     seq, ack = peer.lease.next_heartbeat(now)
-                    self._send(peer.key, Heartbeat(src=self.me, dst=peer.key.incarnation, seq=seq, ack=ack))
+                    extra = {}
+                    if wm is not None and peer.staging:
+                        extra = {"wm_epoch": self.me, "wm_round": wm.round, "wm_tail": wm.tail}
+                    self._send(peer.key, Heartbeat(src=self.me, dst=peer.key.incarnation, seq=seq, ack=ack, **extra))
         if self._closing_since is not None:
             if not self.rooms or now - self._closing_since > self.t.close:
                 self._stop.set()

@@ -10,6 +10,10 @@ writers of a piece landed, and frees the region after it.
 A failed room keeps every ring region (and, for the direct path, reports its pages not
 released) until each writer that knew the room is known to have stopped writing: it said
 Quiesced, or it was declared lost.
+
+Control messages may be lost: the room re-sends its metadata until each prefill rank
+acknowledged it, re-sends its failure until each writer quiesced, and answers a repeated
+WriterDone or AllocRequest with its outcome. Everything it receives is idempotent.
 """
 
 from __future__ import annotations
@@ -87,6 +91,8 @@ class DecodeRoom:
         self.allocs: dict[int, Allocation] = {}
         self.scattering: dict[tuple[int, int], float] = {}   # piece key -> when asked
         self.released = False
+        self.acked: set[int] = set()                         # prefill ranks that acknowledged the metadata
+        self._retry_at = 0.0
 
     # -- set-up -----------------------------------------------------------------------------
     def on_plan(self, plan: RoomPlan, now: float) -> list[Action]:
@@ -116,21 +122,32 @@ class DecodeRoom:
         n = int(self.dst_pages.size)
         self.tracker = RoomTracker(n, {r: self.plan.writer_page_bytes(w.assignment) for r, w in self.writers.items()})
         self.meta_sent = True
-        out: list[Action] = []
+        self._retry_at = now + self.timeouts.heartbeat
+        return self._metas(self._all_prefill()) + self._set_state(KVPoll.Transferring)
+
+    def _all_prefill(self) -> list[PeerKey]:
+        return [p for p, _ in self.plan.writers] + list(self.plan.notices)
+
+    def _metas(self, peers: list[PeerKey]) -> list[Action]:
+        n = int(self.dst_pages.size)
+        writers = {p for p, _ in self.plan.writers}
         pages = b"" if self.plan.staged else encode_pages(self.dst_pages)
-        for peer, _ in self.plan.writers:
-            out.append(Send(peer, RoomMeta(src=self.me, dst=peer.incarnation, room=self.room, session=self.session,
-                                           num_pages=n, staged=self.plan.staged, dst_pages=pages)))
-        for peer in self.plan.notices:
-            out.append(Send(peer, RoomMeta(src=self.me, dst=peer.incarnation, room=self.room, session=self.session,
-                                           num_pages=n, staged=False)))
-        return out + self._set_state(KVPoll.Transferring)
+        return [Send(p, RoomMeta(src=self.me, dst=p.incarnation, room=self.room, session=self.session, num_pages=n,
+                                 staged=self.plan.staged and p in writers, dst_pages=pages if p in writers else b""))
+                for p in peers]
+
+    def on_meta_ack(self, peer: PeerKey, session: int) -> None:
+        if session == self.session and self.plan is not None and peer in self._all_prefill():
+            self.acked.add(peer.tp_rank)
 
     # -- staged: allocation -----------------------------------------------------------------
     def on_alloc_request(self, peer: PeerKey, req: AllocRequest, ring: RingAllocator, now: float) -> list[Action]:
         w = self._writer(peer)
-        if w is None or req.session != self.session or self.state in TERMINAL:
+        if w is None or req.session != self.session:
             return []
+        self.acked.add(peer.tp_rank)
+        if self.state in TERMINAL:
+            return self._outcome(peer)
         if not self.plan.staged:
             return self.fail("protocol", f"{peer} asked for ring space in a direct-path room", now)
         alloc = self.allocs.get(req.chunk)
@@ -171,6 +188,7 @@ class DecodeRoom:
         w = self._writer(peer)
         if w is None or tag.session != self.session or tag.src != peer.incarnation or self.tracker is None:
             return "stale", []
+        self.acked.add(peer.tp_rank)
         if self.state in TERMINAL:
             return "stale", []
         if tag.writer != peer.tp_rank:
@@ -222,10 +240,20 @@ class DecodeRoom:
 
     def on_writer_done(self, peer: PeerKey, msg: WriterDone, now: float) -> list[Action]:
         w = self._writer(peer)
-        if w is None or msg.session != self.session or self.state in TERMINAL:
+        if w is None or msg.session != self.session:
             return []
-        w.done_at, w.done_writes = now, msg.writes
+        self.acked.add(peer.tp_rank)
+        if self.state in TERMINAL:
+            return self._outcome(peer)   # our answer may have been lost: say it again
+        if w.done_at is None:
+            w.done_at, w.done_writes = now, msg.writes
         return []
+
+    def _outcome(self, peer: PeerKey) -> list[Action]:
+        if self.state is KVPoll.Success:
+            return [Send(peer, RoomDone(src=self.me, dst=peer.incarnation, room=self.room, session=self.session))]
+        return [Send(peer, RoomFailed(src=self.me, dst=peer.incarnation, room=self.room, session=self.session,
+                                      kind=self.failure_kind or "failed", reason=self.failure or ""))]
 
     # -- failures ---------------------------------------------------------------------------
     def on_room_failed(self, peer: PeerKey, session: int, kind: str, reason: str, now: float) -> list[Action]:
@@ -239,7 +267,11 @@ class DecodeRoom:
         if w is None or session != self.session:
             return []
         w.stopped = True
-        return self._maybe_release(ring)
+        out: list[Action] = []
+        if self.state not in TERMINAL:  # it gave up on the room and its failure notice was lost
+            out = self.fail("remote_failed", f"prefill rank {peer.tp_rank} ({peer.engine_id}) stopped writing this "
+                                             "room", now, origin=peer)
+        return out + self._maybe_release(ring)
 
     def on_peer_lost(self, peer: PeerKey, reason: str, ring: RingAllocator | None, now: float) -> list[Action]:
         w = self._writer(peer)
@@ -257,8 +289,23 @@ class DecodeRoom:
         return self.fail("aborted", "aborted by the decode caller", now) + self._maybe_release(ring)
 
     def tick(self, ring: RingAllocator | None, now: float) -> list[Action]:
+        out = self._retransmit(now)
         if self.state in TERMINAL:
-            return self._maybe_release(ring)
+            return out + self._maybe_release(ring)
+        return out + self._deadlines(now)
+
+    def _retransmit(self, now: float) -> list[Action]:
+        """What a lost message would otherwise leave waiting for a deadline."""
+        if not self.meta_sent or self.released or now < self._retry_at:
+            return []
+        self._retry_at = now + self.timeouts.heartbeat
+        if self.state is KVPoll.Failed:
+            return [self._outcome(w.peer)[0] for w in self.writers.values() if not w.stopped]
+        if self.state is KVPoll.Transferring:
+            return self._metas([p for p in self._all_prefill() if p.tp_rank not in self.acked])
+        return []
+
+    def _deadlines(self, now: float) -> list[Action]:
         t = self.timeouts
         if self.inited_at is not None and now - self.inited_at > t.room:
             return self.fail("timeout", f"room not complete {t.room:g} s after init", now)

@@ -89,6 +89,13 @@ class RoomMeta(PeerMessage, kw_only=True, frozen=True):
         return np.frombuffer(self.dst_pages, dtype="<i8")
 
 
+class MetaAck(PeerMessage, kw_only=True, frozen=True):
+    """prefill -> decode: room metadata received (the decode side stops re-sending it)."""
+
+    room: int
+    session: int
+
+
 class AllocRequest(PeerMessage, kw_only=True, frozen=True):
     """prefill -> decode (staged): this chunk is ready; where in your ring does it go?"""
 
@@ -166,6 +173,9 @@ class Heartbeat(PeerMessage, kw_only=True, frozen=True):
 
     seq: int
     ack: int = 0
+    wm_epoch: int = 0           # decode -> prefill: the ring's current watermark rides along, so a
+    wm_round: int = 0           # lost WatermarkUpdate costs at most one heartbeat interval
+    wm_tail: int = 0
 
 
 class Goodbye(PeerMessage, kw_only=True, frozen=True):
@@ -175,7 +185,7 @@ class Goodbye(PeerMessage, kw_only=True, frozen=True):
 
 
 PEER_MESSAGES: tuple[type[PeerMessage], ...] = (
-    Hello, HelloAck, RoomMeta, AllocRequest, AllocGrant, WatermarkUpdate,
+    Hello, HelloAck, RoomMeta, MetaAck, AllocRequest, AllocGrant, WatermarkUpdate,
     WriterDone, RoomDone, RoomFailed, Quiesced, Heartbeat, Goodbye)
 
 

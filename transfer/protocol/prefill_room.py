@@ -9,6 +9,9 @@ its input is complete, without writing.
 
 On failure it tells its decode peers, stops issuing writes, and once nothing of its is in
 flight any more says so (Quiesced), so the decode side can reuse the memory.
+
+Control messages may be lost: it re-sends an AllocRequest until the grant arrives and its
+WriterDone until the decode side confirms; duplicates it receives are ignored.
 """
 
 from __future__ import annotations
@@ -47,7 +50,8 @@ class Flow:
     staged: bool
     dst_pages: np.ndarray | None
     issued: int = 0                     # chunks issued (direct) or requested (staged)
-    requested_at: dict[int, float] = field(default_factory=dict)  # staged: chunk -> when asked
+    requested_at: dict[int, float] = field(default_factory=dict)  # staged: chunk -> when first asked
+    asked_again: dict[int, float] = field(default_factory=dict)   # staged: chunk -> when last asked
     granted: set[int] = field(default_factory=set)
     inflight: set[int] = field(default_factory=set)               # op ids
     writes: int = 0
@@ -147,9 +151,9 @@ class PrefillRoom:
 
     def on_grant(self, peer: PeerKey, grant: AllocGrant, now: float) -> list[Action]:
         flow = self._flow_of(peer, grant.session)
-        if flow is None or self.state in TERMINAL:
-            return []
-        if not flow.staged or grant.chunk not in flow.requested_at or grant.chunk in flow.granted:
+        if flow is None or self.state in TERMINAL or grant.chunk in flow.granted:
+            return []  # a repeated grant (we asked twice): already acted upon
+        if not flow.staged or grant.chunk not in flow.requested_at:
             return self.fail("protocol", f"unexpected ring allocation for chunk {grant.chunk} from {peer}", now)
         chunk = self.chunks[grant.chunk]
         a = flow.assignment
@@ -220,6 +224,31 @@ class PrefillRoom:
     def tick(self, now: float) -> list[Action]:
         if self.state in TERMINAL:
             return []
+        return self._retransmit(now) + self._deadlines(now)
+
+    def _retransmit(self, now: float) -> list[Action]:
+        out: list[Action] = []
+        retry = self.timeouts.heartbeat
+        for flow in self.flows.values():
+            for chunk, first in flow.requested_at.items():
+                if chunk not in flow.granted and now - flow.asked_again.get(chunk, first) >= retry:
+                    flow.asked_again[chunk] = now
+                    out.append(self._alloc_request(flow, self.chunks[chunk]))
+            if flow.done_sent_at is not None and not flow.confirmed and now - flow.asked_again.get(-1, flow.done_sent_at) >= retry:
+                flow.asked_again[-1] = now
+                out.append(self._writer_done(flow))
+        return out
+
+    def _alloc_request(self, flow: Flow, chunk: Chunk) -> Send:
+        return Send(flow.peer, AllocRequest(src=self.me, dst=flow.peer.incarnation, room=self.room,
+                                            session=flow.session, chunk=chunk.index, page_start=chunk.page_start,
+                                            num_pages=int(chunk.pages.size)))
+
+    def _writer_done(self, flow: Flow) -> Send:
+        return Send(flow.peer, WriterDone(src=self.me, dst=flow.peer.incarnation, room=self.room,
+                                          session=flow.session, writes=flow.writes, nbytes=flow.nbytes))
+
+    def _deadlines(self, now: float) -> list[Action]:
         t = self.timeouts
         if not self._all_metas() and now - self.created > t.metadata:
             missing = sorted(self.expected - set(self.flows)) if self.mapping else "any"
@@ -285,9 +314,7 @@ class PrefillRoom:
                 chunk = self.chunks[flow.issued]
                 if flow.staged:
                     flow.requested_at[chunk.index] = now
-                    out.append(Send(flow.peer, AllocRequest(
-                        src=self.me, dst=flow.peer.incarnation, room=self.room, session=flow.session,
-                        chunk=chunk.index, page_start=chunk.page_start, num_pages=int(chunk.pages.size))))
+                    out.append(self._alloc_request(flow, chunk))
                 else:
                     nbytes = chunk.pages.size * self._bytes_per_page(a.num_heads)
                     tag = make_tag(TagKind.DIRECT, room=self.room, session=flow.session, epoch=flow.peer.incarnation,
@@ -313,9 +340,7 @@ class PrefillRoom:
                 continue
             if self._flow_finished_writing(flow):
                 flow.done_sent_at = now
-                out.append(Send(flow.peer, WriterDone(src=self.me, dst=flow.peer.incarnation, room=self.room,
-                                                      session=flow.session, writes=flow.writes,
-                                                      nbytes=flow.nbytes)))
+                out.append(self._writer_done(flow))
         if self.last and all(f.assignment is None or (f.confirmed and f.done_sent_at is not None)
                              for f in self.flows.values()):
             out += self._set_state(KVPoll.Success) + self._maybe_release()

@@ -1,0 +1,76 @@
+"""10,000 random and malformed frames at every socket the ranks and the bootstrap server listen
+on (their control plane, and the NIXL/UCX and Mooncake listeners), with and without a token:
+nothing crashes, and real transfers afterwards are bit-exact."""
+
+import os
+import time
+
+import pytest
+
+from engine_cases import ROOT  # noqa: F401 - sys.path
+from cluster import Cluster
+from fuzz_frames import fuzz_raw, fuzz_zmq, listening_ports
+
+pytestmark = pytest.mark.integration
+
+GEOM = {"layers": 2, "heads": 4, "head_dim": 32, "dtype": "bfloat16", "page_size": 16, "pages": 256}
+FRAMES = 10_000
+
+
+def managers(role, backend_rooms, gate):
+    out = []
+    for backend, rooms in backend_rooms.items():
+        s = {"role": role, "rank": 0, "tp": 1, "engine": f"{role[0]}-{backend}", "backend": backend, "staging": False,
+             "geometry": GEOM, "rooms": rooms, "timeouts": {"lease": 20.0, "heartbeat": 0.5}, "run_timeout_s": 150}
+        if role == "decode":
+            s["peer_engine"] = f"p-{backend}"
+        out.append(s)
+    return out
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("token", [None, "fuzz-token"])
+def test_fuzzing_every_listening_socket(token, tmp_path):
+    gate = str(tmp_path / "fuzzed")
+    env = {"KVSTAGE_AUTH_TOKEN": token} if token else None
+    rooms = {}
+    for i, backend in enumerate(("nixl", "mooncake")):
+        before = [{"room": 100 * (i + 1) + j, "pages": 3 + j, "chunks": [1, 2 + j]} for j in range(3)]
+        after = [{"room": 100 * (i + 1) + 50 + j, "pages": 5, "chunks": [5], "start_after_file": gate} for j in range(3)]
+        rooms[backend] = before + after
+    with Cluster(env=env) as cl:
+        p = cl.launch(managers("prefill", rooms, gate), "prefill")
+        d = cl.launch(managers("decode", rooms, gate), "decode")
+        progress = str(tmp_path / "progress")
+        # wait until the first rooms moved for real (the decode side saw them all verified)
+        deadline = time.monotonic() + 120
+        while True:
+            ports = {name: listening_ports(pr.proc.pid) for name, pr in (("prefill", p), ("decode", d))
+                     if pr.proc.poll() is None}
+            if len(ports) == 2 and all(len(v) >= 5 for v in ports.values()):
+                break
+            assert time.monotonic() < deadline, f"rank sockets never appeared: {ports}"
+            time.sleep(0.2)
+        time.sleep(3)
+        server_port = int(cl.addr.rsplit(":", 1)[1])
+        targets = [("server", server_port)] + [(n, port) for n, ps in ports.items() for port in ps]
+        for i, (name, port) in enumerate(targets):
+            fuzz_zmq(port, FRAMES, seed=i)
+            fuzz_raw(port, FRAMES, seed=1000 + i)
+            for pr in (p, d):
+                assert pr.proc.poll() is None, f"{name}:{port} fuzzing killed a rank:\n{pr.log()}"
+            assert cl.server.proc.poll() is None, "fuzzing killed the bootstrap server"
+        open(gate, "w").close()   # now real requests again
+        for pr in (p, d):
+            pr.proc.wait(150)
+        for pr in (p, d):
+            assert pr.proc.returncode == 0, pr.log()
+        for res in p.result() + d.result():
+            assert not res.get("error"), res.get("traceback")
+            assert len(res["rooms"]) == 6
+            for r in res["rooms"]:
+                assert r["state"] == "Success" and r["verified"] is not False, r
+            dropped = res["stats"].get("dropped_messages", {})
+            assert sum(dropped.values()) > 1000, dropped
+            if token:
+                assert dropped.get("auth", 0) > 1000, dropped

@@ -1,0 +1,93 @@
+"""Prefill and decode ranks on separate "hosts" (network namespaces joined by veth): NIXL over
+UCX_TLS=tcp and Mooncake over tcp, bit-exact; then the link is taken down mid-transfer and the
+rooms fail cleanly on both sides."""
+
+import os
+import time
+
+import pytest
+
+import engine_cases  # noqa: F401 - puts examples/ on sys.path
+from cluster import Cluster
+from netns import can_make_namespaces, delete_hosts, make_hosts
+
+pytestmark = [pytest.mark.integration, pytest.mark.netns]
+
+WHY = can_make_namespaces()
+GEOM = {"layers": 4, "heads": 8, "head_dim": 64, "dtype": "bfloat16", "page_size": 16, "pages": 512}
+TIMEOUTS = {"lease": 3.0, "heartbeat": 0.3, "connect": 10.0, "bootstrap": 30.0, "close": 3.0, "write": 6.0,
+            "arrival": 4.0, "metadata": 30.0}
+
+
+@pytest.fixture
+def hosts():
+    if WHY:
+        pytest.skip(WHY)
+    h = make_hosts(f"{os.getpid() % 10000}")
+    yield h
+    delete_hosts(h)
+
+
+def spec(role, rank, tp, rooms, backend, host, **kw):
+    s = {"role": role, "rank": rank, "tp": tp, "engine": "pf" if role == "prefill" else "dc", "backend": backend,
+         "staging": True, "geometry": GEOM, "rooms": rooms, "ring_mb": 2, "buffer_mb": 1, "inflight": 4,
+         "timeouts": TIMEOUTS, "host": host, "run_timeout_s": 120}
+    if role == "decode":
+        s["peer_engine"] = "pf"
+    s.update(kw)
+    return s
+
+
+def launch_pair(cl, h, backend, rooms, started=None, barrier=None):
+    env_a = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": h.dev_a}
+    env_b = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": h.dev_b}
+    procs = []
+    for r in range(2):
+        procs.append(cl.launch([spec("prefill", r, 2, rooms, backend, h.ip_a, barrier=barrier)], f"p{r}", env=env_a,
+                               netns=h.a))
+    procs.append(cl.launch([spec("decode", 0, 1, rooms, backend, h.ip_b, started_file=started, barrier=barrier)],
+                           "d0", env=env_b, netns=h.b))
+    return procs
+
+
+def all_rooms(procs):
+    return [r for p in procs for res in p.result() for r in res.get("rooms", [])]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_across_hosts_bit_exact_then_link_down(backend, hosts, tmp_path):
+    h = hosts
+    with Cluster(server_host=h.ip_a, server_netns=h.a) as cl:
+        rooms = [{"room": 100 + i, "pages": 8 + 5 * i, "chunks": [4, 4 + 5 * i]} for i in range(6)]
+        procs = launch_pair(cl, h, backend, rooms, barrier=cl.barrier(3, timeout_s=60))
+        for p in procs:
+            p.proc.wait(200)
+        for p in procs:
+            assert p.proc.returncode == 0, p.log()
+            for res in p.result():
+                assert not res.get("error"), res.get("traceback")
+        recs = all_rooms(procs)
+        assert len(recs) == 18 and all(r["state"] == "Success" and r["verified"] is not False for r in recs), recs
+
+    started = str(tmp_path / "started")
+    with Cluster(server_host=h.ip_a, server_netns=h.a) as cl:
+        slow = [{"room": 300 + i, "pages": 8, "chunks": [2, 2, 2, 2], "chunk_delay_s": 0.5} for i in range(4)]
+        procs = launch_pair(cl, h, backend, slow, started=started)
+        deadline = time.monotonic() + 90
+        while not os.path.exists(started):
+            assert time.monotonic() < deadline, "transfers never started"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        down_at = time.time()
+        h.link(up=False)
+        for p in procs:
+            p.proc.wait(200)
+        h.link(up=True)
+        for p in procs:
+            assert p.proc.returncode == 0, p.log()
+        recs = all_rooms(procs)
+        assert len(recs) == 12
+        for r in recs:
+            assert r["state"] == "Failed" and r["failure"], r
+            assert r["end"] - down_at <= TIMEOUTS["lease"] + TIMEOUTS["write"] + 3, r
