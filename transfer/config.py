@@ -59,18 +59,33 @@ class Timeouts:
     heartbeat: float = 1.0      # interval between heartbeats to connected peers
     lease: float = 10.0         # a peer silent this long is considered dead
     close: float = 5.0          # close(): waiting for in-flight writes before deregistering
+    quarantine: float = -1.0    # decode: hold a silently lost writer's memory this long (-1: the backend's
+                                # stall bound: 0 for NIXL, whose release cancels; Mooncake's stall timeout)
 
     @classmethod
     def from_env(cls, **overrides: float) -> "Timeouts":
         vals = {}
         for f in fields(cls):
+            if f.name == "quarantine" and not os.environ.get("KVSTAGE_TIMEOUT_QUARANTINE"):
+                vals[f.name] = f.default
+                continue
             vals[f.name] = env_number(f"KVSTAGE_TIMEOUT_{f.name.upper()}", f.default)
         vals.update(overrides)
         t = cls(**vals)
         for f in fields(t):
-            if getattr(t, f.name) <= 0:
+            if getattr(t, f.name) <= 0 and f.name != "quarantine":
                 raise ValueError(f"timeout {f.name} must be positive")
         return t
+
+    def mooncake_stall(self) -> float:
+        """How long a Mooncake write may make no progress before it fails: well inside the
+        lease, so a stalled write is over before the peer could reuse its memory."""
+        return max(1.0, min(self.write, self.lease) / 2)
+
+    def quarantine_for(self, backend: str) -> float:
+        if self.quarantine >= 0:
+            return self.quarantine
+        return self.mooncake_stall() + 1.0 if backend == "mooncake" else 0.0
 
 
 @dataclass(frozen=True)

@@ -388,8 +388,9 @@ class MooncakeBackend(Backend):
         stopped: it runs to its end in its submit thread (for a frozen peer until Mooncake's stall
         timeout, 30 s by default) and may still read the source and write the destination, tag
         included. Either way the handle becomes FAILED ("released while pending"); in the second
-        case ``handle.extra["may_touch_memory"]`` is True. To reuse the source memory safely,
-        keep polling a PENDING write until it ends instead of releasing it.
+        case ``handle.extra["may_touch_memory"]`` is True and ``handle.extra["returned"]`` is a
+        threading.Event set once Mooncake has returned. To reuse the source memory safely, keep
+        polling a PENDING write until it ends instead of releasing it (or wait for that event).
         """
         job = handle.handle
         if job is None:
@@ -401,6 +402,8 @@ class MooncakeBackend(Backend):
             cancelled = job.cancel()
             handle.state = WriteState.FAILED
             handle.extra["may_touch_memory"] = not cancelled
+            if not cancelled:
+                handle.extra["returned"] = job.done  # a threading.Event: set once Mooncake returns
             handle.reason = (
                 f"mooncake write to {handle.peer!r} released while pending"
                 + (" (cancelled before it started)" if cancelled else " (still running inside Mooncake)")

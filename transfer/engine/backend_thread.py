@@ -45,6 +45,7 @@ class BackendThread:
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._on_tags = on_tags
         self._pending: list[_Write] = []
+        self._draining: list[_Write] = []  # released, but the library may still touch their memory
         self._eager_lock = threading.Lock()
         self._eager = 0
         self._fences: dict[str, float] = {}  # peer -> monotonic time its write lease ends (under _eager_lock)
@@ -119,10 +120,11 @@ class BackendThread:
     def _iterate(self, sleep: float) -> float:
         busy = self._commands(block=False)
         busy |= self._poll_writes()
+        busy |= self._drain_released()
         busy |= self._drain()
         with self._eager_lock:
             eager = self._eager > 0
-        if self._pending or eager:
+        if self._pending or self._draining or eager:
             sleep = MIN_SLEEP if busy else min(sleep * 2, MAX_EAGER_SLEEP)
             try:
                 self.backend.progress()
@@ -176,10 +178,7 @@ class BackendThread:
             if now > fences.get(w.peer, now + 1):
                 # the lease with this peer ran out (say this process was frozen): the peer may
                 # have reused the target memory, so this write is never driven again
-                self._pending.remove(w)
-                w.handle.reason = "the write lease with the peer expired"
-                self._release(w)
-                self._finish(w, False, w.handle.reason)
+                self._give_up(w, "the write lease with the peer expired")
                 did = True
                 continue
             try:
@@ -189,10 +188,9 @@ class BackendThread:
                 state = WriteState.FAILED
             if state is WriteState.PENDING:
                 if w.disconnected_at is not None and now - w.disconnected_at > ABANDON_AFTER_DISCONNECT:
-                    state = WriteState.FAILED
-                    w.handle.reason = "peer disconnected"
-                else:
-                    continue
+                    self._give_up(w, "peer disconnected")
+                    did = True
+                continue
             did = True
             self._pending.remove(w)
             self._release(w)
@@ -225,6 +223,25 @@ class BackendThread:
         except Exception:  # noqa: BLE001
             log.debug("releasing a write failed", exc_info=True)
 
+    def _give_up(self, w: _Write, reason: str) -> None:
+        """Stop waiting for a write. Its completion is reported only once the library is known
+        to leave its memory alone (Mooncake cannot cancel a write already inside the engine):
+        until then the source buffer stays with this write and nobody reuses it."""
+        self._pending.remove(w)
+        w.handle.reason = reason
+        self._release(w)
+        if w.handle.extra.get("may_touch_memory"):
+            self._draining.append(w)
+        else:
+            self._finish(w, False, reason)
+
+    def _drain_released(self) -> bool:
+        done = [w for w in self._draining if w.handle.extra["returned"].is_set()]
+        for w in done:
+            self._draining.remove(w)
+            self._finish(w, False, w.handle.reason)
+        return bool(done)
+
     @staticmethod
     def _finish(w: _Write, ok: bool, reason: str | None) -> None:
         try:
@@ -233,10 +250,15 @@ class BackendThread:
             log.exception("write completion callback raised")
 
     def _shutdown(self) -> None:
-        for w in self._pending:
-            self._release(w)
+        for w in list(self._pending):
+            self._give_up(w, "backend shutting down")
+        deadline = time.monotonic() + 60
+        while self._draining and time.monotonic() < deadline:  # close() would wait for them too
+            self._drain_released()
+            time.sleep(0.01)
+        for w in self._draining:
             self._finish(w, False, "backend shutting down")
-        self._pending.clear()
+        self._draining.clear()
         # fail whatever is still queued, so no caller waits forever
         while True:
             try:

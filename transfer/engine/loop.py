@@ -652,9 +652,9 @@ class EngineLoop:
                 self._dispatch_staged(peer.key.incarnation, now)
 
     def _on_Goodbye(self, peer: Peer, msg: Goodbye, now: float) -> None:
-        self._peer_lost(peer, f"it said goodbye: {msg.reason or 'closing'}", now, tell=False)
+        self._peer_lost(peer, f"it said goodbye: {msg.reason or 'closing'}", now, tell=False, clean=msg.clean)
 
-    def _peer_lost(self, peer: Peer, reason: str, now: float, tell: bool = True) -> None:
+    def _peer_lost(self, peer: Peer, reason: str, now: float, tell: bool = True, clean: bool = False) -> None:
         if peer.state == "lost":
             return
         if tell:  # it may be alive but frozen or cut off: when it wakes up it learns at once
@@ -685,7 +685,8 @@ class EngineLoop:
             if self.role == "prefill":
                 self._apply(room, room.on_peer_lost(peer.key, reason, now))
             else:
-                self._apply(room, room.on_peer_lost(peer.key, reason, self.handler.allocator, now))
+                quarantine = 0.0 if clean else self.t.quarantine_for(self.cfg.backend)
+                self._apply(room, room.on_peer_lost(peer.key, reason, self.handler.allocator, now, quarantine))
         view = self.engines.get(peer.key.engine_id) if self.role == "decode" else None
         if view is not None and view.rooms:
             self._engine(peer.key.engine_id, now)  # look the engine up again for rooms still waiting
@@ -967,9 +968,11 @@ class EngineLoop:
             self._apply(room, acts)
 
     def _teardown(self) -> None:
+        clean = not any(getattr(r, "ops", None) for r in self.rooms.values())  # no write of ours in flight
         for peer in list(self.peers.values()):
             if peer.state in ("connected", "connecting"):
-                self.sock.send(peer.endpoint, Goodbye(src=self.me, dst=peer.key.incarnation, reason="closing"))
+                self.sock.send(peer.endpoint, Goodbye(src=self.me, dst=peer.key.incarnation, reason="closing",
+                                                      clean=clean))
         time.sleep(0.01)  # let zmq hand the goodbyes to the kernel before the sockets close
         self.sock.close()
         self.events.close()

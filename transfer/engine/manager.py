@@ -100,7 +100,12 @@ class KVManager:
                  cfg.engine_id, self.endpoint, cfg.backend, "on" if cfg.staging else "off")
 
     def _make_backend(self, cfg: EngineConfig, plan: FaultPlan | None):
-        backend = create_backend(cfg.backend, self.name, cfg.host, **cfg.backend_options)
+        options = dict(cfg.backend_options)
+        if cfg.backend == "mooncake":
+            # a Mooncake write cannot be cancelled once inside the engine: bound how long it may
+            # stall (and so how long memory stays quarantined) by the write deadline
+            options.setdefault("stall_timeout_s", cfg.timeouts.mooncake_stall())
+        backend = create_backend(cfg.backend, self.name, cfg.host, **options)
         if plan is None:
             return backend
         log.warning("kvstage rank %s runs with injected faults: %s", self.name, plan)

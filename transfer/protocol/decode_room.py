@@ -59,7 +59,8 @@ class WriterState:
     tags: set = field(default_factory=set)        # distinct (chunk, piece) landed
     done_at: float | None = None                  # WriterDone received
     done_writes: int = 0
-    stopped: bool = False                         # quiesced or lost: it will not write again
+    stopped: bool = False                         # quiesced or lost: it will not write again...
+    quiet_after: float = 0.0                      # ... after this time (a lost writer's last write may stall)
 
 
 @dataclass
@@ -93,6 +94,7 @@ class DecodeRoom:
         self.released = False
         self.acked: set[int] = set()                         # prefill ranks that acknowledged the metadata
         self._retry_at = 0.0
+        self._now = now
 
     # -- set-up -----------------------------------------------------------------------------
     def on_plan(self, plan: RoomPlan, now: float) -> list[Action]:
@@ -236,7 +238,7 @@ class DecodeRoom:
             out += self.fail("scatter", f"scatter of chunk {chunk} piece {index} failed: {reason}", now)
         # every writer of the piece landed and the scatter is over: nothing touches the region
         out += self._free(ring, [self.allocs[chunk].regions.pop(index)])
-        return out + self._check_complete(now) + self._maybe_release(ring)
+        return out + self._check_complete(now) + self._maybe_release(ring, now)
 
     def on_writer_done(self, peer: PeerKey, msg: WriterDone, now: float) -> list[Action]:
         w = self._writer(peer)
@@ -271,27 +273,31 @@ class DecodeRoom:
         if self.state not in TERMINAL:  # it gave up on the room and its failure notice was lost
             out = self.fail("remote_failed", f"prefill rank {peer.tp_rank} ({peer.engine_id}) stopped writing this "
                                              "room", now, origin=peer)
-        return out + self._maybe_release(ring)
+        return out + self._maybe_release(ring, now)
 
-    def on_peer_lost(self, peer: PeerKey, reason: str, ring: RingAllocator | None, now: float) -> list[Action]:
+    def on_peer_lost(self, peer: PeerKey, reason: str, ring: RingAllocator | None, now: float,
+                     quarantine: float = 0.0) -> list[Action]:
+        """`quarantine`: how long a write the lost writer already posted may still land (its
+        backend's stall bound); its memory is not reused before."""
         w = self._writer(peer)
         notice = self.plan is not None and peer in self.plan.notices
         if w is None and not notice:
             return []
         if w is not None:
-            w.stopped = True  # its lease ran out or its connection closed: it writes no more
+            w.stopped = True  # its lease ran out or its connection closed: it posts no more writes
+            w.quiet_after = max(w.quiet_after, now + quarantine)
         out = []
         if w is not None or not self.meta_sent:
             out = self.fail("peer_lost", f"prefill rank {peer.tp_rank} ({peer}) lost: {reason}", now)
-        return out + self._maybe_release(ring)
+        return out + self._maybe_release(ring, now)
 
     def abort(self, ring: RingAllocator | None, now: float) -> list[Action]:
-        return self.fail("aborted", "aborted by the decode caller", now) + self._maybe_release(ring)
+        return self.fail("aborted", "aborted by the decode caller", now) + self._maybe_release(ring, now)
 
     def tick(self, ring: RingAllocator | None, now: float) -> list[Action]:
         out = self._retransmit(now)
         if self.state in TERMINAL:
-            return out + self._maybe_release(ring)
+            return out + self._maybe_release(ring, now)
         return out + self._deadlines(now)
 
     def _retransmit(self, now: float) -> list[Action]:
@@ -354,10 +360,12 @@ class DecodeRoom:
             moved |= ring.free(region) is not None
         return [PublishWatermark()] if moved else []
 
-    def _maybe_release(self, ring: RingAllocator | None) -> list[Action]:
+    def _maybe_release(self, ring: RingAllocator | None, now: float) -> list[Action]:
+        self._now = now
         if self.released or self.state not in TERMINAL or self.scattering:
             return []
-        if self.state is KVPoll.Failed and self.meta_sent and not all(w.stopped for w in self.writers.values()):
+        if self.state is KVPoll.Failed and self.meta_sent and not all(w.stopped and now >= w.quiet_after
+                                                                     for w in self.writers.values()):
             return []
         self.released = True
         leftover = [r for a in self.allocs.values() for r in a.regions.values()]
@@ -372,5 +380,5 @@ class DecodeRoom:
         self.state = state
         out: list[Action] = [StatusChanged(state, self.failure, self.failure_kind)]
         if state is KVPoll.Success:
-            out += self._maybe_release(None)
+            out += self._maybe_release(None, self._now)
         return out

@@ -179,9 +179,11 @@ class Heartbeat(PeerMessage, kw_only=True, frozen=True):
 
 
 class Goodbye(PeerMessage, kw_only=True, frozen=True):
-    """The sender is closing; fail what depends on it."""
+    """The sender is done with us: it is closing, or it declared us lost. Fail what depends on
+    it. `clean`: it closed with no write of its still in flight (nothing to quarantine)."""
 
     reason: str = ""
+    clean: bool = False
 
 
 PEER_MESSAGES: tuple[type[PeerMessage], ...] = (
