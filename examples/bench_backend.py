@@ -206,7 +206,9 @@ def start_pair(kind: str, env: dict, size: int, options: dict | None = None) -> 
     return writer, target, wi, ti, peer
 
 
-def bench_config(key: str, nbytes: int, rounds: int) -> dict:
+def bench_config(key: str, nbytes: int, rounds: int, patterns: list | None = None) -> dict:
+    """Median write time of `nbytes` moved in each of `patterns` (default: all of PATTERNS)."""
+    PATTERNS = patterns or globals()["PATTERNS"]  # noqa: N806 - shadows the module default
     kind, env, label = CONFIGS[key]
     writer, target, wi, ti, peer = start_pair(kind, env, nbytes)
     try:

@@ -25,6 +25,7 @@ def rank_env(extra: dict | None = None) -> dict:
     env.setdefault("UCX_MODULES", "^ib")        # FACTS: otherwise UCX crashes at exit
     env.setdefault("GLOG_minloglevel", "2")     # Mooncake logs a lot through glog
     env.setdefault("MC_LOG_LEVEL", "ERROR")
+    env.setdefault("OMP_NUM_THREADS", "1")      # many rank processes share 2 cores: no intra-op threads
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.update(extra or {})
     return env

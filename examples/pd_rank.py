@@ -48,13 +48,15 @@ def build(spec: dict, bootstrap: str) -> tuple[KVManager, KVLayout, KVBuffers, K
                       dtype=DTYPES[g["dtype"]], page_size=g["page_size"], tp_size=spec["tp"],
                       tp_rank=spec["rank"], mla=g.get("mla", False))
     shape = (g["pages"] * layout.page_size, layout.local_heads, layout.head_dim)
-    k = [torch.zeros(shape, dtype=layout.dtype) for _ in range(layout.num_layers)]
-    v = None if layout.mla else [torch.zeros(shape, dtype=layout.dtype) for _ in range(layout.num_layers)]
+    # touched at start-up, as a serving engine's KV cache is (fresh pages fault on first write)
+    k = [torch.zeros(shape, dtype=layout.dtype).zero_() for _ in range(layout.num_layers)]
+    v = None if layout.mla else [torch.zeros(shape, dtype=layout.dtype).zero_() for _ in range(layout.num_layers)]
     buffers = KVBuffers(k, v)
     cfg = EngineConfig(role=spec["role"], engine_id=spec["engine"], bootstrap=bootstrap,
                        backend=spec.get("backend", "nixl"), staging=spec.get("staging"),
                        host=spec.get("host", "127.0.0.1"), staging_workers=spec.get("workers"),
                        staging_buffer_mb=spec.get("buffer_mb"), ring_mb=spec.get("ring_mb"),
+                       staging_piece_mb=spec.get("piece_mb"),
                        timeouts=Timeouts.from_env(**spec.get("timeouts", {})),
                        backend_options=spec.get("backend_options", {}), auth_token=spec.get("token"),
                        faults=spec.get("faults"))
@@ -63,14 +65,24 @@ def build(spec: dict, bootstrap: str) -> tuple[KVManager, KVLayout, KVBuffers, K
 
 
 class Pages:
-    """A free list of cache pages with random placement, like a serving engine's allocator."""
+    """A free list of cache pages with random placement, like a serving engine's allocator
+    (or, `contiguous`, the lowest run of consecutive free pages)."""
 
-    def __init__(self, n: int, rng: random.Random):
+    def __init__(self, n: int, rng: random.Random, contiguous: bool = False):
         self.free = list(range(n))
         self.rng = rng
+        self.contiguous = contiguous
 
     def take(self, n: int) -> np.ndarray | None:
         if len(self.free) < n:
+            return None
+        if self.contiguous:
+            free = sorted(self.free)
+            for i in range(len(free) - n + 1):
+                if free[i + n - 1] - free[i] == n - 1:
+                    run = free[i:i + n]
+                    self.free = free[:i] + free[i + n:]
+                    return np.array(run, dtype=np.int64)
             return None
         self.rng.shuffle(self.free)
         out, self.free = self.free[:n], self.free[n:]
@@ -85,8 +97,10 @@ class Pages:
 def drive(spec: dict, bootstrap: str, result: dict) -> None:
     mgr, layout, buffers, pattern = build(spec, bootstrap)
     result["endpoint"] = mgr.endpoint
+    if spec.get("bench", {}).get("mode") == "latency":
+        return drive_latency(mgr, spec, buffers, pattern, result)
     rng = random.Random(hash((spec.get("seed", 0), spec["engine"], spec["rank"])) & 0xFFFFFFFF)
-    pool = Pages(spec["geometry"]["pages"], rng)
+    pool = Pages(spec["geometry"]["pages"], rng, contiguous=spec.get("contiguous", False))
     rooms = list(spec["rooms"])
     window = spec.get("inflight", 16)
     tensors = buffers.tensors()
@@ -95,9 +109,11 @@ def drive(spec: dict, bootstrap: str, result: dict) -> None:
     t_start = time.perf_counter()
     deadline = time.monotonic() + spec.get("run_timeout_s", 120)
     while (rooms or active) and time.monotonic() < deadline:
-        while rooms and len(active) < window:
+        while rooms and len(active) < r_window(rooms[0], window):
             r = rooms[0]
             if r.get("start_after_file") and not os.path.exists(r["start_after_file"]):
+                break
+            if r.get("drain_before") and active:
                 break
             pages = pool.take(r["pages"])
             if pages is None:
@@ -132,6 +148,54 @@ def drive(spec: dict, bootstrap: str, result: dict) -> None:
     mgr.close()
 
 
+def r_window(r: dict, default: int) -> int:
+    return r.get("window", default)
+
+
+def verifies(spec: dict, room: int) -> bool:
+    """Bench runs check only the rooms they name (filling and checking cost more than moving)."""
+    bench = spec.get("bench")
+    return bench is None or room in bench.get("verify", [])
+
+
+def drive_latency(mgr: KVManager, spec: dict, buffers: KVBuffers, pattern: KVPattern, result: dict) -> None:
+    """Init -> Success of one request at a time, with the prefill side long ready: the decode
+    side measures init() until wait() returns Success."""
+    tensors = buffers.tensors()
+    out = result["rooms"] = []
+    handles = []
+    if spec["role"] == "prefill":
+        pages = np.arange(len(spec["rooms"]), dtype=np.int64) % spec["geometry"]["pages"]
+        for i, r in enumerate(spec["rooms"]):
+            if verifies(spec, r["room"]):
+                pattern.fill(tensors, r["room"], pages[i:i + 1])
+            h = mgr.sender(r["room"], r["pages"])
+            h.send(pages[i:i + r["pages"]], last=True)
+            handles.append((r, h))
+        for r, h in handles:
+            h.wait(spec.get("run_timeout_s", 120))
+            out.append({"room": r["room"], "state": h.poll().name, "failure": h.failure, "kind": h.failure_kind,
+                        "latency_s": None, "verified": None})
+    else:
+        for i, r in enumerate(spec["rooms"]):
+            h = mgr.receiver(r["room"], spec["peer_engine"])
+            dst = np.arange(i % 64 * r["pages"], i % 64 * r["pages"] + r["pages"], dtype=np.int64)
+            time.sleep(spec["bench"].get("gap_s", 0.002))  # let the control plane settle between requests
+            t0 = time.perf_counter()
+            h.init(dst)
+            state = h.wait(spec.get("run_timeout_s", 120))
+            lat = time.perf_counter() - t0
+            rec = {"room": r["room"], "state": state.name, "failure": h.failure, "kind": h.failure_kind,
+                   "latency_s": lat, "verified": None}
+            if state is KVPoll.Success and verifies(spec, r["room"]):
+                err = pattern.check(tensors, r["room"], dst)
+                rec["verified"], rec["error"] = err is None, err
+            out.append(rec)
+    result["stats"] = mgr.stats()
+    barrier(spec.get("barrier"), f"{spec['engine']}-{spec['rank']}")
+    mgr.close()
+
+
 def barrier(b: dict | None, name: str) -> None:
     """Stay up (serving peers) until every rank of the run is done, as real ranks would."""
     if not b:
@@ -155,7 +219,8 @@ def start_room(mgr: KVManager, spec: dict, r: dict, pages: np.ndarray, pattern: 
     st = {"room": r["room"], "pages": pages, "spec": r, "t0": time.perf_counter(), "chunk": 0, "sent": 0,
           "aborted": False, "t_done": None, "wall0": time.time()}
     if spec["role"] == "prefill":
-        pattern.fill(tensors, r["room"], pages)
+        if verifies(spec, r["room"]):
+            pattern.fill(tensors, r["room"], pages)
         delay = r.get("create_delay_s", 0)
         st["create_at"] = time.perf_counter() + delay
         st["handle"] = None
@@ -196,7 +261,11 @@ def advance(mgr: KVManager, spec: dict, st: dict) -> bool:
                 return False
             st["handle"] = h = mgr.sender(r["room"], len(st["pages"]))
         chunks = r.get("chunks") or [len(st["pages"])]
+        if spec.get("bench") and st["chunk"] == 0 and h.poll() is KVPoll.Bootstrapping:
+            return False  # bench: the clock starts once the decode side is there
         if st["chunk"] < len(chunks) and now >= st.get("next_chunk_at", 0):
+            if st["chunk"] == 0:
+                st["t_send"] = time.time()
             if r.get("abort_after_chunks") is not None and st["chunk"] >= r["abort_after_chunks"] and not st["aborted"]:
                 h.abort()
                 st["aborted"] = True
@@ -234,7 +303,8 @@ def finish(spec: dict, st: dict, pattern: KVPattern, tensors) -> dict:
     rec = {"room": st["room"], "state": state.name, "failure": h.failure, "kind": h.failure_kind,
            "latency_s": (st["t_done"] or time.perf_counter()) - st["t0"], "pages": int(len(st["pages"])),
            "verified": None, "start": st["wall0"], "end": st.get("wall1", time.time())}
-    if spec["role"] == "decode" and state is KVPoll.Success:
+    rec["t_send"] = st.get("t_send")
+    if spec["role"] == "decode" and state is KVPoll.Success and verifies(spec, st["room"]):
         err = pattern.check(tensors, st["room"], st["pages"])
         rec["verified"] = err is None
         rec["error"] = err

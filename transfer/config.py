@@ -13,6 +13,7 @@ STAGING_ENV = "SGLANG_DISAGG_STAGING_BUFFER"
 RING_MB_ENV = "SGLANG_DISAGG_STAGING_POOL_SIZE_MB"
 WORKERS_ENV = "KVSTAGE_STAGING_WORKERS"
 BUFFER_MB_ENV = "KVSTAGE_STAGING_BUFFER_MB"
+PIECE_MB_ENV = "KVSTAGE_STAGING_PIECE_MB"
 TOKEN_ENV = "KVSTAGE_AUTH_TOKEN"
 
 _TRUE = {"1", "true", "on", "yes"}
@@ -103,6 +104,8 @@ class EngineConfig:
     staging_workers: int | None = None       # prefill transfer workers; env KVSTAGE_STAGING_WORKERS, 2
     staging_buffer_mb: float | None = None   # per-worker buffer; env KVSTAGE_STAGING_BUFFER_MB, 64
     ring_mb: float | None = None             # decode ring; env SGLANG_DISAGG_STAGING_POOL_SIZE_MB, 256
+    staging_piece_mb: float | None = None    # largest writer part of one piece (pipelining); env
+                                             # KVSTAGE_STAGING_PIECE_MB, 32
     timeouts: Timeouts | None = None         # None: Timeouts.from_env()
     backend_options: dict = field(default_factory=dict)
     faults: dict | None = None               # tests and drills only: transfer.backends.faults.FaultPlan
@@ -128,6 +131,7 @@ class EngineConfig:
             staging_workers=int(self.staging_workers or env_number(WORKERS_ENV, 2, int)),
             staging_buffer_mb=float(self.staging_buffer_mb or env_number(BUFFER_MB_ENV, 64.0)),
             ring_mb=float(self.ring_mb or env_number(RING_MB_ENV, 256.0)),
+            staging_piece_mb=float(self.staging_piece_mb or env_number(PIECE_MB_ENV, 32.0)),
             timeouts=self.timeouts or Timeouts.from_env(),
         )
 

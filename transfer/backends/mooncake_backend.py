@@ -101,8 +101,14 @@ class _Job:
         return True
 
 
+MAX_BATCH_ENTRIES = 32768  # below the per-peer queue limits: a larger write runs as several batches
+
+
 class _Submitter:
-    """A per-peer queue and its thread(s), each calling the blocking batch_transfer_sync."""
+    """A per-peer queue and its thread(s), each calling the blocking batch_transfer_sync.
+
+    A write of more ranges than MAX_BATCH_ENTRIES runs as consecutive batches on the same thread;
+    only the last one carries the notify, so the tag still arrives after every byte."""
 
     def __init__(self, engine: TransferEngine, peer: str, threads: int):
         self._engine = engine
@@ -129,7 +135,15 @@ class _Submitter:
                     continue
                 job.started = True
             try:
-                job.result = int(engine.batch_transfer_sync(*job.args))
+                peer, src, dst, lens, op, notify = job.args
+                n, result = len(src), 0
+                for lo in range(0, n, MAX_BATCH_ENTRIES):
+                    hi = min(n, lo + MAX_BATCH_ENTRIES)
+                    result = int(engine.batch_transfer_sync(peer, src[lo:hi], dst[lo:hi], lens[lo:hi], op,
+                                                            notify if hi == n else None))
+                    if result != 0:
+                        break
+                job.result = result
             except BaseException as exc:  # noqa: BLE001 - reported through poll_write
                 job.error = f"{type(exc).__name__}: {exc}"
             finally:
@@ -175,9 +189,11 @@ class MooncakeBackend(Backend):
 
     Options: ``protocol`` ("tcp" default, or "rdma"), ``device_name`` (RDMA device filter, ""
     for all), ``submit_threads_per_peer`` (1: writes to one peer run one after another),
-    ``stall_timeout_s`` (None keeps Mooncake's 30 s; otherwise sets MC_TCP_PROGRESS_TIMEOUT_SEC
-    and MC_TRANSFER_TIMEOUT (floored at 5 s by Mooncake) for this process before the engine is
-    created: how long a write to a frozen peer holds its submit thread).
+    ``stall_timeout_s`` (None keeps Mooncake's 30 s; otherwise sets MC_TCP_PROGRESS_TIMEOUT_SEC:
+    how long a write that makes no progress, say to a frozen peer, holds its submit thread),
+    ``transfer_timeout_s`` (the longest a whole write may take, however slowly it progresses;
+    sets MC_TRANSFER_TIMEOUT, floored at 5 s by Mooncake; None: the larger of stall_timeout_s and
+    Mooncake's default). Both are set for this process before the engine is created.
     """
 
     kind = "mooncake"
@@ -191,6 +207,7 @@ class MooncakeBackend(Backend):
         device_name: str = "",
         submit_threads_per_peer: int = 1,
         stall_timeout_s: float | None = None,
+        transfer_timeout_s: float | None = None,
     ):
         if not name or not isinstance(name, str):
             raise ValueError("name must be a non-empty str")
@@ -198,11 +215,15 @@ class MooncakeBackend(Backend):
             raise ValueError("submit_threads_per_peer must be >= 1")
         for k, v in ENV_DEFAULTS.items():
             os.environ.setdefault(k, v)
+        for label, value in (("stall_timeout_s", stall_timeout_s), ("transfer_timeout_s", transfer_timeout_s)):
+            if value is not None and value <= 0:
+                raise ValueError(f"{label} must be > 0")
         if stall_timeout_s is not None:
-            if stall_timeout_s <= 0:
-                raise ValueError("stall_timeout_s must be > 0")
             os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] = str(max(1, int(round(stall_timeout_s))))
-            os.environ["MC_TRANSFER_TIMEOUT"] = str(max(5, int(round(stall_timeout_s))))
+        total = transfer_timeout_s if transfer_timeout_s is not None else (
+            max(stall_timeout_s, 30.0) if stall_timeout_s is not None else None)
+        if total is not None:
+            os.environ["MC_TRANSFER_TIMEOUT"] = str(max(5, int(round(total))))
         self.label = name
         self.host = host
         self.protocol = protocol

@@ -97,8 +97,8 @@ class WriteDone:
 
 
 @dataclass(frozen=True)
-class TagsArrived:
-    tags: list
+class Wake:
+    """Work is queued for the control thread's backend (a transfer worker posted a write)."""
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ class RoomStatus:
             self.state = state
             self.failure, self.failure_kind = failure, kind
             self.released = self.released or released
-            self._changed.notify_all()
+            if released or state in (KVPoll.Success, KVPoll.Failed):  # all that waiters wait for
+                self._changed.notify_all()
 
     def snapshot(self) -> tuple[KVPoll, str | None, str | None, bool]:
         with self._lock:

@@ -1,16 +1,23 @@
-"""The control thread of one rank: sockets, peers, leases, and the rooms' state machines.
+"""The control thread of one rank: sockets, the backend, peers, leases, and the rooms' state
+machines.
 
-It owns the zmq sockets and every room object, so none of them needs a lock. Other threads
-reach it only through the EventQueue (user calls, write completions, arrived tags, scatters,
+It owns the zmq sockets, the backend (through BackendOwner) and every room object, so none of
+them needs a lock, and a request crosses as few threads as possible. Other threads reach it only
+through the EventQueue (user calls, write completions from the transfer workers, scatters,
 engine lookups). Each input is handed to the pure state machine it concerns, and the actions
 that come back are carried out here: messages sent, writes posted or queued until the decode
 ring's watermark allows them, scatters submitted, statuses published.
+
+While writes are in flight or tags are expected it polls the backend every loop and waits at
+most MAX_EAGER_WAIT for the sockets; otherwise it sleeps in the poller until a message, an
+event or the next tick.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import select
 import threading
 import time
 from collections import OrderedDict, defaultdict
@@ -42,16 +49,17 @@ from ..protocol.messages import (AllocGrant, AllocRequest, Goodbye, Heartbeat, H
                                  WriterDone)
 from ..protocol.prefill_room import PrefillRoom
 from ..protocol.tags import TagCodec
-from .backend_thread import BackendThread
+from .backend_owner import BackendOwner
 from .control_socket import ControlSocket
 from .events import (Abort, Call, EventQueue, InitReceiver, LookupDone, NewReceiver, NewSender, ScatterDone,
-                     SendChunk, TagsArrived, WriteDone)
+                     SendChunk, Wake, WriteDone)
 from .stats import Stats
 
 log = logging.getLogger("kvstage")
 
-TICK = 0.02        # deadline checks while rooms are active
-IDLE_TICK = 0.1    # ... and while none is (heartbeats and leases are seconds-scale)
+TICK = 0.1                 # deadlines, retransmissions, heartbeats and leases are all seconds-scale
+MIN_EAGER_WAIT = 20e-6     # backend polling interval while writes are in flight or tags expected,
+MAX_EAGER_WAIT = 200e-6    # backing off to this when nothing happens
 _OP_IDS = itertools.count(1)  # write ids, unique in the process
 FINISHED_MEMORY = 65536
 MAX_PENDING_ROOMS = 65536
@@ -89,7 +97,7 @@ class EngineView:
 
 class EngineLoop:
     def __init__(self, cfg: EngineConfig, layout: KVLayout, buffers: KVBuffers, me: int,
-                 backend: BackendThread, backend_name: str, identity: bytes, handler: StagingHandler,
+                 backend: BackendOwner, backend_name: str, identity: bytes, handler: StagingHandler,
                  stats: Stats, lookup: Callable[[str, float], list], codec, ctx: zmq.Context,
                  control_faults: Any = None):
         self.cfg, self.layout, self.buffers, self.me = cfg, layout, buffers, me
@@ -147,24 +155,37 @@ class EngineLoop:
         self.events.put(event)
 
     def _run(self) -> None:
+        self.backend.adopt()
         poller = zmq.Poller()
         poller.register(self.sock.router, zmq.POLLIN)
         poller.register(self.events.fd, zmq.POLLIN)
+        zfd = self.sock.router.getsockopt(zmq.FD)  # edge-triggered: valid to wait on once drained
+        wait = MIN_EAGER_WAIT
         try:
             while not self._stop.is_set():
-                timeout_ms = max(0.0, (self._next_tick - time.monotonic()) * 1000)
-                poller.poll(timeout_ms)
+                if self.backend.eager:
+                    select.select([zfd, self.events.fd], [], [], wait)
+                else:
+                    poller.poll(max(0.0, (self._next_tick - time.monotonic()) * 1000))
+                busy = False
                 for item in self.sock.recv_batch():
+                    busy = True
                     self._safely(self._on_wire, item)
                 for ev in self.events.drain():
+                    busy = True
                     self._safely(self._on_event, ev)
+                tags, progressed = self.backend.step()
+                if tags:
+                    self._safely(self._on_tags, tags)
+                wait = MIN_EAGER_WAIT if busy or progressed else min(wait * 2, MAX_EAGER_WAIT)
                 now = time.monotonic()
                 if now >= self._next_tick:
-                    self._next_tick = now + (TICK if self.rooms or self.waiting else IDLE_TICK)
+                    self._next_tick = now + TICK
                     self.sock.flush_held()
                     self._safely(self._tick, now)
         finally:
             self._teardown()
+            self.backend.release_ownership()
 
     def _safely(self, fn: Callable, arg: Any) -> None:
         try:
@@ -432,8 +453,15 @@ class EngineLoop:
         assigns = tuple((peers[w].key, mapping.find(w, self.layout.tp_rank)) for w in writers)
         mpp = 0
         if staged:
-            mpp = max_piece_pages([hpb * a.num_heads for _, a in assigns], min(peers[w].buffer_bytes for w in writers),
+            # a piece's writer part is bounded by the writers' buffers and by the piece size that
+            # keeps gather, write and scatter of consecutive pieces overlapping
+            part_cap = min(min(peers[w].buffer_bytes for w in writers), int(self.cfg.staging_piece_mb * (1 << 20)))
+            mpp = max_piece_pages([hpb * a.num_heads for _, a in assigns], part_cap,
                                   self.handler.allocator.size, self.handler.allocator.align)
+            if mpp == 0:  # the piece cap must never make a page impossible: buffers decide then
+                mpp = max_piece_pages([hpb * a.num_heads for _, a in assigns],
+                                      min(peers[w].buffer_bytes for w in writers),
+                                      self.handler.allocator.size, self.handler.allocator.align)
             if mpp == 0:
                 return self._apply(room, room.on_plan_failed(
                     "staging", f"one page ({hpb * self.layout.local_heads} bytes in the ring, up to "
@@ -491,8 +519,8 @@ class EngineLoop:
     # -- inputs: events from other threads --------------------------------------------------------------
     def _on_event(self, ev: Any) -> None:
         now = time.monotonic()
-        if isinstance(ev, TagsArrived):
-            self._on_tags(ev, now)
+        if isinstance(ev, Wake):
+            pass  # the backend has queued work: step() runs after the events
         elif isinstance(ev, WriteDone):
             self._on_write_done(ev, now)
         elif isinstance(ev, ScatterDone):
@@ -576,8 +604,8 @@ class EngineLoop:
 
     def _on_RoomMeta(self, peer: Peer, msg: RoomMeta, now: float) -> None:
         if self.role == "prefill":
+            self._prefill_input(msg.room, ("meta", peer.key, msg), now)  # the write goes out first
             self._send(peer.key, MetaAck(src=self.me, dst=peer.key.incarnation, room=msg.room, session=msg.session))
-            self._prefill_input(msg.room, ("meta", peer.key, msg), now)
 
     def _on_MetaAck(self, peer: Peer, msg: MetaAck, now: float) -> None:
         room = self.rooms.get(msg.room)
@@ -675,7 +703,7 @@ class EngineLoop:
         if peer.backend_name:
             self.by_backend.pop(peer.backend_name, None)
             if self.role == "prefill":
-                self.backend.disconnect(peer.backend_name)
+                self.backend.disconnect(peer.backend_name)  # its pending writes fail
         self.handler.unsubscribe(peer.key.incarnation)
         self.sock.forget(peer.endpoint)
         self.stats.count("peers_lost", "connecting" if was == "connecting" else "connected")
@@ -722,10 +750,10 @@ class EngineLoop:
             eager = a.state is KVPoll.Transferring
             if eager and room.room not in self._eager_rooms:
                 self._eager_rooms.add(room.room)
-                self.backend.expect_tags(+1)
+                self.backend.expecting += 1
             elif not eager and room.room in self._eager_rooms:
                 self._eager_rooms.discard(room.room)
-                self.backend.expect_tags(-1)
+                self.backend.expecting -= 1
         if a.state is KVPoll.Success:
             self.stats.count("rooms", "success")
         elif a.state is KVPoll.Failed:
@@ -746,7 +774,7 @@ class EngineLoop:
         self.status.pop(room.room, None)
         if room.room in self._eager_rooms:
             self._eager_rooms.discard(room.room)
-            self.backend.expect_tags(-1)
+            self.backend.expecting -= 1
         self.finished[room.room] = (room.state, room.failure_kind or "gone", room.failure or "it succeeded")
         while len(self.finished) > FINISHED_MEMORY:
             self.finished.popitem(last=False)
@@ -839,8 +867,9 @@ class EngineLoop:
         self.post(WriteDone(op_id, room, ok, reason))
 
     # -- decode: arrivals and scatter ------------------------------------------------------------------
-    def _on_tags(self, ev: TagsArrived, now: float) -> None:
-        for arrived in ev.tags:
+    def _on_tags(self, tags: list) -> None:
+        now = time.monotonic()
+        for arrived in tags:
             inc = self.by_backend.get(arrived.peer)
             peer = self.peers.get(inc) if inc is not None else None
             if peer is None:

@@ -25,8 +25,8 @@ from ..config import EngineConfig
 from ..layout import KVBuffers, KVLayout
 from ..protocol.messages import peer_codec
 from ..protocol.tags import TagCodec
-from .backend_thread import BackendThread
-from .events import Call, NewReceiver, NewSender, TagsArrived
+from .backend_owner import BackendOwner
+from .events import Call, NewReceiver, NewSender, Wake
 from .handles import KVReceiver, KVSender, RoomStatus
 from .loop import EngineLoop
 from .stats import Stats
@@ -59,9 +59,9 @@ class KVManager:
         stack = self._stack
         self.name = f"kvstage-{cfg.engine_id}-{cfg.role}{self.layout.tp_rank}-{self.incarnation & 0xFFFFFF:06x}"
         plan = FaultPlan.from_dict(cfg.faults) if cfg.faults else None
-        self._backend = BackendThread(lambda: self._make_backend(cfg, plan),
-                                      lambda tags: self._loop.post(TagsArrived(list(tags))), name="kvstage-backend")
-        stack.callback(self._backend.stop)
+        # owned by this thread until the control thread starts, and again once it stopped
+        self._backend = BackendOwner(self._make_backend(cfg, plan), wake=lambda: self._loop.post(Wake()))
+        stack.callback(self._backend.close)
         kind = "VRAM" if self.buffers.device.type == "cuda" else "DRAM"
         dev = (self.buffers.device.index or 0) if kind == "VRAM" else 0
         regions = [MemRegion(t.data_ptr(), t.numel() * t.element_size(), dev, kind) for t in self.buffers.tensors()]
@@ -103,8 +103,10 @@ class KVManager:
         options = dict(cfg.backend_options)
         if cfg.backend == "mooncake":
             # a Mooncake write cannot be cancelled once inside the engine: bound how long it may
-            # stall (and so how long memory stays quarantined) by the write deadline
+            # make no progress (and so how long memory stays quarantined), and let a big but
+            # progressing write run until the write deadline
             options.setdefault("stall_timeout_s", cfg.timeouts.mooncake_stall())
+            options.setdefault("transfer_timeout_s", cfg.timeouts.write)
         backend = create_backend(cfg.backend, self.name, cfg.host, **options)
         if plan is None:
             return backend
@@ -219,7 +221,14 @@ class KVManager:
     def _stop_loop(self) -> None:
         if self._loop.thread.is_alive():
             self._loop.post(Call(lambda loop: loop.begin_close(), lambda _: None))
-            self._loop.thread.join(self.config.timeouts.close + 5)
+            self._loop.thread.join(self.config.timeouts.close + 30)
+        if self._loop.thread.is_alive():
+            log.error("the kvstage control thread did not stop; leaving the backend to it")
+            return
+        # the backend is this thread's again: no write may stay in flight past this point,
+        # which also unblocks transfer workers waiting for theirs
+        self._backend.adopt()
+        self._backend.abort_writes()
         if self._loop.workers is not None:
             self._loop.workers.stop()
         if self._loop.scatter is not None:

@@ -13,6 +13,7 @@ MLA: the latent is replicated on every rank; decode rank d is written by prefill
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from ..layout import KVLayout
@@ -111,8 +112,10 @@ def build_mapping(prefill: KVLayout, decode: KVLayout) -> HeadMapping:
     return compute_assignments(prefill.tp_size, decode.tp_size, prefill.total_kv_heads, prefill.mla)
 
 
+@functools.lru_cache(maxsize=256)
 def compute_assignments(P: int, D: int, H: int, mla: bool = False) -> HeadMapping:
-    """The mapping for prefill TP `P`, decode TP `D` and `H` global KV heads."""
+    """The mapping for prefill TP `P`, decode TP `D` and `H` global KV heads (memoized: a pure
+    function of its arguments, and every room of an engine pair asks the same question)."""
     for name, tp in (("prefill tp_size", P), ("decode tp_size", D)):
         if tp <= 0 or (not mla and H % tp and tp % H):
             raise ValueError(f"{name}={tp} does not divide, and is not a multiple of, total_kv_heads={H}")

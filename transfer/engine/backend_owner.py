@@ -1,0 +1,259 @@
+"""Ownership of a backend object (NIXL agent or Mooncake engine) by exactly one thread.
+
+The control thread owns the backend once it runs (before, the thread setting the rank up does,
+and after it stopped, the one tearing it down: a hand-over ordered by thread start and join).
+It calls `step()` in its loop: queued commands run, pending writes are polled, arrived tags are
+returned. Other threads (the transfer workers) never touch the backend: `submit_write` queues
+the write and wakes the owner; `call` from another thread queues a function and waits for it.
+Neither this module nor its users rely on the GIL: the queue and the lock are the only shared
+state.
+
+A write's completion callback runs exactly once, and only when the library no longer touches
+its memory: a Mooncake write cannot be cancelled once inside the engine, so a write given up on
+(deadline, lost peer, closing) is kept until Mooncake has returned.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import numpy as np
+
+from ..backends.base import ArrivedTag, Backend, BackendError, WriteHandle, WriteState
+
+log = logging.getLogger(__name__)
+
+ABANDON_AFTER_DISCONNECT = 5.0
+
+
+@dataclass(eq=False)  # identity, not field equality: fields hold numpy arrays
+class _Write:
+    peer: str
+    src: np.ndarray
+    dst: np.ndarray
+    tag: bytes
+    on_done: Callable[[bool, str | None], None]
+    handle: WriteHandle | None = None
+    disconnected_at: float | None = None
+
+
+class BackendOwner:
+    def __init__(self, backend: Backend, wake: Callable[[], None] | None = None):
+        self.backend = backend
+        self._wake = wake or (lambda: None)
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._fences: dict[str, float] = {}      # peer -> monotonic time its write lease ends
+        self._owner: int | None = threading.get_ident()  # the constructing thread, until adopt()
+        self._closed = False
+        self.pending: list[_Write] = []
+        self.draining: list[_Write] = []          # given up on, but the library may still touch them
+        self.expecting = 0                        # rooms waiting for tags (owner thread only)
+
+    # -- ownership -----------------------------------------------------------------------------
+    def adopt(self) -> None:
+        """The calling thread becomes the owner (the control thread when it starts, the closing
+        thread once the control thread has stopped). Only call it when the previous owner is
+        done with the backend: thread start and join order the hand-over."""
+        self._owner = threading.get_ident()
+
+    def release_ownership(self) -> None:
+        """Nobody owns it until the next adopt(); other threads' requests wait in the queue."""
+        self._owner = None
+
+    def _mine(self) -> bool:
+        return self._owner == threading.get_ident()
+
+    # -- for any thread -------------------------------------------------------------------------
+    def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0) -> Any:
+        """Run fn(backend, *args) on the owning thread and return its result (or raise)."""
+        if self._mine():
+            return fn(self.backend, *args)
+        fut: Future = Future()
+        self._cmds.put(("call", fn, args, fut))
+        self._wake()
+        return fut.result(timeout)
+
+    def submit_write(self, peer: str, src: np.ndarray, dst: np.ndarray, tag: bytes,
+                     on_done: Callable[[bool, str | None], None]) -> None:
+        """Post one write; on_done(ok, reason) runs on the owner exactly once, when the backend no
+        longer touches the source memory."""
+        w = _Write(peer, src, dst, tag, on_done)
+        if self._closed:
+            _finish(w, False, "the backend is closed")
+        elif self._mine():
+            self._post(w)
+        else:
+            self._cmds.put(("write", w))
+            self._wake()
+
+    def fence(self, peer: str, until: float | None) -> None:
+        """Writes to `peer` are not driven after `until` (time.monotonic); None: no fence."""
+        with self._lock:
+            if until is None:
+                self._fences.pop(peer, None)
+            else:
+                self._fences[peer] = until
+
+    # -- the owner --------------------------------------------------------------------------------
+    @property
+    def eager(self) -> bool:
+        """Poll often: writes in flight, or tags expected."""
+        return bool(self.pending or self.draining or self.expecting)
+
+    def step(self) -> tuple[list[ArrivedTag], bool]:
+        """One round of progress on the owning thread: (arrived tags, whether anything happened)."""
+        busy = self._commands()
+        busy |= self._poll_writes()
+        busy |= self._drain_released()
+        tags: list[ArrivedTag] = []
+        try:
+            tags = self.backend.drain_tags()
+        except Exception:  # noqa: BLE001 - a bad notification must not stop the rank
+            log.warning("draining notifications failed", exc_info=True)
+        if self.pending or self.expecting:
+            try:
+                self.backend.progress()
+            except Exception:  # noqa: BLE001 - progress errors surface on the writes
+                log.debug("backend progress raised", exc_info=True)
+        return tags, busy or bool(tags)
+
+    def disconnect(self, peer: str) -> None:
+        now = time.monotonic()
+        for w in self.pending:
+            if w.peer == peer and w.disconnected_at is None:
+                w.disconnected_at = now
+        try:
+            self.backend.disconnect(peer)
+        except Exception:  # noqa: BLE001
+            log.warning("disconnecting %s failed", peer, exc_info=True)
+
+    def abort_writes(self, drain_s: float = 60.0) -> None:
+        """Fail every write (queued, pending, given up on), waiting (bounded) for those the library
+        may still touch: afterwards no write of this rank is in flight and every buffer is free."""
+        self._closed = True
+        self._commands()
+        for w in list(self.pending):
+            self._give_up(w, "backend shutting down")
+        deadline = time.monotonic() + drain_s
+        while self.draining and time.monotonic() < deadline:
+            self._drain_released()
+            time.sleep(0.01)
+        for w in self.draining:
+            _finish(w, False, "backend shutting down")
+        self.draining.clear()
+        while True:  # nobody may wait forever on a command queued meanwhile
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            if cmd[0] == "call":
+                cmd[3].set_exception(RuntimeError("the backend is closed"))
+            else:
+                _finish(cmd[1], False, "backend shutting down")
+
+    def close(self) -> None:
+        """abort_writes(), then close the backend (its remaining registrations go with it)."""
+        self.abort_writes()
+        try:
+            self.backend.close()
+        except Exception:  # noqa: BLE001
+            log.warning("closing the backend failed", exc_info=True)
+
+    # -- internals ----------------------------------------------------------------------------------
+    def _commands(self) -> bool:
+        did = False
+        while True:  # (after abort_writes a queued write fails at once: see submit_write)
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                return did
+            did = True
+            if cmd[0] == "call":
+                _, fn, args, fut = cmd
+                try:
+                    fut.set_result(fn(self.backend, *args))
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(exc)
+            else:
+                self._post(cmd[1])
+
+    def _post(self, w: _Write) -> None:
+        try:
+            w.handle = self.backend.post_write(w.peer, w.src, w.dst, w.tag)
+        except BackendError as exc:
+            _finish(w, False, str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001 - any backend surprise fails only this write
+            _finish(w, False, f"{type(exc).__name__}: {exc}")
+            return
+        self.pending.append(w)
+        # a local copy (NIXL over cma) is often complete when the post returns: report it now, so
+        # its transfer worker gathers its next piece while the next write is being posted
+        self._poll_one(w, time.monotonic(), {})
+
+    def _poll_writes(self) -> bool:
+        did = False
+        now = time.monotonic()
+        with self._lock:
+            fences = dict(self._fences)
+        for w in list(self.pending):
+            did |= self._poll_one(w, now, fences)
+        return did
+
+    def _poll_one(self, w: _Write, now: float, fences: dict[str, float]) -> bool:
+        """Drive one pending write; True when it finished (or was given up on)."""
+        if now > fences.get(w.peer, now + 1):
+            # the lease with this peer ran out (say this process was frozen): the peer may have
+            # reused the target memory, so this write is never driven again
+            self._give_up(w, "the write lease with the peer expired")
+            return True
+        try:
+            state = self.backend.poll_write(w.handle)
+        except Exception as exc:  # noqa: BLE001
+            w.handle.state, w.handle.reason = WriteState.FAILED, f"{type(exc).__name__}: {exc}"
+            state = WriteState.FAILED
+        if state is WriteState.PENDING:
+            if w.disconnected_at is not None and now - w.disconnected_at > ABANDON_AFTER_DISCONNECT:
+                self._give_up(w, "peer disconnected")
+                return True
+            return False
+        self.pending.remove(w)
+        self._release(w)
+        _finish(w, state is WriteState.DONE, w.handle.reason)
+        return True
+
+    def _give_up(self, w: _Write, reason: str) -> None:
+        self.pending.remove(w)
+        w.handle.reason = reason
+        self._release(w)
+        if w.handle.extra.get("may_touch_memory"):
+            self.draining.append(w)
+        else:
+            _finish(w, False, reason)
+
+    def _drain_released(self) -> bool:
+        done = [w for w in self.draining if w.handle.extra["returned"].is_set()]
+        for w in done:
+            self.draining.remove(w)
+            _finish(w, False, w.handle.reason)
+        return bool(done)
+
+    def _release(self, w: _Write) -> None:
+        try:
+            self.backend.release_write(w.handle)
+        except Exception:  # noqa: BLE001
+            log.debug("releasing a write failed", exc_info=True)
+
+
+def _finish(w: _Write, ok: bool, reason: str | None) -> None:
+    try:
+        w.on_done(ok, None if ok else (reason or "write failed"))
+    except Exception:  # noqa: BLE001
+        log.exception("write completion callback raised")
