@@ -90,7 +90,9 @@ def _child() -> int:
             backend = create_backend(cmd["kind"], f"bench-{cmd['role']}", "127.0.0.1", **cmd.get("options", {}))
             size = cmd["size"]
             buf = np.empty(size, dtype=np.uint8)
-            buf[:] = np.arange(size, dtype=np.uint64).astype(np.uint8)  # pre-faulted
+            pattern = np.arange(1 << 20, dtype=np.uint64).astype(np.uint8)
+            for lo in range(0, size, 1 << 20):  # pre-faulted, with a non-trivial pattern
+                buf[lo:lo + (1 << 20)] = pattern[:min(1 << 20, size - lo)]
             backend.register([MemRegion(buf.ctypes.data, size)])
             reply(name=backend.name, identity=base64.b64encode(backend.identity()).decode(), addr=int(buf.ctypes.data))
         elif op == "connect":

@@ -52,6 +52,14 @@ class StagingHandler:
         """Allocate and register; on any error everything done so far is undone."""
         if self._stack is not None:
             return self
+        try:
+            self._allocate_and_register()
+        except BaseException:
+            self.buffers, self.ring, self.allocator = [], None, None
+            raise
+        return self
+
+    def _allocate_and_register(self) -> None:
         with contextlib.ExitStack() as stack:
             if self.role == "prefill":
                 for _ in range(self._want_workers):
@@ -68,7 +76,6 @@ class StagingHandler:
                 reg = self._register(mine)
                 stack.callback(self._deregister, reg)
             self._stack = stack.pop_all()
-        return self
 
     def close(self) -> None:
         """Deregister, then free (idempotent)."""

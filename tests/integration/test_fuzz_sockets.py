@@ -2,7 +2,6 @@
 on (their control plane, and the NIXL/UCX and Mooncake listeners), with and without a token:
 nothing crashes, and real transfers afterwards are bit-exact."""
 
-import os
 import time
 
 import pytest
@@ -17,7 +16,7 @@ GEOM = {"layers": 2, "heads": 4, "head_dim": 32, "dtype": "bfloat16", "page_size
 FRAMES = 10_000
 
 
-def managers(role, backend_rooms, gate):
+def managers(role, backend_rooms):
     out = []
     for backend, rooms in backend_rooms.items():
         s = {"role": role, "rank": 0, "tp": 1, "engine": f"{role[0]}-{backend}", "backend": backend, "staging": False,
@@ -39,9 +38,8 @@ def test_fuzzing_every_listening_socket(token, tmp_path):
         after = [{"room": 100 * (i + 1) + 50 + j, "pages": 5, "chunks": [5], "start_after_file": gate} for j in range(3)]
         rooms[backend] = before + after
     with Cluster(env=env) as cl:
-        p = cl.launch(managers("prefill", rooms, gate), "prefill")
-        d = cl.launch(managers("decode", rooms, gate), "decode")
-        progress = str(tmp_path / "progress")
+        p = cl.launch(managers("prefill", rooms), "prefill")
+        d = cl.launch(managers("decode", rooms), "decode")
         # wait until the first rooms moved for real (the decode side saw them all verified)
         deadline = time.monotonic() + 120
         while True:

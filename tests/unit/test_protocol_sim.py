@@ -147,3 +147,27 @@ def test_lost_control_messages_never_hang_or_corrupt(g, seed, loss, staged):
             assert w.check_bytes(room), "a room reported Success with wrong bytes"
     assert w.overlaps == 0
     assert all(r.live_regions == 0 for r in w.rings)
+
+
+def test_plan_room_decides_the_path_and_refuses_impossible_pages():
+    import torch
+    from transfer.layout import KVLayout
+    from transfer.protocol.actions import PeerKey
+    from transfer.protocol.decode_room import WriterOffer, plan_room
+    from transfer.protocol.head_mapping import compute_assignments
+
+    lay = KVLayout(2, 8, 16, torch.bfloat16, 4, 2, 0)           # decode rank 0 of TP 2
+    m = compute_assignments(4, 2, 8)
+    offers = {p: WriterOffer(PeerKey("p", p, 10 + p), True, 1 << 20) for p in (0, 1)}
+    kw = dict(staging=True, ring_size=1 << 20, ring_align=256, piece_cap=1 << 20, epoch=3)
+    plan = plan_room(lay, m, offers, {}, **kw)
+    assert plan.staged and plan.max_piece_pages > 0 and [a.prefill_rank for _, a in plan.writers] == [0, 1]
+    assert not plan_room(lay, m, offers, {}, **{**kw, "staging": False}).staged
+    assert not plan_room(lay, m, {**offers, 1: WriterOffer(offers[1].key, False, 1 << 20)}, {}, **kw).staged
+    assert not plan_room(lay, m, offers, {}, **{**kw, "ring_size": 0}).staged
+    eq = compute_assignments(2, 2, 8)
+    assert not plan_room(lay, eq, {0: offers[0]}, {}, **kw).staged  # equal TP: direct whole pages
+    kind, why = plan_room(lay, m, offers, {}, **{**kw, "ring_size": 1024})
+    assert kind == "staging" and "never fit" in why
+    tiny_cap = plan_room(lay, m, offers, {}, **{**kw, "piece_cap": 1})
+    assert tiny_cap.staged and tiny_cap.max_piece_pages >= 1   # the cap never makes a page impossible

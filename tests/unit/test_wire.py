@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bootstrap.wire import WIRE_VERSION, Codec, WireError, sign
+from bootstrap.wire import WIRE_VERSION, WireError, sign
 from transfer.layout import LayoutSummary
 from transfer.protocol.messages import (PEER_MESSAGES, AllocGrant, AllocRequest, Hello, KVMemory, Piece, RingInfo,
                                RoomMeta, WatermarkUpdate, encode_pages, peer_codec)

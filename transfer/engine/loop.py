@@ -24,13 +24,10 @@ from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import numpy as np
-import torch
 import zmq
 
 from bootstrap.wire import WireError
 from staging.handler import StagingHandler
-from staging.pieces import max_piece_pages
 from staging.ring import Watermark
 from staging.scatter_worker import ScatterJob, ScatterWorker
 from staging.workers import GatherJob, TransferWorkers
@@ -40,7 +37,7 @@ from ..layout import KVBuffers, KVLayout, LayoutSummary
 from ..poll import KVPoll
 from ..protocol.actions import (PeerKey, PostWrite, PublishWatermark, Released, Scatter, Send, StatusChanged,
                                 WriteOp)
-from ..protocol.decode_room import DecodeRoom, RoomPlan
+from ..protocol.decode_room import DecodeRoom, WriterOffer, plan_room
 from ..protocol.direct_ranges import CacheGeometry, direct_descriptors
 from ..protocol.head_mapping import compute_assignments
 from ..protocol.leases import Lease
@@ -80,7 +77,6 @@ class Peer:
     ring: RingInfo | None = None       # prefill side: the decode rank's ring
     reason: str = ""
     since: float = 0.0
-    staging_error: str = ""            # decode side: why staged transfers cannot work
 
 
 @dataclass
@@ -440,36 +436,22 @@ class EngineLoop:
             peer = self._ensure_peer(view, rank, now)
             if peer.state == "rejected":
                 view.rooms.discard(room.room)
-                self._tell_rejected(view, room)
+                self._tell_rejected(view, room, peer.reason)
                 return self._apply(room, room.on_plan_failed("layout", f"prefill rank {rank} of {view.engine_id}: "
                                                                        f"{peer.reason}", now))
             peers[rank] = peer
         if any(p.state != "connected" for p in peers.values()):
             return
         view.rooms.discard(room.room)
-        staged = bool(self.cfg.staging and self.handler.allocator is not None and not self.layout.mla
-                      and mapping.prefill_tp != mapping.decode_tp and all(peers[w].staging for w in writers))
-        hpb = self.layout.num_kv * self.layout.num_layers * self.layout.page_size * self.layout.head_bytes
-        assigns = tuple((peers[w].key, mapping.find(w, self.layout.tp_rank)) for w in writers)
-        mpp = 0
-        if staged:
-            # a piece's writer part is bounded by the writers' buffers and by the piece size that
-            # keeps gather, write and scatter of consecutive pieces overlapping
-            part_cap = min(min(peers[w].buffer_bytes for w in writers), int(self.cfg.staging_piece_mb * (1 << 20)))
-            mpp = max_piece_pages([hpb * a.num_heads for _, a in assigns], part_cap,
-                                  self.handler.allocator.size, self.handler.allocator.align)
-            if mpp == 0:  # the piece cap must never make a page impossible: buffers decide then
-                mpp = max_piece_pages([hpb * a.num_heads for _, a in assigns],
-                                      min(peers[w].buffer_bytes for w in writers),
-                                      self.handler.allocator.size, self.handler.allocator.align)
-            if mpp == 0:
-                return self._apply(room, room.on_plan_failed(
-                    "staging", f"one page ({hpb * self.layout.local_heads} bytes in the ring, up to "
-                               f"{hpb * max(a.num_heads for _, a in assigns)} per writer buffer) can never fit the "
-                               f"staging ring ({self.handler.allocator.size} bytes) or a prefill worker buffer "
-                               f"({min(peers[w].buffer_bytes for w in writers)} bytes)", now))
-        plan = RoomPlan(assigns, tuple(peers[n].key for n in notices), staged, hpb, mpp, self.me)
-        if self.cfg.staging and not staged:
+        ring = self.handler.allocator
+        plan = plan_room(self.layout, mapping, {w: WriterOffer(peers[w].key, peers[w].staging, peers[w].buffer_bytes)
+                                                for w in writers}, {n: peers[n].key for n in notices},
+                         staging=bool(self.cfg.staging), ring_size=ring.size if ring else 0,
+                         ring_align=ring.align if ring else 1, piece_cap=int(self.cfg.staging_piece_mb * (1 << 20)),
+                         epoch=self.me)
+        if isinstance(plan, tuple):
+            return self._apply(room, room.on_plan_failed(*plan, now))
+        if self.cfg.staging and not plan.staged:
             self._log_fallback(view.engine_id, mapping, [peers[w] for w in writers])
         self._apply(room, room.on_plan(plan, now))
 
@@ -486,14 +468,8 @@ class EngineLoop:
             self._fallback_logged.add((engine_id, why))
             log.info("direct path for rooms from %s: %s", engine_id, why)
 
-    def _tell_rejected(self, view: EngineView, room: DecodeRoom) -> None:
+    def _tell_rejected(self, view: EngineView, room: DecodeRoom, reason: str) -> None:
         """The prefill ranks of a room must fail too when the connection was refused."""
-        reason = None
-        for rec in view.records:
-            inc = self.by_rank.get((view.engine_id, rec.tp_rank))
-            peer = self.peers.get(inc) if inc is not None else None
-            if peer is not None and peer.state == "rejected":
-                reason = peer.reason
         for rec in view.records:
             inc = self.by_rank.get((view.engine_id, rec.tp_rank))
             peer = self.peers.get(inc) if inc is not None else None

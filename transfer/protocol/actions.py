@@ -6,7 +6,7 @@ returns a list of these actions; it never performs IO itself.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import NamedTuple, Union
 
 import numpy as np
@@ -100,11 +100,3 @@ class Released:
 
 
 Action = Union[Send, PostWrite, Scatter, PublishWatermark, StatusChanged, Released]
-
-
-@dataclass
-class Deadline:
-    """A named point in time a state machine waits for (checked on tick)."""
-
-    at: float
-    what: str = field(default="")

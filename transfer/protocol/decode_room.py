@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from staging.pieces import plan_pieces
+from staging.pieces import max_piece_pages, plan_pieces
 from staging.ring import Region, RingAllocator, TooLarge
 
 from ..config import Timeouts
 from ..layout import KVLayout
 from ..poll import KVPoll
 from .actions import Action, PeerKey, PublishWatermark, Released, Scatter, ScatterPart, Send, StatusChanged
-from .head_mapping import Assignment
+from .head_mapping import Assignment, HeadMapping
 from .messages import AllocGrant, AllocRequest, Piece, RoomDone, RoomFailed, RoomMeta, WriterDone, encode_pages
 from .tags import Tag, TagKind
 from .tracker import ExpectedPiece, Outcome, RoomTracker
@@ -50,6 +50,40 @@ class RoomPlan:
 
     def writer_page_bytes(self, a: Assignment) -> int:
         return self.head_page_bytes * a.num_heads
+
+
+@dataclass(frozen=True)
+class WriterOffer:
+    """What a connected prefill rank offers this decode rank (from its HelloAck)."""
+
+    key: PeerKey
+    staging: bool
+    buffer_bytes: int
+
+
+def plan_room(layout: KVLayout, mapping: HeadMapping, writers: dict[int, WriterOffer],
+              notices: dict[int, PeerKey], *, staging: bool, ring_size: int, ring_align: int,
+              piece_cap: int, epoch: int) -> RoomPlan | tuple[str, str]:
+    """Decide how a room from this prefill engine moves: the staged path when staging is on here
+    (a ring) and at every writer, TP sizes differ and the model is not MLA; direct otherwise.
+    Returns the plan, or (failure kind, reason) when a single page can never fit."""
+    hpb = layout.num_kv * layout.num_layers * layout.page_size * layout.head_bytes
+    assigns = tuple((writers[w].key, mapping.find(w, layout.tp_rank)) for w in sorted(writers))
+    staged = (staging and ring_size > 0 and not layout.mla and mapping.prefill_tp != mapping.decode_tp
+              and all(o.staging for o in writers.values()))
+    mpp = 0
+    if staged:
+        parts = [hpb * a.num_heads for _, a in assigns]
+        buffers = min(o.buffer_bytes for o in writers.values())
+        # pieces no larger than piece_cap keep gather, write and scatter of consecutive pieces
+        # overlapping; the cap never makes a page impossible, only the buffers and the ring do
+        mpp = (max_piece_pages(parts, min(buffers, piece_cap), ring_size, ring_align)
+               or max_piece_pages(parts, buffers, ring_size, ring_align))
+        if mpp == 0:
+            return ("staging", f"one page ({sum(parts)} bytes in the ring, up to {max(parts)} per writer buffer) "
+                               f"can never fit the staging ring ({ring_size} bytes) or a prefill worker buffer "
+                               f"({buffers} bytes)")
+    return RoomPlan(assigns, tuple(notices[n] for n in sorted(notices)), staged, hpb, mpp, epoch)
 
 
 @dataclass

@@ -1,0 +1,164 @@
+"""Soak: random requests, random aborts, random kills and freezes, for as long as you like.
+
+    .venv/bin/python examples/soak.py --minutes 30 [--backend mooncake] [--json out.json]
+
+Runs epochs until the time is up. Each epoch starts a bootstrap server and the ranks of a prefill
+TP 2 -> decode TP 1 group (staged) in separate processes, and sends a random batch of requests
+(random lengths and chunking, some aborted by either side) in two halves. Between the halves it
+breaks something at random, while the first half is in flight:
+  nothing | SIGKILL a prefill rank | SIGKILL the decode rank | SIGSTOP the decode rank past its
+  lease, then SIGCONT | restart the bootstrap server
+A killed rank is restarted (a new incarnation) for the second half. Every request that succeeds
+is verified byte for byte on the decode side. Printed at the end (and written as JSON): rooms
+completed, rooms failed (by kind), bytes verified, corruptions found (must be 0), hangs (must be
+0: a rank that did not finish its requests in time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import random
+import signal
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from cluster import Cluster  # noqa: E402
+
+GEOM = {"layers": 4, "heads": 4, "head_dim": 64, "dtype": "bfloat16", "page_size": 16, "pages": 1024}
+TIMEOUTS = {"lease": 2.0, "heartbeat": 0.25, "connect": 4.0, "bootstrap": 20.0, "close": 3.0, "arrival": 3.0,
+            "metadata": 20.0, "write": 6.0, "watermark": 10.0, "room": 60.0}
+PAGE_BYTES = GEOM["layers"] * 2 * GEOM["heads"] * GEOM["head_dim"] * 2 * GEOM["page_size"]
+FAULTS = ["none", "kill_prefill", "kill_decode", "freeze_decode", "restart_bootstrap"]
+
+
+def make_rooms(rng: random.Random, first: int, n: int, slow: bool) -> list[dict]:
+    rooms = []
+    for i in range(first, first + n):
+        pages = rng.randint(1, 40)
+        k = rng.randint(1, min(4, pages))
+        cuts = sorted(rng.sample(range(1, pages), k - 1)) if k > 1 else []
+        b = [0] + cuts + [pages]
+        r = {"room": i, "pages": pages, "chunks": [y - x for x, y in zip(b, b[1:])]}
+        if slow:
+            r["chunk_delay_s"] = 0.3
+        roll = rng.random()
+        if roll < 0.08:
+            r["abort_after_chunks"] = rng.randint(0, len(r["chunks"]) - 1)
+        elif roll < 0.16:
+            r["abort_after_s"] = rng.uniform(0, 0.5)
+        rooms.append(r)
+    return rooms
+
+
+def spec(role, rank, tp, rooms, backend, **kw):
+    s = {"role": role, "rank": rank, "tp": tp, "engine": "pf" if role == "prefill" else "dc", "backend": backend,
+         "staging": True, "geometry": GEOM, "rooms": rooms, "ring_mb": 2, "buffer_mb": 1, "inflight": 8,
+         "timeouts": TIMEOUTS, "run_timeout_s": 120}
+    if role == "decode":
+        s["peer_engine"] = "pf"
+    s.update(kw)
+    return s
+
+
+def epoch(rng: random.Random, backend: str, first: int, fault: str, tally: dict) -> None:
+    n1, n2 = rng.randint(6, 14), rng.randint(6, 14)
+    first_half, second_half = make_rooms(rng, first, n1, slow=True), make_rooms(rng, first + n1, n2, slow=False)
+    started = tempfile.mktemp(prefix="kvstage-soak-")
+    both = first_half + second_half
+    with Cluster() as cl:
+        # a rank that will be killed runs only the first half; its restarted self runs the second
+        p0_rooms = first_half if fault == "kill_prefill" else both
+        d_rooms = first_half if fault == "kill_decode" else both
+        p0 = cl.launch([spec("prefill", 0, 2, p0_rooms, backend)], "p0")
+        cl.launch([spec("prefill", 1, 2, both, backend)], "p1")
+        decode = cl.launch([spec("decode", 0, 1, d_rooms, backend, started_file=started)], "d0")
+        victim = p0 if fault == "kill_prefill" else decode if fault == "kill_decode" else None
+        deadline = time.monotonic() + 60
+        while not os.path.exists(started) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(0.2, 1.0))
+        if fault in ("kill_prefill", "kill_decode"):
+            victim.kill()
+            role, rank, tp = ("prefill", 0, 2) if fault == "kill_prefill" else ("decode", 0, 1)
+            cl.launch([spec(role, rank, tp, second_half, backend)], f"{role}-restarted")
+        elif fault == "freeze_decode":
+            decode.proc.send_signal(signal.SIGSTOP)
+            time.sleep(TIMEOUTS["lease"] * 2)
+            decode.proc.send_signal(signal.SIGCONT)
+        elif fault == "restart_bootstrap":
+            cl.restart_server(down_s=1.0)
+        procs = cl.wait(240)
+        for p in procs:
+            if p.proc.returncode not in (0, -9):
+                tally["hangs"] += 1
+                tally["problems"].append(f"epoch {first} {fault}: {p.log_path} exited {p.proc.returncode}")
+            for res in p.result():
+                if res.get("error"):
+                    tally["problems"].append(f"epoch {first} {fault}: {res['name']}: {res['error']}")
+                for r in res.get("rooms", []):
+                    if r.get("kind") == "driver_timeout":
+                        tally["hangs"] += 1
+                        tally["problems"].append(f"epoch {first} {fault}: {res['name']} room {r['room']} hung")
+                    if res["role"] != "decode":
+                        continue
+                    if r["state"] == "Success":
+                        if r["verified"]:
+                            tally["rooms_completed"] += 1
+                            tally["bytes_verified"] += r["pages"] * PAGE_BYTES
+                        else:
+                            tally["corruptions"] += 1
+                            tally["problems"].append(f"epoch {first} {fault}: CORRUPT room {r['room']}: {r.get('error')}")
+                    else:
+                        tally["rooms_failed"] += 1
+                        tally["failed_by_kind"][r.get("kind") or "unknown"] += 1
+    try:
+        os.unlink(started)
+    except OSError:
+        pass
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--minutes", type=float, default=10)
+    p.add_argument("--backend", default="nixl", choices=["nixl", "mooncake"])
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--json")
+    a = p.parse_args(argv)
+    rng = random.Random(a.seed)
+    tally = {"epochs": 0, "rooms_completed": 0, "rooms_failed": 0, "bytes_verified": 0, "corruptions": 0,
+             "hangs": 0, "failed_by_kind": collections.Counter(), "faults": collections.Counter(), "problems": []}
+    end = time.monotonic() + a.minutes * 60
+    t0 = time.time()
+    room = 1
+    while time.monotonic() < end:
+        fault = rng.choice(FAULTS)
+        epoch(rng, a.backend, room, fault, tally)
+        tally["epochs"] += 1
+        tally["faults"][fault] += 1
+        room += 100
+        print(f"[{time.time() - t0:6.0f}s] epoch {tally['epochs']:3d} {fault:18s} completed {tally['rooms_completed']:5d} "
+              f"failed {tally['rooms_failed']:4d} verified {tally['bytes_verified'] / 2**30:7.2f} GiB "
+              f"corruptions {tally['corruptions']} hangs {tally['hangs']}", flush=True)
+    print()
+    print(f"soak {a.minutes:g} min, {a.backend}: {tally['epochs']} epochs, faults {dict(tally['faults'])}")
+    print(f"  rooms completed (bit-exact) {tally['rooms_completed']}, rooms failed {tally['rooms_failed']} "
+          f"{dict(tally['failed_by_kind'])}")
+    print(f"  bytes verified {tally['bytes_verified']:,} ({tally['bytes_verified'] / 2**30:.2f} GiB), "
+          f"corruptions found {tally['corruptions']}, hangs {tally['hangs']}")
+    for line in tally["problems"][:20]:
+        print("  ! " + line)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({**tally, "failed_by_kind": dict(tally["failed_by_kind"]), "faults": dict(tally["faults"]),
+                       "minutes": a.minutes, "backend": a.backend, "seed": a.seed}, f, indent=1)
+    return 0 if tally["corruptions"] == 0 and tally["hangs"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
