@@ -58,6 +58,7 @@ class World:
     drop_tags: float = 0.0     # probability a tag is lost (the write itself lands)
     dup_tags: float = 0.0
     drop_msgs: float = 0.0     # probability a control message is lost
+    max_ranges: int = 65536    # direct path: descriptors per write
     now: float = 0.0
     rooms_p: dict = field(default_factory=dict)    # (rank, room) -> PrefillRoom
     rooms_d: dict = field(default_factory=dict)    # (rank, room) -> DecodeRoom
@@ -112,7 +113,7 @@ class World:
         src = [np.array(self.rng.sample(range(g.pages), n)) for _ in range(g.P)]
         for p in range(g.P):
             self.rooms_p[(p, room)] = PrefillRoom(room, n, self.lp[p], self.kp[p].incarnation, self.now,
-                                                  self.timeouts, self.op_ids)
+                                                  self.timeouts, self.op_ids, self.max_ranges)
             self.status_p[(p, room)] = KVPoll.Bootstrapping
         for d in range(g.D):
             free = self.free_pages.setdefault(d, list(range(g.pages)))

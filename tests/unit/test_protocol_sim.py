@@ -171,3 +171,19 @@ def test_plan_room_decides_the_path_and_refuses_impossible_pages():
     assert kind == "staging" and "never fit" in why
     tiny_cap = plan_room(lay, m, offers, {}, **{**kw, "piece_cap": 1})
     assert tiny_cap.staged and tiny_cap.max_piece_pages >= 1   # the cap never makes a page impossible
+
+
+@pytest.mark.parametrize("g", [Geometry(P=2, D=4, H=8, staged=False), Geometry(P=2, D=2, H=4, staged=False)],
+                         ids=["heads", "whole"])
+@pytest.mark.parametrize("seed", range(3))
+def test_direct_writes_split_by_descriptor_budget(g, seed):
+    """A chunk whose write would exceed the descriptor budget goes out as several writes (by
+    page range, each with its own tag); the room still completes bit-exact."""
+    w = World(g, seed, max_ranges=8, dup_tags=0.2)
+    w.add_room(1, 12, [7, 5])
+    w.add_room(2, 3, [3])
+    w.run()
+    for room in (1, 2):
+        assert all(w.status_d[(d, room)] is KVPoll.Success for d in range(g.D))
+        assert w.check_bytes(room)
+    assert any(len(wr.tags) > 2 for r in w.rooms_d.values() for wr in r.writers.values()), "chunks were split"

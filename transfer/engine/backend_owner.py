@@ -15,6 +15,7 @@ its memory: a Mooncake write cannot be cancelled once inside the engine, so a wr
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -53,6 +54,7 @@ class BackendOwner:
         self._owner: int | None = threading.get_ident()  # the constructing thread, until adopt()
         self._closed = False
         self.pending: list[_Write] = []
+        self._to_post: collections.deque[_Write] = collections.deque()  # the owner's own, one per step
         self.draining: list[_Write] = []          # given up on, but the library may still touch them
         self.expecting = 0                        # rooms waiting for tags (owner thread only)
 
@@ -88,7 +90,9 @@ class BackendOwner:
         if self._closed:
             _finish(w, False, "the backend is closed")
         elif self._mine():
-            self._post(w)
+            # posted by step(), one per loop: a big write must not keep the control thread from
+            # its sockets (heartbeats, leases) for the time of several
+            self._to_post.append(w)
         else:
             self._cmds.put(("write", w))
             self._wake()
@@ -104,12 +108,15 @@ class BackendOwner:
     # -- the owner --------------------------------------------------------------------------------
     @property
     def eager(self) -> bool:
-        """Poll often: writes in flight, or tags expected."""
-        return bool(self.pending or self.draining or self.expecting)
+        """Poll often: writes in flight or to post, or tags expected."""
+        return bool(self.pending or self._to_post or self.draining or self.expecting)
 
     def step(self) -> tuple[list[ArrivedTag], bool]:
         """One round of progress on the owning thread: (arrived tags, whether anything happened)."""
         busy = self._commands()
+        if self._to_post:
+            self._post(self._to_post.popleft())
+            busy = True
         busy |= self._poll_writes()
         busy |= self._drain_released()
         tags: list[ArrivedTag] = []
@@ -139,6 +146,8 @@ class BackendOwner:
         may still touch: afterwards no write of this rank is in flight and every buffer is free."""
         self._closed = True
         self._commands()
+        while self._to_post:
+            _finish(self._to_post.popleft(), False, "backend shutting down")
         for w in list(self.pending):
             self._give_up(w, "backend shutting down")
         deadline = time.monotonic() + drain_s

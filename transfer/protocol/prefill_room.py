@@ -62,7 +62,7 @@ class Flow:
 
 class PrefillRoom:
     def __init__(self, room: int, num_pages: int, layout: KVLayout, me: int, now: float,
-                 timeouts: Timeouts, op_ids: itertools.count | None = None):
+                 timeouts: Timeouts, op_ids: itertools.count | None = None, max_ranges: int = 65536):
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         self.room = room
@@ -72,6 +72,7 @@ class PrefillRoom:
         self.timeouts = timeouts
         self.created = now
         self._op_ids = op_ids or itertools.count(1)
+        self.max_ranges = max_ranges  # direct path: descriptors per write at most
         self.state = KVPoll.Bootstrapping
         self.failure: str | None = None
         self.failure_kind: str | None = None
@@ -316,16 +317,29 @@ class PrefillRoom:
                     flow.requested_at[chunk.index] = now
                     out.append(self._alloc_request(flow, chunk))
                 else:
-                    nbytes = chunk.pages.size * self._bytes_per_page(a.num_heads)
-                    tag = make_tag(TagKind.DIRECT, room=self.room, session=flow.session, epoch=flow.peer.incarnation,
-                                   src=self.me, writer=self.layout.tp_rank, chunk=chunk.index, piece=0,
-                                   page_start=chunk.page_start, num_pages=int(chunk.pages.size), nbytes=nbytes)
-                    dst = flow.dst_pages[chunk.page_start:chunk.page_start + chunk.pages.size]
-                    out.append(self._post(flow, WriteOp(next(self._op_ids), self.room, flow.peer, False,
-                                                        chunk.index, 0, chunk.pages, dst, a.src_heads,
-                                                        a.dst_heads, nbytes, tag)))
+                    out += self._direct_writes(flow, a, chunk)
                 flow.issued += 1
         return out + self._check_done(now)
+
+    def _direct_writes(self, flow: Flow, a: Assignment, chunk: Chunk) -> list[Action]:
+        """One write per chunk, split by page range when it would exceed max_ranges descriptors
+        (each part with its own tag): a write of millions of ranges would hold the backend for
+        seconds at a time."""
+        whole = self.mapping.prefill_tp == self.mapping.decode_tp or self.layout.mla
+        per_page = self.layout.num_kv * self.layout.num_layers * (1 if whole else self.layout.page_size)
+        step = max(1, self.max_ranges // per_page)
+        out: list[Action] = []
+        for part, lo in enumerate(range(0, chunk.pages.size, step)):
+            pages = chunk.pages[lo:lo + step]
+            start = chunk.page_start + lo
+            nbytes = pages.size * self._bytes_per_page(a.num_heads)
+            tag = make_tag(TagKind.DIRECT, room=self.room, session=flow.session, epoch=flow.peer.incarnation,
+                           src=self.me, writer=self.layout.tp_rank, chunk=chunk.index, piece=part,
+                           page_start=start, num_pages=int(pages.size), nbytes=nbytes)
+            dst = flow.dst_pages[start:start + pages.size]
+            out.append(self._post(flow, WriteOp(next(self._op_ids), self.room, flow.peer, False, chunk.index, part,
+                                                pages, dst, a.src_heads, a.dst_heads, nbytes, tag)))
+        return out
 
     def _flow_finished_writing(self, flow: Flow) -> bool:
         return (self.last and flow.issued == len(self.chunks) and not flow.inflight
