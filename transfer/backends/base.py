@@ -11,8 +11,10 @@ destination row by row with equal lengths, as NIXL takes them; Mooncake reads th
 from __future__ import annotations
 
 import abc
+import atexit
 import contextlib
 import enum
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
@@ -226,3 +228,25 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release everything; idempotent. Registrations still active are deregistered."""
+
+
+_LIVE: "weakref.WeakSet[Backend]" = weakref.WeakSet()
+
+
+def close_at_exit(backend: Backend, live: bool = True) -> None:
+    """Track a backend so it is closed at interpreter exit if its owner did not close it: no
+    library thread may still be in C++ code while the interpreter tears down (UCX and Mooncake
+    crash otherwise). `live=False` stops tracking it (after close())."""
+    if live:
+        _LIVE.add(backend)
+    else:
+        _LIVE.discard(backend)
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    for backend in list(_LIVE):
+        try:
+            backend.close()
+        except Exception:  # noqa: BLE001 - best effort at exit
+            pass

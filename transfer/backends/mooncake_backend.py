@@ -25,14 +25,12 @@ Behaviour (measured facts in docs/backends.md and /work/shared/spec/FACTS.md):
 
 from __future__ import annotations
 
-import atexit
 import base64
 import binascii
 import json
 import os
 import queue
 import threading
-import weakref
 from typing import Sequence
 
 import numpy as np
@@ -47,6 +45,7 @@ from .base import (
     WriteHandle,
     WriteState,
     check_write_request,
+    close_at_exit,
 )
 
 ENV_DEFAULTS = {
@@ -63,18 +62,6 @@ TAG_PREFIX = "kvstage1:"
 IDENTITY_FORMAT = "mooncake/1"
 _KINDS = ("DRAM", "VRAM")
 
-_live: "weakref.WeakSet[MooncakeBackend]" = weakref.WeakSet()
-
-
-@atexit.register
-def _close_all_at_exit() -> None:
-    # Submit threads are daemon threads: close() stops them (waiting for a call already inside
-    # Mooncake to return) before the interpreter tears down, so no thread is in C++ code then.
-    for backend in list(_live):
-        try:
-            backend.close()
-        except Exception:  # pragma: no cover - best effort at exit
-            pass
 
 
 class _Job:
@@ -241,7 +228,7 @@ class MooncakeBackend(Backend):
         self._inflight: dict[int, WriteHandle] = {}
         self.ignored_notifies = 0
         self._closed = False
-        _live.add(self)
+        close_at_exit(self)
 
     # ------------------------------------------------------------------ identity and memory
     @property
@@ -470,7 +457,7 @@ class MooncakeBackend(Backend):
         if self._closed:
             return
         self._closed = True
-        _live.discard(self)
+        close_at_exit(self, live=False)
         for handle in list(self._inflight.values()):
             self.release_write(handle)
         self._peers.clear()

@@ -19,12 +19,10 @@ Behaviour (measured facts in docs/backends.md and /work/shared/spec/FACTS.md):
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import secrets
 import sys
-import weakref
 from typing import Sequence
 
 import numpy as np
@@ -39,6 +37,7 @@ from .base import (
     WriteHandle,
     WriteState,
     check_write_request,
+    close_at_exit,
 )
 
 # Must be in the environment before UCX is initialised by the first agent (FACTS.md).
@@ -71,16 +70,6 @@ def _quiet_nixl_python_logging() -> None:
 
 _quiet_nixl_python_logging()
 
-_live: "weakref.WeakSet[NixlBackend]" = weakref.WeakSet()
-
-
-@atexit.register
-def _close_all_at_exit() -> None:
-    for backend in list(_live):
-        try:
-            backend.close()
-        except Exception:  # pragma: no cover - best effort at exit
-            pass
 
 
 def _describe(exc: BaseException) -> str:
@@ -133,7 +122,7 @@ class NixlBackend(Backend):
         self._abandoned: list[object] = []  # nixl_xfer_handles whose cancel must be retried
         self._tags: list[ArrivedTag] = []  # notifications read by progress(), not yet drained
         self._closed = False
-        _live.add(self)
+        close_at_exit(self)
 
     # ------------------------------------------------------------------ identity and memory
     @property
@@ -386,7 +375,7 @@ class NixlBackend(Backend):
                 self._retry_abandoned()
         finally:
             self._closed = True
-            _live.discard(self)
+            close_at_exit(self, live=False)
             self._tags = []
             # Drop the agent now (not at interpreter teardown); handles not yet released keep
             # the C++ agent alive through their own reference until they are collected.

@@ -90,8 +90,9 @@ class BackendOwner:
         if self._closed:
             _finish(w, False, "the backend is closed")
         elif self._mine():
-            # posted by step(), one per loop: a big write must not keep the control thread from
-            # its sockets (heartbeats, leases) for the time of several
+            # posted by step(), one per loop, and only once the previous write to the same peer
+            # completed: a transport that pushes data inline (UCX over TCP) then never makes the
+            # control thread wait for more than one write's worth, so heartbeats keep flowing
             self._to_post.append(w)
         else:
             self._cmds.put(("write", w))
@@ -114,9 +115,7 @@ class BackendOwner:
     def step(self) -> tuple[list[ArrivedTag], bool]:
         """One round of progress on the owning thread: (arrived tags, whether anything happened)."""
         busy = self._commands()
-        if self._to_post:
-            self._post(self._to_post.popleft())
-            busy = True
+        busy |= self._post_next()
         busy |= self._poll_writes()
         busy |= self._drain_released()
         tags: list[ArrivedTag] = []
@@ -130,6 +129,16 @@ class BackendOwner:
             except Exception:  # noqa: BLE001 - progress errors surface on the writes
                 log.debug("backend progress raised", exc_info=True)
         return tags, busy or bool(tags)
+
+    def _post_next(self) -> bool:
+        """Post the first queued write whose peer has no write of ours in flight."""
+        busy_peers = {w.peer for w in self.pending}
+        for w in self._to_post:
+            if w.peer not in busy_peers:
+                self._to_post.remove(w)
+                self._post(w)
+                return True
+        return False
 
     def disconnect(self, peer: str) -> None:
         now = time.monotonic()
