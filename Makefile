@@ -3,6 +3,7 @@
 #
 #   make demo   install everything (once), then run the PD demo (examples/pd_demo.py)
 #   make test   install everything (once), then run the whole test suite
+#   make bench  the benchmark (also installs matplotlib for its plots), results into docs/bench
 #   make venv   only the installation
 
 PYTHON ?= python3
@@ -16,8 +17,9 @@ APT_PACKAGES := libibverbs1 libnuma1 iproute2
 
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
+BENCH_ARGS ?=
 
-.PHONY: venv test demo apt clean
+.PHONY: venv test demo bench apt clean
 
 venv: $(STAMP)
 
@@ -48,6 +50,10 @@ test: apt $(STAMP)
 
 demo: apt $(STAMP)
 	$(PY) examples/pd_demo.py $(DEMO_ARGS)
+
+bench: apt $(STAMP)
+	$(PIP) install -q -r requirements/bench.txt
+	$(PY) examples/bench.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

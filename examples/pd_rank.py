@@ -97,6 +97,7 @@ class Pages:
 def drive(spec: dict, bootstrap: str, result: dict) -> None:
     mgr, layout, buffers, pattern = build(spec, bootstrap)
     result["endpoint"] = mgr.endpoint
+    result["incarnation"] = mgr.incarnation
     if spec.get("bench", {}).get("mode") == "latency":
         return drive_latency(mgr, spec, buffers, pattern, result)
     rng = random.Random(hash((spec.get("seed", 0), spec["engine"], spec["rank"])) & 0xFFFFFFFF)

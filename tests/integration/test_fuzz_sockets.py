@@ -7,6 +7,7 @@ import time
 import pytest
 
 from engine_cases import ROOT  # noqa: F401 - sys.path
+from bootstrap import BootstrapClient
 from cluster import Cluster
 from fuzz_frames import fuzz_raw, fuzz_zmq, listening_ports
 
@@ -40,16 +41,20 @@ def test_fuzzing_every_listening_socket(token, tmp_path):
     with Cluster(env=env) as cl:
         p = cl.launch(managers("prefill", rooms), "prefill")
         d = cl.launch(managers("decode", rooms), "decode")
-        # wait until the first rooms moved for real (the decode side saw them all verified)
+        # wait until all four managers registered (so every listener they open exists), then
+        # take the ports: a rank process holds two managers that start at different speeds
+        client = BootstrapClient(cl.addr, token=token)
         deadline = time.monotonic() + 120
-        while True:
-            ports = {name: listening_ports(pr.proc.pid) for name, pr in (("prefill", p), ("decode", d))
-                     if pr.proc.poll() is None}
-            if len(ports) == 2 and all(len(v) >= 5 for v in ports.values()):
-                break
-            assert time.monotonic() < deadline, f"rank sockets never appeared: {ports}"
+        while len(ctrl := {r["engine_id"]: int(r["ctrl_endpoint"].rsplit(":", 1)[1])
+                           for r in client.status()["ranks"]}) < 4:
+            assert time.monotonic() < deadline and p.proc.poll() is None and d.proc.poll() is None, \
+                f"ranks never registered: {ctrl}\n{p.log()}\n{d.log()}"
             time.sleep(0.2)
-        time.sleep(3)
+        client.close()
+        time.sleep(1)
+        ports = {name: listening_ports(pr.proc.pid) for name, pr in (("prefill", p), ("decode", d))}
+        for engine, port in ctrl.items():
+            assert port in ports["prefill" if engine.startswith("p-") else "decode"], (engine, port, ports)
         server_port = int(cl.addr.rsplit(":", 1)[1])
         targets = [("server", server_port)] + [(n, port) for n, ps in ports.items() for port in ps]
         for i, (name, port) in enumerate(targets):
