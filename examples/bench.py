@@ -1,6 +1,6 @@
 """kvstage against its alternatives, measured side by side in one run on the same geometry.
 
-    make bench                                   # everything, ~15-25 min on 2 cores
+    make bench                                   # everything, ~30 min on 2 cores
     .venv/bin/python examples/bench.py --quick   # a smaller sweep
     .venv/bin/python examples/bench.py --transports nixl --lengths 2048 --json out.json
 

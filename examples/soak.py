@@ -71,6 +71,7 @@ def epoch(rng: random.Random, backend: str, first: int, fault: str, tally: dict)
     first_half, second_half = make_rooms(rng, first, n1, slow=True), make_rooms(rng, first + n1, n2, slow=False)
     started = tempfile.mktemp(prefix="kvstage-soak-")
     both = first_half + second_half
+    pages_of = {r["room"]: r["pages"] for r in both}
     with Cluster() as cl:
         # a rank that will be killed runs only the first half; its restarted self runs the second
         p0_rooms = first_half if fault == "kill_prefill" else both
@@ -110,7 +111,7 @@ def epoch(rng: random.Random, backend: str, first: int, fault: str, tally: dict)
                     if r["state"] == "Success":
                         if r["verified"]:
                             tally["rooms_completed"] += 1
-                            tally["bytes_verified"] += r["pages"] * PAGE_BYTES
+                            tally["bytes_verified"] += pages_of[r["room"]] * PAGE_BYTES
                         else:
                             tally["corruptions"] += 1
                             tally["problems"].append(f"epoch {first} {fault}: CORRUPT room {r['room']}: {r.get('error')}")

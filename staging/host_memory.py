@@ -1,9 +1,10 @@
 """Page-aligned, pre-faulted host memory for CPU staging buffers.
 
-`HostMemory(nbytes)` maps anonymous shared memory (``MAP_SHARED | MAP_ANONYMOUS``, plus
-``MAP_POPULATE`` where the platform has it), rounds the size up to the page size, and writes one
-byte of every 4 KiB page so that every page is faulted in before the first transfer: a copy into
-freshly mapped memory runs at about half of memcpy speed here (see FACTS.md).
+`HostMemory(nbytes)` maps private anonymous memory, asks for transparent huge pages
+(``MADV_HUGEPAGE``: NIXL's shared-memory copy pins pages one by one), rounds the size up to the
+page size, and writes one byte of every 4 KiB page so that every page is faulted in before the
+first transfer: a copy into freshly mapped memory runs at about half of memcpy speed here (see
+FACTS.md).
 
 Huge pages: set ``KVSTAGE_HUGEPAGE_SIZE`` to ``2MB`` or ``1GB`` (or pass ``hugepage_size=``) to
 map with ``MAP_HUGETLB`` and the matching size bits. Python's `mmap` passes its flags straight to
@@ -138,8 +139,16 @@ class HostMemory:
                     _hugepage_free(huge), BASE_PAGE_SIZE,
                 )
         if self._mm is None:
+            # private, and asked for transparent huge pages before the first touch below faults
+            # the pages in: NIXL's shared-memory copy (cma) pins pages one by one, so 2 MiB pages
+            # make it faster (docs/benchmarks.md); shared anonymous memory would need shmem THP
             size = _round_up(nbytes, BASE_PAGE_SIZE)
-            self._mm = mmap.mmap(-1, size, flags=mmap.MAP_SHARED | _MAP_POPULATE)
+            self._mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                try:
+                    self._mm.madvise(mmap.MADV_HUGEPAGE)
+                except OSError:  # THP disabled ("never") or unsupported: 4 KiB pages it is
+                    pass
         self.nbytes = size
 
         # The memoryview holds the buffer export that makes mmap.close() refuse while any tensor

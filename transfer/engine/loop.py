@@ -56,7 +56,7 @@ log = logging.getLogger("kvstage")
 
 TICK = 0.1                 # deadlines, retransmissions, heartbeats and leases are all seconds-scale
 MIN_EAGER_WAIT = 20e-6     # backend polling interval while writes are in flight or tags expected,
-MAX_EAGER_WAIT = 200e-6   # backing off to this when nothing happens
+MAX_EAGER_WAIT = 200e-6    # backing off to this when nothing happens
 _OP_IDS = itertools.count(1)  # write ids, unique in the process
 FINISHED_MEMORY = 65536
 MAX_PENDING_ROOMS = 65536

@@ -252,9 +252,8 @@ class PrefillRoom:
     def _deadlines(self, now: float) -> list[Action]:
         t = self.timeouts
         if not self._all_metas() and now - self.created > t.metadata:
-            missing = sorted(self.expected - set(self.flows)) if self.mapping else "any"
-            return self.fail("timeout", f"no room metadata from decode rank(s) {missing} within {t.metadata:g} s",
-                             now)
+            who = f"decode rank(s) {sorted(self.expected - set(self.flows))}" if self.mapping else "any decode rank"
+            return self.fail("timeout", f"no room metadata from {who} within {t.metadata:g} s", now)
         for flow in self.flows.values():
             for chunk, asked in flow.requested_at.items():
                 if chunk not in flow.granted and now - asked > t.watermark:
