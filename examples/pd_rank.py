@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import traceback
+import zlib
 
 import numpy as np
 import torch
@@ -100,7 +101,7 @@ def drive(spec: dict, bootstrap: str, result: dict) -> None:
     result["incarnation"] = mgr.incarnation
     if spec.get("bench", {}).get("mode") == "latency":
         return drive_latency(mgr, spec, buffers, pattern, result)
-    rng = random.Random(hash((spec.get("seed", 0), spec["engine"], spec["rank"])) & 0xFFFFFFFF)
+    rng = random.Random(zlib.crc32(repr((spec.get("seed", 0), spec["engine"], spec["rank"])).encode()))
     pool = Pages(spec["geometry"]["pages"], rng, contiguous=spec.get("contiguous", False))
     rooms = list(spec["rooms"])
     window = spec.get("inflight", 16)

@@ -42,6 +42,7 @@ class _Write:
     on_done: Callable[[bool, str | None], None]
     handle: WriteHandle | None = None
     disconnected_at: float | None = None
+    on_posted: Callable[[], None] | None = None
 
 
 class BackendOwner:
@@ -83,10 +84,12 @@ class BackendOwner:
         return fut.result(timeout)
 
     def submit_write(self, peer: str, src: np.ndarray, dst: np.ndarray, tag: bytes,
-                     on_done: Callable[[bool, str | None], None]) -> None:
+                     on_done: Callable[[bool, str | None], None],
+                     on_posted: Callable[[], None] | None = None) -> None:
         """Post one write; on_done(ok, reason) runs on the owner exactly once, when the backend no
-        longer touches the source memory."""
-        w = _Write(peer, src, dst, tag, on_done)
+        longer touches the source memory. on_posted() runs on the owner when the backend took the
+        write (a write may wait its turn behind an earlier one to the same peer first)."""
+        w = _Write(peer, src, dst, tag, on_done, on_posted=on_posted)
         if self._closed:
             _finish(w, False, "the backend is closed")
         elif self._mine():
@@ -212,6 +215,11 @@ class BackendOwner:
             _finish(w, False, f"{type(exc).__name__}: {exc}")
             return
         self.pending.append(w)
+        if w.on_posted is not None:
+            try:
+                w.on_posted()
+            except Exception:  # noqa: BLE001
+                log.exception("write posted callback raised")
         # a local copy (NIXL over cma) is often complete when the post returns: report it now, so
         # its transfer worker gathers its next piece while the next write is being posted
         self._poll_one(w, time.monotonic(), {})

@@ -119,6 +119,7 @@ class EngineLoop:
         self.rooms: dict[int, Any] = {}
         self.status: dict[int, Any] = {}
         self.finished: OrderedDict[int, tuple[KVPoll, str, str]] = OrderedDict()  # room -> (state, kind, reason)
+        self.served: dict[int, frozenset] = {}  # prefill: room that succeeded -> its (decode incarnation, session)s
         self.pending: dict[int, list] = defaultdict(list)          # prefill: room -> early messages
         self.pending_since: dict[int, float] = {}
         self.engines: dict[str, EngineView] = {}
@@ -530,6 +531,7 @@ class EngineLoop:
         self.rooms[ev.room] = room
         self.status[ev.room] = ev.status
         self.finished.pop(ev.room, None)
+        self.served.pop(ev.room, None)
         for item in self.pending.pop(ev.room, []):
             self._prefill_item(room, item, now)
         self.pending_since.pop(ev.room, None)
@@ -539,6 +541,7 @@ class EngineLoop:
         self.rooms[ev.room] = room
         self.status[ev.room] = ev.status
         self.finished.pop(ev.room, None)
+        self.served.pop(ev.room, None)
         self.engine_of[ev.room] = ev.prefill_engine
         view = self._engine(ev.prefill_engine, now)
         view.rooms.add(ev.room)
@@ -555,7 +558,9 @@ class EngineLoop:
             # say so, in case an earlier Quiesced was lost
             self._send(key, Quiesced(src=self.me, dst=key.incarnation, room=room_id, session=msg.session))
         if room_id in self.finished:
-            if kind == "meta":  # the decode side must not wait for a room that is over here
+            if kind == "meta" and (key.incarnation, msg.session) in self.served.get(room_id, ()):
+                pass  # a late retransmission of metadata this room already served (and acked): no news
+            elif kind == "meta":  # the decode side must not wait for a room that is over here
                 _, kind_, why = self.finished[room_id]
                 self._send(key, RoomFailed(src=self.me, dst=key.incarnation, room=room_id, session=msg.session,
                                            kind=kind_, reason=f"the prefill sender of this room has finished: {why}"))
@@ -752,8 +757,11 @@ class EngineLoop:
             self._eager_rooms.discard(room.room)
             self.backend.expecting -= 1
         self.finished[room.room] = (room.state, room.failure_kind or "gone", room.failure or "it succeeded")
+        if self.role == "prefill" and room.state is KVPoll.Success:
+            self.served[room.room] = frozenset((f.peer.incarnation, f.session) for f in room.flows.values())
         while len(self.finished) > FINISHED_MEMORY:
-            self.finished.popitem(last=False)
+            gone, _ = self.finished.popitem(last=False)
+            self.served.pop(gone, None)
 
     # -- prefill: writes ---------------------------------------------------------------------------------
     def _post_write(self, op: WriteOp, now: float) -> None:
@@ -772,8 +780,13 @@ class EngineLoop:
         self.stats.add("descriptors", len(src))
         self.write_deadline[op.op_id] = (op.room, now + self.t.write)
         room, op_id = op.room, op.op_id
+
+        def posted() -> None:  # on this thread; the deadline counts from the post, not the queue
+            if op_id in self.write_deadline:
+                self.write_deadline[op_id] = (room, time.monotonic() + self.t.write)
+
         self.backend.submit_write(peer.backend_name, src, dst, self.tags.encode(op.tag),
-                                  lambda ok, reason: self.post(WriteDone(op_id, room, ok, reason)))
+                                  lambda ok, reason: self.post(WriteDone(op_id, room, ok, reason)), posted)
         self.stats.add("bytes_posted", op.nbytes)
 
     def _peer_geometry(self, peer: Peer) -> CacheGeometry:
