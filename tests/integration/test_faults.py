@@ -41,5 +41,7 @@ def test_every_room_ends_exact_or_failed_under_injected_faults(backend, token):
                     else:
                         assert r["failure"], r
         dec = [res["stats"] for res in results[case.name]["decode"]]
-        assert sum(st.get("dropped_tags", {}).get("duplicate", 0) for st in dec) > 0
+        # an injected duplicate is dropped as such, or, when its original was the room's last tag
+        # and completed the room in the same batch, as a tag of a finished room
+        assert sum(st.get("dropped_tags", {}).get(k, 0) for st in dec for k in ("duplicate", "finished_room")) > 0
     assert outcomes["Success"] > outcomes["Failed"], outcomes  # retransmission keeps most rooms alive
