@@ -169,7 +169,7 @@ def summarize(a, requests, procs, token_bytes) -> dict:
 
 def print_table(s: dict) -> None:
     def row(k, v):
-        print(f"  {k:<34}{v}")
+        print(f"  {k:<37} {v}")
     print()
     row("requests", s["requests"])
     row("tokens", s["tokens"])
