@@ -316,6 +316,15 @@ def plots(a, res: dict) -> list[str]:
         return []
     os.makedirs(a.plots, exist_ok=True)
     made = []
+
+    def save(fig, name: str) -> None:
+        for ax in fig.axes:
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(a.plots, name)
+        fig.savefig(path, dpi=110)
+        made.append(path)
     fig, axes = plt.subplots(1, len(a.transports), figsize=(5 * len(a.transports), 4), squeeze=False)
     for ax, tr in zip(axes[0], a.transports):
         for path, style in (("staged", "o-"), ("direct", "s-"), ("equal", "^--")):
@@ -331,12 +340,7 @@ def plots(a, res: dict) -> list[str]:
         ax.set_title(tr)
         ax.set_xlabel("tokens per request")
         ax.set_ylabel("GB/s")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    path = os.path.join(a.plots, "throughput_vs_length.png")
-    fig.savefig(path, dpi=110)
-    made.append(path)
+    save(fig, "throughput_vs_length.png")
     if res["inflight"]:
         fig, ax = plt.subplots(figsize=(6, 4))
         for tr in a.transports:
@@ -349,12 +353,7 @@ def plots(a, res: dict) -> list[str]:
         ax.set_yscale("log")
         ax.set_xlabel(f"rooms in flight ({a.inflight_tokens}-token requests)")
         ax.set_ylabel("aggregate GB/s")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = os.path.join(a.plots, "throughput_vs_inflight.png")
-        fig.savefig(path, dpi=110)
-        made.append(path)
+        save(fig, "throughput_vs_inflight.png")
     if res["latency"]:
         fig, ax = plt.subplots(figsize=(6, 4))
         for tr, lat in res["latency"].items():
@@ -364,12 +363,7 @@ def plots(a, res: dict) -> list[str]:
         ax.set_xscale("log")
         ax.set_xlabel("init -> Success, ms (one page, P1 -> D1)")
         ax.set_ylabel("fraction of requests")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = os.path.join(a.plots, "latency_one_page.png")
-        fig.savefig(path, dpi=110)
-        made.append(path)
+        save(fig, "latency_one_page.png")
     return made
 
 

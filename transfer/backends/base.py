@@ -114,6 +114,22 @@ class RangeIndex:
         return np.flatnonzero(~ok)
 
 
+MEMORY_KINDS = ("DRAM", "VRAM")
+
+
+def check_regions(regions: Sequence[MemRegion]) -> tuple[MemRegion, ...]:
+    """The regions of one register() call, checked the same way by every backend."""
+    regions = tuple(regions)
+    if not regions:
+        raise ValueError("regions: nothing to register")
+    for r in regions:
+        if r.kind not in MEMORY_KINDS:
+            raise ValueError(f"regions: kind must be one of {MEMORY_KINDS}, got {r.kind!r}")
+        if r.length <= 0 or r.addr <= 0:
+            raise ValueError(f"regions: bad region {r}")
+    return regions
+
+
 def check_write_request(
     src: Sequence[tuple[int, int, int]] | np.ndarray,
     dst: Sequence[tuple[int, int, int]] | np.ndarray,

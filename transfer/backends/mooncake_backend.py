@@ -39,11 +39,13 @@ from .base import (
     ArrivedTag,
     Backend,
     BackendError,
+    MEMORY_KINDS,
     MemRegion,
     RangeIndex,
     Registration,
     WriteHandle,
     WriteState,
+    check_regions,
     check_write_request,
     close_at_exit,
 )
@@ -60,8 +62,6 @@ from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode  # no
 
 TAG_PREFIX = "kvstage1:"
 IDENTITY_FORMAT = "mooncake/1"
-_KINDS = ("DRAM", "VRAM")
-
 
 
 class _Job:
@@ -243,16 +243,10 @@ class MooncakeBackend(Backend):
 
     def register(self, regions: Sequence[MemRegion]) -> Registration:
         self._check_open()
-        regions = tuple(regions)
-        if not regions:
-            raise ValueError("regions: nothing to register")
+        regions = check_regions(regions)
         taken = {r.addr for reg in self._regs.values() for r in reg.regions}
         seen: set[int] = set()
         for r in regions:
-            if r.kind not in _KINDS:
-                raise ValueError(f"regions: kind must be one of {_KINDS}, got {r.kind!r}")
-            if r.length <= 0 or r.addr <= 0:
-                raise ValueError(f"regions: bad region {r}")
             if r.addr in taken or r.addr in seen:
                 # Mooncake keys registrations by start address: a second one would be undone by
                 # the first deregistration.
@@ -341,8 +335,8 @@ class MooncakeBackend(Backend):
         if peer not in self._peers:
             raise BackendError(f"unknown peer {peer!r}: connect() its identity first")
         src, dst, tag = check_write_request(src, dst, tag)
-        if dst_kind is not None and dst_kind not in _KINDS:
-            raise ValueError(f"dst_kind must be one of {_KINDS}, got {dst_kind!r}")
+        if dst_kind is not None and dst_kind not in MEMORY_KINDS:
+            raise ValueError(f"dst_kind must be one of {MEMORY_KINDS}, got {dst_kind!r}")
         outside = self._index.outside(src)
         if len(outside):
             i = int(outside[0])

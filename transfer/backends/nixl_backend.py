@@ -31,11 +31,13 @@ from .base import (
     ArrivedTag,
     Backend,
     BackendError,
+    MEMORY_KINDS,
     MemRegion,
     RangeIndex,
     Registration,
     WriteHandle,
     WriteState,
+    check_regions,
     check_write_request,
     close_at_exit,
 )
@@ -53,8 +55,6 @@ try:  # the exception types live in the bindings of whichever nixl-cuXX package 
 except (KeyError, AttributeError):  # pragma: no cover - other NIXL builds
     _NotFound = _InvalidParam = _RemoteDisconnect = ()  # type: ignore[assignment]
 
-_KINDS = ("DRAM", "VRAM")
-
 
 def _quiet_nixl_python_logging() -> None:
     """NIXL's logger writes INFO to stdout; keep stdout clean unless the user asked for logs."""
@@ -69,7 +69,6 @@ def _quiet_nixl_python_logging() -> None:
 
 
 _quiet_nixl_python_logging()
-
 
 
 def _describe(exc: BaseException) -> str:
@@ -116,7 +115,7 @@ class NixlBackend(Backend):
         if missing:
             raise BackendError(f"NIXL plugin(s) {missing} not available (have {self._agent.plugin_list})")
         self._regs: dict[int, Registration] = {}
-        self._index: dict[str, RangeIndex] = {k: RangeIndex() for k in _KINDS}
+        self._index: dict[str, RangeIndex] = {k: RangeIndex() for k in MEMORY_KINDS}
         self._peers: set[str] = set()
         self._inflight: dict[int, WriteHandle] = {}  # id(handle) -> handle, not yet released
         self._abandoned: list[object] = []  # nixl_xfer_handles whose cancel must be retried
@@ -135,15 +134,9 @@ class NixlBackend(Backend):
 
     def register(self, regions: Sequence[MemRegion]) -> Registration:
         self._check_open()
-        regions = tuple(regions)
-        if not regions:
-            raise ValueError("regions: nothing to register")
+        regions = check_regions(regions)
         groups: dict[str, list[tuple[int, int, int]]] = {}
         for r in regions:
-            if r.kind not in _KINDS:
-                raise ValueError(f"regions: kind must be one of {_KINDS}, got {r.kind!r}")
-            if r.length <= 0 or r.addr <= 0:
-                raise ValueError(f"regions: bad region {r}")
             groups.setdefault(r.kind, []).append((r.addr, r.length, r.device))
         done: list[tuple[str, object]] = []
         try:
@@ -182,7 +175,7 @@ class NixlBackend(Backend):
             raise BackendError(f"NIXL deregistration failed: {'; '.join(errors)}")
 
     def _rebuild_index(self) -> None:
-        for kind in _KINDS:
+        for kind in MEMORY_KINDS:
             self._index[kind] = RangeIndex(
                 [(r.addr, r.length) for reg in self._regs.values() for r in reg.regions if r.kind == kind]
             )
@@ -239,8 +232,8 @@ class NixlBackend(Backend):
         src, dst, tag = check_write_request(src, dst, tag)
         src_kind = self._source_kind(src)
         dkind = dst_kind or src_kind
-        if dkind not in _KINDS:
-            raise ValueError(f"dst_kind must be one of {_KINDS}, got {dst_kind!r}")
+        if dkind not in MEMORY_KINDS:
+            raise ValueError(f"dst_kind must be one of {MEMORY_KINDS}, got {dst_kind!r}")
         try:
             local = self._agent.get_xfer_descs(src, src_kind)
             remote = self._agent.get_xfer_descs(dst, dkind)
@@ -265,7 +258,7 @@ class NixlBackend(Backend):
         return handle
 
     def _source_kind(self, src: np.ndarray) -> str:
-        for kind in _KINDS:
+        for kind in MEMORY_KINDS:
             if len(self._index[kind]) and not len(self._index[kind].outside(src[:1])):
                 outside = self._index[kind].outside(src)
                 if len(outside):
