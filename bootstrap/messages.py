@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from .wire import Codec, Message
+from .wire import Codec, Message, prebuild_struct_info
 
 # Hard bounds of one rank record (the registry adds configurable bounds on counts).
 MAX_TP = 1024
@@ -189,3 +189,6 @@ def peek_rid(payload: bytes) -> int:
     except (msgspec.DecodeError, msgspec.ValidationError):
         return 0
     return rid if 0 <= rid <= MAX_ID else 0
+
+
+prebuild_struct_info(globals())  # last: every Struct above is defined (see bootstrap.wire)

@@ -119,6 +119,27 @@ class Codec(Generic[M]):
             raise WireError("malformed", str(exc)) from None
 
 
+def prebuild_struct_info(namespace: dict[str, Any]) -> tuple[type, ...]:
+    """Make msgspec build the decoding info of every Struct class a module defines, now.
+
+    msgspec builds a Struct type's info (and the lookups of its enum and literal fields) lazily,
+    on the type's first decode or convert, and two threads making that first use at once can
+    crash the process with SIGSEGV (msgspec 0.22; docs/development.md has the reproduction).
+    Every module that defines messages calls this on its last line, so the import, which
+    Python's import lock runs once, builds them before any thread can use them.
+    """
+    module = namespace["__name__"]
+    types = tuple(v for v in namespace.values()
+                  if isinstance(v, type) and issubclass(v, msgspec.Struct) and v.__module__ == module)
+    for t in types:
+        msgspec.msgpack.Decoder(t)
+    PREBUILT.update(types)
+    return types
+
+
+PREBUILT: set[type] = set()  # every Struct class prebuild_struct_info saw (the tests check it is all of them)
+
+
 def _union(types: Sequence[type]) -> Any:
     if not types:
         raise ValueError("a codec needs at least one message type")
@@ -126,3 +147,6 @@ def _union(types: Sequence[type]) -> Any:
     for t in types[1:]:
         u = u | t
     return u
+
+
+prebuild_struct_info(globals())

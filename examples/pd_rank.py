@@ -19,6 +19,7 @@ room, nor any after it, before this file exists).
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -205,8 +206,9 @@ def barrier(b: dict | None, name: str) -> None:
     open(os.path.join(b["dir"], f"done-{name}"), "w").close()
     deadline = time.monotonic() + b.get("timeout_s", 60)
     while time.monotonic() < deadline:
-        if len([f for f in os.listdir(b["dir"]) if f.startswith("done-")]) >= b["count"]:
-            return
+        names = os.listdir(b["dir"])
+        if "abort" in names or len([f for f in names if f.startswith("done-")]) >= b["count"]:
+            return  # "abort": a rank process crashed and will never arrive (cluster.Cluster.wait)
         time.sleep(0.05)
 
 
@@ -314,6 +316,7 @@ def finish(spec: dict, st: dict, pattern: KVPattern, tensors) -> dict:
 
 
 def main() -> int:
+    faulthandler.enable()  # a crash in native code (NIXL, UCX, Mooncake) leaves every thread's stack in the log
     spec = json.load(open(sys.argv[1]))
     logging.basicConfig(level=getattr(logging, spec.get("log_level", "WARNING")),
                         format="%(asctime)s %(process)d %(threadName)s %(name)s %(levelname)s %(message)s")

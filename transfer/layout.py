@@ -9,6 +9,8 @@ from typing import Sequence
 import msgspec
 import torch
 
+from bootstrap.wire import prebuild_struct_info
+
 #: Bumped whenever the wire protocol or the staging region layout changes incompatibly.
 PROTOCOL_VERSION = 1
 #: Token-major cache layout: per layer [num_pages * page_size, local_heads, head_dim].
@@ -200,3 +202,6 @@ class KVBuffers:
     def tensors(self) -> list[torch.Tensor]:
         """K tensors then V tensors, in layer order."""
         return list(self.k) + (list(self.v) if self.v is not None else [])
+
+
+prebuild_struct_info(globals())  # last: every Struct above is defined (see bootstrap.wire)

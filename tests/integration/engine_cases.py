@@ -106,7 +106,7 @@ def run_cases(cases: list[Case], timeout: float = 240, env: dict | None = None, 
             for res in p.result():
                 case = res["name"].split("/")[0][2:]
                 out[case][res["role"]].append(res)
-        logs = {Path(p.log_path).name: p.log() for p in procs}
+        logs = {Path(p.log_path).name: p.log(tail=1_000_000) for p in procs}
         codes = [p.proc.returncode for p in procs]
     return out, codes, logs, time.monotonic() - t0
 
@@ -127,6 +127,10 @@ def problems(results: dict, codes: list, logs: dict, expect_success: bool = True
                                    f"{r.get('error') or ''}")
     if bad:
         for name, text in logs.items():
-            if "Traceback" in text or "ERROR" in text:
+            crash = next((m for m in ("Caught signal", "Fatal Python error") if m in text), None)
+            if crash:  # a native crash, shown first: UCX's backtrace or faulthandler's, with the Python stack
+                i, j = text.index(crash), text.find("Current thread")
+                bad.insert(0, f"--- {name}\n{text[i:i + 3000]}\n{text[j:j + 4000] if j >= 0 else ''}")
+            elif "Traceback" in text or "ERROR" in text:
                 bad.append(f"--- {name}\n{text[-3000:]}")
     return bad

@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from bootstrap.wire import Codec, Message, WireError
+from bootstrap.wire import Codec, Message, WireError, prebuild_struct_info
 
 from ..layout import LayoutSummary
 
@@ -200,3 +200,6 @@ def peer_codec(token: bytes | None, max_frame: int | None = None) -> Codec[PeerM
 
 def encode_pages(pages: np.ndarray) -> bytes:
     return np.ascontiguousarray(pages, dtype="<i8").tobytes()
+
+
+prebuild_struct_info(globals())  # last: every Struct above is defined (see bootstrap.wire)

@@ -13,7 +13,7 @@ import enum
 
 import msgspec
 
-from bootstrap.wire import MAC_BYTES, WIRE_VERSION, WireError, sign, verify
+from bootstrap.wire import MAC_BYTES, WIRE_VERSION, WireError, prebuild_struct_info, sign, verify
 
 MAGIC = b"KS"
 MAX_TAG_BYTES = 512
@@ -75,3 +75,6 @@ class TagCodec:
         if tag.v != WIRE_VERSION:
             raise WireError("version", f"tag version {tag.v}, this build speaks {WIRE_VERSION}")
         return tag
+
+
+prebuild_struct_info(globals())  # last: every Struct above is defined (see bootstrap.wire)
