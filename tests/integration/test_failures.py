@@ -84,15 +84,18 @@ def assert_verified(recs: dict, room_ids):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("backend", ["nixl", "mooncake"])
 def test_decode_rank_killed_mid_transfer(backend, tmp_path):
-    started = str(tmp_path / "started")
+    started, release = str(tmp_path / "started"), str(tmp_path / "release")
     with Cluster() as cl:
         early, late = rooms(100, 6, True), rooms(200, 6, False)
+        for r in early:
+            r["hold_last_until"] = [release]  # no early room can finish before the kill, however slow the start
         prefill = [cl.launch([spec("prefill", r, 2, early + late, backend, True)], f"p{r}") for r in range(2)]
         victim = cl.launch([spec("decode", 0, 1, early, backend, True, started_file=started)], "d-victim")
         wait_file(started)
         time.sleep(0.8)                                   # transfers of the slow rooms are under way
         killed_at = time.time()
         victim.kill()
+        open(release, "w").close()
         survivor = cl.launch([spec("decode", 0, 1, late, backend, True)], "d-restarted")
         for p in prefill + [survivor]:
             p.proc.wait(150)
@@ -108,9 +111,11 @@ def test_decode_rank_killed_mid_transfer(backend, tmp_path):
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("backend", ["nixl", "mooncake"])
 def test_prefill_rank_killed_mid_transfer(backend, tmp_path):
-    started = str(tmp_path / "started")
+    started, release = str(tmp_path / "started"), str(tmp_path / "release")
     with Cluster() as cl:
         early, late = rooms(100, 6, True), rooms(200, 6, False)
+        for r in early:
+            r["hold_last_until"] = [release]  # no early room can finish before the kill, however slow the start
         victim = cl.launch([spec("prefill", 0, 2, early, backend, True, started_file=started)], "p0-victim")
         other = cl.launch([spec("prefill", 1, 2, early + late, backend, True)], "p1")
         decode = cl.launch([spec("decode", 0, 1, early + late, backend, True)], "d0")
@@ -118,6 +123,7 @@ def test_prefill_rank_killed_mid_transfer(backend, tmp_path):
         time.sleep(0.8)
         killed_at = time.time()
         victim.kill()
+        open(release, "w").close()  # the live prefill rank sends its last chunks of rooms that lost a rank
         restarted = cl.launch([spec("prefill", 0, 2, late, backend, True)], "p0-restarted")
         for p in (other, decode, restarted):
             p.proc.wait(150)
@@ -136,9 +142,11 @@ def test_peer_frozen_past_its_lease(frozen, tmp_path):
     """SIGSTOP one side for twice the lease in the middle of transfers, then SIGCONT it: the
     other side fails the affected rooms within the lease, the frozen one fails them when it
     wakes up, and both serve the next requests bit-exact."""
-    started = str(tmp_path / "started")
+    started, release = str(tmp_path / "started"), str(tmp_path / "release")
     with Cluster() as cl:
         early, late = rooms(100, 6, True), rooms(200, 6, False)
+        for r in early:
+            r["hold_last_until"] = [release]  # no early room can finish before the freeze, however slow the start
         for r in late:
             r["create_delay_s"] = 2 * LEASE + 3           # after the freeze is over
         p = cl.launch([spec("prefill", 0, 1, early + late, "nixl", False, started_file=started)], "p0")
@@ -148,6 +156,7 @@ def test_peer_frozen_past_its_lease(frozen, tmp_path):
         time.sleep(0.8)
         stopped_at = time.time()
         victim.proc.send_signal(signal.SIGSTOP)
+        open(release, "w").close()  # a live prefill sends the last chunks into the frozen decode rank
         time.sleep(2 * LEASE)
         victim.proc.send_signal(signal.SIGCONT)
         for x in (p, d):

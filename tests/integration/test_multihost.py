@@ -72,7 +72,9 @@ def test_across_hosts_bit_exact_then_link_down(backend, hosts, tmp_path):
 
     started = str(tmp_path / "started")
     with Cluster(server_host=h.ip_a, server_netns=h.a) as cl:
-        slow = [{"room": 300 + i, "pages": 8, "chunks": [2, 2, 2, 2], "chunk_delay_s": 0.5} for i in range(4)]
+        release = str(tmp_path / "release")  # no room can finish before the link goes down
+        slow = [{"room": 300 + i, "pages": 8, "chunks": [2, 2, 2, 2], "chunk_delay_s": 0.5, "hold_last_until": [release]}
+                for i in range(4)]
         procs = launch_pair(cl, h, backend, slow, started=started)
         deadline = time.monotonic() + 90
         while not os.path.exists(started):
@@ -81,6 +83,7 @@ def test_across_hosts_bit_exact_then_link_down(backend, hosts, tmp_path):
         time.sleep(0.5)
         down_at = time.time()
         h.link(up=False)
+        open(release, "w").close()
         for p in procs:
             p.proc.wait(200)
         h.link(up=True)
