@@ -32,6 +32,18 @@ def rank_env(extra: dict | None = None) -> dict:
     return env
 
 
+def rank_spec(role: str, rank: int, tp: int, rooms: list, backend: str, *, prefill_engine: str = "pf",
+              decode_engine: str = "dc", **fields) -> dict:
+    """One pd_rank.py manager spec of a single prefill/decode engine pair: the engine names and,
+    for a decode rank, the prefill engine it reads from; `fields` add or override the rest."""
+    spec = {"role": role, "rank": rank, "tp": tp, "backend": backend, "rooms": rooms,
+            "engine": prefill_engine if role == "prefill" else decode_engine}
+    if role == "decode":
+        spec["peer_engine"] = prefill_engine
+    spec.update(fields)
+    return spec
+
+
 @dataclass
 class Server:
     proc: subprocess.Popen

@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from cluster import Cluster  # noqa: E402
+from cluster import Cluster, rank_spec  # noqa: E402
 
 GEOM = {"layers": 4, "heads": 4, "head_dim": 64, "dtype": "bfloat16", "page_size": 16, "pages": 1024}
 TIMEOUTS = {"lease": 2.0, "heartbeat": 0.25, "connect": 4.0, "bootstrap": 20.0, "close": 3.0, "arrival": 3.0,
@@ -56,14 +56,12 @@ def make_rooms(rng: random.Random, first: int, n: int, slow: bool) -> list[dict]
     return rooms
 
 
+RANK_FIELDS = {"staging": True, "geometry": GEOM, "ring_mb": 2, "buffer_mb": 1, "inflight": 8, "timeouts": TIMEOUTS,
+               "run_timeout_s": 120}
+
+
 def spec(role, rank, tp, rooms, backend, **kw):
-    s = {"role": role, "rank": rank, "tp": tp, "engine": "pf" if role == "prefill" else "dc", "backend": backend,
-         "staging": True, "geometry": GEOM, "rooms": rooms, "ring_mb": 2, "buffer_mb": 1, "inflight": 8,
-         "timeouts": TIMEOUTS, "run_timeout_s": 120}
-    if role == "decode":
-        s["peer_engine"] = "pf"
-    s.update(kw)
-    return s
+    return rank_spec(role, rank, tp, rooms, backend, **(RANK_FIELDS | kw))
 
 
 def epoch(rng: random.Random, backend: str, first: int, fault: str, tally: dict) -> None:

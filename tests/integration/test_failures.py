@@ -13,7 +13,7 @@ import time
 import pytest
 
 from engine_cases import ROOT  # noqa: F401 - sets up sys.path for the examples
-from cluster import Cluster
+from cluster import Cluster, rank_spec
 
 pytestmark = pytest.mark.integration
 
@@ -34,14 +34,11 @@ def rooms(first: int, n: int, slow: bool) -> list[dict]:
     return out
 
 
+RANK_FIELDS = {"geometry": GEOM, "ring_mb": 1, "buffer_mb": 1, "inflight": 6, "timeouts": FAST, "run_timeout_s": 90}
+
+
 def spec(role: str, rank: int, tp: int, room_list: list, backend: str, staging: bool, **kw) -> dict:
-    s = {"role": role, "rank": rank, "tp": tp, "engine": "pf" if role == "prefill" else "dc", "backend": backend,
-         "staging": staging, "geometry": GEOM, "rooms": room_list, "ring_mb": 1, "buffer_mb": 1, "inflight": 6,
-         "timeouts": FAST, "run_timeout_s": 90}
-    if role == "decode":
-        s["peer_engine"] = "pf"
-    s.update(kw)
-    return s
+    return rank_spec(role, rank, tp, room_list, backend, **(RANK_FIELDS | {"staging": staging} | kw))
 
 
 def wait_file(path: str, timeout: float = 60) -> None:

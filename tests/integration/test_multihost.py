@@ -8,7 +8,7 @@ import time
 import pytest
 
 import engine_cases  # noqa: F401 - puts examples/ on sys.path
-from cluster import Cluster
+from cluster import Cluster, rank_spec
 from netns import can_make_namespaces, delete_hosts, make_hosts
 
 pytestmark = [pytest.mark.integration, pytest.mark.netns]
@@ -28,14 +28,12 @@ def hosts():
     delete_hosts(h)
 
 
+RANK_FIELDS = {"staging": True, "geometry": GEOM, "ring_mb": 2, "buffer_mb": 1, "inflight": 4, "timeouts": TIMEOUTS,
+               "run_timeout_s": 120}
+
+
 def spec(role, rank, tp, rooms, backend, host, **kw):
-    s = {"role": role, "rank": rank, "tp": tp, "engine": "pf" if role == "prefill" else "dc", "backend": backend,
-         "staging": True, "geometry": GEOM, "rooms": rooms, "ring_mb": 2, "buffer_mb": 1, "inflight": 4,
-         "timeouts": TIMEOUTS, "host": host, "run_timeout_s": 120}
-    if role == "decode":
-        s["peer_engine"] = "pf"
-    s.update(kw)
-    return s
+    return rank_spec(role, rank, tp, rooms, backend, **(RANK_FIELDS | {"host": host} | kw))
 
 
 def launch_pair(cl, h, backend, rooms, started=None, barrier=None):
