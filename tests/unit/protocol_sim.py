@@ -59,6 +59,7 @@ class World:
     dup_tags: float = 0.0
     drop_msgs: float = 0.0     # probability a control message is lost
     max_ranges: int = 65536    # direct path: descriptors per write
+    hold_completions: bool = False  # the writer learns of its landed writes only when the test says
     now: float = 0.0
     rooms_p: dict = field(default_factory=dict)    # (rank, room) -> PrefillRoom
     rooms_d: dict = field(default_factory=dict)    # (rank, room) -> DecodeRoom
@@ -71,6 +72,7 @@ class World:
     released_p: set = field(default_factory=set)
     released_d: set = field(default_factory=set)
     overlaps: int = 0
+    completions: list = field(default_factory=list)  # (prefill rank, op) landed, not yet reported
 
     def __post_init__(self):
         g = self.g
@@ -247,7 +249,10 @@ class World:
             self.ring_owner[d][off:off + op.nbytes] = op.ring_start
         else:
             self.cd[d][:, op.dst_pages, :, op.dst_heads[0]:op.dst_heads[1]] = src
-        self.apply_p(p, self.rooms_p[(p, op.room)].on_write_done(op.op_id, True, None, self.now))
+        if self.hold_completions:
+            self.completions.append((p, op))
+        else:
+            self.apply_p(p, self.rooms_p[(p, op.room)].on_write_done(op.op_id, True, None, self.now))
         if self.rng.random() >= self.drop_tags:
             self.tags.append((d, self.kp[p], op.tag))
             if self.rng.random() < self.dup_tags:

@@ -110,6 +110,34 @@ def test_abort_mid_transfer_reaches_the_other_side(seed, side):
     assert (0, 1) in w.released_p or side == "decode"
 
 
+@pytest.mark.parametrize("g", [Geometry(P=2, D=2, H=4), Geometry(P=4, D=2, H=8), Geometry(P=2, D=4, H=8)],
+                         ids=lambda g: f"P{g.P}D{g.D}H{g.H}")
+@pytest.mark.parametrize("staged", [True, False])
+@pytest.mark.parametrize("late", ["ok", "failed"])
+@pytest.mark.parametrize("seed", range(3))
+def test_decode_rank_leaving_after_it_confirmed_does_not_fail_the_prefill(g, staged, late, seed):
+    """The decode rank has every byte, confirms and leaves (closing: Goodbye) before the prefill
+    rank has seen its own last writes complete (the shell handles wire messages before queued
+    completions). The prefill room still succeeds, whether the shell then reports those writes
+    done or failed (released when the peer was disconnected): both sides agree on Success."""
+    g = Geometry(**{**g.__dict__, "staged": staged})
+    w = World(g, seed, hold_completions=True)
+    w.add_room(1, 9, [4, 5])
+    w.add_room(2, 3, [3])
+    w.run()
+    assert all(st_ is KVPoll.Success for st_ in w.status_d.values())
+    assert w.completions, "the writers saw no completion yet"
+    for (p, _), r in w.rooms_p.items():
+        for d in range(g.D):
+            w.apply_p(p, r.on_peer_lost(w.kd[d], "it said goodbye: closing", w.now))
+    for p, op in w.completions:
+        w.apply_p(p, w.rooms_p[(p, op.room)].on_write_done(op.op_id, late == "ok", "released", w.now))
+    w.run()
+    for key, r in w.rooms_p.items():
+        assert r.state is KVPoll.Success and r.released, (key, r.failure)
+    assert all(w.check_bytes(room) for room in (1, 2))
+
+
 def test_prefill_abort_before_any_metadata_still_releases_decode():
     """The prefill aborts before the decode metadata arrives: the late metadata is answered
     with the failure AND a promise not to write, so the decode side releases the room."""

@@ -190,6 +190,10 @@ class PrefillRoom:
             return []
         flow = self.flows[op.peer.tp_rank]
         flow.inflight.discard(op_id)
+        if not ok and flow.confirmed:
+            # the decode rank already has every byte (it confirmed the room): a write reported
+            # failed now was released after it landed (e.g. the peer left and was disconnected)
+            return self._check_done(now) + self._maybe_release()
         if not ok:
             out = self.fail("write", f"write of chunk {op.chunk} piece {op.piece} to {op.peer} failed: {reason}",
                             now)
@@ -216,6 +220,10 @@ class PrefillRoom:
         flow = self.flows.get(peer.tp_rank)
         if flow is None or flow.peer != peer:
             return []
+        if flow.confirmed:
+            # it confirmed the room (has every byte) before it went, e.g. it closed right after:
+            # only our own completions are outstanding, and the room succeeds once they are in
+            return self._check_done(now)
         # writes to a lost peer will never be confirmed; the shell fails those in flight
         return self.fail("peer_lost", f"decode rank {peer.tp_rank} ({peer}) lost: {reason}", now)
 
@@ -353,7 +361,8 @@ class PrefillRoom:
                 continue
             if self._flow_finished_writing(flow):
                 flow.done_sent_at = now
-                out.append(self._writer_done(flow))
+                if not flow.confirmed:  # a decode rank that confirmed needs no WriterDone (and may be gone)
+                    out.append(self._writer_done(flow))
         if self.last and all(f.assignment is None or (f.confirmed and f.done_sent_at is not None)
                              for f in self.flows.values()):
             out += self._set_state(KVPoll.Success) + self._maybe_release()
