@@ -14,7 +14,8 @@ creating the sender), init_delay_s (decode: wait before init()), abort_before_in
 right after creating the receiver), chunk_delay_s (prefill: pause between chunks), hold_last_until
 (prefill: send the last chunk only once these files exist), touch_after_abort (decode: create this
 file, "{rank}" replaced by its rank, once it aborted), start_after_file (both: do not start the
-room, nor any after it, before this file exists).
+room, nor any after it, before this file exists). Per manager, live_stats names a file the
+driver rewrites with the manager's stats about three times a second (a test waits on it).
 """
 
 from __future__ import annotations
@@ -111,7 +112,11 @@ def drive(spec: dict, bootstrap: str, result: dict) -> None:
     out = result["rooms"] = []
     t_start = time.perf_counter()
     deadline = time.monotonic() + spec.get("run_timeout_s", 120)
+    next_live = 0.0
     while (rooms or active) and time.monotonic() < deadline:
+        if spec.get("live_stats") and time.monotonic() >= next_live:
+            _write_json(spec["live_stats"], mgr.stats())
+            next_live = time.monotonic() + 0.3
         while rooms and len(active) < r_window(rooms[0], window):
             r = rooms[0]
             if r.get("start_after_file") and not os.path.exists(r["start_after_file"]):
@@ -213,9 +218,15 @@ def barrier(b: dict | None, name: str) -> None:
 
 
 def _write_progress(path: str, out: list) -> None:
+    _write_json(path, {"done": len(out), "ok": sum(r["state"] == "Success" and r["verified"] is not False
+                                                   for r in out)})
+
+
+def _write_json(path: str, obj: object) -> None:
+    """Replace `path` atomically, so a reader never sees half a file."""
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump({"done": len(out), "ok": sum(r["state"] == "Success" and r["verified"] is not False for r in out)}, f)
+        json.dump(obj, f, default=str)
     os.replace(tmp, path)
 
 
@@ -334,10 +345,7 @@ def main() -> int:
         t.start()
     for t in threads:
         t.join()
-    tmp = spec["result"] + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(results, f, default=str)
-    os.replace(tmp, spec["result"])
+    _write_json(spec["result"], results)
     return 0
 
 
