@@ -8,6 +8,7 @@ import zmq
 from engine_cases import ROOT  # noqa: F401 - sys.path
 from bootstrap import BootstrapClient
 from cluster import Cluster
+from live_stats import wait_for_drops
 from transfer.protocol.messages import RoomMeta, WatermarkUpdate, encode_pages, peer_codec
 
 import numpy as np
@@ -34,7 +35,8 @@ def test_frames_without_the_right_token_are_refused_and_the_peers_still_work(tmp
     gate = str(tmp_path / "go")
     rooms = [{"room": 1, "pages": 2, "chunks": [2], "start_after_file": gate}]
     with Cluster(env={"KVSTAGE_AUTH_TOKEN": "right"}) as cl:
-        p = cl.launch([spec("prefill", rooms)], "p")
+        live = tmp_path / "pf.json"
+        p = cl.launch([spec("prefill", rooms, live_stats=str(live))], "p")
         client = BootstrapClient(cl.addr, token="right")
         deadline = time.monotonic() + 60
         while not (rows := {r["engine_id"]: r for r in client.status()["ranks"]}).get("pf"):
@@ -50,9 +52,9 @@ def test_frames_without_the_right_token_are_refused_and_the_peers_still_work(tmp
         for token in (None, b"wrong"):
             for _ in range(3):
                 sock.send_multipart(peer_codec(token).encode(forged))
-        time.sleep(0.5)
         sock.close()
         ctx.term()
+        wait_for_drops({"pf": live}, 6, kinds=("auth",))
         d = cl.launch([spec("decode", rooms)], "d")
         open(gate, "w").close()
         cl.wait(90)
@@ -82,7 +84,8 @@ def test_messages_from_a_previous_life_are_dropped(tmp_path):
     first = [{"room": 1, "pages": 3, "chunks": [3]}]
     later = [{"room": 10 + i, "pages": 4, "chunks": [2, 2], "start_after_file": gate} for i in range(4)]
     with Cluster() as cl:
-        p = cl.launch([spec("prefill", first + later)], "p")
+        live = tmp_path / "pf.json"
+        p = cl.launch([spec("prefill", first + later, live_stats=str(live))], "p")
         old = cl.launch([spec("decode", first)], "d-old")
         old.proc.wait(60)
         (old_res,) = old.result()
@@ -107,9 +110,9 @@ def test_messages_from_a_previous_life_are_dropped(tmp_path):
                                                              round=10**6, tail=0)))
             sock.send_multipart(codec.encode(RoomMeta(src=old_inc, dst=prefill["incarnation"], room=room, session=7,
                                                       num_pages=4, staged=False, dst_pages=encode_pages(np.arange(4)))))
-        time.sleep(0.5)
         sock.close()
         ctx.term()
+        wait_for_drops({"pf": live}, 8, kinds=("stale_peer",))
         open(gate, "w").close()
         for x in (p, new):
             x.proc.wait(90)

@@ -2,7 +2,6 @@
 on (their control plane, and the NIXL/UCX and Mooncake listeners), with and without a token:
 nothing crashes, and real transfers afterwards are bit-exact."""
 
-import json
 import time
 
 import pytest
@@ -11,6 +10,7 @@ from engine_cases import ROOT  # noqa: F401 - sys.path
 from bootstrap import BootstrapClient
 from cluster import Cluster
 from fuzz_frames import fuzz_raw, fuzz_zmq, listening_ports
+from live_stats import wait_for_drops
 
 pytestmark = pytest.mark.integration
 
@@ -70,7 +70,7 @@ def test_fuzzing_every_listening_socket(token, tmp_path):
             assert cl.server.proc.poll() is None, "fuzzing killed the bootstrap server"
         # every frame is in the ranks' socket buffers now, but a control thread on a busy box can be
         # seconds behind: let each count what it got before real requests (and the final stats) come
-        wait_until_counted(tmp_path, ctrl, 0.9 * FRAMES)
+        wait_for_drops({engine: tmp_path / f"{engine}.json" for engine in ctrl}, 0.9 * FRAMES)
         open(gate, "w").close()   # now real requests again
         for pr in (p, d):
             pr.proc.wait(150)
@@ -86,20 +86,3 @@ def test_fuzzing_every_listening_socket(token, tmp_path):
             if token:   # two thirds of the zmq frames are well formed: all refused for want of the token
                 assert dropped.get("auth", 0) > FRAMES / 2, dropped
                 assert set(dropped) <= {"auth", "malformed", "oversized"}, dropped
-
-
-def wait_until_counted(live_dir, engines, frames, timeout_s=120):
-    """Until every manager's live stats count `frames` dropped messages."""
-    deadline = time.monotonic() + timeout_s
-    counted = {}
-    while time.monotonic() < deadline:
-        for engine in engines:
-            try:
-                stats = json.loads((live_dir / f"{engine}.json").read_text())
-            except (OSError, ValueError):
-                continue
-            counted[engine] = sum(stats.get("dropped_messages", {}).values())
-        if len(counted) == len(engines) and min(counted.values()) >= frames:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"the ranks never counted the fuzz frames: {counted}")
