@@ -9,7 +9,7 @@ from typing import Sequence
 import msgspec
 import torch
 
-from bootstrap.wire import prebuild_struct_info
+from ..bootstrap.wire import prebuild_struct_info
 
 #: Bumped whenever the wire protocol or the staging region layout changes incompatibly.
 PROTOCOL_VERSION = 1

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from transfer.layout import KVBuffers, KVLayout, LayoutSummary
+from kvstage.transfer.layout import KVBuffers, KVLayout, LayoutSummary
 
 
 def layout(**kw):

@@ -10,7 +10,7 @@ import logging
 
 import zmq
 
-from bootstrap.wire import Codec, WireError
+from ...bootstrap.wire import Codec, WireError
 
 log = logging.getLogger(__name__)
 

@@ -26,11 +26,11 @@ from typing import Any, Callable
 
 import zmq
 
-from bootstrap.wire import WireError
-from staging.handler import StagingHandler
-from staging.ring import Watermark
-from staging.scatter_worker import ScatterJob, ScatterWorker
-from staging.workers import GatherJob, TransferWorkers
+from ...bootstrap.wire import WireError
+from ...staging.handler import StagingHandler
+from ...staging.ring import Watermark
+from ...staging.scatter_worker import ScatterJob, ScatterWorker
+from ...staging.workers import GatherJob, TransferWorkers
 
 from ..config import EngineConfig
 from ..layout import KVBuffers, KVLayout, LayoutSummary

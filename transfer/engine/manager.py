@@ -15,8 +15,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from bootstrap import BootstrapClient, BootstrapError, RankInfo
-from staging.handler import StagingHandler
+from ...bootstrap import BootstrapClient, BootstrapError, RankInfo
+from ...staging.handler import StagingHandler
 
 from ..backends import create_backend
 from ..backends.base import MemRegion
