@@ -35,7 +35,7 @@ from ...staging.workers import GatherJob, TransferWorkers
 from ..config import EngineConfig
 from ..layout import KVBuffers, KVLayout, LayoutSummary
 from ..poll import KVPoll
-from ..protocol.actions import (PeerKey, PostWrite, PublishWatermark, Released, Scatter, Send, StatusChanged,
+from ..protocol.actions import (Dropped, PeerKey, PostWrite, PublishWatermark, Released, Scatter, Send, StatusChanged,
                                 WriteOp)
 from ..protocol.decode_room import DecodeRoom, WriterOffer, plan_room
 from ..protocol.direct_ranges import CacheGeometry, direct_descriptors
@@ -120,6 +120,7 @@ class EngineLoop:
         self.status: dict[int, Any] = {}
         self.finished: OrderedDict[int, tuple[KVPoll, str, str]] = OrderedDict()  # room -> (state, kind, reason)
         self.served: dict[int, frozenset] = {}  # prefill: room that succeeded -> its (decode incarnation, session)s
+        self.used_sessions: dict[int, frozenset] = {}  # prefill: finished room -> its sessions (stale for the next use)
         self.pending: dict[int, list] = defaultdict(list)          # prefill: room -> early messages
         self.pending_since: dict[int, float] = {}
         self.engines: dict[str, EngineView] = {}
@@ -527,13 +528,14 @@ class EngineLoop:
             ev.done(ev.fn(self))
 
     def _new_sender(self, ev: NewSender, now: float) -> None:
-        room = PrefillRoom(ev.room, ev.num_pages, self.layout, self.me, now, self.t, _OP_IDS)
+        room = PrefillRoom(ev.room, ev.num_pages, self.layout, self.me, now, self.t, _OP_IDS,
+                           stale=self.used_sessions.pop(ev.room, frozenset()))
         self.rooms[ev.room] = room
         self.status[ev.room] = ev.status
         self.finished.pop(ev.room, None)
         self.served.pop(ev.room, None)
         for item in self.pending.pop(ev.room, []):
-            self._prefill_item(room, item, now)
+            self._prefill_item(room, item, now, early=True)  # parked before this use: bound by session
         self.pending_since.pop(ev.room, None)
 
     def _new_receiver(self, ev: NewReceiver, now: float) -> None:
@@ -573,7 +575,7 @@ class EngineLoop:
         self.pending[room_id].append(item)
         self.pending_since.setdefault(room_id, now)
 
-    def _prefill_item(self, room: PrefillRoom, item: tuple, now: float) -> None:
+    def _prefill_item(self, room: PrefillRoom, item: tuple, now: float, early: bool = False) -> None:
         kind, key, msg = item
         if kind == "meta":
             peer = self.peers.get(key.incarnation)
@@ -581,7 +583,7 @@ class EngineLoop:
                 return
             self._apply(room, room.add_meta(key, peer.tp_size, msg, now))
         else:
-            self._apply(room, room.on_room_failed(key, msg.session, msg.kind, msg.reason, now))
+            self._apply(room, room.on_room_failed(key, msg.session, msg.kind, msg.reason, now, early=early))
 
     def _on_RoomMeta(self, peer: Peer, msg: RoomMeta, now: float) -> None:
         if self.role == "prefill":
@@ -717,6 +719,8 @@ class EngineLoop:
                 failed |= a.state is KVPoll.Failed and not a.released
             elif isinstance(a, Released):
                 self._released(room)
+            elif isinstance(a, Dropped):
+                self.stats.count("dropped_messages", a.reason)
         if failed and self.role == "prefill":
             # pieces still waiting for ring space are never started (after the room's own messages)
             self._cancel_room_staged(room.room, time.monotonic())
@@ -759,9 +763,12 @@ class EngineLoop:
         self.finished[room.room] = (room.state, room.failure_kind or "gone", room.failure or "it succeeded")
         if self.role == "prefill" and room.state is KVPoll.Success:
             self.served[room.room] = frozenset((f.peer.incarnation, f.session) for f in room.flows.values())
+        if self.role == "prefill":
+            self.used_sessions[room.room] = room.sessions()
         while len(self.finished) > FINISHED_MEMORY:
             gone, _ = self.finished.popitem(last=False)
             self.served.pop(gone, None)
+            self.used_sessions.pop(gone, None)
 
     # -- prefill: writes ---------------------------------------------------------------------------------
     def _post_write(self, op: WriteOp, now: float) -> None:
@@ -870,7 +877,10 @@ class EngineLoop:
                 self.stats.count("dropped_tags", exc.kind)
                 continue
             room = self.rooms.get(tag.room)
-            if room is None or self.role != "decode":
+            if self.role != "decode":  # only decode ranks are written to: a confused or forged peer
+                self.stats.count("dropped_tags", "tag_at_prefill_rank")
+                continue
+            if room is None:
                 self.stats.count("dropped_tags", "finished_room")
                 continue
             verdict, actions = room.on_tag(peer.key, tag, now)
