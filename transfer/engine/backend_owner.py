@@ -163,12 +163,14 @@ class BackendOwner:
         for w in list(self.pending):
             self._give_up(w, "backend shutting down")
         deadline = time.monotonic() + drain_s
-        while self.draining and time.monotonic() < deadline:
-            self._drain_released()
-            time.sleep(0.01)
-        for w in self.draining:
-            _finish(w, False, "backend shutting down")
-        self.draining.clear()
+        try:
+            while self.draining and time.monotonic() < deadline:
+                self._drain_released()
+                time.sleep(0.01)  # the library returns on its own threads: nothing to wait on
+        finally:
+            for w in self.draining:
+                _finish(w, False, "backend shutting down")
+            self.draining.clear()
         while True:  # nobody may wait forever on a command queued meanwhile
             try:
                 cmd = self._cmds.get_nowait()
@@ -180,12 +182,15 @@ class BackendOwner:
                 _finish(cmd[1], False, "backend shutting down")
 
     def close(self) -> None:
-        """abort_writes(), then close the backend (its remaining registrations go with it)."""
-        self.abort_writes()
+        """abort_writes(), then close the backend (its remaining registrations go with it), even
+        if aborting raised."""
         try:
-            self.backend.close()
-        except Exception:  # noqa: BLE001
-            log.warning("closing the backend failed", exc_info=True)
+            self.abort_writes()
+        finally:
+            try:
+                self.backend.close()
+            except Exception:  # noqa: BLE001
+                log.warning("closing the backend failed", exc_info=True)
 
     # -- internals ----------------------------------------------------------------------------------
     def _commands(self) -> bool:
@@ -252,7 +257,10 @@ class BackendOwner:
             return False
         self.pending.remove(w)
         self._release(w)
-        _finish(w, state is WriteState.DONE, w.handle.reason)
+        if state is not WriteState.DONE and w.handle.extra.get("may_touch_memory"):
+            self.draining.append(w)  # failed (say the peer was disconnected) but may still land
+        else:
+            _finish(w, state is WriteState.DONE, w.handle.reason)
         return True
 
     def _give_up(self, w: _Write, reason: str) -> None:
@@ -265,11 +273,28 @@ class BackendOwner:
             _finish(w, False, reason)
 
     def _drain_released(self) -> bool:
-        done = [w for w in self.draining if w.handle.extra["returned"].is_set()]
+        done = [w for w in self.draining if self._returned(w)]
         for w in done:
             self.draining.remove(w)
             _finish(w, False, w.handle.reason)
         return bool(done)
+
+    def _returned(self, w: _Write) -> bool:
+        """Whether the library let go of a write it may have touched. A backend that gives no
+        `returned` event breaks its contract: the write is kept (memory safety first) until
+        abort_writes' bounded wait, and said once."""
+        ev = w.handle.extra.get("returned")
+        if ev is None:
+            if not w.handle.extra.get("_no_event_logged"):
+                w.handle.extra["_no_event_logged"] = True
+                log.error("backend %s gave no 'returned' event for a write it may still touch; it is kept "
+                          "until the backend closes", type(self.backend).__name__)
+            return False
+        try:
+            return bool(ev.is_set())
+        except Exception:  # noqa: BLE001
+            log.exception("checking whether a write was returned failed")
+            return False
 
     def _release(self, w: _Write) -> None:
         try:

@@ -172,14 +172,14 @@ class EngineLoop:
                 for ev in self.events.drain():
                     busy = True
                     self._safely(self._on_event, ev)
-                tags, progressed = self.backend.step()
+                tags, progressed = self._step()
                 if tags:
                     self._safely(self._on_tags, tags)
                 wait = MIN_EAGER_WAIT if busy or progressed else min(wait * 2, MAX_EAGER_WAIT)
                 now = time.monotonic()
                 if now >= self._next_tick:
                     self._next_tick = now + TICK
-                    self.sock.flush_held()
+                    self._safely(lambda _: self.sock.flush_held(), None)
                     self._safely(self._tick, now)
         finally:
             self._teardown()
@@ -188,9 +188,38 @@ class EngineLoop:
     def _safely(self, fn: Callable, arg: Any) -> None:
         try:
             fn(arg)
-        except Exception:  # noqa: BLE001 - one bad input must never take the rank down
+        except Exception as exc:  # noqa: BLE001 - one bad input must never take the rank down
             log.exception("control thread: handling %s failed", type(arg).__name__)
-            self.stats.count("internal_errors", type(arg).__name__)
+            self._internal_error(type(arg).__name__, getattr(arg, "room", None), exc)
+
+    def _step(self) -> tuple[list, bool]:
+        """backend.step(), guarded: the loop must go on (deadlines keep firing) when it raises."""
+        try:
+            return self.backend.step()
+        except Exception as exc:  # noqa: BLE001
+            log.exception("control thread: driving the backend failed")
+            self._internal_error("backend_step", None, exc)
+            return [], True
+
+    def _internal_error(self, what: str, room_id: Any, exc: Exception) -> None:
+        """Count an exception inside the loop and fail the rooms it may have left stuck, kind
+        "internal": the room the input names, else every room with writes in flight (prefill)
+        or waiting for the backend's notifications (decode)."""
+        self.stats.count("internal_errors", what)
+        if isinstance(room_id, int) and not isinstance(room_id, bool):
+            ids = [room_id] if room_id in self.rooms else []
+        else:
+            ids = [r for r, room in self.rooms.items() if getattr(room, "ops", None) or r in self._eager_rooms]
+        now = time.monotonic()
+        for r in ids:
+            room = self.rooms.get(r)
+            if room is None:
+                continue
+            try:
+                self._apply(room, room.fail("internal", f"internal error in the control thread ({what}: "
+                                                        f"{type(exc).__name__}: {exc})", now))
+            except Exception:  # noqa: BLE001
+                log.exception("control thread: failing room %s after an internal error failed", r)
 
     # -- inputs: wire -------------------------------------------------------------------------------
     def _on_wire(self, item: object) -> None:
