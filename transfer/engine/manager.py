@@ -136,9 +136,11 @@ class KVManager:
                 self._bootstrap.register(self._info)
                 return
             except BootstrapError as exc:
-                if getattr(exc, "kind", "") in ("auth", "conflict", "full", "invalid") or time.monotonic() > deadline:
+                # a permanent refusal fails at once with the server's reason; no answer or a
+                # transient error is retried until the bootstrap deadline
+                if exc.permanent or time.monotonic() > deadline:
                     raise BootstrapError(f"registering with the bootstrap server {self.config.bootstrap} failed: "
-                                         f"{exc}") from exc
+                                         f"{exc}", exc.kind) from exc
                 time.sleep(0.2)
 
     # -- per-request handles -----------------------------------------------------------------------
