@@ -43,6 +43,7 @@ class _Write:
     handle: WriteHandle | None = None
     disconnected_at: float | None = None
     on_posted: Callable[[], None] | None = None
+    dst_kind: str | None = None   # the peer memory's kind ("DRAM"/"VRAM"), see Backend.post_write
 
 
 class BackendOwner:
@@ -85,11 +86,12 @@ class BackendOwner:
 
     def submit_write(self, peer: str, src: np.ndarray, dst: np.ndarray, tag: bytes,
                      on_done: Callable[[bool, str | None], None],
-                     on_posted: Callable[[], None] | None = None) -> None:
+                     on_posted: Callable[[], None] | None = None, *, dst_kind: str | None = None) -> None:
         """Post one write; on_done(ok, reason) runs on the owner exactly once, when the backend no
         longer touches the source memory. on_posted() runs on the owner when the backend took the
-        write (a write may wait its turn behind an earlier one to the same peer first)."""
-        w = _Write(peer, src, dst, tag, on_done, on_posted=on_posted)
+        write (a write may wait its turn behind an earlier one to the same peer first). dst_kind is
+        the memory kind the peer advertised for `dst` (NIXL describes the remote side with it)."""
+        w = _Write(peer, src, dst, tag, on_done, on_posted=on_posted, dst_kind=dst_kind)
         if self._closed:
             _finish(w, False, "the backend is closed")
         elif self._mine():
@@ -212,7 +214,7 @@ class BackendOwner:
 
     def _post(self, w: _Write) -> None:
         try:
-            w.handle = self.backend.post_write(w.peer, w.src, w.dst, w.tag)
+            w.handle = self.backend.post_write(w.peer, w.src, w.dst, w.tag, dst_kind=w.dst_kind)
         except BackendError as exc:
             _finish(w, False, str(exc))
             return

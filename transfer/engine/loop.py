@@ -822,7 +822,8 @@ class EngineLoop:
                 self.write_deadline[op_id] = (room, time.monotonic() + self.t.write)
 
         self.backend.submit_write(peer.backend_name, src, dst, self.tags.encode(op.tag),
-                                  lambda ok, reason: self.post(WriteDone(op_id, room, ok, reason)), posted)
+                                  lambda ok, reason: self.post(WriteDone(op_id, room, ok, reason)), posted,
+                                  dst_kind=peer.kv.mem_kind)
         self.stats.add("bytes_posted", op.nbytes)
 
     def _peer_geometry(self, peer: Peer) -> CacheGeometry:
@@ -853,7 +854,8 @@ class EngineLoop:
                 self.write_deadline[op.op_id] = (op.room, now + self.t.write)
                 self.workers.submit(GatherJob(op.op_id, op.room, peer.backend_name, op.src_pages, op.src_heads,
                                               op.nbytes, peer.ring.addr + op.ring_start % peer.ring.size
-                                              + op.writer_offset, peer.ring.device, self.tags.encode(op.tag)))
+                                              + op.writer_offset, peer.ring.device, self.tags.encode(op.tag),
+                                              dst_kind=peer.ring.mem_kind))
             else:
                 keep.append((op, since))
         if keep:
