@@ -24,7 +24,7 @@ class FakeBackend:
         self.returned_event = returned_event
         self.closed = False
 
-    def post_write(self, peer, src, dst, tag):
+    def post_write(self, peer, src, dst, tag, dst_kind=None):
         h = WriteHandle(peer=peer, nbytes=8, ndesc=1, handle=object())
         self.handles.append(h)
         return h
