@@ -123,9 +123,18 @@ class Cluster:
 
     def restart_server(self, down_s: float = 0.5) -> None:
         """Kill the bootstrap server (SIGKILL) and start a new one on the same port."""
-        host, port = self.server.addr.rsplit(":", 1)
-        self.server.kill()
+        self.kill_server()
         time.sleep(down_s)
+        self.start_server_again()
+
+    def kill_server(self) -> None:
+        """SIGKILL the bootstrap server; start_server_again() brings one back on its port."""
+        self.server.kill()
+
+    def start_server_again(self) -> None:
+        """Start a new bootstrap server on the port of the one kill_server() killed."""
+        assert self.server.proc.poll() is not None, "the bootstrap server is still running"
+        host, port = self.server.addr.rsplit(":", 1)
         for _ in range(50):
             try:
                 self.server = start_bootstrap(host=host, port=int(port), env=self.env, args=self.server_args)

@@ -133,8 +133,10 @@ class Peer:
 
         A write may name its own "peer"/"peer_addr". With churn=True the owning thread keeps
         calling into the library while the writes are in flight (drain_tags, and registering and
-        deregistering a scratch buffer): for Mooncake that runs concurrently with the submit
-        threads inside the same engine.
+        deregistering a scratch buffer) right after each post and on every poll round: for
+        Mooncake that runs concurrently with the submit threads inside the same engine.
+        "churned" counts those rounds; "churn_overlapped" those after which a write posted
+        before the round was still pending (the churn provably ran while it was in flight).
         """
         assert self.buf is not None
         if seed is not None:
@@ -143,8 +145,30 @@ class Peer:
         handles = []
         results: list[dict] = []
         churn = np.zeros(1 << 16, dtype=np.uint8) if kw.get("churn") else None
-        churned = 0
+        churned = overlapped = 0
         t0 = time.monotonic()
+
+        def poll_all() -> bool:
+            """Poll every posted write not yet ended; True while any is pending."""
+            pending = False
+            for h, r in zip(handles, results):
+                if h is None or "state" in r:
+                    continue
+                state = self.backend.poll_write(h)
+                if state is WriteState.PENDING:
+                    pending = True
+                else:
+                    r.update(state=state.value, reason=h.reason, elapsed=time.monotonic() - t0)
+            return pending
+
+        def churn_round() -> None:
+            nonlocal churned, overlapped
+            self.backend.drain_tags()
+            with self.backend.registered([MemRegion(churn.ctypes.data, churn.nbytes)]):
+                pass
+            churned += 1
+            overlapped += poll_all()
+
         for w in writes:
             to, to_addr = w.get("peer", peer), w.get("peer_addr", peer_addr)
             src = np.array([(base + o, n, 0) for o, n in w["src"]], dtype=np.uint64)
@@ -155,24 +179,15 @@ class Peer:
             except BackendError as exc:
                 handles.append(None)
                 results.append({"state": "post_error", "reason": str(exc), "elapsed": time.monotonic() - t0})
+            if churn is not None:
+                churn_round()
         deadline = t0 + timeout
         while time.monotonic() < deadline:
-            pending = False
-            for h, r in zip(handles, results):
-                if h is None or "state" in r:
-                    continue
-                state = self.backend.poll_write(h)
-                if state is WriteState.PENDING:
-                    pending = True
-                else:
-                    r.update(state=state.value, reason=h.reason, elapsed=time.monotonic() - t0)
-            if not pending:
+            if not poll_all():
                 break
             self.backend.progress()
             if churn is not None:
-                self.backend.drain_tags()
-                with self.backend.registered([MemRegion(churn.ctypes.data, churn.nbytes)]):
-                    churned += 1
+                churn_round()
             time.sleep(0.0002)
         for h, r in zip(handles, results):
             if h is None:
@@ -182,7 +197,7 @@ class Peer:
             if kw.get("release", True):
                 self.backend.release_write(h)
                 r["after_release"] = h.state.value
-        return {"results": results, "churned": churned}
+        return {"results": results, "churned": churned, "churn_overlapped": overlapped}
 
     # -- scoped registration, checked with the backend's own view
     def scoped(self) -> dict:

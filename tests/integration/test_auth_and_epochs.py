@@ -8,6 +8,7 @@ import zmq
 from engine_cases import ROOT  # noqa: F401 - sys.path
 from kvstage.bootstrap import BootstrapClient
 from cluster import Cluster
+from records import assert_exact
 from live_stats import wait_for_drops
 from kvstage.transfer.protocol.messages import RoomMeta, WatermarkUpdate, encode_pages, peer_codec
 
@@ -61,9 +62,11 @@ def test_frames_without_the_right_token_are_refused_and_the_peers_still_work(tmp
         assert p.proc.returncode == 0 and d.proc.returncode == 0, p.log() + d.log()
         (pre,), (dec,) = p.result(), d.result()
         assert pre["stats"]["dropped_messages"].get("auth", 0) >= 6, pre["stats"]["dropped_messages"]
-        for r in pre["rooms"] + dec["rooms"]:
-            assert r["state"] == "Success", r
-        assert dec["rooms"][0]["verified"], dec["rooms"][0]
+        assert len(pre["rooms"]) == len(dec["rooms"]) == len(rooms), (pre["rooms"], dec["rooms"])
+        for r in pre["rooms"]:
+            assert_exact("prefill", r)
+        for r in dec["rooms"]:
+            assert_exact("decode", r)   # verified is True: every byte checked
 
 
 @pytest.mark.timeout(120)
@@ -119,5 +122,6 @@ def test_messages_from_a_previous_life_are_dropped(tmp_path):
         assert p.proc.returncode == 0 and new.proc.returncode == 0, p.log() + new.log()
         (pre,), (dec,) = p.result(), new.result()
         assert pre["stats"]["dropped_messages"].get("stale_peer", 0) >= 8, pre["stats"]["dropped_messages"]
+        assert sorted(r["room"] for r in dec["rooms"]) == [r["room"] for r in later], dec["rooms"]
         for r in dec["rooms"]:
-            assert r["state"] == "Success" and r["verified"], r
+            assert_exact("decode", r)

@@ -51,9 +51,10 @@ def check(case_list, results, expect_staged: bool):
                 assert st.get("staged_writes", 0) == st.get("write_requests", 0)
             else:
                 assert not st.get("staged_writes"), f"{c.name}: expected the direct path"
+        assert len(results[c.name]["prefill"]) == c.topo.P and len(results[c.name]["decode"]) == c.topo.D, c.name
         for res in results[c.name]["decode"]:
             assert len(res["rooms"]) == len(c.rooms)
-            assert all(r["verified"] for r in res["rooms"]), c.name
+            assert all(r["verified"] is True for r in res["rooms"]), c.name
 
 
 @pytest.mark.timeout(400)

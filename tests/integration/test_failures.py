@@ -6,6 +6,7 @@ configured deadline, no thread hangs (every process finishes and exits 0), ring 
 handles are released, and the requests after recovery are bit-exact.
 """
 
+import json
 import os
 import signal
 import time
@@ -14,6 +15,7 @@ import pytest
 
 from engine_cases import ROOT  # noqa: F401 - sets up sys.path for the examples
 from cluster import Cluster, rank_spec
+from records import assert_exact
 
 pytestmark = pytest.mark.integration
 
@@ -73,9 +75,16 @@ def assert_failed_fast(recs: dict, room_ids, since: float, limit: float, words=(
             assert any(w in r["failure"] for w in words), r["failure"]
 
 
-def assert_verified(recs: dict, room_ids):
+def assert_verified(decode_proc, room_ids) -> dict:
+    """Every room of `room_ids` arrived bit-exact at this decode rank process (verified is True:
+    the decode side checked every byte). Returns its records by room."""
+    results = decode_proc.result()
+    assert results and all(res["role"] == "decode" for res in results), results
+    recs = rooms_of(decode_proc)
     for room in room_ids:
-        assert recs[room]["state"] == "Success" and recs[room]["verified"] is not False, recs[room]
+        assert room in recs, f"room {room} has no record"
+        assert_exact("decode", recs[room])
+    return recs
 
 
 @pytest.mark.timeout(240)
@@ -100,7 +109,7 @@ def test_decode_rank_killed_mid_transfer(backend, tmp_path):
         for p in prefill:
             recs = rooms_of(p)
             assert_failed_fast(recs, [r["room"] for r in early], killed_at, LEASE + 3)
-            assert_verified(rooms_of(survivor), [r["room"] for r in late])
+            assert_verified(survivor, [r["room"] for r in late])
             for st in stats_of(p):
                 assert st["staged_pieces_waiting"] == 0 and st["rooms_active"] == 0
 
@@ -127,7 +136,7 @@ def test_prefill_rank_killed_mid_transfer(backend, tmp_path):
         assert_clean_exit([other, decode, restarted])
         recs = rooms_of(decode)
         assert_failed_fast(recs, [r["room"] for r in early], killed_at, LEASE + 3)
-        assert_verified(recs, [r["room"] for r in late])
+        assert_verified(decode, [r["room"] for r in late])
         (st,) = stats_of(decode)
         assert st["ring_live_regions"] == 0 and st["ring_live_bytes"] == 0, "quarantined regions were released"
         assert_failed_fast(rooms_of(other), [r["room"] for r in early], killed_at, LEASE + 3)
@@ -162,27 +171,67 @@ def test_peer_frozen_past_its_lease(frozen, tmp_path):
         ids = [r["room"] for r in early]
         assert_failed_fast(rooms_of(survivor), ids, stopped_at, LEASE + 3, words=("lost", "lease", "silent"))
         assert all(rooms_of(victim)[i]["state"] == "Failed" for i in ids)
-        assert_verified(rooms_of(d), [r["room"] for r in late])
+        assert_verified(d, [r["room"] for r in late])
+
+
+def wait_progress(path, done: int, timeout: float = 60) -> dict:
+    """Until a rank's progress file (pd_rank "progress") counts `done` ended rooms."""
+    deadline = time.monotonic() + timeout
+    seen = None
+    while True:
+        try:
+            seen = json.loads(open(path).read())
+        except (OSError, ValueError):
+            pass
+        if seen is not None and seen["done"] >= done:
+            return seen
+        assert time.monotonic() < deadline, f"{path}: {seen} after {timeout} s, waiting for {done} rooms"
+        time.sleep(0.1)
 
 
 @pytest.mark.timeout(240)
 def test_bootstrap_server_killed_and_restarted_mid_run(tmp_path):
-    """Connected ranks keep transferring while the rendezvous server is down; after it comes
-    back on the same port the ranks re-register, and a decode engine that starts only then
-    finds the prefill engine."""
-    started = str(tmp_path / "started")
+    """Connected ranks keep transferring while the rendezvous server is down: the rooms in flight
+    when it dies, and new rooms created only after it died, complete bit-exact before it comes
+    back. After it comes back on the same port the ranks re-register, and a decode engine that
+    starts only then finds the prefill engine."""
+    started, down = str(tmp_path / "started"), str(tmp_path / "down")
+    p_progress, d_progress = str(tmp_path / "p0.progress"), str(tmp_path / "d1.progress")
     with Cluster(server_args=["--lease-s", "3"]) as cl:
-        first, second = rooms(100, 8, True), rooms(300, 4, False)
-        for r in second:
-            r["room"] += 0
-        p = cl.launch([spec("prefill", 0, 1, first + second, "nixl", True, started_file=started)], "p0")
-        d1 = cl.launch([spec("decode", 0, 1, first, "nixl", True)], "d-first")
-        wait_file(started)
-        time.sleep(0.5)
-        cl.restart_server(down_s=1.5)
+        first, during, second = rooms(100, 8, True), rooms(200, 4, False), rooms(300, 4, False)
+        for r in first:
+            r["hold_last_until"] = [down]       # no first room can finish before the server is dead
+        for r in during:
+            r["start_after_file"] = down        # neither side creates these before the server is dead
+        p = cl.launch([spec("prefill", 0, 1, first + during + second, "nixl", True, started_file=started,
+                            progress=p_progress)], "p0")
+        d1 = cl.launch([spec("decode", 0, 1, first + during, "nixl", True, progress=d_progress)], "d-first")
+        wait_file(started)                      # the first window of slow rooms is transferring
+        cl.kill_server()
+        down_at = time.time()
+        open(down, "w").close()
+        # every room of d1 ends, on both sides, while the server is still down (rooms created after it died too)
+        seen = wait_progress(d_progress, len(first + during), timeout=90)
+        assert seen["ok"] == len(first + during), seen
+        seen = wait_progress(p_progress, len(first + during), timeout=30)
+        assert seen["ok"] == len(first + during), seen
+        up_at = time.time()
+        cl.start_server_again()
         d2 = cl.launch([{**spec("decode", 0, 1, second, "nixl", True), "engine": "dc2"}], "d-after-restart")
         for x in (p, d1, d2):
             x.proc.wait(150)
         assert_clean_exit([p, d1, d2])
-        assert_verified(rooms_of(d1), [r["room"] for r in first])
-        assert_verified(rooms_of(d2), [r["room"] for r in second])
+        recs = assert_verified(d1, [r["room"] for r in first + during])
+        for i, r in enumerate(first):
+            rec = recs[r["room"]]
+            assert down_at < rec["end"] < up_at, (down_at, up_at, rec)
+            if i < RANK_FIELDS["inflight"]:   # the first window was in flight when the server died
+                assert rec["start"] < down_at, (down_at, rec)
+        for r in during:      # created after the server died, bit-exact before it came back
+            rec = recs[r["room"]]
+            assert down_at < rec["start"] < rec["end"] < up_at, (down_at, up_at, rec)
+        pre = rooms_of(p)
+        for r in during:      # the prefill side saw the room created and confirmed during the outage too
+            assert pre[r["room"]]["state"] == "Success" and pre[r["room"]]["verified"] is None, pre[r["room"]]
+            assert down_at < pre[r["room"]]["start"] < pre[r["room"]]["end"] < up_at, (down_at, up_at, pre[r["room"]])
+        assert_verified(d2, [r["room"] for r in second])

@@ -125,7 +125,7 @@ def test_decode_rank_leaving_after_it_confirmed_does_not_fail_the_prefill(g, sta
     w.add_room(1, 9, [4, 5])
     w.add_room(2, 3, [3])
     w.run()
-    assert all(st_ is KVPoll.Success for st_ in w.status_d.values())
+    assert len(w.status_d) == 2 * g.D and all(st_ is KVPoll.Success for st_ in w.status_d.values()), w.status_d
     assert w.completions, "the writers saw no completion yet"
     for (p, _), r in w.rooms_p.items():
         for d in range(g.D):
