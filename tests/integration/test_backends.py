@@ -27,22 +27,8 @@ KINDS = ["nixl", "mooncake"]
 SIZE = 16 << 20
 
 
-def _available(kind: str) -> bool:
-    try:
-        if kind == "nixl":
-            import nixl._api  # noqa: F401
-        else:
-            import mooncake.engine  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-def _kind_param(kind: str):
-    return pytest.param(kind, marks=pytest.mark.skipif(not _available(kind), reason=f"{kind} not installed"))
-
-
-KIND_PARAMS = [_kind_param(k) for k in KINDS]
+# Both backends are pinned requirements: a missing one is an error here, never a skip.
+KIND_PARAMS = KINDS
 
 
 class Child:
