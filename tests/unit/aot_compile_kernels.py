@@ -19,7 +19,7 @@ from triton.compiler import ASTSource
 from kvstage.staging import triton_kernels as tk
 
 #: machine word -> Triton pointer type of the region (and of the tensors behind the table)
-WORDS = {"int64": "*i64", "int32": "*i32", "int16": "*i16", "int8": "*i8"}
+WORDS = {"int64": "*i64", "int32": "*i32", "int16": "*i16", "uint8": "*u8"}
 SCALARS = ("rows", "items_per_index", "heads", "h0", "span", "row_words")
 
 

@@ -325,7 +325,7 @@ def test_aot_compile_for_sm80_and_sm90(tmp_path):
                           timeout=240)
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
-    bits = {"int64": 64, "int32": 32, "int16": 16, "int8": 8}
+    bits = {"int64": 64, "int32": 32, "int16": 16, "uint8": 8}
     assert {(r["cap"], r["kernel"], r["word"]) for r in rows} == {
         (cap, kern, word) for cap in (80, 90) for kern in ("gather_rows_kernel", "scatter_rows_kernel")
         for word in bits}
