@@ -1,4 +1,4 @@
-"""kvstage rendezvous: the bootstrap server (``python -m bootstrap``) and the client ranks use.
+"""kvstage rendezvous: the bootstrap server (``python -m kvstage.bootstrap``) and the client ranks use.
 
 Prefill and decode ranks register here and look up each other's ranks; see docs/bootstrap.md.
 This package must not import torch: the server runs on machines without it.

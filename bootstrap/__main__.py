@@ -1,4 +1,4 @@
-"""Command line: ``python -m bootstrap [serve] ...`` runs the server; ``... status`` asks one.
+"""Command line: ``python -m kvstage.bootstrap [serve] ...`` runs the server; ``... status`` asks one.
 
 serve: the first line on stdout is ``kvstage-bootstrap listening on tcp://HOST:PORT`` (the real
 port, also with --port 0); logs go to stderr. SIGTERM or SIGINT stops it: exit code 0.
@@ -30,9 +30,9 @@ EXIT_ERROR, EXIT_USAGE, EXIT_UNREACHABLE, EXIT_AUTH = 1, 2, 3, 4
 
 def _serve_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m bootstrap [serve]",
+        prog="python -m kvstage.bootstrap [serve]",
         description="kvstage bootstrap (rendezvous) server. "
-                    "Also: 'python -m bootstrap status --addr HOST:PORT'.")
+                    "Also: 'python -m kvstage.bootstrap status --addr HOST:PORT'.")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8998, help="port; 0 picks a free one (default 8998)")
     p.add_argument("--token-file", help=f"shared secret file (first line); else ${TOKEN_ENV}")
@@ -49,7 +49,7 @@ def _serve_parser() -> argparse.ArgumentParser:
 
 
 def _status_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bootstrap status",
+    p = argparse.ArgumentParser(prog="python -m kvstage.bootstrap status",
                                 description="Print the engines and ranks a bootstrap server knows.")
     p.add_argument("--addr", default="127.0.0.1:8998", help="HOST:PORT (default 127.0.0.1:8998)")
     p.add_argument("--token-file", help=f"shared secret file (first line); else ${TOKEN_ENV}")

@@ -47,6 +47,11 @@ class BootstrapError(RuntimeError):
         super().__init__(text)
         self.kind = kind
 
+    @property
+    def permanent(self) -> bool:
+        """True when retrying cannot help: the server refused for good, or the client is closed."""
+        return self.kind in m.PERMANENT_KINDS or self.kind == "closed"
+
 
 class BootstrapTimeout(BootstrapError, TimeoutError):
     """A deadline passed: the server did not answer, or a lookup stayed incomplete."""

@@ -34,6 +34,9 @@ MAX_REPLY = 64 << 20
 
 ERROR_KINDS = ("auth", "malformed", "version", "oversized", "full", "conflict", "bad_request",
                "internal")
+# Refusals that asking again cannot change: a client fails at once with the server's reason.
+# The rest ("internal", and a frame corrupted on the way, "integrity") may pass on a retry.
+PERMANENT_KINDS = frozenset({"auth", "malformed", "version", "oversized", "full", "conflict", "bad_request"})
 
 Id = Annotated[int, Meta(ge=0, le=MAX_ID)]
 EngineId = Annotated[str, Meta(min_length=1, max_length=MAX_ENGINE_ID)]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -41,29 +42,69 @@ MAX_DIRECT_DESCRIPTORS = {"nixl": 4_200_000, "nixl-tcp": 2_200_000, "mooncake": 
 MiB = 1 << 20
 
 
+def _int(lo: int):
+    """An argparse type: an int >= lo (argparse names the option in its usage error)."""
+    def check(text: str) -> int:
+        try:
+            val = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an int") from None
+        if val < lo:
+            raise argparse.ArgumentTypeError(f"{val} must be >= {lo}")
+        return val
+    return check
+
+
+def _ints(text: str) -> list[int]:
+    """An argparse type: a comma-separated list of positive ints."""
+    try:
+        vals = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of ints") from None
+    if not all(v >= 1 for v in vals):
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be >= 1")
+    return vals
+
+
+def _mb(text: str) -> float:
+    try:
+        val = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(val) and val > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
+    return val
+
+
+def _transports(text: str) -> list[str]:
+    names = text.split(",")
+    bad = [n for n in names if n not in TRANSPORTS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, bad))}; choose from {', '.join(TRANSPORTS)}")
+    return names
+
+
 def parse(argv=None):
+    """The arguments, checked: a bad value is a usage error (exit 2) before anything starts."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--transports", default="nixl,nixl-tcp,mooncake")
-    p.add_argument("--lengths", default="256,1024,2048,4096,8192,16384,32768", help="tokens per request")
-    p.add_argument("--inflight", default="1,4,16,64", help="rooms in flight for the concurrency sweep")
-    p.add_argument("--inflight-tokens", type=int, default=256)
-    p.add_argument("--latency-requests", type=int, default=300)
-    p.add_argument("--layers", type=int, default=32)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--chunk-tokens", type=int, default=0, help="0: a request is one chunk")
-    p.add_argument("--ring-mb", type=float, default=512)
-    p.add_argument("--buffer-mb", type=float, default=256)
+    p.add_argument("--transports", type=_transports, default="nixl,nixl-tcp,mooncake")
+    p.add_argument("--lengths", type=_ints, default="256,1024,2048,4096,8192,16384,32768", help="tokens per request")
+    p.add_argument("--inflight", type=_ints, default="1,4,16,64", help="rooms in flight for the concurrency sweep")
+    p.add_argument("--inflight-tokens", type=_int(1), default=256)
+    p.add_argument("--latency-requests", type=_int(1), default=300)
+    p.add_argument("--layers", type=_int(1), default=32)
+    p.add_argument("--heads", type=_int(1), default=8)
+    p.add_argument("--head-dim", type=_int(1), default=128)
+    p.add_argument("--page-size", type=_int(1), default=16)
+    p.add_argument("--chunk-tokens", type=_int(0), default=0, help="0: a request is one chunk")
+    p.add_argument("--ring-mb", type=_mb, default=512)
+    p.add_argument("--buffer-mb", type=_mb, default=256)
     p.add_argument("--quick", action="store_true", help="lengths 256..4096, fewer requests")
     p.add_argument("--json", default="docs/bench/results.json")
     p.add_argument("--plots", default="docs/bench")
     a = p.parse_args(argv)
     if a.quick:
-        a.lengths, a.inflight, a.latency_requests = "256,1024,2048,4096", "1,16", 100
-    a.transports = a.transports.split(",")
-    a.lengths = [int(x) for x in a.lengths.split(",")]
-    a.inflight = [int(x) for x in a.inflight.split(",")]
+        a.lengths, a.inflight, a.latency_requests = [256, 1024, 2048, 4096], [1, 16], 100
     return a
 
 

@@ -56,7 +56,7 @@ PATTERNS = [("1 x whole", 0), ("64 KiB", 64 << 10), ("4 KiB", 4 << 10)]
 # =============================================================================== child process
 def _child() -> int:
     sys.path.insert(0, ROOT)
-    from transfer.backends import MemRegion, WriteState, create_backend
+    from kvstage.transfer.backends import MemRegion, WriteState, create_backend
 
     backend = None
     buf = None

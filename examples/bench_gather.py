@@ -38,8 +38,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from staging.buffers import StagingBuffer  # noqa: E402
-from staging.gather_scatter import Gatherer, Scatterer, region_nbytes  # noqa: E402
+from kvstage.staging.buffers import StagingBuffer  # noqa: E402
+from kvstage.staging.gather_scatter import Gatherer, Scatterer, region_nbytes  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn,
           "int8": torch.int8}

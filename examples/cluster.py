@@ -1,7 +1,7 @@
 """Start a bootstrap server and rank processes on this machine, and collect their results.
 
 Used by the PD demo, the benchmark and the integration tests, so all of them exercise the same
-real processes: `python -m bootstrap` and `examples/pd_rank.py`.
+real processes: `python -m kvstage.bootstrap` and `examples/pd_rank.py`.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class Server:
 
 def start_bootstrap(host: str = "127.0.0.1", port: int = 0, env: dict | None = None, args: list | None = None,
                     netns: str | None = None) -> Server:
-    cmd = [sys.executable, "-m", "bootstrap", "--host", host, "--port", str(port)] + (args or [])
+    cmd = [sys.executable, "-m", "kvstage.bootstrap", "--host", host, "--port", str(port)] + (args or [])
     if netns:
         cmd = ["ip", "netns", "exec", netns] + cmd
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=rank_env(env), text=True)

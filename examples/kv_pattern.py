@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from transfer.layout import KVLayout
+from kvstage.transfer.layout import KVLayout
 
 
 class KVPattern:

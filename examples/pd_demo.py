@@ -4,7 +4,7 @@ through kvstage, as separate processes on this machine, and every byte is verifi
     make demo                       # defaults: prefill TP 4 -> decode TP 2, staged, NIXL
     .venv/bin/python examples/pd_demo.py --backend mooncake --no-staging --requests 16
 
-It starts the bootstrap server (python -m bootstrap), one process per prefill rank and per
+It starts the bootstrap server (python -m kvstage.bootstrap), one process per prefill rank and per
 decode rank (examples/pd_rank.py). Prefill ranks fill each request's pages with a deterministic
 pattern and send them in chunks, as chunked prefill would; decode ranks receive into random
 pages and check every byte. Exit code 0 only when every request arrived and verified.

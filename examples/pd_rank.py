@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kv_pattern import KVPattern  # noqa: E402
 
-from transfer import EngineConfig, KVBuffers, KVLayout, KVManager, KVPoll, Timeouts  # noqa: E402
+from kvstage.transfer import EngineConfig, KVBuffers, KVLayout, KVManager, KVPoll, Timeouts  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "float8_e4m3fn": torch.float8_e4m3fn, "int8": torch.int8, "uint8": torch.uint8}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from staging.host_memory import HostMemory
+from .host_memory import HostMemory
 
 __all__ = ["StagingBuffer"]
 
@@ -77,7 +77,7 @@ class StagingBuffer:
 
     def mem_region(self):
         """This buffer as a `transfer.backends.base.MemRegion` to register with a backend."""
-        from transfer.backends.base import MemRegion  # lazy: keeps staging importable on its own
+        from ..transfer.backends.base import MemRegion  # lazy: keeps staging importable on its own
 
         if self.closed:
             raise ValueError("StagingBuffer is closed")

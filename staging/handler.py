@@ -22,7 +22,7 @@ from .buffers import StagingBuffer
 from .ring import RemoteWatermark, RingAllocator, Watermark
 
 if TYPE_CHECKING:  # staging stays importable without the transfer package
-    from transfer.backends.base import MemRegion, Registration
+    from ..transfer.backends.base import MemRegion, Registration
 
 log = logging.getLogger(__name__)
 

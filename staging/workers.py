@@ -35,10 +35,11 @@ class GatherJob:
     dst_addr: int             # absolute address of this writer's part in the decode ring
     dst_device: int
     tag: bytes
+    dst_kind: str | None = None   # the ring's memory kind as the decode rank advertised it
 
 
-# submit(peer, src, dst, tag, on_done) posts one write on the backend's thread
-SubmitWrite = Callable[[str, np.ndarray, np.ndarray, bytes, Callable[[bool, str | None], None]], None]
+# submit(peer, src, dst, tag, on_done, dst_kind=kind) posts one write on the backend's thread
+SubmitWrite = Callable[..., None]
 # report(op_id, room, ok, reason, gather_seconds)
 Report = Callable[[int, int, bool, str | None, float], None]
 
@@ -99,7 +100,7 @@ class TransferWorkers:
 
             src = np.array([[buf.addr, job.nbytes, buf.device]], dtype=np.uint64)
             dst = np.array([[job.dst_addr, job.nbytes, job.dst_device]], dtype=np.uint64)
-            self._submit(job.peer, src, dst, job.tag, on_done)
+            self._submit(job.peer, src, dst, job.tag, on_done, dst_kind=job.dst_kind)
             done.wait()  # the buffer is ours again only when the backend is done with it
             ok, reason = result[0]
             self._report(job.op_id, job.room, ok, reason, gather_s)

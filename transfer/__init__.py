@@ -1,6 +1,6 @@
 """kvstage's data plane and public API.
 
-    from transfer import KVLayout, KVBuffers, EngineConfig, KVManager, KVSender, KVReceiver, KVPoll
+    from kvstage import KVLayout, KVBuffers, EngineConfig, KVManager, KVSender, KVReceiver, KVPoll
 """
 
 from .config import EngineConfig, Timeouts

@@ -6,8 +6,12 @@ environment, which wins over the default.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field, fields, replace
+
+from . import config_values as check
+from .config_values import from_env
 
 STAGING_ENV = "SGLANG_DISAGG_STAGING_BUFFER"
 RING_MB_ENV = "SGLANG_DISAGG_STAGING_POOL_SIZE_MB"
@@ -16,33 +20,12 @@ BUFFER_MB_ENV = "KVSTAGE_STAGING_BUFFER_MB"
 PIECE_MB_ENV = "KVSTAGE_STAGING_PIECE_MB"
 TOKEN_ENV = "KVSTAGE_AUTH_TOKEN"
 
-_TRUE = {"1", "true", "on", "yes"}
-_FALSE = {"0", "false", "off", "no", ""}
+MAX_WORKERS = 64
+MAX_MB = 1 << 20  # 1 TiB: any larger staging size is a typo
 
 
 def env_flag(name: str, default: bool = False) -> bool:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    val = raw.strip().lower()
-    if val in _TRUE:
-        return True
-    if val in _FALSE:
-        return False
-    raise ValueError(f"{name}={raw!r}: use 1/true/on or 0/false/off")
-
-
-def env_number(name: str, default: float, kind: type = float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        val = kind(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a {kind.__name__}") from None
-    if val <= 0:
-        raise ValueError(f"{name}={raw!r} must be positive")
-    return val
+    return from_env(name, default, str, check.flag)
 
 
 @dataclass(frozen=True)
@@ -63,20 +46,25 @@ class Timeouts:
     quarantine: float = -1.0    # decode: hold a silently lost writer's memory this long (-1: the backend's
                                 # stall bound: 0 for NIXL, whose release cancels; Mooncake's stall timeout)
 
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            name, val = f"timeouts.{f.name}", getattr(self, f.name)
+            if f.name == "quarantine":
+                _quarantine(name, val)
+            else:
+                check.positive(name, val)
+
     @classmethod
     def from_env(cls, **overrides: float) -> "Timeouts":
+        unknown = set(overrides) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown timeouts: {', '.join(sorted(unknown))}")
         vals = {}
         for f in fields(cls):
-            if f.name == "quarantine" and not os.environ.get("KVSTAGE_TIMEOUT_QUARANTINE"):
-                vals[f.name] = f.default
-                continue
-            vals[f.name] = env_number(f"KVSTAGE_TIMEOUT_{f.name.upper()}", f.default)
+            checker = _quarantine if f.name == "quarantine" else check.positive
+            vals[f.name] = from_env(f"KVSTAGE_TIMEOUT_{f.name.upper()}", f.default, float, checker)
         vals.update(overrides)
-        t = cls(**vals)
-        for f in fields(t):
-            if getattr(t, f.name) <= 0 and f.name != "quarantine":
-                raise ValueError(f"timeout {f.name} must be positive")
-        return t
+        return cls(**vals)
 
     def mooncake_stall(self) -> float:
         """How long a Mooncake write may make no progress before it fails: well inside the
@@ -87,6 +75,14 @@ class Timeouts:
         if self.quarantine >= 0:
             return self.quarantine
         return self.mooncake_stall() + 1.0 if backend == "mooncake" else 0.0
+
+
+def _quarantine(name: str, value: object) -> float:
+    """-1 (automatic) or a finite number of seconds >= 0."""
+    check.real(name, value)
+    if value != -1 and not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name}={value!r} must be -1 (automatic) or finite and >= 0")
+    return value
 
 
 @dataclass(frozen=True)
@@ -111,29 +107,52 @@ class EngineConfig:
     faults: dict | None = None               # tests and drills only: transfer.backends.faults.FaultPlan
 
     def resolved(self) -> "EngineConfig":
-        """A copy with every None filled from the environment, validated."""
+        """A copy with every None filled from the environment, validated: a bad value raises
+        ValueError naming the option or variable, never turns into another value."""
         if self.role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
         if not self.engine_id or not isinstance(self.engine_id, str):
             raise ValueError("engine_id must be a non-empty string")
         if self.backend not in ("nixl", "mooncake"):
             raise ValueError(f"backend must be 'nixl' or 'mooncake', got {self.backend!r}")
-        host, sep, port = self.bootstrap.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ValueError(f"bootstrap must be 'host:port', got {self.bootstrap!r}")
+        check.host_port("bootstrap", self.bootstrap)
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"host must be a non-empty string, got {self.host!r}")
+        check.port("ctrl_port", self.ctrl_port)
         token = self.auth_token if self.auth_token is not None else (os.environ.get(TOKEN_ENV) or None)
-        if token is not None and not token:
-            raise ValueError("auth_token is empty")
+        if token is not None and (not isinstance(token, str) or not token):
+            raise ValueError("auth_token must be a non-empty string or None")
+        options = {} if self.backend_options is None else self.backend_options
+        if not isinstance(options, dict) or not all(isinstance(k, str) for k in options):
+            raise ValueError(f"backend_options must be a dict with str keys, got {self.backend_options!r}")
+        if self.faults is not None and not isinstance(self.faults, dict):
+            raise ValueError(f"faults must be a dict or None, got {self.faults!r}")
+        timeouts = Timeouts.from_env() if self.timeouts is None else self.timeouts
+        if not isinstance(timeouts, Timeouts):
+            raise ValueError(f"timeouts must be a Timeouts instance or None, got {timeouts!r}")
         return replace(
             self,
-            staging=env_flag(STAGING_ENV) if self.staging is None else bool(self.staging),
+            staging=env_flag(STAGING_ENV) if self.staging is None else check.flag("staging", self.staging),
             auth_token=token,
-            staging_workers=int(self.staging_workers or env_number(WORKERS_ENV, 2, int)),
-            staging_buffer_mb=float(self.staging_buffer_mb or env_number(BUFFER_MB_ENV, 64.0)),
-            ring_mb=float(self.ring_mb or env_number(RING_MB_ENV, 256.0)),
-            staging_piece_mb=float(self.staging_piece_mb or env_number(PIECE_MB_ENV, 32.0)),
-            timeouts=self.timeouts or Timeouts.from_env(),
+            staging_workers=self._count("staging_workers", WORKERS_ENV, 2),
+            staging_buffer_mb=self._mb("staging_buffer_mb", BUFFER_MB_ENV, 64.0),
+            ring_mb=self._mb("ring_mb", RING_MB_ENV, 256.0),
+            staging_piece_mb=self._mb("staging_piece_mb", PIECE_MB_ENV, 32.0),
+            backend_options=options,
+            timeouts=timeouts,
         )
+
+    def _count(self, option: str, env: str, default: int) -> int:
+        def workers(name: str, value: object) -> int:
+            return check.count(name, value, 1, MAX_WORKERS)
+        value = getattr(self, option)
+        return from_env(env, default, int, workers) if value is None else workers(option, value)
+
+    def _mb(self, option: str, env: str, default: float) -> float:
+        def size(name: str, value: object) -> float:
+            return check.positive(name, value, MAX_MB)
+        value = getattr(self, option)
+        return from_env(env, default, float, size) if value is None else size(option, value)
 
     @property
     def token_bytes(self) -> bytes | None:

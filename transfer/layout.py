@@ -9,7 +9,7 @@ from typing import Sequence
 import msgspec
 import torch
 
-from bootstrap.wire import prebuild_struct_info
+from ..bootstrap.wire import prebuild_struct_info
 
 #: Bumped whenever the wire protocol or the staging region layout changes incompatibly.
 PROTOCOL_VERSION = 1
@@ -192,6 +192,7 @@ class KVBuffers:
                     raise ValueError(f"{where} is on {t.device}, k[0] is on {device}")
         if not tokens:
             raise ValueError("the KV cache holds no pages")
+        _check_disjoint([(f"{name}[{i}]", t) for name, tensors in groups for i, t in enumerate(tensors)])
         self.num_pages = tokens // layout.page_size
         return self
 
@@ -202,6 +203,25 @@ class KVBuffers:
     def tensors(self) -> list[torch.Tensor]:
         """K tensors then V tensors, in layer order."""
         return list(self.k) + (list(self.v) if self.v is not None else [])
+
+
+
+def _check_disjoint(named: list[tuple[str, torch.Tensor]]) -> None:
+    """Refuse tensors whose bytes overlap (K aliasing V, a layer reused, overlapping views): a
+    write into one would silently land in the other, and backends disagree on accepting it."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name) for name, t in named)
+    reach, owner = 0, ""
+    for start, end, name in spans:
+        if start < reach:
+            first, second = sorted((owner, name), key=_tensor_order)
+            raise ValueError(f"{first} and {second} overlap in memory: each K and V tensor needs its own bytes")
+        if end > reach:
+            reach, owner = end, name
+
+
+def _tensor_order(name: str) -> tuple[str, int]:
+    kind, _, index = name.partition("[")
+    return kind, int(index.rstrip("]"))
 
 
 prebuild_struct_info(globals())  # last: every Struct above is defined (see bootstrap.wire)

@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from transfer.backends import BackendError, MemRegion, WriteState, create_backend  # noqa: E402
+from kvstage.transfer.backends import BackendError, MemRegion, WriteState, create_backend  # noqa: E402
 
 FILL = 0xA5
 

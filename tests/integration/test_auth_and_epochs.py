@@ -6,10 +6,10 @@ import pytest
 import zmq
 
 from engine_cases import ROOT  # noqa: F401 - sys.path
-from bootstrap import BootstrapClient
+from kvstage.bootstrap import BootstrapClient
 from cluster import Cluster
 from live_stats import wait_for_drops
-from transfer.protocol.messages import RoomMeta, WatermarkUpdate, encode_pages, peer_codec
+from kvstage.transfer.protocol.messages import RoomMeta, WatermarkUpdate, encode_pages, peer_codec
 
 import numpy as np
 

@@ -1,4 +1,4 @@
-"""The bootstrap server as a real process (``python -m bootstrap --port 0``) and its client."""
+"""The bootstrap server as a real process (``python -m kvstage.bootstrap --port 0``) and its client."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ import msgspec
 import pytest
 import zmq
 
-from bootstrap import (BootstrapAuthError, BootstrapClient, BootstrapError, BootstrapTimeout,
+from kvstage.bootstrap import (BootstrapAuthError, BootstrapClient, BootstrapError, BootstrapTimeout,
                        RankInfo, RankRecord)
-from bootstrap import messages as m
-from bootstrap.client import new_incarnation
-from bootstrap.wire import TOKEN_ENV, sign
+from kvstage.bootstrap import messages as m
+from kvstage.bootstrap.client import new_incarnation
+from kvstage.bootstrap.wire import TOKEN_ENV, sign
 
 pytestmark = pytest.mark.integration
 
@@ -30,7 +30,7 @@ TOKEN = b"s3cret-token"
 
 
 class Server:
-    """One ``python -m bootstrap`` process; the port comes from its first stdout line."""
+    """One ``python -m kvstage.bootstrap`` process; the port comes from its first stdout line."""
 
     def __init__(self, tmp: Path, *args: str, port: int = 0, token: bytes | None = None,
                  start_timeout: float = 15.0):
@@ -41,7 +41,7 @@ class Server:
         self.log_path = tmp / f"bootstrap-{time.monotonic_ns()}.log"
         self._log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bootstrap", *args, "--port", str(port)], cwd=REPO, env=env,
+            [sys.executable, "-m", "kvstage.bootstrap", *args, "--port", str(port)], cwd=REPO, env=env,
             stdout=subprocess.PIPE, stderr=self._log, text=True)
         try:
             self.port = self._read_port(start_timeout)
@@ -131,7 +131,7 @@ def run_cli(*args, timeout=30, token: bytes | None = None) -> subprocess.Complet
     env["PYTHONPATH"] = str(REPO)
     if token is not None:
         env[TOKEN_ENV] = token.decode()
-    return subprocess.run([sys.executable, "-m", "bootstrap", *args], cwd=REPO, env=env,
+    return subprocess.run([sys.executable, "-m", "kvstage.bootstrap", *args], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from engine_cases import ROOT  # noqa: F401 - sys.path
-from bootstrap import BootstrapClient
+from kvstage.bootstrap import BootstrapClient
 from cluster import Cluster
 from fuzz_frames import fuzz_raw, fuzz_zmq, listening_ports
 from live_stats import wait_for_drops

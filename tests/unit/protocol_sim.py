@@ -15,18 +15,18 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from staging.pieces import max_piece_pages
-from staging.ring import RemoteWatermark, RingAllocator, Watermark
-from transfer.config import Timeouts
-from transfer.layout import KVLayout
-from transfer.poll import KVPoll
-from transfer.protocol.actions import (PeerKey, PostWrite, PublishWatermark, Released, Scatter, Send,
+from kvstage.staging.pieces import max_piece_pages
+from kvstage.staging.ring import RemoteWatermark, RingAllocator, Watermark
+from kvstage.transfer.config import Timeouts
+from kvstage.transfer.layout import KVLayout
+from kvstage.transfer.poll import KVPoll
+from kvstage.transfer.protocol.actions import (PeerKey, PostWrite, PublishWatermark, Released, Scatter, Send,
                                        StatusChanged)
-from transfer.protocol.decode_room import DecodeRoom, RoomPlan
-from transfer.protocol.head_mapping import compute_assignments
-from transfer.protocol.messages import (AllocGrant, AllocRequest, MetaAck, Quiesced, RoomDone, RoomFailed, RoomMeta,
+from kvstage.transfer.protocol.decode_room import DecodeRoom, RoomPlan
+from kvstage.transfer.protocol.head_mapping import compute_assignments
+from kvstage.transfer.protocol.messages import (AllocGrant, AllocRequest, MetaAck, Quiesced, RoomDone, RoomFailed, RoomMeta,
                                         WatermarkUpdate, WriterDone)
-from transfer.protocol.prefill_room import PrefillRoom
+from kvstage.transfer.protocol.prefill_room import PrefillRoom
 
 
 @dataclass

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from transfer.backends import (
+from kvstage.transfer.backends import (
     ArrivedTag,
     Backend,
     BackendError,
@@ -189,6 +189,6 @@ def test_create_backend_names_the_missing_package(monkeypatch, kind, module, pac
     # Make the library unimportable (None in sys.modules makes `import` raise ImportError) and
     # forget any already-imported implementation module; nothing real is constructed.
     monkeypatch.setitem(sys.modules, module, None)
-    monkeypatch.delitem(sys.modules, f"transfer.backends.{kind}_backend", raising=False)
+    monkeypatch.delitem(sys.modules, f"kvstage.transfer.backends.{kind}_backend", raising=False)
     with pytest.raises(BackendError, match=package):
         create_backend(kind, "x")

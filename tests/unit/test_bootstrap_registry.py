@@ -8,9 +8,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from bootstrap import messages as m
-from bootstrap.registry import Limits, Refused, Registry
-from bootstrap.wire import WireError, sign
+from kvstage.bootstrap import messages as m
+from kvstage.bootstrap.registry import Limits, Refused, Registry
+from kvstage.bootstrap.wire import WireError, sign
 
 T0 = 1000.0
 
@@ -399,7 +399,7 @@ TOKEN = b"unit-token"
 
 
 def test_server_handle_replies_and_refusals():
-    from bootstrap.server import BootstrapServer
+    from kvstage.bootstrap.server import BootstrapServer
 
     now = [T0]
     srv = BootstrapServer(token=TOKEN, clock=lambda: now[0], wall_clock=lambda: 5000.0)
@@ -443,7 +443,7 @@ def test_server_handle_replies_and_refusals():
 def test_rate_limited_log(caplog):
     import logging
 
-    from bootstrap.server import RateLimitedLog
+    from kvstage.bootstrap.server import RateLimitedLog
 
     now = [0.0]
     logger = logging.getLogger("test.ratelimit")
@@ -460,7 +460,7 @@ def test_rate_limited_log(caplog):
 
 
 def test_rank_info_validation_and_addresses():
-    from bootstrap.client import RankInfo, RankRecord, parse_addr
+    from kvstage.bootstrap.client import RankInfo, RankRecord, parse_addr
 
     good = dict(engine_id="e", role="decode", tp_size=2, tp_rank=1, ctrl_endpoint="tcp://h:1",
                 backend="mooncake", backend_identity="h:1", layout={"mla": True}, pools={},

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transfer.protocol.direct_ranges import CacheGeometry, direct_descriptors, page_runs
+from kvstage.transfer.protocol.direct_ranges import CacheGeometry, direct_descriptors, page_runs
 
 
 def test_page_runs():

@@ -10,9 +10,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import staging.gather_scatter as gs
-from staging.buffers import StagingBuffer
-from staging.gather_scatter import Gatherer, Scatterer, region_nbytes
+import kvstage.staging.gather_scatter as gs
+from kvstage.staging.buffers import StagingBuffer
+from kvstage.staging.gather_scatter import Gatherer, Scatterer, region_nbytes
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.int8]
 PATHS = ["auto", "index", "runs"]  # which copy formulation (forced through the module knobs)

@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from transfer.protocol.head_mapping import compute_assignments
+from kvstage.transfer.protocol.head_mapping import compute_assignments
 
 TPS = [1, 2, 3, 4, 6, 8, 16]
 HEADS = [1, 2, 3, 4, 6, 8, 12, 16, 32]

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from staging.buffers import StagingBuffer
-from staging.host_memory import BASE_PAGE_SIZE, HUGEPAGE_ENV, HostMemory, parse_hugepage_size
+from kvstage.staging.buffers import StagingBuffer
+from kvstage.staging.host_memory import BASE_PAGE_SIZE, HUGEPAGE_ENV, HostMemory, parse_hugepage_size
 
 
 def smaps_entry(addr: int) -> dict[str, int]:
@@ -148,12 +148,12 @@ def test_hugepages_fall_back_with_one_warning(monkeypatch, caplog, setting, size
     if hugepages_free(size_kb) > 0:
         pytest.skip(f"this machine has free {setting} huge pages; the fallback cannot be provoked")
     monkeypatch.setenv(HUGEPAGE_ENV, setting)
-    with caplog.at_level(logging.WARNING, logger="staging.host_memory"):
+    with caplog.at_level(logging.WARNING, logger="kvstage.staging.host_memory"):
         with HostMemory(5000) as mem:
             assert not mem.hugepages and mem.page_size == BASE_PAGE_SIZE
             assert mem.nbytes == 8192 and mem.addr % 4096 == 0
             assert smaps_entry(mem.addr)["Rss"] * 1024 == mem.nbytes
-    records = [r for r in caplog.records if r.name == "staging.host_memory"]
+    records = [r for r in caplog.records if r.name == "kvstage.staging.host_memory"]
     assert len(records) == 1 and records[0].levelno == logging.WARNING
     msg = records[0].getMessage()
     assert "\n" not in msg
@@ -170,10 +170,10 @@ def test_hugepages_when_available(monkeypatch):
 
 def test_argument_overrides_env(monkeypatch, caplog):
     monkeypatch.setenv(HUGEPAGE_ENV, "2MB")
-    with caplog.at_level(logging.WARNING, logger="staging.host_memory"):
+    with caplog.at_level(logging.WARNING, logger="kvstage.staging.host_memory"):
         with HostMemory(4096, hugepage_size="off") as mem:
             assert not mem.hugepages
-    assert not [r for r in caplog.records if r.name == "staging.host_memory"]
+    assert not [r for r in caplog.records if r.name == "kvstage.staging.host_memory"]
 
 
 # ----------------------------------------------------------------------------- StagingBuffer
@@ -190,7 +190,7 @@ def test_staging_buffer_host():
 
 
 def test_staging_buffer_mem_region():
-    from transfer.backends.base import MemRegion
+    from kvstage.transfer.backends.base import MemRegion
 
     with StagingBuffer.host(4096) as buf:
         mr = buf.mem_region()

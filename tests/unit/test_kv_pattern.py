@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
 from kv_pattern import KVPattern  # noqa: E402
 
-from transfer.layout import KVLayout  # noqa: E402
+from kvstage.transfer.layout import KVLayout  # noqa: E402
 
 
 def cache(layout, pages=16):

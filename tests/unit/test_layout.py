@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from transfer.layout import KVBuffers, KVLayout, LayoutSummary
+from kvstage.transfer.layout import KVBuffers, KVLayout, LayoutSummary
 
 
 def layout(**kw):
@@ -96,3 +96,33 @@ def test_buffers_mla_and_v_presence():
         KVBuffers(k, k).validate(mla)
     with pytest.raises(ValueError, match="v is None"):
         KVBuffers(*make_buffers(layout())[:1], None).validate(layout())
+
+
+@pytest.mark.parametrize("alias, pair", [
+    (lambda k, v: v.__setitem__(0, k[0]), r"k\[0\] and v\[0\]"),             # K and V are one tensor
+    (lambda k, v: k.__setitem__(1, k[0]), r"k\[0\] and k\[1\]"),             # two layers share one
+    (lambda k, v: v.__setitem__(1, k[0].view(-1).view(k[0].shape)), r"k\[0\] and v\[1\]"),  # a view of it
+])
+def test_buffers_refuse_aliased_tensors(alias, pair):
+    lay = layout()
+    k, v = make_buffers(lay)
+    alias(k, v)
+    with pytest.raises(ValueError, match=pair + " overlap"):
+        KVBuffers(k, v).validate(lay)
+
+
+def test_buffers_refuse_partly_overlapping_views_of_one_storage():
+    lay = layout()
+    k, v = make_buffers(lay)
+    base = torch.zeros(12 + 4, 2, 16, dtype=torch.bfloat16)
+    k[1], v[0] = base[:12], base[4:]  # share tokens 4..11
+    with pytest.raises(ValueError, match=r"k\[1\] and v\[0\] overlap"):
+        KVBuffers(k, v).validate(lay)
+
+
+def test_buffers_accept_adjacent_views_of_one_storage():
+    lay = layout()
+    base = torch.zeros(4 * 12, 2, 16, dtype=torch.bfloat16)
+    parts = list(base.split(12))  # one allocation, four disjoint contiguous slices
+    buffers = KVBuffers(parts[:2], parts[2:]).validate(lay)
+    assert buffers.num_pages == 3

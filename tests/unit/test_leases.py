@@ -1,7 +1,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transfer.protocol.leases import Lease
+from kvstage.transfer.protocol.leases import Lease
 
 
 def test_alive_and_fence_basics():

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transfer.poll import KVPoll
+from kvstage.transfer.poll import KVPoll
 
 from protocol_sim import Geometry, World
 
@@ -179,10 +179,10 @@ def test_lost_control_messages_never_hang_or_corrupt(g, seed, loss, staged):
 
 def test_plan_room_decides_the_path_and_refuses_impossible_pages():
     import torch
-    from transfer.layout import KVLayout
-    from transfer.protocol.actions import PeerKey
-    from transfer.protocol.decode_room import WriterOffer, plan_room
-    from transfer.protocol.head_mapping import compute_assignments
+    from kvstage.transfer.layout import KVLayout
+    from kvstage.transfer.protocol.actions import PeerKey
+    from kvstage.transfer.protocol.decode_room import WriterOffer, plan_room
+    from kvstage.transfer.protocol.head_mapping import compute_assignments
 
     lay = KVLayout(2, 8, 16, torch.bfloat16, 4, 2, 0)           # decode rank 0 of TP 2
     m = compute_assignments(4, 2, 8)

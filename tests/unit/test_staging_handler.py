@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from staging.handler import StagingHandler
-from staging.ring import Watermark
+from kvstage.staging.handler import StagingHandler
+from kvstage.staging.ring import Watermark
 
 
 class FakeBackend:

@@ -11,7 +11,7 @@ from pathlib import Path
 import msgspec
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("bootstrap", "transfer", "staging")
+PACKAGES = ("kvstage.bootstrap", "kvstage.transfer", "kvstage.staging")
 
 
 def all_modules():
@@ -25,10 +25,10 @@ def all_modules():
 
 
 def test_every_struct_is_prebuilt():
-    from bootstrap.wire import PREBUILT
+    from kvstage.bootstrap.wire import PREBUILT
 
     structs = {v for mod in all_modules() for v in vars(mod).values()
-               if isinstance(v, type) and issubclass(v, msgspec.Struct) and v.__module__.split(".")[0] in PACKAGES}
+               if isinstance(v, type) and issubclass(v, msgspec.Struct) and v.__module__.startswith(PACKAGES)}
     assert structs, "found no Struct classes: the walk is broken"
     missing = sorted(f"{t.__module__}.{t.__qualname__}" for t in structs - PREBUILT)
     assert not missing, f"call prebuild_struct_info(globals()) at the end of their modules: {missing}"
@@ -38,8 +38,8 @@ HAMMER = """
 import sys, threading
 sys.setswitchinterval(1e-6)  # switch threads as often as possible: the race needs a switch mid-build
 import msgspec
-from bootstrap import messages as m
-from bootstrap.wire import PREBUILT
+from kvstage.bootstrap import messages as m
+from kvstage.bootstrap.wire import PREBUILT
 
 entry = dict(engine_id="e", role="prefill", tp_size=2, tp_rank=1, ctrl_endpoint="tcp://h:1", backend="nixl",
              backend_identity="x" * 64, layout={"a": 1, "b": "c"}, pools={"kv": 10}, incarnation=5)

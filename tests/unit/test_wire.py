@@ -5,11 +5,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bootstrap.wire import WIRE_VERSION, WireError, sign
-from transfer.layout import LayoutSummary
-from transfer.protocol.messages import (PEER_MESSAGES, AllocGrant, AllocRequest, Hello, KVMemory, Piece, RingInfo,
+from kvstage.bootstrap.wire import WIRE_VERSION, WireError, sign
+from kvstage.transfer.layout import LayoutSummary
+from kvstage.transfer.protocol.messages import (PEER_MESSAGES, AllocGrant, AllocRequest, Hello, KVMemory, Piece, RingInfo,
                                RoomMeta, WatermarkUpdate, encode_pages, peer_codec)
-from transfer.protocol.tags import TagCodec, TagKind, make_tag
+from kvstage.transfer.protocol.tags import TagCodec, TagKind, make_tag
 
 import numpy as np
 

@@ -101,13 +101,15 @@ class FaultyBackend(Backend):
     def disconnect(self, peer: str) -> None:
         self.inner.disconnect(peer)
 
-    def post_write(self, peer: str, src: np.ndarray, dst: np.ndarray, tag: bytes) -> WriteHandle:
+    def post_write(
+        self, peer: str, src: np.ndarray, dst: np.ndarray, tag: bytes, *, dst_kind: str | None = None
+    ) -> WriteHandle:
         if self._retag is not None and self.plan.corrupt_rooms:
             new = self._retag(tag)
             if new is not None:
                 tag = new
                 self._count("corrupted_room_tag")
-        return self.inner.post_write(peer, src, dst, tag)
+        return self.inner.post_write(peer, src, dst, tag, dst_kind=dst_kind)
 
     def poll_write(self, handle: WriteHandle) -> WriteState:
         state = self.inner.poll_write(handle)

@@ -335,6 +335,7 @@ class MooncakeBackend(Backend):
         if peer not in self._peers:
             raise BackendError(f"unknown peer {peer!r}: connect() its identity first")
         src, dst, tag = check_write_request(src, dst, tag)
+        # Mooncake writes name raw addresses, no memory kind: dst_kind is checked, then ignored
         if dst_kind is not None and dst_kind not in MEMORY_KINDS:
             raise ValueError(f"dst_kind must be one of {MEMORY_KINDS}, got {dst_kind!r}")
         outside = self._index.outside(src)

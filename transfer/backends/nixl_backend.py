@@ -23,6 +23,7 @@ import logging
 import os
 import secrets
 import sys
+import threading
 from typing import Sequence
 
 import numpy as np
@@ -118,7 +119,7 @@ class NixlBackend(Backend):
         self._index: dict[str, RangeIndex] = {k: RangeIndex() for k in MEMORY_KINDS}
         self._peers: set[str] = set()
         self._inflight: dict[int, WriteHandle] = {}  # id(handle) -> handle, not yet released
-        self._abandoned: list[object] = []  # nixl_xfer_handles whose cancel must be retried
+        self._abandoned: list[tuple[object, threading.Event]] = []  # (xfer handle, its "returned"): retry
         self._tags: list[ArrivedTag] = []  # notifications read by progress(), not yet drained
         self._closed = False
         close_at_exit(self)
@@ -303,8 +304,10 @@ class NixlBackend(Backend):
         in-flight requests; on a frozen peer this returned at once in our runs) and the handle is
         marked FAILED ("released while pending"). Its tag is never sent (the notification goes
         out only when the writer sees completion), but the destination may hold some of the
-        bytes. If NIXL refuses to cancel now, ``handle.extra["may_touch_memory"]`` is set and the
-        NIXL handle is kept and released again by later progress() calls and by close().
+        bytes. If NIXL refuses to cancel now, ``handle.extra["may_touch_memory"]`` is set, the
+        NIXL handle is kept and released again by later progress() calls and by close(), and
+        ``handle.extra["returned"]`` is a threading.Event set once that release succeeded (the
+        same contract as Mooncake's).
         """
         xfer = handle.handle
         if xfer is None:
@@ -318,16 +321,20 @@ class NixlBackend(Backend):
         try:
             self._agent.release_xfer_handle(xfer)
         except Exception:
+            returned = threading.Event()
             handle.extra["may_touch_memory"] = True
-            self._abandoned.append(xfer)
+            handle.extra["returned"] = returned
+            self._abandoned.append((xfer, returned))
 
     def _retry_abandoned(self) -> None:
         still = []
-        for xfer in self._abandoned:
+        for xfer, returned in self._abandoned:
             try:
                 self._agent.release_xfer_handle(xfer)
             except Exception:
-                still.append(xfer)
+                still.append((xfer, returned))
+            else:
+                returned.set()
         self._abandoned = still
 
     # ------------------------------------------------------------------ target side

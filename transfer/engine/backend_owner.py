@@ -43,6 +43,7 @@ class _Write:
     handle: WriteHandle | None = None
     disconnected_at: float | None = None
     on_posted: Callable[[], None] | None = None
+    dst_kind: str | None = None   # the peer memory's kind ("DRAM"/"VRAM"), see Backend.post_write
 
 
 class BackendOwner:
@@ -85,11 +86,12 @@ class BackendOwner:
 
     def submit_write(self, peer: str, src: np.ndarray, dst: np.ndarray, tag: bytes,
                      on_done: Callable[[bool, str | None], None],
-                     on_posted: Callable[[], None] | None = None) -> None:
+                     on_posted: Callable[[], None] | None = None, *, dst_kind: str | None = None) -> None:
         """Post one write; on_done(ok, reason) runs on the owner exactly once, when the backend no
         longer touches the source memory. on_posted() runs on the owner when the backend took the
-        write (a write may wait its turn behind an earlier one to the same peer first)."""
-        w = _Write(peer, src, dst, tag, on_done, on_posted=on_posted)
+        write (a write may wait its turn behind an earlier one to the same peer first). dst_kind is
+        the memory kind the peer advertised for `dst` (NIXL describes the remote side with it)."""
+        w = _Write(peer, src, dst, tag, on_done, on_posted=on_posted, dst_kind=dst_kind)
         if self._closed:
             _finish(w, False, "the backend is closed")
         elif self._mine():
@@ -163,12 +165,14 @@ class BackendOwner:
         for w in list(self.pending):
             self._give_up(w, "backend shutting down")
         deadline = time.monotonic() + drain_s
-        while self.draining and time.monotonic() < deadline:
-            self._drain_released()
-            time.sleep(0.01)
-        for w in self.draining:
-            _finish(w, False, "backend shutting down")
-        self.draining.clear()
+        try:
+            while self.draining and time.monotonic() < deadline:
+                self._drain_released()
+                time.sleep(0.01)  # the library returns on its own threads: nothing to wait on
+        finally:
+            for w in self.draining:
+                _finish(w, False, "backend shutting down")
+            self.draining.clear()
         while True:  # nobody may wait forever on a command queued meanwhile
             try:
                 cmd = self._cmds.get_nowait()
@@ -180,12 +184,15 @@ class BackendOwner:
                 _finish(cmd[1], False, "backend shutting down")
 
     def close(self) -> None:
-        """abort_writes(), then close the backend (its remaining registrations go with it)."""
-        self.abort_writes()
+        """abort_writes(), then close the backend (its remaining registrations go with it), even
+        if aborting raised."""
         try:
-            self.backend.close()
-        except Exception:  # noqa: BLE001
-            log.warning("closing the backend failed", exc_info=True)
+            self.abort_writes()
+        finally:
+            try:
+                self.backend.close()
+            except Exception:  # noqa: BLE001
+                log.warning("closing the backend failed", exc_info=True)
 
     # -- internals ----------------------------------------------------------------------------------
     def _commands(self) -> bool:
@@ -207,7 +214,7 @@ class BackendOwner:
 
     def _post(self, w: _Write) -> None:
         try:
-            w.handle = self.backend.post_write(w.peer, w.src, w.dst, w.tag)
+            w.handle = self.backend.post_write(w.peer, w.src, w.dst, w.tag, dst_kind=w.dst_kind)
         except BackendError as exc:
             _finish(w, False, str(exc))
             return
@@ -252,7 +259,10 @@ class BackendOwner:
             return False
         self.pending.remove(w)
         self._release(w)
-        _finish(w, state is WriteState.DONE, w.handle.reason)
+        if state is not WriteState.DONE and w.handle.extra.get("may_touch_memory"):
+            self.draining.append(w)  # failed (say the peer was disconnected) but may still land
+        else:
+            _finish(w, state is WriteState.DONE, w.handle.reason)
         return True
 
     def _give_up(self, w: _Write, reason: str) -> None:
@@ -265,11 +275,28 @@ class BackendOwner:
             _finish(w, False, reason)
 
     def _drain_released(self) -> bool:
-        done = [w for w in self.draining if w.handle.extra["returned"].is_set()]
+        done = [w for w in self.draining if self._returned(w)]
         for w in done:
             self.draining.remove(w)
             _finish(w, False, w.handle.reason)
         return bool(done)
+
+    def _returned(self, w: _Write) -> bool:
+        """Whether the library let go of a write it may have touched. A backend that gives no
+        `returned` event breaks its contract: the write is kept (memory safety first) until
+        abort_writes' bounded wait, and said once."""
+        ev = w.handle.extra.get("returned")
+        if ev is None:
+            if not w.handle.extra.get("_no_event_logged"):
+                w.handle.extra["_no_event_logged"] = True
+                log.error("backend %s gave no 'returned' event for a write it may still touch; it is kept "
+                          "until the backend closes", type(self.backend).__name__)
+            return False
+        try:
+            return bool(ev.is_set())
+        except Exception:  # noqa: BLE001
+            log.exception("checking whether a write was returned failed")
+            return False
 
     def _release(self, w: _Write) -> None:
         try:

@@ -10,7 +10,7 @@ import logging
 
 import zmq
 
-from bootstrap.wire import Codec, WireError
+from ...bootstrap.wire import Codec, WireError
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,14 @@ class ControlSocket:
         self.router.setsockopt(zmq.LINGER, 0)
         self.router.setsockopt(zmq.RCVHWM, HWM)
         self.router.setsockopt(zmq.MAXMSGSIZE, codec.max_frame + 4096)
-        self.router.bind(f"tcp://{_bracket(host)}:{port if port else '*'}")
+        try:
+            self.router.bind(f"tcp://{_bracket(host)}:{port if port else '*'}")
+        except zmq.ZMQError as exc:
+            # an open socket would block the owner's Context.term() forever
+            self.router.close(0)
+            raise OSError(exc.errno, f"cannot bind the kvstage control port {host}:{port} ({exc.strerror}): "
+                                     "is the port in use, or the host not an address of this machine? "
+                                     "(EngineConfig.host, EngineConfig.ctrl_port)") from None
         self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._dealers: dict[str, zmq.Socket] = {}
         self.dropped_sends = 0

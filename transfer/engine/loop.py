@@ -26,16 +26,16 @@ from typing import Any, Callable
 
 import zmq
 
-from bootstrap.wire import WireError
-from staging.handler import StagingHandler
-from staging.ring import Watermark
-from staging.scatter_worker import ScatterJob, ScatterWorker
-from staging.workers import GatherJob, TransferWorkers
+from ...bootstrap.wire import WireError
+from ...staging.handler import StagingHandler
+from ...staging.ring import Watermark
+from ...staging.scatter_worker import ScatterJob, ScatterWorker
+from ...staging.workers import GatherJob, TransferWorkers
 
 from ..config import EngineConfig
 from ..layout import KVBuffers, KVLayout, LayoutSummary
 from ..poll import KVPoll
-from ..protocol.actions import (PeerKey, PostWrite, PublishWatermark, Released, Scatter, Send, StatusChanged,
+from ..protocol.actions import (Dropped, PeerKey, PostWrite, PublishWatermark, Released, Scatter, Send, StatusChanged,
                                 WriteOp)
 from ..protocol.decode_room import DecodeRoom, WriterOffer, plan_room
 from ..protocol.direct_ranges import CacheGeometry, direct_descriptors
@@ -120,6 +120,7 @@ class EngineLoop:
         self.status: dict[int, Any] = {}
         self.finished: OrderedDict[int, tuple[KVPoll, str, str]] = OrderedDict()  # room -> (state, kind, reason)
         self.served: dict[int, frozenset] = {}  # prefill: room that succeeded -> its (decode incarnation, session)s
+        self.used_sessions: dict[int, frozenset] = {}  # prefill: finished room -> its sessions (stale for the next use)
         self.pending: dict[int, list] = defaultdict(list)          # prefill: room -> early messages
         self.pending_since: dict[int, float] = {}
         self.engines: dict[str, EngineView] = {}
@@ -171,14 +172,14 @@ class EngineLoop:
                 for ev in self.events.drain():
                     busy = True
                     self._safely(self._on_event, ev)
-                tags, progressed = self.backend.step()
+                tags, progressed = self._step()
                 if tags:
                     self._safely(self._on_tags, tags)
                 wait = MIN_EAGER_WAIT if busy or progressed else min(wait * 2, MAX_EAGER_WAIT)
                 now = time.monotonic()
                 if now >= self._next_tick:
                     self._next_tick = now + TICK
-                    self.sock.flush_held()
+                    self._safely(lambda _: self.sock.flush_held(), None)
                     self._safely(self._tick, now)
         finally:
             self._teardown()
@@ -187,9 +188,38 @@ class EngineLoop:
     def _safely(self, fn: Callable, arg: Any) -> None:
         try:
             fn(arg)
-        except Exception:  # noqa: BLE001 - one bad input must never take the rank down
+        except Exception as exc:  # noqa: BLE001 - one bad input must never take the rank down
             log.exception("control thread: handling %s failed", type(arg).__name__)
-            self.stats.count("internal_errors", type(arg).__name__)
+            self._internal_error(type(arg).__name__, getattr(arg, "room", None), exc)
+
+    def _step(self) -> tuple[list, bool]:
+        """backend.step(), guarded: the loop must go on (deadlines keep firing) when it raises."""
+        try:
+            return self.backend.step()
+        except Exception as exc:  # noqa: BLE001
+            log.exception("control thread: driving the backend failed")
+            self._internal_error("backend_step", None, exc)
+            return [], True
+
+    def _internal_error(self, what: str, room_id: Any, exc: Exception) -> None:
+        """Count an exception inside the loop and fail the rooms it may have left stuck, kind
+        "internal": the room the input names, else every room with writes in flight (prefill)
+        or waiting for the backend's notifications (decode)."""
+        self.stats.count("internal_errors", what)
+        if isinstance(room_id, int) and not isinstance(room_id, bool):
+            ids = [room_id] if room_id in self.rooms else []
+        else:
+            ids = [r for r, room in self.rooms.items() if getattr(room, "ops", None) or r in self._eager_rooms]
+        now = time.monotonic()
+        for r in ids:
+            room = self.rooms.get(r)
+            if room is None:
+                continue
+            try:
+                self._apply(room, room.fail("internal", f"internal error in the control thread ({what}: "
+                                                        f"{type(exc).__name__}: {exc})", now))
+            except Exception:  # noqa: BLE001
+                log.exception("control thread: failing room %s after an internal error failed", r)
 
     # -- inputs: wire -------------------------------------------------------------------------------
     def _on_wire(self, item: object) -> None:
@@ -527,13 +557,14 @@ class EngineLoop:
             ev.done(ev.fn(self))
 
     def _new_sender(self, ev: NewSender, now: float) -> None:
-        room = PrefillRoom(ev.room, ev.num_pages, self.layout, self.me, now, self.t, _OP_IDS)
+        room = PrefillRoom(ev.room, ev.num_pages, self.layout, self.me, now, self.t, _OP_IDS,
+                           stale=self.used_sessions.pop(ev.room, frozenset()))
         self.rooms[ev.room] = room
         self.status[ev.room] = ev.status
         self.finished.pop(ev.room, None)
         self.served.pop(ev.room, None)
         for item in self.pending.pop(ev.room, []):
-            self._prefill_item(room, item, now)
+            self._prefill_item(room, item, now, early=True)  # parked before this use: bound by session
         self.pending_since.pop(ev.room, None)
 
     def _new_receiver(self, ev: NewReceiver, now: float) -> None:
@@ -573,7 +604,7 @@ class EngineLoop:
         self.pending[room_id].append(item)
         self.pending_since.setdefault(room_id, now)
 
-    def _prefill_item(self, room: PrefillRoom, item: tuple, now: float) -> None:
+    def _prefill_item(self, room: PrefillRoom, item: tuple, now: float, early: bool = False) -> None:
         kind, key, msg = item
         if kind == "meta":
             peer = self.peers.get(key.incarnation)
@@ -581,7 +612,7 @@ class EngineLoop:
                 return
             self._apply(room, room.add_meta(key, peer.tp_size, msg, now))
         else:
-            self._apply(room, room.on_room_failed(key, msg.session, msg.kind, msg.reason, now))
+            self._apply(room, room.on_room_failed(key, msg.session, msg.kind, msg.reason, now, early=early))
 
     def _on_RoomMeta(self, peer: Peer, msg: RoomMeta, now: float) -> None:
         if self.role == "prefill":
@@ -717,6 +748,8 @@ class EngineLoop:
                 failed |= a.state is KVPoll.Failed and not a.released
             elif isinstance(a, Released):
                 self._released(room)
+            elif isinstance(a, Dropped):
+                self.stats.count("dropped_messages", a.reason)
         if failed and self.role == "prefill":
             # pieces still waiting for ring space are never started (after the room's own messages)
             self._cancel_room_staged(room.room, time.monotonic())
@@ -759,9 +792,12 @@ class EngineLoop:
         self.finished[room.room] = (room.state, room.failure_kind or "gone", room.failure or "it succeeded")
         if self.role == "prefill" and room.state is KVPoll.Success:
             self.served[room.room] = frozenset((f.peer.incarnation, f.session) for f in room.flows.values())
+        if self.role == "prefill":
+            self.used_sessions[room.room] = room.sessions()
         while len(self.finished) > FINISHED_MEMORY:
             gone, _ = self.finished.popitem(last=False)
             self.served.pop(gone, None)
+            self.used_sessions.pop(gone, None)
 
     # -- prefill: writes ---------------------------------------------------------------------------------
     def _post_write(self, op: WriteOp, now: float) -> None:
@@ -786,7 +822,8 @@ class EngineLoop:
                 self.write_deadline[op_id] = (room, time.monotonic() + self.t.write)
 
         self.backend.submit_write(peer.backend_name, src, dst, self.tags.encode(op.tag),
-                                  lambda ok, reason: self.post(WriteDone(op_id, room, ok, reason)), posted)
+                                  lambda ok, reason: self.post(WriteDone(op_id, room, ok, reason)), posted,
+                                  dst_kind=peer.kv.mem_kind)
         self.stats.add("bytes_posted", op.nbytes)
 
     def _peer_geometry(self, peer: Peer) -> CacheGeometry:
@@ -817,7 +854,8 @@ class EngineLoop:
                 self.write_deadline[op.op_id] = (op.room, now + self.t.write)
                 self.workers.submit(GatherJob(op.op_id, op.room, peer.backend_name, op.src_pages, op.src_heads,
                                               op.nbytes, peer.ring.addr + op.ring_start % peer.ring.size
-                                              + op.writer_offset, peer.ring.device, self.tags.encode(op.tag)))
+                                              + op.writer_offset, peer.ring.device, self.tags.encode(op.tag),
+                                              dst_kind=peer.ring.mem_kind))
             else:
                 keep.append((op, since))
         if keep:
@@ -870,7 +908,10 @@ class EngineLoop:
                 self.stats.count("dropped_tags", exc.kind)
                 continue
             room = self.rooms.get(tag.room)
-            if room is None or self.role != "decode":
+            if self.role != "decode":  # only decode ranks are written to: a confused or forged peer
+                self.stats.count("dropped_tags", "tag_at_prefill_rank")
+                continue
+            if room is None:
                 self.stats.count("dropped_tags", "finished_room")
                 continue
             verdict, actions = room.on_tag(peer.key, tag, now)

@@ -15,8 +15,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from bootstrap import BootstrapClient, BootstrapError, RankInfo
-from staging.handler import StagingHandler
+from ...bootstrap import BootstrapClient, BootstrapError, RankInfo
+from ...staging.handler import StagingHandler
 
 from ..backends import create_backend
 from ..backends.base import MemRegion
@@ -136,9 +136,11 @@ class KVManager:
                 self._bootstrap.register(self._info)
                 return
             except BootstrapError as exc:
-                if getattr(exc, "kind", "") in ("auth", "conflict", "full", "invalid") or time.monotonic() > deadline:
+                # a permanent refusal fails at once with the server's reason; no answer or a
+                # transient error is retried until the bootstrap deadline
+                if exc.permanent or time.monotonic() > deadline:
                     raise BootstrapError(f"registering with the bootstrap server {self.config.bootstrap} failed: "
-                                         f"{exc}") from exc
+                                         f"{exc}", exc.kind) from exc
                 time.sleep(0.2)
 
     # -- per-request handles -----------------------------------------------------------------------
@@ -216,7 +218,10 @@ class KVManager:
         self._closed = True
         with contextlib.suppress(Exception):
             self._bootstrap.deregister(self.config.engine_id, self.layout.tp_rank, self.incarnation)
-        self._stack.close()
+        try:
+            self._stack.close()  # every step runs even if an earlier one raised
+        except Exception:  # noqa: BLE001 - close() must not raise once everything is down
+            log.exception("closing kvstage %s: a step raised", self.name)
 
     def _stop_loop(self) -> None:
         if self._loop.thread.is_alive():
@@ -228,11 +233,13 @@ class KVManager:
         # the backend is this thread's again: no write may stay in flight past this point,
         # which also unblocks transfer workers waiting for theirs
         self._backend.adopt()
-        self._backend.abort_writes()
-        if self._loop.workers is not None:
-            self._loop.workers.stop()
-        if self._loop.scatter is not None:
-            self._loop.scatter.stop()
+        try:
+            self._backend.abort_writes()
+        finally:  # the workers stop (and the backend closes, a later callback) even if that raised
+            if self._loop.workers is not None:
+                self._loop.workers.stop()
+            if self._loop.scatter is not None:
+                self._loop.scatter.stop()
 
     def __enter__(self) -> "KVManager":
         return self

@@ -99,4 +99,11 @@ class Released:
     """Nothing of the room can be touched any more; the shell may forget it."""
 
 
-Action = Union[Send, PostWrite, Scatter, PublishWatermark, StatusChanged, Released]
+@dataclass(frozen=True)
+class Dropped:
+    """An input was ignored (stale or not for this room); the shell counts it under `reason`."""
+
+    reason: str
+
+
+Action = Union[Send, PostWrite, Scatter, PublishWatermark, StatusChanged, Released, Dropped]

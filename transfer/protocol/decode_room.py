@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from staging.pieces import max_piece_pages, plan_pieces
-from staging.ring import Region, RingAllocator, TooLarge
+from ...staging.pieces import max_piece_pages, plan_pieces
+from ...staging.ring import Region, RingAllocator, TooLarge
 
 from ..config import Timeouts
 from ..layout import KVLayout

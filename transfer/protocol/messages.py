@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from bootstrap.wire import Codec, Message, WireError, prebuild_struct_info
+from ...bootstrap.wire import Codec, Message, WireError, prebuild_struct_info
 
 from ..layout import LayoutSummary
 

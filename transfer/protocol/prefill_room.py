@@ -12,6 +12,12 @@ flight any more says so (Quiesced), so the decode side can reuse the memory.
 
 Control messages may be lost: it re-sends an AllocRequest until the grant arrives and its
 WriterDone until the decode side confirms; duplicates it receives are ignored.
+
+Room ids are reused, and a RoomFailed is re-sent until we quiesce, so a failure is bound to
+engine + session + use: one naming a (decode incarnation, session) of an earlier use of the id
+(`stale`), another engine or session than the flow it would hit, is dropped (answered with
+Quiesced: nothing of this use went to it); one that arrived before this sender existed only
+counts once metadata of its own session binds it to this use.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ import numpy as np
 from ..config import Timeouts
 from ..layout import KVLayout
 from ..poll import KVPoll
-from .actions import Action, PeerKey, PostWrite, Released, Send, StatusChanged, WriteOp
+from .actions import Action, Dropped, PeerKey, PostWrite, Released, Send, StatusChanged, WriteOp
 from .direct_ranges import direct_nbytes
 from .head_mapping import Assignment, HeadMapping, compute_assignments
 from .messages import AllocGrant, AllocRequest, Quiesced, RoomFailed, RoomMeta, WriterDone
@@ -62,7 +68,8 @@ class Flow:
 
 class PrefillRoom:
     def __init__(self, room: int, num_pages: int, layout: KVLayout, me: int, now: float,
-                 timeouts: Timeouts, op_ids: itertools.count | None = None, max_ranges: int = 65536):
+                 timeouts: Timeouts, op_ids: itertools.count | None = None, max_ranges: int = 65536,
+                 stale: frozenset = frozenset()):
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         self.room = room
@@ -85,6 +92,9 @@ class PrefillRoom:
         self.flows: dict[int, Flow] = {}
         self.ops: dict[int, WriteOp] = {}
         self.released = False
+        self.stale = stale                  # (decode incarnation, session) of earlier uses of this id
+        self.early: dict[tuple[PeerKey, int], tuple[str, str]] = {}  # failures parked before this use
+        self.failed_by: tuple[int, int] | None = None
 
     # -- inputs -----------------------------------------------------------------------------
     def add_chunk(self, pages: np.ndarray, last: bool, now: float) -> list[Action]:
@@ -136,6 +146,9 @@ class PrefillRoom:
         flow = Flow(peer, meta.session, self.mapping.find(self.layout.tp_rank, peer.tp_rank),
                     meta.staged, None)
         self.flows[peer.tp_rank] = flow
+        early = self.early.pop((peer, meta.session), None)
+        if early is not None:  # its decode room failed before this metadata reached us
+            return self.on_room_failed(peer, meta.session, *early, now)
         if meta.num_pages != self.num_pages:
             return self.fail("protocol", f"decode rank {peer.tp_rank} expects {meta.num_pages} pages, this "
                                          f"prefill rank was given {self.num_pages}", now)
@@ -209,10 +222,23 @@ class PrefillRoom:
         flow.confirmed = True
         return self._check_done(now)
 
-    def on_room_failed(self, peer: PeerKey, session: int, kind: str, reason: str, now: float) -> list[Action]:
+    def on_room_failed(self, peer: PeerKey, session: int, kind: str, reason: str, now: float,
+                       early: bool = False) -> list[Action]:
+        """`early`: it arrived before this sender existed (parked by the shell)."""
         flow = self._flow_of(peer, session)
-        if flow is None and not (self.mapping is None or peer.tp_rank in self.expected):
-            return []
+        if flow is None:
+            bound = self.flows.get(peer.tp_rank)
+            if ((peer.incarnation, session) in self.stale or bound is not None
+                    or (self.decode_engine is not None and peer.engine_id != self.decode_engine)):
+                # an earlier use's, or another engine's: nothing of this use went to that session
+                return [Send(peer, Quiesced(src=self.me, dst=peer.incarnation, room=self.room, session=session)),
+                        Dropped("stale_room_failed")]
+            if self.mapping is not None and peer.tp_rank not in self.expected:
+                return []
+            if early:
+                self.early[(peer, session)] = (kind, reason)
+                return []
+        self.failed_by = (peer.incarnation, session)
         return self.fail(kind if kind.startswith("remote_") else f"remote_{kind}", f"decode rank {peer.tp_rank} ({peer.engine_id}): {reason}", now,
                          origin=peer)
 
@@ -282,6 +308,13 @@ class PrefillRoom:
             if flow.peer != origin:
                 out.append(Send(flow.peer, self._failed_msg(flow.peer, flow.session)))
         return out + self._maybe_release()
+
+    def sessions(self) -> frozenset:
+        """(decode incarnation, session) pairs this use dealt with: stale for the next use of the id."""
+        out = {(f.peer.incarnation, f.session) for f in self.flows.values()}
+        if self.failed_by is not None:
+            out.add(self.failed_by)
+        return frozenset(out)
 
     # -- internals --------------------------------------------------------------------------
     @property

@@ -13,7 +13,7 @@ import enum
 
 import msgspec
 
-from bootstrap.wire import MAC_BYTES, WIRE_VERSION, WireError, prebuild_struct_info, sign, verify
+from ...bootstrap.wire import MAC_BYTES, WIRE_VERSION, WireError, prebuild_struct_info, sign, verify
 
 MAGIC = b"KS"
 MAX_TAG_BYTES = 512

@@ -1,0 +1,140 @@
+"""EngineConfig and Timeouts: every bad value is a ValueError naming the option or variable,
+and every good value comes back unchanged (nothing silently replaced by a default)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvstage.transfer.config import (BUFFER_MB_ENV, PIECE_MB_ENV, RING_MB_ENV, STAGING_ENV, WORKERS_ENV,
+                                     EngineConfig, Timeouts)
+
+MAX_MB = 1 << 20
+ENVS = (STAGING_ENV, RING_MB_ENV, WORKERS_ENV, BUFFER_MB_ENV, PIECE_MB_ENV)
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    for name in ENVS:
+        monkeypatch.delenv(name, raising=False)
+    for f in Timeouts.__dataclass_fields__:
+        monkeypatch.delenv(f"KVSTAGE_TIMEOUT_{f.upper()}", raising=False)
+
+
+def cfg(**kw) -> EngineConfig:
+    base = dict(role="prefill", engine_id="e", bootstrap="127.0.0.1:8998")
+    return EngineConfig(**(base | kw))
+
+
+@pytest.mark.parametrize("option, value", [
+    ("staging_workers", 0), ("staging_workers", -1), ("staging_workers", 1.5), ("staging_workers", True),
+    ("staging_workers", "2"),
+    ("ring_mb", 0), ("ring_mb", -1.0), ("ring_mb", math.nan), ("ring_mb", math.inf), ("ring_mb", True), ("ring_mb", 2.0 * MAX_MB),
+    ("staging_buffer_mb", 0), ("staging_buffer_mb", math.nan), ("staging_piece_mb", 0.0),
+    ("staging_piece_mb", -math.inf),
+    ("staging", "maybe"), ("staging", 2),
+    ("ctrl_port", 70000), ("ctrl_port", -1), ("ctrl_port", 1.5), ("ctrl_port", True),
+    ("bootstrap", 8998), ("bootstrap", "localhost"), ("bootstrap", "h:0"), ("bootstrap", "h:70000"),
+    ("bootstrap", ":8998"),
+    ("backend_options", "x"), ("backend_options", [("a", 1)]),
+    ("host", ""), ("host", 127),
+    ("timeouts", {"connect": 1.0}),
+])
+def test_bad_option_is_a_value_error_naming_it(option, value):
+    with pytest.raises(ValueError, match=option):
+        cfg(**{option: value}).resolved()
+
+
+@pytest.mark.parametrize("name, value", [(n, v) for n in ("connect", "bootstrap", "lease", "heartbeat")
+                                         for v in (0, -1.0, math.nan, math.inf, -math.inf, True, "5")])
+def test_bad_timeout_names_it(name, value):
+    with pytest.raises(ValueError, match=f"timeouts.{name}"):
+        cfg(timeouts=Timeouts(**{name: value})).resolved()
+
+
+@pytest.mark.parametrize("value", [-2.0, -0.5, math.nan, math.inf])
+def test_bad_quarantine(value):
+    with pytest.raises(ValueError, match="timeouts.quarantine"):
+        Timeouts(quarantine=value)
+
+
+@pytest.mark.parametrize("value", [-1, 0, 0.0, 2.5])
+def test_quarantine_minus_one_or_non_negative(value):
+    assert Timeouts(quarantine=value).quarantine == value
+
+
+@pytest.mark.parametrize("var, raw", [
+    (WORKERS_ENV, "1.5"), (WORKERS_ENV, "0"), (WORKERS_ENV, "-1"), (WORKERS_ENV, "two"),
+    (RING_MB_ENV, "nan"), (RING_MB_ENV, "inf"), (RING_MB_ENV, "0"), (RING_MB_ENV, "-3"), (RING_MB_ENV, "x"),
+    (BUFFER_MB_ENV, "NaN"), (PIECE_MB_ENV, "-inf"),
+    (STAGING_ENV, "maybe"), (STAGING_ENV, "2"),
+    ("KVSTAGE_TIMEOUT_CONNECT", "nan"), ("KVSTAGE_TIMEOUT_CONNECT", "inf"), ("KVSTAGE_TIMEOUT_LEASE", "0"),
+    ("KVSTAGE_TIMEOUT_ROOM", "-1"), ("KVSTAGE_TIMEOUT_QUARANTINE", "-2"), ("KVSTAGE_TIMEOUT_QUARANTINE", "nan"),
+])
+def test_bad_env_names_the_variable(monkeypatch, var, raw):
+    monkeypatch.setenv(var, raw)
+    with pytest.raises(ValueError, match=var):
+        cfg().resolved()
+
+
+@pytest.mark.parametrize("raw, want", [("1", True), ("TRUE", True), ("On", True), ("yes", True),
+                                       ("0", False), ("false", False), ("OFF", False), ("No", False)])
+def test_flag_words(monkeypatch, raw, want):
+    assert cfg(staging=raw).resolved().staging is want
+    monkeypatch.setenv(STAGING_ENV, raw)
+    assert cfg().resolved().staging is want
+
+
+def test_quarantine_env_zero_is_allowed(monkeypatch):
+    monkeypatch.setenv("KVSTAGE_TIMEOUT_QUARANTINE", "0")
+    assert cfg().resolved().timeouts.quarantine == 0
+
+
+def test_defaults_and_env(monkeypatch):
+    r = cfg().resolved()
+    assert (r.staging, r.staging_workers, r.ring_mb, r.staging_buffer_mb, r.staging_piece_mb) == (False, 2, 256, 64, 32)
+    assert r.backend_options == {} and r.timeouts == Timeouts()
+    monkeypatch.setenv(WORKERS_ENV, "3")
+    monkeypatch.setenv(RING_MB_ENV, "0.5")
+    r = cfg().resolved()
+    assert (r.staging_workers, r.ring_mb) == (3, 0.5)
+    assert cfg(backend_options=None).resolved().backend_options == {}
+
+
+@given(st.integers(min_value=-10, max_value=100))
+def test_workers_kept_or_refused(n):
+    try:
+        got = cfg(staging_workers=n).resolved().staging_workers
+    except ValueError as exc:
+        assert "staging_workers" in str(exc) and not 1 <= n <= 64
+    else:
+        assert got == n and 1 <= n <= 64
+
+
+@given(st.floats(allow_nan=True, allow_infinity=True))
+def test_ring_mb_kept_or_refused(x):
+    try:
+        got = cfg(ring_mb=x).resolved().ring_mb
+    except ValueError as exc:
+        assert "ring_mb" in str(exc) and not 0 < x <= MAX_MB
+    else:
+        assert got == x and 0 < x <= MAX_MB
+
+
+@given(st.integers(min_value=-100_000, max_value=200_000))
+def test_ctrl_port_kept_or_refused(p):
+    try:
+        got = cfg(ctrl_port=p).resolved().ctrl_port
+    except ValueError as exc:
+        assert "ctrl_port" in str(exc) and not 0 <= p <= 65535
+    else:
+        assert got == p and 0 <= p <= 65535
+
+
+def test_kv_manager_validates_before_starting_anything():
+    from kvstage.transfer import KVManager
+    with pytest.raises(ValueError, match="ctrl_port"):
+        KVManager(cfg(ctrl_port=70000), None, None)  # no layout needed: validation comes first

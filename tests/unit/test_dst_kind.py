@@ -1,0 +1,183 @@
+"""The peer's advertised memory kind reaches Backend.post_write as `dst_kind` on every path.
+
+NIXL describes the destination of a write with a memory kind; a CPU -> GPU write described as
+DRAM is rejected. These tests record what arrives at the Backend interface: from BackendOwner,
+FaultyBackend, the transfer workers (staged) and the engine loop's direct and staged dispatch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+from kvstage.staging.buffers import StagingBuffer
+from kvstage.staging.workers import GatherJob, TransferWorkers
+from kvstage.transfer.backends import ArrivedTag, Backend, Registration, WriteHandle, WriteState
+from kvstage.transfer.backends.faults import FaultPlan, FaultyBackend
+from kvstage.transfer.engine.backend_owner import BackendOwner
+from kvstage.transfer.engine.loop import EngineLoop
+from kvstage.transfer.protocol.actions import PeerKey, WriteOp
+from kvstage.transfer.protocol.direct_ranges import CacheGeometry
+from kvstage.transfer.protocol.messages import KVMemory, RingInfo
+
+SRC = np.array([[4096, 64, 0]], dtype=np.uint64)
+DST = np.array([[8192, 64, 1]], dtype=np.uint64)
+
+
+class RecordingBackend(Backend):
+    """Records each post_write's (peer, dst_kind); every write completes at once."""
+
+    kind = "recording"
+
+    def __init__(self):
+        self.posts: list[tuple[str, str | None]] = []
+
+    @property
+    def name(self) -> str:
+        return "rec"
+
+    def identity(self) -> bytes:
+        return b"rec"
+
+    def register(self, regions):
+        return Registration(tuple(regions))
+
+    def deregister(self, registration):
+        registration.active = False
+
+    def connect(self, peer_identity):
+        return "peer"
+
+    def disconnect(self, peer):
+        pass
+
+    def post_write(self, peer, src, dst, tag, *, dst_kind=None):
+        self.posts.append((peer, dst_kind))
+        return WriteHandle(peer, int(src[:, 1].sum()), len(src), state=WriteState.DONE)
+
+    def poll_write(self, handle):
+        return handle.state
+
+    def release_write(self, handle):
+        pass
+
+    def drain_tags(self) -> list[ArrivedTag]:
+        return []
+
+    def close(self):
+        pass
+
+
+def test_backend_owner_passes_dst_kind_to_the_backend():
+    be = RecordingBackend()
+    owner = BackendOwner(be)
+    done = []
+    owner.submit_write("peer", SRC, DST, b"t", lambda ok, reason: done.append(ok), dst_kind="VRAM")
+    owner.submit_write("peer", SRC, DST, b"t", lambda ok, reason: done.append(ok))
+    deadline = time.monotonic() + 5
+    while len(done) < 2 and time.monotonic() < deadline:
+        owner.step()
+    assert done == [True, True]
+    assert be.posts == [("peer", "VRAM"), ("peer", None)]
+
+
+def test_faulty_backend_passes_dst_kind_through():
+    be = RecordingBackend()
+    faulty = FaultyBackend(be, FaultPlan())
+    faulty.post_write("peer", SRC, DST, b"t", dst_kind="VRAM")
+    faulty.post_write("peer", SRC, DST, b"t")
+    assert be.posts == [("peer", "VRAM"), ("peer", None)]
+
+
+def test_transfer_worker_submits_the_ring_kind_of_its_job():
+    page_size, heads, head_dim = 2, 2, 4
+    k = [torch.arange(4 * page_size * heads * head_dim, dtype=torch.float32).reshape(-1, heads, head_dim)]
+    v = [k[0] + 1000]
+    nbytes = 2 * page_size * heads * head_dim * 4  # one page of K and of V
+    submitted: list[tuple[str, str | None]] = []
+    reports: list[tuple[bool, str | None]] = []
+    finished = threading.Event()
+
+    def submit(peer, src, dst, tag, on_done, on_posted=None, *, dst_kind=None):
+        submitted.append((peer, dst_kind))
+        on_done(True, None)
+
+    def report(op_id, room, ok, reason, gather_s):
+        reports.append((ok, reason))
+        finished.set()
+
+    buf = StagingBuffer.host(1 << 16)
+    workers = TransferWorkers([buf], k, v, page_size, submit, report)
+    try:
+        workers.submit(GatherJob(1, 7, "decode-0", np.array([1]), (0, heads), nbytes, 1 << 20, 3, b"t",
+                                 dst_kind="VRAM"))
+        assert finished.wait(10), "the worker never reported"
+    finally:
+        workers.stop()
+        buf.close()
+    assert reports == [(True, None)]
+    assert submitted == [("decode-0", "VRAM")]
+
+
+# ------------------------------------------------------------------ engine loop, with a stub self
+class RecordingOwner:
+    """Stands in for BackendOwner at the loop: records submit_write's dst_kind."""
+
+    def __init__(self):
+        self.kinds: list[str | None] = []
+
+    def submit_write(self, peer, src, dst, tag, on_done, on_posted=None, *, dst_kind=None):
+        self.kinds.append(dst_kind)
+
+
+class Stats:
+    def add(self, *a):
+        pass
+
+    def staged_write(self, *a):
+        pass
+
+
+def _op(staged: bool) -> WriteOp:
+    return WriteOp(op_id=1, room=7, peer=PeerKey("decode", 0, 11), staged=staged, chunk=0, piece=0,
+                   src_pages=np.array([0]), dst_pages=None if staged else np.array([1]), src_heads=(0, 1),
+                   dst_heads=(0, 1), nbytes=64, tag=b"tag", ring_start=0 if staged else -1)
+
+
+def _loop_stub(peer) -> SimpleNamespace:
+    geo = CacheGeometry((1 << 20, 1 << 21), page_size=2, token_stride=16, head_bytes=16)
+    stub = SimpleNamespace(
+        peers={11: peer}, geometry=geo, stats=Stats(), write_deadline={}, t=SimpleNamespace(write=5.0),
+        backend=RecordingOwner(), tags=SimpleNamespace(encode=lambda tag: tag), post=lambda ev: None,
+        waiting=defaultdict(list), rooms={7: SimpleNamespace(state=None)},
+        handler=SimpleNamespace(region_free=lambda inc, start, n: True),
+        workers=SimpleNamespace(jobs=[]))
+    stub.workers.submit = stub.workers.jobs.append
+    stub._peer_geometry = lambda p: geo
+    stub._dispatch_staged = lambda inc, now: EngineLoop._dispatch_staged(stub, inc, now)
+    return stub
+
+
+def _peer():
+    kv = KVMemory(k_addrs=[1 << 22], v_addrs=[1 << 23], num_pages=4, page_stride=32, token_stride=16,
+                  mem_kind="VRAM", device=1)
+    ring = RingInfo(addr=1 << 24, size=1 << 16, epoch=11, mem_kind="VRAM", device=1)
+    return SimpleNamespace(state="connected", lease=SimpleNamespace(may_write=lambda now: True),
+                           backend_name="decode-0", kv=kv, ring=ring)
+
+
+def test_loop_direct_write_carries_the_peer_kv_mem_kind():
+    stub = _loop_stub(_peer())
+    EngineLoop._post_write(stub, _op(staged=False), time.monotonic())
+    assert stub.backend.kinds == ["VRAM"]
+
+
+def test_loop_staged_job_carries_the_peer_ring_mem_kind():
+    stub = _loop_stub(_peer())
+    EngineLoop._post_write(stub, _op(staged=True), time.monotonic())
+    assert [(j.peer, j.dst_device, j.dst_kind) for j in stub.workers.jobs] == [("decode-0", 1, "VRAM")]

@@ -1,0 +1,92 @@
+"""A RoomFailed fails only the use of a room id it was meant for (engine + session + use).
+
+Room ids are reused; a decode rank re-sends RoomFailed until the prefill side quiesces, so a
+failure of an earlier use (its Quiesced reply lost) can reach a later sender of the same id.
+"""
+
+import itertools
+
+import numpy as np
+import torch
+
+from kvstage.transfer.config import Timeouts
+from kvstage.transfer.layout import KVLayout
+from kvstage.transfer.poll import KVPoll
+from kvstage.transfer.protocol.actions import Dropped, PeerKey, Send
+from kvstage.transfer.protocol.messages import Quiesced, RoomMeta
+from kvstage.transfer.protocol.prefill_room import PrefillRoom
+
+LAYOUT = KVLayout(2, 2, 4, torch.uint8, 2, 1, 0, False)   # P=1 prefill rank
+ME = 1000
+DEC_A = PeerKey("decodeA", 0, 2000)
+DEC_B = PeerKey("decodeB", 0, 3000)
+N = 4
+
+
+def room(stale=frozenset()):
+    return PrefillRoom(7, N, LAYOUT, ME, 0.0, Timeouts(metadata=50), itertools.count(1), stale=stale)
+
+
+def meta(peer, session):
+    return RoomMeta(src=peer.incarnation, dst=ME, room=7, session=session, num_pages=N, staged=False,
+                    dst_pages=np.arange(N, dtype="<i8").tobytes())
+
+
+def quiesced_for(actions, session):
+    return any(isinstance(a, Send) and isinstance(a.msg, Quiesced) and a.msg.session == session for a in actions)
+
+
+def test_stale_room_failed_of_another_session_leaves_the_bound_room_alone():
+    r = room()
+    r.add_meta(DEC_A, 1, meta(DEC_A, 22), 1.0)
+    assert r.state is KVPoll.WaitingForInput
+    acts = r.on_room_failed(DEC_A, 11, "aborted", "aborted by the decode caller", 2.0)  # use 1's session
+    assert r.state is KVPoll.WaitingForInput, r.failure
+    assert quiesced_for(acts, 11)  # nothing of this use went to session 11: the decode side may stop asking
+    assert Dropped("stale_room_failed") in acts
+
+
+def test_room_failed_from_another_engine_leaves_the_bound_room_alone():
+    r = room()
+    r.add_meta(DEC_B, 1, meta(DEC_B, 22), 1.0)
+    acts = r.on_room_failed(DEC_A, 11, "aborted", "earlier use", 2.0)
+    assert r.state is KVPoll.WaitingForInput, r.failure
+    assert Dropped("stale_room_failed") in acts
+
+
+def test_room_failed_of_the_bound_session_fails_the_room():
+    r = room()
+    r.add_meta(DEC_A, 1, meta(DEC_A, 22), 1.0)
+    r.on_room_failed(DEC_A, 22, "aborted", "aborted by the decode caller", 2.0)
+    assert r.state is KVPoll.Failed and r.failure_kind == "remote_aborted"
+
+
+def test_room_failed_before_any_metadata_fails_the_room_at_once():
+    r = room()  # the decode room failed before its metadata went out (tombstone)
+    r.on_room_failed(DEC_A, 22, "bootstrap", "lookup failed", 1.0)
+    assert r.state is KVPoll.Failed
+
+
+def test_session_of_an_earlier_use_never_fails_a_new_use():
+    first = room()
+    first.add_meta(DEC_A, 1, meta(DEC_A, 11), 1.0)
+    first.on_room_failed(DEC_A, 11, "aborted", "use 1", 2.0)
+    assert first.state is KVPoll.Failed and first.released
+    second = room(stale=first.sessions())
+    acts = second.on_room_failed(DEC_A, 11, "aborted", "use 1, retransmitted", 3.0)
+    assert second.state is KVPoll.Bootstrapping, second.failure
+    assert quiesced_for(acts, 11) and Dropped("stale_room_failed") in acts
+
+
+def test_parked_failure_applies_only_to_metadata_of_its_own_session():
+    # arrived before this sender existed: bound to the session it names, not to this use
+    r = room()
+    assert r.on_room_failed(DEC_A, 11, "aborted", "before the sender", 1.0, early=True) == []
+    assert r.state is KVPoll.Bootstrapping
+    r.add_meta(DEC_A, 1, meta(DEC_A, 22), 2.0)
+    assert r.state is KVPoll.WaitingForInput, r.failure
+
+    r = room()
+    r.on_room_failed(DEC_A, 22, "aborted", "before the sender", 1.0, early=True)
+    r.add_meta(DEC_A, 1, meta(DEC_A, 22), 2.0)
+    assert r.state is KVPoll.Failed and r.failure_kind == "remote_aborted"

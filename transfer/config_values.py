@@ -1,0 +1,83 @@
+"""Checks for configuration values, shared by explicit options and environment variables.
+
+Each check returns the value unchanged or raises ValueError naming the option (or variable):
+a bad value must never be replaced by a default or truncated into a different one.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from typing import Callable, TypeVar
+
+T = TypeVar("T")
+
+TRUE_WORDS = ("1", "true", "on", "yes")
+FALSE_WORDS = ("0", "false", "off", "no")
+FLAG_HELP = "use 1/true/on/yes or 0/false/off/no"
+
+
+def flag(name: str, value: object) -> bool:
+    """A bool, 0/1, or one of the flag words (case-insensitive)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, numbers.Integral) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        word = value.strip().lower()
+        if word in TRUE_WORDS:
+            return True
+        if word in FALSE_WORDS:
+            return False
+    raise ValueError(f"{name}={value!r}: {FLAG_HELP}")
+
+
+def count(name: str, value: object, lo: int = 1, hi: int | None = None) -> int:
+    """An int (not a bool, not a float) in lo..hi."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if value < lo or (hi is not None and value > hi):
+        raise ValueError(f"{name}={value!r} is outside {lo}..{hi if hi is not None else 'inf'}")
+    return int(value)
+
+
+def positive(name: str, value: object, hi: float = math.inf) -> float:
+    """A finite real number in (0, hi]."""
+    real(name, value)
+    if not (math.isfinite(value) and 0 < value <= hi):
+        bound = f"at most {hi:g}" if math.isfinite(hi) else "finite"
+        raise ValueError(f"{name}={value!r} must be > 0 and {bound}")
+    return value
+
+
+def real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return value
+
+
+def port(name: str, value: object) -> int:
+    """A TCP port, 0 (any free one) to 65535."""
+    return count(name, value, 0, 65535)
+
+
+def host_port(name: str, value: object) -> str:
+    """'host:port' with a port the server can actually listen on (1..65535)."""
+    if isinstance(value, str):
+        host, sep, num = value.rpartition(":")
+        if sep and host and num.isdigit() and 0 < int(num) < 65536:
+            return value
+    raise ValueError(f"{name} must be a 'host:port' string with port 1..65535, got {value!r}")
+
+
+def from_env(var: str, default: T, parse: Callable[[str], object], check: Callable[[str, object], T]) -> T:
+    """The variable parsed and checked under its own name; unset or empty: the default."""
+    raw = os.environ.get(var)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        val = parse(raw.strip())
+    except ValueError:
+        raise ValueError(f"{var}={raw!r} is not a valid value") from None
+    return check(var, val)
