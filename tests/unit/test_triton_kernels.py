@@ -332,3 +332,17 @@ def test_aot_compile_for_sm80_and_sm90(tmp_path):
     for r in rows:
         assert r["cubin_elf"] and r["cubin_bytes"] > 1000 and r["ptx_target"] and r["ptx_entry"], r
         assert r["store_bits"] == [bits[r["word"]]], r  # whole words, never narrower stores
+
+
+def test_cpu_workers_do_not_import_triton():
+    """The CPU product path (auto) never imports triton: rank processes stay light."""
+    code = ("import sys, torch\n"
+            "from kvstage.staging.kernels import make_gatherer, make_scatterer\n"
+            "from kvstage.staging.scatter_worker import ScatterWorker\n"
+            "from kvstage.staging.workers import TransferWorkers\n"
+            "make_gatherer('cpu'); make_scatterer('cpu')\n"
+            "print('triton' in sys.modules)\n")
+    env = {key: val for key, val in os.environ.items() if key != kernels.ENV_VAR}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "False"
