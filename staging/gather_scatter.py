@@ -240,6 +240,9 @@ class _Prepared:
         #: per tensor: [num_pages, page_size * heads * r] (whole-page rows)
         self.rows = [pv.view(P, -1) for pv in self.pages]
         self._sliced: dict[tuple[int, int], list[torch.Tensor]] = {}
+        #: data other implementations derive from this cache (the Triton address table), kept
+        #: and dropped with this entry
+        self.extras: dict[str, object] = {}
 
     def valid(self) -> bool:
         return all(t.data_ptr() == p for t, p in zip(self.cache.tensors, self.ptrs))

@@ -96,7 +96,9 @@ class StagingHandler:
         if nbytes <= 0:
             raise ValueError("staging memory must have a positive size")
         if self.device.type == "cuda":
-            return StagingBuffer.cuda(nbytes, self.device.index or 0)
+            # "cuda" without an index means the current device, as for torch tensors (not 0)
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            return StagingBuffer.cuda(nbytes, index)
         return StagingBuffer.host(nbytes)
 
     # -- prefill: decode peers' watermarks ----------------------------------------------------------

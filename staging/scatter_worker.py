@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .gather_scatter import Scatterer
+from .kernels import scatterer_class
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,8 @@ class ScatterWorker:
                  report: Report):
         self._k, self._v, self._page_size = list(k), (list(v) if v is not None else None), page_size
         self._report = report
+        # chosen here, not in the thread: a bad KVSTAGE_STAGING_KERNELS fails the caller
+        self._scatterer_class = scatterer_class(self._k[0].device)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvstage-scatter", daemon=True)
         self._thread.start()
@@ -47,7 +50,7 @@ class ScatterWorker:
         self._thread.join(timeout)
 
     def _run(self) -> None:
-        scatterer = Scatterer()
+        scatterer = self._scatterer_class()  # Triton kernels on CUDA, torch otherwise (staging/kernels.py)
         device = self._k[0].device
         while True:
             job = self._jobs.get()
@@ -61,7 +64,8 @@ class ScatterWorker:
 
     def _scatter(self, scatterer: Scatterer, job: ScatterJob, device: torch.device) -> tuple[bool, str | None]:
         try:
-            pages = torch.from_numpy(np.ascontiguousarray(job.pages, dtype=np.int64)).to(device)
+            # a CPU page list: the scatterer validates it on the host and uploads it once
+            pages = torch.from_numpy(np.ascontiguousarray(job.pages, dtype=np.int64))
             for view, heads in job.parts:
                 scatterer.scatter(view, self._k, self._v, pages, self._page_size, heads)
             if device.type == "cuda":

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .buffers import StagingBuffer
-from .gather_scatter import Gatherer
+from .kernels import gatherer_class
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,8 @@ class TransferWorkers:
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._k, self._v, self._page_size = list(k), (list(v) if v is not None else None), page_size
         self._submit, self._report = submit, report
+        # chosen here, not in the threads: a bad KVSTAGE_STAGING_KERNELS fails the caller
+        self._gatherer_class = gatherer_class(self._k[0].device)
         self._threads = [threading.Thread(target=self._run, args=(buf,), name=f"kvstage-xfer-{i}", daemon=True)
                          for i, buf in enumerate(buffers)]
         for t in self._threads:
@@ -69,7 +71,7 @@ class TransferWorkers:
             t.join(timeout)
 
     def _run(self, buf: StagingBuffer) -> None:
-        gatherer = Gatherer()
+        gatherer = self._gatherer_class()  # Triton kernels on CUDA, torch otherwise (staging/kernels.py)
         device = self._k[0].device
         while True:
             job = self._jobs.get()
@@ -77,7 +79,8 @@ class TransferWorkers:
                 return
             t0 = time.perf_counter()
             try:
-                pages = torch.from_numpy(np.ascontiguousarray(job.pages, dtype=np.int64)).to(device)
+                # a CPU page list: the gatherer validates it on the host and uploads it once
+                pages = torch.from_numpy(np.ascontiguousarray(job.pages, dtype=np.int64))
                 n = gatherer.gather(self._k, self._v, pages, self._page_size, job.heads, buf.tensor)
                 if device.type == "cuda":
                     torch.cuda.current_stream(device).synchronize()
