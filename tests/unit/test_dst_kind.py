@@ -2,14 +2,13 @@
 
 NIXL describes the destination of a write with a memory kind; a CPU -> GPU write described as
 DRAM is rejected. These tests record what arrives at the Backend interface: from BackendOwner,
-FaultyBackend, the transfer workers (staged) and the engine loop's direct and staged dispatch.
+FaultyBackend, the transfer workers (staged) and the engine's write queue (direct and staged).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections import defaultdict
 from types import SimpleNamespace
 
 import numpy as np
@@ -20,7 +19,7 @@ from kvstage.staging.workers import GatherJob, TransferWorkers
 from kvstage.transfer.backends import ArrivedTag, Backend, Registration, WriteHandle, WriteState
 from kvstage.transfer.backends.faults import FaultPlan, FaultyBackend
 from kvstage.transfer.engine.backend_owner import BackendOwner
-from kvstage.transfer.engine.loop import EngineLoop
+from kvstage.transfer.engine.write_queue import WriteQueue
 from kvstage.transfer.protocol.actions import PeerKey, WriteOp
 from kvstage.transfer.protocol.direct_ranges import CacheGeometry
 from kvstage.transfer.protocol.messages import KVMemory, RingInfo
@@ -124,9 +123,9 @@ def test_transfer_worker_submits_the_ring_kind_of_its_job():
     assert submitted == [("decode-0", "VRAM")]
 
 
-# ------------------------------------------------------------------ engine loop, with a stub self
+# ------------------------------------------------------------------ the engine's write queue, stand-in parts
 class RecordingOwner:
-    """Stands in for BackendOwner at the loop: records submit_write's dst_kind."""
+    """Stands in for BackendOwner at the write queue: records submit_write's dst_kind."""
 
     def __init__(self):
         self.kinds: list[str | None] = []
@@ -149,18 +148,17 @@ def _op(staged: bool) -> WriteOp:
                    dst_heads=(0, 1), nbytes=64, tag=b"tag", ring_start=0 if staged else -1)
 
 
-def _loop_stub(peer) -> SimpleNamespace:
+def _queue(peer) -> WriteQueue:
     geo = CacheGeometry((1 << 20, 1 << 21), page_size=2, token_stride=16, head_bytes=16)
-    stub = SimpleNamespace(
-        peers={11: peer}, geometry=geo, stats=Stats(), write_deadline={}, t=SimpleNamespace(write=5.0),
-        backend=RecordingOwner(), tags=SimpleNamespace(encode=lambda tag: tag), post=lambda ev: None,
-        waiting=defaultdict(list), rooms={7: SimpleNamespace(state=None)},
-        handler=SimpleNamespace(region_free=lambda inc, start, n: True),
-        workers=SimpleNamespace(jobs=[]))
-    stub.workers.submit = stub.workers.jobs.append
-    stub._peer_geometry = lambda p: geo
-    stub._dispatch_staged = lambda inc, now: EngineLoop._dispatch_staged(stub, inc, now)
-    return stub
+    ctx = SimpleNamespace(
+        geometry=geo, stats=Stats(), t=SimpleNamespace(write=5.0), backend=RecordingOwner(),
+        tags=SimpleNamespace(encode=lambda tag: tag), post=lambda ev: None,
+        layout=SimpleNamespace(page_size=2, head_bytes=16),
+        handler=SimpleNamespace(region_free=lambda inc, start, n: True))
+    book = SimpleNamespace(get={7: SimpleNamespace(state=None)}.get)
+    workers = SimpleNamespace(jobs=[])
+    workers.submit = workers.jobs.append
+    return WriteQueue(ctx, {11: peer}, book, workers)
 
 
 def _peer():
@@ -171,13 +169,13 @@ def _peer():
                            backend_name="decode-0", kv=kv, ring=ring)
 
 
-def test_loop_direct_write_carries_the_peer_kv_mem_kind():
-    stub = _loop_stub(_peer())
-    EngineLoop._post_write(stub, _op(staged=False), time.monotonic())
-    assert stub.backend.kinds == ["VRAM"]
+def test_direct_write_carries_the_peer_kv_mem_kind():
+    q = _queue(_peer())
+    q.post(_op(staged=False), time.monotonic())
+    assert q.ctx.backend.kinds == ["VRAM"]
 
 
-def test_loop_staged_job_carries_the_peer_ring_mem_kind():
-    stub = _loop_stub(_peer())
-    EngineLoop._post_write(stub, _op(staged=True), time.monotonic())
-    assert [(j.peer, j.dst_device, j.dst_kind) for j in stub.workers.jobs] == [("decode-0", 1, "VRAM")]
+def test_staged_job_carries_the_peer_ring_mem_kind():
+    q = _queue(_peer())
+    q.post(_op(staged=True), time.monotonic())
+    assert [(j.peer, j.dst_device, j.dst_kind) for j in q.workers.jobs] == [("decode-0", 1, "VRAM")]

@@ -8,7 +8,7 @@ A handle is meant for one caller thread at a time.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -16,8 +16,7 @@ import torch
 from ..poll import KVPoll
 from .events import Abort, InitReceiver, SendChunk
 
-if TYPE_CHECKING:
-    from .manager import KVManager
+Post = Callable[[Any], None]   # hands an event to the control thread; raises once the manager closed
 
 
 class RoomStatus:
@@ -74,8 +73,11 @@ def as_pages(pages: Any, limit: int, what: str, unique: bool) -> np.ndarray:
 
 
 class _Handle:
-    def __init__(self, mgr: "KVManager", room: int, role: str, status: RoomStatus):
-        self._mgr, self.room, self._role, self._status = mgr, room, role, status
+    """`post` and `cache_pages` come from the manager; a handle needs nothing else of it."""
+
+    def __init__(self, post: Post, cache_pages: int, room: int, role: str, status: RoomStatus):
+        self._post, self._cache_pages = post, cache_pages
+        self.room, self._role, self._status = room, role, status
 
     def poll(self) -> KVPoll:
         return self._status.snapshot()[0]
@@ -101,7 +103,7 @@ class _Handle:
 
     def abort(self) -> None:
         """Fail the request here and at its peers; resources are released once nothing can land."""
-        self._mgr._post(Abort(self._role, self.room))
+        self._post(Abort(self._role, self.room))
 
     def __repr__(self) -> str:
         state, failure, _, _ = self._status.snapshot()
@@ -111,8 +113,8 @@ class _Handle:
 class KVSender(_Handle):
     """Prefill side of one request: feed it chunk by chunk with send()."""
 
-    def __init__(self, mgr: "KVManager", room: int, num_pages: int, status: RoomStatus):
-        super().__init__(mgr, room, "prefill", status)
+    def __init__(self, post: Post, cache_pages: int, room: int, num_pages: int, status: RoomStatus):
+        super().__init__(post, cache_pages, room, "prefill", status)
         self.num_pages = num_pages
         self._sent = 0
         self._last = False
@@ -121,7 +123,7 @@ class KVSender(_Handle):
         """The next pages of the request (indices into this rank's cache, in request order)."""
         if self._last:
             raise ValueError(f"room {self.room}: send() after the last chunk")
-        arr = as_pages(pages, self._mgr.num_pages, f"room {self.room} send()", unique=False)
+        arr = as_pages(pages, self._cache_pages, f"room {self.room} send()", unique=False)
         if self._sent + arr.size > self.num_pages:
             raise ValueError(f"room {self.room}: {self._sent + arr.size} pages sent, the sender was created for "
                              f"{self.num_pages}")
@@ -130,14 +132,14 @@ class KVSender(_Handle):
                              f"has {self.num_pages}")
         self._sent += arr.size
         self._last = bool(last)
-        self._mgr._post(SendChunk(self.room, arr, bool(last)))
+        self._post(SendChunk(self.room, arr, bool(last)))
 
 
 class KVReceiver(_Handle):
     """Decode side of one request: give it the destination pages with init()."""
 
-    def __init__(self, mgr: "KVManager", room: int, prefill_engine: str, status: RoomStatus):
-        super().__init__(mgr, room, "decode", status)
+    def __init__(self, post: Post, cache_pages: int, room: int, prefill_engine: str, status: RoomStatus):
+        super().__init__(post, cache_pages, room, "decode", status)
         self.prefill_engine = prefill_engine
         self._inited = False
 
@@ -145,8 +147,8 @@ class KVReceiver(_Handle):
         """Page indices in this rank's cache for the whole request, in request order."""
         if self._inited:
             raise ValueError(f"room {self.room}: init() called twice")
-        arr = as_pages(dst_pages, self._mgr.num_pages, f"room {self.room} init()", unique=True)
+        arr = as_pages(dst_pages, self._cache_pages, f"room {self.room} init()", unique=True)
         if arr.size == 0:
             raise ValueError(f"room {self.room}: init() needs at least one page")
         self._inited = True
-        self._mgr._post(InitReceiver(self.room, arr))
+        self._post(InitReceiver(self.room, arr))

@@ -150,7 +150,7 @@ class KVManager:
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
             raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
         status = self._claim(room)
-        handle = KVSender(self, room, num_pages, status)
+        handle = KVSender(self._post, self.num_pages, room, num_pages, status)
         self._post(NewSender(room, num_pages, status))
         return handle
 
@@ -160,7 +160,7 @@ class KVManager:
         if not prefill_engine or not isinstance(prefill_engine, str):
             raise ValueError("prefill_engine must be a non-empty string")
         status = self._claim(room)
-        handle = KVReceiver(self, room, prefill_engine, status)
+        handle = KVReceiver(self._post, self.num_pages, room, prefill_engine, status)
         self._post(NewReceiver(room, secrets.randbits(32) | 1, prefill_engine, status))
         return handle
 
@@ -249,13 +249,11 @@ class KVManager:
 
 
 def _live_stats(loop: EngineLoop) -> dict:
-    out = {"rooms_active": len(loop.rooms),
-           "peers_connected": sum(p.state == "connected" for p in loop.peers.values())}
-    a = loop.handler.allocator
+    out = {"rooms_active": len(loop.rooms), "peers_connected": len(loop.peers.connected())}
+    a = loop.ctx.handler.allocator
     if a is not None:
         out.update(ring_bytes=a.size, ring_live_bytes=a.live_bytes, ring_live_regions=a.live_regions,
                    ring_occupied_bytes=a.occupied_bytes, ring_high_water_bytes=min(a.high_water, a.size),
                    ring_backlog_high_water_bytes=a.high_water)
-    out["staged_pieces_waiting"] = sum(len(q) for q in loop.waiting.values())
+    out["staged_pieces_waiting"] = len(loop.writes.staged)
     return out
-

@@ -1,0 +1,54 @@
+"""What every part of a rank's control thread shares, built once at start-up.
+
+The control plane is split by job (peers, frame routing, rooms, the write queue, the prefill
+and decode sides, liveness); each part keeps a reference to this one context instead of to the
+others, so the parts stay small and only the control thread ever touches them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from ...staging.handler import StagingHandler
+from ..config import EngineConfig, Timeouts
+from ..layout import KVBuffers, KVLayout, LayoutSummary
+from ..protocol.direct_ranges import CacheGeometry
+from ..protocol.tags import TagCodec
+from .backend_owner import BackendOwner
+from .control_socket import ControlSocket
+from .stats import Stats
+
+FINISHED_MEMORY = 65536    # finished rooms and lost peers remembered, for late messages about them
+
+
+@dataclass
+class EngineContext:
+    cfg: EngineConfig
+    layout: KVLayout
+    buffers: KVBuffers
+    me: int                       # this rank's incarnation
+    backend: BackendOwner
+    backend_name: str
+    identity: bytes
+    handler: StagingHandler
+    stats: Stats
+    sock: ControlSocket
+    tags: TagCodec
+    summary: LayoutSummary
+    geometry: CacheGeometry
+    post: Callable[[Any], None]   # hand an event to the control thread (any thread may call it)
+
+    @property
+    def role(self) -> str:
+        return self.cfg.role
+
+    @property
+    def t(self) -> Timeouts:
+        return self.cfg.timeouts
+
+
+def local_geometry(layout: KVLayout, buffers: KVBuffers) -> CacheGeometry:
+    device = (buffers.device.index or 0) if buffers.device.type == "cuda" else 0
+    return CacheGeometry(tuple(t.data_ptr() for t in buffers.tensors()), layout.page_size, layout.token_bytes,
+                         layout.head_bytes, device)

@@ -1,0 +1,265 @@
+"""Decode side: where a room's data comes from. Prefill engines looked up on the bootstrap
+server, connections to the ranks a room needs, and each room's plan once they all answered.
+
+Lookups run on short-lived threads (the bootstrap client blocks) and come back as LookupDone
+events. A room that fails before its metadata reached the prefill ranks leaves a tombstone,
+sent to them once they are reachable, so their senders fail at once rather than at their
+metadata deadline. The decisions themselves are pure (protocol/peering.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..poll import KVPoll
+from ..protocol import peering
+from ..protocol.actions import PeerKey
+from ..protocol.decode_room import DecodeRoom, WriterOffer, plan_room
+from ..protocol.leases import Lease
+from ..protocol.messages import Hello, HelloAck, KVMemory, RingInfo, RoomFailed, WatermarkUpdate
+from .context import EngineContext
+from .events import LookupDone
+from .peers import Peer, PeerTable
+from .rooms import RoomBook
+
+log = logging.getLogger("kvstage")
+
+
+@dataclass
+class EngineView:
+    """A prefill engine as the bootstrap server described it."""
+
+    engine_id: str
+    state: str = "lookup"              # lookup | ready | failed
+    records: list = field(default_factory=list)
+    error: str = ""
+    rooms: set = field(default_factory=set)          # rooms waiting for their plan
+    tombstones: list = field(default_factory=list)   # rooms that failed before their metadata went out
+
+
+class EnginePlanner:
+    def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook,
+                 lookup: Callable[[str, float], list]):
+        self.ctx, self.peers, self.book, self._lookup = ctx, peers, book, lookup
+        self.engines: dict[str, EngineView] = {}
+        self.engine_of: dict[int, str] = {}          # room -> prefill engine
+        self._fallback_logged: set[tuple[str, str]] = set()
+
+    # -- engines ----------------------------------------------------------------------------------
+    def engine(self, engine_id: str, now: float) -> EngineView:
+        """The engine's view, looking it up (again) when needed."""
+        view = self.engines.get(engine_id)
+        stale = view is not None and peering.records_stale((r.incarnation for r in view.records),
+                                                           self.peers.gone, self.peers.replaced)
+        if peering.needs_lookup(view.state if view is not None else None, stale):
+            view = EngineView(engine_id, rooms=view.rooms if view else set(),
+                              tombstones=view.tombstones if view else [])
+            self.engines[engine_id] = view
+            threading.Thread(target=self._do_lookup, args=(engine_id,), name="kvstage-lookup", daemon=True).start()
+        return view
+
+    def _do_lookup(self, engine_id: str) -> None:
+        try:
+            records = self._lookup(engine_id, self.ctx.t.bootstrap)
+            self.ctx.post(LookupDone(engine_id, list(records), None))
+        except Exception as exc:  # noqa: BLE001 - reported to the rooms waiting for it
+            self.ctx.post(LookupDone(engine_id, None, f"{type(exc).__name__}: {exc}"))
+
+    def on_lookup(self, ev: LookupDone, now: float) -> None:
+        view = self.engines.get(ev.engine_id)
+        if view is None:
+            return
+        state, records, error = peering.read_lookup(ev.engine_id, ev.records, ev.error)
+        view.state = state
+        if state == "ready":
+            view.records = records
+        else:
+            view.error = error
+        self.changed(ev.engine_id, now)
+
+    def changed(self, engine_id: str, now: float) -> None:
+        view = self.engines.get(engine_id)
+        if view is None:
+            return
+        for room_id in list(view.rooms):
+            self.try_plan(self.book.get(room_id), view, now)
+        self._flush_tombstones(view, now)
+
+    # -- rooms ------------------------------------------------------------------------------------
+    def add_room(self, room: DecodeRoom, engine_id: str, now: float) -> None:
+        self.engine_of[room.room] = engine_id
+        view = self.engine(engine_id, now)
+        view.rooms.add(room.room)
+        self.try_plan(room, view, now)
+
+    def try_plan(self, room: DecodeRoom | None, view: EngineView, now: float) -> None:
+        if room is None or room.plan is not None or room.state in (KVPoll.Success, KVPoll.Failed):
+            if room is not None:
+                view.rooms.discard(room.room)
+            return
+        if view.state == "failed":
+            view.rooms.discard(room.room)
+            return self.book.apply(room, room.on_plan_failed(
+                "bootstrap", f"looking up prefill engine {view.engine_id} failed: {view.error}", now))
+        if view.state != "ready":
+            return
+        try:
+            need = peering.needed_ranks(view.records[0].tp_size, self.ctx.layout)
+        except ValueError as exc:
+            view.rooms.discard(room.room)
+            return self.book.apply(room, room.on_plan_failed("layout", str(exc), now))
+        peers: dict[int, Peer] = {}
+        for rank in need.all:
+            peers[rank] = self.ensure_peer(view, rank, now)
+            if peers[rank].state == "rejected":
+                break  # no Hello to the rest: this room cannot be planned
+        gate, bad = peering.plan_gate({rank: p.state for rank, p in peers.items()})
+        if gate == "rejected":
+            view.rooms.discard(room.room)
+            self._tell_rejected(view, room, peers[bad].reason)
+            return self.book.apply(room, room.on_plan_failed(
+                "layout", f"prefill rank {bad} of {view.engine_id}: {peers[bad].reason}", now))
+        if gate == "wait":
+            return
+        view.rooms.discard(room.room)
+        ring, cfg = self.ctx.handler.allocator, self.ctx.cfg
+        plan = plan_room(self.ctx.layout, need.mapping,
+                         {w: WriterOffer(peers[w].key, peers[w].staging, peers[w].buffer_bytes) for w in need.writers},
+                         {n: peers[n].key for n in need.notices}, staging=bool(cfg.staging),
+                         ring_size=ring.size if ring else 0, ring_align=ring.align if ring else 1,
+                         piece_cap=int(cfg.staging_piece_mb * (1 << 20)), epoch=self.ctx.me)
+        if isinstance(plan, tuple):
+            return self.book.apply(room, room.on_plan_failed(*plan, now))
+        if cfg.staging and not plan.staged:
+            self._log_fallback(view.engine_id, need.mapping, [peers[w] for w in need.writers])
+        self.book.apply(room, room.on_plan(plan, now))
+
+    def _log_fallback(self, engine_id: str, mapping: Any, writers: list[Peer]) -> None:
+        why = peering.fallback_reason(self.ctx.handler.allocator is not None, self.ctx.layout.mla,
+                                      mapping.prefill_tp, mapping.decode_tp,
+                                      [p.key.tp_rank for p in writers if not p.staging])
+        if (engine_id, why) not in self._fallback_logged:
+            self._fallback_logged.add((engine_id, why))
+            log.info("direct path for rooms from %s: %s", engine_id, why)
+
+    def _tell_rejected(self, view: EngineView, room: DecodeRoom, reason: str) -> None:
+        """The prefill ranks of a room must fail too when the connection was refused."""
+        for rec in view.records:
+            peer = self.peers.of_rank(view.engine_id, rec.tp_rank)
+            if peer is not None:
+                self.ctx.sock.send(peer.endpoint, RoomFailed(
+                    src=self.ctx.me, dst=peer.key.incarnation, room=room.room, session=room.session, kind="layout",
+                    reason=f"decode rank {self.ctx.layout.tp_rank} refused: {reason}"))
+
+    def tombstone(self, room: DecodeRoom, kind: str, reason: str, now: float) -> None:
+        view = self.engines.get(self.engine_of.get(room.room, ""))
+        if view is not None:
+            view.rooms.discard(room.room)
+            view.tombstones.append((room.room, room.session, kind, reason, now))
+            self._flush_tombstones(view, now)
+
+    def _flush_tombstones(self, view: EngineView, now: float) -> None:
+        if not view.tombstones:
+            return
+        if view.state == "failed":
+            view.tombstones.clear()
+            return
+        if view.state != "ready":
+            return
+        need = peering.needed_ranks(view.records[0].tp_size, self.ctx.layout)
+        keep = []
+        for room_id, session, kind, reason, since in view.tombstones:
+            if now - since > self.ctx.t.metadata:
+                continue
+            waiting = False
+            for rank in need.all:
+                peer = self.ensure_peer(view, rank, now)
+                if peer.state == "connected":
+                    self.peers.send(peer.key, RoomFailed(src=self.ctx.me, dst=peer.key.incarnation, room=room_id,
+                                                         session=session, kind=kind, reason=reason))
+                elif peer.state == "connecting":
+                    waiting = True
+            if waiting:
+                keep.append((room_id, session, kind, reason, since))
+        view.tombstones = keep
+
+    # -- connections ------------------------------------------------------------------------------
+    def ensure_peer(self, view: EngineView, rank: int, now: float) -> Peer:
+        rec = view.records[rank]
+        peer = self.peers.of_rank(view.engine_id, rank)
+        if peer is not None and peering.reuse_peer(peer.key.incarnation, peer.state, rec.incarnation):
+            return peer
+        peer = Peer(PeerKey(view.engine_id, rank, rec.incarnation), "prefill", rec.tp_size, rec.ctrl_endpoint,
+                    Lease(self.ctx.t.lease, now), since=now)
+        self.peers.add(peer, now)
+        self.ctx.sock.send(peer.endpoint, self._hello())
+        return peer
+
+    def _hello(self) -> Hello:
+        ctx = self.ctx
+        b = ctx.buffers
+        kv = KVMemory(k_addrs=[t.data_ptr() for t in b.k], v_addrs=[t.data_ptr() for t in b.v] if b.v is not None
+                      else [], num_pages=b.num_pages, page_stride=ctx.layout.page_bytes,
+                      token_stride=ctx.layout.token_bytes, mem_kind="VRAM" if b.device.type == "cuda" else "DRAM",
+                      device=ctx.geometry.device)
+        ring = None
+        if ctx.handler.ring is not None:
+            r = ctx.handler.ring
+            ring = RingInfo(addr=r.addr, size=ctx.handler.allocator.size, epoch=ctx.me, mem_kind=r.kind,
+                            device=r.device)
+        return Hello(src=ctx.me, engine_id=ctx.cfg.engine_id, role=ctx.role, tp_size=ctx.layout.tp_size,
+                     tp_rank=ctx.layout.tp_rank, ctrl_endpoint=ctx.sock.endpoint, backend=ctx.cfg.backend,
+                     backend_identity=ctx.identity, layout=ctx.summary, kv=kv, ring=ring,
+                     staging=bool(ctx.cfg.staging and ring is not None), lease_s=ctx.t.lease)
+
+    def on_HelloAck(self, peer: Peer, msg: HelloAck, now: float) -> None:
+        if peer.state != "connecting":
+            return
+        if not msg.ok:
+            peer.state, peer.reason = "rejected", msg.reason
+            log.error("prefill rank %s refused the connection: %s", peer.key, msg.reason)
+            return self.changed(peer.key.engine_id, now)
+        self.peers.connected_via(peer, msg.backend_name)
+        peer.staging, peer.buffer_bytes = msg.staging, msg.buffer_bytes
+        if self.peers.came_back(peer.key.incarnation):
+            log.info("prefill rank %s reconnected after it was lost", peer.key)
+        allocator = self.ctx.handler.allocator
+        if allocator is not None and peer.staging:
+            wm = allocator.watermark  # a new subscriber gets the watermark at once
+            self.peers.send(peer.key, WatermarkUpdate(src=self.ctx.me, dst=peer.key.incarnation, epoch=self.ctx.me,
+                                                      round=wm.round, tail=wm.tail))
+        self.changed(peer.key.engine_id, now)
+
+    def connect_failed(self, peer: Peer, now: float) -> None:
+        """Rooms keep waiting (the rank may be restarting): look the engine up again; each room
+        gives up at its own plan deadline (see plan_deadlines)."""
+        reason = f"no answer from prefill rank {peer.key.tp_rank} at {peer.endpoint} within {self.ctx.t.connect:g} s"
+        log.warning("connecting to %s failed: %s", peer.key, reason)
+        view = self.engines.get(peer.key.engine_id)
+        self.peers.lost(peer, reason, now)
+        if view is not None:
+            view.error = reason
+            if view.rooms or view.tombstones:
+                self.engine(peer.key.engine_id, now)
+
+    def peer_lost(self, peer: Peer, now: float) -> None:
+        view = self.engines.get(peer.key.engine_id)
+        if view is not None and view.rooms:
+            self.engine(peer.key.engine_id, now)  # look the engine up again for rooms still waiting
+
+    def plan_deadlines(self, now: float) -> None:
+        """Rooms that could not reach their prefill ranks in time fail, saying why."""
+        limit = self.ctx.t.bootstrap + self.ctx.t.connect
+        for view in self.engines.values():
+            for room_id in list(view.rooms):
+                room = self.book.get(room_id)
+                if room is None:
+                    view.rooms.discard(room_id)
+                elif now - room.created > limit:
+                    view.rooms.discard(room_id)
+                    why = view.error or f"prefill engine {view.engine_id} not ready"
+                    self.book.apply(room, room.on_plan_failed(
+                        "connect", f"no connection to the prefill ranks of this room within {limit:g} s: {why}", now))

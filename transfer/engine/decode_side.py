@@ -1,0 +1,192 @@
+"""The decode half of a rank: receivers, what prefill ranks say about rooms, the tagged
+notifications of landed writes, scatters from the staging ring, and the ring's watermark.
+
+While a room is Transferring this rank polls the backend eagerly (`backend.expecting`), so
+notifications are seen within microseconds; planning (which prefill ranks, which path) lives
+in decode_planning.py.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from ...staging.scatter_worker import ScatterJob, ScatterWorker
+from ..poll import KVPoll
+from ..protocol.actions import Scatter, StatusChanged
+from ..protocol.decode_room import DecodeRoom
+from ..protocol.messages import (AllocRequest, Heartbeat, Hello, HelloAck, MetaAck, Quiesced, RoomDone, RoomFailed,
+                                 WatermarkUpdate, WriterDone)
+from ..protocol.tags import Tag
+from .context import EngineContext
+from .decode_planning import EnginePlanner
+from .events import Abort, InitReceiver, LookupDone, NewReceiver, ScatterDone
+from .peers import Peer, PeerTable
+from .rooms import RoomBook
+
+
+class DecodeSide:
+    writes_to_peers = False   # only prefill ranks write; a decode rank's leases are liveness only
+
+    def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook, lookup: Callable[[str, float], list]):
+        self.ctx, self.peers, self.book = ctx, peers, book
+        self.planner = EnginePlanner(ctx, peers, book, lookup)
+        self.scatterer: ScatterWorker | None = None
+        self.eager_rooms: set[int] = set()
+        self.handlers = {HelloAck: self.planner.on_HelloAck, MetaAck: self.on_MetaAck,
+                         AllocRequest: self.on_AllocRequest, WriterDone: self.on_WriterDone,
+                         Quiesced: self.on_Quiesced, RoomFailed: self.on_RoomFailed}
+        self.events = {NewReceiver: self.new_receiver, InitReceiver: self.init_receiver, Abort: self.abort,
+                       ScatterDone: self.on_scattered, LookupDone: self.planner.on_lookup}
+
+    def on_hello(self, msg: Hello, now: float) -> None:
+        self.ctx.stats.count("dropped_messages", "unexpected")  # decode ranks connect, they are not connected to
+
+    def on_heartbeat(self, peer: Peer, msg: Heartbeat, now: float) -> None:
+        pass
+
+    # -- the caller's events --------------------------------------------------------------------
+    def new_receiver(self, ev: NewReceiver, now: float) -> None:
+        room = DecodeRoom(ev.room, ev.session, self.ctx.me, self.ctx.layout, now, self.ctx.t)
+        self.book.add(room, ev.status)
+        self.planner.add_room(room, ev.prefill_engine, now)
+
+    def init_receiver(self, ev: InitReceiver, now: float) -> None:
+        room = self.book.get(ev.room)
+        if room is not None:
+            self.book.apply(room, room.init(ev.pages, now))
+
+    def abort(self, ev: Abort, now: float) -> None:
+        room = self.book.get(ev.room)
+        if room is not None:
+            self.book.apply(room, room.abort(self.ctx.handler.allocator, now))
+
+    def on_scattered(self, ev: ScatterDone, now: float) -> None:
+        room = self.book.get(ev.room)
+        if room is not None:
+            self.book.apply(room, room.on_scattered(ev.key, ev.ok, ev.reason, self.ctx.handler.allocator, now))
+
+    # -- messages about rooms -------------------------------------------------------------------
+    def on_MetaAck(self, peer: Peer, msg: MetaAck, now: float) -> None:
+        room = self.book.get(msg.room)
+        if room is not None:
+            room.on_meta_ack(peer.key, msg.session)
+
+    def on_AllocRequest(self, peer: Peer, msg: AllocRequest, now: float) -> None:
+        room = self.book.get(msg.room)
+        a = self.ctx.handler.allocator
+        if room is not None and a is not None:
+            self.book.apply(room, room.on_alloc_request(peer.key, msg, a, now))
+            self.ctx.stats.maximum("ring_high_water_bytes", min(a.high_water, a.size))
+            self.ctx.stats.maximum("ring_backlog_high_water_bytes", a.high_water)
+        elif room is None:
+            self._answer_finished(peer, msg.room, msg.session)
+
+    def on_WriterDone(self, peer: Peer, msg: WriterDone, now: float) -> None:
+        room = self.book.get(msg.room)
+        if room is not None:
+            self.book.apply(room, room.on_writer_done(peer.key, msg, now))
+        else:
+            self._answer_finished(peer, msg.room, msg.session)
+
+    def on_Quiesced(self, peer: Peer, msg: Quiesced, now: float) -> None:
+        room = self.book.get(msg.room)
+        if room is not None:
+            self.book.apply(room, room.on_quiesced(peer.key, msg.session, self.ctx.handler.allocator, now))
+
+    def on_RoomFailed(self, peer: Peer, msg: RoomFailed, now: float) -> None:
+        room = self.book.get(msg.room)
+        if room is not None:
+            self.book.apply(room, room.on_room_failed(peer.key, msg.session, msg.kind, msg.reason, now))
+
+    def _answer_finished(self, peer: Peer, room_id: int, session: int) -> None:
+        """A writer still asks about a room that is over here: repeat the outcome."""
+        done = self.book.finished.get(room_id)
+        if done is None:
+            self.ctx.stats.count("dropped_messages", "unknown_room")
+            return
+        state, kind, why = done
+        me, dst = self.ctx.me, peer.key.incarnation
+        if state is KVPoll.Success:
+            self.peers.send(peer.key, RoomDone(src=me, dst=dst, room=room_id, session=session))
+        else:
+            self.peers.send(peer.key, RoomFailed(src=me, dst=dst, room=room_id, session=session, kind=kind, reason=why))
+
+    # -- landed writes, scatters, the watermark ---------------------------------------------------
+    def on_tag(self, peer: Peer, tag: Tag, now: float) -> None:
+        room = self.book.get(tag.room)
+        if room is None:
+            self.ctx.stats.count("dropped_tags", "finished_room")
+            return
+        verdict, actions = room.on_tag(peer.key, tag, now)
+        if verdict == "ok":
+            self.ctx.stats.add("bytes_received", tag.nbytes)
+            self.ctx.stats.add("tags_received")
+        else:
+            self.ctx.stats.count("dropped_tags", verdict)
+        self.book.apply(room, actions)
+
+    def scatter(self, s: Scatter) -> None:
+        parts = tuple((self.ctx.handler.ring_view(p.region_offset, p.nbytes), p.dst_heads) for p in s.parts)
+        self.scatterer.submit(ScatterJob(s.room, s.key, s.dst_pages, parts))
+
+    def scatter_report(self, room: int, key: tuple, ok: bool, reason: str | None, seconds: float) -> None:
+        """From the scatter worker thread."""
+        self.ctx.stats.add("scatter_s", seconds)
+        self.ctx.post(ScatterDone(room, key, ok, reason))
+
+    def publish_watermark(self) -> None:
+        a = self.ctx.handler.allocator
+        wm = a.watermark
+        self.ctx.stats.set("ring_live_bytes", a.live_bytes)
+        for peer in self.peers.connected():
+            if peer.staging:
+                self.peers.send(peer.key, WatermarkUpdate(src=self.ctx.me, dst=peer.key.incarnation, epoch=self.ctx.me,
+                                                          round=wm.round, tail=wm.tail))
+
+    # -- hooks: rooms, peers, time, closing -----------------------------------------------------
+    def status_changed(self, room: DecodeRoom, a: StatusChanged) -> None:
+        eager = a.state is KVPoll.Transferring
+        if eager and room.room not in self.eager_rooms:
+            self.eager_rooms.add(room.room)
+            self.ctx.backend.expecting += 1
+        elif not eager and room.room in self.eager_rooms:
+            self._not_eager(room.room)
+        if a.state is KVPoll.Failed and not room.meta_sent and a.failure_kind not in ("layout",):
+            self.planner.tombstone(room, a.failure_kind or "failed", a.failure or "", time.monotonic())
+
+    def released(self, room: DecodeRoom) -> None:
+        self.planner.engine_of.pop(room.room, None)
+        if room.room in self.eager_rooms:
+            self._not_eager(room.room)
+
+    def _not_eager(self, room_id: int) -> None:
+        self.eager_rooms.discard(room_id)
+        self.ctx.backend.expecting -= 1
+
+    def forget_finished(self, room_id: int) -> None:
+        pass
+
+    def peer_lost(self, peer: Peer, reason: str, now: float, clean: bool) -> None:
+        quarantine = 0.0 if clean else self.ctx.t.quarantine_for(self.ctx.cfg.backend)
+        for room in list(self.book.rooms.values()):
+            self.book.apply(room, room.on_peer_lost(peer.key, reason, self.ctx.handler.allocator, now, quarantine))
+        self.planner.peer_lost(peer, now)
+
+    def connect_failed(self, peer: Peer, now: float) -> None:
+        self.planner.connect_failed(peer, now)
+
+    def tick_rooms(self, now: float) -> None:
+        for room in list(self.book.rooms.values()):
+            self.book.apply(room, room.tick(self.ctx.handler.allocator, now))
+
+    def tick(self, now: float) -> None:
+        self.planner.plan_deadlines(now)
+
+    def closing(self, room: DecodeRoom, now: float) -> list:
+        return (room.fail("closed", "the kvstage manager is closing", now)
+                + room.abort(self.ctx.handler.allocator, now))
+
+    def stuck_rooms(self) -> list[int]:
+        """Rooms an internal error may leave stuck: those waiting for the backend's notifications."""
+        return [r for r in self.book.rooms if r in self.eager_rooms]

@@ -1,0 +1,55 @@
+"""Liveness of the connections: heartbeats out, leases in, goodbyes, and what happens when a
+peer stays silent or never answers.
+
+Each connected peer has a Lease (protocol/leases.py): heard from within the lease, or lost. A
+prefill rank also stops writing to a decode rank whose acknowledgements stopped, since its
+memory may have been handed to someone else by now.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..protocol.messages import Goodbye, Heartbeat
+from .context import EngineContext
+from .peers import Peer, PeerTable
+
+
+class Liveness:
+    def __init__(self, ctx: EngineContext, peers: PeerTable, side: Any):
+        self.ctx, self.peers, self.side = ctx, peers, side
+        self._next_heartbeat = 0.0
+        self.handlers = {Heartbeat: self.on_Heartbeat, Goodbye: self.on_Goodbye}
+
+    def on_Heartbeat(self, peer: Peer, msg: Heartbeat, now: float) -> None:
+        peer.lease.on_heartbeat(msg.seq, msg.ack, now)
+        self.side.on_heartbeat(peer, msg, now)
+
+    def on_Goodbye(self, peer: Peer, msg: Goodbye, now: float) -> None:
+        self.peers.lost(peer, f"it said goodbye: {msg.reason or 'closing'}", now, tell=False, clean=msg.clean)
+
+    def tick(self, now: float) -> None:
+        t = self.ctx.t
+        for peer in list(self.peers.peers.values()):
+            if peer.state == "connecting" and now - peer.since > t.connect:
+                self.side.connect_failed(peer, now)
+            elif peer.state == "connected":
+                if not peer.lease.alive(now):
+                    self.peers.lost(peer, f"silent for {t.lease:g} s (lease expired)", now)
+                elif self.side.writes_to_peers and not peer.lease.may_write(now):
+                    self.peers.lost(peer, "its acknowledgements stopped (write lease expired)", now)
+        if now >= self._next_heartbeat:
+            self._next_heartbeat = now + t.heartbeat
+            self._heartbeats(now)
+
+    def _heartbeats(self, now: float) -> None:
+        """Decode ranks with a ring piggyback its watermark, so a lost WatermarkUpdate costs at
+        most one heartbeat interval."""
+        allocator = self.ctx.handler.allocator
+        wm = allocator.watermark if allocator is not None else None
+        for peer in self.peers.connected():
+            seq, ack = peer.lease.next_heartbeat(now)
+            extra = {}
+            if wm is not None and peer.staging:
+                extra = {"wm_epoch": self.ctx.me, "wm_round": wm.round, "wm_tail": wm.tail}
+            self.peers.send(peer.key, Heartbeat(src=self.ctx.me, dst=peer.key.incarnation, seq=seq, ack=ack, **extra))

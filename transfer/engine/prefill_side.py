@@ -1,0 +1,234 @@
+"""The prefill half of a rank: decode ranks connecting, senders, and what decode ranks say
+about rooms (metadata, ring grants, watermarks, outcomes).
+
+Messages about a room can arrive before the caller created its sender; they are parked (up to
+the metadata timeout) and handed to the sender when it appears, marked early so a failure
+that belongs to an earlier use of the same room id cannot fail this one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import defaultdict
+from typing import Any
+
+from ...staging.ring import Watermark
+from ..poll import KVPoll
+from ..protocol.actions import PeerKey, Scatter
+from ..protocol.leases import Lease
+from ..protocol.messages import (AllocGrant, Heartbeat, Hello, HelloAck, MetaAck, Quiesced, RoomDone, RoomFailed,
+                                 RoomMeta, WatermarkUpdate)
+from ..protocol.prefill_room import PrefillRoom
+from .context import EngineContext
+from .events import Abort, NewSender, SendChunk
+from .peers import Peer, PeerTable
+from .rooms import RoomBook
+from .write_queue import WriteQueue
+
+log = logging.getLogger("kvstage")
+
+_OP_IDS = itertools.count(1)  # write ids, unique in the process
+MAX_PENDING_ROOMS = 65536
+
+
+class PrefillSide:
+    writes_to_peers = True   # a peer whose write lease ran out is lost
+
+    def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook, writes: WriteQueue):
+        self.ctx, self.peers, self.book, self.writes = ctx, peers, book, writes
+        self.served: dict[int, frozenset] = {}          # room that succeeded -> its (decode incarnation, session)s
+        self.used_sessions: dict[int, frozenset] = {}   # finished room -> its sessions (stale for the next use)
+        self.pending: dict[int, list] = defaultdict(list)  # room -> messages that came before its sender
+        self.pending_since: dict[int, float] = {}
+        self.handlers = {RoomMeta: self.on_RoomMeta, AllocGrant: self.on_AllocGrant,
+                         WatermarkUpdate: self.on_WatermarkUpdate, RoomDone: self.on_RoomDone,
+                         RoomFailed: self.on_RoomFailed}
+        self.events = {NewSender: self.new_sender, SendChunk: self.send_chunk, Abort: self.abort}
+
+    # -- the connection handshake ---------------------------------------------------------------
+    def on_hello(self, msg: Hello, now: float) -> None:
+        """A decode rank connects."""
+        ctx = self.ctx
+        if msg.role != "decode" or msg.dst not in (0, ctx.me):
+            ctx.stats.count("dropped_messages", "unexpected")
+            return
+        key = PeerKey(msg.engine_id, msg.tp_rank, msg.src)
+        old = self.peers.get(msg.src)
+        if old is not None and old.state == "connected":
+            return self._send_ack(old, True, "")  # a retried Hello: ack again
+        if msg.src in self.peers.replaced:
+            ctx.stats.count("dropped_messages", "stale_peer")
+            return
+        if self.peers.came_back(msg.src):
+            log.info("decode rank %s reconnects after it was lost", key)
+        peer = Peer(key, "decode", msg.tp_size, msg.ctrl_endpoint, Lease(ctx.t.lease, now), kv=msg.kv,
+                    ring=msg.ring, since=now)
+        self.peers.add(peer, now)
+        problems = ctx.summary.mismatches(msg.layout)
+        if msg.backend != ctx.cfg.backend:
+            problems.append(f"backend: {ctx.cfg.backend!r} here vs {msg.backend!r} at peer")
+        if not problems:
+            try:
+                peer.backend_name = ctx.backend.call(lambda b: b.connect(msg.backend_identity))
+            except Exception as exc:  # noqa: BLE001
+                problems.append(f"backend connect failed: {exc}")
+        if problems:
+            peer.state, peer.reason = "rejected", "; ".join(problems)
+            log.error("rejecting decode rank %s: %s", key, peer.reason)
+            ctx.stats.count("failures_by_kind", "layout" if not peer.backend_name else "connect")
+            return self._send_ack(peer, False, peer.reason)
+        self.peers.connected_via(peer, peer.backend_name)
+        ctx.backend.fence(peer.backend_name, peer.lease.fence_base + peer.lease.lease_s)
+        peer.staging = bool(msg.staging and msg.ring is not None and ctx.handler.buffers)
+        if peer.staging:
+            ctx.handler.subscribe(key.incarnation, msg.ring.epoch, msg.ring.size)
+        elif ctx.cfg.staging:
+            log.info("staging off towards decode rank %s: %s", key,
+                     "it has no staging ring" if msg.ring is None or not msg.staging else "no staging buffers here")
+        self._send_ack(peer, True, "")
+
+    def _send_ack(self, peer: Peer, ok: bool, reason: str) -> None:
+        ctx = self.ctx
+        ctx.sock.send(peer.endpoint, HelloAck(
+            src=ctx.me, dst=peer.key.incarnation, ok=ok, reason=reason, engine_id=ctx.cfg.engine_id,
+            tp_size=ctx.layout.tp_size, tp_rank=ctx.layout.tp_rank, backend_name=ctx.backend_name,
+            staging=bool(ok and peer.staging), buffer_bytes=ctx.handler.buffer_bytes, lease_s=ctx.t.lease))
+
+    def on_tag(self, peer: Peer, tag: Any, now: float) -> None:
+        """Only decode ranks are written to: a confused or forged peer."""
+        self.ctx.stats.count("dropped_tags", "tag_at_prefill_rank")
+
+    def on_heartbeat(self, peer: Peer, msg: Heartbeat, now: float) -> None:
+        """A heartbeat renews the write fence and may carry the decode ring's watermark."""
+        if not peer.backend_name:
+            return
+        self.ctx.backend.fence(peer.backend_name, peer.lease.fence_base + peer.lease.lease_s)
+        if msg.wm_epoch and self.ctx.handler.on_watermark(peer.key.incarnation, msg.wm_epoch,
+                                                          Watermark(msg.wm_round, msg.wm_tail)):
+            self.writes.dispatch(peer.key.incarnation, now)
+
+    # -- the caller's events --------------------------------------------------------------------
+    def new_sender(self, ev: NewSender, now: float) -> None:
+        room = PrefillRoom(ev.room, ev.num_pages, self.ctx.layout, self.ctx.me, now, self.ctx.t, _OP_IDS,
+                           stale=self.used_sessions.pop(ev.room, frozenset()))
+        self.book.add(room, ev.status)
+        self.served.pop(ev.room, None)
+        for item in self.pending.pop(ev.room, []):
+            self._item(room, item, now, early=True)  # parked before this use: bound by session
+        self.pending_since.pop(ev.room, None)
+
+    def send_chunk(self, ev: SendChunk, now: float) -> None:
+        room = self.book.get(ev.room)
+        if room is not None:
+            self.book.apply(room, room.add_chunk(ev.pages, ev.last, now))
+
+    def abort(self, ev: Abort, now: float) -> None:
+        room = self.book.get(ev.room)
+        if room is not None:
+            self.book.apply(room, room.abort(now))
+
+    # -- messages about rooms -------------------------------------------------------------------
+    def _input(self, room_id: int, item: tuple, now: float) -> None:
+        room = self.book.get(room_id)
+        if room is not None:
+            return self._item(room, item, now)
+        kind, key, msg = item
+        me = self.ctx.me
+        if kind == "failed":
+            # nothing of ours for this room is in flight to that peer (finished, or never started):
+            # say so, in case an earlier Quiesced was lost
+            self.peers.send(key, Quiesced(src=me, dst=key.incarnation, room=room_id, session=msg.session))
+        if room_id in self.book.finished:
+            if kind == "meta" and (key.incarnation, msg.session) in self.served.get(room_id, ()):
+                pass  # a late retransmission of metadata this room already served (and acked): no news
+            elif kind == "meta":  # the decode side must not wait for a room that is over here
+                _, kind_, why = self.book.finished[room_id]
+                self.peers.send(key, RoomFailed(src=me, dst=key.incarnation, room=room_id, session=msg.session,
+                                                kind=kind_, reason=f"the prefill sender of this room has finished: "
+                                                                   f"{why}"))
+                self.peers.send(key, Quiesced(src=me, dst=key.incarnation, room=room_id, session=msg.session))
+            self.ctx.stats.count("dropped_messages", "finished_room")
+            return
+        if len(self.pending) >= MAX_PENDING_ROOMS and room_id not in self.pending:
+            self.ctx.stats.count("dropped_messages", "too_many_pending_rooms")
+            return
+        self.pending[room_id].append(item)
+        self.pending_since.setdefault(room_id, now)
+
+    def _item(self, room: PrefillRoom, item: tuple, now: float, early: bool = False) -> None:
+        kind, key, msg = item
+        if kind == "meta":
+            peer = self.peers.get(key.incarnation)
+            if peer is None or peer.state != "connected":
+                return
+            self.book.apply(room, room.add_meta(key, peer.tp_size, msg, now))
+        else:
+            self.book.apply(room, room.on_room_failed(key, msg.session, msg.kind, msg.reason, now, early=early))
+
+    def on_RoomMeta(self, peer: Peer, msg: RoomMeta, now: float) -> None:
+        self._input(msg.room, ("meta", peer.key, msg), now)  # the write goes out first
+        self.peers.send(peer.key, MetaAck(src=self.ctx.me, dst=peer.key.incarnation, room=msg.room,
+                                          session=msg.session))
+
+    def on_AllocGrant(self, peer: Peer, msg: AllocGrant, now: float) -> None:
+        room = self.book.get(msg.room)
+        if room is not None:
+            self.book.apply(room, room.on_grant(peer.key, msg, now))
+
+    def on_WatermarkUpdate(self, peer: Peer, msg: WatermarkUpdate, now: float) -> None:
+        if self.ctx.handler.on_watermark(peer.key.incarnation, msg.epoch, Watermark(msg.round, msg.tail)):
+            self.writes.dispatch(peer.key.incarnation, now)
+
+    def on_RoomDone(self, peer: Peer, msg: RoomDone, now: float) -> None:
+        room = self.book.get(msg.room)
+        if room is not None:
+            self.book.apply(room, room.on_room_done(peer.key, msg.session, now))
+
+    def on_RoomFailed(self, peer: Peer, msg: RoomFailed, now: float) -> None:
+        """Also for a peer whose connection was refused: its rooms fail here too."""
+        self._input(msg.room, ("failed", peer.key, msg), now)
+
+    # -- hooks: rooms, peers, time, closing -----------------------------------------------------
+    def status_changed(self, room: Any, a: Any) -> None:
+        pass
+
+    def released(self, room: PrefillRoom) -> None:
+        if room.state is KVPoll.Success:
+            self.served[room.room] = frozenset((f.peer.incarnation, f.session) for f in room.flows.values())
+        self.used_sessions[room.room] = room.sessions()
+
+    def forget_finished(self, room_id: int) -> None:
+        self.served.pop(room_id, None)
+        self.used_sessions.pop(room_id, None)
+
+    def scatter(self, a: Scatter) -> None:
+        raise RuntimeError("a prefill room asked for a scatter")
+
+    def publish_watermark(self) -> None:
+        raise RuntimeError("a prefill room asked to publish a watermark")
+
+    def peer_lost(self, peer: Peer, reason: str, now: float, clean: bool) -> None:
+        for room in list(self.book.rooms.values()):
+            self.book.apply(room, room.on_peer_lost(peer.key, reason, now))
+
+    def connect_failed(self, peer: Peer, now: float) -> None:
+        self.peers.lost(peer, "no answer to the connection", now)  # decode ranks connect to us: not reached
+
+    def tick_rooms(self, now: float) -> None:
+        for room in list(self.book.rooms.values()):
+            self.book.apply(room, room.tick(now))
+
+    def tick(self, now: float) -> None:
+        for room_id, since in list(self.pending_since.items()):
+            if now - since > self.ctx.t.metadata:
+                self.pending.pop(room_id, None)
+                del self.pending_since[room_id]
+                self.ctx.stats.count("dropped_messages", "meta_without_sender")
+
+    def closing(self, room: PrefillRoom, now: float) -> list:
+        return room.fail("closed", "the kvstage manager is closing", now)
+
+    def stuck_rooms(self) -> list[int]:
+        """Rooms an internal error may leave stuck: those with writes in flight."""
+        return [r for r, room in self.book.rooms.items() if room.ops]

@@ -1,0 +1,94 @@
+"""The rooms (requests) of this rank and the carrying out of their state machines' actions.
+
+Every room state machine returns actions; `RoomBook.apply` is where they happen: messages go
+to peers, writes to the write queue, scatters and watermarks to the decode side, and statuses
+to the caller's handle. A released room is remembered for a while (`finished`) so late
+messages about it get a true answer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from typing import Any
+
+from ..poll import KVPoll
+from ..protocol.actions import Dropped, PostWrite, PublishWatermark, Released, Scatter, Send, StatusChanged
+from .context import FINISHED_MEMORY, EngineContext
+from .peers import PeerTable
+
+log = logging.getLogger("kvstage")
+
+
+class RoomBook:
+    """`side` (the role's half) gets scatter(), publish_watermark(), status_changed(),
+    released() and forget_finished(); `writes` (the write queue) gets post() and
+    cancel_room(). Both are set once by the engine loop."""
+
+    def __init__(self, ctx: EngineContext, peers: PeerTable):
+        self.ctx, self.peers = ctx, peers
+        self.rooms: dict[int, Any] = {}
+        self.status: dict[int, Any] = {}
+        self.finished: OrderedDict[int, tuple[KVPoll, str, str]] = OrderedDict()  # room -> (state, kind, reason)
+        self.side: Any = None
+        self.writes: Any = None
+
+    def get(self, room_id: int) -> Any:
+        return self.rooms.get(room_id)
+
+    def add(self, room: Any, status: Any) -> None:
+        self.rooms[room.room] = room
+        self.status[room.room] = status
+        self.finished.pop(room.room, None)
+
+    def apply(self, room: Any, actions: list) -> None:
+        failed = False
+        for a in actions:
+            if isinstance(a, Send):
+                self.peers.send(a.peer, a.msg)
+            elif isinstance(a, PostWrite):
+                self.writes.post(a.op, time.monotonic())
+            elif isinstance(a, Scatter):
+                self.side.scatter(a)
+            elif isinstance(a, PublishWatermark):
+                self.side.publish_watermark()
+            elif isinstance(a, StatusChanged):
+                self._status_changed(room, a)
+                failed |= a.state is KVPoll.Failed and not a.released
+            elif isinstance(a, Released):
+                self._released(room)
+            elif isinstance(a, Dropped):
+                self.ctx.stats.count("dropped_messages", a.reason)
+        if failed:
+            # pieces still waiting for ring space are never started (after the room's own messages)
+            self.writes.cancel_room(room.room, time.monotonic())
+
+    def _status_changed(self, room: Any, a: StatusChanged) -> None:
+        status = self.status.get(room.room)
+        if status is not None:
+            status.update(a.state, a.failure, a.failure_kind, a.released)
+        if a.released:
+            return
+        stats = self.ctx.stats
+        if a.state is KVPoll.Success:
+            stats.count("rooms", "success")
+        elif a.state is KVPoll.Failed:
+            stats.count("rooms", "failed")
+            stats.count("failures_by_kind", a.failure_kind or "unknown")
+            log.warning("room %s failed (%s): %s", room.room, a.failure_kind, a.failure)
+        self.side.status_changed(room, a)
+
+    def _released(self, room: Any) -> None:
+        self.rooms.pop(room.room, None)
+        self.status.pop(room.room, None)
+        self.finished[room.room] = (room.state, room.failure_kind or "gone", room.failure or "it succeeded")
+        self.side.released(room)
+        while len(self.finished) > FINISHED_MEMORY:
+            gone, _ = self.finished.popitem(last=False)
+            self.side.forget_finished(gone)
+
+    def fail(self, room_id: int, kind: str, reason: str, now: float) -> None:
+        room = self.rooms.get(room_id)
+        if room is not None:
+            self.apply(room, room.fail(kind, reason, now))

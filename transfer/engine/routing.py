@@ -1,0 +1,63 @@
+"""Where incoming control frames and backend notifications go.
+
+A frame from the control socket is classified by protocol/routing.py (handshake, handler,
+"you were declared lost", or a counted drop) and handed to the handler registered for its
+type by the role's side or by liveness. A backend notification is matched to the peer that
+wrote it and its tag decoded before the role's side sees it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from ...bootstrap.wire import WireError
+from ..protocol.messages import PeerMessage
+from ..protocol.routing import route_frame
+from .context import EngineContext
+from .peers import PeerTable
+
+
+class FrameRouter:
+    def __init__(self, ctx: EngineContext, peers: PeerTable, side: Any, handlers: dict[type, Callable]):
+        self.ctx, self.peers, self.side = ctx, peers, side
+        self.handlers = handlers
+        self._handled = frozenset(t.__name__ for t in handlers)
+
+    def on_frame(self, item: object, now: float) -> None:
+        if isinstance(item, WireError):
+            self.ctx.stats.count("dropped_messages", item.kind)
+            return
+        msg: PeerMessage = item
+        peer = self.peers.get(msg.src)
+        route = route_frame(type(msg).__name__, role=self.ctx.role, me=self.ctx.me, dst=msg.dst,
+                            peer_state=peer.state if peer is not None else None,
+                            src_gone=msg.src in self.peers.gone, src_replaced=msg.src in self.peers.replaced,
+                            handled=self._handled)
+        if route.action == "hello":
+            return self.side.on_hello(msg, now)
+        if route.action == "tell_gone":
+            self.peers.tell_gone(msg.src, now)
+        if route.reason:
+            self.ctx.stats.count("dropped_messages", route.reason)
+        if route.heard:
+            peer.lease.heard(now)
+        if route.action == "deliver":
+            self.handlers[type(msg)](peer, msg, now)
+        elif route.action == "rejected_failure":
+            self.side.on_RoomFailed(peer, msg, now)
+
+    def on_tags(self, tags: list) -> None:
+        """Notifications of writes that landed in this rank's memory."""
+        now = time.monotonic()
+        for arrived in tags:
+            peer = self.peers.of_backend(arrived.peer)
+            if peer is None:
+                self.ctx.stats.count("dropped_tags", "unknown_sender")
+                continue
+            try:
+                tag = self.ctx.tags.decode(arrived.tag)
+            except WireError as exc:
+                self.ctx.stats.count("dropped_tags", exc.kind)
+                continue
+            self.side.on_tag(peer, tag, now)

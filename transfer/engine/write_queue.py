@@ -1,0 +1,125 @@
+"""Prefill side: posting writes, holding staged pieces until the decode ring has room, and
+the deadlines of writes in flight.
+
+A direct write goes to the backend at once. A staged piece waits in the `StagedQueue` (pure,
+protocol/write_queue.py) until the decode rank's watermark frees its ring region, then a
+transfer worker gathers it and issues the one backend write. Completions come back as
+WriteDone events and go to the room's state machine.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ...staging.workers import GatherJob, TransferWorkers
+from ..poll import KVPoll
+from ..protocol.actions import WriteOp
+from ..protocol.direct_ranges import CacheGeometry, direct_descriptors
+from ..protocol.write_queue import StagedQueue, WriteDeadlines
+from .context import EngineContext
+from .events import WriteDone
+from .peers import Peer, PeerTable
+from .rooms import RoomBook
+
+
+class WriteQueue:
+    def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook, workers: TransferWorkers | None):
+        self.ctx, self.peers, self.book, self.workers = ctx, peers, book, workers
+        self.staged = StagedQueue()
+        self.deadlines = WriteDeadlines()
+
+    def post(self, op: WriteOp, now: float) -> None:
+        ctx = self.ctx
+        peer = self.peers.get(op.peer.incarnation)
+        if peer is None or peer.state != "connected":
+            return self._finish(op.room, op.op_id, False, "decode peer is not connected", now)
+        if not peer.lease.may_write(now):
+            return self._finish(op.room, op.op_id, False, "the lease with the decode peer expired", now)
+        if op.staged:
+            self.staged.add(op.peer.incarnation, op, now)
+            ctx.stats.add("watermark_waits_started")
+            return self.dispatch(op.peer.incarnation, now)
+        src, dst = direct_descriptors(ctx.geometry, self._peer_geometry(peer), op.src_pages, op.dst_pages,
+                                      op.src_heads, op.dst_heads)
+        ctx.stats.add("write_requests")
+        ctx.stats.add("descriptors", len(src))
+        self.deadlines.start(op.op_id, op.room, now + ctx.t.write)
+        room, op_id = op.room, op.op_id
+
+        def posted() -> None:  # on this thread; the deadline counts from the post, not the queue
+            self.deadlines.restart(op_id, time.monotonic() + ctx.t.write)
+
+        ctx.backend.submit_write(peer.backend_name, src, dst, ctx.tags.encode(op.tag),
+                                 lambda ok, reason: ctx.post(WriteDone(op_id, room, ok, reason)), posted,
+                                 dst_kind=peer.kv.mem_kind)
+        ctx.stats.add("bytes_posted", op.nbytes)
+
+    def _peer_geometry(self, peer: Peer) -> CacheGeometry:
+        kv = peer.kv
+        return CacheGeometry(tuple(kv.k_addrs) + tuple(kv.v_addrs), self.ctx.layout.page_size, kv.token_stride,
+                             self.ctx.layout.head_bytes, kv.device)
+
+    def dispatch(self, peer_inc: int, now: float) -> None:
+        """Hand every waiting piece whose ring region is free to a transfer worker."""
+        ctx = self.ctx
+        peer = self.peers.get(peer_inc)
+
+        def room_live(room_id: int) -> bool:
+            room = self.book.get(room_id)
+            return room is not None and room.state is not KVPoll.Failed
+
+        def region_free(op: WriteOp) -> bool:
+            return ctx.handler.region_free(peer_inc, op.ring_start + op.writer_offset, op.nbytes)
+
+        for verdict, op, since in self.staged.take_ready(peer_inc, room_live, region_free):
+            if verdict == "cancel":
+                self._finish(op.room, op.op_id, False, "cancelled: the room failed", now)
+                continue
+            if since != now:
+                ctx.stats.add("watermark_waits")
+                ctx.stats.add("watermark_wait_s", now - since)
+            ctx.stats.add("write_requests")
+            ctx.stats.add("descriptors")
+            ctx.stats.add("staged_writes")
+            ctx.stats.add("staged_bytes", op.nbytes)
+            ctx.stats.staged_write((peer_inc, op.room, op.chunk, op.piece))
+            self.deadlines.start(op.op_id, op.room, now + ctx.t.write)
+            self.workers.submit(GatherJob(op.op_id, op.room, peer.backend_name, op.src_pages, op.src_heads,
+                                          op.nbytes, peer.ring.addr + op.ring_start % peer.ring.size
+                                          + op.writer_offset, peer.ring.device, ctx.tags.encode(op.tag),
+                                          dst_kind=peer.ring.mem_kind))
+
+    def cancel_room(self, room_id: int, now: float) -> None:
+        for op in self.staged.cancel_room(room_id):
+            self._finish(op.room, op.op_id, False, "cancelled: the room failed", now)
+
+    def peer_lost(self, peer: Peer, reason: str, now: float, clean: bool) -> None:
+        for op in self.staged.drop_peer(peer.key.incarnation):
+            self._finish(op.room, op.op_id, False, f"decode peer lost: {reason}", now)
+
+    def on_write_done(self, ev: WriteDone, now: float) -> None:
+        self.deadlines.done(ev.op_id)
+        room = self.book.get(ev.room)
+        op = room.ops.get(ev.op_id) if room is not None else None
+        if ev.ok and op is not None:
+            self.ctx.stats.add("bytes_sent", op.nbytes)
+        elif not ev.ok:
+            self.ctx.stats.count("write_failures", "failed")
+        self._finish(ev.room, ev.op_id, ev.ok, ev.reason, now)
+
+    def worker_report(self, op_id: int, room: int, ok: bool, reason: str | None, gather_s: float) -> None:
+        """From a transfer worker thread."""
+        self.ctx.stats.add("gather_s", gather_s)
+        self.ctx.post(WriteDone(op_id, room, ok, reason))
+
+    def tick(self, now: float) -> None:
+        t = self.ctx.t
+        for _, room_id in self.deadlines.expired(now):
+            self.book.fail(room_id, "timeout", f"a write did not complete within {t.write:g} s", now)
+        for op in self.staged.expire(now, t.watermark):
+            self._finish(op.room, op.op_id, False, f"the decode ring stayed full for {t.watermark:g} s", now)
+
+    def _finish(self, room_id: int, op_id: int, ok: bool, reason: str | None, now: float) -> None:
+        room = self.book.get(room_id)
+        if room is not None:
+            self.book.apply(room, room.on_write_done(op_id, ok, reason, now))

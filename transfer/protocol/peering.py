@@ -1,0 +1,81 @@
+"""Decode side: which prefill ranks a request needs and when the engine's view of them is
+usable, decided without sockets.
+
+A decode rank learns the prefill engine's ranks from the bootstrap server, connects to the ones
+a request needs, and plans the request once all of them answered. These functions make each of
+those decisions from plain inputs; the engine's decode side carries them out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+from ..layout import KVLayout
+from .head_mapping import HeadMapping, compute_assignments
+
+
+@dataclass(frozen=True)
+class NeededRanks:
+    writers: list[int]      # prefill ranks that write this decode rank's heads
+    notices: list[int]      # prefill ranks that only need to hear about the request
+    mapping: HeadMapping
+
+    @property
+    def all(self) -> list[int]:
+        return self.writers + self.notices
+
+
+def needed_ranks(prefill_tp: int, layout: KVLayout) -> NeededRanks:
+    """Raises ValueError when the two TP sizes cannot share the heads."""
+    mapping = compute_assignments(prefill_tp, layout.tp_size, layout.total_kv_heads, layout.mla)
+    writers, notices = mapping.prefill_peers_of(layout.tp_rank)
+    return NeededRanks(list(writers), list(notices), mapping)
+
+
+def read_lookup(engine_id: str, records: list | None, error: str | None) -> tuple[str, list, str]:
+    """The bootstrap server's answer -> (state, records sorted by rank, error)."""
+    if error is not None:
+        return "failed", [], error
+    if not records or any(r.role != "prefill" for r in records):
+        return "failed", [], f"engine {engine_id} is not a prefill engine"
+    return "ready", sorted(records, key=lambda r: r.tp_rank), ""
+
+
+def records_stale(incarnations: Iterable[int], gone: Iterable[int] | set, replaced: Iterable[int] | set) -> bool:
+    """The records name a rank we lost or saw replaced: the server may know better now."""
+    return any(i in gone or i in replaced for i in incarnations)
+
+
+def needs_lookup(state: str | None, stale: bool) -> bool:
+    """Look the engine up (again) when never looked up, when the last lookup failed, or when a
+    ready view names a lost incarnation. A lookup in flight is never repeated."""
+    return state is None or state == "failed" or (state == "ready" and stale)
+
+
+def reuse_peer(known_incarnation: int | None, known_state: str | None, record_incarnation: int) -> bool:
+    """An existing connection serves the record when it is the same incarnation and not lost."""
+    return known_incarnation == record_incarnation and known_state not in (None, "lost")
+
+
+def plan_gate(states: dict[int, str]) -> tuple[str, int | None]:
+    """Given each needed rank's connection state: ("rejected", rank) when one refused us,
+    ("wait", None) while any is still connecting, ("go", None) when all are connected."""
+    for rank, state in states.items():
+        if state == "rejected":
+            return "rejected", rank
+    if any(s != "connected" for s in states.values()):
+        return "wait", None
+    return "go", None
+
+
+def fallback_reason(has_ring: bool, mla: bool, prefill_tp: int, decode_tp: int,
+                    non_staging_writers: list[int]) -> str:
+    """Why a request asked for staging goes the direct path (for a one-time log line)."""
+    if not has_ring:
+        return "this rank has no staging ring"
+    if mla:
+        return "the model is MLA (the latent is replicated: direct whole pages)"
+    if prefill_tp == decode_tp:
+        return "TP sizes are equal (direct whole pages)"
+    return "staging is off at prefill rank(s) " + ", ".join(str(r) for r in non_staging_writers)
