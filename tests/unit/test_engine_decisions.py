@@ -209,3 +209,29 @@ def test_write_deadlines():
     assert d.expired(6.0) == []
     d.done(2)
     assert len(d) == 0 and d.expired(100.0) == []
+
+
+# -- connections: a late Goodbye or Hello of an earlier connection -----------------------------------
+def test_a_goodbye_ends_only_the_connection_it_names():
+    def goodbye(conn, peer_conn):
+        return route_frame("Goodbye", role="decode", me=1, dst=1, peer_state="connected", src_gone=False,
+                           src_replaced=False, handled=HANDLED["decode"], conn=conn, peer_conn=peer_conn)
+    assert goodbye(1, 2) == Route("drop", "stale_connection")
+    assert goodbye(3, 2) == Route("drop", "stale_connection")
+    assert goodbye(2, 2) == Route("deliver", heard=True)
+    assert goodbye(0, 2) == Route("deliver", heard=True)    # a peer that does not number connections
+    assert goodbye(2, 0) == Route("deliver", heard=True)
+    # only Goodbye is bound to a connection: anything else from the incarnation is delivered
+    assert route_frame("Heartbeat", role="decode", me=1, dst=1, peer_state="connected", src_gone=False,
+                       src_replaced=False, handled=HANDLED["decode"], conn=1, peer_conn=2).action == "deliver"
+
+
+def test_hello_verdict():
+    from kvstage.transfer.protocol.routing import hello_verdict
+    assert hello_verdict(None, 0, 5) == "new"
+    assert hello_verdict("rejected", 4, 5) == "new"
+    assert hello_verdict("connected", 5, 5) == "ack_again"
+    assert hello_verdict("connected", 5, 0) == "ack_again"
+    assert hello_verdict("connected", 0, 5) == "ack_again"
+    assert hello_verdict("connected", 5, 4) == "stale"
+    assert hello_verdict("connected", 5, 6) == "replace"

@@ -4,6 +4,7 @@ exception inside the loop does to the rooms."""
 from types import SimpleNamespace
 
 from kvstage.transfer.backends.base import ArrivedTag
+from kvstage.transfer.engine.liveness import Liveness
 from kvstage.transfer.engine.loop import EngineLoop
 from kvstage.transfer.engine.peers import Peer, PeerTable
 from kvstage.transfer.engine.prefill_side import PrefillSide
@@ -12,6 +13,7 @@ from kvstage.transfer.engine.routing import FrameRouter
 from kvstage.transfer.engine.stats import Stats
 from kvstage.transfer.protocol.actions import PeerKey
 from kvstage.transfer.protocol.leases import Lease
+from kvstage.transfer.protocol.messages import Goodbye, Hello
 from kvstage.transfer.protocol.tags import TagCodec, TagKind, make_tag
 
 
@@ -76,3 +78,78 @@ def test_a_raising_handler_fails_the_room_it_names():
     assert loop.ctx.stats.snapshot()["internal_errors"] == {"SimpleNamespace": 1}
     assert [k for k, _ in named.failed] == ["internal"]
     assert other.failed == []
+
+
+# -- a late Goodbye of an earlier connection (seen under load in test_peer_frozen_past_its_lease) -------
+class RecordingSocket:
+    def __init__(self):
+        self.sent, self.forgotten = [], []
+
+    def send(self, endpoint, msg):
+        self.sent.append((endpoint, msg))
+        return True
+
+    def forget(self, endpoint):
+        self.forgotten.append(endpoint)
+
+
+def decode_router(peer_conn: int):
+    ctx = SimpleNamespace(role="decode", me=5, stats=Stats(), sock=RecordingSocket(),
+                          handler=SimpleNamespace(unsubscribe=lambda inc: None))
+    peers = PeerTable(ctx)
+    peer = Peer(PeerKey("pf", 0, 77), "prefill", 1, "tcp://p:1", Lease(5.0, 0.0), state="connected",
+                backend_name="b", conn=peer_conn)
+    peers.add(peer, 0.0)
+    liveness = Liveness(ctx, peers, side=None)
+    return ctx, peers, peer, FrameRouter(ctx, peers, None, liveness.handlers)
+
+
+def test_a_late_goodbye_of_an_earlier_connection_leaves_the_new_one_alone():
+    ctx, peers, peer, router = decode_router(peer_conn=2)
+    router.on_frame(Goodbye(src=77, dst=5, conn=1, reason="you were declared lost: silent"), 1.0)
+    assert peers.get(77) is peer and peer.state == "connected"
+    assert ctx.stats.snapshot()["dropped_messages"] == {"stale_connection": 1}
+
+
+def test_a_goodbye_of_the_current_connection_ends_it():
+    ctx, peers, peer, router = decode_router(peer_conn=2)
+    router.on_frame(Goodbye(src=77, dst=5, conn=2, reason="closing"), 1.0)
+    assert peers.get(77) is None and peer.state == "lost" and 77 in peers.gone
+
+
+class ConnectingBackend:
+    def call(self, fn):
+        return fn(SimpleNamespace(connect=lambda identity: "decode-backend"))
+
+    def fence(self, peer, until):
+        pass
+
+
+def test_a_hello_with_a_newer_connection_replaces_the_old_one_and_an_older_one_is_dropped():
+    ctx = SimpleNamespace(role="prefill", me=5, stats=Stats(), sock=RecordingSocket(), backend=ConnectingBackend(),
+                          t=SimpleNamespace(lease=5.0), summary=SimpleNamespace(mismatches=lambda other: []),
+                          cfg=SimpleNamespace(backend="nixl", engine_id="pf", staging=False),
+                          layout=SimpleNamespace(tp_size=1, tp_rank=0), backend_name="me",
+                          handler=SimpleNamespace(buffers=[], buffer_bytes=0, unsubscribe=lambda inc: None))
+    ctx.backend.disconnect = lambda name: None
+    peers = PeerTable(ctx)
+    book = RoomBook(ctx, peers)
+    side = PrefillSide(ctx, peers, book, writes=None)
+    peers.listeners = [side]
+
+    def hello(conn):
+        return Hello(src=77, dst=5, engine_id="dec", role="decode", tp_size=1, tp_rank=0, ctrl_endpoint="tcp://d:1",
+                     backend="nixl", backend_identity=b"x", layout=None, kv=None, conn=conn)
+    side.on_hello(hello(1), 0.0)
+    first = peers.get(77)
+    assert first.state == "connected" and first.conn == 1
+    side.on_hello(hello(1), 0.5)                       # retransmitted: the same connection, acked again
+    assert peers.get(77) is first
+    side.on_hello(hello(2), 1.0)                       # the decode rank declared connection 1 lost
+    second = peers.get(77)
+    assert first.state == "lost" and second is not first and (second.state, second.conn) == ("connected", 2)
+    side.on_hello(hello(1), 2.0)                       # connection 1's Hello, delivered late
+    assert peers.get(77) is second and second.state == "connected"
+    assert ctx.stats.snapshot()["dropped_messages"] == {"stale_connection": 1}
+    acks = [m for _, m in ctx.sock.sent if type(m).__name__ == "HelloAck"]
+    assert [(a.ok, a.conn) for a in acks] == [(True, 1), (True, 1), (True, 2)]

@@ -9,6 +9,7 @@ metadata deadline. The decisions themselves are pure (protocol/peering.py).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -26,6 +27,8 @@ from .peers import Peer, PeerTable
 from .rooms import RoomBook
 
 log = logging.getLogger("kvstage")
+
+_CONNECTIONS = itertools.count(1)   # connection numbers: a newer connection to the same rank has a higher one
 
 
 @dataclass
@@ -193,12 +196,12 @@ class EnginePlanner:
         if peer is not None and peering.reuse_peer(peer.key.incarnation, peer.state, rec.incarnation):
             return peer
         peer = Peer(PeerKey(view.engine_id, rank, rec.incarnation), "prefill", rec.tp_size, rec.ctrl_endpoint,
-                    Lease(self.ctx.t.lease, now), since=now)
+                    Lease(self.ctx.t.lease, now), since=now, conn=next(_CONNECTIONS))
         self.peers.add(peer, now)
-        self.ctx.sock.send(peer.endpoint, self._hello())
+        self.ctx.sock.send(peer.endpoint, self._hello(peer.conn))
         return peer
 
-    def _hello(self) -> Hello:
+    def _hello(self, conn: int) -> Hello:
         ctx = self.ctx
         b = ctx.buffers
         kv = KVMemory(k_addrs=[t.data_ptr() for t in b.k], v_addrs=[t.data_ptr() for t in b.v] if b.v is not None
@@ -213,9 +216,12 @@ class EnginePlanner:
         return Hello(src=ctx.me, engine_id=ctx.cfg.engine_id, role=ctx.role, tp_size=ctx.layout.tp_size,
                      tp_rank=ctx.layout.tp_rank, ctrl_endpoint=ctx.sock.endpoint, backend=ctx.cfg.backend,
                      backend_identity=ctx.identity, layout=ctx.summary, kv=kv, ring=ring,
-                     staging=bool(ctx.cfg.staging and ring is not None), lease_s=ctx.t.lease)
+                     staging=bool(ctx.cfg.staging and ring is not None), lease_s=ctx.t.lease, conn=conn)
 
     def on_HelloAck(self, peer: Peer, msg: HelloAck, now: float) -> None:
+        if msg.conn and msg.conn != peer.conn:
+            self.ctx.stats.count("dropped_messages", "stale_connection")  # answers an older Hello
+            return
         if peer.state != "connecting":
             return
         if not msg.ok:

@@ -205,7 +205,7 @@ class EngineLoop:
         for peer in list(self.peers.peers.values()):
             if peer.state in ("connected", "connecting"):
                 self.ctx.sock.send(peer.endpoint, Goodbye(src=self.ctx.me, dst=peer.key.incarnation,
-                                                          reason="closing", clean=clean))
+                                                          reason="closing", clean=clean, conn=peer.conn))
         time.sleep(0.01)  # let zmq hand the goodbyes to the kernel before the sockets close
         self.ctx.sock.close()
         self.events.close()

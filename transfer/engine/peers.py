@@ -36,6 +36,7 @@ class Peer:
     ring: RingInfo | None = None       # prefill side: the decode rank's ring
     reason: str = ""
     since: float = 0.0
+    conn: int = 0                      # the connection's number (decode numbers them; 0: not known)
 
 
 class PeerTable:
@@ -45,7 +46,7 @@ class PeerTable:
         self.by_rank: dict[tuple[str, int], int] = {}
         self.by_backend: dict[str, int] = {}
         self.gone: OrderedDict[int, str] = OrderedDict()            # incarnations lost (may reconnect)
-        self.gone_endpoint: dict[int, str] = {}                     # ... and where to tell them so
+        self.gone_endpoint: dict[int, tuple[str, int]] = {}         # ... where to tell them so, and the connection
         self._told_gone: dict[int, float] = {}
         self.replaced: OrderedDict[int, None] = OrderedDict()       # superseded by a newer one: never again
         self.listeners: list[Any] = []   # .peer_lost(peer, reason, now, clean), called in order
@@ -95,7 +96,7 @@ class PeerTable:
             return
         ctx = self.ctx
         if tell:  # it may be alive but frozen or cut off: when it wakes up it learns at once
-            ctx.sock.send(peer.endpoint, Goodbye(src=ctx.me, dst=peer.key.incarnation,
+            ctx.sock.send(peer.endpoint, Goodbye(src=ctx.me, dst=peer.key.incarnation, conn=peer.conn,
                                                  reason=f"you were declared lost: {reason}"))
         log.warning("peer %s lost: %s", peer.key, reason)
         was = peer.state
@@ -104,7 +105,7 @@ class PeerTable:
         if self.by_rank.get((peer.key.engine_id, peer.key.tp_rank)) == peer.key.incarnation:
             del self.by_rank[(peer.key.engine_id, peer.key.tp_rank)]
         self.gone[peer.key.incarnation] = reason
-        self.gone_endpoint[peer.key.incarnation] = peer.endpoint
+        self.gone_endpoint[peer.key.incarnation] = (peer.endpoint, peer.conn)
         while len(self.gone) > FINISHED_MEMORY:
             old, _ = self.gone.popitem(last=False)
             self.gone_endpoint.pop(old, None)
@@ -131,9 +132,10 @@ class PeerTable:
     def tell_gone(self, incarnation: int, now: float) -> None:
         """A peer we declared lost still talks to us: tell it (at most once a second), so it
         fails what it has with us and connects again."""
-        endpoint = self.gone_endpoint.get(incarnation)
-        if endpoint is None or now - self._told_gone.get(incarnation, -1e9) < 1.0:
+        where = self.gone_endpoint.get(incarnation)
+        if where is None or now - self._told_gone.get(incarnation, -1e9) < 1.0:
             return
         self._told_gone[incarnation] = now
-        self.ctx.sock.send(endpoint, Goodbye(src=self.ctx.me, dst=incarnation,
+        endpoint, conn = where
+        self.ctx.sock.send(endpoint, Goodbye(src=self.ctx.me, dst=incarnation, conn=conn,
                                              reason=f"you were declared lost: {self.gone[incarnation]}"))

@@ -20,6 +20,7 @@ from ..protocol.leases import Lease
 from ..protocol.messages import (AllocGrant, Heartbeat, Hello, HelloAck, MetaAck, Quiesced, RoomDone, RoomFailed,
                                  RoomMeta, WatermarkUpdate)
 from ..protocol.prefill_room import PrefillRoom
+from ..protocol.routing import hello_verdict
 from .context import EngineContext
 from .events import Abort, NewSender, SendChunk
 from .peers import Peer, PeerTable
@@ -55,15 +56,21 @@ class PrefillSide:
             return
         key = PeerKey(msg.engine_id, msg.tp_rank, msg.src)
         old = self.peers.get(msg.src)
-        if old is not None and old.state == "connected":
-            return self._send_ack(old, True, "")  # a retried Hello: ack again
+        verdict = hello_verdict(old.state if old is not None else None, old.conn if old is not None else 0, msg.conn)
+        if verdict == "ack_again":
+            return self._send_ack(old, True, "")  # a retried Hello
+        if verdict == "stale":
+            ctx.stats.count("dropped_messages", "stale_connection")
+            return
+        if verdict == "replace":  # its side of the old connection is over: so is ours
+            self.peers.lost(old, "it connected again (it had declared the connection lost)", now, tell=False)
         if msg.src in self.peers.replaced:
             ctx.stats.count("dropped_messages", "stale_peer")
             return
         if self.peers.came_back(msg.src):
             log.info("decode rank %s reconnects after it was lost", key)
         peer = Peer(key, "decode", msg.tp_size, msg.ctrl_endpoint, Lease(ctx.t.lease, now), kv=msg.kv,
-                    ring=msg.ring, since=now)
+                    ring=msg.ring, since=now, conn=msg.conn)
         self.peers.add(peer, now)
         problems = ctx.summary.mismatches(msg.layout)
         if msg.backend != ctx.cfg.backend:
@@ -93,7 +100,8 @@ class PrefillSide:
         ctx.sock.send(peer.endpoint, HelloAck(
             src=ctx.me, dst=peer.key.incarnation, ok=ok, reason=reason, engine_id=ctx.cfg.engine_id,
             tp_size=ctx.layout.tp_size, tp_rank=ctx.layout.tp_rank, backend_name=ctx.backend_name,
-            staging=bool(ok and peer.staging), buffer_bytes=ctx.handler.buffer_bytes, lease_s=ctx.t.lease))
+            staging=bool(ok and peer.staging), buffer_bytes=ctx.handler.buffer_bytes, lease_s=ctx.t.lease,
+            conn=peer.conn))
 
     def on_tag(self, peer: Peer, tag: Any, now: float) -> None:
         """Only decode ranks are written to: a confused or forged peer."""

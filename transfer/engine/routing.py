@@ -33,7 +33,8 @@ class FrameRouter:
         route = route_frame(type(msg).__name__, role=self.ctx.role, me=self.ctx.me, dst=msg.dst,
                             peer_state=peer.state if peer is not None else None,
                             src_gone=msg.src in self.peers.gone, src_replaced=msg.src in self.peers.replaced,
-                            handled=self._handled)
+                            handled=self._handled, conn=getattr(msg, "conn", 0),
+                            peer_conn=peer.conn if peer is not None else 0)
         if route.action == "hello":
             return self.side.on_hello(msg, now)
         if route.action == "tell_gone":

@@ -58,6 +58,7 @@ class Hello(PeerMessage, kw_only=True, frozen=True):
     ring: RingInfo | None = None
     staging: bool = False
     lease_s: float = 10.0
+    conn: int = 0               # this connection's number: a new Hello of the same incarnation has a higher one
 
 
 class HelloAck(PeerMessage, kw_only=True, frozen=True):
@@ -72,6 +73,7 @@ class HelloAck(PeerMessage, kw_only=True, frozen=True):
     staging: bool = False
     buffer_bytes: int = 0       # smallest per-worker staging buffer: bounds one write
     lease_s: float = 10.0
+    conn: int = 0               # the Hello's connection number
 
 
 class RoomMeta(PeerMessage, kw_only=True, frozen=True):
@@ -180,10 +182,13 @@ class Heartbeat(PeerMessage, kw_only=True, frozen=True):
 
 class Goodbye(PeerMessage, kw_only=True, frozen=True):
     """The sender is done with us: it is closing, or it declared us lost. Fail what depends on
-    it. `clean`: it closed with no write of its still in flight (nothing to quarantine)."""
+    it. `clean`: it closed with no write of its still in flight (nothing to quarantine).
+    `conn`: the connection it ends; a late Goodbye of an earlier connection between the same two
+    incarnations must not end a newer one (0: whichever is current)."""
 
     reason: str = ""
     clean: bool = False
+    conn: int = 0
 
 
 PEER_MESSAGES: tuple[type[PeerMessage], ...] = (

@@ -25,9 +25,10 @@ class Route:
 
 
 def route_frame(kind: str, *, role: str, me: int, dst: int, peer_state: str | None, src_gone: bool,
-                src_replaced: bool, handled: frozenset[str] | set[str]) -> Route:
+                src_replaced: bool, handled: frozenset[str] | set[str], conn: int = 0, peer_conn: int = 0) -> Route:
     """`kind`: the message class name; `peer_state`: None when the sender is not a current peer;
-    `handled`: the message kinds this rank's role has handlers for."""
+    `handled`: the message kinds this rank's role has handlers for; `conn`: the connection a
+    Goodbye ends, `peer_conn`: the current connection with its sender (0: not known)."""
     if kind == "Hello":
         return Route("hello")
     if peer_state is None:
@@ -37,6 +38,8 @@ def route_frame(kind: str, *, role: str, me: int, dst: int, peer_state: str | No
         return Route("drop", reason)
     if dst != me:
         return Route("drop", "stale_epoch")
+    if kind == "Goodbye" and conn and peer_conn and conn != peer_conn:
+        return Route("drop", "stale_connection")  # ends a connection that a newer one replaced
     if peer_state == "rejected":
         if kind == "RoomFailed" and role == "prefill":
             return Route("rejected_failure")
@@ -44,3 +47,16 @@ def route_frame(kind: str, *, role: str, me: int, dst: int, peer_state: str | No
     if kind not in handled:
         return Route("drop", "unexpected", heard=True)
     return Route("deliver", heard=True)
+
+
+def hello_verdict(known_state: str | None, known_conn: int, conn: int) -> str:
+    """Prefill side: a Hello from a decode incarnation that may already be connected.
+    "ack_again": a retransmission of the current connection's Hello; "stale": a Hello of an
+    older connection, delivered late; "replace": the decode rank declared the current
+    connection lost and opened a new one (the old one is over here too); "new": no current
+    connection."""
+    if known_state != "connected":
+        return "new"
+    if not conn or not known_conn or conn == known_conn:
+        return "ack_again"
+    return "stale" if conn < known_conn else "replace"
