@@ -53,6 +53,10 @@ class Timeouts:
                 _quarantine(name, val)
             else:
                 check.positive(name, val)
+        if self.heartbeat >= self.lease:
+            raise ValueError(f"timeouts.heartbeat={self.heartbeat:g} must be shorter than timeouts.lease={self.lease:g}: "
+                             f"a peer would be declared lost between two heartbeats (a quarter of the lease or "
+                             f"less leaves room for lost ones)")
 
     @classmethod
     def from_env(cls, **overrides: float) -> "Timeouts":

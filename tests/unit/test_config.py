@@ -55,6 +55,19 @@ def test_bad_timeout_names_it(name, value):
         cfg(timeouts=Timeouts(**{name: value})).resolved()
 
 
+@pytest.mark.parametrize("heartbeat, lease", [(1.0, 1.0), (2.0, 1.0), (10.0, 0.5)])
+def test_heartbeat_not_shorter_than_the_lease_names_both(heartbeat, lease):
+    with pytest.raises(ValueError, match=r"timeouts.heartbeat=.* timeouts.lease="):
+        Timeouts(heartbeat=heartbeat, lease=lease)
+
+
+def test_heartbeat_shorter_than_the_lease_is_fine_from_env_too(monkeypatch):
+    assert Timeouts(heartbeat=0.99, lease=1.0).heartbeat == 0.99
+    monkeypatch.setenv("KVSTAGE_TIMEOUT_LEASE", "0.5")
+    with pytest.raises(ValueError, match="timeouts.heartbeat=1 must be shorter than timeouts.lease=0.5"):
+        Timeouts.from_env()
+
+
 @pytest.mark.parametrize("value", [-2.0, -0.5, math.nan, math.inf])
 def test_bad_quarantine(value):
     with pytest.raises(ValueError, match="timeouts.quarantine"):
