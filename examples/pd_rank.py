@@ -14,7 +14,9 @@ creating the sender), init_delay_s (decode: wait before init()), abort_before_in
 right after creating the receiver), chunk_delay_s (prefill: pause between chunks), hold_last_until
 (prefill: send the last chunk only once these files exist), touch_after_abort (decode: create this
 file, "{rank}" replaced by its rank, once it aborted), start_after_file (both: do not start the
-room, nor any after it, before this file exists). Per manager, live_stats names a file the
+room, nor any after it, before this file exists), late_init (prefill: create the sender without a
+page count and give it with init(): "now" right after creating it, "wait" once it polls
+WaitingForInput), infer_last (prefill: send() without last=). Per manager, live_stats names a file the
 driver rewrites with the manager's stats about three times a second (a test waits on it), and
 progress a file it rewrites after every room that ends: {"done": rooms ended, "ok": of them, clean
 successes (decode: verified bit-exact)}.
@@ -244,7 +246,7 @@ def start_room(mgr: KVManager, spec: dict, r: dict, pages: np.ndarray, pattern: 
         st["create_at"] = time.perf_counter() + delay
         st["handle"] = None
         if not delay:
-            st["handle"] = mgr.sender(r["room"], len(pages))
+            st["handle"] = new_sender(mgr, r, st)
     else:
         st["handle"] = mgr.receiver(r["room"], spec["peer_engine"])
         if r.get("abort_before_init"):
@@ -260,6 +262,18 @@ def start_room(mgr: KVManager, spec: dict, r: dict, pages: np.ndarray, pattern: 
     if st.get("handle") is None:
         st["handle"] = _Pending()
     return st
+
+
+def new_sender(mgr: KVManager, r: dict, st: dict):
+    late = r.get("late_init")
+    st["inited"], st["seen_before_init"] = not late, set()
+    if not late:
+        return mgr.sender(r["room"], len(st["pages"]))
+    h = mgr.sender(r["room"])
+    if late == "now":
+        h.init(len(st["pages"]))
+        st["inited"] = True
+    return h
 
 
 class _Pending:
@@ -278,7 +292,15 @@ def advance(mgr: KVManager, spec: dict, st: dict) -> bool:
         if isinstance(h, _Pending):
             if now < st["create_at"]:
                 return False
-            st["handle"] = h = mgr.sender(r["room"], len(st["pages"]))
+            st["handle"] = h = new_sender(mgr, r, st)
+        if not st["inited"]:
+            state = h.poll()
+            if state is not KVPoll.WaitingForInput:
+                st["seen_before_init"].add(state.name)
+                return False
+            h.init(len(st["pages"]))
+            st["inited"], st["waited_for_input"] = True, True
+            return True
         chunks = r.get("chunks") or [len(st["pages"])]
         if spec.get("bench") and st["chunk"] == 0 and h.poll() is KVPoll.Bootstrapping:
             return False  # bench: the clock starts once the decode side is there
@@ -294,7 +316,10 @@ def advance(mgr: KVManager, spec: dict, st: dict) -> bool:
             if st["chunk"] == len(chunks) - 1 and not all(map(os.path.exists, r.get("hold_last_until", []))):
                 return False
             n = chunks[st["chunk"]]
-            h.send(st["pages"][st["sent"]:st["sent"] + n], last=st["chunk"] == len(chunks) - 1)
+            if r.get("infer_last"):
+                h.send(st["pages"][st["sent"]:st["sent"] + n])
+            else:
+                h.send(st["pages"][st["sent"]:st["sent"] + n], last=st["chunk"] == len(chunks) - 1)
             st["sent"] += n
             st["chunk"] += 1
             st["next_chunk_at"] = now + r.get("chunk_delay_s", 0)
@@ -323,6 +348,9 @@ def finish(spec: dict, st: dict, pattern: KVPattern, tensors) -> dict:
            "latency_s": (st["t_done"] or time.perf_counter()) - st["t0"], "pages": int(len(st["pages"])),
            "verified": None, "start": st["wall0"], "end": st.get("wall1", time.time())}
     rec["t_send"] = st.get("t_send")
+    if st["spec"].get("late_init") == "wait":
+        rec["waited_for_input"] = st.get("waited_for_input", False)
+        rec["seen_before_init"] = sorted(st.get("seen_before_init", ()))
     if spec["role"] == "decode" and state is KVPoll.Success and verifies(spec, st["room"]):
         err = pattern.check(tensors, st["room"], st["pages"])
         rec["verified"] = err is None

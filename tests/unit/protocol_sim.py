@@ -108,14 +108,16 @@ class World:
         mpp = max_piece_pages([hpb * a.num_heads for _, a in assigns], g.buffer_bytes, g.ring_bytes, 8) if staged else 0
         return RoomPlan(assigns, tuple(self.kp[p] for p in notices), staged, hpb, mpp, self.kd[d].incarnation)
 
-    def add_room(self, room: int, n: int, chunks: list[int]):
-        """A request of n pages; each prefill rank sends it in the given chunk sizes."""
+    def add_room(self, room: int, n: int, chunks: list[int], late_init: bool = False, infer_last: bool = False):
+        """A request of n pages; each prefill rank sends it in the given chunk sizes.
+        late_init: the prefill senders learn n with init(), at a random point before their first
+        chunk (before or after the decode side's metadata); infer_last: no chunk says last."""
         g = self.g
         session = room * 7 + 1
         src = [np.array(self.rng.sample(range(g.pages), n)) for _ in range(g.P)]
         for p in range(g.P):
-            self.rooms_p[(p, room)] = PrefillRoom(room, n, self.lp[p], self.kp[p].incarnation, self.now,
-                                                  self.timeouts, self.op_ids, self.max_ranges)
+            self.rooms_p[(p, room)] = PrefillRoom(room, None if late_init else n, self.lp[p], self.kp[p].incarnation,
+                                                  self.now, self.timeouts, self.op_ids, self.max_ranges)
             self.status_p[(p, room)] = KVPoll.Bootstrapping
         for d in range(g.D):
             free = self.free_pages.setdefault(d, list(range(g.pages)))
@@ -130,8 +132,10 @@ class World:
         self.pending_chunks = getattr(self, "pending_chunks", [])
         for p in range(g.P):
             pos = 0
+            if late_init:
+                self.pending_chunks.append((p, room, n, None))   # init(n), in order before the chunks
             for i, c in enumerate(chunks):
-                last = i == len(chunks) - 1
+                last = None if infer_last else i == len(chunks) - 1
                 self.pending_chunks.append((p, room, src[p][pos:pos + c], last))
                 pos += c
 
@@ -303,7 +307,10 @@ class World:
             i = next(i for i, c in enumerate(self.pending_chunks) if c[0] == p)
             _, room, pages, last = self.pending_chunks.pop(i)
             r = self.rooms_p[(p, room)]
-            self.apply_p(p, r.add_chunk(pages, last, self.now))
+            if isinstance(pages, int):
+                self.apply_p(p, r.init(pages, self.now))
+            else:
+                self.apply_p(p, r.add_chunk(pages, last, self.now))
         elif what == "msg":
             src, dst = self.rng.choice(live)
             self.deliver(src, dst)

@@ -1,5 +1,6 @@
 """Prefill and decode room state machines together, over many random interleavings."""
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -215,3 +216,57 @@ def test_direct_writes_split_by_descriptor_budget(g, seed):
         assert all(w.status_d[(d, room)] is KVPoll.Success for d in range(g.D))
         assert w.check_bytes(room)
     assert any(len(wr.tags) > 2 for r in w.rooms_d.values() for wr in r.writers.values()), "chunks were split"
+
+
+# -- the lifecycle serving engines drive: the page count late, the last chunk inferred ------------
+@pytest.mark.parametrize("g", GEOMS, ids=lambda g: f"P{g.P}D{g.D}H{g.H}{'mla' if g.mla else ''}")
+@pytest.mark.parametrize("staged", [True, False])
+@pytest.mark.parametrize("seed", range(3))
+def test_late_init_and_inferred_last_complete_bit_exact(g, staged, seed):
+    """init(n) comes at a random point (before or after the decode metadata), and no chunk says
+    it is the last: the room still ends exactly when the pages reach n."""
+    g = Geometry(**{**g.__dict__, "staged": staged})
+    w = World(g, seed)
+    rooms = {1: (5, [2, 3]), 2: (1, [1]), 3: (12, [4, 0, 8])}
+    for room, (n, chunks) in rooms.items():
+        w.add_room(room, n, chunks, late_init=True, infer_last=True)
+    w.run()
+    for room in rooms:
+        for d in range(g.D):
+            assert w.status_d[(d, room)] is KVPoll.Success, w.rooms_d[(d, room)].failure
+        for p in range(g.P):
+            assert w.status_p[(p, room)] is KVPoll.Success, w.rooms_p[(p, room)].failure
+        assert w.check_bytes(room)
+    assert len(w.released_d) == len(w.rooms_d) and len(w.released_p) == len(w.rooms_p)
+
+
+def test_a_late_sender_waits_for_input_then_checks_the_metadata_against_its_init():
+    g = Geometry(P=1, D=1, H=2, staged=False)
+    w = World(g, 0)
+    w.add_room(1, 4, [4], late_init=True)
+    w.pending_chunks.clear()                        # no init, no chunk yet: the metadata alone
+    w.run()
+    r = w.rooms_p[(0, 1)]
+    assert w.status_p[(0, 1)] is KVPoll.WaitingForInput and r.num_pages is None
+    with pytest.raises(ValueError, match="before init"):
+        r.add_chunk(np.arange(4), None, w.now)
+    w.apply_p(0, r.init(3, w.now))                  # the decode side asked for 4 pages
+    w.run()
+    assert w.status_p[(0, 1)] is KVPoll.Failed and "expects 4 pages" in r.failure
+    assert w.status_d[(0, 1)] is KVPoll.Failed
+    with pytest.raises(ValueError, match="init\\(\\) called twice"):
+        r.init(4, w.now)
+
+
+def test_an_explicit_last_that_disagrees_with_the_count_is_refused_and_changes_nothing():
+    g = Geometry(P=1, D=1, H=2)
+    w = World(g, 0)
+    w.add_room(1, 4, [4])
+    r = w.rooms_p[(0, 1)]
+    with pytest.raises(ValueError, match="last chunk ends at page 2 of 4"):
+        r.add_chunk(np.arange(2), True, w.now)
+    assert r.pages_given == 0 and not r.last
+    r.add_chunk(np.arange(2), None, w.now)
+    assert r.pages_given == 2 and not r.last        # inferred: not the last yet
+    r.add_chunk(np.arange(2, 4), None, w.now)
+    assert r.last                                   # inferred: the pages reached the count

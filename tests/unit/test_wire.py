@@ -119,7 +119,7 @@ def test_wrong_shapes_raise_only_wire_error(obj, name):
 
 
 def test_tag_round_trip_and_auth():
-    tag = make_tag(TagKind.STAGED, room=2**63 - 1, session=3, epoch=2**64 - 1, src=9, writer=1, chunk=4,
+    tag = make_tag(TagKind.STAGED, room=2**64 - 1, session=3, epoch=2**64 - 1, src=9, writer=1, chunk=4,
                    piece=2, page_start=100, num_pages=8, nbytes=1 << 30, ring_start=12345)
     for token in (None, b"s"):
         c = TagCodec(token)

@@ -57,15 +57,21 @@ class EventQueue:
 @dataclass(frozen=True)
 class NewSender:
     room: int
-    num_pages: int
+    num_pages: int | None     # None: given later by InitSender
     status: Any
+
+
+@dataclass(frozen=True)
+class InitSender:
+    room: int
+    num_pages: int
 
 
 @dataclass(frozen=True)
 class SendChunk:
     room: int
     pages: np.ndarray
-    last: bool
+    last: bool                # decided in the caller's thread (inferred there when not given)
 
 
 @dataclass(frozen=True)

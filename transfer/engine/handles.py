@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from ..poll import KVPoll
-from .events import Abort, InitReceiver, SendChunk
+from .events import Abort, InitReceiver, InitSender, SendChunk
 
 Post = Callable[[Any], None]   # hands an event to the control thread; raises once the manager closed
 
@@ -111,16 +111,31 @@ class _Handle:
 
 
 class KVSender(_Handle):
-    """Prefill side of one request: feed it chunk by chunk with send()."""
+    """Prefill side of one request: give it the page count (at creation or with init()), then
+    feed it chunk by chunk with send()."""
 
-    def __init__(self, post: Post, cache_pages: int, room: int, num_pages: int, status: RoomStatus):
+    def __init__(self, post: Post, cache_pages: int, room: int, num_pages: int | None, status: RoomStatus):
         super().__init__(post, cache_pages, room, "prefill", status)
         self.num_pages = num_pages
         self._sent = 0
         self._last = False
 
-    def send(self, pages: Any, last: bool = False) -> None:
-        """The next pages of the request (indices into this rank's cache, in request order)."""
+    def init(self, num_pages: int) -> None:
+        """The request's page count on this rank, for a sender created without one. Allowed in
+        any state: before the decode side's metadata arrived, the request waits for it."""
+        if self.num_pages is not None:
+            raise ValueError(f"room {self.room}: init() called twice, or on a sender created with num_pages")
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
+            raise ValueError(f"room {self.room}: num_pages must be a positive int, got {num_pages!r}")
+        self._post(InitSender(self.room, num_pages))
+        self.num_pages = num_pages
+
+    def send(self, pages: Any, last: bool | None = None) -> None:
+        """The next pages of the request (indices into this rank's cache, in request order).
+        `last` left out: the request ends when the pages sent reach its page count; given, it
+        must agree with that count."""
+        if self.num_pages is None:
+            raise ValueError(f"room {self.room}: send() before init(): the page count is not known yet")
         if self._last:
             raise ValueError(f"room {self.room}: send() after the last chunk")
         arr = as_pages(pages, self._cache_pages, f"room {self.room} send()", unique=False)
@@ -130,9 +145,11 @@ class KVSender(_Handle):
         if last and self._sent + arr.size != self.num_pages:
             raise ValueError(f"room {self.room}: the last chunk ends at page {self._sent + arr.size}, the request "
                              f"has {self.num_pages}")
+        if last is None:
+            last = self._sent + arr.size == self.num_pages
+        self._post(SendChunk(self.room, arr, bool(last)))
         self._sent += arr.size
         self._last = bool(last)
-        self._post(SendChunk(self.room, arr, bool(last)))
 
 
 class KVReceiver(_Handle):

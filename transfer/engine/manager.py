@@ -144,11 +144,13 @@ class KVManager:
                 time.sleep(0.2)
 
     # -- per-request handles -----------------------------------------------------------------------
-    def sender(self, room: int, num_pages: int) -> KVSender:
-        """Prefill side of a request; num_pages = pages of this request held by this rank."""
+    def sender(self, room: int, num_pages: int | None = None) -> KVSender:
+        """Prefill side of a request; num_pages = pages of this request held by this rank, or
+        None when not known yet (give it later with the sender's init())."""
         self._check("prefill", room)
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
-            raise ValueError(f"num_pages must be a positive int, got {num_pages!r}")
+        if num_pages is not None and (isinstance(num_pages, bool) or not isinstance(num_pages, int)
+                                      or num_pages <= 0):
+            raise ValueError(f"num_pages must be a positive int or None, got {num_pages!r}")
         status = self._claim(room)
         handle = KVSender(self._post, self.num_pages, room, num_pages, status)
         self._post(NewSender(room, num_pages, status))
@@ -170,8 +172,8 @@ class KVManager:
         if self.config.role != role:
             raise ValueError(f"this is a {self.config.role} rank; {'sender' if role == 'prefill' else 'receiver'}() "
                              f"belongs on a {role} rank")
-        if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 1 << 63:
-            raise ValueError(f"room must be an int in [0, 2**63), got {room!r}")
+        if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 1 << 64:
+            raise ValueError(f"room must be an unsigned 64-bit int, in [0, 2**64), got {room!r}")
 
     def _claim(self, room: int) -> RoomStatus:
         with self._rooms_lock:

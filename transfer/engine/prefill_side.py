@@ -22,7 +22,7 @@ from ..protocol.messages import (AllocGrant, Heartbeat, Hello, HelloAck, MetaAck
 from ..protocol.prefill_room import PrefillRoom
 from ..protocol.routing import hello_verdict
 from .context import EngineContext
-from .events import Abort, NewSender, SendChunk
+from .events import Abort, InitSender, NewSender, SendChunk
 from .peers import Peer, PeerTable
 from .rooms import RoomBook
 from .write_queue import WriteQueue
@@ -45,7 +45,8 @@ class PrefillSide:
         self.handlers = {RoomMeta: self.on_RoomMeta, AllocGrant: self.on_AllocGrant,
                          WatermarkUpdate: self.on_WatermarkUpdate, RoomDone: self.on_RoomDone,
                          RoomFailed: self.on_RoomFailed}
-        self.events = {NewSender: self.new_sender, SendChunk: self.send_chunk, Abort: self.abort}
+        self.events = {NewSender: self.new_sender, InitSender: self.init_sender, SendChunk: self.send_chunk,
+                       Abort: self.abort}
 
     # -- the connection handshake ---------------------------------------------------------------
     def on_hello(self, msg: Hello, now: float) -> None:
@@ -125,6 +126,11 @@ class PrefillSide:
         for item in self.pending.pop(ev.room, []):
             self._item(room, item, now, early=True)  # parked before this use: bound by session
         self.pending_since.pop(ev.room, None)
+
+    def init_sender(self, ev: InitSender, now: float) -> None:
+        room = self.book.get(ev.room)
+        if room is not None:
+            self.book.apply(room, room.init(ev.num_pages, now))
 
     def send_chunk(self, ev: SendChunk, now: float) -> None:
         room = self.book.get(ev.room)

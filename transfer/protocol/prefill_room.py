@@ -55,6 +55,7 @@ class Flow:
     assignment: Assignment | None       # None: a notice only, nothing to write
     staged: bool
     dst_pages: np.ndarray | None
+    meta: RoomMeta | None = None        # kept until init() gives the page count to check it against
     issued: int = 0                     # chunks issued (direct) or requested (staged)
     requested_at: dict[int, float] = field(default_factory=dict)  # staged: chunk -> when first asked
     asked_again: dict[int, float] = field(default_factory=dict)   # staged: chunk -> when last asked
@@ -67,10 +68,12 @@ class Flow:
 
 
 class PrefillRoom:
-    def __init__(self, room: int, num_pages: int, layout: KVLayout, me: int, now: float,
+    def __init__(self, room: int, num_pages: int | None, layout: KVLayout, me: int, now: float,
                  timeouts: Timeouts, op_ids: itertools.count | None = None, max_ranges: int = 65536,
                  stale: frozenset = frozenset()):
-        if num_pages <= 0:
+        """`num_pages` None: the page count comes later, with init() (serving engines create the
+        sender when the request arrives, before they know it)."""
+        if num_pages is not None and num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         self.room = room
         self.num_pages = num_pages
@@ -97,8 +100,28 @@ class PrefillRoom:
         self.failed_by: tuple[int, int] | None = None
 
     # -- inputs -----------------------------------------------------------------------------
-    def add_chunk(self, pages: np.ndarray, last: bool, now: float) -> list[Action]:
-        """The next pages of the request, in order. Raises ValueError on bad input, unchanged."""
+    def init(self, num_pages: int, now: float) -> list[Action]:
+        """The page count, for a sender created without one. Raises ValueError on bad input,
+        unchanged. Metadata that came first is checked against it now."""
+        if self.num_pages is not None:
+            raise ValueError(f"room {self.room}: init() called twice, or on a sender created with num_pages")
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
+            raise ValueError(f"room {self.room}: num_pages must be a positive int, got {num_pages!r}")
+        self.num_pages = num_pages
+        if self.state in TERMINAL:
+            return []
+        for flow in list(self.flows.values()):
+            if flow.meta is not None:
+                out = self._check_meta(flow, flow.meta, now)
+                if out:
+                    return out
+        return self._pump(now)
+
+    def add_chunk(self, pages: np.ndarray, last: bool | None, now: float) -> list[Action]:
+        """The next pages of the request, in order; `last` None: this chunk is the last when it
+        reaches the page count. Raises ValueError on bad input, unchanged."""
+        if self.num_pages is None:
+            raise ValueError(f"room {self.room}: send() before init(): the page count is not known yet")
         if self.last:
             raise ValueError(f"room {self.room}: send() after the last chunk")
         if self.pages_given + pages.size > self.num_pages:
@@ -107,9 +130,11 @@ class PrefillRoom:
         if last and self.pages_given + pages.size != self.num_pages:
             raise ValueError(f"room {self.room}: last chunk ends at page {self.pages_given + pages.size} "
                              f"of {self.num_pages}")
+        if last is None:
+            last = self.pages_given + pages.size == self.num_pages
         start = self.pages_given
         self.pages_given += pages.size
-        self.last = last
+        self.last = bool(last)
         if self.state in TERMINAL:
             return []  # input still accounted for, nothing more is written
         if pages.size:
@@ -149,19 +174,32 @@ class PrefillRoom:
         early = self.early.pop((peer, meta.session), None)
         if early is not None:  # its decode room failed before this metadata reached us
             return self.on_room_failed(peer, meta.session, *early, now)
-        if meta.num_pages != self.num_pages:
-            return self.fail("protocol", f"decode rank {peer.tp_rank} expects {meta.num_pages} pages, this "
-                                         f"prefill rank was given {self.num_pages}", now)
-        if flow.assignment is not None and not meta.staged:
-            pages = meta.pages()
-            if pages.size != self.num_pages:
-                return self.fail("protocol", f"decode rank {peer.tp_rank} sent {pages.size} destination pages "
-                                             f"for {self.num_pages}", now)
-            flow.dst_pages = pages
+        if self.num_pages is None:
+            flow.meta = meta  # checked at init()
+        else:
+            bad = self._check_meta(flow, meta, now)
+            if bad:
+                return bad
         out: list[Action] = []
         if self._all_metas():
             out += self._set_state(KVPoll.Transferring if self.chunks or self.last else KVPoll.WaitingForInput)
         return out + self._pump(now)
+
+    def _check_meta(self, flow: Flow, meta: RoomMeta, now: float) -> list[Action]:
+        """The decode rank's page count (and direct destination pages) against ours: [] when
+        they agree, else the room fails."""
+        flow.meta = None
+        rank = flow.peer.tp_rank
+        if meta.num_pages != self.num_pages:
+            return self.fail("protocol", f"decode rank {rank} expects {meta.num_pages} pages, this "
+                                         f"prefill rank was given {self.num_pages}", now)
+        if flow.assignment is not None and not meta.staged:
+            pages = meta.pages()
+            if pages.size != self.num_pages:
+                return self.fail("protocol", f"decode rank {rank} sent {pages.size} destination pages "
+                                             f"for {self.num_pages}", now)
+            flow.dst_pages = pages
+        return []
 
     def on_grant(self, peer: PeerKey, grant: AllocGrant, now: float) -> list[Action]:
         flow = self._flow_of(peer, grant.session)

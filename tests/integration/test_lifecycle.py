@@ -1,0 +1,53 @@
+"""The request lifecycle serving engines drive (issue 16), between real processes over real NIXL
+and Mooncake, staged and direct: senders created before the page count is known (init() once
+the request polls WaitingForInput, or at once, before the decode side's metadata), chunks sent
+without a last flag (the request ends when its pages reach the count), room ids up to 2**64 - 1."""
+
+import zlib
+
+import pytest
+
+from engine_cases import TEST_TIMEOUTS, Case, Topo, problems, random_rooms, run_cases
+
+pytestmark = pytest.mark.integration
+
+KNOBS = [{"late_init": "wait", "infer_last": True}, {"late_init": "now", "infer_last": True},
+         {"late_init": "wait"}, {"infer_last": True}, {}]
+
+
+def lifecycle_cases() -> list[Case]:
+    out = []
+    for backend in ("nixl", "mooncake"):
+        for staging in (False, True):
+            for topo in (Topo(2, 1, 4), Topo(1, 2, 2)):
+                seed = zlib.crc32(repr((backend, staging, topo)).encode()) & 0xFFFF
+                base = 2**64 - 10 if staging else 2**63 + 7   # room ids are unsigned 64-bit
+                rooms = random_rooms(seed, 10, 16, base=base)
+                for i, r in enumerate(rooms):
+                    r.update(KNOBS[i % len(KNOBS)])
+                extra = {"timeouts": {**TEST_TIMEOUTS, "write": 120.0}} if backend == "mooncake" else {}
+                out.append(Case(topo, 16, "bfloat16", staging, backend, rooms=rooms, extra=extra))
+    return out
+
+
+@pytest.mark.timeout(400)
+def test_late_init_and_inferred_last_bit_exact():
+    case_list = lifecycle_cases()
+    results, codes, logs, _ = run_cases(case_list, timeout=240)
+    bad = problems(results, codes, logs)
+    assert not bad, "\n".join(bad[:30])
+    waited = 0
+    for c in case_list:
+        late = {r["room"] for r in c.rooms if r.get("late_init") == "wait"}
+        for res in results[c.name]["prefill"]:
+            for rec in res["rooms"]:
+                if rec["room"] in late:
+                    # Bootstrapping (or nothing, when the metadata was already there), then
+                    # WaitingForInput, and only then init()
+                    assert rec["waited_for_input"] is True, (c.name, rec)
+                    assert set(rec["seen_before_init"]) <= {"Bootstrapping"}, (c.name, rec)
+                    waited += 1
+        for res in results[c.name]["decode"]:
+            assert len(res["rooms"]) == len(c.rooms)
+            assert all(r["verified"] is True for r in res["rooms"]), c.name
+    assert waited == sum(c.topo.P * sum(r.get("late_init") == "wait" for r in c.rooms) for c in case_list)

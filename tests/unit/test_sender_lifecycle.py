@@ -1,0 +1,72 @@
+"""KVSender's late page count and inferred last chunk, in the caller's thread: misuse raises and
+changes nothing; good calls hand exactly one event each to the control thread."""
+
+import pytest
+
+from kvstage.transfer.engine.events import InitSender, SendChunk
+from kvstage.transfer.engine.handles import KVSender, RoomStatus
+
+
+def sender(num_pages=None):
+    posted = []
+    return KVSender(posted.append, 100, 7, num_pages, RoomStatus()), posted
+
+
+def test_late_init_then_chunks_without_last_end_at_the_count():
+    s, posted = sender()
+    s.init(5)
+    s.send([0, 1])
+    s.send([2, 3, 4])
+    assert [type(e) for e in posted] == [InitSender, SendChunk, SendChunk]
+    assert posted[0].num_pages == 5
+    assert [(list(e.pages), e.last) for e in posted[1:]] == [([0, 1], False), ([2, 3, 4], True)]
+    with pytest.raises(ValueError, match="after the last chunk"):
+        s.send([5])
+
+
+def test_send_before_init_raises_and_changes_nothing():
+    s, posted = sender()
+    with pytest.raises(ValueError, match="before init"):
+        s.send([0])
+    assert posted == []
+    s.init(1)
+    s.send([0])
+    assert posted[-1].last is True
+
+
+@pytest.mark.parametrize("created_with", [None, 3])
+def test_init_twice_or_on_a_counted_sender_raises(created_with):
+    s, posted = sender(created_with)
+    if created_with is None:
+        s.init(3)
+    with pytest.raises(ValueError, match="init\\(\\) called twice"):
+        s.init(3)
+    assert len(posted) == (1 if created_with is None else 0)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, "3", None])
+def test_init_needs_a_positive_int(bad):
+    s, posted = sender()
+    with pytest.raises(ValueError, match="positive int"):
+        s.init(bad)
+    assert posted == [] and s.num_pages is None
+
+
+def test_explicit_last_must_agree_with_the_count_and_false_keeps_it_open():
+    s, posted = sender(4)
+    with pytest.raises(ValueError, match="last chunk ends at page 2"):
+        s.send([0, 1], last=True)
+    assert posted == []
+    s.send([0, 1, 2, 3], last=False)       # all pages, but the caller says more is coming
+    assert posted[-1].last is False
+    s.send([], last=True)                  # ... and ends it with an empty last chunk
+    assert posted[-1].last is True
+
+
+def test_a_closed_manager_leaves_the_handle_unchanged():
+    def refuse(event):
+        raise RuntimeError("the KVManager is closed")
+    s = KVSender(refuse, 100, 7, None, RoomStatus())
+    with pytest.raises(RuntimeError):
+        s.init(2)
+    assert s.num_pages is None
