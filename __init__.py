@@ -19,13 +19,14 @@ _PUBLIC = {
     "KVManager": ".transfer.engine.manager",
     "KVSender": ".transfer.engine.handles", "KVReceiver": ".transfer.engine.handles",
     "KVPoll": ".transfer.poll",
+    "KVTransferError": ".transfer.outcome", "TransferMetrics": ".transfer.outcome",
 }
 
 __all__ = list(_PUBLIC)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .transfer import (EngineConfig, KVBuffers, KVLayout, KVManager, KVPoll, KVReceiver, KVSender,
-                           Timeouts)
+                           KVTransferError, Timeouts, TransferMetrics)
 
 
 def __getattr__(name: str) -> Any:

@@ -348,6 +348,13 @@ def finish(spec: dict, st: dict, pattern: KVPattern, tensors) -> dict:
            "latency_s": (st["t_done"] or time.perf_counter()) - st["t0"], "pages": int(len(st["pages"])),
            "verified": None, "start": st["wall0"], "end": st.get("wall1", time.time())}
     rec["t_send"] = st.get("t_send")
+    m = h.metrics() if hasattr(h, "metrics") else None
+    if m is not None:
+        rec["metrics"] = {"state": m.state.name, "nbytes": m.nbytes, "backend_writes": m.backend_writes,
+                          "path": m.path, "seconds": m.seconds, "gb_per_s": m.gb_per_s}
+    exc = h.failure_exception() if hasattr(h, "failure_exception") else None
+    if exc is not None:
+        rec["exception"] = {"type": type(exc).__name__, "kind": exc.kind, "reason": exc.reason}
     if st["spec"].get("late_init") == "wait":
         rec["waited_for_input"] = st.get("waited_for_input", False)
         rec["seen_before_init"] = sorted(st.get("seen_before_init", ()))

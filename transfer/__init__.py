@@ -7,6 +7,8 @@ from .config import EngineConfig, Timeouts
 from .engine.handles import KVReceiver, KVSender
 from .engine.manager import KVManager
 from .layout import KVBuffers, KVLayout
+from .outcome import KVTransferError, TransferMetrics
 from .poll import KVPoll
 
-__all__ = ["KVLayout", "KVBuffers", "EngineConfig", "Timeouts", "KVManager", "KVSender", "KVReceiver", "KVPoll"]
+__all__ = ["KVLayout", "KVBuffers", "EngineConfig", "Timeouts", "KVManager", "KVSender", "KVReceiver", "KVPoll",
+           "KVTransferError", "TransferMetrics"]

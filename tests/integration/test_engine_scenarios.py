@@ -53,6 +53,10 @@ def test_creation_order_and_aborts(backend):
             for rec in pre[room] + dec[room]:
                 assert rec["state"] == "Failed", (case.name, room, rec)
                 assert rec["failure"] and "abort" in rec["failure"], rec
+                # the failure as SGLang's failure_exception() needs it, and the request's metrics
+                assert rec["exception"] == {"type": "KVTransferError", "kind": rec["kind"],
+                                            "reason": rec["failure"]}, rec
+                assert rec["metrics"]["state"] == "Failed", rec
         for role, side in (("prefill", pre), ("decode", dec)):
             for room, recs in side.items():
                 if room in aborted:

@@ -50,4 +50,25 @@ def test_late_init_and_inferred_last_bit_exact():
         for res in results[c.name]["decode"]:
             assert len(res["rooms"]) == len(c.rooms)
             assert all(r["verified"] is True for r in res["rooms"]), c.name
+        check_metrics(c, results[c.name])
     assert waited == sum(c.topo.P * sum(r.get("late_init") == "wait" for r in c.rooms) for c in case_list)
+
+
+def check_metrics(c: Case, sides: dict) -> None:
+    """Each request's metrics: the decode rank's own bytes exactly, the path taken, one tag per
+    backend write (the prefill ranks' writes of a room sum to the decode ranks' tags)."""
+    local_heads = max(1, c.topo.H // c.topo.D)
+    path = "staged" if c.staging else "direct"
+    writes = {r["room"]: [0, 0] for r in c.rooms}
+    for r in c.rooms:
+        want = r["pages"] * c.page_size * c.layers * 2 * local_heads * c.head_dim * 2   # K and V, bf16
+        for res in sides["decode"]:
+            m = next(x for x in res["rooms"] if x["room"] == r["room"])["metrics"]
+            assert (m["state"], m["nbytes"], m["path"]) == ("Success", want, path), (c.name, r["room"], m)
+            assert m["seconds"] > 0 and m["gb_per_s"] > 0
+            writes[r["room"]][1] += m["backend_writes"]
+        for res in sides["prefill"]:
+            m = next(x for x in res["rooms"] if x["room"] == r["room"])["metrics"]
+            assert m["state"] == "Success" and m["path"] in (path, "none"), (c.name, r["room"], m)
+            writes[r["room"]][0] += m["backend_writes"]
+    assert all(sent == landed > 0 for sent, landed in writes.values()), (c.name, writes)

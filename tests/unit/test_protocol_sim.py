@@ -270,3 +270,22 @@ def test_an_explicit_last_that_disagrees_with_the_count_is_refused_and_changes_n
     assert r.pages_given == 2 and not r.last        # inferred: not the last yet
     r.add_chunk(np.arange(2, 4), None, w.now)
     assert r.last                                   # inferred: the pages reached the count
+
+
+@pytest.mark.parametrize("g", GEOMS, ids=lambda g: f"P{g.P}D{g.D}H{g.H}{'mla' if g.mla else ''}")
+@pytest.mark.parametrize("staged", [True, False])
+def test_room_totals_count_every_byte_and_write_once_on_each_side(g, staged):
+    g = Geometry(**{**g.__dict__, "staged": staged})
+    rooms = {1: (5, [2, 3]), 2: (12, [4, 0, 8])}
+    w = run_rooms(g, 1, rooms)
+    for room, (n, _) in rooms.items():
+        sent = [w.rooms_p[(p, room)].totals() for p in range(g.P)]
+        landed = [w.rooms_d[(d, room)].totals() for d in range(g.D)]
+        # every decode rank receives all its heads of every page: n pages x its local heads
+        per_rank = [n * w.nt * g.page_size * g.head_dim * w.ld[d].local_heads for d in range(g.D)]
+        assert [t.nbytes for t in landed] == per_rank
+        assert sum(t.nbytes for t in sent) == sum(per_rank)
+        assert sum(t.writes for t in sent) == sum(t.writes for t in landed) > 0   # one tag per write
+        path = "staged" if staged and g.P != g.D and not g.mla else "direct"
+        assert {t.path for t in landed} == {path}
+        assert {t.path for t in sent} <= {path, "none"} and path in {t.path for t in sent}

@@ -70,3 +70,35 @@ def test_a_closed_manager_leaves_the_handle_unchanged():
     with pytest.raises(RuntimeError):
         s.init(2)
     assert s.num_pages is None
+
+
+# -- per-request metrics and failure objects ------------------------------------------------------
+def test_metrics_appear_when_the_request_ends_and_time_counts_from_init():
+    from kvstage.transfer.poll import KVPoll
+    from kvstage.transfer.protocol.actions import RoomTotals
+    s, _ = sender()
+    assert s.metrics() is None and s.failure_exception() is None
+    s.init(4)
+    s._status.update(KVPoll.Transferring, None, None, False)
+    assert s.metrics() is None                           # not ended yet
+    s._status.update(KVPoll.Success, None, None, False, RoomTotals(4096, 3, "staged"))
+    m = s.metrics()
+    assert (m.state, m.nbytes, m.backend_writes, m.path) == (KVPoll.Success, 4096, 3, "staged")
+    assert 0 <= m.seconds < 5 and m.gb_per_s == pytest.approx(4096 / m.seconds / 1e9)
+    s._status.update(KVPoll.Success, None, None, True, RoomTotals(1, 1, "direct"))   # the release
+    assert s.metrics().nbytes == 4096                    # the end is recorded once
+    assert s.failure_exception() is None
+
+
+def test_failure_exception_carries_kind_and_reason_and_a_never_inited_request_has_no_duration():
+    from kvstage import KVTransferError
+    from kvstage.transfer.poll import KVPoll
+    from kvstage.transfer.protocol.actions import RoomTotals
+    s, _ = sender()
+    s._status.update(KVPoll.Failed, "decode rank 0 lost", "peer_lost", False, RoomTotals())
+    exc = s.failure_exception()
+    assert isinstance(exc, KVTransferError) and isinstance(exc, RuntimeError)
+    assert (exc.room, exc.kind, exc.reason) == (7, "peer_lost", "decode rank 0 lost")
+    assert "room 7 failed (peer_lost): decode rank 0 lost" == str(exc)
+    m = s.metrics()
+    assert (m.state, m.nbytes, m.path, m.seconds, m.gb_per_s) == (KVPoll.Failed, 0, "none", None, None)

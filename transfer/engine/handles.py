@@ -8,11 +8,13 @@ A handle is meant for one caller thread at a time.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from ..outcome import KVTransferError, TransferMetrics
 from ..poll import KVPoll
 from .events import Abort, InitReceiver, InitSender, SendChunk
 
@@ -29,14 +31,23 @@ class RoomStatus:
         self.failure: str | None = None
         self.failure_kind: str | None = None
         self.released = False
+        self.totals: Any = None             # RoomTotals, once the request ended
+        self.ended_at: float | None = None
 
-    def update(self, state: KVPoll, failure: str | None, kind: str | None, released: bool) -> None:
+    def update(self, state: KVPoll, failure: str | None, kind: str | None, released: bool,
+               totals: Any = None) -> None:
         with self._lock:
             self.state = state
             self.failure, self.failure_kind = failure, kind
             self.released = self.released or released
+            if totals is not None and self.ended_at is None:
+                self.totals, self.ended_at = totals, time.monotonic()
             if released or state in (KVPoll.Success, KVPoll.Failed):  # all that waiters wait for
                 self._changed.notify_all()
+
+    def ended(self) -> tuple[KVPoll, Any, float | None]:
+        with self._lock:
+            return self.state, self.totals, self.ended_at
 
     def snapshot(self) -> tuple[KVPoll, str | None, str | None, bool]:
         with self._lock:
@@ -78,6 +89,7 @@ class _Handle:
     def __init__(self, post: Post, cache_pages: int, room: int, role: str, status: RoomStatus):
         self._post, self._cache_pages = post, cache_pages
         self.room, self._role, self._status = room, role, status
+        self._started: float | None = None   # init() (or a sender created with its page count)
 
     def poll(self) -> KVPoll:
         return self._status.snapshot()[0]
@@ -101,6 +113,21 @@ class _Handle:
         self._status.wait(lambda s: s.state in (KVPoll.Success, KVPoll.Failed), timeout)
         return self.poll()
 
+    def metrics(self) -> TransferMetrics | None:
+        """What the request moved and how long it took; None until it ended (Success or Failed)."""
+        state, totals, ended = self._status.ended()
+        if totals is None:
+            return None
+        seconds = ended - self._started if self._started is not None else None
+        return TransferMetrics(state, totals.nbytes, totals.writes, totals.path, seconds)
+
+    def failure_exception(self) -> KVTransferError | None:
+        """The failure as an exception object (kind and reason), None unless poll() is Failed."""
+        state, failure, kind, _ = self._status.snapshot()
+        if state is not KVPoll.Failed:
+            return None
+        return KVTransferError(self.room, kind or "failed", failure or "")
+
     def abort(self) -> None:
         """Fail the request here and at its peers; resources are released once nothing can land."""
         self._post(Abort(self._role, self.room))
@@ -117,6 +144,8 @@ class KVSender(_Handle):
     def __init__(self, post: Post, cache_pages: int, room: int, num_pages: int | None, status: RoomStatus):
         super().__init__(post, cache_pages, room, "prefill", status)
         self.num_pages = num_pages
+        if num_pages is not None:
+            self._started = time.monotonic()
         self._sent = 0
         self._last = False
 
@@ -129,6 +158,7 @@ class KVSender(_Handle):
             raise ValueError(f"room {self.room}: num_pages must be a positive int, got {num_pages!r}")
         self._post(InitSender(self.room, num_pages))
         self.num_pages = num_pages
+        self._started = time.monotonic()
 
     def send(self, pages: Any, last: bool | None = None) -> None:
         """The next pages of the request (indices into this rank's cache, in request order).
@@ -167,5 +197,6 @@ class KVReceiver(_Handle):
         arr = as_pages(dst_pages, self._cache_pages, f"room {self.room} init()", unique=True)
         if arr.size == 0:
             raise ValueError(f"room {self.room}: init() needs at least one page")
-        self._inited = True
         self._post(InitReceiver(self.room, arr))
+        self._inited = True
+        self._started = time.monotonic()

@@ -67,7 +67,8 @@ class RoomBook:
     def _status_changed(self, room: Any, a: StatusChanged) -> None:
         status = self.status.get(room.room)
         if status is not None:
-            status.update(a.state, a.failure, a.failure_kind, a.released)
+            ended = a.state in (KVPoll.Success, KVPoll.Failed)
+            status.update(a.state, a.failure, a.failure_kind, a.released, room.totals() if ended else None)
         if a.released:
             return
         stats = self.ctx.stats

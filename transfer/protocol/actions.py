@@ -95,6 +95,15 @@ class StatusChanged:
 
 
 @dataclass(frozen=True)
+class RoomTotals:
+    """What a room moved, for the caller's per-request metrics (see TransferMetrics)."""
+
+    nbytes: int = 0
+    writes: int = 0
+    path: str = "none"                 # staged | direct | none (nothing to write)
+
+
+@dataclass(frozen=True)
 class Released:
     """Nothing of the room can be touched any more; the shell may forget it."""
 

@@ -28,7 +28,8 @@ from ...staging.ring import Region, RingAllocator, TooLarge
 from ..config import Timeouts
 from ..layout import KVLayout
 from ..poll import KVPoll
-from .actions import Action, PeerKey, PublishWatermark, Released, Scatter, ScatterPart, Send, StatusChanged
+from .actions import (Action, PeerKey, PublishWatermark, Released, RoomTotals, Scatter, ScatterPart, Send,
+                      StatusChanged)
 from .head_mapping import Assignment, HeadMapping
 from .messages import AllocGrant, AllocRequest, Piece, RoomDone, RoomFailed, RoomMeta, WriterDone, encode_pages
 from .tags import Tag, TagKind
@@ -129,6 +130,8 @@ class DecodeRoom:
         self.acked: set[int] = set()                         # prefill ranks that acknowledged the metadata
         self._retry_at = 0.0
         self._now = now
+        self.bytes_in = 0                                    # bytes of accepted tags (writes that landed)
+        self.writes_in = 0
 
     # -- set-up -----------------------------------------------------------------------------
     def on_plan(self, plan: RoomPlan, now: float) -> list[Action]:
@@ -245,6 +248,8 @@ class DecodeRoom:
         if arrival.outcome is Outcome.REJECTED:
             return "rejected", self.fail("tag_mismatch", f"tag from {peer} rejected: {arrival.reason}", now)
         w.tags.add((tag.chunk, tag.piece))
+        self.bytes_in += tag.nbytes
+        self.writes_in += 1
         if arrival.outcome is Outcome.PIECE_LANDED:
             return "ok", [self._scatter(arrival.piece, now)]
         return "ok", self._check_complete(now)
@@ -375,6 +380,11 @@ class DecodeRoom:
         return out
 
     # -- internals --------------------------------------------------------------------------
+    def totals(self) -> RoomTotals:
+        """Bytes and writes that landed here (each accepted tag is one backend write)."""
+        path = "none" if self.plan is None or not self.plan.writers else "staged" if self.plan.staged else "direct"
+        return RoomTotals(self.bytes_in, self.writes_in, path)
+
     def _writer(self, peer: PeerKey) -> WriterState | None:
         w = self.writers.get(peer.tp_rank)
         return w if w is not None and w.peer == peer else None

@@ -30,7 +30,7 @@ import numpy as np
 from ..config import Timeouts
 from ..layout import KVLayout
 from ..poll import KVPoll
-from .actions import Action, Dropped, PeerKey, PostWrite, Released, Send, StatusChanged, WriteOp
+from .actions import Action, Dropped, PeerKey, PostWrite, Released, RoomTotals, Send, StatusChanged, WriteOp
 from .direct_ranges import direct_nbytes
 from .head_mapping import Assignment, HeadMapping, compute_assignments
 from .messages import AllocGrant, AllocRequest, Quiesced, RoomFailed, RoomMeta, WriterDone
@@ -346,6 +346,12 @@ class PrefillRoom:
             if flow.peer != origin:
                 out.append(Send(flow.peer, self._failed_msg(flow.peer, flow.session)))
         return out + self._maybe_release()
+
+    def totals(self) -> RoomTotals:
+        """Bytes and writes completed, summed over the decode ranks written."""
+        writing = [f for f in self.flows.values() if f.assignment is not None]
+        path = "none" if not writing else "staged" if any(f.staged for f in writing) else "direct"
+        return RoomTotals(sum(f.nbytes for f in writing), sum(f.writes for f in writing), path)
 
     def sessions(self) -> frozenset:
         """(decode incarnation, session) pairs this use dealt with: stale for the next use of the id."""

@@ -1,0 +1,40 @@
+"""What a finished request reports to its caller: `TransferMetrics` (bytes, backend writes,
+path, time from init to the end) and, when it failed, a `KVTransferError` with its kind and
+reason. Serving engines surface these as their transfer metrics and failure exceptions."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .poll import KVPoll
+
+
+class KVTransferError(RuntimeError):
+    """A request failed. `kind` is the failure kind of docs/operations.md ("timeout",
+    "peer_lost", "remote_aborted", ...), `reason` the human-readable why."""
+
+    def __init__(self, room: int, kind: str, reason: str):
+        super().__init__(f"room {room} failed ({kind}): {reason}")
+        self.room, self.kind, self.reason = room, kind, reason
+
+
+@dataclass(frozen=True)
+class TransferMetrics:
+    """One request on one rank, once it ended. `nbytes`: KV bytes this rank wrote (prefill) or
+    that landed in it (decode); `backend_writes`: the backend writes those took (one tagged
+    write per (writer, chunk) direct, per piece staged); `path`: "staged", "direct", or "none"
+    (a rank with nothing to write, e.g. it holds only replicas nobody needs); `seconds`: from
+    init() (or a sender created with its page count) until the request ended, None if it
+    ended before init()."""
+
+    state: KVPoll
+    nbytes: int
+    backend_writes: int
+    path: str
+    seconds: float | None
+
+    @property
+    def gb_per_s(self) -> float | None:
+        if not self.seconds or self.state is not KVPoll.Success:
+            return None
+        return self.nbytes / self.seconds / 1e9
