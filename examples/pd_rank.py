@@ -16,8 +16,10 @@ right after creating the receiver), chunk_delay_s (prefill: pause between chunks
 file, "{rank}" replaced by its rank, once it aborted), start_after_file (both: do not start the
 room, nor any after it, before this file exists), late_init (prefill: create the sender without a
 page count and give it with init(): "now" right after creating it, "wait" once it polls
-WaitingForInput), infer_last (prefill: send() without last=). Per manager, live_stats names a file the
-driver rewrites with the manager's stats about three times a second (a test waits on it), and
+WaitingForInput), infer_last (prefill: send() without last=), abort_at (prefill: abort() as soon
+as the sender polls this state, e.g. "Bootstrapping" or "WaitingForInput", instead of sending).
+Per manager, clear_handles drops every handle with clear() once its room ended, live_stats names
+a file the driver rewrites with the manager's stats about three times a second (a test waits on it), and
 progress a file it rewrites after every room that ends: {"done": rooms ended, "ok": of them, clean
 successes (decode: verified bit-exact)}.
 """
@@ -139,6 +141,8 @@ def drive(spec: dict, bootstrap: str, result: dict) -> None:
             if state in DONE and st["handle"].released:
                 rec = finish(spec, st, pattern, tensors)
                 out.append(rec)
+                if spec.get("clear_handles"):
+                    st["handle"].clear()
                 pool.give(st["pages"])
                 del active[room_id]
                 progressed = True
@@ -293,6 +297,14 @@ def advance(mgr: KVManager, spec: dict, st: dict) -> bool:
             if now < st["create_at"]:
                 return False
             st["handle"] = h = new_sender(mgr, r, st)
+        if r.get("abort_at") and not st["aborted"]:
+            if h.poll().name != r["abort_at"]:
+                return False
+            h.abort()
+            st["aborted"] = True
+            return True
+        if st["aborted"]:
+            return False
         if not st["inited"]:
             state = h.poll()
             if state is not KVPoll.WaitingForInput:

@@ -72,3 +72,55 @@ def check_metrics(c: Case, sides: dict) -> None:
             assert m["state"] == "Success" and m["path"] in (path, "none"), (c.name, r["room"], m)
             writes[r["room"]][0] += m["backend_writes"]
     assert all(sent == landed > 0 for sent, landed in writes.values()), (c.name, writes)
+
+
+ABORTS = [  # (knobs, who aborts)
+    ({"late_init": "wait", "abort_at": "Bootstrapping", "init_delay_s": 1.0}, "prefill"),  # decode not there yet
+    ({"late_init": "wait", "abort_at": "WaitingForInput"}, "prefill"),                      # metadata in, no init
+    ({"abort_at": "WaitingForInput"}, "prefill"),                                           # counted, nothing sent
+    ({"abort_before_init": True}, "decode"),
+    ({"create_delay_s": 1.0, "abort_after_s": 0.2}, "decode"),                             # before its sender exists
+]
+
+
+@pytest.mark.timeout(300)
+def test_abort_in_every_state_fails_both_sides_and_releases():
+    cases = []
+    for backend in ("nixl", "mooncake"):
+        rooms = random_rooms(11, 8, 16, base=2**64 - 20)
+        for i, (knobs, _) in enumerate(ABORTS):
+            rooms[i].update(knobs, pages=2, chunks=[1, 1])
+        cases.append(Case(Topo(2, 1, 4), 16, "bfloat16", True, backend, rooms=rooms))
+    results, codes, logs, _ = run_cases(cases, timeout=200)
+    assert not any(codes), codes
+    for c in cases:
+        aborted = {c.rooms[i]["room"] for i in range(len(ABORTS))}
+        for side in ("prefill", "decode"):
+            for res in results[c.name][side]:
+                assert not res.get("error"), res.get("traceback")
+                recs = {r["room"]: r for r in res["rooms"]}
+                assert set(recs) == {r["room"] for r in c.rooms}   # every room ended and was released
+                for room, rec in recs.items():
+                    if room in aborted:
+                        assert rec["state"] == "Failed" and "abort" in rec["failure"], (c.name, side, rec)
+                        assert rec["exception"]["kind"] in ("aborted", "remote_aborted"), (c.name, side, rec)
+                    else:
+                        assert rec["state"] == "Success" and rec["verified"] is (True if side == "decode" else None)
+
+
+@pytest.mark.timeout(400)
+def test_ten_thousand_short_requests_leave_no_per_room_state():
+    """Cleared handles and released rooms: the engine's per-room state returns to zero."""
+    rooms = [{"room": 2**63 + i, "pages": 1, "tokens": 16, "chunks": [1]} for i in range(10_000)]
+    case = Case(Topo(1, 1, 2), 16, "bfloat16", False, "nixl", rooms=rooms, pages=256,
+                extra={"clear_handles": True, "inflight": 64, "run_timeout_s": 300})
+    results, codes, logs, wall = run_cases([case], timeout=330)
+    bad = problems(results, codes, logs)
+    assert not bad, "\n".join(bad[:10])
+    for side in ("prefill", "decode"):
+        (res,) = results[case.name][side]
+        assert len(res["rooms"]) == 10_000
+        st = res["stats"]
+        assert st["rooms"] == {"success": 10_000}, st["rooms"]
+        assert st["rooms_tracked"] == 0 and st["rooms_active"] == 0, st
+        assert st["room_state"] and not any(st["room_state"].values()), st["room_state"]

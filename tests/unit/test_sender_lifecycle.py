@@ -102,3 +102,42 @@ def test_failure_exception_carries_kind_and_reason_and_a_never_inited_request_ha
     assert "room 7 failed (peer_lost): decode rank 0 lost" == str(exc)
     m = s.metrics()
     assert (m.state, m.nbytes, m.path, m.seconds, m.gb_per_s) == (KVPoll.Failed, 0, "none", None, None)
+
+
+# -- clear(): the caller drops a handle -------------------------------------------------------------
+def test_clear_after_the_end_forgets_and_before_the_end_aborts_first():
+    from kvstage.transfer.engine.events import Abort
+    from kvstage.transfer.poll import KVPoll
+    forgotten, posted = [], []
+    done = KVSender(posted.append, 100, 7, 2, RoomStatus(), lambda room, st: forgotten.append(room))
+    done._status.update(KVPoll.Success, None, None, True)
+    done.clear()
+    assert posted == [] and forgotten == [7]
+    live = KVSender(posted.append, 100, 8, 2, RoomStatus(), lambda room, st: forgotten.append(room))
+    live.close()                                            # close is clear
+    assert [type(e) for e in posted] == [Abort] and forgotten == [7, 8]
+
+    def closed(event):
+        raise RuntimeError("the KVManager is closed")
+    KVSender(closed, 100, 9, 2, RoomStatus(), lambda room, st: forgotten.append(room)).clear()
+    assert forgotten == [7, 8, 9]
+
+
+def test_the_manager_keeps_a_cleared_status_until_its_room_is_released():
+    import threading
+    from types import MethodType, SimpleNamespace
+
+    from kvstage.transfer.engine.manager import KVManager
+    from kvstage.transfer.poll import KVPoll
+    mgr = SimpleNamespace(_rooms={}, _rooms_lock=threading.Lock())
+    mgr._prune_cleared = MethodType(KVManager._prune_cleared, mgr)
+    claim, forget = MethodType(KVManager._claim, mgr), MethodType(KVManager._forget, mgr)
+    a, b = claim(1), claim(2)
+    forget(1, a)                                            # cleared while still active: kept
+    assert set(mgr._rooms) == {1, 2}
+    a.update(KVPoll.Failed, "x", "aborted", True)
+    b.update(KVPoll.Success, None, None, True)              # released, never cleared: kept (for a while)
+    claim(3)                                                # any later call prunes what was cleared
+    assert set(mgr._rooms) == {2, 3}
+    forget(2, b)
+    assert set(mgr._rooms) == {3}

@@ -187,6 +187,12 @@ class DecodeSide:
         return (room.fail("closed", "the kvstage manager is closing", now)
                 + room.abort(self.ctx.handler.allocator, now))
 
+    def room_state(self) -> dict:
+        views = self.planner.engines.values()
+        return {"eager_rooms": len(self.eager_rooms), "room_engines": len(self.planner.engine_of),
+                "rooms_awaiting_plan": sum(len(v.rooms) for v in views),
+                "tombstones": sum(len(v.tombstones) for v in views)}
+
     def stuck_rooms(self) -> list[int]:
         """Rooms an internal error may leave stuck: those waiting for the backend's notifications."""
         return [r for r in self.book.rooms if r in self.eager_rooms]

@@ -33,6 +33,7 @@ class RoomStatus:
         self.released = False
         self.totals: Any = None             # RoomTotals, once the request ended
         self.ended_at: float | None = None
+        self.cleared = False                # the caller dropped the handle (the manager's lock guards it)
 
     def update(self, state: KVPoll, failure: str | None, kind: str | None, released: bool,
                totals: Any = None) -> None:
@@ -84,10 +85,11 @@ def as_pages(pages: Any, limit: int, what: str, unique: bool) -> np.ndarray:
 
 
 class _Handle:
-    """`post` and `cache_pages` come from the manager; a handle needs nothing else of it."""
+    """`post`, `cache_pages` and `forget` come from the manager; a handle needs nothing else of it."""
 
-    def __init__(self, post: Post, cache_pages: int, room: int, role: str, status: RoomStatus):
-        self._post, self._cache_pages = post, cache_pages
+    def __init__(self, post: Post, cache_pages: int, room: int, role: str, status: RoomStatus,
+                 forget: Callable[[int, RoomStatus], None] | None = None):
+        self._post, self._cache_pages, self._forget = post, cache_pages, forget
         self.room, self._role, self._status = room, role, status
         self._started: float | None = None   # init() (or a sender created with its page count)
 
@@ -132,6 +134,19 @@ class _Handle:
         """Fail the request here and at its peers; resources are released once nothing can land."""
         self._post(Abort(self._role, self.room))
 
+    def clear(self) -> None:
+        """Done with this request: the manager forgets it once it is released. Before it ended,
+        this aborts it first. Idempotent; harmless after the manager closed."""
+        if self._status.snapshot()[0] not in (KVPoll.Success, KVPoll.Failed):
+            try:
+                self.abort()
+            except RuntimeError:  # the manager closed: it failed and releases every room itself
+                pass
+        if self._forget is not None:
+            self._forget(self.room, self._status)
+
+    close = clear
+
     def __repr__(self) -> str:
         state, failure, _, _ = self._status.snapshot()
         return f"<{type(self).__name__} room={self.room} {state.name}{': ' + failure if failure else ''}>"
@@ -141,8 +156,9 @@ class KVSender(_Handle):
     """Prefill side of one request: give it the page count (at creation or with init()), then
     feed it chunk by chunk with send()."""
 
-    def __init__(self, post: Post, cache_pages: int, room: int, num_pages: int | None, status: RoomStatus):
-        super().__init__(post, cache_pages, room, "prefill", status)
+    def __init__(self, post: Post, cache_pages: int, room: int, num_pages: int | None, status: RoomStatus,
+                 forget: Callable[[int, RoomStatus], None] | None = None):
+        super().__init__(post, cache_pages, room, "prefill", status, forget)
         self.num_pages = num_pages
         if num_pages is not None:
             self._started = time.monotonic()
@@ -185,8 +201,9 @@ class KVSender(_Handle):
 class KVReceiver(_Handle):
     """Decode side of one request: give it the destination pages with init()."""
 
-    def __init__(self, post: Post, cache_pages: int, room: int, prefill_engine: str, status: RoomStatus):
-        super().__init__(post, cache_pages, room, "decode", status)
+    def __init__(self, post: Post, cache_pages: int, room: int, prefill_engine: str, status: RoomStatus,
+                 forget: Callable[[int, RoomStatus], None] | None = None):
+        super().__init__(post, cache_pages, room, "decode", status, forget)
         self.prefill_engine = prefill_engine
         self._inited = False
 

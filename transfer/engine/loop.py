@@ -97,6 +97,13 @@ class EngineLoop:
     def rooms(self) -> dict:
         return self.book.rooms
 
+    def room_state(self) -> dict:
+        """How much per-room state the control thread holds (all zero once every room ended and
+        was released, apart from the bounded memory of finished rooms)."""
+        return {"rooms": len(self.book.rooms), "statuses": len(self.book.status),
+                "write_deadlines": len(self.writes.deadlines), "staged_waiting": len(self.writes.staged),
+                **self.side.room_state()}
+
     def start(self) -> None:
         self.thread.start()
 

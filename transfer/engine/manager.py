@@ -152,7 +152,7 @@ class KVManager:
                                       or num_pages <= 0):
             raise ValueError(f"num_pages must be a positive int or None, got {num_pages!r}")
         status = self._claim(room)
-        handle = KVSender(self._post, self.num_pages, room, num_pages, status)
+        handle = KVSender(self._post, self.num_pages, room, num_pages, status, self._forget)
         self._post(NewSender(room, num_pages, status))
         return handle
 
@@ -162,7 +162,7 @@ class KVManager:
         if not prefill_engine or not isinstance(prefill_engine, str):
             raise ValueError("prefill_engine must be a non-empty string")
         status = self._claim(room)
-        handle = KVReceiver(self._post, self.num_pages, room, prefill_engine, status)
+        handle = KVReceiver(self._post, self.num_pages, room, prefill_engine, status, self._forget)
         self._post(NewReceiver(room, secrets.randbits(32) | 1, prefill_engine, status))
         return handle
 
@@ -185,7 +185,19 @@ class KVManager:
             if len(self._rooms) > 4096:
                 for r in [r for r, s in self._rooms.items() if s.released]:
                     del self._rooms[r]
+            else:
+                self._prune_cleared()
             return status
+
+    def _forget(self, room: int, status: RoomStatus) -> None:
+        """A handle was cleared: its status goes once the room is released (at once if it is)."""
+        with self._rooms_lock:
+            status.cleared = True
+            self._prune_cleared()
+
+    def _prune_cleared(self) -> None:
+        for r in [r for r, s in self._rooms.items() if s.cleared and s.released]:
+            del self._rooms[r]
 
     def _post(self, event: Any) -> None:
         if self._closed:
@@ -197,6 +209,9 @@ class KVManager:
         """Counters: bytes, write requests, descriptors, gather/scatter time, ring occupancy,
         rooms by outcome, failures by kind, dropped messages by reason."""
         out = self._stats.snapshot()
+        with self._rooms_lock:
+            self._prune_cleared()
+            out["rooms_tracked"] = len(self._rooms)       # handles' statuses this manager still holds
         live = self._on_loop(_live_stats, timeout=2.0)
         if live:
             out.update(live)
@@ -258,4 +273,5 @@ def _live_stats(loop: EngineLoop) -> dict:
                    ring_occupied_bytes=a.occupied_bytes, ring_high_water_bytes=min(a.high_water, a.size),
                    ring_backlog_high_water_bytes=a.high_water)
     out["staged_pieces_waiting"] = len(loop.writes.staged)
+    out["room_state"] = loop.room_state()
     return out

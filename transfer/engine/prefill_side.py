@@ -243,6 +243,9 @@ class PrefillSide:
     def closing(self, room: PrefillRoom, now: float) -> list:
         return room.fail("closed", "the kvstage manager is closing", now)
 
+    def room_state(self) -> dict:
+        return {"parked_rooms": len(self.pending)}
+
     def stuck_rooms(self) -> list[int]:
         """Rooms an internal error may leave stuck: those with writes in flight."""
         return [r for r, room in self.book.rooms.items() if room.ops]
