@@ -18,7 +18,8 @@ room, nor any after it, before this file exists), late_init (prefill: create the
 page count and give it with init(): "now" right after creating it, "wait" once it polls
 WaitingForInput), infer_last (prefill: send() without last=), abort_at (prefill: abort() as soon
 as the sender polls this state, e.g. "Bootstrapping" or "WaitingForInput", instead of sending).
-Per manager, clear_handles drops every handle with clear() once its room ended, live_stats names
+Per manager, from_pointers hands the cache to kvstage as raw addresses (KVBuffers.from_pointers),
+clear_handles drops every handle with clear() once its room ended, live_stats names
 a file the driver rewrites with the manager's stats about three times a second (a test waits on it), and
 progress a file it rewrites after every room that ends: {"done": rooms ended, "ok": of them, clean
 successes (decode: verified bit-exact)}.
@@ -49,6 +50,7 @@ from kvstage.transfer import EngineConfig, KVBuffers, KVLayout, KVManager, KVPol
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "float8_e4m3fn": torch.float8_e4m3fn, "int8": torch.int8, "uint8": torch.uint8}
 DONE = (KVPoll.Success, KVPoll.Failed)
+_ENGINE_OWNED: list = []   # caches handed over by address (from_pointers): owned here, never by kvstage
 
 
 def build(spec: dict, bootstrap: str) -> tuple[KVManager, KVLayout, KVBuffers, KVPattern]:
@@ -61,6 +63,11 @@ def build(spec: dict, bootstrap: str) -> tuple[KVManager, KVLayout, KVBuffers, K
     k = [torch.zeros(shape, dtype=layout.dtype).zero_() for _ in range(layout.num_layers)]
     v = None if layout.mla else [torch.zeros(shape, dtype=layout.dtype).zero_() for _ in range(layout.num_layers)]
     buffers = KVBuffers(k, v)
+    if spec.get("from_pointers"):  # hand the cache over the way SGLang's KVArgs does: raw addresses
+        _ENGINE_OWNED.append((k, v))  # the "serving engine" keeps its memory alive
+        owned = k + (v or [])
+        buffers = KVBuffers.from_pointers(layout, [t.data_ptr() for t in owned],
+                                          [t.numel() * t.element_size() for t in owned], [layout.page_bytes] * len(owned))
     cfg = EngineConfig(role=spec["role"], engine_id=spec["engine"], bootstrap=bootstrap,
                        backend=spec.get("backend", "nixl"), staging=spec.get("staging"),
                        host=spec.get("host", "127.0.0.1"), staging_workers=spec.get("workers"),

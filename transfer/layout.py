@@ -196,6 +196,20 @@ class KVBuffers:
         self.num_pages = tokens // layout.page_size
         return self
 
+    @classmethod
+    def from_pointers(cls, layout: KVLayout, data_ptrs: Sequence[int], data_lens: Sequence[int],
+                      item_lens: Sequence[int], device: str | torch.device = "cpu") -> "KVBuffers":
+        """Buffers over memory the serving engine owns, as SGLang's KVArgs gives it: per layer
+        an address, a byte length and the bytes of one page (K layers, then V layers; MLA: K
+        only). No copy; kvstage never frees this memory. Validated against `layout`."""
+        from .raw_memory import check_pointers, tensor_at
+        dev = torch.device(device)
+        pages = check_pointers(layout, data_ptrs, data_lens, item_lens)
+        shape = (pages * layout.page_size, layout.local_heads, layout.head_dim)
+        views = [tensor_at(p, n, layout.dtype, shape, dev) for p, n in zip(data_ptrs, data_lens)]
+        n = layout.num_layers
+        return cls(views[:n], views[n:] if layout.num_kv == 2 else None).validate(layout)
+
     @property
     def device(self) -> torch.device:
         return self.k[0].device

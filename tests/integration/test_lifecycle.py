@@ -1,7 +1,8 @@
 """The request lifecycle serving engines drive (issue 16), between real processes over real NIXL
 and Mooncake, staged and direct: senders created before the page count is known (init() once
 the request polls WaitingForInput, or at once, before the decode side's metadata), chunks sent
-without a last flag (the request ends when its pages reach the count), room ids up to 2**64 - 1."""
+without a last flag (the request ends when its pages reach the count), room ids up to 2**64 - 1,
+caches handed over as raw addresses (KVBuffers.from_pointers)."""
 
 import zlib
 
@@ -26,6 +27,7 @@ def lifecycle_cases() -> list[Case]:
                 for i, r in enumerate(rooms):
                     r.update(KNOBS[i % len(KNOBS)])
                 extra = {"timeouts": {**TEST_TIMEOUTS, "write": 120.0}} if backend == "mooncake" else {}
+                extra["from_pointers"] = topo.P == 2     # half the cases: the cache handed over as raw addresses
                 out.append(Case(topo, 16, "bfloat16", staging, backend, rooms=rooms, extra=extra))
     return out
 
