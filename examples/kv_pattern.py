@@ -30,8 +30,8 @@ class KVPattern:
         # this rank's heads side by side, as one page of one tensor is laid out: [ps, heads, hb]
         self.base = every[:, heads].permute(0, 2, 1, 3).contiguous().view(self.udtype).view(n_tensors, -1)
 
-    def _keys(self, room: int, n: int) -> torch.Tensor:
-        i = np.arange(n, dtype=np.uint64)
+    def _keys(self, room: int, n: int, first: int = 0) -> torch.Tensor:
+        i = np.arange(first, first + n, dtype=np.uint64)
         x = np.uint64(room * 0x9E3779B97F4A7C15 % 2**64) + i * np.uint64(0xBF58476D1CE4E5B9)  # wraps mod 2**64
         x ^= x >> np.uint64(31)
         x = x * np.uint64(0x94D049BB133111EB)
@@ -50,17 +50,18 @@ class KVPattern:
             view = _paged(tensor, self.layout)
             view[pages_t] = self._expected(t, keys).view(len(pages), *view.shape[1:])
 
-    def check(self, tensors: list[torch.Tensor], room: int, pages: np.ndarray) -> str | None:
-        """None when cache `pages` hold exactly the request's pattern, else what differs."""
+    def check(self, tensors: list[torch.Tensor], room: int, pages: np.ndarray, first: int = 0) -> str | None:
+        """None when cache `pages` hold exactly the pattern of the request's pages `first`,
+        `first` + 1, ..., else what differs."""
         pages_t = torch.as_tensor(np.asarray(pages, dtype=np.int64))
-        keys = self._keys(room, len(pages))
+        keys = self._keys(room, len(pages), first)
         for t, tensor in enumerate(tensors):
             view = _paged(tensor, self.layout)
             got = view[pages_t]
             want = self._expected(t, keys).view(got.shape)
             if not torch.equal(got, want):
                 bad = (got != want).nonzero()[0].tolist()
-                return (f"room {room}: tensor {t} differs first at request page {bad[0]}, token {bad[1]}, "
+                return (f"room {room}: tensor {t} differs first at request page {first + bad[0]}, token {bad[1]}, "
                         f"local head {bad[2]}, byte {bad[3]} ({int((got != want).sum())} bytes wrong)")
         return None
 

@@ -17,7 +17,9 @@ file, "{rank}" replaced by its rank, once it aborted), start_after_file (both: d
 room, nor any after it, before this file exists), late_init (prefill: create the sender without a
 page count and give it with init(): "now" right after creating it, "wait" once it polls
 WaitingForInput), infer_last (prefill: send() without last=), abort_at (prefill: abort() as soon
-as the sender polls this state, e.g. "Bootstrapping" or "WaitingForInput", instead of sending).
+as the sender polls this state, e.g. "Bootstrapping" or "WaitingForInput", instead of sending),
+prefix_pages (decode: its first k pages stand for a prefix cache hit: init(rest, prefix_pages=k)),
+prefix_pages_by_rank ({"rank": k}: the same, per decode rank).
 Per manager, from_pointers hands the cache to kvstage as raw addresses (KVBuffers.from_pointers),
 clear_handles drops every handle with clear() once its room ended, live_stats names
 a file the driver rewrites with the manager's stats about three times a second (a test waits on it), and
@@ -50,6 +52,7 @@ from kvstage.transfer import EngineConfig, KVBuffers, KVLayout, KVManager, KVPol
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "float8_e4m3fn": torch.float8_e4m3fn, "int8": torch.int8, "uint8": torch.uint8}
 DONE = (KVPoll.Success, KVPoll.Failed)
+PREFIX_MARK = 0x5A5A5A5A   # room ^ this: the pattern of decode pages that hold a prefix
 _ENGINE_OWNED: list = []   # caches handed over by address (from_pointers): owned here, never by kvstage
 
 
@@ -249,7 +252,8 @@ def _write_json(path: str, obj: object) -> None:
 
 def start_room(mgr: KVManager, spec: dict, r: dict, pages: np.ndarray, pattern: KVPattern, tensors) -> dict:
     st = {"room": r["room"], "pages": pages, "spec": r, "t0": time.perf_counter(), "chunk": 0, "sent": 0,
-          "aborted": False, "t_done": None, "wall0": time.time()}
+          "aborted": False, "t_done": None, "wall0": time.time(), "pattern": pattern, "tensors": tensors,
+          "rank": spec["rank"]}
     if spec["role"] == "prefill":
         if verifies(spec, r["room"]):
             pattern.fill(tensors, r["room"], pages)
@@ -268,11 +272,28 @@ def start_room(mgr: KVManager, spec: dict, r: dict, pages: np.ndarray, pattern: 
         st["init_at"] = time.perf_counter() + delay
         st["inited"] = False
         if not delay:
-            st["handle"].init(pages)
+            init_receiver(st)
             st["inited"], st["t0"], st["wall0"] = True, time.perf_counter(), time.time()
     if st.get("handle") is None:
         st["handle"] = _Pending()
     return st
+
+
+def prefix_of(st: dict) -> int:
+    r = st["spec"]
+    return r.get("prefix_pages_by_rank", {}).get(str(st["rank"]), r.get("prefix_pages", 0))
+
+
+def init_receiver(st: dict) -> None:
+    """init(); with prefix_pages k, the first k pages stand for this rank's prefix cache: they
+    get their own marker pattern (which must survive), and only the rest is asked for."""
+    k = prefix_of(st)
+    if k:
+        st["pattern"].fill(st["tensors"], st["room"] ^ PREFIX_MARK, st["pages"][:k])
+        st["prefix_filled"] = True
+        st["handle"].init(st["pages"][k:], prefix_pages=k)
+    else:
+        st["handle"].init(st["pages"])
 
 
 def new_sender(mgr: KVManager, r: dict, st: dict):
@@ -345,7 +366,7 @@ def advance(mgr: KVManager, spec: dict, st: dict) -> bool:
             return True
     else:
         if not st["inited"] and now >= st["init_at"]:
-            h.init(st["pages"])
+            init_receiver(st)
             st["inited"], st["t0"], st["wall0"] = True, time.perf_counter(), time.time()
             return True
         ab = r.get("abort_after_s")
@@ -367,6 +388,10 @@ def finish(spec: dict, st: dict, pattern: KVPattern, tensors) -> dict:
            "latency_s": (st["t_done"] or time.perf_counter()) - st["t0"], "pages": int(len(st["pages"])),
            "verified": None, "start": st["wall0"], "end": st.get("wall1", time.time())}
     rec["t_send"] = st.get("t_send")
+    if st.get("prefix_filled"):  # decode, whatever the outcome: the pages holding the prefix kept their bytes
+        rec["prefix_intact"] = pattern.check(tensors, st["room"] ^ PREFIX_MARK, st["pages"][:prefix_of(st)]) is None
+    if spec["role"] == "prefill" and hasattr(h, "decode_prefix_pages"):
+        rec["decode_prefix_pages"] = h.decode_prefix_pages
     m = h.metrics() if hasattr(h, "metrics") else None
     if m is not None:
         rec["metrics"] = {"state": m.state.name, "nbytes": m.nbytes, "backend_writes": m.backend_writes,
@@ -378,7 +403,8 @@ def finish(spec: dict, st: dict, pattern: KVPattern, tensors) -> dict:
         rec["waited_for_input"] = st.get("waited_for_input", False)
         rec["seen_before_init"] = sorted(st.get("seen_before_init", ()))
     if spec["role"] == "decode" and state is KVPoll.Success and verifies(spec, st["room"]):
-        err = pattern.check(tensors, st["room"], st["pages"])
+        k = prefix_of(st)
+        err = pattern.check(tensors, st["room"], st["pages"][k:], first=k)
         rec["verified"] = err is None
         rec["error"] = err
     return rec

@@ -126,3 +126,44 @@ def test_ten_thousand_short_requests_leave_no_per_room_state():
         assert st["rooms"] == {"success": 10_000}, st["rooms"]
         assert st["rooms_tracked"] == 0 and st["rooms_active"] == 0, st
         assert st["room_state"] and not any(st["room_state"].values()), st["room_state"]
+
+
+@pytest.mark.timeout(400)
+def test_prefix_hits_send_only_the_rest_and_never_touch_the_prefix():
+    """Decode ranks that hold the request's first k pages (k = 0, a chunk boundary, inside a
+    chunk, all but one; late init on some rooms), and one room whose decode ranks disagree."""
+    cases = []
+    for backend in ("nixl", "mooncake"):
+        for staging in (False, True):
+            for topo in (Topo(2, 1, 4), Topo(1, 2, 2)):
+                rooms = [{"room": 500 + i, "pages": 12, "tokens": 190, "chunks": [4, 0, 8], "prefix_pages": k}
+                         for i, k in enumerate((0, 4, 5, 11))]
+                rooms[1]["late_init"] = "wait"
+                rooms[2]["late_init"] = "now"
+                rooms[3]["infer_last"] = True
+                if topo.D == 2:
+                    rooms.append({"room": 599, "pages": 6, "tokens": 96, "chunks": [3, 3],
+                                  "prefix_pages_by_rank": {"0": 1, "1": 2}})
+                extra = {"timeouts": {**TEST_TIMEOUTS, "write": 120.0}} if backend == "mooncake" else {}
+                cases.append(Case(topo, 16, "bfloat16", staging, backend, rooms=rooms, extra=extra))
+    results, codes, logs, _ = run_cases(cases, timeout=240)
+    assert not any(codes), codes
+    for c in cases:
+        for side in ("prefill", "decode"):
+            for res in results[c.name][side]:
+                assert not res.get("error"), res.get("traceback")
+                for rec in res["rooms"]:
+                    spec = next(r for r in c.rooms if r["room"] == rec["room"])
+                    if "prefix_pages_by_rank" in spec:
+                        assert rec["state"] == "Failed" and "prefix" in rec["failure"], (c.name, side, rec)
+                        assert rec.get("prefix_intact", True) is True, (c.name, rec)
+                        continue
+                    k = spec["prefix_pages"]
+                    assert rec["state"] == "Success", (c.name, side, rec)
+                    if side == "decode":
+                        assert rec["verified"] is True, (c.name, rec)            # pages k.. bit-exact
+                        assert rec.get("prefix_intact", k == 0) is True, (c.name, rec)
+                        assert rec["metrics"]["nbytes"] == (12 - k) * 16 * c.layers * 2 * \
+                            max(1, c.topo.H // c.topo.D) * c.head_dim * 2, (c.name, rec)
+                    else:
+                        assert rec["decode_prefix_pages"] == k, (c.name, rec)

@@ -20,13 +20,16 @@ from kvstage.staging.ring import RemoteWatermark, RingAllocator, Watermark
 from kvstage.transfer.config import Timeouts
 from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.poll import KVPoll
-from kvstage.transfer.protocol.actions import (PeerKey, PostWrite, PublishWatermark, Released, Scatter, Send,
+from kvstage.transfer.protocol.actions import (DecodePrefix, PeerKey, PostWrite, PublishWatermark, Released, Scatter, Send,
                                        StatusChanged)
 from kvstage.transfer.protocol.decode_room import DecodeRoom, RoomPlan
 from kvstage.transfer.protocol.head_mapping import compute_assignments
 from kvstage.transfer.protocol.messages import (AllocGrant, AllocRequest, MetaAck, Quiesced, RoomDone, RoomFailed, RoomMeta,
                                         WatermarkUpdate, WriterDone)
 from kvstage.transfer.protocol.prefill_room import PrefillRoom
+
+
+SENTINEL = 0xA5   # the bytes of decode pages that hold a prefix: no write may touch them
 
 
 @dataclass
@@ -95,7 +98,8 @@ class World:
         self.remote_wm = {(p, d): RemoteWatermark(self.kd[d].incarnation, g.ring_bytes)
                           for p in range(g.P) for d in range(g.D)}
         self.op_ids = itertools.count(1)
-        self.expected = {}  # (decode rank, room) -> (dst pages, src pages per prefill rank)
+        self.expected = {}  # (decode rank, room) -> (dst pages, src pages per prefill rank, prefix pages, prefix)
+        self.prefix_seen = []  # (prefill rank, prefix) per DecodePrefix action
         self.free_pages = {}  # decode rank -> pages no room uses yet
 
     # -- set-up of rooms -----------------------------------------------------------------------
@@ -108,10 +112,13 @@ class World:
         mpp = max_piece_pages([hpb * a.num_heads for _, a in assigns], g.buffer_bytes, g.ring_bytes, 8) if staged else 0
         return RoomPlan(assigns, tuple(self.kp[p] for p in notices), staged, hpb, mpp, self.kd[d].incarnation)
 
-    def add_room(self, room: int, n: int, chunks: list[int], late_init: bool = False, infer_last: bool = False):
+    def add_room(self, room: int, n: int, chunks: list[int], late_init: bool = False, infer_last: bool = False,
+                 prefix: int | list[int] = 0):
         """A request of n pages; each prefill rank sends it in the given chunk sizes.
         late_init: the prefill senders learn n with init(), at a random point before their first
-        chunk (before or after the decode side's metadata); infer_last: no chunk says last."""
+        chunk (before or after the decode side's metadata); infer_last: no chunk says last;
+        prefix: the first pages each decode rank already holds (one k for all, or one per rank):
+        its destination pages are the rest, and the prefix pages get a sentinel that must stay."""
         g = self.g
         session = room * 7 + 1
         src = [np.array(self.rng.sample(range(g.pages), n)) for _ in range(g.P)]
@@ -122,13 +129,16 @@ class World:
         for d in range(g.D):
             free = self.free_pages.setdefault(d, list(range(g.pages)))
             self.rng.shuffle(free)
-            dst = np.array([free.pop() for _ in range(n)])
+            k = prefix[d] if isinstance(prefix, list) else prefix
+            held = np.array([free.pop() for _ in range(k)], dtype=np.int64)
+            self.cd[d][:, held] = SENTINEL
+            dst = np.array([free.pop() for _ in range(n - k)])
             r = DecodeRoom(room, session, self.kd[d].incarnation, self.ld[d], self.now, self.timeouts)
             self.rooms_d[(d, room)] = r
             self.status_d[(d, room)] = KVPoll.Bootstrapping
-            self.expected[(d, room)] = (dst, src)
+            self.expected[(d, room)] = (dst, src, held, k)
             self.apply_d(d, r.on_plan(self.plan_for(d), self.now))
-            self.apply_d(d, r.init(dst, self.now))
+            self.apply_d(d, r.init(dst, self.now, prefix_pages=k))
         self.pending_chunks = getattr(self, "pending_chunks", [])
         for p in range(g.P):
             pos = 0
@@ -150,6 +160,8 @@ class World:
                 self.send(self.kp[p], a.peer, a.msg)
             elif isinstance(a, PostWrite):
                 self.writes.append(PendingWrite(p, a.op, a.op.staged))
+            elif isinstance(a, DecodePrefix):
+                self.prefix_seen.append((p, a.pages))
             elif isinstance(a, (StatusChanged, Released)):
                 pass
             else:
@@ -359,10 +371,12 @@ class World:
     def check_bytes(self, room: int) -> bool:
         g = self.g
         for d in range(g.D):
-            dst, src = self.expected[(d, room)]
+            dst, src, held, k = self.expected[(d, room)]
+            if held.size and not (self.cd[d][:, held] == SENTINEL).all():
+                return False  # a byte landed in a page that holds the prefix
             for a in self.mapping.for_decode(d):
                 got = self.cd[d][:, dst][:, :, :, a.dst_heads[0]:a.dst_heads[1]]
-                want = self.cp[a.prefill_rank][:, src[a.prefill_rank]][:, :, :, a.src_heads[0]:a.src_heads[1]]
+                want = self.cp[a.prefill_rank][:, src[a.prefill_rank][k:]][:, :, :, a.src_heads[0]:a.src_heads[1]]
                 if not np.array_equal(got, want):
                     return False
         return True

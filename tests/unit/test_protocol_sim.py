@@ -289,3 +289,44 @@ def test_room_totals_count_every_byte_and_write_once_on_each_side(g, staged):
         path = "staged" if staged and g.P != g.D and not g.mla else "direct"
         assert {t.path for t in landed} == {path}
         assert {t.path for t in sent} <= {path, "none"} and path in {t.path for t in sent}
+
+
+# -- prefix hits on the decode side ------------------------------------------------------------------
+@pytest.mark.parametrize("g", GEOMS, ids=lambda g: f"P{g.P}D{g.D}H{g.H}{'mla' if g.mla else ''}")
+@pytest.mark.parametrize("staged", [True, False])
+@pytest.mark.parametrize("seed", range(2))
+def test_prefix_hits_send_only_the_rest_bit_exact(g, staged, seed):
+    """Chunks 0-4, (empty), 4-12 of a 12-page request; the decode ranks hold k pages already:
+    none, exactly a chunk boundary, inside a chunk, all but one. Late init on some rooms."""
+    g = Geometry(**{**g.__dict__, "staged": staged})
+    w = World(g, seed)
+    prefixes = {1: 0, 2: 4, 3: 5, 4: 11}
+    for room, k in prefixes.items():
+        w.add_room(room, 12, [4, 0, 8], late_init=room % 2 == 0, infer_last=room > 2, prefix=k)
+    w.run()
+    for room, k in prefixes.items():
+        for d in range(g.D):
+            assert w.status_d[(d, room)] is KVPoll.Success, w.rooms_d[(d, room)].failure
+            assert w.rooms_d[(d, room)].totals().nbytes == (12 - k) * w.nt * g.page_size * g.head_dim * \
+                w.ld[d].local_heads
+        for p in range(g.P):
+            assert w.status_p[(p, room)] is KVPoll.Success, w.rooms_p[(p, room)].failure
+            assert w.rooms_p[(p, room)].prefix == k
+        assert w.check_bytes(room)           # the rest bit-exact, and the prefix pages untouched
+    assert sorted(w.prefix_seen) == sorted((p, k) for p in range(g.P) for k in prefixes.values())
+
+
+@pytest.mark.parametrize("staged", [True, False])
+def test_decode_ranks_that_disagree_on_the_prefix_fail_the_request_on_both_sides(staged):
+    g = Geometry(P=1, D=2, H=2, staged=staged)
+    w = World(g, 3)
+    w.add_room(1, 6, [3, 3], prefix=[2, 3])
+    w.run()
+    r = w.rooms_p[(0, 1)]
+    assert w.status_p[(0, 1)] is KVPoll.Failed and "disagree on the prefix" in r.failure
+    for d in range(2):
+        assert w.status_d[(d, 1)] is KVPoll.Failed, w.rooms_d[(d, 1)].failure
+    assert len(w.released_d) == 2 and len(w.released_p) == 1        # everything released
+    for d in range(2):                                             # and no prefix page touched
+        held = w.expected[(d, 1)][2]
+        assert (w.cd[d][:, held] == 0xA5).all()

@@ -54,7 +54,7 @@ class DecodeSide:
     def init_receiver(self, ev: InitReceiver, now: float) -> None:
         room = self.book.get(ev.room)
         if room is not None:
-            self.book.apply(room, room.init(ev.pages, now))
+            self.book.apply(room, room.init(ev.pages, now, ev.prefix_pages))
 
     def abort(self, ev: Abort, now: float) -> None:
         room = self.book.get(ev.room)

@@ -86,6 +86,7 @@ class NewReceiver:
 class InitReceiver:
     room: int
     pages: np.ndarray
+    prefix_pages: int = 0
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ class RoomStatus:
         self.totals: Any = None             # RoomTotals, once the request ended
         self.ended_at: float | None = None
         self.cleared = False                # the caller dropped the handle (the manager's lock guards it)
+        self.decode_prefix_pages: int | None = None   # prefill: pages the decode side holds (one int: atomic)
 
     def update(self, state: KVPoll, failure: str | None, kind: str | None, released: bool,
                totals: Any = None) -> None:
@@ -165,6 +166,12 @@ class KVSender(_Handle):
         self._sent = 0
         self._last = False
 
+    @property
+    def decode_prefix_pages(self) -> int | None:
+        """How many of the request's first pages the decode side already holds (its prefix
+        cache); they are not sent. None until the decode side's metadata arrived."""
+        return self._status.decode_prefix_pages
+
     def init(self, num_pages: int) -> None:
         """The request's page count on this rank, for a sender created without one. Allowed in
         any state: before the decode side's metadata arrived, the request waits for it."""
@@ -207,13 +214,18 @@ class KVReceiver(_Handle):
         self.prefill_engine = prefill_engine
         self._inited = False
 
-    def init(self, dst_pages: Any) -> None:
-        """Page indices in this rank's cache for the whole request, in request order."""
+    def init(self, dst_pages: Any, prefix_pages: int = 0) -> None:
+        """Page indices in this rank's cache for the request, in request order. With
+        `prefix_pages` k, this rank already holds the request's first k pages (its prefix
+        cache) and `dst_pages` are the pages for the rest: the prefill side skips the first k,
+        and nothing is written to the pages holding them."""
         if self._inited:
             raise ValueError(f"room {self.room}: init() called twice")
+        if isinstance(prefix_pages, bool) or not isinstance(prefix_pages, int) or prefix_pages < 0:
+            raise ValueError(f"room {self.room}: prefix_pages must be an int >= 0, got {prefix_pages!r}")
         arr = as_pages(dst_pages, self._cache_pages, f"room {self.room} init()", unique=True)
         if arr.size == 0:
-            raise ValueError(f"room {self.room}: init() needs at least one page")
-        self._post(InitReceiver(self.room, arr))
+            raise ValueError(f"room {self.room}: init() needs at least one page past the prefix")
+        self._post(InitReceiver(self.room, arr, prefix_pages))
         self._inited = True
         self._started = time.monotonic()

@@ -14,7 +14,8 @@ from collections import OrderedDict
 from typing import Any
 
 from ..poll import KVPoll
-from ..protocol.actions import Dropped, PostWrite, PublishWatermark, Released, Scatter, Send, StatusChanged
+from ..protocol.actions import (DecodePrefix, Dropped, PostWrite, PublishWatermark, Released, Scatter, Send,
+                                StatusChanged)
 from .context import FINISHED_MEMORY, EngineContext
 from .peers import PeerTable
 
@@ -60,6 +61,10 @@ class RoomBook:
                 self._released(room)
             elif isinstance(a, Dropped):
                 self.ctx.stats.count("dropped_messages", a.reason)
+            elif isinstance(a, DecodePrefix):
+                status = self.status.get(room.room)
+                if status is not None:
+                    status.decode_prefix_pages = a.pages
         if failed:
             # pieces still waiting for ring space are never started (after the room's own messages)
             self.writes.cancel_room(room.room, time.monotonic())

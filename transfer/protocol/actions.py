@@ -95,6 +95,14 @@ class StatusChanged:
 
 
 @dataclass(frozen=True)
+class DecodePrefix:
+    """Prefill: the decode side holds the request's first `pages` pages already (its prefix
+    cache); they are not sent. For the caller, before it gives the page count."""
+
+    pages: int
+
+
+@dataclass(frozen=True)
 class RoomTotals:
     """What a room moved, for the caller's per-request metrics (see TransferMetrics)."""
 
@@ -115,4 +123,4 @@ class Dropped:
     reason: str
 
 
-Action = Union[Send, PostWrite, Scatter, PublishWatermark, StatusChanged, Released, Dropped]
+Action = Union[Send, PostWrite, Scatter, PublishWatermark, StatusChanged, Released, Dropped, DecodePrefix]

@@ -130,6 +130,7 @@ class DecodeRoom:
         self.acked: set[int] = set()                         # prefill ranks that acknowledged the metadata
         self._retry_at = 0.0
         self._now = now
+        self.prefix = 0                                      # pages of the request held already
         self.bytes_in = 0                                    # bytes of accepted tags (writes that landed)
         self.writes_in = 0
 
@@ -145,11 +146,13 @@ class DecodeRoom:
     def on_plan_failed(self, kind: str, reason: str, now: float) -> list[Action]:
         return self.fail(kind, reason, now)
 
-    def init(self, dst_pages: np.ndarray, now: float) -> list[Action]:
-        """Destination pages (validated by the caller's handle) for the whole request."""
+    def init(self, dst_pages: np.ndarray, now: float, prefix_pages: int = 0) -> list[Action]:
+        """Destination pages (validated by the caller's handle) for the request's pages past the
+        `prefix_pages` this rank already holds (its prefix cache): those are never written."""
         if self.dst_pages is not None:
             raise ValueError(f"room {self.room}: init() called twice")
         self.dst_pages = dst_pages
+        self.prefix = prefix_pages
         self.inited_at = now
         if self.state in TERMINAL:
             return []
@@ -171,8 +174,9 @@ class DecodeRoom:
         n = int(self.dst_pages.size)
         writers = {p for p, _ in self.plan.writers}
         pages = b"" if self.plan.staged else encode_pages(self.dst_pages)
-        return [Send(p, RoomMeta(src=self.me, dst=p.incarnation, room=self.room, session=self.session, num_pages=n,
-                                 staged=self.plan.staged and p in writers, dst_pages=pages if p in writers else b""))
+        return [Send(p, RoomMeta(src=self.me, dst=p.incarnation, room=self.room, session=self.session,
+                                 num_pages=self.prefix + n, staged=self.plan.staged and p in writers,
+                                 dst_pages=pages if p in writers else b"", prefix_pages=self.prefix))
                 for p in peers]
 
     def on_meta_ack(self, peer: PeerKey, session: int) -> None:

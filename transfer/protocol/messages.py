@@ -81,9 +81,10 @@ class RoomMeta(PeerMessage, kw_only=True, frozen=True):
 
     room: int
     session: int
-    num_pages: int
+    num_pages: int              # the whole request, prefix included
     staged: bool
-    dst_pages: bytes = b""      # little-endian int64 page indices (direct path)
+    dst_pages: bytes = b""      # little-endian int64 page indices (direct path), past the prefix
+    prefix_pages: int = 0       # the first pages of the request this decode rank already holds
 
     def pages(self) -> np.ndarray:
         if len(self.dst_pages) % 8:

@@ -30,7 +30,8 @@ import numpy as np
 from ..config import Timeouts
 from ..layout import KVLayout
 from ..poll import KVPoll
-from .actions import Action, Dropped, PeerKey, PostWrite, Released, RoomTotals, Send, StatusChanged, WriteOp
+from .actions import (Action, DecodePrefix, Dropped, PeerKey, PostWrite, Released, RoomTotals, Send, StatusChanged,
+                      WriteOp)
 from .direct_ranges import direct_nbytes
 from .head_mapping import Assignment, HeadMapping, compute_assignments
 from .messages import AllocGrant, AllocRequest, Quiesced, RoomFailed, RoomMeta, WriterDone
@@ -86,7 +87,10 @@ class PrefillRoom:
         self.state = KVPoll.Bootstrapping
         self.failure: str | None = None
         self.failure_kind: str | None = None
-        self.chunks: list[Chunk] = []
+        self.chunks: list[Chunk] = []       # as given: request page numbers
+        self.prefix: int | None = None      # pages the decode side already holds (from its metadata)
+        self.sendable: list[Chunk] = []     # the chunks' pages past the prefix, numbered from the prefix
+        self._synced = 0                    # chunks already turned into sendable ones
         self.pages_given = 0
         self.last = False
         self.mapping: HeadMapping | None = None
@@ -171,6 +175,14 @@ class PrefillRoom:
         flow = Flow(peer, meta.session, self.mapping.find(self.layout.tp_rank, peer.tp_rank),
                     meta.staged, None)
         self.flows[peer.tp_rank] = flow
+        prefix_news: list[Action] = []
+        if self.prefix is None:
+            self.prefix = meta.prefix_pages
+            prefix_news = [DecodePrefix(self.prefix)]
+        elif meta.prefix_pages != self.prefix:  # every decode rank is told (this one has its flow now)
+            return self.fail("protocol", f"decode ranks of room {self.room} disagree on the prefix they hold: "
+                                         f"{self.prefix} pages, then {meta.prefix_pages} from decode rank "
+                                         f"{peer.tp_rank}", now)
         early = self.early.pop((peer, meta.session), None)
         if early is not None:  # its decode room failed before this metadata reached us
             return self.on_room_failed(peer, meta.session, *early, now)
@@ -179,8 +191,8 @@ class PrefillRoom:
         else:
             bad = self._check_meta(flow, meta, now)
             if bad:
-                return bad
-        out: list[Action] = []
+                return prefix_news + bad
+        out: list[Action] = prefix_news
         if self._all_metas():
             out += self._set_state(KVPoll.Transferring if self.chunks or self.last else KVPoll.WaitingForInput)
         return out + self._pump(now)
@@ -193,11 +205,14 @@ class PrefillRoom:
         if meta.num_pages != self.num_pages:
             return self.fail("protocol", f"decode rank {rank} expects {meta.num_pages} pages, this "
                                          f"prefill rank was given {self.num_pages}", now)
+        if not 0 <= meta.prefix_pages < self.num_pages:
+            return self.fail("protocol", f"decode rank {rank} holds a prefix of {meta.prefix_pages} pages of a "
+                                         f"{self.num_pages}-page request: at least one page must be sent", now)
         if flow.assignment is not None and not meta.staged:
             pages = meta.pages()
-            if pages.size != self.num_pages:
+            if pages.size != self.num_pages - meta.prefix_pages:
                 return self.fail("protocol", f"decode rank {rank} sent {pages.size} destination pages "
-                                             f"for {self.num_pages}", now)
+                                             f"for {self.num_pages} pages past a prefix of {meta.prefix_pages}", now)
             flow.dst_pages = pages
         return []
 
@@ -207,7 +222,7 @@ class PrefillRoom:
             return []  # a repeated grant (we asked twice): already acted upon
         if not flow.staged or grant.chunk not in flow.requested_at:
             return self.fail("protocol", f"unexpected ring allocation for chunk {grant.chunk} from {peer}", now)
-        chunk = self.chunks[grant.chunk]
+        chunk = self.sendable[grant.chunk]
         a = flow.assignment
         per_head = self._bytes_per_page(1)
         pos = chunk.page_start
@@ -306,7 +321,7 @@ class PrefillRoom:
             for chunk, first in flow.requested_at.items():
                 if chunk not in flow.granted and now - flow.asked_again.get(chunk, first) >= retry:
                     flow.asked_again[chunk] = now
-                    out.append(self._alloc_request(flow, self.chunks[chunk]))
+                    out.append(self._alloc_request(flow, self.sendable[chunk]))
             if flow.done_sent_at is not None and not flow.confirmed and now - flow.asked_again.get(-1, flow.done_sent_at) >= retry:
                 flow.asked_again[-1] = now
                 out.append(self._writer_done(flow))
@@ -387,16 +402,30 @@ class PrefillRoom:
         flow.inflight.add(op.op_id)
         return PostWrite(op)
 
+    def _sync_sendable(self) -> None:
+        """Skip the decode side's prefix: each chunk's pages past it become a sendable chunk,
+        numbered as the decode side numbers its destination pages (from the prefix on)."""
+        if self.prefix is None:
+            return
+        k = self.prefix
+        for chunk in self.chunks[self._synced:]:
+            end = chunk.page_start + chunk.pages.size
+            if end > k:
+                skip = max(0, k - chunk.page_start)
+                self.sendable.append(Chunk(len(self.sendable), chunk.page_start + skip - k, chunk.pages[skip:]))
+        self._synced = len(self.chunks)
+
     def _pump(self, now: float) -> list[Action]:
         if self.state in TERMINAL:
             return []
+        self._sync_sendable()
         out: list[Action] = []
         for flow in self.flows.values():
             a = flow.assignment
             if a is None:
                 continue
-            while flow.issued < len(self.chunks):
-                chunk = self.chunks[flow.issued]
+            while flow.issued < len(self.sendable):
+                chunk = self.sendable[flow.issued]
                 if flow.staged:
                     flow.requested_at[chunk.index] = now
                     out.append(self._alloc_request(flow, chunk))
@@ -426,8 +455,8 @@ class PrefillRoom:
         return out
 
     def _flow_finished_writing(self, flow: Flow) -> bool:
-        return (self.last and flow.issued == len(self.chunks) and not flow.inflight
-                and (not flow.staged or len(flow.granted) == len(self.chunks)))
+        return (self.last and flow.issued == len(self.sendable) and not flow.inflight
+                and (not flow.staged or len(flow.granted) == len(self.sendable)))
 
     def _check_done(self, now: float) -> list[Action]:
         if self.state in TERMINAL or not self._all_metas():
