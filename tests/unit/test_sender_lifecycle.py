@@ -141,3 +141,36 @@ def test_the_manager_keeps_a_cleared_status_until_its_room_is_released():
     assert set(mgr._rooms) == {2, 3}
     forget(2, b)
     assert set(mgr._rooms) == {3}
+
+
+# -- prefix hits at the handles ------------------------------------------------------------------
+def test_receiver_init_with_a_prefix_posts_the_rest_and_k():
+    from kvstage.transfer.engine.events import InitReceiver
+    from kvstage.transfer.engine.handles import KVReceiver
+    posted = []
+    r = KVReceiver(posted.append, 100, 7, "p", RoomStatus())
+    r.init([9, 8], prefix_pages=3)
+    (ev,) = posted
+    assert isinstance(ev, InitReceiver) and list(ev.pages) == [9, 8] and ev.prefix_pages == 3
+
+
+@pytest.mark.parametrize("prefix, pages, match", [(-1, [1], "prefix_pages must be an int >= 0"),
+                                                  (1.0, [1], "prefix_pages must be an int"),
+                                                  (True, [1], "prefix_pages must be an int"),
+                                                  (4, [], "at least one page past the prefix")])
+def test_receiver_init_refuses_a_bad_prefix_and_changes_nothing(prefix, pages, match):
+    from kvstage.transfer.engine.handles import KVReceiver
+    posted = []
+    r = KVReceiver(posted.append, 100, 7, "p", RoomStatus())
+    with pytest.raises(ValueError, match=match):
+        r.init(pages, prefix_pages=prefix)
+    assert posted == []
+    r.init([1])                                   # still free to init
+    assert len(posted) == 1
+
+
+def test_sender_learns_the_decode_prefix_from_the_status():
+    s, _ = sender()
+    assert s.decode_prefix_pages is None
+    s._status.decode_prefix_pages = 5             # what the control thread sets on DecodePrefix
+    assert s.decode_prefix_pages == 5

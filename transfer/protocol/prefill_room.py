@@ -416,8 +416,8 @@ class PrefillRoom:
         self._synced = len(self.chunks)
 
     def _pump(self, now: float) -> list[Action]:
-        if self.state in TERMINAL:
-            return []
+        if self.state in TERMINAL or not self._all_metas():
+            return []  # nothing is written before every decode rank's metadata agreed (pages, prefix)
         self._sync_sendable()
         out: list[Action] = []
         for flow in self.flows.values():
