@@ -86,6 +86,7 @@ class RankInfo:
     layout: dict[str, str | int | float | bool]
     pools: dict[str, int]       # named memory pools -> bytes
     incarnation: int            # random 63-bit id, once per process life
+    dp_rank: int = 0            # data-parallel rank of its engine inside the serving instance
 
     def __post_init__(self):
         if not isinstance(self.engine_id, str) or not self.engine_id:
@@ -102,6 +103,8 @@ class RankInfo:
                              f"got {self.tp_rank}")
         if not 0 <= self.incarnation <= m.MAX_ID:
             raise ValueError("RankInfo.incarnation must be a 63-bit non-negative int")
+        if isinstance(self.dp_rank, bool) or not isinstance(self.dp_rank, int) or not 0 <= self.dp_rank <= m.MAX_TP:
+            raise ValueError(f"RankInfo.dp_rank must be an int in 0..{m.MAX_TP}, got {self.dp_rank!r}")
         if not isinstance(self.layout, dict) or not isinstance(self.pools, dict):
             raise TypeError("RankInfo.layout and RankInfo.pools must be dicts")
 
@@ -354,7 +357,7 @@ class BootstrapClient:
     def status(self) -> dict[str, Any]:
         """What the server knows: {"started_at", "lease_s", "auth", "limits", "counters",
         "ranks": [row dicts: engine_id, role, tp_size, tp_rank, epoch, incarnation,
-        ctrl_endpoint, backend, age_s, stale]}."""
+        ctrl_endpoint, backend, age_s, stale, dp_rank]}."""
         rep = self._request(self._main, m.Status(), m.StatusReply)
         return {"started_at": rep.started_at, "lease_s": rep.lease_s, "auth": rep.auth,
                 "limits": dict(rep.limits), "counters": dict(rep.counters),

@@ -60,6 +60,7 @@ class RankEntry(msgspec.Struct, frozen=True, kw_only=True):
     layout: Annotated[dict[Key, LayoutValue], Meta(max_length=MAX_MAP_ENTRIES)] = {}
     pools: Annotated[dict[Key, Id], Meta(max_length=MAX_MAP_ENTRIES)] = {}
     incarnation: Id
+    dp_rank: Annotated[int, Meta(ge=0, le=MAX_TP)] = 0    # data-parallel rank inside its serving instance
 
 
 class RecordEntry(RankEntry, frozen=True, kw_only=True):
@@ -82,6 +83,7 @@ class StatusRow(msgspec.Struct, frozen=True, kw_only=True):
     backend: str
     age_s: float        # seconds since its last registration or heartbeat
     stale: bool
+    dp_rank: int = 0
 
 
 # ---- requests (client -> server) ---------------------------------------------------------

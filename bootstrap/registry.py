@@ -155,7 +155,7 @@ class Registry:
                     engine_id=eid, role=eng.role, tp_size=eng.tp_size, tp_rank=r,
                     epoch=s.epoch, incarnation=s.entry.incarnation,
                     ctrl_endpoint=s.entry.ctrl_endpoint, backend=s.entry.backend,
-                    age_s=max(0.0, now - s.last_seen), stale=self._stale(s, now)))
+                    age_s=max(0.0, now - s.last_seen), stale=self._stale(s, now), dp_rank=s.entry.dp_rank))
         return out
 
     # ---- updates ----------------------------------------------------------------------

@@ -19,7 +19,9 @@ page count and give it with init(): "now" right after creating it, "wait" once i
 WaitingForInput), infer_last (prefill: send() without last=), abort_at (prefill: abort() as soon
 as the sender polls this state, e.g. "Bootstrapping" or "WaitingForInput", instead of sending),
 prefix_pages (decode: its first k pages stand for a prefix cache hit: init(rest, prefix_pages=k)),
-prefix_pages_by_rank ({"rank": k}: the same, per decode rank).
+prefix_pages_by_rank ({"rank": k}: the same, per decode rank), source (decode: where the room's KV
+comes from, {"bootstrap": "host:port", "dp_rank": r} or {"engine": id}; default: peer_engine).
+Per manager, dp_rank is the prefill engine's data-parallel rank (EngineConfig.dp_rank).
 Per manager, from_pointers hands the cache to kvstage as raw addresses (KVBuffers.from_pointers),
 clear_handles drops every handle with clear() once its room ended, live_stats names
 a file the driver rewrites with the manager's stats about three times a second (a test waits on it), and
@@ -78,7 +80,7 @@ def build(spec: dict, bootstrap: str) -> tuple[KVManager, KVLayout, KVBuffers, K
                        staging_piece_mb=spec.get("piece_mb"),
                        timeouts=Timeouts.from_env(**spec.get("timeouts", {})),
                        backend_options=spec.get("backend_options", {}), auth_token=spec.get("token"),
-                       faults=spec.get("faults"))
+                       faults=spec.get("faults"), dp_rank=spec.get("dp_rank", 0))
     mgr = KVManager(cfg, layout, buffers)
     return mgr, layout, buffers, KVPattern(layout, seed=spec.get("pattern_seed", 7))
 
@@ -263,7 +265,7 @@ def start_room(mgr: KVManager, spec: dict, r: dict, pages: np.ndarray, pattern: 
         if not delay:
             st["handle"] = new_sender(mgr, r, st)
     else:
-        st["handle"] = mgr.receiver(r["room"], spec["peer_engine"])
+        st["handle"] = new_receiver(mgr, spec, r)
         if r.get("abort_before_init"):
             st["handle"].abort()
             st["aborted"], st["inited"], st["init_at"] = True, True, 0
@@ -277,6 +279,16 @@ def start_room(mgr: KVManager, spec: dict, r: dict, pages: np.ndarray, pattern: 
     if st.get("handle") is None:
         st["handle"] = _Pending()
     return st
+
+
+def new_receiver(mgr: KVManager, spec: dict, r: dict):
+    """The room's own source ({"bootstrap": "host:port", "dp_rank": r} or {"engine": id}), else
+    the manager's peer_engine."""
+    src = r.get("source")
+    if src is None:
+        return mgr.receiver(r["room"], spec["peer_engine"])
+    return mgr.receiver(r["room"], src.get("engine"), bootstrap=src.get("bootstrap"),
+                        prefill_dp_rank=src.get("dp_rank"))
 
 
 def prefix_of(st: dict) -> int:

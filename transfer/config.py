@@ -109,6 +109,8 @@ class EngineConfig:
     timeouts: Timeouts | None = None         # None: Timeouts.from_env()
     backend_options: dict = field(default_factory=dict)
     faults: dict | None = None               # tests and drills only: transfer.backends.faults.FaultPlan
+    dp_rank: int = 0                         # prefill: data-parallel rank of this engine in its serving
+                                             # instance (decode ranks may name it by rendezvous server + DP rank)
 
     def resolved(self) -> "EngineConfig":
         """A copy with every None filled from the environment, validated: a bad value raises
@@ -123,6 +125,8 @@ class EngineConfig:
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"host must be a non-empty string, got {self.host!r}")
         check.port("ctrl_port", self.ctrl_port)
+        if isinstance(self.dp_rank, bool) or not isinstance(self.dp_rank, int) or not 0 <= self.dp_rank <= 1024:
+            raise ValueError(f"dp_rank must be an int in 0..1024, got {self.dp_rank!r}")
         token = self.auth_token if self.auth_token is not None else (os.environ.get(TOKEN_ENV) or None)
         if token is not None and (not isinstance(token, str) or not token):
             raise ValueError("auth_token must be a non-empty string or None")

@@ -167,3 +167,48 @@ def test_prefix_hits_send_only_the_rest_and_never_touch_the_prefix():
                             max(1, c.topo.H // c.topo.D) * c.head_dim * 2, (c.name, rec)
                     else:
                         assert rec["decode_prefix_pages"] == k, (c.name, rec)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_prefill_instances_at_their_own_rendezvous_servers(backend):
+    """A decode engine receives from three prefill engines: one by engine id at its own server,
+    two by (rendezvous address, DP rank) of a second instance; a room naming a server nobody
+    runs fails with the reason, and the others go on."""
+    from cluster import Cluster, rank_spec, start_bootstrap
+
+    timeouts = {**TEST_TIMEOUTS, "bootstrap": 6.0, "write": 120.0}
+    base = {"geometry": {"layers": 2, "heads": 2, "head_dim": 16, "dtype": "bfloat16", "page_size": 16,
+                         "pages": 64, "mla": False}, "timeouts": timeouts, "inflight": 8}
+    with Cluster() as cl:
+        second = start_bootstrap()
+        try:
+            srcs = {"pa": None, "pb0": {"bootstrap": second.addr, "dp_rank": 0},
+                    "pb1": {"bootstrap": second.addr, "dp_rank": 1}}
+            rooms = {e: [{"room": 7000 + 100 * i + j, "pages": 3, "chunks": [1, 2]} for j in range(4)]
+                     for i, e in enumerate(srcs)}
+            dead = {"room": 9999, "pages": 2, "chunks": [2], "source": {"bootstrap": "127.0.0.1:9", "dp_rank": 0}}
+            decode_rooms = [dict(r, source=srcs[e]) if srcs[e] else dict(r) for e in srcs for r in rooms[e]]
+            procs = [cl.launch([rank_spec("prefill", 0, 1, rooms["pa"], backend, prefill_engine="pa", **base)], "pa"),
+                     cl.launch([rank_spec("prefill", 0, 1, rooms["pb0"], backend, prefill_engine="pb0", dp_rank=0,
+                                          **base)], "pb0", bootstrap=second.addr),
+                     cl.launch([rank_spec("prefill", 0, 1, rooms["pb1"], backend, prefill_engine="pb1", dp_rank=1,
+                                          **base)], "pb1", bootstrap=second.addr),
+                     cl.launch([rank_spec("decode", 0, 1, decode_rooms + [dead], backend, prefill_engine="pa",
+                                          **base)], "dc")]
+            for p in procs:
+                p.proc.wait(200)
+            assert [p.proc.returncode for p in procs] == [0, 0, 0, 0], [p.log() for p in procs]
+            (dec,) = procs[3].result()
+            assert not dec.get("error"), dec.get("traceback")
+            recs = {r["room"]: r for r in dec["rooms"]}
+            assert set(recs) == {r["room"] for r in decode_rooms} | {9999}
+            for r in decode_rooms:
+                assert recs[r["room"]]["state"] == "Success" and recs[r["room"]]["verified"] is True, recs[r["room"]]
+            bad = recs[9999]
+            assert bad["state"] == "Failed" and bad["kind"] == "bootstrap" and "127.0.0.1:9" in bad["failure"], bad
+            for p in procs[:3]:
+                (res,) = p.result()
+                assert all(r["state"] == "Success" for r in res["rooms"]), res["rooms"]
+        finally:
+            second.stop()

@@ -24,6 +24,7 @@ from ..protocol.messages import Hello, HelloAck, KVMemory, RingInfo, RoomFailed,
 from .context import EngineContext
 from .events import LookupDone
 from .peers import Peer, PeerTable
+from .prefill_sources import PrefillSource
 from .rooms import RoomBook
 
 log = logging.getLogger("kvstage")
@@ -33,68 +34,77 @@ _CONNECTIONS = itertools.count(1)   # connection numbers: a newer connection to 
 
 @dataclass
 class EngineView:
-    """A prefill engine as the bootstrap server described it."""
+    """A prefill engine as its rendezvous server described it, for one PrefillSource."""
 
-    engine_id: str
+    source: PrefillSource
+    engine_id: str = ""                # known at once for a source named by engine id, else after the lookup
     state: str = "lookup"              # lookup | ready | failed
     records: list = field(default_factory=list)
     error: str = ""
     rooms: set = field(default_factory=set)          # rooms waiting for their plan
     tombstones: list = field(default_factory=list)   # rooms that failed before their metadata went out
 
+    @property
+    def name(self) -> str:
+        return self.engine_id or self.source.key
+
 
 class EnginePlanner:
     def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook,
-                 lookup: Callable[[str, float], list]):
+                 lookup: Callable[[PrefillSource, float], list]):
         self.ctx, self.peers, self.book, self._lookup = ctx, peers, book, lookup
-        self.engines: dict[str, EngineView] = {}
-        self.engine_of: dict[int, str] = {}          # room -> prefill engine
+        self.engines: dict[str, EngineView] = {}      # source key -> view
+        self.engine_of: dict[int, str] = {}          # room -> source key
         self._fallback_logged: set[tuple[str, str]] = set()
 
     # -- engines ----------------------------------------------------------------------------------
-    def engine(self, engine_id: str, now: float) -> EngineView:
-        """The engine's view, looking it up (again) when needed."""
-        view = self.engines.get(engine_id)
+    def engine(self, source: PrefillSource, now: float) -> EngineView:
+        """The source's view, looking it up (again) when needed."""
+        view = self.engines.get(source.key)
         stale = view is not None and peering.records_stale((r.incarnation for r in view.records),
                                                            self.peers.gone, self.peers.replaced)
         if peering.needs_lookup(view.state if view is not None else None, stale):
-            view = EngineView(engine_id, rooms=view.rooms if view else set(),
-                              tombstones=view.tombstones if view else [])
-            self.engines[engine_id] = view
-            threading.Thread(target=self._do_lookup, args=(engine_id,), name="kvstage-lookup", daemon=True).start()
+            view = EngineView(source, view.engine_id if view else source.engine_id,
+                              rooms=view.rooms if view else set(), tombstones=view.tombstones if view else [])
+            self.engines[source.key] = view
+            threading.Thread(target=self._do_lookup, args=(source,), name="kvstage-lookup", daemon=True).start()
         return view
 
-    def _do_lookup(self, engine_id: str) -> None:
+    def _do_lookup(self, source: PrefillSource) -> None:
         try:
-            records = self._lookup(engine_id, self.ctx.t.bootstrap)
-            self.ctx.post(LookupDone(engine_id, list(records), None))
+            records = self._lookup(source, self.ctx.t.bootstrap)
+            self.ctx.post(LookupDone(source.key, list(records), None))
         except Exception as exc:  # noqa: BLE001 - reported to the rooms waiting for it
-            self.ctx.post(LookupDone(engine_id, None, f"{type(exc).__name__}: {exc}"))
+            self.ctx.post(LookupDone(source.key, None, f"{type(exc).__name__}: {exc}"))
 
     def on_lookup(self, ev: LookupDone, now: float) -> None:
-        view = self.engines.get(ev.engine_id)
+        view = self.engines.get(ev.engine_id)   # the source key
         if view is None:
             return
-        state, records, error = peering.read_lookup(ev.engine_id, ev.records, ev.error)
+        state, records, error = peering.read_lookup(view.name, ev.records, ev.error)
         view.state = state
         if state == "ready":
-            view.records = records
+            view.records, view.engine_id = records, records[0].engine_id
         else:
             view.error = error
-        self.changed(ev.engine_id, now)
+        self._changed(view, now)
+
+    def _views_of(self, engine_id: str) -> list[EngineView]:
+        return [v for v in self.engines.values() if v.engine_id == engine_id]
 
     def changed(self, engine_id: str, now: float) -> None:
-        view = self.engines.get(engine_id)
-        if view is None:
-            return
+        for view in self._views_of(engine_id):
+            self._changed(view, now)
+
+    def _changed(self, view: EngineView, now: float) -> None:
         for room_id in list(view.rooms):
             self.try_plan(self.book.get(room_id), view, now)
         self._flush_tombstones(view, now)
 
     # -- rooms ------------------------------------------------------------------------------------
-    def add_room(self, room: DecodeRoom, engine_id: str, now: float) -> None:
-        self.engine_of[room.room] = engine_id
-        view = self.engine(engine_id, now)
+    def add_room(self, room: DecodeRoom, source: PrefillSource, now: float) -> None:
+        self.engine_of[room.room] = source.key
+        view = self.engine(source, now)
         view.rooms.add(room.room)
         self.try_plan(room, view, now)
 
@@ -106,7 +116,7 @@ class EnginePlanner:
         if view.state == "failed":
             view.rooms.discard(room.room)
             return self.book.apply(room, room.on_plan_failed(
-                "bootstrap", f"looking up prefill engine {view.engine_id} failed: {view.error}", now))
+                "bootstrap", f"looking up prefill engine {view.name} failed: {view.error}", now))
         if view.state != "ready":
             return
         try:
@@ -244,17 +254,17 @@ class EnginePlanner:
         gives up at its own plan deadline (see plan_deadlines)."""
         reason = f"no answer from prefill rank {peer.key.tp_rank} at {peer.endpoint} within {self.ctx.t.connect:g} s"
         log.warning("connecting to %s failed: %s", peer.key, reason)
-        view = self.engines.get(peer.key.engine_id)
+        views = self._views_of(peer.key.engine_id)
         self.peers.lost(peer, reason, now)
-        if view is not None:
+        for view in views:
             view.error = reason
             if view.rooms or view.tombstones:
-                self.engine(peer.key.engine_id, now)
+                self.engine(view.source, now)
 
     def peer_lost(self, peer: Peer, now: float) -> None:
-        view = self.engines.get(peer.key.engine_id)
-        if view is not None and view.rooms:
-            self.engine(peer.key.engine_id, now)  # look the engine up again for rooms still waiting
+        for view in self._views_of(peer.key.engine_id):
+            if view.rooms:
+                self.engine(view.source, now)  # look the engine up again for rooms still waiting
 
     def plan_deadlines(self, now: float) -> None:
         """Rooms that could not reach their prefill ranks in time fail, saying why."""
@@ -266,6 +276,6 @@ class EnginePlanner:
                     view.rooms.discard(room_id)
                 elif now - room.created > limit:
                     view.rooms.discard(room_id)
-                    why = view.error or f"prefill engine {view.engine_id} not ready"
+                    why = view.error or f"prefill engine {view.name} not ready"
                     self.book.apply(room, room.on_plan_failed(
                         "connect", f"no connection to the prefill ranks of this room within {limit:g} s: {why}", now))

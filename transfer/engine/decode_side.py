@@ -49,7 +49,7 @@ class DecodeSide:
     def new_receiver(self, ev: NewReceiver, now: float) -> None:
         room = DecodeRoom(ev.room, ev.session, self.ctx.me, self.ctx.layout, now, self.ctx.t)
         self.book.add(room, ev.status)
-        self.planner.add_room(room, ev.prefill_engine, now)
+        self.planner.add_room(room, ev.source, now)
 
     def init_receiver(self, ev: InitReceiver, now: float) -> None:
         room = self.book.get(ev.room)

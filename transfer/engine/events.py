@@ -78,7 +78,7 @@ class SendChunk:
 class NewReceiver:
     room: int
     session: int
-    prefill_engine: str
+    source: Any               # prefill_sources.PrefillSource
     status: Any
 
 

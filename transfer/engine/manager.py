@@ -28,6 +28,7 @@ from ..protocol.tags import TagCodec
 from .backend_owner import BackendOwner
 from .events import Call, NewReceiver, NewSender, Wake
 from .handles import KVReceiver, KVSender, RoomStatus
+from .prefill_sources import SourceResolver, make_source
 from .loop import EngineLoop
 from .stats import Stats
 
@@ -83,9 +84,11 @@ class KVManager:
         stack.callback(self._ctx.term)
         self._bootstrap = BootstrapClient(cfg.bootstrap, token=cfg.token_bytes)
         stack.callback(self._bootstrap.close)
+        self._sources = SourceResolver(self._bootstrap, cfg.token_bytes)   # other rendezvous servers, lazily
+        stack.callback(self._sources.close)
         self._loop = EngineLoop(cfg, self.layout, self.buffers, self.incarnation, self._backend, backend_name,
                                 identity, self._handler, self._stats,
-                                lambda engine, timeout: self._bootstrap.lookup(engine, timeout_s=timeout),
+                                self._sources.lookup,
                                 peer_codec(cfg.token_bytes), self._ctx, ControlFaults(plan) if plan else None)
         stack.callback(self._stop_loop)
         self._loop.start()
@@ -93,7 +96,8 @@ class KVManager:
         self._info = RankInfo(
             engine_id=cfg.engine_id, role=cfg.role, tp_size=self.layout.tp_size, tp_rank=self.layout.tp_rank,
             ctrl_endpoint=self.endpoint, backend=cfg.backend, backend_identity=backend_name,
-            layout=msgspec.structs.asdict(self.layout.summary()), pools=self._pools(), incarnation=self.incarnation)
+            layout=msgspec.structs.asdict(self.layout.summary()), pools=self._pools(), incarnation=self.incarnation,
+            dp_rank=cfg.dp_rank)
         self._register(cfg.timeouts.bootstrap)
         self._bootstrap.start_keepalive(self._info, interval_s=cfg.timeouts.heartbeat)
         log.info("kvstage %s rank %d of %s ready on %s (backend %s, staging %s)", cfg.role, self.layout.tp_rank,
@@ -156,14 +160,17 @@ class KVManager:
         self._post(NewSender(room, num_pages, status))
         return handle
 
-    def receiver(self, room: int, prefill_engine: str) -> KVReceiver:
-        """Decode side of a request whose KV comes from the prefill engine `prefill_engine`."""
+    def receiver(self, room: int, prefill_engine: str | None = None, *, bootstrap: str | None = None,
+                 prefill_dp_rank: int | None = None) -> KVReceiver:
+        """Decode side of a request whose KV comes from the prefill engine `prefill_engine` (at
+        this rank's rendezvous server, or at `bootstrap`), or from the engine of DP rank
+        `prefill_dp_rank` (default 0) of the prefill instance whose rendezvous server is
+        `bootstrap` ("host:port")."""
         self._check("decode", room)
-        if not prefill_engine or not isinstance(prefill_engine, str):
-            raise ValueError("prefill_engine must be a non-empty string")
+        source = make_source(prefill_engine, bootstrap, prefill_dp_rank)
         status = self._claim(room)
-        handle = KVReceiver(self._post, self.num_pages, room, prefill_engine, status, self._forget)
-        self._post(NewReceiver(room, secrets.randbits(32) | 1, prefill_engine, status))
+        handle = KVReceiver(self._post, self.num_pages, room, prefill_engine or source.key, status, self._forget)
+        self._post(NewReceiver(room, secrets.randbits(32) | 1, source, status))
         return handle
 
     def _check(self, role: str, room: int) -> None:

@@ -79,3 +79,17 @@ def fallback_reason(has_ring: bool, mla: bool, prefill_tp: int, decode_tp: int,
     if prefill_tp == decode_tp:
         return "TP sizes are equal (direct whole pages)"
     return "staging is off at prefill rank(s) " + ", ".join(str(r) for r in non_staging_writers)
+
+
+def engine_for_dp(rows: list[dict], dp_rank: int) -> tuple[str, str]:
+    """Which prefill engine serves data-parallel rank `dp_rank` at a rendezvous server, from its
+    status rows: ("found", engine id) when exactly one live engine does; ("none", why) when none
+    does yet (the caller may poll again); ("ambiguous", why) when several claim it (a
+    configuration error: waiting cannot help)."""
+    engines = sorted({r["engine_id"] for r in rows
+                      if r.get("role") == "prefill" and r.get("dp_rank", 0) == dp_rank and not r.get("stale")})
+    if len(engines) == 1:
+        return "found", engines[0]
+    if not engines:
+        return "none", f"no live prefill engine with DP rank {dp_rank} is registered"
+    return "ambiguous", f"prefill engines {', '.join(engines)} all claim DP rank {dp_rank}"
