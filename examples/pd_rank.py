@@ -20,7 +20,8 @@ WaitingForInput), infer_last (prefill: send() without last=), abort_at (prefill:
 as the sender polls this state, e.g. "Bootstrapping" or "WaitingForInput", instead of sending),
 prefix_pages (decode: its first k pages stand for a prefix cache hit: init(rest, prefix_pages=k)),
 prefix_pages_by_rank ({"rank": k}: the same, per decode rank), source (decode: where the room's KV
-comes from, {"bootstrap": "host:port", "dp_rank": r} or {"engine": id}; default: peer_engine).
+comes from, {"bootstrap": "host:port", "dp_rank": r} or {"engine": id}; default: peer_engine),
+pattern_key (both: the bytes' key instead of the room id, so two uses of one room id differ).
 Per manager, dp_rank is the prefill engine's data-parallel rank (EngineConfig.dp_rank).
 Per manager, from_pointers hands the cache to kvstage as raw addresses (KVBuffers.from_pointers),
 clear_handles drops every handle with clear() once its room ended, live_stats names
@@ -258,7 +259,7 @@ def start_room(mgr: KVManager, spec: dict, r: dict, pages: np.ndarray, pattern: 
           "rank": spec["rank"]}
     if spec["role"] == "prefill":
         if verifies(spec, r["room"]):
-            pattern.fill(tensors, r["room"], pages)
+            pattern.fill(tensors, r.get("pattern_key", r["room"]), pages)
         delay = r.get("create_delay_s", 0)
         st["create_at"] = time.perf_counter() + delay
         st["handle"] = None
@@ -416,7 +417,7 @@ def finish(spec: dict, st: dict, pattern: KVPattern, tensors) -> dict:
         rec["seen_before_init"] = sorted(st.get("seen_before_init", ()))
     if spec["role"] == "decode" and state is KVPoll.Success and verifies(spec, st["room"]):
         k = prefix_of(st)
-        err = pattern.check(tensors, st["room"], st["pages"][k:], first=k)
+        err = pattern.check(tensors, st["spec"].get("pattern_key", st["room"]), st["pages"][k:], first=k)
         rec["verified"] = err is None
         rec["error"] = err
     return rec

@@ -89,10 +89,11 @@ ABORTS = [  # (knobs, who aborts)
 def test_abort_in_every_state_fails_both_sides_and_releases():
     cases = []
     for backend in ("nixl", "mooncake"):
-        rooms = random_rooms(11, 8, 16, base=2**64 - 20)
-        for i, (knobs, _) in enumerate(ABORTS):
-            rooms[i].update(knobs, pages=2, chunks=[1, 1])
-        cases.append(Case(Topo(2, 1, 4), 16, "bfloat16", True, backend, rooms=rooms))
+        for staging in (True, False):
+            rooms = random_rooms(11, 8, 16, base=2**64 - 20)
+            for i, (knobs, _) in enumerate(ABORTS):
+                rooms[i].update(knobs, pages=2, chunks=[1, 1])
+            cases.append(Case(Topo(2, 1, 4), 16, "bfloat16", staging, backend, rooms=rooms))
     results, codes, logs, _ = run_cases(cases, timeout=200)
     assert not any(codes), codes
     for c in cases:
@@ -212,3 +213,30 @@ def test_prefill_instances_at_their_own_rendezvous_servers(backend):
                 assert all(r["state"] == "Success" for r in res["rooms"]), res["rooms"]
         finally:
             second.stop()
+
+
+@pytest.mark.timeout(300)
+def test_a_reused_room_id_is_untouched_by_its_earlier_use():
+    """Room 42 is used three times: aborted by the decode side mid-transfer, aborted by the
+    prefill side, then a clean use. Each use has its own bytes (pattern_key); the last one must
+    be bit-exact and nothing of the earlier uses (late failures, retransmissions, tags) may fail it."""
+    cases = []
+    for backend in ("nixl", "mooncake"):
+        for staging in (True, False):
+            uses = [{"room": 42, "pages": 6, "chunks": [2, 2, 2], "chunk_delay_s": 0.3, "abort_after_s": 0.2,
+                     "pattern_key": 1042},
+                    {"room": 42, "pages": 6, "chunks": [2, 2, 2], "chunk_delay_s": 0.2, "abort_after_chunks": 1,
+                     "pattern_key": 2042, "drain_before": True},
+                    {"room": 42, "pages": 6, "chunks": [3, 3], "pattern_key": 3042, "drain_before": True}]
+            cases.append(Case(Topo(2, 1, 4), 16, "bfloat16", staging, backend, rooms=uses))
+    results, codes, logs, _ = run_cases(cases, timeout=200)
+    assert not any(codes), codes
+    for c in cases:
+        for side in ("prefill", "decode"):
+            for res in results[c.name][side]:
+                assert not res.get("error"), res.get("traceback")
+                states = [(r["room"], r["state"]) for r in res["rooms"]]
+                assert states == [(42, "Failed"), (42, "Failed"), (42, "Success")], (c.name, side, res["rooms"])
+                assert "abort" in res["rooms"][0]["failure"] and "abort" in res["rooms"][1]["failure"]
+                if side == "decode":
+                    assert res["rooms"][2]["verified"] is True, (c.name, res["rooms"][2])

@@ -151,3 +151,9 @@ def test_kv_manager_validates_before_starting_anything():
     from kvstage.transfer import KVManager
     with pytest.raises(ValueError, match="ctrl_port"):
         KVManager(cfg(ctrl_port=70000), None, None)  # no layout needed: validation comes first
+
+
+@pytest.mark.parametrize("value", [-1, 1025, 1.0, True, "0"])
+def test_bad_dp_rank_names_it(value):
+    with pytest.raises(ValueError, match="dp_rank"):
+        cfg(dp_rank=value).resolved()
