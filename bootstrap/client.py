@@ -22,7 +22,7 @@ import logging
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import msgspec
@@ -86,7 +86,7 @@ class RankInfo:
     layout: dict[str, str | int | float | bool]
     pools: dict[str, int]       # named memory pools -> bytes
     incarnation: int            # random 63-bit id, once per process life
-    dp_rank: int = 0            # data-parallel rank of its engine inside the serving instance
+    dp_rank: int = field(default=0, kw_only=True)  # data-parallel rank of its engine in the serving instance
 
     def __post_init__(self):
         if not isinstance(self.engine_id, str) or not self.engine_id:
