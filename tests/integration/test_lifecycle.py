@@ -217,17 +217,20 @@ def test_prefill_instances_at_their_own_rendezvous_servers(backend):
 
 @pytest.mark.timeout(300)
 def test_a_reused_room_id_is_untouched_by_its_earlier_use():
-    """Room 42 is used three times: aborted by the decode side mid-transfer, aborted by the
-    prefill side, then a clean use. Each use has its own bytes (pattern_key); the last one must
-    be bit-exact and nothing of the earlier uses (late failures, retransmissions, tags) may fail it."""
+    """Room 42 is used three times, each use starting once the previous one ended on both sides:
+    aborted by the decode side mid-transfer; then prefill first; then decode first (its metadata
+    reaches the prefill rank before the new sender exists, while the id's last use is remembered
+    as finished there). Each use has its own bytes (pattern_key); nothing of an earlier use may
+    fail or touch a later one."""
     cases = []
     for backend in ("nixl", "mooncake"):
         for staging in (True, False):
             uses = [{"room": 42, "pages": 6, "chunks": [2, 2, 2], "chunk_delay_s": 0.3, "abort_after_s": 0.2,
                      "pattern_key": 1042},
-                    {"room": 42, "pages": 6, "chunks": [2, 2, 2], "chunk_delay_s": 0.2, "abort_after_chunks": 1,
-                     "pattern_key": 2042, "drain_before": True},
-                    {"room": 42, "pages": 6, "chunks": [3, 3], "pattern_key": 3042, "drain_before": True}]
+                    {"room": 42, "pages": 6, "chunks": [2, 2, 2], "pattern_key": 2042, "drain_before": True,
+                     "init_delay_s": 1.5},
+                    {"room": 42, "pages": 6, "chunks": [3, 3], "pattern_key": 3042, "drain_before": True,
+                     "create_delay_s": 1.5}]
             cases.append(Case(Topo(2, 1, 4), 16, "bfloat16", staging, backend, rooms=uses))
     results, codes, logs, _ = run_cases(cases, timeout=200)
     assert not any(codes), codes
@@ -236,7 +239,7 @@ def test_a_reused_room_id_is_untouched_by_its_earlier_use():
             for res in results[c.name][side]:
                 assert not res.get("error"), res.get("traceback")
                 states = [(r["room"], r["state"]) for r in res["rooms"]]
-                assert states == [(42, "Failed"), (42, "Failed"), (42, "Success")], (c.name, side, res["rooms"])
-                assert "abort" in res["rooms"][0]["failure"] and "abort" in res["rooms"][1]["failure"]
+                assert states == [(42, "Failed"), (42, "Success"), (42, "Success")], (c.name, side, res["rooms"])
+                assert "abort" in res["rooms"][0]["failure"]
                 if side == "decode":
-                    assert res["rooms"][2]["verified"] is True, (c.name, res["rooms"][2])
+                    assert [r["verified"] for r in res["rooms"][1:]] == [True, True], (c.name, res["rooms"])

@@ -235,3 +235,13 @@ def test_hello_verdict():
     assert hello_verdict("connected", 0, 5) == "ack_again"
     assert hello_verdict("connected", 5, 4) == "stale"
     assert hello_verdict("connected", 5, 6) == "replace"
+
+
+def test_finished_room_meta():
+    from kvstage.transfer.protocol.routing import finished_room_meta
+    old = frozenset({(7, 100), (8, 200)})
+    assert finished_room_meta(old, {(7, 100)}, 7, 100) == "served"
+    assert finished_room_meta(old, (), 7, 100) == "over"        # that use's own session, not served: it failed
+    assert finished_room_meta(old, (), 7, 101) == "new_use"     # a new session of a rank that use knew
+    assert finished_room_meta(old, (), 9, 101) == "over"        # a rank that use never heard from: ambiguous
+    assert finished_room_meta(frozenset(), (), 7, 101) == "over"

@@ -20,7 +20,7 @@ from ..protocol.leases import Lease
 from ..protocol.messages import (AllocGrant, Heartbeat, Hello, HelloAck, MetaAck, Quiesced, RoomDone, RoomFailed,
                                  RoomMeta, WatermarkUpdate)
 from ..protocol.prefill_room import PrefillRoom
-from ..protocol.routing import hello_verdict
+from ..protocol.routing import finished_room_meta, hello_verdict
 from .context import EngineContext
 from .events import Abort, InitSender, NewSender, SendChunk
 from .peers import Peer, PeerTable
@@ -153,8 +153,10 @@ class PrefillSide:
             # nothing of ours for this room is in flight to that peer (finished, or never started):
             # say so, in case an earlier Quiesced was lost
             self.peers.send(key, Quiesced(src=me, dst=key.incarnation, room=room_id, session=msg.session))
-        if room_id in self.book.finished:
-            if kind == "meta" and (key.incarnation, msg.session) in self.served.get(room_id, ()):
+        verdict = finished_room_meta(self.used_sessions.get(room_id, frozenset()), self.served.get(room_id, ()),
+                                     key.incarnation, msg.session) if room_id in self.book.finished else ""
+        if room_id in self.book.finished and not (kind == "meta" and verdict == "new_use"):
+            if kind == "meta" and verdict == "served":
                 pass  # a late retransmission of metadata this room already served (and acked): no news
             elif kind == "meta":  # the decode side must not wait for a room that is over here
                 _, kind_, why = self.book.finished[room_id]

@@ -60,3 +60,16 @@ def hello_verdict(known_state: str | None, known_conn: int, conn: int) -> str:
     if not conn or not known_conn or conn == known_conn:
         return "ack_again"
     return "stale" if conn < known_conn else "replace"
+
+
+def finished_room_meta(old_sessions: frozenset, served: frozenset | tuple, incarnation: int, session: int) -> str:
+    """Prefill side: room metadata for a room id whose last use ended here, and no sender yet.
+    "served": a retransmission of metadata that use served (no news); "new_use": a new session
+    from a decode incarnation that use dealt with, so a new use of the id whose sender is not
+    created yet (park it, like any early metadata); "over": metadata that may belong to the
+    ended use (tell the decode side the room is over here, rather than let it wait)."""
+    if (incarnation, session) in served:
+        return "served"
+    if (incarnation, session) not in old_sessions and any(inc == incarnation for inc, _ in old_sessions):
+        return "new_use"
+    return "over"
