@@ -26,6 +26,16 @@ def run_rooms(g, seed, rooms, **kw):
     return w
 
 
+def assert_all_succeeded(w, g, rooms):
+    """Every room succeeded on every rank, bit-exact on the decode side."""
+    for room in rooms:
+        for d in range(g.D):
+            assert w.status_d[(d, room)] is KVPoll.Success, w.rooms_d[(d, room)].failure
+        for p in range(g.P):
+            assert w.status_p[(p, room)] is KVPoll.Success, w.rooms_p[(p, room)].failure
+        assert w.check_bytes(room)
+
+
 @pytest.mark.parametrize("g", GEOMS, ids=lambda g: f"P{g.P}D{g.D}H{g.H}{'mla' if g.mla else ''}")
 @pytest.mark.parametrize("staged", [True, False])
 @pytest.mark.parametrize("seed", range(4))
@@ -33,12 +43,7 @@ def test_rooms_complete_bit_exact(g, staged, seed):
     g = Geometry(**{**g.__dict__, "staged": staged})
     rooms = {1: (5, [2, 3]), 2: (1, [1]), 3: (12, [4, 0, 8]), 4: (7, [7])}
     w = run_rooms(g, seed, rooms)
-    for room in rooms:
-        for d in range(g.D):
-            assert w.status_d[(d, room)] is KVPoll.Success, w.rooms_d[(d, room)].failure
-        for p in range(g.P):
-            assert w.status_p[(p, room)] is KVPoll.Success, w.rooms_p[(p, room)].failure
-        assert w.check_bytes(room)
+    assert_all_succeeded(w, g, rooms)
     assert w.overlaps == 0
     for d in range(g.D):
         assert w.rings[d].live_regions == 0  # every region freed
@@ -231,12 +236,7 @@ def test_late_init_and_inferred_last_complete_bit_exact(g, staged, seed):
     for room, (n, chunks) in rooms.items():
         w.add_room(room, n, chunks, late_init=True, infer_last=True)
     w.run()
-    for room in rooms:
-        for d in range(g.D):
-            assert w.status_d[(d, room)] is KVPoll.Success, w.rooms_d[(d, room)].failure
-        for p in range(g.P):
-            assert w.status_p[(p, room)] is KVPoll.Success, w.rooms_p[(p, room)].failure
-        assert w.check_bytes(room)
+    assert_all_succeeded(w, g, rooms)
     assert len(w.released_d) == len(w.rooms_d) and len(w.released_p) == len(w.rooms_p)
 
 
