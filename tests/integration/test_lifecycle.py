@@ -81,10 +81,11 @@ ABORTS = [  # (knobs, who aborts)
     ({"late_init": "wait", "abort_at": "WaitingForInput"}, "prefill"),                      # metadata in, no init
     ({"abort_at": "WaitingForInput"}, "prefill"),                                           # counted, nothing sent
     ({"abort_before_init": True}, "decode"),
+    # before its sender exists; when the metadata had not gone out yet, the parked failure binds a
+    # lease after the sender is created
+    ({"create_delay_s": 1.0, "abort_after_s": 0.2}, "decode"),
+    ({"create_delay_s": 1.0, "abort_before_init": True}, "decode"),                  # no metadata, ever
 ]
-# Not here: a decode abort before its metadata went out, with the prefill sender created later.
-# The prefill side then parks the failure until metadata of that session binds it to the use
-# (issue 14), which never comes: that sender fails only at its metadata deadline.
 
 
 @pytest.mark.timeout(300)
@@ -215,3 +216,53 @@ def test_prefill_instances_at_their_own_rendezvous_servers(backend):
                 assert all(r["state"] == "Success" for r in res["rooms"]), res["rooms"]
         finally:
             second.stop()
+
+
+@pytest.mark.timeout(300)
+def test_a_reused_room_id_is_untouched_by_its_earlier_use():
+    """Room 42 is used three times, each use starting once the previous one ended on both sides:
+    aborted by the decode side mid-transfer; then prefill first; then decode first (its metadata
+    reaches the prefill rank before the new sender exists, while the id's last use is remembered
+    as finished there). Each use has its own bytes (pattern_key); nothing of an earlier use may
+    fail or touch a later one."""
+    cases = []
+    for backend in ("nixl", "mooncake"):
+        for staging in (True, False):
+            uses = [{"room": 42, "pages": 6, "chunks": [2, 2, 2], "chunk_delay_s": 0.3, "abort_after_s": 0.2,
+                     "pattern_key": 1042},
+                    {"room": 42, "pages": 6, "chunks": [2, 2, 2], "pattern_key": 2042, "drain_before": True,
+                     "init_delay_s": 1.5},
+                    {"room": 42, "pages": 6, "chunks": [3, 3], "pattern_key": 3042, "drain_before": True,
+                     "create_delay_s": 1.5}]
+            cases.append(Case(Topo(2, 1, 4), 16, "bfloat16", staging, backend, rooms=uses))
+    results, codes, logs, _ = run_cases(cases, timeout=200)
+    assert not any(codes), codes
+    for c in cases:
+        for side in ("prefill", "decode"):
+            for res in results[c.name][side]:
+                assert not res.get("error"), res.get("traceback")
+                states = [(r["room"], r["state"]) for r in res["rooms"]]
+                assert states == [(42, "Failed"), (42, "Success"), (42, "Success")], (c.name, side, res["rooms"])
+                assert "abort" in res["rooms"][0]["failure"]
+                if side == "decode":
+                    assert [r["verified"] for r in res["rooms"][1:]] == [True, True], (c.name, res["rooms"])
+
+
+@pytest.mark.timeout(300)
+def test_a_room_id_reused_back_to_back_under_late_and_duplicated_messages():
+    """Room 77 is used eight times in a row, each use starting once the previous one ended on the
+    decode side, while the decode ranks' control messages are duplicated and held back up to a
+    second: metadata of an earlier use arrives at the next use's sender, and the next use's
+    metadata at a sender whose own writes are still completing. Every use succeeds with its own
+    bytes."""
+    cases = []
+    for backend in ("nixl", "mooncake"):
+        for staging in (True, False):
+            uses = [{"room": 77, "pages": 3, "chunks": [1, 2], "pattern_key": 7700 + i, "drain_before": i > 0}
+                    for i in range(8)]
+            faults = {"dup_msgs": 0.5, "reorder_msgs": 0.5, "hold_s": 1.0, "seed": 5}
+            cases.append(Case(Topo(2, 1, 4), 16, "bfloat16", staging, backend, rooms=uses,
+                              decode_extra={"faults": faults}))
+    results, codes, logs, _ = run_cases(cases, timeout=200)
+    bad = problems(results, codes, logs)
+    assert not bad, "\n".join(bad[:10])

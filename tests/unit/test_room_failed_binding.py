@@ -15,6 +15,7 @@ from kvstage.transfer.poll import KVPoll
 from kvstage.transfer.protocol.actions import Dropped, PeerKey, Send
 from kvstage.transfer.protocol.messages import Quiesced, RoomMeta
 from kvstage.transfer.protocol.prefill_room import PrefillRoom
+from kvstage.transfer.protocol.room_uses import EarlierUses
 
 LAYOUT = KVLayout(2, 2, 4, torch.uint8, 2, 1, 0, False)   # P=1 prefill rank
 ME = 1000
@@ -24,7 +25,8 @@ N = 4
 
 
 def room(stale=frozenset()):
-    return PrefillRoom(7, N, LAYOUT, ME, 0.0, Timeouts(metadata=50), itertools.count(1), stale=stale)
+    return PrefillRoom(7, N, LAYOUT, ME, 0.0, Timeouts(metadata=50), itertools.count(1),
+                       stale=EarlierUses().plus(stale))
 
 
 def meta(peer, session):
@@ -90,3 +92,44 @@ def test_parked_failure_applies_only_to_metadata_of_its_own_session():
     r.on_room_failed(DEC_A, 22, "aborted", "before the sender", 1.0, early=True)
     r.add_meta(DEC_A, 1, meta(DEC_A, 22), 2.0)
     assert r.state is KVPoll.Failed and r.failure_kind == "remote_aborted"
+
+
+def test_parked_failure_binds_after_a_lease_when_no_metadata_of_its_rank_came():
+    # the decode room failed before its metadata went out: no metadata will ever bind it
+    lease = Timeouts(metadata=50).lease
+    r = room()
+    r.on_room_failed(DEC_A, 11, "aborted", "aborted by the decode caller", 0.5, early=True)
+    assert r.tick(lease) == [] and r.state is KVPoll.Bootstrapping  # within the lease: may be an earlier use's
+    r.tick(lease + 0.1)
+    assert r.state is KVPoll.Failed and r.failure_kind == "remote_aborted"
+    assert "before its room metadata went out" in r.failure and r.failed_by == (DEC_A.incarnation, 11)
+
+
+def test_parked_failure_of_a_rank_that_then_sent_another_session_never_binds():
+    lease = Timeouts(metadata=50).lease
+    r = room()
+    r.on_room_failed(DEC_A, 11, "aborted", "an earlier use", 0.5, early=True)
+    r.add_meta(DEC_A, 1, meta(DEC_A, 22), 1.0)  # this use's session: session 11 was an earlier use
+    r.tick(lease + 1.0)
+    assert r.state is KVPoll.WaitingForInput, r.failure
+
+
+def test_metadata_retransmitted_from_an_earlier_use_is_stale():
+    first = room()
+    first.add_meta(DEC_A, 1, meta(DEC_A, 11), 1.0)
+    first.on_room_failed(DEC_A, 11, "aborted", "use 1", 2.0)
+    second = room(stale=first.sessions())
+    assert second.meta_use(DEC_A, 11) == "stale"      # its MetaAck was late: never bound to use 2
+    assert second.meta_use(DEC_A, 5) == "stale"       # a use further back
+    assert second.meta_use(DEC_A, 22) == "this"
+    assert second.meta_use(DEC_B, 11) == "this"       # another engine's session 11 is not use 1's
+
+
+def test_metadata_of_a_new_session_from_a_rank_this_use_dealt_with_is_the_next_use():
+    r = room()
+    r.add_meta(DEC_A, 1, meta(DEC_A, 22), 1.0)
+    assert r.meta_use(DEC_A, 22) == "this"            # a duplicate: add_meta ignores it
+    assert r.meta_use(DEC_A, 33) == "next"            # its room of this use is over there
+    failed = room()
+    failed.on_room_failed(DEC_A, 22, "aborted", "before its metadata", 1.0)
+    assert failed.state is KVPoll.Failed and failed.meta_use(DEC_A, 33) == "next"

@@ -17,6 +17,7 @@ from ..protocol.actions import Scatter, StatusChanged
 from ..protocol.decode_room import DecodeRoom
 from ..protocol.messages import (AllocRequest, Heartbeat, Hello, HelloAck, MetaAck, Quiesced, RoomDone, RoomFailed,
                                  WatermarkUpdate, WriterDone)
+from ..protocol.routing import finished_room_answer
 from ..protocol.tags import Tag
 from .context import EngineContext
 from .decode_planning import EnginePlanner
@@ -105,12 +106,16 @@ class DecodeSide:
         if done is None:
             self.ctx.stats.count("dropped_messages", "unknown_room")
             return
-        state, kind, why = done
+        state, kind, why, last_session = done
         me, dst = self.ctx.me, peer.key.incarnation
-        if state is KVPoll.Success:
+        failed = finished_room_answer(state is KVPoll.Success, kind, why, last_session, session, room_id)
+        if failed is None:
             self.peers.send(peer.key, RoomDone(src=me, dst=dst, room=room_id, session=session))
         else:
-            self.peers.send(peer.key, RoomFailed(src=me, dst=dst, room=room_id, session=session, kind=kind, reason=why))
+            if session != last_session:
+                self.ctx.stats.count("dropped_messages", "other_use")
+            self.peers.send(peer.key, RoomFailed(src=me, dst=dst, room=room_id, session=session, kind=failed[0],
+                                                 reason=failed[1]))
 
     # -- landed writes, scatters, the watermark ---------------------------------------------------
     def on_tag(self, peer: Peer, tag: Tag, now: float) -> None:

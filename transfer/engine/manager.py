@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import itertools
 import secrets
 import threading
 import time
@@ -44,6 +45,7 @@ class KVManager:
         self.buffers = buffers.validate(layout)
         self.num_pages = buffers.num_pages
         self.incarnation = secrets.randbits(63) | 1
+        self._sessions = itertools.count(1)  # increasing: a prefill rank tells earlier uses of a room id apart
         self._stats = Stats()
         self._rooms: dict[int, RoomStatus] = {}
         self._rooms_lock = threading.Lock()
@@ -170,7 +172,7 @@ class KVManager:
         source = make_source(prefill_engine, bootstrap, prefill_dp_rank)
         status = self._claim(room)
         handle = KVReceiver(self._post, self.num_pages, room, prefill_engine or source.key, status, self._forget)
-        self._post(NewReceiver(room, secrets.randbits(32) | 1, source, status))
+        self._post(NewReceiver(room, next(self._sessions), source, status))
         return handle
 
     def _check(self, role: str, room: int) -> None:

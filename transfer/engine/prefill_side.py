@@ -20,7 +20,8 @@ from ..protocol.leases import Lease
 from ..protocol.messages import (AllocGrant, Heartbeat, Hello, HelloAck, MetaAck, Quiesced, RoomDone, RoomFailed,
                                  RoomMeta, WatermarkUpdate)
 from ..protocol.prefill_room import PrefillRoom
-from ..protocol.routing import finished_room_meta, hello_verdict
+from ..protocol.room_uses import EarlierUses, finished_room_meta
+from ..protocol.routing import hello_verdict
 from .context import EngineContext
 from .events import Abort, InitSender, NewSender, SendChunk
 from .peers import Peer, PeerTable
@@ -39,7 +40,7 @@ class PrefillSide:
     def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook, writes: WriteQueue):
         self.ctx, self.peers, self.book, self.writes = ctx, peers, book, writes
         self.served: dict[int, frozenset] = {}          # room that succeeded -> its (decode incarnation, session)s
-        self.used_sessions: dict[int, frozenset] = {}   # finished room -> its sessions (stale for the next use)
+        self.used_sessions: dict[int, EarlierUses] = {}  # finished room -> its uses' sessions (stale for the next)
         self.pending: dict[int, list] = defaultdict(list)  # room -> messages that came before its sender
         self.pending_since: dict[int, float] = {}
         self.handlers = {RoomMeta: self.on_RoomMeta, AllocGrant: self.on_AllocGrant,
@@ -120,7 +121,7 @@ class PrefillSide:
     # -- the caller's events --------------------------------------------------------------------
     def new_sender(self, ev: NewSender, now: float) -> None:
         room = PrefillRoom(ev.room, ev.num_pages, self.ctx.layout, self.ctx.me, now, self.ctx.t, _OP_IDS,
-                           stale=self.used_sessions.pop(ev.room, frozenset()))
+                           stale=self.used_sessions.pop(ev.room, EarlierUses()))
         self.book.add(room, ev.status)
         self.served.pop(ev.room, None)
         for item in self.pending.pop(ev.room, []):
@@ -153,13 +154,13 @@ class PrefillSide:
             # nothing of ours for this room is in flight to that peer (finished, or never started):
             # say so, in case an earlier Quiesced was lost
             self.peers.send(key, Quiesced(src=me, dst=key.incarnation, room=room_id, session=msg.session))
-        verdict = finished_room_meta(self.used_sessions.get(room_id, frozenset()), self.served.get(room_id, ()),
+        verdict = finished_room_meta(self.used_sessions.get(room_id, EarlierUses()), self.served.get(room_id, ()),
                                      key.incarnation, msg.session) if room_id in self.book.finished else ""
         if room_id in self.book.finished and not (kind == "meta" and verdict == "new_use"):
             if kind == "meta" and verdict == "served":
                 pass  # a late retransmission of metadata this room already served (and acked): no news
             elif kind == "meta":  # the decode side must not wait for a room that is over here
-                _, kind_, why = self.book.finished[room_id]
+                _, kind_, why, _ = self.book.finished[room_id]
                 self.peers.send(key, RoomFailed(src=me, dst=key.incarnation, room=room_id, session=msg.session,
                                                 kind=kind_, reason=f"the prefill sender of this room has finished: "
                                                                    f"{why}"))
@@ -175,6 +176,14 @@ class PrefillSide:
     def _item(self, room: PrefillRoom, item: tuple, now: float, early: bool = False) -> None:
         kind, key, msg = item
         if kind == "meta":
+            use = room.meta_use(key, msg.session)
+            if use == "stale":  # a retransmission from the id's earlier use, acked late
+                self.ctx.stats.count("dropped_messages", "stale_room_meta")
+                return
+            if use == "next":  # this use is over at that decode rank: keep it for the next sender
+                self.pending[room.room].append(item)
+                self.pending_since.setdefault(room.room, now)
+                return
             peer = self.peers.get(key.incarnation)
             if peer is None or peer.state != "connected":
                 return
@@ -212,7 +221,7 @@ class PrefillSide:
     def released(self, room: PrefillRoom) -> None:
         if room.state is KVPoll.Success:
             self.served[room.room] = frozenset((f.peer.incarnation, f.session) for f in room.flows.values())
-        self.used_sessions[room.room] = room.sessions()
+        self.used_sessions[room.room] = room.stale.plus(room.sessions())
 
     def forget_finished(self, room_id: int) -> None:
         self.served.pop(room_id, None)

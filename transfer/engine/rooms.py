@@ -31,7 +31,8 @@ class RoomBook:
         self.ctx, self.peers = ctx, peers
         self.rooms: dict[int, Any] = {}
         self.status: dict[int, Any] = {}
-        self.finished: OrderedDict[int, tuple[KVPoll, str, str]] = OrderedDict()  # room -> (state, kind, reason)
+        # room -> (state, kind, reason, session: the decode room's own, 0 on a prefill rank)
+        self.finished: OrderedDict[int, tuple[KVPoll, str, str, int]] = OrderedDict()
         self.side: Any = None
         self.writes: Any = None
 
@@ -88,7 +89,8 @@ class RoomBook:
     def _released(self, room: Any) -> None:
         self.rooms.pop(room.room, None)
         self.status.pop(room.room, None)
-        self.finished[room.room] = (room.state, room.failure_kind or "gone", room.failure or "it succeeded")
+        self.finished[room.room] = (room.state, room.failure_kind or "gone", room.failure or "it succeeded",
+                                   getattr(room, "session", 0))
         self.side.released(room)
         while len(self.finished) > FINISHED_MEMORY:
             gone, _ = self.finished.popitem(last=False)

@@ -14,17 +14,17 @@ Control messages may be lost: it re-sends an AllocRequest until the grant arrive
 WriterDone until the decode side confirms; duplicates it receives are ignored.
 
 Room ids are reused, and a RoomFailed is re-sent until we quiesce, so a failure is bound to
-engine + session + use: one naming a (decode incarnation, session) of an earlier use of the id
-(`stale`), another engine or session than the flow it would hit, is dropped (answered with
+engine + session + use: one naming a session of an earlier use of the id (`stale`, see
+room_uses.py), another engine or session than the flow it would hit, is dropped (answered with
 Quiesced: nothing of this use went to it); one that arrived before this sender existed only
-counts once metadata of its own session binds it to this use.
+counts once metadata of its own session binds it to this use, or once a lease passed since the
+sender was created with no metadata of another session from that decode rank (the decode room
+failed before its metadata went out: nothing else would ever bind it).
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
-
 import numpy as np
 
 from ..config import Timeouts
@@ -33,45 +33,19 @@ from ..poll import KVPoll
 from .actions import (Action, DecodePrefix, Dropped, PeerKey, PostWrite, Released, RoomTotals, Send, StatusChanged,
                       WriteOp)
 from .direct_ranges import direct_nbytes
+from .flows import Chunk, Flow, past_prefix
 from .head_mapping import Assignment, HeadMapping, compute_assignments
 from .messages import AllocGrant, AllocRequest, Quiesced, RoomFailed, RoomMeta, WriterDone
+from .room_uses import EarlierUses
 from .tags import TagKind, make_tag
 
 TERMINAL = (KVPoll.Success, KVPoll.Failed)
 
 
-@dataclass
-class Chunk:
-    index: int
-    page_start: int
-    pages: np.ndarray
-
-
-@dataclass
-class Flow:
-    """This prefill rank -> one decode rank, for this room."""
-
-    peer: PeerKey
-    session: int
-    assignment: Assignment | None       # None: a notice only, nothing to write
-    staged: bool
-    dst_pages: np.ndarray | None
-    meta: RoomMeta | None = None        # kept until init() gives the page count to check it against
-    issued: int = 0                     # chunks issued (direct) or requested (staged)
-    requested_at: dict[int, float] = field(default_factory=dict)  # staged: chunk -> when first asked
-    asked_again: dict[int, float] = field(default_factory=dict)   # staged: chunk -> when last asked
-    granted: set[int] = field(default_factory=set)
-    inflight: set[int] = field(default_factory=set)               # op ids
-    writes: int = 0
-    nbytes: int = 0
-    done_sent_at: float | None = None
-    confirmed: bool = False
-
-
 class PrefillRoom:
     def __init__(self, room: int, num_pages: int | None, layout: KVLayout, me: int, now: float,
                  timeouts: Timeouts, op_ids: itertools.count | None = None, max_ranges: int = 65536,
-                 stale: frozenset = frozenset()):
+                 stale: EarlierUses = EarlierUses()):
         """`num_pages` None: the page count comes later, with init() (serving engines create the
         sender when the request arrives, before they know it)."""
         if num_pages is not None and num_pages <= 0:
@@ -99,8 +73,8 @@ class PrefillRoom:
         self.flows: dict[int, Flow] = {}
         self.ops: dict[int, WriteOp] = {}
         self.released = False
-        self.stale = stale                  # (decode incarnation, session) of earlier uses of this id
-        self.early: dict[tuple[PeerKey, int], tuple[str, str]] = {}  # failures parked before this use
+        self.stale = stale                  # sessions of earlier uses of this id
+        self.early: dict[tuple[PeerKey, int], tuple[str, str]] = {}  # failures parked before this sender
         self.failed_by: tuple[int, int] | None = None
 
     # -- inputs -----------------------------------------------------------------------------
@@ -146,6 +120,20 @@ class PrefillRoom:
         out = self._set_state(KVPoll.Transferring) if self._all_metas() else []
         return out + self._pump(now)
 
+    def meta_use(self, peer: PeerKey, session: int) -> str:
+        """Which use of the room id metadata from `peer` with `session` belongs to: "stale" (a
+        retransmission from the id's earlier use), "next" (a decode incarnation this use already
+        dealt with under another session has moved on: its room of this use is over there, and
+        this is the next use's, to be kept for its sender) or "this"."""
+        if self.stale.covers(peer.incarnation, session):
+            return "stale"
+        flow = self.flows.get(peer.tp_rank)
+        if flow is not None and flow.peer == peer and flow.session != session:
+            return "next"
+        if self.failed_by is not None and self.failed_by[0] == peer.incarnation and self.failed_by[1] != session:
+            return "next"
+        return "this"
+
     def add_meta(self, peer: PeerKey, decode_tp: int, meta: RoomMeta, now: float) -> list[Action]:
         if self.state in TERMINAL:
             if self.state is KVPoll.Failed:
@@ -186,6 +174,8 @@ class PrefillRoom:
         early = self.early.pop((peer, meta.session), None)
         if early is not None:  # its decode room failed before this metadata reached us
             return self.on_room_failed(peer, meta.session, *early, now)
+        for key in [k for k in self.early if k[0] == peer]:
+            del self.early[key]  # that decode rank's earlier session: an earlier use of the id
         if self.num_pages is None:
             flow.meta = meta  # checked at init()
         else:
@@ -281,7 +271,7 @@ class PrefillRoom:
         flow = self._flow_of(peer, session)
         if flow is None:
             bound = self.flows.get(peer.tp_rank)
-            if ((peer.incarnation, session) in self.stale or bound is not None
+            if (self.stale.covers(peer.incarnation, session) or bound is not None
                     or (self.decode_engine is not None and peer.engine_id != self.decode_engine)):
                 # an earlier use's, or another engine's: nothing of this use went to that session
                 return [Send(peer, Quiesced(src=self.me, dst=peer.incarnation, room=self.room, session=session)),
@@ -312,7 +302,18 @@ class PrefillRoom:
     def tick(self, now: float) -> list[Action]:
         if self.state in TERMINAL:
             return []
-        return self._retransmit(now) + self._deadlines(now)
+        return self._retransmit(now) + self._bind_early(now) + self._deadlines(now)
+
+    def _bind_early(self, now: float) -> list[Action]:
+        """A parked failure whose decode rank sent no metadata of another session within a lease
+        of this sender's creation is this use's: its decode room failed before its metadata went
+        out (an earlier use whose prefill sender was never created here would be followed by new
+        metadata from that rank well within a lease)."""
+        if not self.early or now - self.created <= self.timeouts.lease:
+            return []
+        (peer, session), (kind, reason) = next(iter(self.early.items()))
+        self.early.clear()
+        return self.on_room_failed(peer, session, kind, f"{reason} (before its room metadata went out)", now)
 
     def _retransmit(self, now: float) -> list[Action]:
         out: list[Action] = []
@@ -403,17 +404,9 @@ class PrefillRoom:
         return PostWrite(op)
 
     def _sync_sendable(self) -> None:
-        """Skip the decode side's prefix: each chunk's pages past it become a sendable chunk,
-        numbered as the decode side numbers its destination pages (from the prefix on)."""
-        if self.prefix is None:
-            return
-        k = self.prefix
-        for chunk in self.chunks[self._synced:]:
-            end = chunk.page_start + chunk.pages.size
-            if end > k:
-                skip = max(0, k - chunk.page_start)
-                self.sendable.append(Chunk(len(self.sendable), chunk.page_start + skip - k, chunk.pages[skip:]))
-        self._synced = len(self.chunks)
+        if self.prefix is not None:
+            self.sendable += past_prefix(self.chunks[self._synced:], self.prefix, len(self.sendable))
+            self._synced = len(self.chunks)
 
     def _pump(self, now: float) -> list[Action]:
         if self.state in TERMINAL or not self._all_metas():

@@ -62,14 +62,13 @@ def hello_verdict(known_state: str | None, known_conn: int, conn: int) -> str:
     return "stale" if conn < known_conn else "replace"
 
 
-def finished_room_meta(old_sessions: frozenset, served: frozenset | tuple, incarnation: int, session: int) -> str:
-    """Prefill side: room metadata for a room id whose last use ended here, and no sender yet.
-    "served": a retransmission of metadata that use served (no news); "new_use": a new session
-    from a decode incarnation that use dealt with, so a new use of the id whose sender is not
-    created yet (park it, like any early metadata); "over": metadata that may belong to the
-    ended use (tell the decode side the room is over here, rather than let it wait)."""
-    if (incarnation, session) in served:
-        return "served"
-    if (incarnation, session) not in old_sessions and any(inc == incarnation for inc, _ in old_sessions):
-        return "new_use"
-    return "over"
+
+def finished_room_answer(state_ok: bool, kind: str, reason: str, last_session: int, session: int,
+                         room: int) -> tuple[str, str] | None:
+    """Decode side: a writer asks about room `room`, whose last use here ended (`state_ok`:
+    it succeeded). None: answer RoomDone; else the (kind, reason) of the RoomFailed to answer.
+    Only the session that use had may hear "done": a writer bound to another use never succeeds."""
+    if session != last_session:
+        return "protocol", (f"room {room} has no use of session {session} here (a writer bound to metadata "
+                            f"of another use of the id)")
+    return None if state_ok else (kind, reason)

@@ -1,0 +1,56 @@
+"""What a prefill room keeps per chunk and per decode rank, and which pages it sends.
+
+The decode side may already hold the first pages of a request (its prefix cache): the chunks
+the caller gives are the whole request's, and only their pages past the prefix are sent,
+numbered as the decode side numbers its destination pages (from the prefix on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .actions import PeerKey
+from .head_mapping import Assignment
+from .messages import RoomMeta
+
+
+@dataclass
+class Chunk:
+    index: int
+    page_start: int
+    pages: np.ndarray
+
+
+@dataclass
+class Flow:
+    """This prefill rank -> one decode rank, for this room."""
+
+    peer: PeerKey
+    session: int
+    assignment: Assignment | None       # None: a notice only, nothing to write
+    staged: bool
+    dst_pages: np.ndarray | None
+    meta: RoomMeta | None = None        # kept until init() gives the page count to check it against
+    issued: int = 0                     # chunks issued (direct) or requested (staged)
+    requested_at: dict[int, float] = field(default_factory=dict)  # staged: chunk -> when first asked
+    asked_again: dict[int, float] = field(default_factory=dict)   # staged: chunk -> when last asked
+    granted: set[int] = field(default_factory=set)
+    inflight: set[int] = field(default_factory=set)               # op ids
+    writes: int = 0
+    nbytes: int = 0
+    done_sent_at: float | None = None
+    confirmed: bool = False
+
+
+def past_prefix(chunks: list[Chunk], prefix: int, first_index: int) -> list[Chunk]:
+    """The sendable chunks of `chunks` (request page numbers): each one's pages past the first
+    `prefix` pages of the request, numbered from the prefix, indexed from `first_index` on."""
+    out: list[Chunk] = []
+    for chunk in chunks:
+        end = chunk.page_start + chunk.pages.size
+        if end > prefix:
+            skip = max(0, prefix - chunk.page_start)
+            out.append(Chunk(first_index + len(out), chunk.page_start + skip - prefix, chunk.pages[skip:]))
+    return out
