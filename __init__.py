@@ -20,13 +20,14 @@ _PUBLIC = {
     "KVSender": ".transfer.engine.handles", "KVReceiver": ".transfer.engine.handles",
     "KVPoll": ".transfer.poll",
     "KVTransferError": ".transfer.outcome", "TransferMetrics": ".transfer.outcome",
+    "StatePool": ".transfer.state_pools",
 }
 
 __all__ = list(_PUBLIC)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .transfer import (EngineConfig, KVBuffers, KVLayout, KVManager, KVPoll, KVReceiver, KVSender,
-                           KVTransferError, Timeouts, TransferMetrics)
+                           KVTransferError, StatePool, Timeouts, TransferMetrics)
 
 
 def __getattr__(name: str) -> Any:

@@ -49,6 +49,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kv_pattern import KVPattern  # noqa: E402
+import pool_pattern  # noqa: E402
 
 from kvstage.transfer import EngineConfig, KVBuffers, KVLayout, KVManager, KVPoll, Timeouts  # noqa: E402
 
@@ -68,12 +69,14 @@ def build(spec: dict, bootstrap: str) -> tuple[KVManager, KVLayout, KVBuffers, K
     # touched at start-up, as a serving engine's KV cache is (fresh pages fault on first write)
     k = [torch.zeros(shape, dtype=layout.dtype).zero_() for _ in range(layout.num_layers)]
     v = None if layout.mla else [torch.zeros(shape, dtype=layout.dtype).zero_() for _ in range(layout.num_layers)]
-    buffers = KVBuffers(k, v)
+    pools = pool_pattern.make_pools(g["pools"], layout) if g.get("pools") else {}
+    buffers = KVBuffers(k, v, pools=pools)
     if spec.get("from_pointers"):  # hand the cache over the way SGLang's KVArgs does: raw addresses
         _ENGINE_OWNED.append((k, v))  # the "serving engine" keeps its memory alive
         owned = k + (v or [])
         buffers = KVBuffers.from_pointers(layout, [t.data_ptr() for t in owned],
                                           [t.numel() * t.element_size() for t in owned], [layout.page_bytes] * len(owned))
+        buffers.pools = pools
     cfg = EngineConfig(role=spec["role"], engine_id=spec["engine"], bootstrap=bootstrap,
                        backend=spec.get("backend", "nixl"), staging=spec.get("staging"),
                        host=spec.get("host", "127.0.0.1"), staging_workers=spec.get("workers"),
@@ -124,6 +127,7 @@ def drive(spec: dict, bootstrap: str, result: dict) -> None:
         return drive_latency(mgr, spec, buffers, pattern, result)
     rng = random.Random(zlib.crc32(repr((spec.get("seed", 0), spec["engine"], spec["rank"])).encode()))
     pool = Pages(spec["geometry"]["pages"], rng, contiguous=spec.get("contiguous", False))
+    items = pool_pattern.Items(buffers.pools, rng)
     rooms = list(spec["rooms"])
     window = spec.get("inflight", 16)
     tensors = buffers.tensors()
@@ -145,8 +149,12 @@ def drive(spec: dict, bootstrap: str, result: dict) -> None:
             pages = pool.take(r["pages"])
             if pages is None:
                 break
+            taken = items.take(room_item_counts(spec, r))
+            if taken is None:
+                pool.give(pages)
+                break
             rooms.pop(0)
-            active[r["room"]] = start_room(mgr, spec, r, pages, pattern, tensors)
+            active[r["room"]] = start_room(mgr, spec, r, pages, pattern, tensors, taken, buffers)
         progressed = False
         for room_id, st in list(active.items()):
             progressed |= advance(mgr, spec, st)
@@ -157,6 +165,7 @@ def drive(spec: dict, bootstrap: str, result: dict) -> None:
                 if spec.get("clear_handles"):
                     st["handle"].clear()
                 pool.give(st["pages"])
+                items.give(st["items"])
                 del active[room_id]
                 progressed = True
                 if spec.get("progress"):
@@ -253,13 +262,23 @@ def _write_json(path: str, obj: object) -> None:
     os.replace(tmp, path)
 
 
-def start_room(mgr: KVManager, spec: dict, r: dict, pages: np.ndarray, pattern: KVPattern, tensors) -> dict:
+def room_item_counts(spec: dict, r: dict) -> dict:
+    """How many items of each pool the room takes on this rank ({"aux": 1, ...}): the room's
+    `pool_items`, or `pool_items_decode` on a decode rank (a mismatch on purpose)."""
+    counts = r.get("pool_items", {})
+    return r.get("pool_items_decode", counts) if spec["role"] == "decode" else counts
+
+
+def start_room(mgr: KVManager, spec: dict, r: dict, pages: np.ndarray, pattern: KVPattern, tensors,
+               items: dict | None = None, buffers: KVBuffers | None = None) -> dict:
     st = {"room": r["room"], "pages": pages, "spec": r, "t0": time.perf_counter(), "chunk": 0, "sent": 0,
           "aborted": False, "t_done": None, "wall0": time.time(), "pattern": pattern, "tensors": tensors,
-          "rank": spec["rank"]}
+          "rank": spec["rank"], "items": items or {}, "buffers": buffers}
     if spec["role"] == "prefill":
         if verifies(spec, r["room"]):
             pattern.fill(tensors, r.get("pattern_key", r["room"]), pages)
+            if st["items"]:
+                pool_pattern.fill(buffers.pools, st["items"], r.get("pattern_key", r["room"]), pattern.layout)
         delay = r.get("create_delay_s", 0)
         st["create_at"] = time.perf_counter() + delay
         st["handle"] = None
@@ -304,19 +323,20 @@ def init_receiver(st: dict) -> None:
     if k:
         st["pattern"].fill(st["tensors"], st["room"] ^ PREFIX_MARK, st["pages"][:k])
         st["prefix_filled"] = True
-        st["handle"].init(st["pages"][k:], prefix_pages=k)
+        st["handle"].init(st["pages"][k:], prefix_pages=k, pool_items=st["items"] or None)
     else:
-        st["handle"].init(st["pages"])
+        st["handle"].init(st["pages"], pool_items=st["items"] or None)
 
 
 def new_sender(mgr: KVManager, r: dict, st: dict):
     late = r.get("late_init")
     st["inited"], st["seen_before_init"] = not late, set()
+    items = st["items"] or None
     if not late:
-        return mgr.sender(r["room"], len(st["pages"]))
+        return mgr.sender(r["room"], len(st["pages"]), pool_items=items)
     h = mgr.sender(r["room"])
     if late == "now":
-        h.init(len(st["pages"]))
+        h.init(len(st["pages"]), pool_items=items)
         st["inited"] = True
     return h
 
@@ -351,7 +371,7 @@ def advance(mgr: KVManager, spec: dict, st: dict) -> bool:
             if state is not KVPoll.WaitingForInput:
                 st["seen_before_init"].add(state.name)
                 return False
-            h.init(len(st["pages"]))
+            h.init(len(st["pages"]), pool_items=st["items"] or None)
             st["inited"], st["waited_for_input"] = True, True
             return True
         chunks = r.get("chunks") or [len(st["pages"])]
@@ -418,6 +438,9 @@ def finish(spec: dict, st: dict, pattern: KVPattern, tensors) -> dict:
     if spec["role"] == "decode" and state is KVPoll.Success and verifies(spec, st["room"]):
         k = prefix_of(st)
         err = pattern.check(tensors, st["spec"].get("pattern_key", st["room"]), st["pages"][k:], first=k)
+        if err is None and st["items"]:
+            err = pool_pattern.check(st["buffers"].pools, st["items"], st["spec"].get("pattern_key", st["room"]),
+                                     pattern.layout)
         rec["verified"] = err is None
         rec["error"] = err
     return rec

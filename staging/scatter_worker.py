@@ -15,6 +15,7 @@ import torch
 
 from .gather_scatter import Scatterer
 from .kernels import scatterer_class
+from .pool_copies import scatter_pools
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +26,7 @@ class ScatterJob:
     key: tuple[int, int]
     pages: np.ndarray                                # destination cache pages of the piece
     parts: tuple[tuple[torch.Tensor, tuple[int, int]], ...]  # (ring view of a writer's part, dst heads)
+    pools: tuple = ()                                # the last piece: (ring view of a pool block, PoolCopy)
 
 
 # report(room, key, ok, reason, seconds)
@@ -33,8 +35,9 @@ Report = Callable[[int, tuple[int, int], bool, str | None, float], None]
 
 class ScatterWorker:
     def __init__(self, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None, page_size: int,
-                 report: Report):
+                 report: Report, pools: dict | None = None):
         self._k, self._v, self._page_size = list(k), (list(v) if v is not None else None), page_size
+        self._pools = pools or {}
         self._report = report
         # chosen here, not in the thread: a bad KVSTAGE_STAGING_KERNELS fails the caller
         self._scatterer_class = scatterer_class(self._k[0].device)
@@ -68,6 +71,7 @@ class ScatterWorker:
             pages = torch.from_numpy(np.ascontiguousarray(job.pages, dtype=np.int64))
             for view, heads in job.parts:
                 scatterer.scatter(view, self._k, self._v, pages, self._page_size, heads)
+            scatter_pools(self._pools, job.pools)
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()
             return True, None

@@ -20,6 +20,7 @@ import torch
 
 from .buffers import StagingBuffer
 from .kernels import gatherer_class
+from .pool_copies import gather_pools
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class GatherJob:
     dst_device: int
     tag: bytes
     dst_kind: str | None = None   # the ring's memory kind as the decode rank advertised it
+    pools: tuple = ()             # state pool copies appended after the KV bytes (the last piece)
 
 
 # submit(peer, src, dst, tag, on_done, dst_kind=kind) posts one write on the backend's thread
@@ -46,8 +48,9 @@ Report = Callable[[int, int, bool, str | None, float], None]
 
 class TransferWorkers:
     def __init__(self, buffers: Sequence[StagingBuffer], k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None,
-                 page_size: int, submit: SubmitWrite, report: Report):
+                 page_size: int, submit: SubmitWrite, report: Report, pools: dict | None = None):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._pools = pools or {}
         self._k, self._v, self._page_size = list(k), (list(v) if v is not None else None), page_size
         self._submit, self._report = submit, report
         # chosen here, not in the threads: a bad KVSTAGE_STAGING_KERNELS fails the caller
@@ -82,6 +85,8 @@ class TransferWorkers:
                 # a CPU page list: the gatherer validates it on the host and uploads it once
                 pages = torch.from_numpy(np.ascontiguousarray(job.pages, dtype=np.int64))
                 n = gatherer.gather(self._k, self._v, pages, self._page_size, job.heads, buf.tensor)
+                if job.pools:
+                    n += gather_pools(self._pools, job.pools, buf.tensor, n)
                 if device.type == "cuda":
                     torch.cuda.current_stream(device).synchronize()
                 if n != job.nbytes:

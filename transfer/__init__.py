@@ -9,6 +9,7 @@ from .engine.manager import KVManager
 from .layout import KVBuffers, KVLayout
 from .outcome import KVTransferError, TransferMetrics
 from .poll import KVPoll
+from .state_pools import StatePool
 
 __all__ = ["KVLayout", "KVBuffers", "EngineConfig", "Timeouts", "KVManager", "KVSender", "KVReceiver", "KVPoll",
-           "KVTransferError", "TransferMetrics"]
+           "KVTransferError", "TransferMetrics", "StatePool"]

@@ -10,6 +10,7 @@ import msgspec
 import torch
 
 from ..bootstrap.wire import prebuild_struct_info
+from .state_pools import PoolSpec, StatePool, pool_mismatches
 
 #: Bumped whenever the wire protocol or the staging region layout changes incompatibly.
 PROTOCOL_VERSION = 1
@@ -46,13 +47,16 @@ class LayoutSummary(msgspec.Struct, frozen=True, kw_only=True):
     mla: bool
     layout_format: str = LAYOUT_FORMAT
     protocol_version: int = PROTOCOL_VERSION
+    pools: list[PoolSpec] = []      # state pools (aux rows, Mamba states, ...), by name
 
     def mismatches(self, other: "LayoutSummary") -> list[str]:
         """Human-readable differences, empty when compatible."""
         out = []
         for name in self.__struct_fields__:
             mine, theirs = getattr(self, name), getattr(other, name)
-            if mine != theirs:
+            if name == "pools":
+                out += pool_mismatches(mine, theirs)
+            elif mine != theirs:
                 out.append(f"{name}: {mine!r} here vs {theirs!r} at peer")
         return out
 
@@ -142,10 +146,10 @@ class KVLayout:
         return range(rank // self.replication * self.local_heads,
                      rank // self.replication * self.local_heads + self.local_heads)
 
-    def summary(self) -> LayoutSummary:
+    def summary(self, pools: list[PoolSpec] | None = None) -> LayoutSummary:
         return LayoutSummary(
             dtype=SUPPORTED_DTYPES[self.dtype], head_dim=self.head_dim, page_size=self.page_size,
-            num_layers=self.num_layers, total_kv_heads=self.total_kv_heads, mla=self.mla)
+            num_layers=self.num_layers, total_kv_heads=self.total_kv_heads, mla=self.mla, pools=pools or [])
 
 
 @dataclass
@@ -153,11 +157,14 @@ class KVBuffers:
     """One rank's KV cache: per layer a tensor [num_pages * page_size, local_heads, head_dim].
 
     `v` is None for MLA. All tensors share dtype, device and token count, and are contiguous.
+    `pools`: named state pools moved with each request's last page (see state_pools.py).
     """
 
     k: Sequence[torch.Tensor]
     v: Sequence[torch.Tensor] | None = None
+    pools: dict[str, StatePool] = field(default_factory=dict)
     num_pages: int = field(default=0, init=False)
+    pool_specs: list[PoolSpec] = field(default_factory=list, init=False)
 
     def validate(self, layout: KVLayout) -> "KVBuffers":
         """Check the tensors against `layout`; set num_pages. Raises ValueError naming the layer."""
@@ -192,7 +199,16 @@ class KVBuffers:
                     raise ValueError(f"{where} is on {t.device}, k[0] is on {device}")
         if not tokens:
             raise ValueError("the KV cache holds no pages")
-        _check_disjoint([(f"{name}[{i}]", t) for name, tensors in groups for i, t in enumerate(tensors)])
+        if not isinstance(self.pools, dict) or not all(isinstance(p, StatePool) for p in self.pools.values()):
+            raise ValueError(f"pools must be a dict of StatePool by name, got {self.pools!r}")
+        self.pool_specs = [self.pools[n].spec(n, layout) for n in sorted(self.pools)]
+        named = [(f"{name}[{i}]", t) for name, tensors in groups for i, t in enumerate(tensors)]
+        for n in sorted(self.pools):
+            for i, t in enumerate(self.pools[n].tensors):
+                if t.device != device:
+                    raise ValueError(f"pool {n!r} tensor {i} is on {t.device}, the KV cache on {device}")
+                named.append((f"pool {n!r}[{i}]", t))
+        _check_disjoint(named)
         self.num_pages = tokens // layout.page_size
         return self
 
@@ -218,6 +234,10 @@ class KVBuffers:
         """K tensors then V tensors, in layer order."""
         return list(self.k) + (list(self.v) if self.v is not None else [])
 
+    def pool_tensors(self) -> list[torch.Tensor]:
+        """Every state pool tensor, pools by name."""
+        return [t for n in sorted(self.pools) for t in self.pools[n].tensors]
+
 
 
 def _check_disjoint(named: list[tuple[str, torch.Tensor]]) -> None:
@@ -228,13 +248,14 @@ def _check_disjoint(named: list[tuple[str, torch.Tensor]]) -> None:
     for start, end, name in spans:
         if start < reach:
             first, second = sorted((owner, name), key=_tensor_order)
-            raise ValueError(f"{first} and {second} overlap in memory: each K and V tensor needs its own bytes")
+            raise ValueError(f"{first} and {second} overlap in memory: each K, V and pool tensor needs its own "
+                             f"bytes")
         if end > reach:
             reach, owner = end, name
 
 
 def _tensor_order(name: str) -> tuple[str, int]:
-    kind, _, index = name.partition("[")
+    kind, _, index = name.rpartition("[")
     return kind, int(index.rstrip("]"))
 
 

@@ -46,6 +46,7 @@ class Case:
     layers: int = 2
     head_dim: int = 16
     pages: int = 512
+    pools: dict = field(default_factory=dict)           # state pools (examples/pool_pattern.py spec)
 
     @property
     def name(self) -> str:
@@ -54,7 +55,7 @@ class Case:
 
     def geometry(self) -> dict:
         return {"layers": self.layers, "heads": self.topo.H, "head_dim": self.head_dim, "dtype": self.dtype,
-                "page_size": self.page_size, "pages": self.pages, "mla": self.topo.mla}
+                "page_size": self.page_size, "pages": self.pages, "mla": self.topo.mla, "pools": self.pools}
 
 
 def random_rooms(seed: int, count: int, page_size: int, max_tokens: int = 300, base: int = 1000) -> list[dict]:

@@ -20,7 +20,7 @@ from ..protocol import peering
 from ..protocol.actions import PeerKey
 from ..protocol.decode_room import DecodeRoom, WriterOffer, plan_room
 from ..protocol.leases import Lease
-from ..protocol.messages import Hello, HelloAck, KVMemory, RingInfo, RoomFailed, WatermarkUpdate
+from ..protocol.messages import Hello, HelloAck, KVMemory, PoolMemory, RingInfo, RoomFailed, WatermarkUpdate
 from .context import EngineContext
 from .events import LookupDone
 from .peers import Peer, PeerTable
@@ -217,7 +217,7 @@ class EnginePlanner:
         kv = KVMemory(k_addrs=[t.data_ptr() for t in b.k], v_addrs=[t.data_ptr() for t in b.v] if b.v is not None
                       else [], num_pages=b.num_pages, page_stride=ctx.layout.page_bytes,
                       token_stride=ctx.layout.token_bytes, mem_kind="VRAM" if b.device.type == "cuda" else "DRAM",
-                      device=ctx.geometry.device)
+                      device=ctx.geometry.device, pools=pool_memory(b.pools))
         ring = None
         if ctx.handler.ring is not None:
             r = ctx.handler.ring
@@ -279,3 +279,15 @@ class EnginePlanner:
                     why = view.error or f"prefill engine {view.name} not ready"
                     self.book.apply(room, room.on_plan_failed(
                         "connect", f"no connection to the prefill ranks of this room within {limit:g} s: {why}", now))
+
+
+def pool_memory(pools: dict) -> list[PoolMemory]:
+    """Where this rank's state pool items are, for writers' direct writes."""
+    out = []
+    for name in sorted(pools):
+        ts = pools[name].tensors
+        heads = pools[name].sharding == "heads"
+        out.append(PoolMemory(name=name, addrs=[t.data_ptr() for t in ts],
+                              item_strides=[t.stride(0) * t.element_size() for t in ts],
+                              head_strides=[t.stride(1) * t.element_size() if heads else 0 for t in ts]))
+    return out

@@ -48,14 +48,14 @@ class DecodeSide:
 
     # -- the caller's events --------------------------------------------------------------------
     def new_receiver(self, ev: NewReceiver, now: float) -> None:
-        room = DecodeRoom(ev.room, ev.session, self.ctx.me, self.ctx.layout, now, self.ctx.t)
+        room = DecodeRoom(ev.room, ev.session, self.ctx.me, self.ctx.layout, now, self.ctx.t, tuple(self.ctx.summary.pools))
         self.book.add(room, ev.status)
         self.planner.add_room(room, ev.source, now)
 
     def init_receiver(self, ev: InitReceiver, now: float) -> None:
         room = self.book.get(ev.room)
         if room is not None:
-            self.book.apply(room, room.init(ev.pages, now, ev.prefix_pages))
+            self.book.apply(room, room.init(ev.pages, now, ev.prefix_pages, ev.pool_items))
 
     def abort(self, ev: Abort, now: float) -> None:
         room = self.book.get(ev.room)
@@ -132,8 +132,10 @@ class DecodeSide:
         self.book.apply(room, actions)
 
     def scatter(self, s: Scatter) -> None:
-        parts = tuple((self.ctx.handler.ring_view(p.region_offset, p.nbytes), p.dst_heads) for p in s.parts)
-        self.scatterer.submit(ScatterJob(s.room, s.key, s.dst_pages, parts))
+        view = self.ctx.handler.ring_view
+        parts = tuple((view(p.region_offset, p.nbytes), p.dst_heads) for p in s.parts)
+        pools = tuple((view(offset, c.nbytes), c) for offset, c in s.pools)
+        self.scatterer.submit(ScatterJob(s.room, s.key, s.dst_pages, parts, pools))
 
     def scatter_report(self, room: int, key: tuple, ok: bool, reason: str | None, seconds: float) -> None:
         """From the scatter worker thread."""

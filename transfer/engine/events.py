@@ -59,12 +59,14 @@ class NewSender:
     room: int
     num_pages: int | None     # None: given later by InitSender
     status: Any
+    pool_items: dict | None = None
 
 
 @dataclass(frozen=True)
 class InitSender:
     room: int
     num_pages: int
+    pool_items: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ class InitReceiver:
     room: int
     pages: np.ndarray
     prefix_pages: int = 0
+    pool_items: dict | None = None
 
 
 @dataclass(frozen=True)

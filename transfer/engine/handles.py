@@ -16,6 +16,7 @@ import torch
 
 from ..outcome import KVTransferError, TransferMetrics
 from ..poll import KVPoll
+from ..state_pools import check_pool_items
 from .events import Abort, InitReceiver, InitSender, SendChunk
 
 Post = Callable[[Any], None]   # hands an event to the control thread; raises once the manager closed
@@ -158,9 +159,10 @@ class KVSender(_Handle):
     feed it chunk by chunk with send()."""
 
     def __init__(self, post: Post, cache_pages: int, room: int, num_pages: int | None, status: RoomStatus,
-                 forget: Callable[[int, RoomStatus], None] | None = None):
+                 forget: Callable[[int, RoomStatus], None] | None = None, pools: dict | None = None):
         super().__init__(post, cache_pages, room, "prefill", status, forget)
         self.num_pages = num_pages
+        self._pools = pools or {}
         if num_pages is not None:
             self._started = time.monotonic()
         self._sent = 0
@@ -172,14 +174,16 @@ class KVSender(_Handle):
         cache); they are not sent. None until the decode side's metadata arrived."""
         return self._status.decode_prefix_pages
 
-    def init(self, num_pages: int) -> None:
-        """The request's page count on this rank, for a sender created without one. Allowed in
+    def init(self, num_pages: int, pool_items: dict | None = None) -> None:
+        """The request's page count on this rank, for a sender created without one, and its
+        items of the state pools ({pool name: [item, ...]}, moved with the last page). Allowed in
         any state: before the decode side's metadata arrived, the request waits for it."""
         if self.num_pages is not None:
             raise ValueError(f"room {self.room}: init() called twice, or on a sender created with num_pages")
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
             raise ValueError(f"room {self.room}: num_pages must be a positive int, got {num_pages!r}")
-        self._post(InitSender(self.room, num_pages))
+        items = check_pool_items(pool_items, self._pools, f"room {self.room} init()")
+        self._post(InitSender(self.room, num_pages, items))
         self.num_pages = num_pages
         self._started = time.monotonic()
 
@@ -209,16 +213,19 @@ class KVReceiver(_Handle):
     """Decode side of one request: give it the destination pages with init()."""
 
     def __init__(self, post: Post, cache_pages: int, room: int, prefill_engine: str, status: RoomStatus,
-                 forget: Callable[[int, RoomStatus], None] | None = None):
+                 forget: Callable[[int, RoomStatus], None] | None = None, pools: dict | None = None):
         super().__init__(post, cache_pages, room, "decode", status, forget)
         self.prefill_engine = prefill_engine
+        self._pools = pools or {}
         self._inited = False
 
-    def init(self, dst_pages: Any, prefix_pages: int = 0) -> None:
+    def init(self, dst_pages: Any, prefix_pages: int = 0, pool_items: dict | None = None) -> None:
         """Page indices in this rank's cache for the request, in request order. With
         `prefix_pages` k, this rank already holds the request's first k pages (its prefix
         cache) and `dst_pages` are the pages for the rest: the prefill side skips the first k,
-        and nothing is written to the pages holding them."""
+        and nothing is written to the pages holding them. `pool_items`: this rank's items of
+        the state pools for the request ({pool name: [item, ...]}, as many per pool as the
+        prefill side names); they are in place, bit-exact, when the request succeeds."""
         if self._inited:
             raise ValueError(f"room {self.room}: init() called twice")
         if isinstance(prefix_pages, bool) or not isinstance(prefix_pages, int) or prefix_pages < 0:
@@ -226,6 +233,7 @@ class KVReceiver(_Handle):
         arr = as_pages(dst_pages, self._cache_pages, f"room {self.room} init()", unique=True)
         if arr.size == 0:
             raise ValueError(f"room {self.room}: init() needs at least one page past the prefix")
-        self._post(InitReceiver(self.room, arr, prefix_pages))
+        items = check_pool_items(pool_items, self._pools, f"room {self.room} init()")
+        self._post(InitReceiver(self.room, arr, prefix_pages, items))
         self._inited = True
         self._started = time.monotonic()

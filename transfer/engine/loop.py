@@ -59,8 +59,8 @@ class EngineLoop:
         self.events = EventQueue()
         sock = ControlSocket(ctx, cfg.host, cfg.ctrl_port, codec, control_faults)
         self.ctx = c = EngineContext(cfg, layout, buffers, me, backend, backend_name, identity, handler, stats, sock,
-                                     TagCodec(cfg.token_bytes), layout.summary(), local_geometry(layout, buffers),
-                                     self.post)
+                                     TagCodec(cfg.token_bytes), layout.summary(buffers.pool_specs),
+                                     local_geometry(layout, buffers), self.post)
         self.peers = PeerTable(c)
         self.book = RoomBook(c, self.peers)
         self.writes = WriteQueue(c, self.peers, self.book, None)
@@ -71,12 +71,12 @@ class EngineLoop:
             if handler.buffers:
                 self.workers = self.writes.workers = TransferWorkers(
                     handler.buffers, buffers.k, buffers.v, layout.page_size, backend.submit_write,
-                    self.writes.worker_report)
+                    self.writes.worker_report, buffers.pools)
         else:
             self.side = DecodeSide(c, self.peers, self.book, lookup)
             if handler.ring is not None:
                 self.scatter = self.side.scatterer = ScatterWorker(buffers.k, buffers.v, layout.page_size,
-                                                                   self.side.scatter_report)
+                                                                   self.side.scatter_report, buffers.pools)
         self.book.side, self.book.writes = self.side, self.writes
         self.liveness = Liveness(c, self.peers, self.side)
         self.peers.listeners = [self.writes, self.side]

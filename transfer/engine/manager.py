@@ -5,8 +5,8 @@ the opposite order, deregistering memory only once no peer can still write to it
 from __future__ import annotations
 
 import contextlib
-import logging
 import itertools
+import logging
 import secrets
 import threading
 import time
@@ -26,6 +26,7 @@ from ..config import EngineConfig
 from ..layout import KVBuffers, KVLayout
 from ..protocol.messages import peer_codec
 from ..protocol.tags import TagCodec
+from ..state_pools import check_pool_items
 from .backend_owner import BackendOwner
 from .events import Call, NewReceiver, NewSender, Wake
 from .handles import KVReceiver, KVSender, RoomStatus
@@ -67,7 +68,8 @@ class KVManager:
         stack.callback(self._backend.close)
         kind = "VRAM" if self.buffers.device.type == "cuda" else "DRAM"
         dev = (self.buffers.device.index or 0) if kind == "VRAM" else 0
-        regions = [MemRegion(t.data_ptr(), t.numel() * t.element_size(), dev, kind) for t in self.buffers.tensors()]
+        regions = [MemRegion(t.data_ptr(), t.numel() * t.element_size(), dev, kind)
+                   for t in self.buffers.tensors() + self.buffers.pool_tensors()]
         kv_reg = self._backend.call(lambda b: b.register(regions))
         stack.callback(lambda: self._backend.call(lambda b: b.deregister(kv_reg)))
         staged = bool(cfg.staging) and not self.layout.mla
@@ -98,7 +100,7 @@ class KVManager:
         self._info = RankInfo(
             engine_id=cfg.engine_id, role=cfg.role, tp_size=self.layout.tp_size, tp_rank=self.layout.tp_rank,
             ctrl_endpoint=self.endpoint, backend=cfg.backend, backend_identity=backend_name,
-            layout=msgspec.structs.asdict(self.layout.summary()), pools=self._pools(), incarnation=self.incarnation,
+            layout={k: v for k, v in msgspec.structs.asdict(self.layout.summary()).items() if k != "pools"}, pools=self._pools(), incarnation=self.incarnation,
             dp_rank=cfg.dp_rank)
         self._register(cfg.timeouts.bootstrap)
         self._bootstrap.start_keepalive(self._info, interval_s=cfg.timeouts.heartbeat)
@@ -150,16 +152,20 @@ class KVManager:
                 time.sleep(0.2)
 
     # -- per-request handles -----------------------------------------------------------------------
-    def sender(self, room: int, num_pages: int | None = None) -> KVSender:
+    def sender(self, room: int, num_pages: int | None = None, pool_items: dict | None = None) -> KVSender:
         """Prefill side of a request; num_pages = pages of this request held by this rank, or
-        None when not known yet (give it later with the sender's init())."""
+        None when not known yet (give it, and `pool_items`, later with the sender's init());
+        `pool_items`: its items of the state pools ({pool name: [item, ...]})."""
         self._check("prefill", room)
         if num_pages is not None and (isinstance(num_pages, bool) or not isinstance(num_pages, int)
                                       or num_pages <= 0):
             raise ValueError(f"num_pages must be a positive int or None, got {num_pages!r}")
+        if num_pages is None and pool_items is not None:
+            raise ValueError("pool_items come with the page count: give both to sender() or to init()")
+        items = check_pool_items(pool_items, self.buffers.pools, f"room {room} sender()")
         status = self._claim(room)
-        handle = KVSender(self._post, self.num_pages, room, num_pages, status, self._forget)
-        self._post(NewSender(room, num_pages, status))
+        handle = KVSender(self._post, self.num_pages, room, num_pages, status, self._forget, self.buffers.pools)
+        self._post(NewSender(room, num_pages, status, items))
         return handle
 
     def receiver(self, room: int, prefill_engine: str | None = None, *, bootstrap: str | None = None,
@@ -171,7 +177,8 @@ class KVManager:
         self._check("decode", room)
         source = make_source(prefill_engine, bootstrap, prefill_dp_rank)
         status = self._claim(room)
-        handle = KVReceiver(self._post, self.num_pages, room, prefill_engine or source.key, status, self._forget)
+        handle = KVReceiver(self._post, self.num_pages, room, prefill_engine or source.key, status, self._forget,
+                            self.buffers.pools)
         self._post(NewReceiver(room, next(self._sessions), source, status))
         return handle
 

@@ -19,6 +19,7 @@ from ..protocol.actions import PeerKey, Scatter
 from ..protocol.leases import Lease
 from ..protocol.messages import (AllocGrant, Heartbeat, Hello, HelloAck, MetaAck, Quiesced, RoomDone, RoomFailed,
                                  RoomMeta, WatermarkUpdate)
+from ..protocol.pool_parts import writers_mismatch
 from ..protocol.prefill_room import PrefillRoom
 from ..protocol.room_uses import EarlierUses, finished_room_meta
 from ..protocol.routing import hello_verdict
@@ -75,6 +76,9 @@ class PrefillSide:
                     ring=msg.ring, since=now, conn=msg.conn)
         self.peers.add(peer, now)
         problems = ctx.summary.mismatches(msg.layout)
+        if not problems and ctx.summary.pools:
+            problems = [p for p in [writers_mismatch(ctx.summary.pools, ctx.layout.tp_size, msg.tp_size,
+                                                     ctx.layout.total_kv_heads, ctx.layout.mla)] if p]
         if msg.backend != ctx.cfg.backend:
             problems.append(f"backend: {ctx.cfg.backend!r} here vs {msg.backend!r} at peer")
         if not problems:
@@ -121,7 +125,8 @@ class PrefillSide:
     # -- the caller's events --------------------------------------------------------------------
     def new_sender(self, ev: NewSender, now: float) -> None:
         room = PrefillRoom(ev.room, ev.num_pages, self.ctx.layout, self.ctx.me, now, self.ctx.t, _OP_IDS,
-                           stale=self.used_sessions.pop(ev.room, EarlierUses()))
+                           stale=self.used_sessions.pop(ev.room, EarlierUses()), pools=tuple(self.ctx.summary.pools),
+                           pool_items=ev.pool_items)
         self.book.add(room, ev.status)
         self.served.pop(ev.room, None)
         for item in self.pending.pop(ev.room, []):
@@ -131,7 +136,7 @@ class PrefillSide:
     def init_sender(self, ev: InitSender, now: float) -> None:
         room = self.book.get(ev.room)
         if room is not None:
-            self.book.apply(room, room.init(ev.num_pages, now))
+            self.book.apply(room, room.init(ev.num_pages, now, ev.pool_items))
 
     def send_chunk(self, ev: SendChunk, now: float) -> None:
         room = self.book.get(ev.room)

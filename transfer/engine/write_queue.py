@@ -14,7 +14,7 @@ import time
 from ...staging.workers import GatherJob, TransferWorkers
 from ..poll import KVPoll
 from ..protocol.actions import WriteOp
-from ..protocol.direct_ranges import CacheGeometry, direct_descriptors
+from ..protocol.direct_ranges import CacheGeometry, direct_descriptors, pool_descriptors
 from ..protocol.write_queue import StagedQueue, WriteDeadlines
 from .context import EngineContext
 from .events import WriteDone
@@ -41,6 +41,8 @@ class WriteQueue:
             return self.dispatch(op.peer.incarnation, now)
         src, dst = direct_descriptors(ctx.geometry, self._peer_geometry(peer), op.src_pages, op.dst_pages,
                                       op.src_heads, op.dst_heads)
+        if op.pools:  # the write carrying the last page also carries the state pool items
+            src, dst = pool_descriptors(ctx.buffers.pools, peer.kv.pools, op.pools, src, dst)
         ctx.stats.add("write_requests")
         ctx.stats.add("descriptors", len(src))
         self.deadlines.start(op.op_id, op.room, now + ctx.t.write)
@@ -87,7 +89,7 @@ class WriteQueue:
             self.workers.submit(GatherJob(op.op_id, op.room, peer.backend_name, op.src_pages, op.src_heads,
                                           op.nbytes, peer.ring.addr + op.ring_start % peer.ring.size
                                           + op.writer_offset, peer.ring.device, ctx.tags.encode(op.tag),
-                                          dst_kind=peer.ring.mem_kind))
+                                          dst_kind=peer.ring.mem_kind, pools=op.pools))
 
     def cancel_room(self, room_id: int, now: float) -> None:
         for op in self.staged.cancel_room(room_id):

@@ -51,6 +51,7 @@ class WriteOp:
     tag: Tag
     ring_start: int = -1               # staged: linear ring position of the whole region
     writer_offset: int = 0             # staged: this writer's part inside the region
+    pools: tuple = ()                  # state pool copies (PoolCopy) after the KV bytes: the last page's write
 
     @property
     def num_pages(self) -> int:
@@ -79,6 +80,7 @@ class Scatter:
     key: tuple[int, int]               # (chunk, piece)
     dst_pages: np.ndarray
     parts: tuple[ScatterPart, ...]
+    pools: tuple = ()                  # the last piece: (byte offset in the ring, PoolCopy) per pool copy
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from .actions import (Action, PeerKey, PublishWatermark, Released, RoomTotals, S
                       StatusChanged)
 from .head_mapping import Assignment, HeadMapping
 from .messages import AllocGrant, AllocRequest, Piece, RoomDone, RoomFailed, RoomMeta, WriterDone, encode_pages
+from .pool_parts import block_bytes, part_offsets, request_copies, writer_segments
 from .tags import Tag, TagKind
 from .tracker import ExpectedPiece, Outcome, RoomTracker
 
@@ -48,6 +49,10 @@ class RoomPlan:
     head_page_bytes: int                          # bytes of one head of one page, all layers, K and V
     max_piece_pages: int = 0                      # staged: largest piece (ring and buffers)
     ring_epoch: int = 0
+    prefill_tp: int = 0
+    decode_tp: int = 0
+    ring_size: int = 0                            # staged: the ring and the smallest writer buffer, which
+    buffer_bytes: int = 0                         # the last piece's pool bytes must fit besides its pages
 
     def writer_page_bytes(self, a: Assignment) -> int:
         return self.head_page_bytes * a.num_heads
@@ -84,7 +89,9 @@ def plan_room(layout: KVLayout, mapping: HeadMapping, writers: dict[int, WriterO
             return ("staging", f"one page ({sum(parts)} bytes in the ring, up to {max(parts)} per writer buffer) "
                                f"can never fit the staging ring ({ring_size} bytes) or a prefill worker buffer "
                                f"({buffers} bytes)")
-    return RoomPlan(assigns, tuple(notices[n] for n in sorted(notices)), staged, hpb, mpp, epoch)
+    return RoomPlan(assigns, tuple(notices[n] for n in sorted(notices)), staged, hpb, mpp, epoch,
+                    mapping.prefill_tp, mapping.decode_tp, ring_size,
+                    min(o.buffer_bytes for o in writers.values()) if writers else 0)
 
 
 @dataclass
@@ -108,7 +115,8 @@ class Allocation:
 
 
 class DecodeRoom:
-    def __init__(self, room: int, session: int, me: int, layout: KVLayout, now: float, timeouts: Timeouts):
+    def __init__(self, room: int, session: int, me: int, layout: KVLayout, now: float, timeouts: Timeouts,
+                 pools: tuple = ()):
         self.room = room
         self.session = session
         self.me = me
@@ -133,6 +141,9 @@ class DecodeRoom:
         self.prefix = 0                                      # pages of the request held already
         self.bytes_in = 0                                    # bytes of accepted tags (writes that landed)
         self.writes_in = 0
+        self.pools = pools                                   # state pool specs
+        self.pool_items: dict = {}                           # this request's items of them
+        self.pool_copies: dict[int, tuple] = {}              # writer rank -> its PoolCopy's (last page)
 
     # -- set-up -----------------------------------------------------------------------------
     def on_plan(self, plan: RoomPlan, now: float) -> list[Action]:
@@ -146,13 +157,14 @@ class DecodeRoom:
     def on_plan_failed(self, kind: str, reason: str, now: float) -> list[Action]:
         return self.fail(kind, reason, now)
 
-    def init(self, dst_pages: np.ndarray, now: float, prefix_pages: int = 0) -> list[Action]:
+    def init(self, dst_pages: np.ndarray, now: float, prefix_pages: int = 0, pool_items: dict | None = None) -> list[Action]:
         """Destination pages (validated by the caller's handle) for the request's pages past the
         `prefix_pages` this rank already holds (its prefix cache): those are never written."""
         if self.dst_pages is not None:
             raise ValueError(f"room {self.room}: init() called twice")
         self.dst_pages = dst_pages
         self.prefix = prefix_pages
+        self.pool_items = pool_items or {}
         self.inited_at = now
         if self.state in TERMINAL:
             return []
@@ -162,7 +174,11 @@ class DecodeRoom:
         if self.plan is None or self.dst_pages is None or self.meta_sent:
             return []
         n = int(self.dst_pages.size)
-        self.tracker = RoomTracker(n, {r: self.plan.writer_page_bytes(w.assignment) for r, w in self.writers.items()})
+        p = self.plan
+        self.pool_copies = {r: request_copies(writer_segments(self.pools, p.prefill_tp, p.decode_tp, w.assignment), None,
+                                              self.pool_items) for r, w in self.writers.items()} if self.pool_items else {}
+        self.tracker = RoomTracker(n, {r: self.plan.writer_page_bytes(w.assignment) for r, w in self.writers.items()},
+                                   {r: block_bytes(c) for r, c in self.pool_copies.items()})
         self.meta_sent = True
         self._retry_at = now + self.timeouts.heartbeat
         return self._metas(self._all_prefill()) + self._set_state(KVPoll.Transferring)
@@ -176,7 +192,8 @@ class DecodeRoom:
         pages = b"" if self.plan.staged else encode_pages(self.dst_pages)
         return [Send(p, RoomMeta(src=self.me, dst=p.incarnation, room=self.room, session=self.session,
                                  num_pages=self.prefix + n, staged=self.plan.staged and p in writers,
-                                 dst_pages=pages if p in writers else b"", prefix_pages=self.prefix))
+                                 dst_pages=pages if p in writers else b"", prefix_pages=self.prefix,
+                                 pool_items={k: encode_pages(v) for k, v in self.pool_items.items()}))
                 for p in peers]
 
     def on_meta_ack(self, peer: PeerKey, session: int) -> None:
@@ -208,9 +225,18 @@ class DecodeRoom:
         fit = ring.pages_fit_now(page_bytes)
         pieces: list[Piece] = []
         regions: dict[int, Region] = {}
-        for i, (start, count) in enumerate(plan_pieces(req.page_start, req.num_pages, self.plan.max_piece_pages,
-                                                       fit)):
-            region = ring.allocate(count * page_bytes)
+        planned = plan_pieces(req.page_start, req.num_pages, self.plan.max_piece_pages, fit)
+        final = req.page_start + req.num_pages == self.tracker.num_pages
+        extra = sum(self.tracker.final_extra.values()) if final else 0
+        if extra:  # the last piece also holds every writer's pool block: it may need fewer pages
+            planned = self._fit_pools(planned)
+            if not planned:
+                return self.fail("staging", f"the state pool items of this request ({extra} bytes with one page) "
+                                            f"do not fit the staging ring ({self.plan.ring_size} bytes) or a prefill "
+                                            f"worker buffer ({self.plan.buffer_bytes} bytes)", now)
+        for i, (start, count) in enumerate(planned):
+            last = start + count == self.tracker.num_pages
+            region = ring.allocate(count * page_bytes + (extra if last else 0))
             if isinstance(region, TooLarge):  # max_piece_pages makes this impossible
                 raise AssertionError(str(region))
             regions[i] = region
@@ -219,6 +245,21 @@ class DecodeRoom:
         alloc = Allocation(req.chunk, req.page_start, req.num_pages, pieces, regions)
         self.allocs[req.chunk] = alloc
         return [self._grant(peer, alloc)]
+
+    def _fit_pools(self, planned: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Split the last piece so its pages and every writer's pool block fit the ring and each
+        writer's part its buffer; [] when not even one page does."""
+        start, count = planned[-1]
+        extra = self.tracker.final_extra
+        wpb = self.tracker.writer_page_bytes
+        total = sum(wpb.values())
+        fits = [n for n in range(count, 0, -1)
+                if n * total + sum(extra.values()) <= self.plan.ring_size
+                and all(n * wpb[w] + extra.get(w, 0) <= self.plan.buffer_bytes for w in wpb)]
+        if not fits:
+            return []
+        n = fits[0]
+        return planned[:-1] + ([(start, count - n)] if n < count else []) + [(start + count - n, n)]
 
     def _grant(self, peer: PeerKey, alloc: Allocation) -> Send:
         return Send(peer, AllocGrant(src=self.me, dst=peer.incarnation, room=self.room, session=self.session,
@@ -262,11 +303,16 @@ class DecodeRoom:
         self.scattering[piece.key] = now
         region = self.allocs[piece.chunk].regions[piece.index]
         per_head = piece.num_pages * self.plan.head_page_bytes
-        parts = tuple(ScatterPart(region.offset + per_head * w.assignment.dst_heads[0],
-                                  per_head * w.assignment.num_heads, w.assignment.dst_heads)
-                      for w in sorted(self.writers.values(), key=lambda s: s.assignment.writer_index))
+        writers = sorted(self.writers.items(), key=lambda rw: rw[1].assignment.writer_index)
+        final = piece.page_start + piece.num_pages == self.tracker.num_pages
+        copies = [self.pool_copies.get(r, ()) if final else () for r, _ in writers]
+        kv = [per_head * w.assignment.num_heads for _, w in writers]
+        offsets = part_offsets([n + block_bytes(c) for n, c in zip(kv, copies)])
+        parts = tuple(ScatterPart(region.offset + off, n, w.assignment.dst_heads)
+                      for off, n, (_, w) in zip(offsets, kv, writers))
+        pools = tuple((region.offset + off + n + c.offset, c) for off, n, cs in zip(offsets, kv, copies) for c in cs)
         dst = self.dst_pages[piece.page_start:piece.page_start + piece.num_pages]
-        return Scatter(self.room, piece.key, dst, parts)
+        return Scatter(self.room, piece.key, dst, parts, pools)
 
     def on_scattered(self, key: tuple[int, int], ok: bool, reason: str | None, ring: RingAllocator,
                      now: float) -> list[Action]:

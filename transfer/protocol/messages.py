@@ -21,6 +21,15 @@ class PeerMessage(Message, kw_only=True, frozen=True):
     dst: int = 0
 
 
+class PoolMemory(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one state pool's tensors live at a decode rank, for direct writes into its items."""
+
+    name: str
+    addrs: list[int]            # per tensor
+    item_strides: list[int]     # bytes between items, per tensor
+    head_strides: list[int]     # bytes between heads (heads pools; 0 when replicated), per tensor
+
+
 class KVMemory(msgspec.Struct, frozen=True, kw_only=True):
     """Where a decode rank's KV cache lives, for direct writes into its pages."""
 
@@ -31,6 +40,7 @@ class KVMemory(msgspec.Struct, frozen=True, kw_only=True):
     token_stride: int           # bytes between tokens (local_heads * head_dim * elem)
     mem_kind: str = "DRAM"
     device: int = 0
+    pools: list[PoolMemory] = []
 
 
 class RingInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -85,11 +95,17 @@ class RoomMeta(PeerMessage, kw_only=True, frozen=True):
     staged: bool
     dst_pages: bytes = b""      # little-endian int64 page indices (direct path), past the prefix
     prefix_pages: int = 0       # the first pages of the request this decode rank already holds
+    pool_items: dict[str, bytes] = {}  # state pool -> this rank's item indices (little-endian int64)
 
     def pages(self) -> np.ndarray:
         if len(self.dst_pages) % 8:
             raise WireError("malformed", "dst_pages is not a whole number of int64")
         return np.frombuffer(self.dst_pages, dtype="<i8")
+
+    def items(self) -> dict[str, np.ndarray]:
+        if any(len(b) % 8 for b in self.pool_items.values()):
+            raise WireError("malformed", "pool_items are not whole numbers of int64")
+        return {k: np.frombuffer(b, dtype="<i8") for k, b in self.pool_items.items()}
 
 
 class MetaAck(PeerMessage, kw_only=True, frozen=True):

@@ -36,6 +36,7 @@ from .direct_ranges import direct_nbytes
 from .flows import Chunk, Flow, past_prefix
 from .head_mapping import Assignment, HeadMapping, compute_assignments
 from .messages import AllocGrant, AllocRequest, Quiesced, RoomFailed, RoomMeta, WriterDone
+from .pool_parts import block_bytes, counts_mismatch, final_part, request_copies, writer_segments
 from .room_uses import EarlierUses
 from .tags import TagKind, make_tag
 
@@ -45,9 +46,10 @@ TERMINAL = (KVPoll.Success, KVPoll.Failed)
 class PrefillRoom:
     def __init__(self, room: int, num_pages: int | None, layout: KVLayout, me: int, now: float,
                  timeouts: Timeouts, op_ids: itertools.count | None = None, max_ranges: int = 65536,
-                 stale: EarlierUses = EarlierUses()):
+                 stale: EarlierUses = EarlierUses(), pools: tuple = (), pool_items: dict | None = None):
         """`num_pages` None: the page count comes later, with init() (serving engines create the
-        sender when the request arrives, before they know it)."""
+        sender when the request arrives, before they know it). `pools`: the state pools' specs;
+        `pool_items`: this request's items of them (validated by the caller's handle)."""
         if num_pages is not None and num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         self.room = room
@@ -76,9 +78,11 @@ class PrefillRoom:
         self.stale = stale                  # sessions of earlier uses of this id
         self.early: dict[tuple[PeerKey, int], tuple[str, str]] = {}  # failures parked before this sender
         self.failed_by: tuple[int, int] | None = None
+        self.pools = pools
+        self.pool_items: dict = pool_items or {}
 
     # -- inputs -----------------------------------------------------------------------------
-    def init(self, num_pages: int, now: float) -> list[Action]:
+    def init(self, num_pages: int, now: float, pool_items: dict | None = None) -> list[Action]:
         """The page count, for a sender created without one. Raises ValueError on bad input,
         unchanged. Metadata that came first is checked against it now."""
         if self.num_pages is not None:
@@ -86,6 +90,7 @@ class PrefillRoom:
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
             raise ValueError(f"room {self.room}: num_pages must be a positive int, got {num_pages!r}")
         self.num_pages = num_pages
+        self.pool_items = pool_items or {}
         if self.state in TERMINAL:
             return []
         for flow in list(self.flows.values()):
@@ -195,6 +200,10 @@ class PrefillRoom:
         if meta.num_pages != self.num_pages:
             return self.fail("protocol", f"decode rank {rank} expects {meta.num_pages} pages, this "
                                          f"prefill rank was given {self.num_pages}", now)
+        mismatch = counts_mismatch(self.pool_items, {k: v.size for k, v in meta.items().items()})
+        if mismatch and flow.assignment is not None:
+            return self.fail("pool", f"decode rank {rank}: {mismatch}", now)
+        flow.pool_dst = meta.items()
         if not 0 <= meta.prefix_pages < self.num_pages:
             return self.fail("protocol", f"decode rank {rank} holds a prefix of {meta.prefix_pages} pages of a "
                                          f"{self.num_pages}-page request: at least one page must be sent", now)
@@ -221,6 +230,12 @@ class PrefillRoom:
             lo = piece.page_start - chunk.page_start
             nbytes = piece.num_pages * per_head * a.num_heads
             offset = piece.num_pages * per_head * a.dst_heads[0]  # parts follow in head order
+            pools = ()
+            if piece.page_start + piece.num_pages == self.num_pages - self.prefix and self.pool_items:
+                # the last piece: each writer's part ends with its pool block
+                offset, pools = final_part(self.pools, self.mapping, a, piece.num_pages * per_head, self.pool_items,
+                                           flow.pool_dst)
+                nbytes += block_bytes(pools)
             if (piece.page_start != pos or piece.num_pages <= 0 or lo + piece.num_pages > chunk.pages.size
                     or offset + nbytes > piece.region_nbytes):
                 return self.fail("protocol", f"ring allocation for chunk {grant.chunk} from {peer} does not "
@@ -232,7 +247,7 @@ class PrefillRoom:
                            nbytes=nbytes, ring_start=piece.start)
             op = WriteOp(next(self._op_ids), self.room, peer, True, grant.chunk, piece.index,
                          chunk.pages[lo:lo + piece.num_pages], None, a.src_heads, a.dst_heads,
-                         nbytes, tag, piece.start, offset)
+                         nbytes, tag, piece.start, offset, pools)
             out.append(self._post(flow, op))
         if pos != chunk.page_start + chunk.pages.size:
             return self.fail("protocol", f"ring allocation for chunk {grant.chunk} from {peer} does not cover it",
@@ -439,12 +454,17 @@ class PrefillRoom:
             pages = chunk.pages[lo:lo + step]
             start = chunk.page_start + lo
             nbytes = pages.size * self._bytes_per_page(a.num_heads)
+            pools = ()
+            if start + pages.size == self.num_pages - self.prefix:  # the write carrying the last page
+                pools = request_copies(writer_segments(self.pools, self.mapping.prefill_tp, self.mapping.decode_tp, a),
+                                       self.pool_items, flow.pool_dst)
+                nbytes += block_bytes(pools)
             tag = make_tag(TagKind.DIRECT, room=self.room, session=flow.session, epoch=flow.peer.incarnation,
                            src=self.me, writer=self.layout.tp_rank, chunk=chunk.index, piece=part,
                            page_start=start, num_pages=int(pages.size), nbytes=nbytes)
             dst = flow.dst_pages[start:start + pages.size]
             out.append(self._post(flow, WriteOp(next(self._op_ids), self.room, flow.peer, False, chunk.index, part,
-                                                pages, dst, a.src_heads, a.dst_heads, nbytes, tag)))
+                                                pages, dst, a.src_heads, a.dst_heads, nbytes, tag, pools=pools)))
         return out
 
     def _flow_finished_writing(self, flow: Flow) -> bool:

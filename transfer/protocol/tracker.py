@@ -54,14 +54,16 @@ class ExpectedPiece:
 class RoomTracker:
     """Arrival bookkeeping of one room on one decode rank."""
 
-    def __init__(self, num_pages: int, writer_page_bytes: Mapping[int, int]):
-        """`writer_page_bytes`: expected writer rank -> bytes it writes per page of the room."""
+    def __init__(self, num_pages: int, writer_page_bytes: Mapping[int, int], final_extra: Mapping[int, int] = {}):
+        """`writer_page_bytes`: expected writer rank -> bytes it writes per page of the room;
+        `final_extra`: writer rank -> state pool bytes its write of the last page also carries."""
         if num_pages <= 0:
             raise ValueError("a room has at least one page")
         if not writer_page_bytes:
             raise ValueError("a room has at least one writer")
         self.num_pages = num_pages
         self.writer_page_bytes = dict(writer_page_bytes)
+        self.final_extra = dict(final_extra)
         self._covered = {w: np.zeros(num_pages, dtype=bool) for w in self.writer_page_bytes}
         self._covered_count = dict.fromkeys(self.writer_page_bytes, 0)
         self._pieces: dict[tuple[int, int], ExpectedPiece] = {}
@@ -98,8 +100,8 @@ class RoomTracker:
         if writer not in piece.writers:
             return Arrival(Outcome.REJECTED, f"writer {writer} is not a writer of chunk {chunk} piece {index}")
         got = (page_start, num_pages, nbytes, ring_start)
-        want = (piece.page_start, piece.num_pages, piece.num_pages * self.writer_page_bytes[writer],
-                piece.ring_start)
+        want = (piece.page_start, piece.num_pages, piece.num_pages * self.writer_page_bytes[writer]
+                + self._extra(writer, piece.page_start, piece.num_pages), piece.ring_start)
         if got != want:
             return Arrival(Outcome.REJECTED,
                            f"chunk {chunk} piece {index} from writer {writer}: (pages start, count, bytes, "
@@ -132,7 +134,7 @@ class RoomTracker:
         if not self._in_range(page_start, num_pages):
             return Arrival(Outcome.REJECTED, f"pages [{page_start}, {page_start + num_pages}) outside the "
                                              f"room's {self.num_pages} pages")
-        want = num_pages * self.writer_page_bytes[writer]
+        want = num_pages * self.writer_page_bytes[writer] + self._extra(writer, page_start, num_pages)
         if nbytes != want:
             return Arrival(Outcome.REJECTED, f"writer {writer} sent {nbytes} bytes for {num_pages} pages, "
                                              f"expected {want}")
@@ -158,6 +160,9 @@ class RoomTracker:
         if self._pieces:
             return self._scattered_pages
         return min(self._covered_count.values())
+
+    def _extra(self, writer: int, page_start: int, num_pages: int) -> int:
+        return self.final_extra.get(writer, 0) if page_start + num_pages == self.num_pages else 0
 
     def _in_range(self, page_start: int, num_pages: int) -> bool:
         return num_pages > 0 and page_start >= 0 and page_start + num_pages <= self.num_pages

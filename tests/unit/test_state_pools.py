@@ -1,0 +1,152 @@
+"""State pools: validation, the compatibility summary, and which pool bytes each flow carries."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvstage import KVBuffers, KVLayout, StatePool
+from kvstage.transfer.protocol.head_mapping import compute_assignments
+from kvstage.transfer.protocol.pool_parts import (block_bytes, counts_mismatch, final_part, part_offsets,
+                                                  request_copies, writer_segments, writers_mismatch)
+from kvstage.transfer.state_pools import check_pool_items, pool_mismatches
+
+
+def layout(tp=2, rank=0, heads=4, mla=False):
+    return KVLayout(2, 1 if mla else heads, 8, torch.bfloat16, 4, tp, rank, mla)
+
+
+def kv(lay, pages=8):
+    shape = (pages * lay.page_size, lay.local_heads, lay.head_dim)
+    k = [torch.zeros(shape, dtype=lay.dtype) for _ in range(lay.num_layers)]
+    return k, (None if lay.mla else [torch.zeros(shape, dtype=lay.dtype) for _ in range(lay.num_layers)])
+
+
+def test_buffers_validate_pools_and_summarise_them():
+    lay = layout()
+    k, v = kv(lay)
+    aux = StatePool([torch.zeros(16, 5), torch.zeros(16, 3, dtype=torch.int32)])
+    mamba = StatePool([torch.zeros(4, 4, 6, 2)], "heads", heads=8)
+    b = KVBuffers(k, v, pools={"mamba": mamba, "aux": aux}).validate(lay)
+    assert [p.name for p in b.pool_specs] == ["aux", "mamba"]
+    assert b.pool_specs[0].rows == [[5], [3]] and b.pool_specs[0].dtypes == ["float32", "int32"]
+    assert b.pool_specs[1].heads == 8 and b.pool_specs[1].row_bytes(0) == 6 * 2 * 4
+    assert aux.num_items == 16 and mamba.num_items == 4
+
+
+@pytest.mark.parametrize("pool, match", [
+    (StatePool([torch.zeros(4, 3, 6)], "heads", heads=6), "do not divide by TP size 4"),
+    (StatePool([torch.zeros(4, 1, 6)], "heads", heads=8), "has 1 heads in dim 1"),
+    (StatePool([torch.zeros(4, 5), torch.zeros(3, 5)]), "has 3 items, tensor 0 has 4"),
+    (StatePool([torch.zeros(4, 6)[:, ::2]]), "not contiguous"),
+    (StatePool([torch.zeros(0, 6)]), "holds no items"),
+    (StatePool([torch.zeros(4, 6)], "rows"), "sharding must be one of"),
+    (StatePool([torch.zeros(4, 6)], heads=4), "heads is only for sharding='heads'"),
+])
+def test_bad_pools_are_refused_naming_the_pool(pool, match):
+    lay = layout(tp=4, heads=4)
+    k, v = kv(lay)
+    with pytest.raises(ValueError, match=match):
+        KVBuffers(k, v, pools={"p": pool}).validate(lay)
+
+
+def test_a_pool_sharing_bytes_with_the_kv_is_refused():
+    lay = layout()
+    k, v = kv(lay)
+    with pytest.raises(ValueError, match="overlap"):
+        KVBuffers(k, v, pools={"p": StatePool([k[0].view(16, -1)])}).validate(lay)
+
+
+def test_pool_mismatches_are_readable():
+    lay = layout()
+    k, v = kv(lay)
+    mine = KVBuffers(k, v, pools={"aux": StatePool([torch.zeros(8, 5)])}).validate(lay).pool_specs
+    theirs = KVBuffers(*kv(lay), pools={"aux": StatePool([torch.zeros(8, 6)]),
+                                        "ssm": StatePool([torch.zeros(8, 2)])}).validate(lay).pool_specs
+    out = pool_mismatches(mine, theirs)
+    assert out == ["pool 'ssm': registered at the peer only", "pool 'aux' rows: [[5]] here vs [[6]] at peer"]
+    assert lay.summary(mine).mismatches(lay.summary(theirs)) == out
+    assert pool_mismatches(mine, mine) == []
+
+
+def test_request_items_are_checked_in_the_callers_thread():
+    pools = {"aux": StatePool([torch.zeros(8, 5)])}
+    pools["aux"].spec("aux", layout())
+    assert check_pool_items({"aux": [3, 1]}, pools, "x")["aux"].tolist() == [3, 1]
+    for bad, match in (({"ssm": [0]}, "unknown pool 'ssm'"), ({"aux": [8]}, r"outside \[0, 8\)"),
+                       ({"aux": [1, 1]}, "twice"), ({"aux": [[1]]}, "1-D list of ints"), ([1], "must be a dict")):
+        with pytest.raises(ValueError, match=match):
+            check_pool_items(bad, pools, "x")
+
+
+SPEC_CASES = [(P, D, H) for P in (1, 2, 4) for D in (1, 2, 4) for H in (2, 4, 8)]
+
+
+@pytest.mark.parametrize("P, D, H", SPEC_CASES)
+def test_every_decode_rank_gets_every_pool_byte_exactly_once(P, D, H):
+    """Summed over its writers, a decode rank receives each replicated item once and each of its
+    heads of a heads pool once, from flows the KV makes anyway."""
+    lay = KVLayout(2, H, 8, torch.bfloat16, 4, P, 0)
+    specs = KVBuffers(*kv(lay), pools={
+        "aux": StatePool([torch.zeros(8, 5)]),
+        "ssm": StatePool([torch.zeros(8, max(1, H // P), 3)], "heads")}).validate(lay).pool_specs
+    assert writers_mismatch(specs, P, D, H, False) == ""
+    mapping = compute_assignments(P, D, H)
+    for d in range(D):
+        segs = [s for a in mapping.for_decode(d) for s in writer_segments(specs, P, D, a)]
+        assert sum(s.item_bytes for s in segs if s.pool == "aux") == 5 * 4
+        heads = sorted(h for s in segs if s.pool == "ssm" for h in range(*s.dst_heads))
+        assert heads == list(range(max(1, H // D)))
+        assert all(s.item_bytes == (s.dst_heads[1] - s.dst_heads[0]) * 3 * 4 for s in segs if s.pool == "ssm")
+
+
+def test_heads_pool_with_other_writers_than_the_kv_is_refused_at_connect():
+    lay = KVLayout(2, 2, 8, torch.bfloat16, 4, 4, 0)    # P4 over 2 KV heads: KV replicated
+    specs = KVBuffers(*kv(lay), pools={"ssm": StatePool([torch.zeros(8, 2, 3)], "heads", heads=8)}).validate(
+        lay).pool_specs
+    why = writers_mismatch(specs, 4, 1, 2, False)
+    assert "pool 'ssm'" in why and "must have the KV's writers" in why
+    assert writers_mismatch(specs[:0], 4, 1, 2, False) == ""
+
+
+def test_mla_with_a_replicated_pool():
+    lay = layout(tp=2, mla=True)
+    specs = KVBuffers(*kv(lay), pools={"aux": StatePool([torch.zeros(8, 7, dtype=torch.int32)])}).validate(
+        lay).pool_specs
+    mapping = compute_assignments(2, 4, 1, True)
+    for d in range(4):
+        (a,) = mapping.for_decode(d)
+        assert [s.item_bytes for s in writer_segments(specs, 2, 4, a)] == [28]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=5), st.lists(st.integers(0, 30), min_size=1, max_size=5))
+def test_final_part_offsets_tile_the_region(kv_heads, pool_items):
+    """Writers' parts of the last piece (KV then pool block) follow each other without a gap."""
+    sizes = [h * 3 + p for h, p in zip(kv_heads, pool_items)]
+    offs = part_offsets(sizes)
+    assert offs[0] == 0 and all(offs[i] + sizes[i] == offs[i + 1] for i in range(len(sizes) - 1))
+
+
+def test_prefill_and_decode_agree_on_the_last_piece_layout():
+    P, D, H = 2, 1, 4
+    lay = KVLayout(2, H, 8, torch.bfloat16, 4, P, 0)
+    specs = KVBuffers(*kv(lay), pools={"aux": StatePool([torch.zeros(8, 5)]),
+                                       "ssm": StatePool([torch.zeros(8, 2, 3)], "heads")}).validate(lay).pool_specs
+    mapping = compute_assignments(P, D, H)
+    src = {"aux": np.array([3]), "ssm": np.array([1, 2])}
+    dst = {"aux": np.array([0]), "ssm": np.array([5, 6])}
+    head_bytes = 100
+    decode_sizes = [head_bytes * a.num_heads + block_bytes(request_copies(writer_segments(specs, P, D, a), None, dst))
+                    for a in mapping.for_decode(0)]
+    for a in mapping.for_decode(0):
+        offset, copies = final_part(specs, mapping, a, head_bytes, src, dst)
+        assert offset == part_offsets(decode_sizes)[a.writer_index]
+        assert [c.dst_items.tolist() for c in copies] == ([[0]] if a.writer_index == 0 else []) + [[5, 6]]
+
+
+def test_counts_mismatch():
+    assert counts_mismatch({"aux": np.array([1])}, {"aux": 1}) == ""
+    assert "pool items differ" in counts_mismatch({"aux": np.array([1])}, {"aux": 2})
+    assert "pool items differ" in counts_mismatch({}, {"aux": 1})

@@ -1,0 +1,128 @@
+"""Which bytes of the state pools each (prefill rank -> decode rank) flow moves, and where they sit
+in a write. Pure.
+
+Pool items ride with the request's last page: on the staged path at the end of each writer's
+part of the last piece (so no extra write), on the direct path as more descriptors of the write
+that carries the last page. Inside a writer's pool block the order is: pools by name, each
+pool's tensors in order, each tensor's items in the order the request names them.
+
+A heads pool is split like KV heads over its own global head count, and must have the same
+writers as the KV for every decode rank (checked when peers connect): then the pool bytes of a
+flow travel in that flow's write. A replicated pool is written to each decode rank by its first
+KV writer (writer_index 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ..state_pools import PoolSpec
+from .head_mapping import Assignment, HeadMapping, compute_assignments
+
+
+@dataclass(frozen=True)
+class PoolSegment:
+    """One pool tensor's share of a flow: local head ranges (None: the whole item) and the bytes
+    it moves per item."""
+
+    pool: str
+    tensor: int
+    src_heads: tuple[int, int] | None
+    dst_heads: tuple[int, int] | None
+    item_bytes: int
+
+
+@dataclass(frozen=True)
+class PoolCopy:
+    """One segment of one request: the items on each side (None where that side's are not
+    known or not needed) and where its bytes sit in the writer's pool block."""
+
+    segment: PoolSegment
+    src_items: np.ndarray | None
+    dst_items: np.ndarray | None
+    offset: int
+    nbytes: int
+
+
+def writer_segments(specs: Sequence[PoolSpec], prefill_tp: int, decode_tp: int, kv: Assignment) -> tuple[PoolSegment, ...]:
+    """The pool segments the KV flow `kv` also carries."""
+    out: list[PoolSegment] = []
+    for spec in sorted(specs, key=lambda s: s.name):
+        if spec.sharding == "replicated":
+            if kv.writer_index == 0:
+                out += [PoolSegment(spec.name, t, None, None, spec.row_bytes(t)) for t in range(len(spec.rows))]
+            continue
+        a = compute_assignments(prefill_tp, decode_tp, spec.heads).find(kv.prefill_rank, kv.decode_rank)
+        if a is not None:
+            out += [PoolSegment(spec.name, t, a.src_heads, a.dst_heads, a.num_heads * spec.row_bytes(t))
+                    for t in range(len(spec.rows))]
+    return tuple(out)
+
+
+def writers_mismatch(specs: Sequence[PoolSpec], prefill_tp: int, decode_tp: int, kv_heads: int, mla: bool) -> str:
+    """Why these heads pools cannot travel with the KV between these TP sizes ("" when they can)."""
+    kv = compute_assignments(prefill_tp, decode_tp, kv_heads, mla)
+    for spec in specs:
+        if spec.sharding != "heads":
+            continue
+        pools = compute_assignments(prefill_tp, decode_tp, spec.heads)
+        for d in range(decode_tp):
+            if sorted(kv.writers_of(d)) != sorted(pools.writers_of(d)):
+                return (f"pool {spec.name!r} ({spec.heads} heads) would be written to decode rank {d} by prefill "
+                        f"ranks {sorted(pools.writers_of(d))}, its KV ({kv_heads} heads{', MLA' if mla else ''}) "
+                        f"by {sorted(kv.writers_of(d))}: heads pools must have the KV's writers "
+                        f"(prefill TP {prefill_tp}, decode TP {decode_tp})")
+    return ""
+
+
+def request_copies(segments: Sequence[PoolSegment], src: Mapping[str, np.ndarray] | None,
+                   dst: Mapping[str, np.ndarray] | None) -> tuple[PoolCopy, ...]:
+    """The copies of one request along one flow, laid out one after another. Only the pools the
+    request names (on the side whose items are given) are moved."""
+    named = src if src is not None else dst
+    out: list[PoolCopy] = []
+    offset = 0
+    for seg in segments:
+        if named is None or seg.pool not in named:
+            continue
+        n = int(named[seg.pool].size)
+        out.append(PoolCopy(seg, src.get(seg.pool) if src is not None else None,
+                            dst.get(seg.pool) if dst is not None else None, offset, n * seg.item_bytes))
+        offset += n * seg.item_bytes
+    return tuple(out)
+
+
+def block_bytes(copies: Sequence[PoolCopy]) -> int:
+    return sum(c.nbytes for c in copies)
+
+
+def part_offsets(sizes: Sequence[int]) -> list[int]:
+    """Offsets of the writers' parts of a region, in writer order, each `sizes[i]` long."""
+    out, pos = [], 0
+    for n in sizes:
+        out.append(pos)
+        pos += n
+    return out
+
+
+def counts_mismatch(mine: Mapping[str, np.ndarray], theirs: Mapping[str, int]) -> str:
+    """Why two sides' pool items of one request disagree ("" when they name the same pools and
+    the same number of items in each)."""
+    a = {k: int(v.size) for k, v in mine.items()}
+    if a == dict(theirs):
+        return ""
+    return f"pool items differ: {a} here vs {dict(theirs)} at the peer (pool: number of items)"
+
+
+def final_part(specs: Sequence[PoolSpec], mapping: HeadMapping, a: Assignment, head_bytes: int,
+               src: Mapping[str, np.ndarray], dst: Mapping[str, np.ndarray] | None) -> tuple[int, tuple[PoolCopy, ...]]:
+    """Prefill side, the last piece: where flow `a`'s part starts in the region (every writer's
+    part before it is its KV, `head_bytes` per head, then its pool block) and its pool copies."""
+    sizes = [head_bytes * w.num_heads
+             + block_bytes(request_copies(writer_segments(specs, mapping.prefill_tp, mapping.decode_tp, w), src, None))
+             for w in mapping.for_decode(a.decode_rank)]
+    copies = request_copies(writer_segments(specs, mapping.prefill_tp, mapping.decode_tp, a), src, dst)
+    return part_offsets(sizes)[a.writer_index], copies
