@@ -52,3 +52,71 @@ def one_write_per_pair_and_chunk(c: Case, sides: dict) -> None:
         for r in c.rooms:
             rec = next(x for x in res["rooms"] if x["room"] == r["room"])
             assert rec["metrics"]["backend_writes"] == writers * len(r["chunks"]), (c.name, r, rec["metrics"])
+
+
+BIG_SSM = {"sharding": "heads", "heads": 4, "items": 6, "tensors": [["float32", [64, 128]], ["float32", [64, 128]]]}
+
+
+@pytest.mark.timeout(400)
+def test_mla_with_a_replicated_pool_and_states_of_hundreds_of_kib():
+    """MLA (one latent head, every decode rank written by one prefill rank) with an aux pool;
+    then Mamba-like states of 128 KiB per item per layer on each writer, P>D and P<D."""
+    cases = []
+    for backend in ("nixl", "mooncake"):
+        rooms = random_rooms(41, 4, 16, base=7000)
+        cases.append(pooled(Case(Topo(2, 4, 1, mla=True), 16, "bfloat16", False, backend, rooms=rooms),
+                            {"aux": AUX}, {"aux": 1}))
+        for topo in (Topo(2, 1, 4), Topo(1, 2, 4)):
+            for staging in (True, False):
+                rooms = random_rooms(43, 3, 16, base=7100)
+                cases.append(pooled(Case(topo, 16, "bfloat16", staging, backend, rooms=rooms),
+                                    {"ssm": BIG_SSM}, {"ssm": 1}))
+    results, codes, logs, _ = run_cases(cases, timeout=240)
+    bad = problems(results, codes, logs)
+    assert not bad, "\n".join(bad[:10])
+
+
+@pytest.mark.timeout(300)
+def test_pool_items_that_disagree_fail_the_request_on_both_sides():
+    """The decode side names two aux rows, the prefill side one: that request fails on both sides
+    with the reason; the others succeed, bit-exact."""
+    cases = []
+    for backend in ("nixl", "mooncake"):
+        for staging in (True, False):
+            rooms = random_rooms(51, 4, 16, base=8000)
+            case = pooled(Case(Topo(2, 1, 4), 16, "bfloat16", staging, backend, rooms=rooms), {"aux": AUX},
+                          {"aux": 1})
+            rooms[1]["pool_items_decode"] = {"aux": 2}
+            cases.append(case)
+    results, codes, logs, _ = run_cases(cases, timeout=200)
+    assert not any(codes), codes
+    for c in cases:
+        bad_room = c.rooms[1]["room"]
+        for side in ("prefill", "decode"):
+            for res in results[c.name][side]:
+                assert not res.get("error"), res.get("traceback")
+                for rec in res["rooms"]:
+                    if rec["room"] == bad_room:
+                        assert rec["state"] == "Failed" and "pool items differ" in rec["failure"], (c.name, rec)
+                    else:
+                        assert rec["state"] == "Success" and rec["verified"] is (True if side == "decode" else None)
+
+
+@pytest.mark.timeout(300)
+def test_a_pool_registered_on_one_side_only_refuses_the_connection():
+    cases = []
+    for backend in ("nixl", "mooncake"):
+        rooms = random_rooms(61, 2, 16, base=9000)
+        case = Case(Topo(1, 1, 4), 16, "bfloat16", False, backend, rooms=rooms)
+        case.rank_extra = {("decode", 0): {"geometry": {**case.geometry(), "pools": {"aux": AUX}}}}
+        cases.append(case)
+    results, codes, logs, _ = run_cases(cases, timeout=120)
+    assert not any(codes), codes
+    for c in cases:
+        for side in ("prefill", "decode"):
+            for res in results[c.name][side]:
+                for rec in res["rooms"]:
+                    assert rec["state"] == "Failed", (c.name, side, rec)
+                    if side == "decode":
+                        assert "pool 'aux': registered at the peer only" in rec["failure"] or \
+                            "pool 'aux': registered here only" in rec["failure"], rec

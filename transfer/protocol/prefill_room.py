@@ -13,13 +13,9 @@ flight any more says so (Quiesced), so the decode side can reuse the memory.
 Control messages may be lost: it re-sends an AllocRequest until the grant arrives and its
 WriterDone until the decode side confirms; duplicates it receives are ignored.
 
-Room ids are reused, and a RoomFailed is re-sent until we quiesce, so a failure is bound to
-engine + session + use: one naming a session of an earlier use of the id (`stale`, see
-room_uses.py), another engine or session than the flow it would hit, is dropped (answered with
-Quiesced: nothing of this use went to it); one that arrived before this sender existed only
-counts once metadata of its own session binds it to this use, or once a lease passed since the
-sender was created with no metadata of another session from that decode rank (the decode room
-failed before its metadata went out: nothing else would ever bind it).
+Room ids are reused: a failure or metadata is bound to engine + session + use (see
+docs/protocol.md and room_uses.py); one of an earlier use of the id, or of another engine or
+session than the flow it would hit, is dropped.
 """
 
 from __future__ import annotations

@@ -1,0 +1,90 @@
+"""What a Mamba-like state pool costs beside the KV: the same requests, P4 -> D2 staged, with and
+without a heads-sharded pool of one slot per request and one tensor per layer, alternated in one
+run. Prints backend writes (the pool must add none) and per-request seconds against what the
+pool's bytes would cost at the write bandwidth measured without it.
+
+    .venv/bin/python examples/bench_pools.py --transports nixl,mooncake --tokens 2048 --requests 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench  # noqa: E402
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--transports", type=bench._transports, default="nixl,mooncake")
+    p.add_argument("--tokens", type=bench._int(1), default=2048)
+    p.add_argument("--requests", type=bench._int(2), default=6, help="timed requests per run (plus one warm-up)")
+    p.add_argument("--rounds", type=bench._int(1), default=2, help="alternated without/with pairs")
+    p.add_argument("--layers", type=bench._int(1), default=8)
+    p.add_argument("--heads", type=bench._int(1), default=8)
+    p.add_argument("--head-dim", type=bench._int(1), default=128)
+    p.add_argument("--page-size", type=bench._int(1), default=16)
+    p.add_argument("--ssm-heads", type=bench._int(1), default=8)
+    p.add_argument("--ssm-state", type=bench._ints, default="64,128", help="one head's state per layer (fp32)")
+    p.add_argument("--ring-mb", type=bench._mb, default=512)
+    p.add_argument("--buffer-mb", type=bench._mb, default=256)
+    p.add_argument("--json", default="docs/bench/pools.json")
+    a = p.parse_args(argv)
+    a.chunk_tokens = 0
+    return a
+
+
+def one_run(a, transport: str, with_pool: bool) -> dict:
+    pages = -(-a.tokens // a.page_size)
+    geom = bench.geometry(a, a.tokens, 1)
+    if with_pool:
+        geom["pools"] = {"ssm": {"sharding": "heads", "heads": a.ssm_heads, "items": a.requests + 2,
+                                 "tensors": [["float32", list(a.ssm_state)]] * a.layers}}
+    rooms = [{"room": i + 1, "pages": pages, "chunks": [pages], "drain_before": True,
+              **({"pool_items": {"ssm": 1}} if with_pool else {})} for i in range(a.requests + 1)]
+    recs = bench.run_kvstage(a, transport, 4, 2, True, rooms, geom, verify=[1])
+    secs = bench.per_request_seconds(recs[1:])
+    st = recs[0]["stats"]
+    return {"seconds": statistics.median(secs), "samples": secs,
+            "prefill_writes": sum(s.get("write_requests", 0) for s in st["prefill"]),
+            "decode_tags": sum(s.get("tags_received", 0) for s in st["decode"])}
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    kv_bytes = -(-a.tokens // a.page_size) * a.page_size * bench.token_bytes(a)
+    pool_bytes = a.layers * a.ssm_heads * math.prod(a.ssm_state) * 4
+    lines = [f"P4 -> D2 staged, {a.tokens} tokens ({kv_bytes / 2**20:.1f} MiB of KV), Mamba-like pool "
+             f"{pool_bytes / 2**20:.2f} MiB per request ({a.layers} layers x {a.ssm_heads} heads x "
+             f"{a.ssm_state} fp32), {a.requests} timed requests per run, {a.rounds} rounds alternated"]
+    out = {"args": {k: v for k, v in vars(a).items()}, "results": []}
+    for transport in a.transports:
+        runs = {False: [], True: []}
+        for _ in range(a.rounds):
+            for with_pool in (False, True):
+                runs[with_pool].append(one_run(a, transport, with_pool))
+        base = statistics.median(r["seconds"] for r in runs[False])
+        pooled = statistics.median(r["seconds"] for r in runs[True])
+        expected = base * (kv_bytes + pool_bytes) / kv_bytes   # the pool's bytes at the measured bandwidth
+        row = {"transport": transport, "without_s": base, "with_s": pooled, "expected_s": expected,
+               "writes_without": [r["prefill_writes"] for r in runs[False]],
+               "writes_with": [r["prefill_writes"] for r in runs[True]],
+               "tags_without": [r["decode_tags"] for r in runs[False]], "tags_with": [r["decode_tags"] for r in runs[True]]}
+        out["results"].append(row)
+        lines.append(f"{transport:9s} without pool {base * 1e3:8.2f} ms  with pool {pooled * 1e3:8.2f} ms  "
+                     f"ratio {pooled / base:5.3f}  (bytes alone: {expected / base:5.3f})  backend writes per run "
+                     f"without {row['writes_without']} with {row['writes_with']}")
+    print("\n".join(lines))
+    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.json).write_text(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
