@@ -38,6 +38,7 @@ class GatherJob:
     tag: bytes
     dst_kind: str | None = None   # the ring's memory kind as the decode rank advertised it
     pools: tuple = ()             # state pool copies appended after the KV bytes (the last piece)
+    on_posted: Callable[[], None] | None = None   # runs on the backend's owner once it took the write
 
 
 # submit(peer, src, dst, tag, on_done, dst_kind=kind) posts one write on the backend's thread
@@ -105,7 +106,7 @@ class TransferWorkers:
 
             src = np.array([[buf.addr, job.nbytes, buf.device]], dtype=np.uint64)
             dst = np.array([[job.dst_addr, job.nbytes, job.dst_device]], dtype=np.uint64)
-            self._submit(job.peer, src, dst, job.tag, on_done, dst_kind=job.dst_kind)
+            self._submit(job.peer, src, dst, job.tag, on_done, job.on_posted, dst_kind=job.dst_kind)
             done.wait()  # the buffer is ours again only when the backend is done with it
             ok, reason = result[0]
             self._report(job.op_id, job.room, ok, reason, gather_s)

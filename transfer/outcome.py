@@ -1,5 +1,5 @@
 """What a finished request reports to its caller: `TransferMetrics` (bytes, backend writes,
-path, time from init to the end) and, when it failed, a `KVTransferError` with its kind and
+path, time from init to the end, the timeline of its phases) and, when it failed, a `KVTransferError` with its kind and
 reason. Serving engines surface these as their transfer metrics and failure exceptions."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .poll import KVPoll
+from .timeline import Timeline
 
 
 class KVTransferError(RuntimeError):
@@ -25,13 +26,14 @@ class TransferMetrics:
     write per (writer, chunk) direct, per piece staged); `path`: "staged", "direct", or "none"
     (a rank with nothing to write, e.g. it holds only replicas nobody needs); `seconds`: from
     init() (or a sender created with its page count) until the request ended, None if it
-    ended before init()."""
+    ended before init(); `timeline`: when each phase happened on this rank (timeline.py)."""
 
     state: KVPoll
     nbytes: int
     backend_writes: int
     path: str
     seconds: float | None
+    timeline: Timeline = Timeline()
 
     @property
     def gb_per_s(self) -> float | None:

@@ -138,6 +138,9 @@ class Stats:
     def add(self, *a):
         pass
 
+    def count(self, *a):
+        pass
+
     def staged_write(self, *a):
         pass
 
@@ -155,7 +158,7 @@ def _queue(peer) -> WriteQueue:
         tags=SimpleNamespace(encode=lambda tag: tag), post=lambda ev: None,
         layout=SimpleNamespace(page_size=2, head_bytes=16),
         handler=SimpleNamespace(region_free=lambda inc, start, n: True))
-    book = SimpleNamespace(get={7: SimpleNamespace(state=None)}.get)
+    book = SimpleNamespace(get={7: SimpleNamespace(state=None)}.get, status={})
     workers = SimpleNamespace(jobs=[])
     workers.submit = workers.jobs.append
     return WriteQueue(ctx, {11: peer}, book, workers)

@@ -22,6 +22,17 @@ from .stats import Stats
 FINISHED_MEMORY = 65536    # finished rooms and lost peers remembered, for late messages about them
 
 
+class NoObserver:
+    """Where the control thread reports each backend write and each request as they end; the
+    metrics exporter (transfer/metrics) puts its histograms here. Without it: nothing."""
+
+    def write_done(self, path: str, seconds: float) -> None:
+        pass
+
+    def request_done(self, path: str, seconds: float | None, writes: int, descriptors: int | None) -> None:
+        pass
+
+
 @dataclass
 class EngineContext:
     cfg: EngineConfig
@@ -38,6 +49,7 @@ class EngineContext:
     summary: LayoutSummary
     geometry: CacheGeometry
     post: Callable[[Any], None]   # hand an event to the control thread (any thread may call it)
+    observer: Any = NoObserver()  # histograms of writes and requests (metrics on), else NoObserver
 
     @property
     def role(self) -> str:

@@ -18,7 +18,7 @@ from ..protocol.decode_room import DecodeRoom
 from ..protocol.messages import (AllocRequest, Heartbeat, Hello, HelloAck, MetaAck, Quiesced, RoomDone, RoomFailed,
                                  WatermarkUpdate, WriterDone)
 from ..protocol.routing import finished_room_answer
-from ..protocol.tags import Tag
+from ..protocol.tags import Tag, TagKind
 from .context import EngineContext
 from .decode_planning import EnginePlanner
 from .events import Abort, InitReceiver, LookupDone, NewReceiver, ScatterDone
@@ -65,7 +65,14 @@ class DecodeSide:
     def on_scattered(self, ev: ScatterDone, now: float) -> None:
         room = self.book.get(ev.room)
         if room is not None:
+            if ev.ok:
+                self._stamp(ev.room, "scattered", now)
             self.book.apply(room, room.on_scattered(ev.key, ev.ok, ev.reason, self.ctx.handler.allocator, now))
+
+    def _stamp(self, room_id: int, phase: str, now: float) -> None:
+        status = self.book.status.get(room_id)
+        if status is not None:
+            status.timeline.stamp(phase, now)
 
     # -- messages about rooms -------------------------------------------------------------------
     def on_MetaAck(self, peer: Peer, msg: MetaAck, now: float) -> None:
@@ -126,7 +133,11 @@ class DecodeSide:
         verdict, actions = room.on_tag(peer.key, tag, now)
         if verdict == "ok":
             self.ctx.stats.add("bytes_received", tag.nbytes)
+            self.ctx.stats.count("bytes_received_by_path", "staged" if tag.kind is TagKind.STAGED else "direct",
+                                 tag.nbytes)
             self.ctx.stats.add("tags_received")
+            self._stamp(tag.room, "first_write", now)
+            self._stamp(tag.room, "last_write", now)
         else:
             self.ctx.stats.count("dropped_tags", verdict)
         self.book.apply(room, actions)
@@ -199,6 +210,21 @@ class DecodeSide:
         return {"eager_rooms": len(self.eager_rooms), "room_engines": len(self.planner.engine_of),
                 "rooms_awaiting_plan": sum(len(v.rooms) for v in views),
                 "tombstones": sum(len(v.tombstones) for v in views)}
+
+    def quarantined_bytes(self) -> int:
+        """Memory that failed rooms keep until no write can land in it any more (their writers
+        quiesced, or a lost writer's quarantine passed): ring regions, and on the direct path the
+        destination cache pages."""
+        layout = self.ctx.layout
+        page = layout.page_bytes * layout.num_kv * layout.num_layers
+        held = 0
+        for room in self.book.rooms.values():
+            if room.state is not KVPoll.Failed or room.released or not room.meta_sent:
+                continue
+            held += sum(r.nbytes for a in room.allocs.values() for r in a.regions.values())
+            if not room.plan.staged:
+                held += int(room.dst_pages.size) * page
+        return held
 
     def stuck_rooms(self) -> list[int]:
         """Rooms an internal error may leave stuck: those waiting for the backend's notifications."""

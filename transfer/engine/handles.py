@@ -17,6 +17,7 @@ import torch
 from ..outcome import KVTransferError, TransferMetrics
 from ..poll import KVPoll
 from ..state_pools import check_pool_items
+from ..timeline import TimelineRecorder
 from .events import Abort, InitReceiver, InitSender, SendChunk
 
 Post = Callable[[Any], None]   # hands an event to the control thread; raises once the manager closed
@@ -36,6 +37,8 @@ class RoomStatus:
         self.ended_at: float | None = None
         self.cleared = False                # the caller dropped the handle (the manager's lock guards it)
         self.decode_prefix_pages: int | None = None   # prefill: pages the decode side holds (one int: atomic)
+        self.timeline = TimelineRecorder(time.monotonic())   # its own lock: caller and control thread stamp it
+        self.descriptors = 0                # prefill: backend descriptors posted (control thread only)
 
     def update(self, state: KVPoll, failure: str | None, kind: str | None, released: bool,
                totals: Any = None) -> None:
@@ -45,6 +48,7 @@ class RoomStatus:
             self.released = self.released or released
             if totals is not None and self.ended_at is None:
                 self.totals, self.ended_at = totals, time.monotonic()
+                self.timeline.stamp("ended", self.ended_at)
             if released or state in (KVPoll.Success, KVPoll.Failed):  # all that waiters wait for
                 self._changed.notify_all()
 
@@ -95,6 +99,12 @@ class _Handle:
         self.room, self._role, self._status = room, role, status
         self._started: float | None = None   # init() (or a sender created with its page count)
 
+    def _mark_init(self) -> float:
+        """Stamped before the event goes to the control thread, so every later phase comes after."""
+        now = time.monotonic()
+        self._status.timeline.stamp("init", now)
+        return now
+
     def poll(self) -> KVPoll:
         return self._status.snapshot()[0]
 
@@ -118,12 +128,14 @@ class _Handle:
         return self.poll()
 
     def metrics(self) -> TransferMetrics | None:
-        """What the request moved and how long it took; None until it ended (Success or Failed)."""
+        """What the request moved, how long it took and when each phase happened (its timeline);
+        None until it ended (Success or Failed)."""
         state, totals, ended = self._status.ended()
         if totals is None:
             return None
         seconds = ended - self._started if self._started is not None else None
-        return TransferMetrics(state, totals.nbytes, totals.writes, totals.path, seconds)
+        return TransferMetrics(state, totals.nbytes, totals.writes, totals.path, seconds,
+                               self._status.timeline.timeline())
 
     def failure_exception(self) -> KVTransferError | None:
         """The failure as an exception object (kind and reason), None unless poll() is Failed."""
@@ -164,7 +176,7 @@ class KVSender(_Handle):
         self.num_pages = num_pages
         self._pools = pools or {}
         if num_pages is not None:
-            self._started = time.monotonic()
+            self._started = self._mark_init()
         self._sent = 0
         self._last = False
 
@@ -183,9 +195,10 @@ class KVSender(_Handle):
         if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
             raise ValueError(f"room {self.room}: num_pages must be a positive int, got {num_pages!r}")
         items = check_pool_items(pool_items, self._pools, f"room {self.room} init()")
+        started = self._mark_init()
         self._post(InitSender(self.room, num_pages, items))
         self.num_pages = num_pages
-        self._started = time.monotonic()
+        self._started = started
 
     def send(self, pages: Any, last: bool | None = None) -> None:
         """The next pages of the request (indices into this rank's cache, in request order).
@@ -234,6 +247,7 @@ class KVReceiver(_Handle):
         if arr.size == 0:
             raise ValueError(f"room {self.room}: init() needs at least one page past the prefix")
         items = check_pool_items(pool_items, self._pools, f"room {self.room} init()")
+        started = self._mark_init()
         self._post(InitReceiver(self.room, arr, prefix_pages, items))
         self._inited = True
-        self._started = time.monotonic()
+        self._started = started

@@ -32,7 +32,7 @@ from ..layout import KVBuffers, KVLayout
 from ..protocol.messages import Goodbye
 from ..protocol.tags import TagCodec
 from .backend_owner import BackendOwner
-from .context import EngineContext, local_geometry
+from .context import EngineContext, NoObserver, local_geometry
 from .control_socket import ControlSocket
 from .decode_side import DecodeSide
 from .events import Call, EventQueue, Wake, WriteDone
@@ -55,12 +55,12 @@ class EngineLoop:
     def __init__(self, cfg: EngineConfig, layout: KVLayout, buffers: KVBuffers, me: int,
                  backend: BackendOwner, backend_name: str, identity: bytes, handler: StagingHandler,
                  stats: Stats, lookup: Callable[[str, float], list], codec, ctx: zmq.Context,
-                 control_faults: Any = None):
+                 control_faults: Any = None, observer: Any = None):
         self.events = EventQueue()
         sock = ControlSocket(ctx, cfg.host, cfg.ctrl_port, codec, control_faults)
         self.ctx = c = EngineContext(cfg, layout, buffers, me, backend, backend_name, identity, handler, stats, sock,
                                      TagCodec(cfg.token_bytes), layout.summary(buffers.pool_specs),
-                                     local_geometry(layout, buffers), self.post)
+                                     local_geometry(layout, buffers), self.post, observer or NoObserver())
         self.peers = PeerTable(c)
         self.book = RoomBook(c, self.peers)
         self.writes = WriteQueue(c, self.peers, self.book, None)
@@ -102,6 +102,7 @@ class EngineLoop:
         was released, apart from the bounded memory of finished rooms)."""
         return {"rooms": len(self.book.rooms), "statuses": len(self.book.status),
                 "write_deadlines": len(self.writes.deadlines), "staged_waiting": len(self.writes.staged),
+                "writes_posted": len(self.writes.posted_at),
                 **self.side.room_state()}
 
     def start(self) -> None:

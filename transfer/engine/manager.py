@@ -289,5 +289,6 @@ def _live_stats(loop: EngineLoop) -> dict:
                    ring_occupied_bytes=a.occupied_bytes, ring_high_water_bytes=min(a.high_water, a.size),
                    ring_backlog_high_water_bytes=a.high_water)
     out["staged_pieces_waiting"] = len(loop.writes.staged)
+    out["quarantined_bytes"] = loop.side.quarantined_bytes()
     out["room_state"] = loop.room_state()
     return out

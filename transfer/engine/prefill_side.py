@@ -262,6 +262,11 @@ class PrefillSide:
     def room_state(self) -> dict:
         return {"parked_rooms": len(self.pending)}
 
+    def quarantined_bytes(self) -> int:
+        """Source bytes of writes given up on that the backend may still read (Mooncake cannot
+        cancel a write inside its engine): their staging buffers and pages are not reused yet."""
+        return sum(int(w.src[:, 1].sum()) for w in self.ctx.backend.draining)
+
     def stuck_rooms(self) -> list[int]:
         """Rooms an internal error may leave stuck: those with writes in flight."""
         return [r for r, room in self.book.rooms.items() if room.ops]

@@ -21,6 +21,10 @@ from .peers import PeerTable
 
 log = logging.getLogger("kvstage")
 
+# the states a room enters once its metadata is through: a prefill room has every decode rank's
+# metadata (WaitingForInput or Transferring), a decode room sent its own (Transferring)
+METADATA_STATES = {"prefill": (KVPoll.WaitingForInput, KVPoll.Transferring), "decode": (KVPoll.Transferring,)}
+
 
 class RoomBook:
     """`side` (the role's half) gets scatter(), publish_watermark(), status_changed(),
@@ -74,17 +78,32 @@ class RoomBook:
         status = self.status.get(room.room)
         if status is not None:
             ended = a.state in (KVPoll.Success, KVPoll.Failed)
+            if a.state in METADATA_STATES[self.ctx.role]:
+                status.timeline.stamp("metadata", time.monotonic())
             status.update(a.state, a.failure, a.failure_kind, a.released, room.totals() if ended else None)
         if a.released:
             return
         stats = self.ctx.stats
         if a.state is KVPoll.Success:
             stats.count("rooms", "success")
+            if status is not None:
+                self._observe(status)
         elif a.state is KVPoll.Failed:
             stats.count("rooms", "failed")
             stats.count("failures_by_kind", a.failure_kind or "unknown")
+            stats.count("rooms_failed_by_kind", a.failure_kind or "unknown")
             log.warning("room %s failed (%s): %s", room.room, a.failure_kind, a.failure)
         self.side.status_changed(room, a)
+
+    def _observe(self, status: Any) -> None:
+        """A request succeeded: its duration from init() and what its writes took, for the
+        histograms (transfer/metrics)."""
+        _, totals, ended_at = status.ended()
+        if totals is None or totals.path == "none":
+            return
+        init = status.timeline.get("init")
+        self.ctx.observer.request_done(totals.path, None if init is None else ended_at - init, totals.writes,
+                                       status.descriptors if self.ctx.role == "prefill" else None)
 
     def _released(self, room: Any) -> None:
         self.rooms.pop(room.room, None)

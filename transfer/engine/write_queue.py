@@ -4,7 +4,8 @@ the deadlines of writes in flight.
 A direct write goes to the backend at once. A staged piece waits in the `StagedQueue` (pure,
 protocol/write_queue.py) until the decode rank's watermark frees its ring region, then a
 transfer worker gathers it and issues the one backend write. Completions come back as
-WriteDone events and go to the room's state machine.
+WriteDone events and go to the room's state machine. When the backend takes a write and when it
+completes are stamped on the request's timeline and timed for the per-write histogram.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class WriteQueue:
         self.ctx, self.peers, self.book, self.workers = ctx, peers, book, workers
         self.staged = StagedQueue()
         self.deadlines = WriteDeadlines()
+        self.posted_at: dict[int, float] = {}   # op id -> when the backend took it (until it completes)
 
     def post(self, op: WriteOp, now: float) -> None:
         ctx = self.ctx
@@ -45,11 +47,13 @@ class WriteQueue:
             src, dst = pool_descriptors(ctx.buffers.pools, peer.kv.pools, op.pools, src, dst)
         ctx.stats.add("write_requests")
         ctx.stats.add("descriptors", len(src))
+        self._count(op, len(src))
         self.deadlines.start(op.op_id, op.room, now + ctx.t.write)
         room, op_id = op.room, op.op_id
 
         def posted() -> None:  # on this thread; the deadline counts from the post, not the queue
-            self.deadlines.restart(op_id, time.monotonic() + ctx.t.write)
+            at = self._posted(op_id, room)
+            self.deadlines.restart(op_id, at + ctx.t.write)
 
         ctx.backend.submit_write(peer.backend_name, src, dst, ctx.tags.encode(op.tag),
                                  lambda ok, reason: ctx.post(WriteDone(op_id, room, ok, reason)), posted,
@@ -85,11 +89,13 @@ class WriteQueue:
             ctx.stats.add("staged_writes")
             ctx.stats.add("staged_bytes", op.nbytes)
             ctx.stats.staged_write((peer_inc, op.room, op.chunk, op.piece))
+            self._count(op, 1)
             self.deadlines.start(op.op_id, op.room, now + ctx.t.write)
             self.workers.submit(GatherJob(op.op_id, op.room, peer.backend_name, op.src_pages, op.src_heads,
                                           op.nbytes, peer.ring.addr + op.ring_start % peer.ring.size
                                           + op.writer_offset, peer.ring.device, ctx.tags.encode(op.tag),
-                                          dst_kind=peer.ring.mem_kind, pools=op.pools))
+                                          dst_kind=peer.ring.mem_kind, pools=op.pools,
+                                          on_posted=lambda op_id=op.op_id, room=op.room: self._posted(op_id, room)))
 
     def cancel_room(self, room_id: int, now: float) -> None:
         for op in self.staged.cancel_room(room_id):
@@ -101,13 +107,39 @@ class WriteQueue:
 
     def on_write_done(self, ev: WriteDone, now: float) -> None:
         self.deadlines.done(ev.op_id)
+        posted_at = self.posted_at.pop(ev.op_id, None)
         room = self.book.get(ev.room)
         op = room.ops.get(ev.op_id) if room is not None else None
         if ev.ok and op is not None:
+            path = "staged" if op.staged else "direct"
             self.ctx.stats.add("bytes_sent", op.nbytes)
+            self.ctx.stats.count("bytes_sent_by_path", path, op.nbytes)
+            if posted_at is not None:
+                self.ctx.observer.write_done(path, now - posted_at)
+            status = self.book.status.get(ev.room)
+            if status is not None:
+                status.timeline.stamp("last_write", now)
         elif not ev.ok:
             self.ctx.stats.count("write_failures", "failed")
         self._finish(ev.room, ev.op_id, ev.ok, ev.reason, now)
+
+    def _count(self, op: WriteOp, descriptors: int) -> None:
+        """One backend write of `op` with `descriptors` ranges, by path and for its request."""
+        path = "staged" if op.staged else "direct"
+        self.ctx.stats.count("write_requests_by_path", path)
+        self.ctx.stats.count("descriptors_by_path", path, descriptors)
+        status = self.book.status.get(op.room)
+        if status is not None:
+            status.descriptors += descriptors
+
+    def _posted(self, op_id: int, room: int) -> float:
+        """On the control thread (the backend's owner), when the backend took the write."""
+        now = time.monotonic()
+        self.posted_at[op_id] = now
+        status = self.book.status.get(room)
+        if status is not None:
+            status.timeline.stamp("first_write", now)
+        return now
 
     def worker_report(self, op_id: int, room: int, ok: bool, reason: str | None, gather_s: float) -> None:
         """From a transfer worker thread."""
