@@ -19,6 +19,7 @@ WORKERS_ENV = "KVSTAGE_STAGING_WORKERS"
 BUFFER_MB_ENV = "KVSTAGE_STAGING_BUFFER_MB"
 PIECE_MB_ENV = "KVSTAGE_STAGING_PIECE_MB"
 TOKEN_ENV = "KVSTAGE_AUTH_TOKEN"
+METRICS_PORT_ENV = "KVSTAGE_METRICS_PORT"
 
 MAX_WORKERS = 64
 MAX_MB = 1 << 20  # 1 TiB: any larger staging size is a typo
@@ -111,6 +112,8 @@ class EngineConfig:
     faults: dict | None = None               # tests and drills only: transfer.backends.faults.FaultPlan
     dp_rank: int = 0                         # prefill: data-parallel rank of this engine in its serving
                                              # instance (decode ranks may name it by rendezvous server + DP rank)
+    metrics_port: int | None = None          # Prometheus /metrics on host:port (0: any free port); None: env
+                                             # KVSTAGE_METRICS_PORT, unset: no metrics (needs prometheus-client)
 
     def resolved(self) -> "EngineConfig":
         """A copy with every None filled from the environment, validated: a bad value raises
@@ -148,6 +151,8 @@ class EngineConfig:
             staging_piece_mb=self._mb("staging_piece_mb", PIECE_MB_ENV, 32.0),
             backend_options=options,
             timeouts=timeouts,
+            metrics_port=(from_env(METRICS_PORT_ENV, None, int, check.port) if self.metrics_port is None
+                          else check.port("metrics_port", self.metrics_port)),
         )
 
     def _count(self, option: str, env: str, default: int) -> int:

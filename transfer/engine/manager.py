@@ -22,7 +22,7 @@ from ...staging.handler import StagingHandler
 from ..backends import create_backend
 from ..backends.base import MemRegion
 from ..backends.faults import ControlFaults, FaultPlan, FaultyBackend
-from ..config import EngineConfig
+from ..config import METRICS_PORT_ENV, EngineConfig
 from ..layout import KVBuffers, KVLayout
 from ..protocol.messages import peer_codec
 from ..protocol.tags import TagCodec
@@ -53,11 +53,25 @@ class KVManager:
         self._closed = False
         cfg = self.config
         self._stack = contextlib.ExitStack()
+        self._metrics: Any = None
+        self.metrics_port: int | None = None   # where /metrics is served (the bound port when 0 was asked)
         try:
+            self._start_metrics(cfg, "metrics_port" if config.metrics_port is not None else METRICS_PORT_ENV)
             self._start(cfg)
         except BaseException:
             self._stack.close()
             raise
+
+    def _start_metrics(self, cfg: EngineConfig, option: str) -> None:
+        """First of all, so a port in use or a missing prometheus-client fails at once."""
+        if cfg.metrics_port is None:
+            return
+        from ..metrics import MetricsExporter   # prometheus-client only when metrics are asked for
+        labels = {"role": cfg.role, "engine": cfg.engine_id, "rank": str(self.layout.tp_rank),
+                  "backend": cfg.backend}
+        self._metrics = MetricsExporter(cfg.host, cfg.metrics_port, labels, self.stats, option)
+        self._stack.callback(self._metrics.close)
+        self.metrics_port = self._metrics.port
 
     def _start(self, cfg: EngineConfig) -> None:
         stack = self._stack
@@ -93,7 +107,8 @@ class KVManager:
         self._loop = EngineLoop(cfg, self.layout, self.buffers, self.incarnation, self._backend, backend_name,
                                 identity, self._handler, self._stats,
                                 self._sources.lookup,
-                                peer_codec(cfg.token_bytes), self._ctx, ControlFaults(plan) if plan else None)
+                                peer_codec(cfg.token_bytes), self._ctx, ControlFaults(plan) if plan else None,
+                                observer=self._metrics.observer if self._metrics is not None else None)
         stack.callback(self._stop_loop)
         self._loop.start()
         self.endpoint = self._loop.endpoint
@@ -234,10 +249,11 @@ class KVManager:
         return out
 
     def _on_loop(self, fn, timeout: float) -> Any:
-        if self._closed or not self._loop.thread.is_alive():
+        loop = getattr(self, "_loop", None)   # a scrape may come while the manager is still starting
+        if self._closed or loop is None or not loop.thread.is_alive():
             return None
         fut: Future = Future()
-        self._loop.post(Call(fn, fut.set_result))
+        loop.post(Call(fn, fut.set_result))
         try:
             return fut.result(timeout)
         except Exception:  # noqa: BLE001 - stats are best effort while busy
@@ -249,6 +265,11 @@ class KVManager:
         if self._closed:
             return
         self._closed = True
+        if self._metrics is not None:   # first: no scrape sees the rank half torn down
+            try:
+                self._metrics.close()
+            except Exception:  # noqa: BLE001 - close() goes on
+                log.exception("closing kvstage %s: stopping the metrics server raised", self.name)
         with contextlib.suppress(Exception):
             self._bootstrap.deregister(self.config.engine_id, self.layout.tp_rank, self.incarnation)
         try:
