@@ -28,9 +28,9 @@ class Metric:
 
 
 STATS_METRICS = (
-    Metric("kvstage_bytes_sent_total", "counter", "KV bytes of backend writes completed (prefill)",
+    Metric("kvstage_sent_bytes_total", "counter", "KV bytes of backend writes completed (prefill)",
            "bytes_sent_by_path", "path", ("prefill",), PATHS),
-    Metric("kvstage_bytes_received_total", "counter", "KV bytes of writes landed and accepted (decode)",
+    Metric("kvstage_received_bytes_total", "counter", "KV bytes of writes landed and accepted (decode)",
            "bytes_received_by_path", "path", ("decode",), PATHS),
     Metric("kvstage_backend_writes_total", "counter", "backend write requests posted (prefill)",
            "write_requests_by_path", "path", ("prefill",), PATHS),
