@@ -23,6 +23,11 @@ prefix_pages_by_rank ({"rank": k}: the same, per decode rank), source (decode: w
 comes from, {"bootstrap": "host:port", "dp_rank": r} or {"engine": id}; default: peer_engine),
 pattern_key (both: the bytes' key instead of the room id, so two uses of one room id differ).
 Per manager, dp_rank is the prefill engine's data-parallel rank (EngineConfig.dp_rank).
+Per manager, metrics_port serves Prometheus metrics (EngineConfig.metrics_port; 0: any free port)
+and metrics_file names a file the driver writes {"port": ...} to once the manager is up;
+final_stats names a file it writes {"stats": ..., "rooms": [...]} to once every room ended, and
+hold_open_until a file it then waits for (up to run_timeout_s) before closing the manager, so a
+test can scrape the finished rank.
 Per manager, from_pointers hands the cache to kvstage as raw addresses (KVBuffers.from_pointers),
 clear_handles drops every handle with clear() once its room ended, live_stats names
 a file the driver rewrites with the manager's stats about three times a second (a test waits on it), and
@@ -32,6 +37,7 @@ successes (decode: verified bit-exact)}.
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 import json
 import logging
@@ -84,7 +90,8 @@ def build(spec: dict, bootstrap: str) -> tuple[KVManager, KVLayout, KVBuffers, K
                        staging_piece_mb=spec.get("piece_mb"),
                        timeouts=Timeouts.from_env(**spec.get("timeouts", {})),
                        backend_options=spec.get("backend_options", {}), auth_token=spec.get("token"),
-                       faults=spec.get("faults"), dp_rank=spec.get("dp_rank", 0))
+                       faults=spec.get("faults"), dp_rank=spec.get("dp_rank", 0),
+                       metrics_port=spec.get("metrics_port"))
     mgr = KVManager(cfg, layout, buffers)
     return mgr, layout, buffers, KVPattern(layout, seed=spec.get("pattern_seed", 7))
 
@@ -123,6 +130,8 @@ def drive(spec: dict, bootstrap: str, result: dict) -> None:
     mgr, layout, buffers, pattern = build(spec, bootstrap)
     result["endpoint"] = mgr.endpoint
     result["incarnation"] = mgr.incarnation
+    if spec.get("metrics_file"):
+        _write_json(spec["metrics_file"], {"port": mgr.metrics_port})
     if spec.get("bench", {}).get("mode") == "latency":
         return drive_latency(mgr, spec, buffers, pattern, result)
     rng = random.Random(zlib.crc32(repr((spec.get("seed", 0), spec["engine"], spec["rank"])).encode()))
@@ -180,10 +189,21 @@ def drive(spec: dict, bootstrap: str, result: dict) -> None:
                     + str(st["handle"].failure), "kind": "driver_timeout", "latency_s": None, "verified": False})
     result["wall_s"] = time.perf_counter() - t_start
     result["stats"] = mgr.stats()
+    if spec.get("final_stats"):
+        _write_json(spec["final_stats"], {"stats": result["stats"], "rooms": out})
+    hold_open(spec)
     barrier(spec.get("barrier"), f"{spec['engine']}-{spec['rank']}")
     if spec.get("linger_s"):
         time.sleep(spec["linger_s"])
     mgr.close()
+
+
+def hold_open(spec: dict) -> None:
+    """Keep the manager (and its metrics endpoint) up until the hold_open_until file exists."""
+    path = spec.get("hold_open_until")
+    deadline = time.monotonic() + spec.get("run_timeout_s", 120)
+    while path and not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def r_window(r: dict, default: int) -> int:
@@ -428,7 +448,8 @@ def finish(spec: dict, st: dict, pattern: KVPattern, tensors) -> dict:
     m = h.metrics() if hasattr(h, "metrics") else None
     if m is not None:
         rec["metrics"] = {"state": m.state.name, "nbytes": m.nbytes, "backend_writes": m.backend_writes,
-                          "path": m.path, "seconds": m.seconds, "gb_per_s": m.gb_per_s}
+                          "path": m.path, "seconds": m.seconds, "gb_per_s": m.gb_per_s,
+                          "timeline": dataclasses.asdict(m.timeline)}
     exc = h.failure_exception() if hasattr(h, "failure_exception") else None
     if exc is not None:
         rec["exception"] = {"type": type(exc).__name__, "kind": exc.kind, "reason": exc.reason}
