@@ -158,7 +158,7 @@ def _check_during(case: Case, ports: dict, procs) -> None:
                 got = scrape(port)
                 seen = (value(got, name, path=path), value(got, "kvstage_requests_total", outcome="success"),
                         value(got, "kvstage_requests_total", outcome="failed"))
-                return seen == (want, len(ROOMS), 1), got
+                return (True, got) if seen == (want, len(ROOMS), 1) else (False, f"(bytes, successes, failures) {seen}")
             got = wait_for(f"{case.name} {role}{rank}: {want} bytes and {len(ROOMS)} successes while a request "
                            f"is held", check, procs)
             assert value(got, "kvstage_requests_active") >= 1, "the held request is in flight"
