@@ -115,8 +115,10 @@ def test_close_stops_serving_and_frees_the_port_and_several_exporters_share_a_pr
     a.close()                                                   # idempotent
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", port))                             # the port is free again
+    with socket.socket() as s:   # free for a new listener (REUSEADDR: the scrape's TIME_WAIT, not a listener)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen()
     assert scrape(b.port)
     b.close()
 
