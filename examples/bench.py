@@ -1,6 +1,7 @@
 """kvstage against its alternatives, measured side by side in one run on the same geometry.
 
     make bench                                   # everything, ~30 min on 2 cores
+    .venv/bin/python examples/bench.py --sections phases --transports nixl   # only the phase breakdown
     .venv/bin/python examples/bench.py --quick   # a smaller sweep
     .venv/bin/python examples/bench.py --transports nixl --lengths 2048 --json out.json
 
@@ -11,7 +12,9 @@ For each transport (NIXL with UCX's default transports, NIXL with UCX_TLS=tcp, M
   direct   kvstage, the same requests with staging off: one descriptor per (layer, K/V, token)
   equal    kvstage, equal TP (1 -> 1), pages contiguous on both sides, direct path
 over request lengths (1 request in flight), over rooms in flight (short requests), and the
-latency of a one-page request (P1 -> D1, init() on the decode side until Success).
+latency of a one-page request (P1 -> D1, init() on the decode side until Success), and where the
+time of a one-page and a 2048-token request goes, phase by phase, staged and direct
+(examples/bench_phases.py, from each request's timeline).
 
 Every kvstage configuration runs real processes (bootstrap server, prefill and decode ranks).
 Transfer time of a request: from the prefill's first send() (its data and the decode side's
@@ -35,11 +38,13 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench_backend  # noqa: E402
+import bench_phases  # noqa: E402
 from cluster import Cluster  # noqa: E402
 
 TRANSPORTS = {"nixl": ("nixl", {}), "nixl-tcp": ("nixl", {"UCX_TLS": "tcp"}), "mooncake": ("mooncake", {})}
 MAX_DIRECT_DESCRIPTORS = {"nixl": 4_200_000, "nixl-tcp": 2_200_000, "mooncake": 270_000}
 MiB = 1 << 20
+SECTIONS = ("raw", "lengths", "inflight", "latency", "phases")
 
 
 def _int(lo: int):
@@ -76,6 +81,14 @@ def _mb(text: str) -> float:
     return val
 
 
+def _sections(text: str) -> list[str]:
+    names = text.split(",")
+    bad = [n for n in names if n not in SECTIONS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, bad))}; choose from {', '.join(SECTIONS)}")
+    return names
+
+
 def _transports(text: str) -> list[str]:
     names = text.split(",")
     bad = [n for n in names if n not in TRANSPORTS]
@@ -99,12 +112,18 @@ def parse(argv=None):
     p.add_argument("--chunk-tokens", type=_int(0), default=0, help="0: a request is one chunk")
     p.add_argument("--ring-mb", type=_mb, default=512)
     p.add_argument("--buffer-mb", type=_mb, default=256)
+    p.add_argument("--sections", type=_sections, default=",".join(SECTIONS), help="what to measure")
+    p.add_argument("--phase-lengths", type=_ints, default=None,
+                   help="tokens of the requests whose phases are plotted (default: one page, 2048)")
+    p.add_argument("--phase-requests", type=_int(1), default=5, help="timed requests per phase length")
     p.add_argument("--quick", action="store_true", help="lengths 256..4096, fewer requests")
     p.add_argument("--json", default="docs/bench/results.json")
     p.add_argument("--plots", default="docs/bench")
     a = p.parse_args(argv)
     if a.quick:
         a.lengths, a.inflight, a.latency_requests = [256, 1024, 2048, 4096], [1, 16], 100
+    if a.phase_lengths is None:
+        a.phase_lengths = [a.page_size, 2048]
     return a
 
 
@@ -153,6 +172,15 @@ def raw_one_write(transport: str, sizes: list[int], rounds: int = 3) -> dict[int
 def run_kvstage(a, transport: str, P: int, D: int, staged: bool, rooms: list[dict], geom: dict,
                 contiguous: bool = False, timeout: float = 900, verify: list | None = None) -> list[dict]:
     """One cluster; returns the prefill rank 0 room records (t_send, end, pages) plus stats."""
+    pre, dec = run_ranks(a, transport, P, D, staged, rooms, geom, contiguous, timeout, verify)
+    stats = {"prefill": [r["stats"] for r in pre], "decode": [r["stats"] for r in dec]}
+    return [{**r, "stats": stats} for r in pre[0]["rooms"]]
+
+
+def run_ranks(a, transport: str, P: int, D: int, staged: bool, rooms: list[dict], geom: dict,
+              contiguous: bool = False, timeout: float = 900, verify: list | None = None) -> tuple[list, list]:
+    """One cluster; every prefill and every decode rank's result (room records, stats), each
+    room checked to have succeeded."""
     kind, env = TRANSPORTS[transport]
     bench = {"mode": "throughput", "verify": verify if verify is not None else []}
     common = {"backend": kind, "staging": staged, "geometry": geom, "rooms": rooms, "ring_mb": a.ring_mb,
@@ -177,9 +205,7 @@ def run_kvstage(a, transport: str, P: int, D: int, staged: bool, rooms: list[dic
                 bad.append(f"{p.log_path} exited {p.proc.returncode}: {p.log(800)}")
         if bad:
             raise RuntimeError("benchmark run failed:\n" + "\n".join(bad[:10]))
-        res = pre[0].result()[0]
-        stats = {"prefill": [p.result()[0]["stats"] for p in pre], "decode": [d.result()[0]["stats"] for d in dec]}
-        return [{**r, "stats": stats} for r in res["rooms"]]
+        return [p.result()[0] for p in pre], [d.result()[0] for d in dec]
 
 
 def per_request_seconds(recs: list[dict]) -> list[float]:
@@ -282,19 +308,10 @@ def report(a, res: dict) -> list[str]:
       f"{token_bytes(a) // 1024} KiB of KV per token; heterogeneous TP = prefill TP 1 -> decode TP 2")
     for tr in a.transports:
         w("")
-        w(f"== {tr}: effective KV throughput, one request in flight (GB/s; x = ratio)")
-        w(f"{'tokens':>7} {'MiB':>7} {'raw 1-write':>12} {'staged':>8} {'direct':>8} {'equal TP':>9} "
-          f"{'staged/direct':>14} {'staged/raw':>11} {'equal/raw':>10}")
-        rows = {(r["path"], r["tokens"]): r for r in res["lengths"] if r["transport"] == tr}
-        for t in a.lengths:
-            nbytes = -(-t // a.page_size) * a.page_size * token_bytes(a)
-            raw = res["raw"][tr].get(str(nbytes))
-            g = lambda p: rows.get((p, t), {}).get("gbps")  # noqa: E731
-            rawg = nbytes / raw / 1e9 if raw else None
-            f = lambda x: f"{x:8.2f}" if x else "       -"  # noqa: E731
-            ratio = lambda x, y: f"{x / y:9.1f}x" if x and y else "        -"  # noqa: E731
-            w(f"{t:7d} {nbytes / MiB:7.0f} {f(rawg):>12} {f(g('staged'))} {f(g('direct'))} {f(g('equal')):>9} "
-              f"{ratio(g('staged'), g('direct')):>14} {ratio(g('staged'), rawg):>11} {ratio(g('equal'), rawg):>10}")
+        if not any(r["transport"] == tr for r in res["lengths"]):
+            w(f"== {tr}: no length sweep in this run")
+        else:
+            length_table(a, res, tr, w)
         conc = [r for r in res["inflight"] if r["transport"] == tr]
         if conc:
             w(f"-- {tr}: {a.inflight_tokens}-token requests, rooms in flight (aggregate GB/s, p50 per request)")
@@ -310,12 +327,29 @@ def report(a, res: dict) -> list[str]:
                 w(f"-- {key}: one-page request P1->D1 ({lat['bytes'] // 1024} KiB in {lat['ranges']} ranges), init -> "
                   f"Success over {lat['requests']}: p50 {lat['p50_ms']:.2f} ms, p90 {lat['p90_ms']:.2f} ms, "
                   f"p99 {lat['p99_ms']:.2f} ms")
+    lines += bench_phases.report(res["phases"])
     w("")
     w("targets (2-core machine): hetero 2048+ tokens staged >= 5x direct (NIXL), >= 10x (Mooncake); "
       "staged >= 0.35x raw; equal TP direct >= 0.8x raw; one page p50 < 1 ms, p99 < 5 ms")
     for line in targets(a, res):
         w("  " + line)
     return lines
+
+
+def length_table(a, res: dict, tr: str, w) -> None:
+    w(f"== {tr}: effective KV throughput, one request in flight (GB/s; x = ratio)")
+    w(f"{'tokens':>7} {'MiB':>7} {'raw 1-write':>12} {'staged':>8} {'direct':>8} {'equal TP':>9} "
+      f"{'staged/direct':>14} {'staged/raw':>11} {'equal/raw':>10}")
+    rows = {(r["path"], r["tokens"]): r for r in res["lengths"] if r["transport"] == tr}
+    for t in a.lengths:
+        nbytes = -(-t // a.page_size) * a.page_size * token_bytes(a)
+        raw = res["raw"].get(tr, {}).get(str(nbytes))
+        g = lambda p: rows.get((p, t), {}).get("gbps")  # noqa: E731
+        rawg = nbytes / raw / 1e9 if raw else None
+        f = lambda x: f"{x:8.2f}" if x else "       -"  # noqa: E731
+        ratio = lambda x, y: f"{x / y:9.1f}x" if x and y else "        -"  # noqa: E731
+        w(f"{t:7d} {nbytes / MiB:7.0f} {f(rawg):>12} {f(g('staged'))} {f(g('direct'))} {f(g('equal')):>9} "
+          f"{ratio(g('staged'), g('direct')):>14} {ratio(g('staged'), rawg):>11} {ratio(g('equal'), rawg):>10}")
 
 
 def targets(a, res: dict) -> list[str]:
@@ -330,7 +364,7 @@ def targets(a, res: dict) -> list[str]:
                 out.append(f"{'PASS' if x >= need else 'MISS'} {tr} {t} tokens staged/direct {x:.1f}x (>= {need}x)")
         for t in a.lengths:
             nbytes = -(-t // a.page_size) * a.page_size * token_bytes(a)
-            raw = res["raw"][tr].get(str(nbytes))
+            raw = res["raw"].get(tr, {}).get(str(nbytes))
             if not raw:
                 continue
             rawg = nbytes / raw / 1e9
@@ -366,6 +400,10 @@ def plots(a, res: dict) -> list[str]:
         path = os.path.join(a.plots, name)
         fig.savefig(path, dpi=110)
         made.append(path)
+    if res["phases"]:
+        made += bench_phases.plot(res["phases"], a.plots, plt)
+    if not (res["lengths"] or res["raw"]):
+        return made
     fig, axes = plt.subplots(1, len(a.transports), figsize=(5 * len(a.transports), 4), squeeze=False)
     for ax, tr in zip(axes[0], a.transports):
         for path, style in (("staged", "o-"), ("direct", "s-"), ("equal", "^--")):
@@ -373,7 +411,7 @@ def plots(a, res: dict) -> list[str]:
                           key=lambda r: r["tokens"])
             if rows:
                 ax.plot([r["tokens"] for r in rows], [r["gbps"] for r in rows], style, label=path)
-        raw = sorted((int(k), v) for k, v in res["raw"][tr].items())
+        raw = sorted((int(k), v) for k, v in res["raw"].get(tr, {}).items())
         if raw:
             ax.plot([n // token_bytes(a) for n, _ in raw], [n / s / 1e9 for n, s in raw], "k:", label="raw 1-write")
         ax.set_xscale("log", base=2)
@@ -412,21 +450,26 @@ def main(argv=None) -> int:
     a = parse(argv)
     res = {"when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "machine": f"{platform.node()}, {os.cpu_count()} CPUs, loopback", "command": " ".join(sys.argv),
-           "args": vars(a), "raw": {}, "lengths": [], "inflight": [], "latency": {}}
+           "args": vars(a), "raw": {}, "lengths": [], "inflight": [], "latency": {}, "phases": []}
     t0 = time.time()
     for tr in a.transports:
-        sizes = sorted({-(-t // a.page_size) * a.page_size * token_bytes(a) for t in a.lengths})
-        print(f"[{time.time() - t0:6.0f}s] {tr}: raw one-write", flush=True)
-        res["raw"][tr] = {str(k): v for k, v in raw_one_write(tr, sizes).items()}
-        for path in ("staged", "direct", "equal"):
+        if "raw" in a.sections:
+            sizes = sorted({-(-t // a.page_size) * a.page_size * token_bytes(a) for t in a.lengths})
+            print(f"[{time.time() - t0:6.0f}s] {tr}: raw one-write", flush=True)
+            res["raw"][tr] = {str(k): v for k, v in raw_one_write(tr, sizes).items()}
+        for path in ("staged", "direct", "equal") if "lengths" in a.sections else ():
             print(f"[{time.time() - t0:6.0f}s] {tr}: {path}, lengths", flush=True)
             res["lengths"] += length_sweep(a, tr, path)
-        for path in ("staged", "direct"):
+        for path in ("staged", "direct") if "inflight" in a.sections else ():
             print(f"[{time.time() - t0:6.0f}s] {tr}: {path}, rooms in flight", flush=True)
             res["inflight"] += inflight_sweep(a, tr, path)
-        print(f"[{time.time() - t0:6.0f}s] {tr}: one-page latency", flush=True)
-        res["latency"][tr] = latency(a, tr)
-        res["latency"][f"{tr}/1-layer"] = latency(a, tr, layers=1)
+        if "latency" in a.sections:
+            print(f"[{time.time() - t0:6.0f}s] {tr}: one-page latency", flush=True)
+            res["latency"][tr] = latency(a, tr)
+            res["latency"][f"{tr}/1-layer"] = latency(a, tr, layers=1)
+        for path in bench_phases.PATHS if "phases" in a.sections else ():
+            print(f"[{time.time() - t0:6.0f}s] {tr}: {path}, phases of one request", flush=True)
+            res["phases"] += bench_phases.run(a, tr, path, run_ranks)
     res["wall_s"] = time.time() - t0
     lines = report(a, res)
     print("\n".join(lines))
