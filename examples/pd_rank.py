@@ -91,7 +91,7 @@ def build(spec: dict, bootstrap: str) -> tuple[KVManager, KVLayout, KVBuffers, K
                        timeouts=Timeouts.from_env(**spec.get("timeouts", {})),
                        backend_options=spec.get("backend_options", {}), auth_token=spec.get("token"),
                        faults=spec.get("faults"), dp_rank=spec.get("dp_rank", 0),
-                       metrics_port=spec.get("metrics_port"))
+                       metrics_port=spec.get("metrics_port"), verify=spec.get("verify"))
     mgr = KVManager(cfg, layout, buffers)
     return mgr, layout, buffers, KVPattern(layout, seed=spec.get("pattern_seed", 7))
 

@@ -16,15 +16,17 @@ def _rows(pools: dict, copy, items) -> tuple[torch.Tensor, torch.Tensor]:
     return t, torch.as_tensor(items, dtype=torch.int64).to(t.device)
 
 
-def gather_pools(pools: dict, copies: Sequence, out: torch.Tensor, offset: int) -> int:
+def gather_pools(pools: dict, copies: Sequence, out: torch.Tensor, offset: int, dst: bool = False) -> int:
     """Append each copy's source items (their head range, for a heads pool) to the uint8 `out`
-    at byte `offset`, in order; returns the bytes written."""
+    at byte `offset`, in order; returns the bytes written. `dst`: the destination side's items
+    instead (the decode rank digesting what landed)."""
     pos = offset
     for c in copies:
-        t, idx = _rows(pools, c, c.src_items)
+        t, idx = _rows(pools, c, c.dst_items if dst else c.src_items)
         rows = t.index_select(0, idx)
-        if c.segment.src_heads is not None:
-            rows = rows[:, c.segment.src_heads[0]:c.segment.src_heads[1]]
+        heads = c.segment.dst_heads if dst else c.segment.src_heads
+        if heads is not None:
+            rows = rows[:, heads[0]:heads[1]]
         data = rows.contiguous().view(-1).view(torch.uint8)
         if data.numel() != c.nbytes:
             raise ValueError(f"pool {c.segment.pool!r} tensor {c.segment.tensor}: {data.numel()} bytes, expected "

@@ -15,6 +15,7 @@ import torch
 
 from .gather_scatter import Scatterer
 from .kernels import scatterer_class
+from .digests import digest
 from .pool_copies import scatter_pools
 
 log = logging.getLogger(__name__)
@@ -27,10 +28,11 @@ class ScatterJob:
     pages: np.ndarray                                # destination cache pages of the piece
     parts: tuple[tuple[torch.Tensor, tuple[int, int]], ...]  # (ring view of a writer's part, dst heads)
     pools: tuple = ()                                # the last piece: (ring view of a pool block, PoolCopy)
+    checks: tuple = ()                               # verify: (ring view of a writer's part, its digest, writer)
 
 
-# report(room, key, ok, reason, seconds)
-Report = Callable[[int, tuple[int, int], bool, str | None, float], None]
+# report(room, key, ok, reason, seconds, failure kind)
+Report = Callable[..., None]
 
 
 class ScatterWorker:
@@ -61,9 +63,14 @@ class ScatterWorker:
                 return
             room, key = job.room, job.key
             t0 = time.perf_counter()
-            ok, reason = self._scatter(scatterer, job, device)
+            bad = next((f"writer {w}: the landed bytes' digest {digest(view):#018x} is not the sent "
+                        f"{want:#018x}" for view, want, w in job.checks if digest(view) != want), None)
+            if bad is not None:  # never scattered: the cache keeps what it had
+                ok, reason, kind = False, f"corrupt data in chunk {key[0]} piece {key[1]}: {bad}", "corrupt"
+            else:
+                (ok, reason), kind = self._scatter(scatterer, job, device), "scatter"
             del job  # drop the ring views before the region is handed back
-            self._report(room, key, ok, reason, time.perf_counter() - t0)
+            self._report(room, key, ok, reason, time.perf_counter() - t0, kind)
 
     def _scatter(self, scatterer: Scatterer, job: ScatterJob, device: torch.device) -> tuple[bool, str | None]:
         try:

@@ -20,6 +20,7 @@ import torch
 
 from .buffers import StagingBuffer
 from .kernels import gatherer_class
+from .digests import digest
 from .pool_copies import gather_pools
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ class GatherJob:
     dst_kind: str | None = None   # the ring's memory kind as the decode rank advertised it
     pools: tuple = ()             # state pool copies appended after the KV bytes (the last piece)
     on_posted: Callable[[], None] | None = None   # runs on the backend's owner once it took the write
+    seal: Callable[[int], bytes] | None = None   # verify: the tag carrying the gathered bytes' digest
 
 
 # submit(peer, src, dst, tag, on_done, dst_kind=kind) posts one write on the backend's thread
@@ -92,6 +94,7 @@ class TransferWorkers:
                     torch.cuda.current_stream(device).synchronize()
                 if n != job.nbytes:
                     raise ValueError(f"gathered {n} bytes, the piece has {job.nbytes}")
+                tag = job.tag if job.seal is None else job.seal(digest(buf.tensor[:n]))
             except Exception as exc:  # noqa: BLE001 - a bad piece fails its room, not the worker
                 log.exception("gather for room %s failed", job.room)
                 self._report(job.op_id, job.room, False, f"gather failed: {exc}", time.perf_counter() - t0)
@@ -106,7 +109,7 @@ class TransferWorkers:
 
             src = np.array([[buf.addr, job.nbytes, buf.device]], dtype=np.uint64)
             dst = np.array([[job.dst_addr, job.nbytes, job.dst_device]], dtype=np.uint64)
-            self._submit(job.peer, src, dst, job.tag, on_done, job.on_posted, dst_kind=job.dst_kind)
+            self._submit(job.peer, src, dst, tag, on_done, job.on_posted, dst_kind=job.dst_kind)
             done.wait()  # the buffer is ours again only when the backend is done with it
             ok, reason = result[0]
             self._report(job.op_id, job.room, ok, reason, gather_s)

@@ -14,6 +14,7 @@ from . import config_values as check
 from .config_values import from_env
 
 STAGING_ENV = "SGLANG_DISAGG_STAGING_BUFFER"
+VERIFY_ENV = "KVSTAGE_VERIFY"
 RING_MB_ENV = "SGLANG_DISAGG_STAGING_POOL_SIZE_MB"
 WORKERS_ENV = "KVSTAGE_STAGING_WORKERS"
 BUFFER_MB_ENV = "KVSTAGE_STAGING_BUFFER_MB"
@@ -114,6 +115,7 @@ class EngineConfig:
                                              # instance (decode ranks may name it by rendezvous server + DP rank)
     metrics_port: int | None = None          # Prometheus /metrics on host:port (0: any free port); None: env
                                              # KVSTAGE_METRICS_PORT, unset: no metrics (needs prometheus-client)
+    verify: bool | None = None               # end-to-end digests of every write; None: read KVSTAGE_VERIFY
 
     def resolved(self) -> "EngineConfig":
         """A copy with every None filled from the environment, validated: a bad value raises
@@ -144,6 +146,7 @@ class EngineConfig:
         return replace(
             self,
             staging=env_flag(STAGING_ENV) if self.staging is None else check.flag("staging", self.staging),
+            verify=env_flag(VERIFY_ENV) if self.verify is None else check.flag("verify", self.verify),
             auth_token=token,
             staging_workers=self._count("staging_workers", WORKERS_ENV, 2),
             staging_buffer_mb=self._mb("staging_buffer_mb", BUFFER_MB_ENV, 64.0),

@@ -27,6 +27,7 @@ class FaultPlan:
     corrupt_tags: float = 0.0       # probability a byte of it is flipped
     fail_writes: float = 0.0        # probability a completed write is reported failed
     corrupt_rooms: list = field(default_factory=list)  # rooms whose tags lie about their ring offset
+    corrupt_data: float = 0.0       # receiving rank: probability a landed write gets a byte flipped
     drop_msgs: float = 0.0          # control plane: probability a message is not sent
     dup_msgs: float = 0.0           # ... sent twice
     reorder_msgs: float = 0.0       # ... held back and sent later

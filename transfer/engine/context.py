@@ -50,6 +50,7 @@ class EngineContext:
     geometry: CacheGeometry
     post: Callable[[Any], None]   # hand an event to the control thread (any thread may call it)
     observer: Any = NoObserver()  # histograms of writes and requests (metrics on), else NoObserver
+    integrity: Any = None         # integrity.Integrity: digests (verify) and the corrupt_data fault
 
     @property
     def role(self) -> str:

@@ -226,7 +226,8 @@ class EnginePlanner:
         return Hello(src=ctx.me, engine_id=ctx.cfg.engine_id, role=ctx.role, tp_size=ctx.layout.tp_size,
                      tp_rank=ctx.layout.tp_rank, ctrl_endpoint=ctx.sock.endpoint, backend=ctx.cfg.backend,
                      backend_identity=ctx.identity, layout=ctx.summary, kv=kv, ring=ring,
-                     staging=bool(ctx.cfg.staging and ring is not None), lease_s=ctx.t.lease, conn=conn)
+                     staging=bool(ctx.cfg.staging and ring is not None), lease_s=ctx.t.lease, conn=conn,
+                     verify=bool(ctx.cfg.verify))
 
     def on_HelloAck(self, peer: Peer, msg: HelloAck, now: float) -> None:
         if msg.conn and msg.conn != peer.conn:

@@ -67,7 +67,8 @@ class DecodeSide:
         if room is not None:
             if ev.ok:
                 self._stamp(ev.room, "scattered", now)
-            self.book.apply(room, room.on_scattered(ev.key, ev.ok, ev.reason, self.ctx.handler.allocator, now))
+            self.book.apply(room, room.on_scattered(ev.key, ev.ok, ev.reason, self.ctx.handler.allocator, now,
+                                                    ev.kind))
 
     def _stamp(self, room_id: int, phase: str, now: float) -> None:
         status = self.book.status.get(room_id)
@@ -130,6 +131,10 @@ class DecodeSide:
         if room is None:
             self.ctx.stats.count("dropped_tags", "finished_room")
             return
+        corrupt = self.ctx.integrity.on_landed(room, tag)
+        if corrupt is not None:  # never counted as landed: the room fails before it could succeed
+            self.book.apply(room, room.fail("corrupt", corrupt, now))
+            return
         verdict, actions = room.on_tag(peer.key, tag, now)
         if verdict == "ok":
             self.ctx.stats.add("bytes_received", tag.nbytes)
@@ -146,12 +151,14 @@ class DecodeSide:
         view = self.ctx.handler.ring_view
         parts = tuple((view(p.region_offset, p.nbytes), p.dst_heads) for p in s.parts)
         pools = tuple((view(offset, c.nbytes), c) for offset, c in s.pools)
-        self.scatterer.submit(ScatterJob(s.room, s.key, s.dst_pages, parts, pools))
+        checks = self.ctx.integrity.scatter_checks(s)
+        self.scatterer.submit(ScatterJob(s.room, s.key, s.dst_pages, parts, pools, checks))
 
-    def scatter_report(self, room: int, key: tuple, ok: bool, reason: str | None, seconds: float) -> None:
+    def scatter_report(self, room: int, key: tuple, ok: bool, reason: str | None, seconds: float,
+                       kind: str = "scatter") -> None:
         """From the scatter worker thread."""
         self.ctx.stats.add("scatter_s", seconds)
-        self.ctx.post(ScatterDone(room, key, ok, reason))
+        self.ctx.post(ScatterDone(room, key, ok, reason, kind))
 
     def publish_watermark(self) -> None:
         a = self.ctx.handler.allocator

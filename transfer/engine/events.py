@@ -117,6 +117,7 @@ class ScatterDone:
     key: tuple[int, int]
     ok: bool
     reason: str | None
+    kind: str = "scatter"      # the failure kind when not ok ("corrupt": the digest disagreed)
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ import zmq
 from ...staging.handler import StagingHandler
 from ...staging.scatter_worker import ScatterWorker
 from ...staging.workers import TransferWorkers
+from ..backends.faults import FaultPlan
 from ..config import EngineConfig
 from ..layout import KVBuffers, KVLayout
 from ..protocol.messages import Goodbye
@@ -36,6 +37,7 @@ from .context import EngineContext, NoObserver, local_geometry
 from .control_socket import ControlSocket
 from .decode_side import DecodeSide
 from .events import Call, EventQueue, Wake, WriteDone
+from .integrity import Integrity
 from .liveness import Liveness
 from .peers import PeerTable
 from .prefill_side import PrefillSide
@@ -61,6 +63,8 @@ class EngineLoop:
         self.ctx = c = EngineContext(cfg, layout, buffers, me, backend, backend_name, identity, handler, stats, sock,
                                      TagCodec(cfg.token_bytes), layout.summary(buffers.pool_specs),
                                      local_geometry(layout, buffers), self.post, observer or NoObserver())
+        plan = FaultPlan.from_dict(cfg.faults) if cfg.faults else None
+        c.integrity = Integrity(c, plan.corrupt_data if plan else 0.0, plan.seed if plan else 0)
         self.peers = PeerTable(c)
         self.book = RoomBook(c, self.peers)
         self.writes = WriteQueue(c, self.peers, self.book, None)

@@ -79,6 +79,9 @@ class PrefillSide:
         if not problems and ctx.summary.pools:
             problems = [p for p in [writers_mismatch(ctx.summary.pools, ctx.layout.tp_size, msg.tp_size,
                                                      ctx.layout.total_kv_heads, ctx.layout.mla)] if p]
+        if msg.verify != bool(ctx.cfg.verify):
+            problems.append(f"verify: {'on' if ctx.cfg.verify else 'off'} here vs {'on' if msg.verify else 'off'} at "
+                            f"peer (EngineConfig(verify=...) / KVSTAGE_VERIFY must agree on both sides)")
         if msg.backend != ctx.cfg.backend:
             problems.append(f"backend: {ctx.cfg.backend!r} here vs {msg.backend!r} at peer")
         if not problems:

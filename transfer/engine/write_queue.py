@@ -55,7 +55,7 @@ class WriteQueue:
             at = self._posted(op_id, room)
             self.deadlines.restart(op_id, at + ctx.t.write)
 
-        ctx.backend.submit_write(peer.backend_name, src, dst, ctx.tags.encode(op.tag),
+        ctx.backend.submit_write(peer.backend_name, src, dst, ctx.integrity.direct_tag(op),
                                  lambda ok, reason: ctx.post(WriteDone(op_id, room, ok, reason)), posted,
                                  dst_kind=peer.kv.mem_kind)
         ctx.stats.add("bytes_posted", op.nbytes)
@@ -95,7 +95,8 @@ class WriteQueue:
                                           op.nbytes, peer.ring.addr + op.ring_start % peer.ring.size
                                           + op.writer_offset, peer.ring.device, ctx.tags.encode(op.tag),
                                           dst_kind=peer.ring.mem_kind, pools=op.pools,
-                                          on_posted=lambda op_id=op.op_id, room=op.room: self._posted(op_id, room)))
+                                          on_posted=lambda op_id=op.op_id, room=op.room: self._posted(op_id, room),
+                                          seal=ctx.integrity.sealer(op.tag)))
 
     def cancel_room(self, room_id: int, now: float) -> None:
         for op in self.staged.cancel_room(room_id):

@@ -81,6 +81,7 @@ class Scatter:
     dst_pages: np.ndarray
     parts: tuple[ScatterPart, ...]
     pools: tuple = ()                  # the last piece: (byte offset in the ring, PoolCopy) per pool copy
+    checks: tuple = ()                 # (ring offset, bytes, digest, writer) of each writer's part (verify)
 
 
 @dataclass(frozen=True)

@@ -99,6 +99,7 @@ class WriterState:
     peer: PeerKey
     assignment: Assignment
     tags: set = field(default_factory=set)        # distinct (chunk, piece) landed
+    digests: dict = field(default_factory=dict)   # (chunk, piece) -> the digest its tag carries (verify)
     done_at: float | None = None                  # WriterDone received
     done_writes: int = 0
     stopped: bool = False                         # quiesced or lost: it will not write again...
@@ -293,29 +294,53 @@ class DecodeRoom:
         if arrival.outcome is Outcome.REJECTED:
             return "rejected", self.fail("tag_mismatch", f"tag from {peer} rejected: {arrival.reason}", now)
         w.tags.add((tag.chunk, tag.piece))
+        w.digests[(tag.chunk, tag.piece)] = tag.digest
         self.bytes_in += tag.nbytes
         self.writes_in += 1
         if arrival.outcome is Outcome.PIECE_LANDED:
             return "ok", [self._scatter(arrival.piece, now)]
         return "ok", self._check_complete(now)
 
-    def _scatter(self, piece: ExpectedPiece, now: float) -> Scatter:
-        self.scattering[piece.key] = now
-        region = self.allocs[piece.chunk].regions[piece.index]
-        per_head = piece.num_pages * self.plan.head_page_bytes
+    def _parts(self, chunk: int, index: int, page_start: int, num_pages: int) -> list[tuple]:
+        """Per writer, in writer order: (rank, ring offset of its part, KV bytes, pool copies)."""
+        region = self.allocs[chunk].regions[index]
+        per_head = num_pages * self.plan.head_page_bytes
         writers = sorted(self.writers.items(), key=lambda rw: rw[1].assignment.writer_index)
-        final = piece.page_start + piece.num_pages == self.tracker.num_pages
+        final = page_start + num_pages == self.tracker.num_pages
         copies = [self.pool_copies.get(r, ()) if final else () for r, _ in writers]
         kv = [per_head * w.assignment.num_heads for _, w in writers]
         offsets = part_offsets([n + block_bytes(c) for n, c in zip(kv, copies)])
-        parts = tuple(ScatterPart(region.offset + off, n, w.assignment.dst_heads)
-                      for off, n, (_, w) in zip(offsets, kv, writers))
-        pools = tuple((region.offset + off + n + c.offset, c) for off, n, cs in zip(offsets, kv, copies) for c in cs)
+        return [(r, region.offset + off, n, c) for (r, _), off, n, c in zip(writers, offsets, kv, copies)]
+
+    def landed_span(self, tag: Tag) -> tuple | None:
+        """Where the write of an accepted tag landed: ("ring", offset, nbytes) or ("pages", dst pages,
+        dst heads, pool copies, nbytes); None when the tag is not this room's."""
+        w = self.writers.get(tag.writer)
+        if w is None or tag.session != self.session or self.tracker is None or self.state in TERMINAL:
+            return None
+        if self.plan.staged:
+            if tag.chunk not in self.allocs or tag.piece not in self.allocs[tag.chunk].regions:
+                return None
+            part = next(p for p in self._parts(tag.chunk, tag.piece, tag.page_start, tag.num_pages) if p[0] == tag.writer)
+            return ("ring", part[1], part[2] + block_bytes(part[3]))
+        if tag.page_start < 0 or tag.num_pages <= 0 or tag.page_start + tag.num_pages > self.tracker.num_pages:
+            return None
+        final = tag.page_start + tag.num_pages == self.tracker.num_pages
+        return ("pages", self.dst_pages[tag.page_start:tag.page_start + tag.num_pages], w.assignment.dst_heads,
+                self.pool_copies.get(tag.writer, ()) if final else (), tag.nbytes)
+
+    def _scatter(self, piece: ExpectedPiece, now: float) -> Scatter:
+        self.scattering[piece.key] = now
+        parts_ = self._parts(piece.chunk, piece.index, piece.page_start, piece.num_pages)
+        parts = tuple(ScatterPart(off, n, self.writers[r].assignment.dst_heads) for r, off, n, _ in parts_)
+        pools = tuple((off + n + c.offset, c) for _, off, n, cs in parts_ for c in cs)
+        checks = tuple((off, n + block_bytes(cs), self.writers[r].digests.get(piece.key, 0), r)
+                       for r, off, n, cs in parts_)
         dst = self.dst_pages[piece.page_start:piece.page_start + piece.num_pages]
-        return Scatter(self.room, piece.key, dst, parts, pools)
+        return Scatter(self.room, piece.key, dst, parts, pools, checks)
 
     def on_scattered(self, key: tuple[int, int], ok: bool, reason: str | None, ring: RingAllocator,
-                     now: float) -> list[Action]:
+                     now: float, kind: str = "scatter") -> list[Action]:
         if self.scattering.pop(key, None) is None:
             return []
         chunk, index = key
@@ -324,7 +349,8 @@ class DecodeRoom:
             piece = next(p for p in self.tracker.pieces() if p.key == key)
             self.tracker.mark_scattered(piece)
         elif not ok:
-            out += self.fail("scatter", f"scatter of chunk {chunk} piece {index} failed: {reason}", now)
+            out += self.fail(kind, reason if kind == "corrupt" else
+                             f"scatter of chunk {chunk} piece {index} failed: {reason}", now)
         # every writer of the piece landed and the scatter is over: nothing touches the region
         out += self._free(ring, [self.allocs[chunk].regions.pop(index)])
         return out + self._check_complete(now) + self._maybe_release(ring, now)

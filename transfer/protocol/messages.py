@@ -69,6 +69,7 @@ class Hello(PeerMessage, kw_only=True, frozen=True):
     staging: bool = False
     lease_s: float = 10.0
     conn: int = 0               # this connection's number: a new Hello of the same incarnation has a higher one
+    verify: bool = False        # end-to-end digests on (both sides must agree)
 
 
 class HelloAck(PeerMessage, kw_only=True, frozen=True):

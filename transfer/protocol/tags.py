@@ -38,6 +38,7 @@ class Tag(msgspec.Struct, frozen=True, array_like=True):
     num_pages: int
     nbytes: int
     ring_start: int     # linear ring position of the region (staged), -1 (direct)
+    digest: int = 0     # xxh3-64 of the bytes written, in gather order (EngineConfig(verify=True))
 
 
 def make_tag(kind: TagKind, *, room: int, session: int, epoch: int, src: int, writer: int,

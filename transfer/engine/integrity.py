@@ -1,0 +1,102 @@
+"""End-to-end integrity of the bytes moved (EngineConfig(verify=True) / KVSTAGE_VERIFY=1), and
+the `corrupt_data` fault that tests it.
+
+Prefill: every staged piece and every direct write carries, in its tag, the xxh3-64 digest of
+its source bytes (staging/digests.py). Decode: a staged piece's ring bytes are digested before
+they are scattered (on the scatter thread); a direct write's pages and items right when its tag
+arrives, before the room may succeed. A mismatch fails the room with kind `corrupt` on both
+sides and is counted; it is never reported as Success. Both peers must agree on the setting
+(checked at Hello). Digesting happens on the control thread for direct writes: verify costs
+throughput, measured in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable
+
+import msgspec
+import torch
+
+from ...staging.digests import gathered_digest
+from ...staging.kernels import gatherer_class
+from ..protocol.actions import Scatter, WriteOp
+from ..protocol.tags import Tag
+
+
+class Integrity:
+    def __init__(self, ctx: Any, corrupt_data: float = 0.0, seed: int = 0):
+        self.ctx = ctx
+        self.verify = bool(ctx.cfg.verify)
+        self.corrupt_data = corrupt_data
+        self._rng = random.Random(seed + 7)
+        self._gatherer = None
+        self.corrupted_rooms: set[int] = set()
+
+    def _gather(self):
+        if self._gatherer is None:
+            self._gatherer = gatherer_class(self.ctx.buffers.device)()
+        return self._gatherer
+
+    # -- prefill ----------------------------------------------------------------------------------
+    def direct_tag(self, op: WriteOp) -> bytes:
+        """The tag of a direct write, with the digest of its source bytes when verifying."""
+        tag = op.tag
+        if self.verify:
+            b = self.ctx.buffers
+            d = gathered_digest(self._gather(), b.k, b.v, op.src_pages, self.ctx.layout.page_size, op.src_heads,
+                                b.pools, op.pools, op.nbytes)
+            tag = msgspec.structs.replace(tag, digest=d)
+        return self.ctx.tags.encode(tag)
+
+    def sealer(self, tag: Tag) -> Callable[[int], bytes] | None:
+        """For a staged piece: how its transfer worker seals the tag once it gathered the bytes."""
+        if not self.verify:
+            return None
+        codec = self.ctx.tags
+        return lambda d: codec.encode(msgspec.structs.replace(tag, digest=d))
+
+    # -- decode -----------------------------------------------------------------------------------
+    def on_landed(self, room: Any, tag: Tag) -> str | None:
+        """A tag arrived for `room`: inject the corrupt_data fault, then (direct, verifying) check
+        the landed bytes. Returns why the room must fail as `corrupt`, or None."""
+        span = room.landed_span(tag) if (self.corrupt_data or self.verify) else None
+        if span is None:
+            return None
+        if self.corrupt_data and self._rng.random() < self.corrupt_data:
+            self._flip(room.room, span)
+        if not self.verify or span[0] != "pages":
+            return None  # staged pieces are checked on the scatter thread, before the scatter
+        _, pages, heads, copies, nbytes = span
+        b = self.ctx.buffers
+        got = gathered_digest(self._gather(), b.k, b.v, pages, self.ctx.layout.page_size, heads, b.pools, copies,
+                              nbytes, dst=True)
+        if got != tag.digest:
+            return (f"corrupt data from prefill rank {tag.writer}, chunk {tag.chunk} part {tag.piece}: the landed "
+                    f"bytes' digest {got:#018x} is not the sent {tag.digest:#018x}")
+        return None
+
+    def scatter_checks(self, s: Scatter) -> tuple:
+        """(ring view, digest, writer) of every writer's part of a landed piece, when verifying."""
+        if not self.verify:
+            return ()
+        view = self.ctx.handler.ring_view
+        return tuple((view(offset, nbytes), want, writer) for offset, nbytes, want, writer in s.checks)
+
+    def _flip(self, room: int, span: tuple) -> None:
+        """Flip one byte of what the write landed (the fault `corrupt_data`)."""
+        stats = self.ctx.stats
+        stats.count("faults_injected", "corrupt_data")
+        if room not in self.corrupted_rooms:
+            self.corrupted_rooms.add(room)
+            stats.add("corrupted_rooms")
+        if span[0] == "ring":
+            _, offset, nbytes = span
+            v = self.ctx.handler.ring_view(offset + self._rng.randrange(nbytes), 1)
+        else:
+            _, pages, heads, _, _ = span
+            lay = self.ctx.layout
+            k = self.ctx.buffers.k[self._rng.randrange(len(self.ctx.buffers.k))]
+            token = int(pages[self._rng.randrange(len(pages))]) * lay.page_size
+            v = k[token, heads[0]].view(torch.uint8)[:1]
+        v.bitwise_xor_(0xFF)
