@@ -34,6 +34,7 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -81,20 +82,34 @@ def _mb(text: str) -> float:
     return val
 
 
-def _sections(text: str) -> list[str]:
-    names = text.split(",")
-    bad = [n for n in names if n not in SECTIONS]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, bad))}; choose from {', '.join(SECTIONS)}")
-    return names
+def _choices(allowed):
+    """A comma-separated list, each name one of `allowed`."""
+    def parse(text: str) -> list[str]:
+        names = text.split(",")
+        bad = [n for n in names if n not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, bad))}; choose from {', '.join(allowed)}")
+        return names
+    return parse
 
 
-def _transports(text: str) -> list[str]:
-    names = text.split(",")
-    bad = [n for n in names if n not in TRANSPORTS]
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown {', '.join(map(repr, bad))}; choose from {', '.join(TRANSPORTS)}")
-    return names
+_sections = _choices(SECTIONS)
+_transports = _choices(TRANSPORTS)
+
+
+def add_model_args(p: argparse.ArgumentParser, layers: int = 32) -> None:
+    """The model and staging sizes every benchmark takes."""
+    p.add_argument("--layers", type=_int(1), default=layers)
+    p.add_argument("--heads", type=_int(1), default=8)
+    p.add_argument("--head-dim", type=_int(1), default=128)
+    p.add_argument("--page-size", type=_int(1), default=16)
+    p.add_argument("--ring-mb", type=_mb, default=512)
+    p.add_argument("--buffer-mb", type=_mb, default=256)
+
+
+def save_json(path: str, data: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=1, default=str))
 
 
 def parse(argv=None):
@@ -105,13 +120,8 @@ def parse(argv=None):
     p.add_argument("--inflight", type=_ints, default="1,4,16,64", help="rooms in flight for the concurrency sweep")
     p.add_argument("--inflight-tokens", type=_int(1), default=256)
     p.add_argument("--latency-requests", type=_int(1), default=300)
-    p.add_argument("--layers", type=_int(1), default=32)
-    p.add_argument("--heads", type=_int(1), default=8)
-    p.add_argument("--head-dim", type=_int(1), default=128)
-    p.add_argument("--page-size", type=_int(1), default=16)
+    add_model_args(p)
     p.add_argument("--chunk-tokens", type=_int(0), default=0, help="0: a request is one chunk")
-    p.add_argument("--ring-mb", type=_mb, default=512)
-    p.add_argument("--buffer-mb", type=_mb, default=256)
     p.add_argument("--sections", type=_sections, default=",".join(SECTIONS), help="what to measure")
     p.add_argument("--phase-lengths", type=_ints, default=None,
                    help="tokens of the requests whose phases are plotted (default: one page, 2048)")
@@ -170,8 +180,10 @@ def raw_one_write(transport: str, sizes: list[int], rounds: int = 3) -> dict[int
 
 # -- kvstage runs -----------------------------------------------------------------------------
 def run_kvstage(a, transport: str, P: int, D: int, staged: bool, rooms: list[dict], geom: dict,
-                contiguous: bool = False, timeout: float = 900, verify: list | None = None) -> list[dict]:
-    """One cluster; returns the prefill rank 0 room records (t_send, end, pages) plus stats."""
+                contiguous: bool = False, timeout: float = 900, verify: list | None = None,
+                extra: dict | None = None) -> list[dict]:
+    """One cluster; returns the prefill rank 0 room records (t_send, end, pages) plus stats.
+    `extra`: more pd_rank spec keys for every rank (e.g. {"verify": True})."""
     pre, dec = run_ranks(a, transport, P, D, staged, rooms, geom, contiguous, timeout, verify)
     stats = {"prefill": [r["stats"] for r in pre], "decode": [r["stats"] for r in dec]}
     return [{**r, "stats": stats} for r in pre[0]["rooms"]]
@@ -187,6 +199,7 @@ def run_ranks(a, transport: str, P: int, D: int, staged: bool, rooms: list[dict]
               "buffer_mb": a.buffer_mb, "workers": 2, "inflight": 1, "run_timeout_s": timeout, "bench": bench,
               "contiguous": contiguous, "timeouts": {"room": timeout, "metadata": timeout, "write": 300.0,
                                                      "watermark": 300.0, "arrival": 60.0, "scatter": 120.0}}
+    common.update(extra or {})
     with Cluster(env=env) as cl:
         common["barrier"] = cl.barrier(P + D, timeout_s=timeout)
         pre = [cl.launch([{**common, "role": "prefill", "engine": "pf", "rank": r, "tp": P}], f"p{r}") for r in range(P)]

@@ -9,7 +9,6 @@ pool's bytes would cost at the write bandwidth measured without it.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import statistics
 import sys
@@ -26,14 +25,9 @@ def parse(argv=None):
     p.add_argument("--tokens", type=bench._int(1), default=2048)
     p.add_argument("--requests", type=bench._int(2), default=6, help="timed requests per run (plus one warm-up)")
     p.add_argument("--rounds", type=bench._int(1), default=2, help="alternated without/with pairs")
-    p.add_argument("--layers", type=bench._int(1), default=8)
-    p.add_argument("--heads", type=bench._int(1), default=8)
-    p.add_argument("--head-dim", type=bench._int(1), default=128)
-    p.add_argument("--page-size", type=bench._int(1), default=16)
+    bench.add_model_args(p, layers=8)
     p.add_argument("--ssm-heads", type=bench._int(1), default=8)
     p.add_argument("--ssm-state", type=bench._ints, default="64,128", help="one head's state per layer (fp32)")
-    p.add_argument("--ring-mb", type=bench._mb, default=512)
-    p.add_argument("--buffer-mb", type=bench._mb, default=256)
     p.add_argument("--json", default="docs/bench/pools.json")
     a = p.parse_args(argv)
     a.chunk_tokens = 0
@@ -81,8 +75,7 @@ def main(argv=None) -> int:
                      f"ratio {pooled / base:5.3f}  (bytes alone: {expected / base:5.3f})  backend writes per run "
                      f"without {row['writes_without']} with {row['writes_with']}")
     print("\n".join(lines))
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(out, indent=1, default=str))
+    bench.save_json(a.json, out)
     return 0
 
 

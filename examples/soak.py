@@ -60,8 +60,14 @@ RANK_FIELDS = {"staging": True, "geometry": GEOM, "ring_mb": 2, "buffer_mb": 1, 
                "run_timeout_s": 120}
 
 
+CHECKS: dict = {}   # --verify / --corrupt-data: {"verify": True} on every rank, the fault on the decode rank
+
+
 def spec(role, rank, tp, rooms, backend, **kw):
-    return rank_spec(role, rank, tp, rooms, backend, **(RANK_FIELDS | kw))
+    extra = {"verify": True} if CHECKS.get("verify") else {}
+    if role == "decode" and CHECKS.get("corrupt_data"):
+        extra["faults"] = {"corrupt_data": CHECKS["corrupt_data"], "seed": rank + len(rooms)}
+    return rank_spec(role, rank, tp, rooms, backend, **(RANK_FIELDS | extra | kw))
 
 
 def epoch(rng: random.Random, backend: str, first: int, fault: str, tally: dict) -> None:
@@ -98,6 +104,8 @@ def epoch(rng: random.Random, backend: str, first: int, fault: str, tally: dict)
                 tally["hangs"] += 1
                 tally["problems"].append(f"epoch {first} {fault}: {p.log_path} exited {p.proc.returncode}")
             for res in p.result():
+                if res["role"] == "decode":
+                    tally["corrupted_rooms"] += res.get("stats", {}).get("corrupted_rooms", 0)
                 if res.get("error"):
                     tally["problems"].append(f"epoch {first} {fault}: {res['name']}: {res['error']}")
                 for r in res.get("rooms", []):
@@ -128,10 +136,15 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="nixl", choices=["nixl", "mooncake"])
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json")
+    p.add_argument("--verify", action="store_true", help="end-to-end digests on every rank (EngineConfig(verify=True))")
+    p.add_argument("--corrupt-data", type=float, default=0.0,
+                   help="decode rank: probability a landed write gets a byte flipped (needs --verify to be caught)")
     a = p.parse_args(argv)
+    CHECKS.update(verify=a.verify, corrupt_data=a.corrupt_data)
     rng = random.Random(a.seed)
     tally = {"epochs": 0, "rooms_completed": 0, "rooms_failed": 0, "bytes_verified": 0, "corruptions": 0,
-             "hangs": 0, "failed_by_kind": collections.Counter(), "faults": collections.Counter(), "problems": []}
+             "hangs": 0, "failed_by_kind": collections.Counter(), "faults": collections.Counter(), "problems": [],
+             "corrupted_rooms": 0}
     end = time.monotonic() + a.minutes * 60
     t0 = time.time()
     room = 1
@@ -150,12 +163,18 @@ def main(argv=None) -> int:
           f"{dict(tally['failed_by_kind'])}")
     print(f"  bytes verified {tally['bytes_verified']:,} ({tally['bytes_verified'] / 2**30:.2f} GiB), "
           f"corruptions found {tally['corruptions']}, hangs {tally['hangs']}")
+    if a.verify:
+        caught = tally["failed_by_kind"].get("corrupt", 0)
+        print(f"  verify on, corrupt_data {a.corrupt_data:g}: requests with a flipped byte {tally['corrupted_rooms']}, "
+              f"failed as corrupt {caught} (false alarms: {max(0, caught - tally['corrupted_rooms'])}), "
+              f"reported Success with wrong bytes {tally['corruptions']}")
     for line in tally["problems"][:20]:
         print("  ! " + line)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({**tally, "failed_by_kind": dict(tally["failed_by_kind"]), "faults": dict(tally["faults"]),
-                       "minutes": a.minutes, "backend": a.backend, "seed": a.seed}, f, indent=1)
+                       "minutes": a.minutes, "backend": a.backend, "seed": a.seed, "verify": a.verify,
+                       "corrupt_data": a.corrupt_data}, f, indent=1)
     return 0 if tally["corruptions"] == 0 and tally["hangs"] == 0 else 1
 
 

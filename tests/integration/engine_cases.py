@@ -113,6 +113,16 @@ def run_cases(cases: list[Case], timeout: float = 240, env: dict | None = None, 
     return out, codes, logs, time.monotonic() - t0
 
 
+def each_rank(cases: list[Case], results: dict):
+    """(case, side, rank result) for every rank of every case, each checked to have run without
+    an error in the driver."""
+    for c in cases:
+        for side in ("prefill", "decode"):
+            for res in results[c.name][side]:
+                assert not res.get("error"), res.get("traceback")
+                yield c, side, res
+
+
 def problems(results: dict, codes: list, logs: dict, expect_success: bool = True) -> list[str]:
     """Everything that is not a clean, verified success, as readable lines."""
     bad = []

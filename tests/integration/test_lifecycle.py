@@ -8,7 +8,7 @@ import zlib
 
 import pytest
 
-from engine_cases import TEST_TIMEOUTS, Case, Topo, problems, random_rooms, run_cases
+from engine_cases import TEST_TIMEOUTS, Case, Topo, each_rank, problems, random_rooms, run_cases
 
 pytestmark = pytest.mark.integration
 
@@ -237,15 +237,12 @@ def test_a_reused_room_id_is_untouched_by_its_earlier_use():
             cases.append(Case(Topo(2, 1, 4), 16, "bfloat16", staging, backend, rooms=uses))
     results, codes, logs, _ = run_cases(cases, timeout=200)
     assert not any(codes), codes
-    for c in cases:
-        for side in ("prefill", "decode"):
-            for res in results[c.name][side]:
-                assert not res.get("error"), res.get("traceback")
-                states = [(r["room"], r["state"]) for r in res["rooms"]]
-                assert states == [(42, "Failed"), (42, "Success"), (42, "Success")], (c.name, side, res["rooms"])
-                assert "abort" in res["rooms"][0]["failure"]
-                if side == "decode":
-                    assert [r["verified"] for r in res["rooms"][1:]] == [True, True], (c.name, res["rooms"])
+    for c, side, res in each_rank(cases, results):
+        states = [(r["room"], r["state"]) for r in res["rooms"]]
+        assert states == [(42, "Failed"), (42, "Success"), (42, "Success")], (c.name, side, res["rooms"])
+        assert "abort" in res["rooms"][0]["failure"]
+        if side == "decode":
+            assert [r["verified"] for r in res["rooms"][1:]] == [True, True], (c.name, res["rooms"])
 
 
 @pytest.mark.timeout(300)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine_cases import Case, Topo, problems, random_rooms, run_cases
+from engine_cases import Case, Topo, each_rank, problems, random_rooms, run_cases
 
 from kvstage.transfer.protocol.head_mapping import compute_assignments
 
@@ -90,16 +90,12 @@ def test_pool_items_that_disagree_fail_the_request_on_both_sides():
             cases.append(case)
     results, codes, logs, _ = run_cases(cases, timeout=200)
     assert not any(codes), codes
-    for c in cases:
-        bad_room = c.rooms[1]["room"]
-        for side in ("prefill", "decode"):
-            for res in results[c.name][side]:
-                assert not res.get("error"), res.get("traceback")
-                for rec in res["rooms"]:
-                    if rec["room"] == bad_room:
-                        assert rec["state"] == "Failed" and "pool items differ" in rec["failure"], (c.name, rec)
-                    else:
-                        assert rec["state"] == "Success" and rec["verified"] is (True if side == "decode" else None)
+    for c, side, res in each_rank(cases, results):
+        for rec in res["rooms"]:
+            if rec["room"] == c.rooms[1]["room"]:
+                assert rec["state"] == "Failed" and "pool items differ" in rec["failure"], (c.name, rec)
+            else:
+                assert rec["state"] == "Success" and rec["verified"] is (True if side == "decode" else None)
 
 
 @pytest.mark.timeout(300)
@@ -112,11 +108,9 @@ def test_a_pool_registered_on_one_side_only_refuses_the_connection():
         cases.append(case)
     results, codes, logs, _ = run_cases(cases, timeout=120)
     assert not any(codes), codes
-    for c in cases:
-        for side in ("prefill", "decode"):
-            for res in results[c.name][side]:
-                for rec in res["rooms"]:
-                    assert rec["state"] == "Failed", (c.name, side, rec)
-                    if side == "decode":
-                        assert "pool 'aux': registered at the peer only" in rec["failure"] or \
-                            "pool 'aux': registered here only" in rec["failure"], rec
+    for c, side, res in each_rank(cases, results):
+        for rec in res["rooms"]:
+            assert rec["state"] == "Failed", (c.name, side, rec)
+            if side == "decode":
+                assert "pool 'aux': registered at the peer only" in rec["failure"] or \
+                    "pool 'aux': registered here only" in rec["failure"], rec
