@@ -21,6 +21,7 @@ session than the flow it would hit, is dropped.
 from __future__ import annotations
 
 import itertools
+
 import numpy as np
 
 from ..config import Timeouts
