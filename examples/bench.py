@@ -184,13 +184,14 @@ def run_kvstage(a, transport: str, P: int, D: int, staged: bool, rooms: list[dic
                 extra: dict | None = None) -> list[dict]:
     """One cluster; returns the prefill rank 0 room records (t_send, end, pages) plus stats.
     `extra`: more pd_rank spec keys for every rank (e.g. {"verify": True})."""
-    pre, dec = run_ranks(a, transport, P, D, staged, rooms, geom, contiguous, timeout, verify)
+    pre, dec = run_ranks(a, transport, P, D, staged, rooms, geom, contiguous, timeout, verify, extra)
     stats = {"prefill": [r["stats"] for r in pre], "decode": [r["stats"] for r in dec]}
     return [{**r, "stats": stats} for r in pre[0]["rooms"]]
 
 
 def run_ranks(a, transport: str, P: int, D: int, staged: bool, rooms: list[dict], geom: dict,
-              contiguous: bool = False, timeout: float = 900, verify: list | None = None) -> tuple[list, list]:
+              contiguous: bool = False, timeout: float = 900, verify: list | None = None,
+              extra: dict | None = None) -> tuple[list, list]:
     """One cluster; every prefill and every decode rank's result (room records, stats), each
     room checked to have succeeded."""
     kind, env = TRANSPORTS[transport]
