@@ -1,0 +1,1 @@
+"""Adapters that embed kvstage in serving engines (each imports its engine lazily)."""

@@ -1,0 +1,408 @@
+"""SGLang's scheduler-facing transfer classes for backend kvstage.
+
+They subclass SGLang's Common* classes because SGLang's schedulers reach into them (the decode
+side's prefill_info_table and try_ensure_parallel_info, conclude_state, abort_notified,
+bootstrap_infos, query_prefill_dp_ranks; the prefill side's transfer_infos). SGLang's own
+bootstrap server keeps doing what the schedulers ask of it (topology, DP-rank queries); every
+byte of KV moves through one kvstage KVManager per rank, with kvstage's rendezvous server
+running beside SGLang's bootstrap server in the same process.
+
+Each class keeps SGLang's KVPoll contract: states only move forward, Success and Failed stick,
+failure_exception() raises (a kvstage KVTransferError), get_transfer_metric() works after
+clear().
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import List, Optional
+
+import numpy as np
+import requests
+from aiohttp import web
+
+from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll, KVTransferDestination, KVTransferMetric
+from sglang.srt.disaggregation.common.conn import (CommonKVBootstrapServer, CommonKVManager, CommonKVReceiver,
+                                                   CommonKVSender)
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.server_args import ServerArgs
+
+from kvstage import EngineConfig, KVManager, KVTransferError
+from kvstage.bootstrap.server import BootstrapServer
+from kvstage.bootstrap.wire import load_token
+
+from . import pools
+from .geometry import device_of, kv_layout, unsupported_features
+from .plugin import staging_enabled
+
+log = logging.getLogger("kvstage.sglang")
+
+RENDEZVOUS_ROUTE = "/kvstage/rendezvous"
+BACKEND_ENV = "KVSTAGE_SGLANG_BACKEND"          # nixl (default) or mooncake
+AUX_GATE_S = 5.0                               # how long Success may wait for the aux row's room
+
+
+def _join(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def _host_of(addr: str) -> str:
+    return addr.rsplit(":", 1)[0]
+
+
+class KvstageKVManager(CommonKVManager):
+    """One rank's kvstage engine, created from SGLang's KVArgs (raw pointers, no copy)."""
+
+    def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: ServerArgs,
+                 is_mla_backend: Optional[bool] = False):
+        super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
+        problems = unsupported_features(self, args)
+        if problems:
+            raise NotImplementedError("the kvstage transfer backend does not support " + "; ".join(problems))
+        self.is_prefill = disaggregation_mode == DisaggregationMode.PREFILL
+        self.page_size = args.page_size
+        self._rendezvous: dict[str, str] = {}
+        self._rendezvous_lock = threading.Lock()
+        self._own_server: Optional[_Rendezvous] = None
+        layout = kv_layout(args, self.attn_tp_size, self.attn_tp_rank, bool(is_mla_backend))
+        buffers = pools.make_buffers(layout, args, device_of(server_args, args))
+        self.aux_rooms = pools.aux_room_column(args)
+        if self.is_prefill:
+            own = self._own_bootstrap_addr()
+            rendezvous = self.rendezvous_for(own, wait_s=60.0)
+            dp_rank = self.attn_dp_rank if self.attn_dp_size > 1 else self.system_dp_rank
+            engine_id = f"sglang-prefill@{own}/dp{dp_rank}"
+        else:
+            # a decode rank registers at a rendezvous server of its own; it reaches prefill
+            # engines at theirs (kvstage looks them up there by rendezvous address + DP rank)
+            self._own_server = _Rendezvous(self.local_ip)
+            rendezvous, dp_rank = self._own_server.address, 0
+            engine_id = f"sglang-decode@{self.local_ip}:{server_args.port}/dp{self.attn_dp_rank}"
+        backend = _backend_name()
+        self.engine = KVManager(EngineConfig(role="prefill" if self.is_prefill else "decode", engine_id=engine_id,
+                                             bootstrap=rendezvous, backend=backend, staging=staging_enabled(),
+                                             host=self.local_ip, dp_rank=dp_rank), layout, buffers)
+        log.info("kvstage %s rank %d/%d ready (engine %s, backend %s, staging %s)", self.engine.config.role,
+                 self.attn_tp_rank, self.attn_tp_size, engine_id, backend, self.engine.config.staging)
+
+    def _own_bootstrap_addr(self) -> str:
+        """Where this prefill instance's SGLang bootstrap server is reached (as SGLang's own
+        registration computes it)."""
+        if self.dist_init_addr:
+            host = self.dist_init_addr.rsplit(":", 1)[0].strip("[]")
+        else:
+            host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.bootstrap_host, self.bootstrap_host)
+        return _join(host, self.bootstrap_port)
+
+    def rendezvous_for(self, bootstrap_addr: str, wait_s: float = 5.0) -> str:
+        """kvstage's rendezvous address of the prefill instance whose SGLang bootstrap server is
+        `bootstrap_addr` (asked once over HTTP, cached). Raises RuntimeError past `wait_s`."""
+        with self._rendezvous_lock:
+            cached = self._rendezvous.get(bootstrap_addr)
+        if cached is not None:
+            return cached
+        deadline = time.monotonic() + wait_s
+        while True:
+            try:
+                reply = requests.get(f"http://{bootstrap_addr}{RENDEZVOUS_ROUTE}", timeout=5)
+                if reply.status_code == 200:
+                    addr = _join(_host_of(bootstrap_addr).strip("[]"), int(reply.json()["port"]))
+                    break
+                error = f"HTTP {reply.status_code}: {reply.text[:200]}"
+            except (requests.RequestException, ValueError, KeyError) as exc:
+                error = str(exc)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no kvstage rendezvous server behind the SGLang bootstrap server "
+                                   f"{bootstrap_addr} (is its backend kvstage?): {error}")
+            time.sleep(0.2)
+        with self._rendezvous_lock:
+            self._rendezvous[bootstrap_addr] = addr
+        return addr
+
+    def fail_room(self, room: int, reason: str) -> None:
+        self.record_failure(room, reason)
+        self.update_status(room, KVPoll.Failed)
+
+    def teardown(self) -> None:
+        self.engine.close()
+        if self._own_server is not None:
+            self._own_server.close()
+
+
+def _backend_name() -> str:
+    import os
+    name = os.environ.get(BACKEND_ENV, "nixl").strip().lower()
+    if name not in ("nixl", "mooncake"):
+        raise ValueError(f"{BACKEND_ENV} must be nixl or mooncake, got {name!r}")
+    return name
+
+
+class _Handle:
+    """What sender and receiver share: the kvstage handle, terminal-state bookkeeping, metrics."""
+
+    kv_mgr: KvstageKVManager
+    bootstrap_room: int
+    conclude_state: Optional[KVPoll]
+
+    def _end(self, state: int, reason: Optional[str] = None) -> int:
+        if state == KVPoll.Failed and reason is not None:
+            self.kv_mgr.record_failure(self.bootstrap_room, reason)
+        self.conclude_state = state
+        self.kv_mgr.request_status[self.bootstrap_room] = state
+        return state
+
+    def _kv_state(self) -> int:
+        """The kvstage handle's state, failures recorded with their kind and reason."""
+        state = int(self._handle.poll())
+        if state == KVPoll.Failed:
+            self._error = self._handle.failure_exception()
+            return self._end(KVPoll.Failed, str(self._error) if self._error else "failed")
+        return state
+
+    def failure_exception(self):
+        self.conclude_state = KVPoll.Failed
+        error = self._error
+        if error is None and self._handle is not None:
+            error = self._handle.failure_exception()
+        with self.kv_mgr.failure_lock:
+            reason = self.kv_mgr.failure_records.pop(self.bootstrap_room, None)
+        self.clear()
+        if error is None:
+            error = KVTransferError(self.bootstrap_room, "sglang", reason or "failed for an unknown reason")
+        raise error
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        metric = KVTransferMetric()
+        m = self._handle.metrics() if self._handle is not None else None
+        if m is not None:
+            metric.transfer_latency_s = m.seconds
+            metric.transfer_total_bytes = m.nbytes
+        return metric
+
+    def _clear_handle(self) -> None:
+        if self._handle is not None:
+            self._handle.clear()
+        self.kv_mgr.request_status.pop(self.bootstrap_room, None)
+
+
+class KvstageKVSender(_Handle, CommonKVSender):
+    """Prefill side of one request. SGLang gives the page count of what it sends (the pages
+    past the decode prefix) and sends without a last flag; kvstage counts the whole request,
+    so the prefix pages are prepended to the first send (kvstage skips them)."""
+
+    def __init__(self, mgr: KvstageKVManager, bootstrap_addr: str, bootstrap_room: int,
+                 req_has_disagg_prefill_dp_rank: bool = False):
+        CommonKVSender.__init__(self, mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
+        self._handle, self._error = None, None
+        self._prefix_pages, self._first = 0, True
+        if self.conclude_state is not None or mgr.request_status.get(bootstrap_room) == KVPoll.Failed:
+            self.conclude_state = KVPoll.Failed
+            return
+        try:
+            self._handle = mgr.engine.sender(bootstrap_room)
+        except (ValueError, RuntimeError) as exc:
+            self._end(KVPoll.Failed, f"kvstage refused room {bootstrap_room}: {exc}")
+
+    def pop_decode_prefix_len(self) -> int:
+        pages = self._handle.decode_prefix_pages if self._handle is not None else None
+        return (pages or 0) * self.kv_mgr.page_size
+
+    def init(self, num_kv_indices: int, aux_index: Optional[int] = None):
+        self.num_kv_indices, self.aux_index = num_kv_indices, aux_index
+        if self._handle is None or self.conclude_state is not None:
+            return
+        self._prefix_pages = self._handle.decode_prefix_pages or 0
+        try:
+            self._handle.init(num_kv_indices + self._prefix_pages, **pools.sender_items(self.kv_mgr, aux_index))
+        except (ValueError, RuntimeError) as exc:
+            self._handle.abort()
+            self._end(KVPoll.Failed, f"init: {exc}")
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        return num_pages > 0
+
+    def send(self, kv_indices, state_indices: Optional[List] = None, num_kv_tokens: Optional[int] = None,
+             indices_event: Optional[object] = None):
+        if self.conclude_state is not None or self._handle is None:
+            return
+        problem = pools.unsupported_state(state_indices)
+        if problem:
+            self._handle.abort()
+            self._end(KVPoll.Failed, problem)
+            return
+        pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
+        if pages.size == 0:
+            return
+        if self._first and self._prefix_pages:
+            # stand-ins for the pages the decode side holds: kvstage skips them, never reads them
+            pages = np.concatenate([np.full(self._prefix_pages, pages[0], dtype=np.int64), pages])
+        self._first = False
+        try:
+            self._handle.send(pages)
+        except (ValueError, RuntimeError) as exc:
+            self._handle.abort()
+            self._end(KVPoll.Failed, f"send: {exc}")
+            return
+        self._record_transfer_indices(kv_indices, state_indices)
+
+    def poll(self) -> KVPoll:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        if self._handle is None:
+            return self._end(KVPoll.Failed)
+        state = self._kv_state()
+        if state == KVPoll.Success:
+            return self._end(KVPoll.Success)
+        return state
+
+    poll_pp_consensus = poll
+
+    def abort(self):
+        if self._handle is not None:
+            self._handle.abort()
+        if self.conclude_state != KVPoll.Success:
+            self._end(KVPoll.Failed, "Aborted by AbortReq.")
+
+    def clear(self) -> None:
+        self._clear_handle()
+        self.kv_mgr.req_to_decode_prefix_len.pop(self.bootstrap_room, None)
+        self.kv_mgr.transfer_infos.pop(self.bootstrap_room, None)
+
+
+class KvstageKVReceiver(_Handle, CommonKVReceiver):
+    """Decode side of one request. Success is held until the aux row's bootstrap_room column
+    names this request (SGLang reads the first output token from that row)."""
+
+    def __init__(self, mgr: KvstageKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None):
+        CommonKVReceiver.__init__(self, mgr, bootstrap_addr, bootstrap_room)
+        self._handle, self._error = None, None
+        self._aux_index: Optional[int] = None
+        self._kv_done_at: Optional[float] = None
+        self.bootstrap_infos = None
+
+    def init(self, prefill_dp_rank: int):
+        if self.conclude_state is not None:
+            return
+        info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr)
+        if info is None:
+            self._end(KVPoll.Failed, f"prefill server at {self.bootstrap_addr} is not known (or went down)")
+            return
+        self.prefill_info, self.prefill_dp_rank = info, prefill_dp_rank
+        self.require_staging = False          # SGLang's own staging machinery stays off
+        try:
+            rendezvous = self.kv_mgr.rendezvous_for(self.bootstrap_addr)
+            self._handle = self.kv_mgr.engine.receiver(self.bootstrap_room, bootstrap=rendezvous,
+                                                       prefill_dp_rank=int(prefill_dp_rank or 0))
+        except (ValueError, RuntimeError) as exc:
+            self._end(KVPoll.Failed, f"kvstage receiver for room {self.bootstrap_room}: {exc}")
+            return
+        self.bootstrap_infos = []             # kvstage owns the peer connections
+
+    def send_metadata(self, kv_indices, aux_index: Optional[int] = None, state_indices: Optional[List] = None,
+                      decode_prefix_len: Optional[int] = None,
+                      destination: KVTransferDestination = KVTransferDestination.DEVICE,
+                      device_kv_indices=None):
+        if destination != KVTransferDestination.DEVICE:
+            raise NotImplementedError("the kvstage backend has no host KV destinations")
+        if self.conclude_state is not None or self._handle is None:
+            return
+        prefix = int(decode_prefix_len or 0)
+        problem = pools.unsupported_state(state_indices)
+        if problem is None and prefix % self.kv_mgr.page_size:
+            problem = f"decode_prefix_len {prefix} is not a whole number of {self.kv_mgr.page_size}-token pages"
+        if problem:
+            self._handle.abort()
+            self._end(KVPoll.Failed, problem)
+            return
+        self._aux_index = aux_index
+        try:
+            self._handle.init(np.asarray(kv_indices, dtype=np.int64).reshape(-1),
+                              prefix_pages=prefix // self.kv_mgr.page_size,
+                              **pools.receiver_items(self.kv_mgr, aux_index))
+        except (ValueError, RuntimeError) as exc:
+            self._handle.abort()
+            self._end(KVPoll.Failed, f"send_metadata: {exc}")
+            return
+        self.init_time = time.time()
+
+    def poll(self) -> KVPoll:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        if self._handle is None:
+            return KVPoll.Bootstrapping
+        state = self._kv_state()
+        if state != KVPoll.Success:
+            return state
+        # the aux row must name this request before SGLang reads it
+        if pools.aux_row_ready(self.kv_mgr, self._aux_index, self.bootstrap_room):
+            return self._end(KVPoll.Success)
+        now = time.monotonic()
+        self._kv_done_at = self._kv_done_at or now
+        if now - self._kv_done_at > AUX_GATE_S:
+            return self._end(KVPoll.Failed, f"room {self.bootstrap_room}: the KV landed but aux row "
+                                            f"{self._aux_index} does not name this request")
+        return KVPoll.Transferring
+
+    def abort(self):
+        if self._handle is not None:
+            self._handle.abort()
+        if self.conclude_state != KVPoll.Success:
+            self._end(KVPoll.Failed, "Aborted by AbortReq.")
+        self.abort_notified = True
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        # kvstage tells the prefill ranks of every failure and abort itself
+        if not self.abort_notified and self._handle is not None:
+            self._handle.abort()
+        self.abort_notified = True
+
+    def is_abort_release_safe(self) -> bool:
+        return self._handle is None or self._handle.released
+
+    def clear(self) -> None:
+        self._clear_handle()
+        self.kv_mgr.required_prefill_response_num_table.pop(self.bootstrap_room, None)
+        self.kv_mgr.prefill_response_tracker.pop(self.bootstrap_room, None)
+        self.kv_mgr.addr_to_rooms_tracker[self.bootstrap_addr].discard(self.bootstrap_room)
+
+
+class _Rendezvous:
+    """A kvstage rendezvous server on a daemon thread of this process."""
+
+    def __init__(self, host: str, port: int = 0):
+        self._server = BootstrapServer(host, port, token=load_token())
+        self._server.start()
+        self.port = self._server.port
+        self.address = _join(host.strip("[]"), self.port)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._server.serve, args=(self._stop,), name="kvstage-rendezvous",
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._server.close()
+
+
+class KvstageKVBootstrapServer(CommonKVBootstrapServer):
+    """SGLang's bootstrap server of a prefill instance, plus kvstage's rendezvous server on a
+    free port; `GET /kvstage/rendezvous` tells ranks that port."""
+
+    def __init__(self, host: str, port: int):
+        bind = host or "127.0.0.1"
+        self._kvstage = _Rendezvous(bind)
+        super().__init__(host, port)
+
+    def _setup_routes(self):
+        super()._setup_routes()
+        self.app.router.add_get(RENDEZVOUS_ROUTE, self._handle_kvstage_rendezvous)
+
+    async def _handle_kvstage_rendezvous(self, request: web.Request):
+        return web.json_response({"port": self._kvstage.port})
+
+    def close(self):
+        self._kvstage.close()
+        super().close()

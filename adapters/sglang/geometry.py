@@ -1,0 +1,59 @@
+"""SGLang's KVArgs as kvstage's layout: what kvstage can take over, and what it refuses.
+
+kvstage moves KV heads as bytes: the layout's element is one byte and its head_dim is the bytes
+of one head (SGLang's item size / page size / local heads). Both sides of a transfer derive it
+the same way, so any KV dtype SGLang uses (bf16, fp16, fp32, fp8) moves bit-exact; SGLang itself
+checks that prefill and decode agree on kv_cache_dtype and page size before any transfer.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvstage import KVLayout
+
+
+def kv_layout(args, attn_tp_size: int, attn_tp_rank: int, mla: bool) -> KVLayout:
+    ptrs, items = list(args.kv_data_ptrs), list(args.kv_item_lens)
+    page = int(args.page_size)
+    if mla:
+        layers, heads, total = len(ptrs), 1, 1
+    else:
+        if len(ptrs) % 2:
+            raise ValueError(f"KVArgs lists {len(ptrs)} KV buffers; expected K layers then V layers")
+        layers, heads, total = len(ptrs) // 2, int(args.kv_head_num), int(args.total_kv_head_num)
+    if not items or any(i != items[0] for i in items):
+        raise ValueError(f"KV item sizes differ between layers ({sorted(set(items))}); kvstage needs one")
+    if items[0] % (page * heads):
+        raise ValueError(f"KV item size {items[0]} is not page_size {page} x {heads} heads x head bytes")
+    return KVLayout(num_layers=layers, total_kv_heads=total, head_dim=items[0] // (page * heads), dtype=torch.uint8,
+                    page_size=page, tp_size=attn_tp_size, tp_rank=attn_tp_rank, mla=mla)
+
+
+def device_of(server_args, args) -> str:
+    device = str(getattr(server_args, "device", None) or "cuda")
+    if device.startswith("cuda"):
+        return f"cuda:{int(getattr(args, 'gpu_id', 0) or 0)}"
+    if device == "cpu":
+        return "cpu"
+    raise NotImplementedError(f"the kvstage backend runs on cpu or cuda, not {device}")
+
+
+def unsupported_features(mgr, args) -> list[str]:
+    """SGLang features this backend does not handle yet, by name (empty: all fine)."""
+    out = []
+    if mgr.pp_size > 1:
+        out.append(f"pipeline parallelism (pp_size {mgr.pp_size})")
+    if mgr.attn_cp_size > 1:
+        out.append(f"context parallelism (attn_cp_size {mgr.attn_cp_size})")
+    if getattr(mgr, "dcp_size", 1) and getattr(mgr, "dcp_size", 1) > 1:
+        out.append(f"decode context parallelism (dcp_size {mgr.dcp_size})")
+    if mgr.kv_shard_size > 1:
+        out.append("KV cache sharding")
+    if mgr.defer_decode_allocation:
+        out.append("--disaggregation-decode-allocation-policy prefill_complete")
+    if getattr(args, "num_draft_entries", 0):
+        out.append("speculative decoding draft KV (num_draft_entries)")
+    if getattr(args, "kv_layout", None) is not None:
+        out.append(f"KV layout {args.kv_layout!r} (kvstage moves token-major NHD pages)")
+    return out

@@ -1,0 +1,76 @@
+"""What the plugin changes in SGLang, all through its public plugin hooks (no patch of files):
+
+- `kvstage` becomes a valid ``--disaggregation-transfer-backend`` choice and a member of
+  SGLang's TransferBackend enum (added to the existing enum, so every module that already
+  imported it sees the member);
+- get_kv_class returns the classes of `conn.py` for it (an AROUND hook; other backends pass);
+- SGLANG_DISAGG_STAGING_BUFFER, which SGLang refuses for any backend but mooncake and nixl and
+  which would also switch on SGLang's own staging machinery, is taken over for backend kvstage
+  before SGLang validates its arguments: it becomes KVSTAGE_SGLANG_STAGING, read by kvstage.
+"""
+
+from __future__ import annotations
+
+import os
+
+from . import BACKEND
+
+STAGING_ENV = "KVSTAGE_SGLANG_STAGING"
+SGLANG_STAGING_ENV = "SGLANG_DISAGG_STAGING_BUFFER"
+_TRUE = ("1", "true", "yes", "y", "on")
+
+
+def install() -> None:
+    from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES, add_disagg_transfer_backend_choices
+    from sglang.srt.disaggregation.utils import TransferBackend
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if BACKEND not in DISAGG_TRANSFER_BACKEND_CHOICES:
+        add_disagg_transfer_backend_choices([BACKEND])
+    add_enum_member(TransferBackend, "KVSTAGE", BACKEND)
+    HookRegistry.register("sglang.srt.disaggregation.utils.get_kv_class", around_get_kv_class, HookType.AROUND)
+    HookRegistry.register("sglang.srt.arg_groups.pd_disaggregation_hook.handle_pd_disaggregation",
+                          take_staging_flag, HookType.BEFORE)
+
+
+def add_enum_member(enum_cls, name: str, value: str) -> None:
+    """Add `name` = `value` to an existing Enum class in place (idempotent)."""
+    if value in enum_cls._value2member_map_:
+        return
+    member = object.__new__(enum_cls)
+    member._name_, member._value_ = name, value
+    type.__setattr__(enum_cls, name, member)
+    enum_cls._member_map_[name] = member
+    enum_cls._value2member_map_[value] = member
+    enum_cls._member_names_.append(name)
+
+
+def is_kvstage(transfer_backend) -> bool:
+    return getattr(transfer_backend, "value", transfer_backend) == BACKEND
+
+
+def around_get_kv_class(original, transfer_backend, class_type):
+    from sglang.srt.disaggregation.utils import KVClassType
+    if not is_kvstage(transfer_backend) or class_type == KVClassType.KVARGS:
+        return original(transfer_backend, class_type)
+    from . import conn
+    return {KVClassType.MANAGER: conn.KvstageKVManager, KVClassType.SENDER: conn.KvstageKVSender,
+            KVClassType.RECEIVER: conn.KvstageKVReceiver,
+            KVClassType.BOOTSTRAP_SERVER: conn.KvstageKVBootstrapServer}[class_type]
+
+
+def take_staging_flag(server_args, *args, **kwargs):
+    """Before SGLang validates PD flags: for backend kvstage, move the staging switch to
+    kvstage's own variable (inherited by the scheduler processes started after this)."""
+    if is_kvstage(getattr(server_args, "disaggregation_transfer_backend", None)):
+        flag = os.environ.pop(SGLANG_STAGING_ENV, None)
+        if flag is not None:
+            os.environ[STAGING_ENV] = "1" if flag.strip().lower() in _TRUE else "0"
+    return None
+
+
+def staging_enabled() -> bool:
+    """kvstage's staged path for backend kvstage: KVSTAGE_SGLANG_STAGING, else the SGLang flag
+    itself (processes that never went through SGLang's argument handling, e.g. tests)."""
+    flag = os.environ.get(STAGING_ENV, os.environ.get(SGLANG_STAGING_ENV, ""))
+    return flag.strip().lower() in _TRUE

@@ -1,0 +1,105 @@
+"""Everything beside K and V that a request carries: SGLang's aux rows and state_indices.
+
+Isolated here because it rests on kvstage's state pools (issue 17): the aux buffers (SGLang's
+MetadataBuffers, one row per request) become ONE replicated pool named "aux" per buffer
+("aux0", "aux1", ...), named per request with `pool_items`, so they move with the request's last
+chunk and are in place before kvstage reports Success. When the installed kvstage has no state
+pools yet, the KV moves alone and the aux rows do NOT move: see docs/sglang.md.
+
+state_indices (Mamba slots, SWA windows, DSA indexer pages) are not supported yet: a request that
+carries any fails with that reason instead of decoding from a partial state.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from kvstage import KVBuffers
+from kvstage.transfer.raw_memory import tensor_at
+
+try:  # issue 17
+    from kvstage import StatePool
+except (ImportError, AttributeError):  # pragma: no cover - depends on the installed kvstage
+    StatePool = None
+
+POOLS_SUPPORTED = StatePool is not None
+
+
+def aux_pool_names(args) -> list[str]:
+    return [f"aux{i}" for i in range(len(getattr(args, "aux_data_ptrs", None) or []))]
+
+
+def make_buffers(layout, args, device: str) -> KVBuffers:
+    """kvstage buffers over SGLang's memory: KV by pointer, and the aux rows as state pools."""
+    kv = KVBuffers.from_pointers(layout, list(args.kv_data_ptrs), list(args.kv_data_lens),
+                                 list(args.kv_item_lens), device=device)
+    if not POOLS_SUPPORTED or not aux_pool_names(args):
+        return kv
+    dev = torch.device(device)
+    pools = {}
+    for name, ptr, nbytes, item in zip(aux_pool_names(args), args.aux_data_ptrs, args.aux_data_lens,
+                                       args.aux_item_lens):
+        rows = tensor_at(ptr, nbytes, torch.uint8, (nbytes // item, item), _aux_device(dev))
+        pools[name] = StatePool([rows], sharding="replicated")
+    return KVBuffers(kv.k, kv.v, pools=pools).validate(layout)
+
+
+def _aux_device(kv_device: torch.device) -> torch.device:
+    # SGLang keeps the metadata buffers in host memory next to a CPU cache
+    return kv_device
+
+
+def aux_room_column(args) -> Optional[torch.Tensor]:
+    """A view of the aux buffer that holds each row's bootstrap_room (SGLang puts it after the
+    output buffers, before the optional KV checksum: it is the int64 buffer of 8 columns that
+    comes last or last but one)."""
+    ptrs = list(getattr(args, "aux_data_ptrs", None) or [])
+    if not ptrs:
+        return None
+    try:
+        from sglang.srt.runtime_context import get_disagg
+        checksum = bool(get_disagg().disaggregation_enable_kv_checksum)
+    except Exception:  # noqa: BLE001 - harnesses without a published config
+        checksum = False
+    i = len(ptrs) - (2 if checksum and len(ptrs) > 1 else 1)
+    nbytes, item = args.aux_data_lens[i], args.aux_item_lens[i]
+    if item != 64:
+        return None
+    return tensor_at(ptrs[i], nbytes, torch.int64, (nbytes // item, 8), torch.device("cpu"))
+
+
+def sender_items(mgr, aux_index: Optional[int]) -> dict:
+    """Keyword arguments for the prefill sender's init()."""
+    return _items(mgr, aux_index)
+
+
+def receiver_items(mgr, aux_index: Optional[int]) -> dict:
+    """Keyword arguments for the decode receiver's init()."""
+    return _items(mgr, aux_index)
+
+
+def _items(mgr, aux_index: Optional[int]) -> dict:
+    names = aux_pool_names(mgr.kv_args)
+    if not POOLS_SUPPORTED or aux_index is None or not names:
+        return {}
+    return {"pool_items": {name: [int(aux_index)] for name in names}}
+
+
+def aux_row_ready(mgr, aux_index: Optional[int], room: int) -> bool:
+    """Decode: whether SGLang may read the request's aux row. Without state pools the row never
+    moves, so there is nothing to wait for (and SGLang's own metadata gate holds the request)."""
+    if not POOLS_SUPPORTED or aux_index is None or mgr.aux_rooms is None:
+        return True
+    return int(mgr.aux_rooms[aux_index, 0]) & ((1 << 64) - 1) == room & ((1 << 64) - 1) and room != 0
+
+
+def unsupported_state(state_indices) -> Optional[str]:
+    """A reason to fail a request that carries state pool indices (None: nothing to carry)."""
+    if not state_indices:
+        return None
+    if any(x is not None and len(x) for x in state_indices):
+        return ("the kvstage backend does not move SGLang state pools (Mamba, SWA, DSA state_indices) yet: "
+                "see docs/sglang.md")
+    return None
