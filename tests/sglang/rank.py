@@ -1,0 +1,260 @@
+"""One SGLang scheduler rank, driven through SGLang's real transfer classes for backend kvstage.
+
+Run as a process by test_scheduler_classes.py: it publishes SGLang's runtime config for its TP
+rank, loads SGLang's plugins (so kvstage's classes come from get_kv_class, as in a server),
+builds KVArgs over its own KV cache and SGLang's real MetadataBuffers (raw pointers, as a
+scheduler does), then plays the requests of a scenario the way SGLang's prefill or decode
+scheduler drives a backend, and writes what happened per room as JSON.
+
+KV contents are a pattern of (room, layer, K/V, global head, token), so each side checks the
+bytes on its own: prefill writes it, decode compares every byte it received, and checks that
+every page no successful request owns still holds the sentinel (no byte in a wrong page).
+
+    python rank.py --role prefill --tp 2 --rank 0 --scenario s.json --out r.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from types import SimpleNamespace
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+SENTINEL = -12345
+
+
+def pattern(room: int, layer: int, kv: int, heads, tokens, head_dim: int) -> torch.Tensor:
+    t = torch.as_tensor(tokens, dtype=torch.int64)[:, None, None]
+    h = torch.as_tensor(heads, dtype=torch.int64)[None, :, None]
+    d = torch.arange(head_dim, dtype=torch.int64)[None, None, :]
+    x = (room % 9973) * 7919 + layer * 613 + kv * 307 + h * 101 + t * 13 + d
+    return (x % 65521 - 32760).to(torch.int16)
+
+
+def aux_ids(room: int) -> torch.Tensor:
+    return torch.tensor([(room >> (4 * i)) & 0x7FFF for i in range(16)], dtype=torch.int32)
+
+
+class Rank:
+    def __init__(self, a, sc):
+        from sglang.srt.plugins import load_plugins
+        load_plugins()                       # kvstage's plugin: backend choice + get_kv_class hook
+        from sglang.srt.disaggregation.base.conn import KVArgs
+        from sglang.srt.disaggregation.utils import (DisaggregationMode, KVClassType, MetadataBuffers,
+                                                     TransferBackend, get_kv_class)
+        from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
+        from sglang.srt.server_args import ServerArgs
+
+        self.a, self.sc = a, sc
+        self.prefill = a.role == "prefill"
+        self.ps, self.layers, self.H, self.hd = sc["page_size"], sc["layers"], sc["heads"], sc["head_dim"]
+        self.local = self.H // a.tp
+        self.heads = list(range(a.rank * self.local, (a.rank + 1) * self.local))
+        self.num_pages = sc["num_pages"]
+        sa = ServerArgs(model_path=sc["model"], tp_size=a.tp, disaggregation_mode=a.role,
+                        disaggregation_transfer_backend="kvstage", disaggregation_bootstrap_port=sc["bootstrap_port"],
+                        device="cpu", host="127.0.0.1", port=sc["http_port"] + (0 if self.prefill else 1),
+                        skip_tokenizer_init=True, page_size=self.ps)
+        publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=a.rank))
+        # no torch.distributed here: the process groups SGLang's transfer code reads, as metadata
+        group = lambda rank, size: SimpleNamespace(rank_in_group=rank, world_size=size, is_first_rank=rank == 0,
+                                                   is_last_rank=rank == size - 1)
+        get_parallel().override_permanently(pp_group=group(0, 1), world_group=group(a.rank, a.tp),
+                                            tp_group=group(a.rank, a.tp), attn_tp_group=group(a.rank, a.tp))
+        backend = TransferBackend("kvstage")
+        tokens = self.num_pages * self.ps
+        self.k = [torch.full((tokens, self.local, self.hd), 0, dtype=torch.bfloat16) for _ in range(self.layers)]
+        self.v = [torch.full((tokens, self.local, self.hd), 0, dtype=torch.bfloat16) for _ in range(self.layers)]
+        for t in self.k + self.v:
+            t.view(torch.int16).fill_(SENTINEL)
+        self.meta = MetadataBuffers(size=32, hidden_size=8, hidden_states_dtype=torch.float32,
+                                    max_sampling_mask_tokens=4)
+        args = get_kv_class(backend, KVClassType.KVARGS)()
+        bufs = self.k + self.v
+        args.engine_rank, args.pp_rank, args.system_dp_rank = a.rank, 0, 0
+        args.kv_data_ptrs = [t.data_ptr() for t in bufs]
+        args.kv_data_lens = [t.nbytes for t in bufs]
+        args.kv_item_lens = [t[: self.ps].nbytes for t in bufs]
+        args.kv_layer_ids = list(range(self.layers)) * 2
+        args.kv_cache_dtype_str = "bfloat16"
+        args.kv_head_num, args.total_kv_head_num, args.page_size = self.local, self.H, self.ps
+        args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = self.meta.get_buf_infos()
+        args.state_types, args.state_data_ptrs, args.state_data_lens, args.state_item_lens = [], [], [], []
+        args.state_layer_ids, args.state_dim_per_tensor, args.state_slice_outer_counts = [], [], []
+        args.state_conv_shard_groups, args.swa_kv_cache_layout = [], None
+        args.ib_device, args.gpu_id, args.prefill_start_layer, args.prefill_end_layer = None, 0, 0, None
+        args.num_draft_entries, args.is_hybrid_mla_backend = 0, False
+        mode = DisaggregationMode.PREFILL if self.prefill else DisaggregationMode.DECODE
+        self.mgr = get_kv_class(backend, KVClassType.MANAGER)(args, mode, sa, False)
+        self.Sender = get_kv_class(backend, KVClassType.SENDER)
+        self.Receiver = get_kv_class(backend, KVClassType.RECEIVER)
+        self.addr = f"127.0.0.1:{sc['bootstrap_port']}"
+        from sglang.srt.disaggregation.base.conn import KVPoll
+        self.P = KVPoll
+
+    # -- KV contents ------------------------------------------------------------------------
+    def fill(self, room: int, pages, first_token: int) -> None:
+        for i, page in enumerate(pages):
+            tokens = range(first_token + i * self.ps, first_token + (i + 1) * self.ps)
+            for layer in range(self.layers):
+                for kv, bufs in ((0, self.k), (1, self.v)):
+                    bufs[layer].view(torch.int16)[page * self.ps:(page + 1) * self.ps] = pattern(
+                        room, layer, kv, self.heads, tokens, self.hd)
+
+    def check(self, room: int, pages, first_token: int) -> list[str]:
+        bad = []
+        for i, page in enumerate(pages):
+            tokens = range(first_token + i * self.ps, first_token + (i + 1) * self.ps)
+            for layer in range(self.layers):
+                for kv, bufs in ((0, self.k), (1, self.v)):
+                    got = bufs[layer].view(torch.int16)[page * self.ps:(page + 1) * self.ps]
+                    if not torch.equal(got, pattern(room, layer, kv, self.heads, tokens, self.hd)):
+                        bad.append(f"room {room} page {page} layer {layer} {'KV'[kv]} differs")
+        return bad
+
+    def untouched(self, owned: set) -> list[str]:
+        bad = []
+        for page in range(self.num_pages):
+            if page in owned:
+                continue
+            for bufs in (self.k, self.v):
+                for layer, t in enumerate(bufs):
+                    if not bool((t.view(torch.int16)[page * self.ps:(page + 1) * self.ps] == SENTINEL).all()):
+                        bad.append(f"page {page} layer {layer} was written but no successful room owns it")
+        return bad
+
+
+def run_prefill(r: Rank, sc, out) -> None:
+    P, rows = r.P, iter(range(1, 32))
+    reqs = []
+    pages = iter(range(1, r.num_pages))
+    for q in sc["requests"]:
+        reqs.append({"q": q, "s": r.Sender(r.mgr, r.addr, q["room"]), "st": "boot", "row": next(rows),
+                     "pages": [next(pages) for _ in range(q["pages"])]})
+    deadline = time.monotonic() + sc["deadline_s"]
+    while any(x["st"] != "done" for x in reqs) and time.monotonic() < deadline:
+        for x in reqs:
+            q, s = x["q"], x["s"]
+            if x["st"] == "done":
+                continue
+            st = s.poll()
+            if x["st"] == "boot" and st == P.WaitingForInput:
+                k = s.pop_decode_prefix_len() // r.ps
+                x["prefix_seen"] = k
+                if sc.get("die_at_room") == q["room"]:
+                    os.kill(os.getpid(), signal.SIGKILL)   # a prefill rank dies mid-request
+                suffix = x["pages"][k:]
+                r.fill(q["room"], suffix, k * r.ps)
+                r.meta.output_ids[x["row"]] = aux_ids(q["room"])
+                r.meta.bootstrap_room[x["row"], 0] = q["room"]
+                s.init(len(suffix), x["row"])
+                if q.get("abort") == "prefill":
+                    s.abort()
+                else:
+                    done = 0
+                    for n in q["chunks"]:
+                        s.send(np.asarray(suffix[done:done + n], dtype=np.int32))
+                        done += n
+                x["st"] = "sent"
+            elif st in (P.Success, P.Failed):
+                x["result"] = "Success" if st == P.Success else "Failed"
+                if st == P.Failed:
+                    try:
+                        s.failure_exception()
+                    except Exception as exc:  # noqa: BLE001 - the harness records what was raised
+                        x["error"] = f"{type(exc).__name__}: {exc}"
+                s.clear()
+                m = s.get_transfer_metric()
+                x["bytes"] = m.transfer_total_bytes
+                x["st"] = "done"
+        time.sleep(0.002)
+    report(out, reqs, [])
+
+
+def run_decode(r: Rank, sc, out) -> None:
+    P = r.P
+    deadline = time.monotonic() + sc["deadline_s"]
+    while not r.mgr.try_ensure_parallel_info(r.addr):
+        if time.monotonic() > deadline:
+            raise TimeoutError("prefill parallel info never became available")
+        time.sleep(0.1)
+    rows, pages = iter(range(1, 32)), iter(range(1, r.num_pages))
+    reqs = []
+    for q in sc["requests"]:
+        rec = r.Receiver(r.mgr, r.addr, q["room"])
+        rec.init(0)
+        reqs.append({"q": q, "r": rec, "st": "boot", "row": next(rows),
+                     "pages": [next(pages) for _ in range(q["pages"] - q["prefix"])]})
+    errors: list[str] = []
+    owned: set = set()
+    while any(x["st"] != "done" for x in reqs) and time.monotonic() < deadline:
+        for x in reqs:
+            q, rec = x["q"], x["r"]
+            if x["st"] == "done":
+                continue
+            st = rec.poll()
+            if x["st"] == "boot" and st == P.WaitingForInput:
+                rec.send_metadata(np.asarray(x["pages"], dtype=np.int32), x["row"], None,
+                                  decode_prefix_len=q["prefix"] * r.ps)
+                if q.get("abort") == "decode":
+                    rec.abort()
+                x["st"] = "meta"
+            elif st in (P.Success, P.Failed):
+                x["result"] = "Success" if st == P.Success else "Failed"
+                if st == P.Success:
+                    owned.update(x["pages"])
+                    errors += r.check(q["room"], x["pages"], q["prefix"] * r.ps)
+                    x["aux_room"] = int(r.meta.bootstrap_room[x["row"], 0])
+                    x["aux_ids_ok"] = bool(torch.equal(r.meta.output_ids[x["row"]], aux_ids(q["room"])))
+                else:
+                    try:
+                        rec.failure_exception()
+                    except Exception as exc:  # noqa: BLE001
+                        x["error"] = f"{type(exc).__name__}: {exc}"
+                rec.clear()
+                m = rec.get_transfer_metric()
+                x["bytes"], x["latency"] = m.transfer_total_bytes, m.transfer_latency_s
+                x["st"] = "done"
+        time.sleep(0.002)
+    errors += r.untouched(owned)
+    report(out, reqs, errors)
+
+
+def report(out: str, reqs, errors) -> None:
+    rows = {str(x["q"]["room"]): {k: v for k, v in x.items() if k not in ("q", "s", "r", "pages")} for x in reqs}
+    with open(out + ".tmp", "w") as f:
+        json.dump({"rooms": rows, "errors": errors}, f)
+    os.replace(out + ".tmp", out)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--role", required=True)
+    p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--scenario", required=True)
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    sc = json.load(open(a.scenario))
+    try:
+        r = Rank(a, sc)
+        (run_prefill if r.prefill else run_decode)(r, sc, a.out)
+        r.mgr.teardown()
+    except Exception:  # noqa: BLE001 - the test reads the traceback from the report
+        with open(a.out, "w") as f:
+            json.dump({"crash": traceback.format_exc()}, f)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
