@@ -5,6 +5,7 @@
 #   make test   install everything (once), then run the whole test suite
 #   make bench  the benchmark (also installs matplotlib for its plots), results into docs/bench
 #   make venv   only the installation
+#   make test-sglang  the SGLang adapter's tests, in their own venv .venv-sglang (make venv-sglang)
 
 PYTHON ?= python3
 VENV   := .venv
@@ -19,7 +20,16 @@ PYTEST_ARGS ?=
 DEMO_ARGS ?=
 BENCH_ARGS ?=
 
-.PHONY: venv test demo bench apt clean
+# The SGLang test venv: SGLang 0.5.23 with --no-deps from a pinned list, every pip call under the
+# CPU torch constraint (an unconstrained one pulls SGLang's CUDA torch). docs/sglang.md.
+SGL_VENV  := .venv-sglang
+SGL_PY    := $(SGL_VENV)/bin/python
+SGL_PIP   := $(SGL_PY) -m pip --disable-pip-version-check
+SGL_PIN   := -c requirements/torch.txt
+SGL_STAMP := $(SGL_VENV)/.kvstage-installed
+SGL_SHIMS := tests/sglang/shims
+
+.PHONY: venv test demo bench apt clean venv-sglang test-sglang
 
 venv: $(STAMP)
 
@@ -55,5 +65,20 @@ bench: apt $(STAMP)
 	$(PIP) install -q -r requirements/bench.txt
 	$(PY) examples/bench.py $(BENCH_ARGS)
 
+venv-sglang: $(SGL_STAMP)
+
+$(SGL_STAMP): $(REQS) requirements/sglang.txt | apt
+	test -x $(SGL_PY) || $(PYTHON) -m venv $(SGL_VENV)
+	$(SGL_PIP) install -q $(SGL_PIN) -r requirements/torch.txt
+	$(SGL_PIP) install -q $(SGL_PIN) -r requirements/nixl.txt
+	$(SGL_PIP) install -q $(SGL_PIN) --no-deps nixl==1.5.1
+	$(SGL_PIP) install -q $(SGL_PIN) -r requirements/base.txt
+	$(SGL_PIP) install -q $(SGL_PIN) --no-deps -r requirements/sglang.txt
+	$(SGL_PIP) install -q $(SGL_PIN) --no-deps --no-build-isolation -e .
+	touch $(SGL_STAMP)
+
+test-sglang: apt $(SGL_STAMP)
+	PYTHONPATH=$(SGL_SHIMS) $(SGL_PY) -m pytest tests/sglang -p no:cacheprovider $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(SGL_VENV) .pytest_cache .hypothesis

@@ -223,6 +223,8 @@ def run_decode(r: Rank, sc, out) -> None:
                 rec.clear()
                 m = rec.get_transfer_metric()
                 x["bytes"], x["latency"] = m.transfer_total_bytes, m.transfer_latency_s
+                kv = rec._handle.metrics() if rec._handle is not None else None   # the path kvstage took
+                x["path"] = kv.path if kv is not None else None
                 x["st"] = "done"
         time.sleep(0.002)
     errors += r.untouched(owned)

@@ -149,6 +149,8 @@ def test_chunked_requests_with_a_prefix_hit(tmp_path, model_dir, bootstrap_serve
     reqs = requests_for(7, 6, prefix={2: 1, 4: 3})
     results = run(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, reqs, staging=staging)
     expect(results, reqs, lambda i: "Success")
+    paths = {row["path"] for rank in range(decode_tp) for row in results[("decode", rank)]["rooms"].values()}
+    assert paths == {"staged" if staging else "direct"}
     for rank in range(prefill_tp):   # the prefill learned each decode prefix through pop_decode_prefix_len
         rooms = results[("prefill", rank)]["rooms"]
         assert [rooms[str(q["room"])]["prefix_seen"] for q in reqs] == [q["prefix"] for q in reqs]
