@@ -1,10 +1,11 @@
 """Everything beside K and V that a request carries: SGLang's aux rows and state_indices.
 
-Isolated here because it rests on kvstage's state pools (issue 17): the aux buffers (SGLang's
-MetadataBuffers, one row per request) become ONE replicated pool named "aux" per buffer
-("aux0", "aux1", ...), named per request with `pool_items`, so they move with the request's last
-chunk and are in place before kvstage reports Success. When the installed kvstage has no state
-pools yet, the KV moves alone and the aux rows do NOT move: see docs/sglang.md.
+Isolated here because it rests on kvstage's state pools (issue 17). The aux buffers (SGLang's
+MetadataBuffers: output ids, cached tokens, logprobs, hidden states, bootstrap_room, ...) become
+ONE replicated pool named "aux", one tensor per buffer seen as bytes [rows, row bytes]. A request
+names its row with `pool_items={"aux": [row]}` on each side (the rows differ), so the row moves
+with the request's last chunk, in the writes the KV makes anyway, and is in place before kvstage
+reports Success.
 
 state_indices (Mamba slots, SWA windows, DSA indexer pages) are not supported yet: a request that
 carries any fails with that reason instead of decoding from a partial state.
@@ -19,31 +20,26 @@ import torch
 from kvstage import KVBuffers
 from kvstage.transfer.raw_memory import tensor_at
 
-try:  # issue 17
-    from kvstage import StatePool
-except (ImportError, AttributeError):  # pragma: no cover - depends on the installed kvstage
-    StatePool = None
-
-POOLS_SUPPORTED = StatePool is not None
+from kvstage import StatePool
 
 
-def aux_pool_names(args) -> list[str]:
-    return [f"aux{i}" for i in range(len(getattr(args, "aux_data_ptrs", None) or []))]
+AUX = "aux"
+
+
+def has_aux(args) -> bool:
+    return bool(getattr(args, "aux_data_ptrs", None))
 
 
 def make_buffers(layout, args, device: str) -> KVBuffers:
     """kvstage buffers over SGLang's memory: KV by pointer, and the aux rows as state pools."""
     kv = KVBuffers.from_pointers(layout, list(args.kv_data_ptrs), list(args.kv_data_lens),
                                  list(args.kv_item_lens), device=device)
-    if not POOLS_SUPPORTED or not aux_pool_names(args):
+    if not has_aux(args):
         return kv
-    dev = torch.device(device)
-    pools = {}
-    for name, ptr, nbytes, item in zip(aux_pool_names(args), args.aux_data_ptrs, args.aux_data_lens,
-                                       args.aux_item_lens):
-        rows = tensor_at(ptr, nbytes, torch.uint8, (nbytes // item, item), _aux_device(dev))
-        pools[name] = StatePool([rows], sharding="replicated")
-    return KVBuffers(kv.k, kv.v, pools=pools).validate(layout)
+    dev = _aux_device(torch.device(device))
+    rows = [tensor_at(ptr, nbytes, torch.uint8, (nbytes // item, item), dev)
+            for ptr, nbytes, item in zip(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)]
+    return KVBuffers(kv.k, kv.v, pools={AUX: StatePool(rows, sharding="replicated")}).validate(layout)
 
 
 def _aux_device(kv_device: torch.device) -> torch.device:
@@ -81,16 +77,15 @@ def receiver_items(mgr, aux_index: Optional[int]) -> dict:
 
 
 def _items(mgr, aux_index: Optional[int]) -> dict:
-    names = aux_pool_names(mgr.kv_args)
-    if not POOLS_SUPPORTED or aux_index is None or not names:
+    if aux_index is None or not has_aux(mgr.kv_args):
         return {}
-    return {"pool_items": {name: [int(aux_index)] for name in names}}
+    return {"pool_items": {AUX: [int(aux_index)]}}
 
 
 def aux_row_ready(mgr, aux_index: Optional[int], room: int) -> bool:
-    """Decode: whether SGLang may read the request's aux row. Without state pools the row never
-    moves, so there is nothing to wait for (and SGLang's own metadata gate holds the request)."""
-    if not POOLS_SUPPORTED or aux_index is None or mgr.aux_rooms is None:
+    """Decode: whether SGLang may read the request's aux row: its bootstrap_room column names
+    the request (room 0 is never used, so a zeroed row never passes)."""
+    if aux_index is None or mgr.aux_rooms is None:
         return True
     return int(mgr.aux_rooms[aux_index, 0]) & ((1 << 64) - 1) == room & ((1 << 64) - 1) and room != 0
 

@@ -4,7 +4,8 @@ Each rank is a process (rank.py) that drives SGLang's real scheduler-facing clas
 through SGLang's plugin loader and get_kv_class exactly as a server gets them, over real kvstage
 on real NIXL or Mooncake, with SGLang's real bootstrap server (kvstage's subclass of it) running
 in this test process. Every room's outcome is checked on both sides; decode checks every KV byte
-it received and that no page outside a successful room was written.
+it received, its aux row (SGLang's MetadataBuffers: first output ids and bootstrap_room), and
+that no page outside a successful room was written.
 """
 
 from __future__ import annotations
@@ -23,11 +24,6 @@ import pytest
 HERE = Path(__file__).resolve().parent
 SHIMS = HERE / "shims"
 TIMEOUT_S = 240
-
-try:
-    from kvstage.adapters.sglang.pools import POOLS_SUPPORTED
-except ImportError:  # pragma: no cover
-    POOLS_SUPPORTED = False
 
 
 def free_port() -> int:
@@ -137,8 +133,7 @@ def expect(results, reqs, outcome) -> None:
             assert row.get("result") == outcome(i), f"{key} room #{i} {q}: {row}"
             if key[0] == "decode" and row["result"] == "Success":
                 assert row["bytes"] > 0 and row["latency"] is not None
-                if POOLS_SUPPORTED:
-                    assert row["aux_room"] == q["room"] and row["aux_ids_ok"], f"aux row of room #{i}: {row}"
+                assert row["aux_room"] == q["room"] and row["aux_ids_ok"], f"aux row of room #{i}: {row}"
             if row["result"] == "Failed":
                 assert "KVTransferError" in row.get("error", ""), row
 
