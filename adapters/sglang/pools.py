@@ -43,7 +43,12 @@ def make_buffers(layout, args, device: str) -> KVBuffers:
 
 
 def _aux_device(kv_device: torch.device) -> torch.device:
-    # SGLang keeps the metadata buffers in host memory next to a CPU cache
+    """SGLang keeps MetadataBuffers in host memory; kvstage's pools live on the KV cache's
+    device. Wrapping a host address as device memory would be wrong, so a CUDA cache is refused
+    until pools can sit on their own device."""
+    if kv_device.type != "cpu":
+        raise NotImplementedError("the kvstage backend cannot move SGLang's host-memory aux rows beside a "
+                                  f"{kv_device.type} KV cache yet (docs/sglang.md)")
     return kv_device
 
 
