@@ -1,0 +1,79 @@
+"""The SGLang adapter's pure parts, without SGLang installed: the enum member, the staging
+switch hand-over, and KVArgs -> kvstage layout (the SGLang-facing classes are tested in
+tests/sglang by `make test-sglang`)."""
+
+from __future__ import annotations
+
+import enum
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvstage.adapters.sglang import plugin
+from kvstage.adapters.sglang.geometry import kv_layout
+
+
+class Backend(enum.Enum):
+    MOONCAKE = "mooncake"
+    NIXL = "nixl"
+
+
+def test_enum_member_added_in_place_and_idempotent():
+    plugin.add_enum_member(Backend, "KVSTAGE", "kvstage")
+    plugin.add_enum_member(Backend, "KVSTAGE", "kvstage")
+    assert Backend("kvstage") is Backend.KVSTAGE and Backend["KVSTAGE"] is Backend.KVSTAGE
+    assert [m.value for m in Backend] == ["mooncake", "nixl", "kvstage"]
+    assert plugin.is_kvstage(Backend.KVSTAGE) and plugin.is_kvstage("kvstage")
+    assert not plugin.is_kvstage(Backend.NIXL)
+
+
+@pytest.mark.parametrize("flag,want", [("1", "1"), ("true", "1"), ("0", "0"), ("off", "0")])
+def test_staging_flag_moves_to_kvstage_for_backend_kvstage(monkeypatch, flag, want):
+    monkeypatch.delenv(plugin.STAGING_ENV, raising=False)
+    monkeypatch.setenv(plugin.SGLANG_STAGING_ENV, flag)
+    plugin.take_staging_flag(SimpleNamespace(disaggregation_transfer_backend="kvstage"))
+    assert plugin.SGLANG_STAGING_ENV not in os.environ      # SGLang neither refuses nor acts on it
+    assert os.environ[plugin.STAGING_ENV] == want
+    assert plugin.staging_enabled() is (want == "1")
+
+
+def test_staging_flag_left_alone_for_other_backends(monkeypatch):
+    monkeypatch.delenv(plugin.STAGING_ENV, raising=False)
+    monkeypatch.setenv(plugin.SGLANG_STAGING_ENV, "1")
+    plugin.take_staging_flag(SimpleNamespace(disaggregation_transfer_backend="mooncake"))
+    assert os.environ[plugin.SGLANG_STAGING_ENV] == "1" and plugin.STAGING_ENV not in os.environ
+
+
+def kv_args(layers=3, heads=2, total=8, page=16, head_bytes=256, **kw):
+    item = page * heads * head_bytes
+    return SimpleNamespace(kv_data_ptrs=[4096 * (i + 1) for i in range(2 * layers)],
+                           kv_item_lens=[item] * (2 * layers), page_size=page, kv_head_num=heads,
+                           total_kv_head_num=total, **kw)
+
+
+def test_layout_from_kv_args_moves_heads_as_bytes():
+    lay = kv_layout(kv_args(), attn_tp_size=4, attn_tp_rank=3, mla=False)
+    assert (lay.num_layers, lay.total_kv_heads, lay.local_heads, lay.head_dim, lay.dtype) == (3, 8, 2, 256,
+                                                                                               torch.uint8)
+    assert (lay.tp_size, lay.tp_rank, lay.page_size, lay.mla) == (4, 3, 16, False)
+
+
+def test_layout_mla_is_one_latent_per_layer():
+    args = SimpleNamespace(kv_data_ptrs=[1, 2, 3], kv_item_lens=[16 * 576 * 2] * 3, page_size=16)
+    lay = kv_layout(args, attn_tp_size=2, attn_tp_rank=0, mla=True)
+    assert (lay.num_layers, lay.total_kv_heads, lay.head_dim, lay.mla) == (3, 1, 1152, True)
+
+
+@pytest.mark.parametrize("args,match", [
+    (SimpleNamespace(kv_data_ptrs=[1, 2, 3], kv_item_lens=[64] * 3, page_size=4, kv_head_num=1,
+                     total_kv_head_num=1), "K layers then V layers"),
+    (SimpleNamespace(kv_data_ptrs=[1, 2], kv_item_lens=[64, 128], page_size=4, kv_head_num=1,
+                     total_kv_head_num=1), "differ between layers"),
+    (SimpleNamespace(kv_data_ptrs=[1, 2], kv_item_lens=[66, 66], page_size=4, kv_head_num=1,
+                     total_kv_head_num=1), "not page_size"),
+])
+def test_layout_refuses_what_it_cannot_map(args, match):
+    with pytest.raises(ValueError, match=match):
+        kv_layout(args, attn_tp_size=1, attn_tp_rank=0, mla=False)
