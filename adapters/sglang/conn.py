@@ -66,7 +66,7 @@ class KvstageKVManager(CommonKVManager):
         self._rendezvous: dict[str, str] = {}
         self._rendezvous_lock = threading.Lock()
         self._own_server: Optional[_Rendezvous] = None
-        layout = kv_layout(args, self.attn_tp_size, self.attn_tp_rank, bool(is_mla_backend))
+        layout = kv_layout(args, self.attn_tp_size, self.attn_tp_rank, bool(is_mla_backend), server_args)
         buffers = pools.make_buffers(layout, args, device_of(server_args, args))
         self.aux_rooms = pools.aux_room_column(args)
         if self.is_prefill:

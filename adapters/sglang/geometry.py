@@ -13,7 +13,9 @@ import torch
 from kvstage import KVLayout
 
 
-def kv_layout(args, attn_tp_size: int, attn_tp_rank: int, mla: bool) -> KVLayout:
+def kv_layout(args, attn_tp_size: int, attn_tp_rank: int, mla: bool, server_args=None) -> KVLayout:
+    """SGLang's decode side does not fill kv_head_num/total_kv_head_num in KVArgs (its prefill
+    side does): they then come from the model config, local heads as kvstage's layout defines."""
     ptrs, items = list(args.kv_data_ptrs), list(args.kv_item_lens)
     page = int(args.page_size)
     if mla:
@@ -21,13 +23,22 @@ def kv_layout(args, attn_tp_size: int, attn_tp_rank: int, mla: bool) -> KVLayout
     else:
         if len(ptrs) % 2:
             raise ValueError(f"KVArgs lists {len(ptrs)} KV buffers; expected K layers then V layers")
-        layers, heads, total = len(ptrs) // 2, int(args.kv_head_num), int(args.total_kv_head_num)
+        total = getattr(args, "total_kv_head_num", None) or model_kv_heads(server_args)
+        heads = getattr(args, "kv_head_num", None) or max(1, total // attn_tp_size)
+        layers, heads, total = len(ptrs) // 2, int(heads), int(total)
     if not items or any(i != items[0] for i in items):
         raise ValueError(f"KV item sizes differ between layers ({sorted(set(items))}); kvstage needs one")
     if items[0] % (page * heads):
         raise ValueError(f"KV item size {items[0]} is not page_size {page} x {heads} heads x head bytes")
     return KVLayout(num_layers=layers, total_kv_heads=total, head_dim=items[0] // (page * heads), dtype=torch.uint8,
                     page_size=page, tp_size=attn_tp_size, tp_rank=attn_tp_rank, mla=mla)
+
+
+def model_kv_heads(server_args) -> int:
+    if server_args is None:
+        raise ValueError("KVArgs has no total_kv_head_num and no server args to read the model's from")
+    from sglang.srt.configs.model_config import ModelConfig
+    return int(ModelConfig.from_server_args(server_args).get_total_num_kv_heads())
 
 
 def device_of(server_args, args) -> str:

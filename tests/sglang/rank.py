@@ -86,7 +86,9 @@ class Rank:
         args.kv_item_lens = [t[: self.ps].nbytes for t in bufs]
         args.kv_layer_ids = list(range(self.layers)) * 2
         args.kv_cache_dtype_str = "bfloat16"
-        args.kv_head_num, args.total_kv_head_num, args.page_size = self.local, self.H, self.ps
+        args.page_size = self.ps
+        if self.prefill:   # as SGLang's schedulers: only the prefill side fills the head counts
+            args.kv_head_num, args.total_kv_head_num = self.local, self.H
         args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens = self.meta.get_buf_infos()
         args.state_types, args.state_data_ptrs, args.state_data_lens, args.state_item_lens = [], [], [], []
         args.state_layer_ids, args.state_dim_per_tensor, args.state_slice_outer_counts = [], [], []
