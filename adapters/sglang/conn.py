@@ -15,6 +15,7 @@ clear().
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from typing import List, Optional
@@ -132,7 +133,6 @@ class KvstageKVManager(CommonKVManager):
 
 
 def _backend_name() -> str:
-    import os
     name = os.environ.get(BACKEND_ENV, "nixl").strip().lower()
     if name not in ("nixl", "mooncake"):
         raise ValueError(f"{BACKEND_ENV} must be nixl or mooncake, got {name!r}")

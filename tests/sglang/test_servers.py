@@ -135,9 +135,13 @@ def reference(tiny_model, tmp_path_factory) -> list[list[int]]:
 
 @pytest.mark.parametrize("staged,decode_tp", [(False, 1), (True, 2)], ids=["direct-P1-D1", "staged-P1-D2"])
 def test_pd_through_kvstage_equals_a_single_server(tiny_model, reference, tmp_path, staged, decode_tp):
-    env = env_for(SGLANG_DISAGG_STAGING_BUFFER="1" if staged else "0")
+    env = env_for(SGLANG_DISAGG_STAGING_BUFFER="1" if staged else "0",
+                  # SGLang's CPU engine binds each TP rank's OpenMP threads to its own cores
+                  SGLANG_CPU_OMP_THREADS_BIND="|".join(str(i % (os.cpu_count() or 1)) for i in range(decode_tp)))
     pp, dp, bp, rp = free_port(), free_port(), free_port(), free_port()
-    common = ("--disaggregation-transfer-backend", "kvstage")
+    # SGLang's prefill overlap schedule records a torch.cuda.Event when it sends a cached prefix
+    # early: there is no CUDA here, so the PD servers run without it
+    common = ("--disaggregation-transfer-backend", "kvstage", "--disable-overlap-schedule")
     procs: list[Proc] = []
     try:
         procs.append(Proc("prefill", server_argv(tiny_model, pp, *common, "--disaggregation-mode", "prefill",
