@@ -133,6 +133,7 @@ def reference(tiny_model, tmp_path_factory) -> list[list[int]]:
         p.stop()
 
 
+@pytest.mark.timeout(1200)   # three server starts (and the reference server's, on first use)
 @pytest.mark.parametrize("staged,decode_tp", [(False, 1), (True, 2)], ids=["direct-P1-D1", "staged-P1-D2"])
 def test_pd_through_kvstage_equals_a_single_server(tiny_model, reference, tmp_path, staged, decode_tp):
     env = env_for(SGLANG_DISAGG_STAGING_BUFFER="1" if staged else "0",
