@@ -2,7 +2,9 @@
 `--disaggregation-transfer-backend kvstage`, behind `sglang_router --pd-disaggregation --mini-lb`.
 Greedy output through kvstage must equal a single (non-PD) server's, token for token, on the
 direct path and on the staged path (prefill TP 1 -> decode TP 2). The model is a tiny random
-Llama built here with transformers; no tokenizer (token ids in, token ids out). Every server
+Llama built here with transformers, served in float32 (a TP 2 decode's all-reduce rounds bf16
+differently from one rank's sums, which can flip a greedy token after a dozen steps: that is
+arithmetic, not transfer); no tokenizer (token ids in, token ids out). Every server
 runs in its own process group and is stopped by its PID; every wait polls a condition with a
 deadline.
 """
@@ -117,7 +119,7 @@ def env_for(**extra) -> dict:
 def server_argv(model: str, port: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--device", "cpu",
             "--max-total-tokens", "4096", "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port),
-            "--chunked-prefill-size", "16", "--log-level", "warning", *extra]
+            "--chunked-prefill-size", "16", "--dtype", "float32", "--log-level", "warning", *extra]
 
 
 @pytest.fixture(scope="module")
