@@ -31,9 +31,18 @@ MAX_NEW = 16
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below Linux's ephemeral range: the servers open many sockets of their own on
+    ephemeral ports, which could take one picked there before its server binds it."""
+    rnd = random.Random()
+    for _ in range(200):
+        port = rnd.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port in 20000-32000")
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +150,7 @@ def test_pd_through_kvstage_equals_a_single_server(tiny_model, reference, tmp_pa
     env = env_for(SGLANG_DISAGG_STAGING_BUFFER="1" if staged else "0",
                   # SGLang's CPU engine binds each TP rank's OpenMP threads to its own cores
                   SGLANG_CPU_OMP_THREADS_BIND="|".join(str(i % (os.cpu_count() or 1)) for i in range(decode_tp)))
-    pp, dp, bp, rp = free_port(), free_port(), free_port(), free_port()
+    pp, dp, bp = free_port(), free_port(), free_port()
     # SGLang's prefill overlap schedule records a torch.cuda.Event when it sends a cached prefix
     # early: there is no CUDA here, so the PD servers run without it
     common = ("--disaggregation-transfer-backend", "kvstage", "--disable-overlap-schedule")
@@ -156,6 +165,7 @@ def test_pd_through_kvstage_equals_a_single_server(tiny_model, reference, tmp_pa
                           tmp_path / "decode.log", env))
         for p, port in zip(procs, (pp, dp)):
             wait_healthy(p, f"http://127.0.0.1:{port}/health")
+        rp = free_port()
         procs.append(Proc("router", [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
                                      "--mini-lb", "--prefill", f"http://127.0.0.1:{pp}", str(bp),
                                      "--decode", f"http://127.0.0.1:{dp}", "--host", "127.0.0.1",
