@@ -27,7 +27,7 @@ SGL_PY    := $(SGL_VENV)/bin/python
 SGL_PIP   := $(SGL_PY) -m pip --disable-pip-version-check
 SGL_PIN   := -c requirements/torch.txt
 SGL_STAMP := $(SGL_VENV)/.kvstage-installed
-SGL_SHIMS := tests/sglang/shims
+SGL_SHIMS := tests/sglang_adapter/shims
 
 .PHONY: venv test demo bench apt clean venv-sglang test-sglang
 
@@ -78,7 +78,7 @@ $(SGL_STAMP): $(REQS) requirements/sglang.txt | apt
 	touch $(SGL_STAMP)
 
 test-sglang: apt $(SGL_STAMP)
-	PYTHONPATH=$(SGL_SHIMS) $(SGL_PY) -m pytest tests/sglang -p no:cacheprovider $(PYTEST_ARGS)
+	PYTHONPATH=$(SGL_SHIMS) $(SGL_PY) -m pytest tests/sglang_adapter -p no:cacheprovider $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(SGL_VENV) .pytest_cache .hypothesis

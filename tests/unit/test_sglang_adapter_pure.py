@@ -1,6 +1,6 @@
 """The SGLang adapter's pure parts, without SGLang installed: the enum member, the staging
 switch hand-over, and KVArgs -> kvstage layout (the SGLang-facing classes are tested in
-tests/sglang by `make test-sglang`)."""
+tests/sglang_adapter by `make test-sglang`)."""
 
 from __future__ import annotations
 
