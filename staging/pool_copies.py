@@ -1,51 +1,105 @@
 """Copying state pool items between their tensors and a staged region (prefill: after the KV
-bytes of the last piece; decode: out of the ring into this rank's items). Pool items are few and
-small next to the KV pages, so plain torch indexing does it on either device."""
+bytes of the last piece; decode: out of the ring into this rank's items).
+
+Each pool tensor is seen once as bytes, `[num_items, item bytes]` (`PoolBytes`); a request's
+copies then only index those views, which takes no torch op, and move every block in ONE op.
+That matters more than the bytes: every torch op releases the GIL, and while the control thread
+polls the backend each hand-back waits for it, up to the interpreter's switch interval (5 ms),
+longer when the rank shares its cores. Nine ops per tensor made an 8-layer pool cost ~10 ms a
+request where its bytes cost 0.1 ms (docs/benchmarks.md, "State pools"). The same code runs on
+either device (`torch._foreach_copy_` is one kernel launch per list on a GPU).
+"""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
 
-def _rows(pools: dict, copy, items) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pool tensor and the index of the copy's items on its device."""
-    seg = copy.segment
-    t = pools[seg.pool].tensors[seg.tensor]
-    return t, torch.as_tensor(items, dtype=torch.int64).to(t.device)
+class PoolBytes:
+    """A rank's state pools with each tensor viewed once as uint8 `[num_items, item bytes]`."""
+
+    def __init__(self, pools: Mapping):
+        self._pools = pools
+        self._rows: dict[tuple[str, int], torch.Tensor] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._pools)
+
+    def span(self, segment, heads: tuple[int, int] | None) -> tuple[torch.Tensor, int, int]:
+        """The tensor's byte rows and the byte range [a, b) of `heads` (all of an item for None)
+        within each row."""
+        key = (segment.pool, segment.tensor)
+        rows = self._rows.get(key)
+        if rows is None:
+            t = self._pools[segment.pool].tensors[segment.tensor]
+            rows = self._rows[key] = t.reshape(t.shape[0], -1).view(torch.uint8)
+        a, b = 0, rows.shape[1]
+        if heads is not None:
+            local = self._pools[segment.pool].tensors[segment.tensor].shape[1]
+            per_head = rows.shape[1] // local
+            a, b = heads[0] * per_head, heads[1] * per_head
+        if b - a != segment.item_bytes:
+            raise ValueError(f"pool {segment.pool!r} tensor {segment.tensor}: {b - a} bytes per item, expected "
+                             f"{segment.item_bytes}")
+        return rows, a, b
 
 
-def gather_pools(pools: dict, copies: Sequence, out: torch.Tensor, offset: int, dst: bool = False) -> int:
+def _as_bytes(pools) -> PoolBytes:
+    return pools if isinstance(pools, PoolBytes) else PoolBytes(pools)
+
+
+def _item_rows(rows: torch.Tensor, items, a: int, b: int, segment) -> list[torch.Tensor]:
+    """Each item's bytes [a, b) as a view (plain indexing: no torch op, no GIL hand-off)."""
+    n = rows.shape[0]
+    out = []
+    for i in items:
+        i = int(i)
+        if not 0 <= i < n:
+            raise ValueError(f"pool {segment.pool!r} item {i} is out of range [0, {n})")
+        out.append(rows[i, a:b])
+    return out
+
+
+def gather_pools(pools, copies: Sequence, out: torch.Tensor, offset: int, dst: bool = False) -> int:
     """Append each copy's source items (their head range, for a heads pool) to the uint8 `out`
     at byte `offset`, in order; returns the bytes written. `dst`: the destination side's items
-    instead (the decode rank digesting what landed)."""
+    instead (the decode rank digesting what landed). `pools`: a PoolBytes (or the pools dict)."""
+    pb = _as_bytes(pools)
+    srcs: list[torch.Tensor] = []
+    dsts: list[torch.Tensor] = []
     pos = offset
     for c in copies:
-        t, idx = _rows(pools, c, c.dst_items if dst else c.src_items)
-        rows = t.index_select(0, idx)
-        heads = c.segment.dst_heads if dst else c.segment.src_heads
-        if heads is not None:
-            rows = rows[:, heads[0]:heads[1]]
-        data = rows.contiguous().view(-1).view(torch.uint8)
-        if data.numel() != c.nbytes:
-            raise ValueError(f"pool {c.segment.pool!r} tensor {c.segment.tensor}: {data.numel()} bytes, expected "
+        seg = c.segment
+        rows, a, b = pb.span(seg, seg.dst_heads if dst else seg.src_heads)
+        items = _item_rows(rows, c.dst_items if dst else c.src_items, a, b, seg)
+        if len(items) * (b - a) != c.nbytes:
+            raise ValueError(f"pool {seg.pool!r} tensor {seg.tensor}: {len(items) * (b - a)} bytes, expected "
                              f"{c.nbytes}")
-        out[pos:pos + c.nbytes].copy_(data)
-        pos += c.nbytes
+        for r in items:
+            srcs.append(r)
+            dsts.append(out[pos:pos + (b - a)])
+            pos += b - a
+    if srcs:
+        torch._foreach_copy_(dsts, srcs)
     return pos - offset
 
 
-def scatter_pools(pools: dict, landed: Sequence[tuple[torch.Tensor, object]]) -> None:
+def scatter_pools(pools, landed: Sequence[tuple[torch.Tensor, object]]) -> None:
     """Copy each landed block (a uint8 view of the ring) into its destination items."""
+    pb = _as_bytes(pools)
+    srcs: list[torch.Tensor] = []
+    dsts: list[torch.Tensor] = []
     for view, c in landed:
-        t, idx = _rows(pools, c, c.dst_items)
-        shape = (idx.numel(),) + tuple(t.shape[1:])
-        heads = c.segment.dst_heads
-        if heads is not None:
-            shape = (idx.numel(), heads[1] - heads[0]) + tuple(t.shape[2:])
-        rows = view.clone().view(t.dtype).view(shape)  # a copy: the block may sit at any byte offset
-        if heads is None:
-            t.index_copy_(0, idx, rows)
-        else:
-            t[idx, heads[0]:heads[1]] = rows
+        seg = c.segment
+        rows, a, b = pb.span(seg, seg.dst_heads)
+        items = _item_rows(rows, c.dst_items, a, b, seg)
+        if view.numel() != len(items) * (b - a):
+            raise ValueError(f"pool {seg.pool!r} tensor {seg.tensor}: a landed block of {view.numel()} bytes "
+                             f"for {len(items)} items of {b - a}")
+        for k, r in enumerate(items):
+            dsts.append(r)
+            srcs.append(view[k * (b - a):(k + 1) * (b - a)])
+    if srcs:
+        torch._foreach_copy_(dsts, srcs)

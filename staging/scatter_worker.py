@@ -16,7 +16,7 @@ import torch
 from .gather_scatter import Scatterer
 from .kernels import scatterer_class
 from .digests import digest
-from .pool_copies import scatter_pools
+from .pool_copies import PoolBytes, scatter_pools
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class ScatterWorker:
     def __init__(self, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None, page_size: int,
                  report: Report, pools: dict | None = None):
         self._k, self._v, self._page_size = list(k), (list(v) if v is not None else None), page_size
-        self._pools = pools or {}
+        self._pools = PoolBytes(pools or {})  # tensors viewed as bytes once, not per request
         self._report = report
         # chosen here, not in the thread: a bad KVSTAGE_STAGING_KERNELS fails the caller
         self._scatterer_class = scatterer_class(self._k[0].device)

@@ -21,7 +21,7 @@ import torch
 from .buffers import StagingBuffer
 from .kernels import gatherer_class
 from .digests import digest
-from .pool_copies import gather_pools
+from .pool_copies import PoolBytes, gather_pools
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class TransferWorkers:
     def __init__(self, buffers: Sequence[StagingBuffer], k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None,
                  page_size: int, submit: SubmitWrite, report: Report, pools: dict | None = None):
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._pools = pools or {}
+        self._pools = PoolBytes(pools or {})  # tensors viewed as bytes once, not per request
         self._k, self._v, self._page_size = list(k), (list(v) if v is not None else None), page_size
         self._submit, self._report = submit, report
         # chosen here, not in the threads: a bad KVSTAGE_STAGING_KERNELS fails the caller
