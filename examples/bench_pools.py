@@ -50,6 +50,10 @@ def one_run(a, transport: str, with_pool: bool) -> dict:
             "decode_tags": sum(s.get("tags_received", 0) for s in st["decode"])}
 
 
+def _ms(seconds: list[float]) -> str:
+    return "[" + ", ".join(f"{s * 1e3:.1f}" for s in seconds) + "]"
+
+
 def main(argv=None) -> int:
     a = parse(argv)
     kv_bytes = -(-a.tokens // a.page_size) * a.page_size * bench.token_bytes(a)
@@ -69,11 +73,14 @@ def main(argv=None) -> int:
         row = {"transport": transport, "without_s": base, "with_s": pooled, "expected_s": expected,
                "writes_without": [r["prefill_writes"] for r in runs[False]],
                "writes_with": [r["prefill_writes"] for r in runs[True]],
-               "tags_without": [r["decode_tags"] for r in runs[False]], "tags_with": [r["decode_tags"] for r in runs[True]]}
+               "tags_without": [r["decode_tags"] for r in runs[False]], "tags_with": [r["decode_tags"] for r in runs[True]],
+               "runs_without_s": [r["seconds"] for r in runs[False]], "runs_with_s": [r["seconds"] for r in runs[True]],
+               "samples_without_s": [r["samples"] for r in runs[False]], "samples_with_s": [r["samples"] for r in runs[True]]}
         out["results"].append(row)
         lines.append(f"{transport:9s} without pool {base * 1e3:8.2f} ms  with pool {pooled * 1e3:8.2f} ms  "
                      f"ratio {pooled / base:5.3f}  (bytes alone: {expected / base:5.3f})  backend writes per run "
                      f"without {row['writes_without']} with {row['writes_with']}")
+        lines.append(f"{'':9s} per-run medians, ms: without {_ms(row['runs_without_s'])} with {_ms(row['runs_with_s'])}")
     print("\n".join(lines))
     bench.save_json(a.json, out)
     return 0
