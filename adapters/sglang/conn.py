@@ -22,6 +22,7 @@ from typing import List, Optional
 
 import numpy as np
 import requests
+import torch
 from aiohttp import web
 
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll, KVTransferDestination, KVTransferMetric
@@ -36,6 +37,7 @@ from kvstage.bootstrap.wire import load_token
 
 from . import pools
 from .geometry import device_of, kv_layout, unsupported_features
+from .state import StateMap
 from .plugin import staging_enabled
 
 log = logging.getLogger("kvstage.sglang")
@@ -67,8 +69,12 @@ class KvstageKVManager(CommonKVManager):
         self._rendezvous: dict[str, str] = {}
         self._rendezvous_lock = threading.Lock()
         self._own_server: Optional[_Rendezvous] = None
-        layout = kv_layout(args, self.attn_tp_size, self.attn_tp_rank, bool(is_mla_backend), server_args)
-        buffers = pools.make_buffers(layout, args, device_of(server_args, args))
+        # a hybrid model's full-attention pool may be MLA although its pool as a whole is not
+        mla = bool(is_mla_backend) or bool(getattr(args, "is_hybrid_mla_backend", False))
+        layout = kv_layout(args, self.attn_tp_size, self.attn_tp_rank, mla, server_args)
+        device = device_of(server_args, args)
+        self.state = StateMap(args, layout, torch.device(device), self.attn_tp_size)
+        buffers = pools.make_buffers(layout, args, device, self.state.pools)
         self.aux_rooms = pools.aux_room_column(args)
         if self.is_prefill:
             own = self._own_bootstrap_addr()
@@ -197,6 +203,9 @@ class KvstageKVSender(_Handle, CommonKVSender):
         CommonKVSender.__init__(self, mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
         self._handle, self._error = None, None
         self._prefix_pages, self._first = 0, True
+        # SGLang names a request's state only with its last send; kvstage takes pool items at
+        # init(): with state pools, the request's pages are held until then (see send())
+        self._held: Optional[List[np.ndarray]] = [] if mgr.state.pools else None
         if self.conclude_state is not None or mgr.request_status.get(bootstrap_room) == KVPoll.Failed:
             self.conclude_state = KVPoll.Failed
             return
@@ -214,11 +223,18 @@ class KvstageKVSender(_Handle, CommonKVSender):
         if self._handle is None or self.conclude_state is not None:
             return
         self._prefix_pages = self._handle.decode_prefix_pages or 0
+        if self._held is None:
+            self._init_handle(None)
+
+    def _init_handle(self, state_indices) -> bool:
         try:
-            self._handle.init(num_kv_indices + self._prefix_pages, **pools.sender_items(self.kv_mgr, aux_index))
+            self._handle.init(self.num_kv_indices + self._prefix_pages,
+                              **pools.init_items(self.kv_mgr, self.aux_index, state_indices))
         except (ValueError, RuntimeError) as exc:
             self._handle.abort()
             self._end(KVPoll.Failed, f"init: {exc}")
+            return False
+        return True
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         return num_pages > 0
@@ -227,11 +243,6 @@ class KvstageKVSender(_Handle, CommonKVSender):
              indices_event: Optional[object] = None):
         if self.conclude_state is not None or self._handle is None:
             return
-        problem = pools.unsupported_state(state_indices)
-        if problem:
-            self._handle.abort()
-            self._end(KVPoll.Failed, problem)
-            return
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
         if pages.size == 0:
             return
@@ -239,6 +250,14 @@ class KvstageKVSender(_Handle, CommonKVSender):
             # stand-ins for the pages the decode side holds: kvstage skips them, never reads them
             pages = np.concatenate([np.full(self._prefix_pages, pages[0], dtype=np.int64), pages])
         self._first = False
+        if self._held is not None:
+            self._held.append(pages)
+            if sum(p.size for p in self._held) < self.num_kv_indices + self._prefix_pages:
+                self._record_transfer_indices(kv_indices, state_indices)
+                return
+            pages, self._held = np.concatenate(self._held), None
+            if not self._init_handle(state_indices):
+                return
         try:
             self._handle.send(pages)
         except (ValueError, RuntimeError) as exc:
@@ -309,9 +328,11 @@ class KvstageKVReceiver(_Handle, CommonKVReceiver):
         if self.conclude_state is not None or self._handle is None:
             return
         prefix = int(decode_prefix_len or 0)
-        problem = pools.unsupported_state(state_indices)
-        if problem is None and prefix % self.kv_mgr.page_size:
+        problem = None
+        if prefix % self.kv_mgr.page_size:
             problem = f"decode_prefix_len {prefix} is not a whole number of {self.kv_mgr.page_size}-token pages"
+        elif state_indices:
+            problem = self.kv_mgr.state.peer_problem(int(self.prefill_info.attn_tp_size), self.kv_mgr.attn_tp_size)
         if problem:
             self._handle.abort()
             self._end(KVPoll.Failed, problem)
@@ -320,7 +341,7 @@ class KvstageKVReceiver(_Handle, CommonKVReceiver):
         try:
             self._handle.init(np.asarray(kv_indices, dtype=np.int64).reshape(-1),
                               prefix_pages=prefix // self.kv_mgr.page_size,
-                              **pools.receiver_items(self.kv_mgr, aux_index))
+                              **pools.init_items(self.kv_mgr, aux_index, state_indices))
         except (ValueError, RuntimeError) as exc:
             self._handle.abort()
             self._end(KVPoll.Failed, f"send_metadata: {exc}")

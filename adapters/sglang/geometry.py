@@ -65,6 +65,9 @@ def unsupported_features(mgr, args) -> list[str]:
         out.append("--disaggregation-decode-allocation-policy prefill_complete")
     if getattr(args, "num_draft_entries", 0):
         out.append("speculative decoding draft KV (num_draft_entries)")
+    state_tp = getattr(mgr, "state_tp_size", mgr.attn_tp_size)
+    if getattr(args, "state_types", None) and state_tp != mgr.attn_tp_size:
+        out.append(f"state laid out over {state_tp} ranks beside attention TP {mgr.attn_tp_size} (CP-TP group sharing)")
     if getattr(args, "kv_layout", None) is not None:
         out.append(f"KV layout {args.kv_layout!r} (kvstage moves token-major NHD pages)")
     return out

@@ -1,4 +1,4 @@
-"""Everything beside K and V that a request carries: SGLang's aux rows and state_indices.
+"""Everything beside K and V that a request carries: SGLang's aux rows and its state.
 
 Isolated here because it rests on kvstage's state pools (issue 17). The aux buffers (SGLang's
 MetadataBuffers: output ids, cached tokens, logprobs, hidden states, bootstrap_room, ...) become
@@ -7,8 +7,8 @@ names its row with `pool_items={"aux": [row]}` on each side (the rows differ), s
 with the request's last chunk, in the writes the KV makes anyway, and is in place before kvstage
 reports Success.
 
-state_indices (Mamba slots, SWA windows, DSA indexer pages) are not supported yet: a request that
-carries any fails with that reason instead of decoding from a partial state.
+The state components (Mamba slots, SWA windows, DSA indexer pages) are more pools, built by
+state.py; a request's state_indices become its items of them, on each side.
 """
 
 from __future__ import annotations
@@ -30,16 +30,20 @@ def has_aux(args) -> bool:
     return bool(getattr(args, "aux_data_ptrs", None))
 
 
-def make_buffers(layout, args, device: str) -> KVBuffers:
-    """kvstage buffers over SGLang's memory: KV by pointer, and the aux rows as state pools."""
+def make_buffers(layout, args, device: str, state_pools: dict) -> KVBuffers:
+    """kvstage buffers over SGLang's memory: KV by pointer, the aux rows and the state
+    components (`state_pools`, from state.StateMap) as state pools."""
     kv = KVBuffers.from_pointers(layout, list(args.kv_data_ptrs), list(args.kv_data_lens),
                                  list(args.kv_item_lens), device=device)
-    if not has_aux(args):
+    found = dict(state_pools)
+    if has_aux(args):
+        dev = _aux_device(torch.device(device))
+        rows = [tensor_at(ptr, nbytes, torch.uint8, (nbytes // item, item), dev)
+                for ptr, nbytes, item in zip(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)]
+        found[AUX] = StatePool(rows, sharding="replicated")
+    if not found:
         return kv
-    dev = _aux_device(torch.device(device))
-    rows = [tensor_at(ptr, nbytes, torch.uint8, (nbytes // item, item), dev)
-            for ptr, nbytes, item in zip(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)]
-    return KVBuffers(kv.k, kv.v, pools={AUX: StatePool(rows, sharding="replicated")}).validate(layout)
+    return KVBuffers(kv.k, kv.v, pools=found).validate(layout)
 
 
 def _aux_device(kv_device: torch.device) -> torch.device:
@@ -71,20 +75,13 @@ def aux_room_column(args) -> Optional[torch.Tensor]:
     return tensor_at(ptrs[i], nbytes, torch.int64, (nbytes // item, 8), torch.device("cpu"))
 
 
-def sender_items(mgr, aux_index: Optional[int]) -> dict:
-    """Keyword arguments for the prefill sender's init()."""
-    return _items(mgr, aux_index)
-
-
-def receiver_items(mgr, aux_index: Optional[int]) -> dict:
-    """Keyword arguments for the decode receiver's init()."""
-    return _items(mgr, aux_index)
-
-
-def _items(mgr, aux_index: Optional[int]) -> dict:
-    if aux_index is None or not has_aux(mgr.kv_args):
-        return {}
-    return {"pool_items": {AUX: [int(aux_index)]}}
+def init_items(mgr, aux_index: Optional[int], state_indices=None) -> dict:
+    """Keyword arguments for kvstage's init() on either side: the request's aux row and its
+    items of the state pools. ValueError when state_indices do not fit this rank's state."""
+    items = mgr.state.items(state_indices)
+    if aux_index is not None and has_aux(mgr.kv_args):
+        items[AUX] = [int(aux_index)]
+    return {"pool_items": items} if items else {}
 
 
 def aux_row_ready(mgr, aux_index: Optional[int], room: int) -> bool:
@@ -93,13 +90,3 @@ def aux_row_ready(mgr, aux_index: Optional[int], room: int) -> bool:
     if aux_index is None or mgr.aux_rooms is None:
         return True
     return int(mgr.aux_rooms[aux_index, 0]) & ((1 << 64) - 1) == room & ((1 << 64) - 1) and room != 0
-
-
-def unsupported_state(state_indices) -> Optional[str]:
-    """A reason to fail a request that carries state pool indices (None: nothing to carry)."""
-    if not state_indices:
-        return None
-    if any(x is not None and len(x) for x in state_indices):
-        return ("the kvstage backend does not move SGLang state pools (Mamba, SWA, DSA state_indices) yet: "
-                "see docs/sglang.md")
-    return None

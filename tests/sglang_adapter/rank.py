@@ -8,7 +8,9 @@ scheduler drives a backend, and writes what happened per room as JSON.
 
 KV contents are a pattern of (room, layer, K/V, global head, token), so each side checks the
 bytes on its own: prefill writes it, decode compares every byte it received, and checks that
-every page no successful request owns still holds the sentinel (no byte in a wrong page).
+every page no successful request owns still holds the sentinel (no byte in a wrong page). With
+"state" in the scenario the ranks also hold SGLang state components (state_harness.py): Mamba
+slots and SWA window pages, named per request with state_indices on both sides, checked alike.
 
     python rank.py --role prefill --tp 2 --rank 0 --scenario s.json --out r.json
 """
@@ -28,6 +30,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+
+from state_harness import StateSide  # noqa: E402
 
 SENTINEL = -12345
 
@@ -93,6 +97,10 @@ class Rank:
         args.state_types, args.state_data_ptrs, args.state_data_lens, args.state_item_lens = [], [], [], []
         args.state_layer_ids, args.state_dim_per_tensor, args.state_slice_outer_counts = [], [], []
         args.state_conv_shard_groups, args.swa_kv_cache_layout = [], None
+        self.state = None
+        if sc.get("state"):
+            self.state = StateSide(sc["state"], a.tp, a.rank, self.H, self.hd, self.ps, self.num_pages)
+            self.state.kv_args(args)
         args.ib_device, args.gpu_id, args.prefill_start_layer, args.prefill_end_layer = None, 0, 0, None
         args.num_draft_entries, args.is_hybrid_mla_backend = 0, False
         mode = DisaggregationMode.PREFILL if self.prefill else DisaggregationMode.DECODE
@@ -138,10 +146,10 @@ class Rank:
 def run_prefill(r: Rank, sc, out) -> None:
     P, rows = r.P, iter(range(1, 32))
     reqs = []
-    pages = iter(range(1, r.num_pages))
-    for q in sc["requests"]:
+    pages, swa_pages = iter(range(1, r.num_pages)), iter(range(1, r.num_pages))
+    for i, q in enumerate(sc["requests"]):
         reqs.append({"q": q, "s": r.Sender(r.mgr, r.addr, q["room"]), "st": "boot", "row": next(rows),
-                     "pages": [next(pages) for _ in range(q["pages"])]})
+                     "pages": [next(pages) for _ in range(q["pages"])], "slot": 1 + i})
     deadline = time.monotonic() + sc["deadline_s"]
     while any(x["st"] != "done" for x in reqs) and time.monotonic() < deadline:
         for x in reqs:
@@ -158,13 +166,20 @@ def run_prefill(r: Rank, sc, out) -> None:
                 r.fill(q["room"], suffix, k * r.ps)
                 r.meta.output_ids[x["row"]] = aux_ids(q["room"])
                 r.meta.bootstrap_room[x["row"], 0] = q["room"]
+                state = None
+                if r.state is not None:   # SGLang names the state with the last send only
+                    w = min(sc["state"]["swa_pages"], len(suffix))
+                    x["swa"] = [next(swa_pages) for _ in range(w)]
+                    r.state.fill(q["room"], x["slot"], x["swa"], q["pages"] - w)
+                    state = StateSide.indices(x["slot"], x["swa"])
                 s.init(len(suffix), x["row"])
                 if q.get("abort") == "prefill":
                     s.abort()
                 else:
                     done = 0
-                    for n in q["chunks"]:
-                        s.send(np.asarray(suffix[done:done + n], dtype=np.int32))
+                    for c, n in enumerate(q["chunks"]):
+                        last = c == len(q["chunks"]) - 1
+                        s.send(np.asarray(suffix[done:done + n], dtype=np.int32), state if last else None)
                         done += n
                 x["st"] = "sent"
             elif st in (P.Success, P.Failed):
@@ -190,14 +205,17 @@ def run_decode(r: Rank, sc, out) -> None:
             raise TimeoutError("prefill parallel info never became available")
         time.sleep(0.1)
     rows, pages = iter(range(1, 32)), iter(range(1, r.num_pages))
+    swa_pages = iter(range(r.num_pages - 1, 0, -1))   # other pages and slots than prefill's
     reqs = []
-    for q in sc["requests"]:
+    for i, q in enumerate(sc["requests"]):
         rec = r.Receiver(r.mgr, r.addr, q["room"])
         rec.init(0)
         reqs.append({"q": q, "r": rec, "st": "boot", "row": next(rows),
-                     "pages": [next(pages) for _ in range(q["pages"] - q["prefix"])]})
+                     "pages": [next(pages) for _ in range(q["pages"] - q["prefix"])],
+                     "slot": sc["state"]["slots"] - 1 - i if r.state is not None else None})
     errors: list[str] = []
     owned: set = set()
+    owned_slots, owned_swa = set(), set()
     while any(x["st"] != "done" for x in reqs) and time.monotonic() < deadline:
         for x in reqs:
             q, rec = x["q"], x["r"]
@@ -205,7 +223,12 @@ def run_decode(r: Rank, sc, out) -> None:
                 continue
             st = rec.poll()
             if x["st"] == "boot" and st == P.WaitingForInput:
-                rec.send_metadata(np.asarray(x["pages"], dtype=np.int32), x["row"], None,
+                state = None
+                if r.state is not None:
+                    w = min(sc["state"]["swa_pages"], len(x["pages"])) - (1 if q.get("swa_short") else 0)
+                    x["swa"], x["first_swa"] = [next(swa_pages) for _ in range(w)], q["pages"] - w
+                    state = StateSide.indices(x["slot"], x["swa"])
+                rec.send_metadata(np.asarray(x["pages"], dtype=np.int32), x["row"], state,
                                   decode_prefix_len=q["prefix"] * r.ps)
                 if q.get("abort") == "decode":
                     rec.abort()
@@ -217,6 +240,11 @@ def run_decode(r: Rank, sc, out) -> None:
                     errors += r.check(q["room"], x["pages"], q["prefix"] * r.ps)
                     x["aux_room"] = int(r.meta.bootstrap_room[x["row"], 0])
                     x["aux_ids_ok"] = bool(torch.equal(r.meta.output_ids[x["row"]], aux_ids(q["room"])))
+                    if r.state is not None:
+                        owned_slots.add(x["slot"])
+                        owned_swa.update(x["swa"])
+                        x["state_bad"] = r.state.check(q["room"], x["slot"], x["swa"], x["first_swa"])
+                        errors += x["state_bad"]
                 else:
                     try:
                         rec.failure_exception()
@@ -230,6 +258,8 @@ def run_decode(r: Rank, sc, out) -> None:
                 x["st"] = "done"
         time.sleep(0.002)
     errors += r.untouched(owned)
+    if r.state is not None:
+        errors += r.state.untouched(owned_slots, owned_swa)
     report(out, reqs, errors)
 
 

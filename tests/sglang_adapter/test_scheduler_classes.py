@@ -78,19 +78,22 @@ def requests_for(seed: int, n: int, **overrides) -> list[dict]:
         cut = rnd.randint(1, suffix) if suffix > 1 else suffix
         chunks = [c for c in (cut, suffix - cut) if c]
         out.append({"room": rnd.randrange(1, 1 << 63), "pages": pages, "prefix": prefix, "chunks": chunks,
-                    "abort": overrides.get("abort", {}).get(i)})
+                    "abort": overrides.get("abort", {}).get(i), "swa_short": i in overrides.get("swa_short", ())})
     return out
 
 
 def run(tmp_path, model_dir, port, prefill_tp, decode_tp, reqs, *, backend="nixl", staging=False,
-        die_at_room=None, extra_env=None) -> dict:
+        die_at_room=None, extra_env=None, state=None) -> dict:
     sc = {"page_size": 4, "layers": 2, "heads": 4, "head_dim": 8, "num_pages": 64, "model": model_dir,
           "bootstrap_port": port, "http_port": free_port(), "deadline_s": 120, "requests": reqs,
-          "die_at_room": die_at_room}
+          "die_at_room": die_at_room, "state": state}
     (tmp_path / "scenario.json").write_text(json.dumps(sc))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SHIMS), os.environ.get("PYTHONPATH", "")]),
                KVSTAGE_SGLANG_BACKEND=backend, SGLANG_DISAGG_STAGING_BUFFER="1" if staging else "0",
-               HF_HUB_OFFLINE="1", SGLANG_HOST_IP="127.0.0.1", **(extra_env or {}))
+               HF_HUB_OFFLINE="1", SGLANG_HOST_IP="127.0.0.1",
+               # 4 rank processes importing SGLang on 2 busy cores can take past the 30 s default
+               # for every rank of an engine to register
+               KVSTAGE_TIMEOUT_BOOTSTRAP="90", **(extra_env or {}))
     procs = {}
     try:
         for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
@@ -172,3 +175,34 @@ def test_killed_prefill_fails_the_decode_side(tmp_path, model_dir, bootstrap_ser
     assert rooms[str(reqs[2]["room"])]["result"] == "Failed", rooms
     assert "KVTransferError" in rooms[str(reqs[2]["room"])]["error"]
     assert all(rooms[str(q["room"])]["result"] in ("Success", "Failed") for q in reqs), rooms
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp,staging,gdn", [(2, 1, True, False), (1, 2, False, False),
+                                                              (2, 2, False, True)],
+                         ids=["P2-D1-staged", "P1-D2-direct", "P2-D2-direct-gdn"])
+def test_state_components(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, staging, gdn):
+    """Mamba slots (TP-sharded, rows before the TP axis, replicated, GDN conv) and SWA window
+    pages move with the request, every byte checked on decode at indices other than prefill's;
+    a request whose two sides name different SWA page counts fails on both sides."""
+    reqs = requests_for(13, 6, prefix={2: 1}, swa_short={4})
+    results = run(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, reqs, staging=staging,
+                  state={"slots": 12, "swa_pages": 2, "gdn": gdn})
+    expect(results, reqs, lambda i: "Failed" if i == 4 else "Success")
+    for key, rep in results.items():
+        rooms = rep["rooms"]
+        assert "pool items differ" in rooms[str(reqs[4]["room"])]["error"], (key, rooms[str(reqs[4]["room"])])
+        if key[0] == "decode":
+            assert all(rooms[str(q["room"])]["state_bad"] == [] for i, q in enumerate(reqs) if i != 4)
+            assert {rooms[str(q["room"])]["path"] for i, q in enumerate(reqs) if i != 4} == {
+                "staged" if staging else "direct"}
+
+
+def test_gdn_state_across_tp_sizes_is_refused(tmp_path, model_dir, bootstrap_server):
+    """GDN conv state cannot be split across different TP sizes by kvstage: every request fails
+    on both sides, the decode side naming the feature, and no byte lands anywhere."""
+    reqs = requests_for(17, 3)
+    results = run(tmp_path, model_dir, bootstrap_server, 2, 1, reqs, staging=True,
+                  state={"slots": 12, "swa_pages": 2, "gdn": True})
+    expect(results, reqs, lambda i: "Failed")
+    for q in reqs:
+        assert "GDN conv state" in results[("decode", 0)]["rooms"][str(q["room"])]["error"]

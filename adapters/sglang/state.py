@@ -1,0 +1,219 @@
+"""SGLang's per-request state (KVArgs.state_*, state_indices) as kvstage state pools.
+
+Hybrid models keep state beside the paged KV that decode cannot run without: a Mamba/linear-
+attention slot per request, the sliding-window (SWA) pages of the window, DSA indexer pages.
+SGLang describes each component by raw pointers (one per layer and state tensor, an item size
+per index) and names a request's indices per component, positionally; prefill and decode indices
+differ. Each component becomes kvstage pools that move with the request's last page:
+
+- MAMBA. A tensor TP-sharded along one axis (state_dim_per_tensor > 0 units per rank) is a
+  `heads` pool whose "heads" are that axis's units (global count = local x attention TP), so
+  kvstage splits it across TP sizes like KV heads. Rows before the axis
+  (state_slice_outer_counts, e.g. Kimi's [K-1, dim] conv) become separate items: item =
+  slot x rows + row. A tensor replicated over TP (dim 0) is a `replicated` pool (one writer per
+  decode rank, as SGLang elects). GDN conv state is [q|k|v] with each sub-block sharded on its
+  own: a rank's share is not one range of the global axis, so it moves between equal attention
+  TP sizes only (as does a tensor without dim metadata); across sizes the request fails naming it.
+- SWA. The window's pages of the SWA sub-pool, sharded like the KV heads: NHD pages
+  [page_size, heads, head] become token items of a heads pool (item = page x page_size +
+  token), HND pages [heads, page_size, head] page items.
+- DSA. Indexer pages of an MLA model, replicated over TP: a replicated pool of page items.
+
+Anything else (QSA, MiniMax, DeepSeek V4 rings/request state, block scales, DSA tail, ...) makes
+the manager refuse to start, naming the state type.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+import torch
+
+from kvstage import StatePool
+from kvstage.transfer.protocol.pool_parts import writers_mismatch
+from kvstage.transfer.raw_memory import tensor_at
+
+
+@dataclass
+class _Group:
+    """Tensors of one component that form one kvstage pool."""
+
+    sharding: str
+    heads: Optional[int]
+    expand: int                     # pool items per SGLang index
+    tensors: list = field(default_factory=list)
+
+
+@dataclass
+class Component:
+    """One entry of kv_args.state_types: its pools and what limits it."""
+
+    index: int
+    kind: str
+    pools: dict                     # pool name -> items per SGLang index
+    same_tp_only: Optional[str] = None
+
+
+class StateMap:
+    """One rank's state components as kvstage pools; per request, state_indices as pool_items."""
+
+    def __init__(self, args, layout, device: torch.device, tp_size: int):
+        self.components: list[Component] = []
+        self.pools: dict[str, StatePool] = {}
+        self._layout = layout
+        types = list(getattr(args, "state_types", None) or [])
+        self.num_types = len(types)
+        refused = []
+        for i, st in enumerate(types):
+            kind = str(getattr(st, "value", st))
+            build = _BUILDERS.get(kind)
+            try:
+                if build is None:
+                    raise NotImplementedError(f"state type {kind!r}")
+                groups, same_tp_only = build(_Entries(args, i, device), layout, args, tp_size)
+            except NotImplementedError as exc:
+                refused.append(str(exc))
+                continue
+            comp = Component(i, kind, {}, same_tp_only)
+            for suffix, g in groups.items():
+                name = f"state{i}.{kind}{suffix}"
+                self.pools[name] = StatePool(g.tensors, sharding=g.sharding, heads=g.heads)
+                comp.pools[name] = g.expand
+            self.components.append(comp)
+        if refused:
+            raise NotImplementedError("SGLang state the kvstage backend does not move yet: " + "; ".join(refused))
+
+    def items(self, state_indices) -> dict:
+        """A request's pool_items from SGLang's state_indices (one entry per state type; None or
+        empty: nothing of that component). ValueError when they do not fit the components."""
+        given = list(state_indices or [])
+        if any(_indices(x, "extra").size for x in given[self.num_types:]):
+            raise ValueError(f"state_indices has {len(given)} entries, this rank has {self.num_types} state types")
+        out = {}
+        for comp in self.components:
+            x = given[comp.index] if comp.index < len(given) else None
+            idx = _indices(x, comp.kind)
+            if idx.size == 0:
+                continue
+            for name, expand in comp.pools.items():
+                out[name] = (idx[:, None] * expand + np.arange(expand, dtype=np.int64)).reshape(-1)
+        return out
+
+    def peer_problem(self, prefill_tp: int, decode_tp: int) -> Optional[str]:
+        """Why state cannot move between these attention TP sizes (None: it can)."""
+        if not self.components or prefill_tp == decode_tp:
+            return None
+        for comp in self.components:
+            if comp.same_tp_only:
+                return (f"the kvstage backend moves {comp.same_tp_only} between equal attention TP sizes only "
+                        f"(prefill TP {prefill_tp}, decode TP {decode_tp})")
+        specs = [p.spec(name, self._layout) for name, p in self.pools.items()]
+        why = writers_mismatch(specs, prefill_tp, decode_tp, self._layout.total_kv_heads, self._layout.mla)
+        if why:
+            return f"the kvstage backend cannot move this model's state between these TP sizes: {why}"
+        return None
+
+
+def _indices(x, kind: str) -> np.ndarray:
+    if x is None:
+        return np.zeros(0, dtype=np.int64)
+    if isinstance(x, torch.Tensor):
+        x = x.cpu().numpy()
+    if isinstance(x, (list, tuple)):     # Mamba: [array(slot)]; others: an array or a list of ints
+        arr = np.concatenate([np.asarray(v).reshape(-1) for v in x]) if x else np.zeros(0, dtype=np.int64)
+    else:
+        arr = np.asarray(x).reshape(-1)
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValueError(f"{kind} state indices must be integers, got {x!r}")
+    return arr.astype(np.int64)
+
+
+class _Entries:
+    """The pointer lists of component `i`, as byte views (elided zero-length entries skipped)."""
+
+    def __init__(self, args, i: int, device: torch.device):
+        self.args, self.i, self.device = args, i, device
+
+    def field(self, name: str) -> list:
+        v = getattr(self.args, name, None) or []
+        return list(v[self.i] or []) if self.i < len(v) else []
+
+    def __iter__(self):
+        ptrs, lens, items = (self.field(n) for n in ("state_data_ptrs", "state_data_lens", "state_item_lens"))
+        if not (len(ptrs) == len(lens) == len(items)):
+            raise NotImplementedError(f"state component {self.i}: {len(ptrs)} pointers, {len(lens)} lengths, "
+                                      f"{len(items)} item sizes")
+        for j, (ptr, nbytes, item) in enumerate(zip(ptrs, lens, items)):
+            if nbytes == 0:
+                continue
+            if item <= 0 or nbytes % item:
+                raise NotImplementedError(f"state component {self.i} tensor {j}: {nbytes} bytes are not whole "
+                                          f"{item}-byte items")
+            yield j, int(ptr), int(nbytes), int(item)
+
+    def view(self, ptr: int, nbytes: int, shape: tuple) -> torch.Tensor:
+        return tensor_at(ptr, nbytes, torch.uint8, shape, self.device)
+
+
+def _add(groups: dict, key: str, sharding: str, heads, expand: int, tensor: torch.Tensor) -> None:
+    g = groups.setdefault(key, _Group(sharding, heads, expand))
+    g.tensors.append(tensor)
+
+
+def _mamba(entries: _Entries, layout, args, tp: int):
+    dims, outers = entries.field("state_dim_per_tensor"), entries.field("state_slice_outer_counts")
+    subdims = entries.field("state_conv_shard_groups")
+    groups: dict = {}
+    same_tp_only = None
+    for j, ptr, nbytes, item in entries:
+        slots = nbytes // item
+        if not dims:
+            same_tp_only = "Mamba state without per-tensor TP dims (state_dim_per_tensor)"
+            _add(groups, f".whole{slots}", "replicated", None, 1, entries.view(ptr, nbytes, (slots, item)))
+            continue
+        dim, outer = int(dims[j]), int(outers[j]) if j < len(outers) and outers[j] else 1
+        if dim == 0:            # replicated over attention TP: one writer per decode rank
+            _add(groups, f".rep{slots}", "replicated", None, 1, entries.view(ptr, nbytes, (slots, item)))
+            continue
+        if item % (outer * dim):
+            raise NotImplementedError(f"Mamba state tensor {j}: item of {item} bytes is not {outer} rows x {dim} units")
+        sub = subdims[j] if j < len(subdims) else None
+        if sub and sum(sub) == dim * tp:
+            same_tp_only = "GDN conv state (q|k|v sub-blocks sharded on their own, state_conv_shard_groups)"
+        _add(groups, f".h{dim * tp}x{outer}n{slots}", "heads", dim * tp, outer,
+             entries.view(ptr, nbytes, (slots * outer, dim, item // (outer * dim))))
+    return groups, same_tp_only
+
+
+def _swa(entries: _Entries, layout, args, tp: int):
+    if layout.mla:
+        raise NotImplementedError("SWA state beside an MLA KV cache")
+    kv_layout = getattr(args, "swa_kv_cache_layout", None)
+    if kv_layout not in ("nhd", "hnd"):
+        raise NotImplementedError(f"SWA state in a {kv_layout!r} sub-pool (kvstage moves nhd and hnd pages)")
+    page, heads = int(args.page_size), layout.local_heads
+    groups: dict = {}
+    for j, ptr, nbytes, item in entries:
+        if item % (page * heads):
+            raise NotImplementedError(f"SWA state tensor {j}: a {item}-byte page is not {page} tokens x {heads} heads")
+        pages, head = nbytes // item, item // (page * heads)
+        if kv_layout == "nhd":
+            view, expand = entries.view(ptr, nbytes, (pages * page, heads, head)), page
+        else:
+            view, expand = entries.view(ptr, nbytes, (pages, heads, page * head)), 1
+        _add(groups, f".{kv_layout}{pages}", "heads", layout.total_kv_heads, expand, view)
+    return groups, None
+
+
+def _dsa(entries: _Entries, layout, args, tp: int):
+    if not layout.mla:
+        raise NotImplementedError("DSA indexer state beside a non-MLA KV cache")
+    groups: dict = {}
+    for j, ptr, nbytes, item in entries:
+        _add(groups, f".n{nbytes // item}", "replicated", None, 1, entries.view(ptr, nbytes, (nbytes // item, item)))
+    return groups, None
+
+
+_BUILDERS = {"mamba": _mamba, "swa": _swa, "dsa": _dsa}
