@@ -61,8 +61,9 @@ class Rank:
         self.a, self.sc = a, sc
         self.prefill = a.role == "prefill"
         self.ps, self.layers, self.H, self.hd = sc["page_size"], sc["layers"], sc["heads"], sc["head_dim"]
-        self.local = self.H // a.tp
-        self.heads = list(range(a.rank * self.local, (a.rank + 1) * self.local))
+        self.mla = bool(sc.get("mla"))     # one latent "head", the same on every rank; no V
+        self.local = 1 if self.mla else self.H // a.tp
+        self.heads = [0] if self.mla else list(range(a.rank * self.local, (a.rank + 1) * self.local))
         self.num_pages = sc["num_pages"]
         sa = ServerArgs(model_path=sc["model"], tp_size=a.tp, disaggregation_mode=a.role,
                         disaggregation_transfer_backend="kvstage", disaggregation_bootstrap_port=sc["bootstrap_port"],
@@ -77,7 +78,9 @@ class Rank:
         backend = TransferBackend("kvstage")
         tokens = self.num_pages * self.ps
         self.k = [torch.full((tokens, self.local, self.hd), 0, dtype=torch.bfloat16) for _ in range(self.layers)]
-        self.v = [torch.full((tokens, self.local, self.hd), 0, dtype=torch.bfloat16) for _ in range(self.layers)]
+        self.v = [] if self.mla else [torch.full((tokens, self.local, self.hd), 0, dtype=torch.bfloat16)
+                                      for _ in range(self.layers)]
+        self.kinds = ((0, self.k),) if self.mla else ((0, self.k), (1, self.v))
         for t in self.k + self.v:
             t.view(torch.int16).fill_(SENTINEL)
         self.meta = MetadataBuffers(size=32, hidden_size=8, hidden_states_dtype=torch.float32,
@@ -88,7 +91,7 @@ class Rank:
         args.kv_data_ptrs = [t.data_ptr() for t in bufs]
         args.kv_data_lens = [t.nbytes for t in bufs]
         args.kv_item_lens = [t[: self.ps].nbytes for t in bufs]
-        args.kv_layer_ids = list(range(self.layers)) * 2
+        args.kv_layer_ids = list(range(self.layers)) * len(self.kinds)
         args.kv_cache_dtype_str = "bfloat16"
         args.page_size = self.ps
         if self.prefill:   # as SGLang's schedulers: only the prefill side fills the head counts
@@ -99,12 +102,12 @@ class Rank:
         args.state_conv_shard_groups, args.swa_kv_cache_layout = [], None
         self.state = None
         if sc.get("state"):
-            self.state = StateSide(sc["state"], a.tp, a.rank, self.H, self.hd, self.ps, self.num_pages)
+            self.state = StateSide(sc["state"], a.tp, a.rank, self.local * a.tp, self.hd, self.ps, self.num_pages)
             self.state.kv_args(args)
         args.ib_device, args.gpu_id, args.prefill_start_layer, args.prefill_end_layer = None, 0, 0, None
         args.num_draft_entries, args.is_hybrid_mla_backend = 0, False
         mode = DisaggregationMode.PREFILL if self.prefill else DisaggregationMode.DECODE
-        self.mgr = get_kv_class(backend, KVClassType.MANAGER)(args, mode, sa, False)
+        self.mgr = get_kv_class(backend, KVClassType.MANAGER)(args, mode, sa, self.mla)
         self.Sender = get_kv_class(backend, KVClassType.SENDER)
         self.Receiver = get_kv_class(backend, KVClassType.RECEIVER)
         self.addr = f"127.0.0.1:{sc['bootstrap_port']}"
@@ -116,7 +119,7 @@ class Rank:
         for i, page in enumerate(pages):
             tokens = range(first_token + i * self.ps, first_token + (i + 1) * self.ps)
             for layer in range(self.layers):
-                for kv, bufs in ((0, self.k), (1, self.v)):
+                for kv, bufs in self.kinds:
                     bufs[layer].view(torch.int16)[page * self.ps:(page + 1) * self.ps] = pattern(
                         room, layer, kv, self.heads, tokens, self.hd)
 
@@ -125,7 +128,7 @@ class Rank:
         for i, page in enumerate(pages):
             tokens = range(first_token + i * self.ps, first_token + (i + 1) * self.ps)
             for layer in range(self.layers):
-                for kv, bufs in ((0, self.k), (1, self.v)):
+                for kv, bufs in self.kinds:
                     got = bufs[layer].view(torch.int16)[page * self.ps:(page + 1) * self.ps]
                     if not torch.equal(got, pattern(room, layer, kv, self.heads, tokens, self.hd)):
                         bad.append(f"room {room} page {page} layer {layer} {'KV'[kv]} differs")
@@ -171,7 +174,7 @@ def run_prefill(r: Rank, sc, out) -> None:
                     w = min(sc["state"]["swa_pages"], len(suffix))
                     x["swa"] = [next(swa_pages) for _ in range(w)]
                     r.state.fill(q["room"], x["slot"], x["swa"], q["pages"] - w)
-                    state = StateSide.indices(x["slot"], x["swa"])
+                    state = r.state.indices(x["slot"], x["swa"])
                 s.init(len(suffix), x["row"])
                 if q.get("abort") == "prefill":
                     s.abort()
@@ -227,7 +230,7 @@ def run_decode(r: Rank, sc, out) -> None:
                 if r.state is not None:
                     w = min(sc["state"]["swa_pages"], len(x["pages"])) - (1 if q.get("swa_short") else 0)
                     x["swa"], x["first_swa"] = [next(swa_pages) for _ in range(w)], q["pages"] - w
-                    state = StateSide.indices(x["slot"], x["swa"])
+                    state = r.state.indices(x["slot"], x["swa"])
                 rec.send_metadata(np.asarray(x["pages"], dtype=np.int32), x["row"], state,
                                   decode_prefix_len=q["prefix"] * r.ps)
                 if q.get("abort") == "decode":

@@ -1,4 +1,5 @@
-"""A rank's SGLang state components for rank.py: Mamba slots and SWA window pages.
+"""A rank's SGLang state components for rank.py: Mamba slots and SWA window pages, or (MLA)
+DSA indexer pages.
 
 Real torch tensors whose pointers go into KVArgs exactly as SGLang's setup_state_kv_args lays
 them out (per component: tensor-major x layer pointer lists, item sizes, TP dims per tensor, rows
@@ -12,6 +13,8 @@ Mamba tensors per layer, per slot (global shapes, int16):
   temporal  [heads 4, 6]     sharded on heads
   kimi      [rows 3, 4, 2]   sharded on its second axis (3 rows before it)
   whole     [5]              replicated over TP (dim 0)
+SWA per layer, K then V: [tokens, local KV heads, head_dim] (NHD pages). DSA per layer: [pages,
+page_size x 3] int16, the same on every rank (MLA replicates it).
 """
 
 from __future__ import annotations
@@ -34,9 +37,9 @@ class StateSide:
     def __init__(self, cfg: dict, tp: int, rank: int, kv_heads: int, head_dim: int, page: int, num_pages: int):
         self.cfg, self.tp, self.rank, self.page = cfg, tp, rank, page
         self.slots, self.num_pages = cfg["slots"], num_pages
-        self.gdn = bool(cfg.get("gdn"))
+        self.gdn, self.dsa = bool(cfg.get("gdn")), bool(cfg.get("dsa"))
         self.mamba = []          # (tensor id, layer, tensor [slots, rows, local units | whole, inner], global units)
-        for tid, (name, rows, units, inner) in enumerate(MAMBA):
+        for tid, (name, rows, units, inner) in enumerate([] if self.dsa else MAMBA):
             for layer in range(LAYERS):
                 if units == 0:
                     t = torch.empty(self.slots, inner, dtype=torch.int16)
@@ -46,8 +49,11 @@ class StateSide:
                 self.mamba.append((tid, layer, t, self._units(name, units)))
         self.local_heads = kv_heads // tp
         self.heads = torch.arange(rank * self.local_heads, (rank + 1) * self.local_heads)
-        self.swa = [torch.empty(num_pages * page, self.local_heads, head_dim, dtype=torch.int16)
-                    for _ in range(2 * LAYERS)]           # K layers, then V layers
+        if self.dsa:          # paged state: SWA (K layers, then V layers) or DSA
+            self.swa = [torch.empty(num_pages * page, 3, dtype=torch.int16) for _ in range(LAYERS)]
+        else:
+            self.swa = [torch.empty(num_pages * page, self.local_heads, head_dim, dtype=torch.int16)
+                        for _ in range(2 * LAYERS)]
         for t in self.tensors():
             t.fill_(SENTINEL)
 
@@ -68,6 +74,13 @@ class StateSide:
 
     def kv_args(self, args) -> None:
         from sglang.srt.disaggregation.base.conn import StateType
+        if self.dsa:
+            args.state_types = [StateType.DSA]
+            args.state_data_ptrs, args.state_data_lens = [[t.data_ptr() for t in self.swa]], [[t.nbytes for t in self.swa]]
+            args.state_item_lens = [[t[: self.page].nbytes for t in self.swa]]
+            args.state_dim_per_tensor = args.state_slice_outer_counts = args.state_layer_ids = [[]]
+            args.state_conv_shard_groups = [[]]
+            return
         m = [t for _, _, t, _ in self.mamba]
         args.state_types = [StateType.MAMBA, StateType.SWA]
         args.state_data_ptrs = [[t.data_ptr() for t in m], [t.data_ptr() for t in self.swa]]
@@ -87,6 +100,9 @@ class StateSide:
                      torch.arange(inner)[None, None, :])
 
     def swa_expected(self, room: int, i: int, first_token: int) -> torch.Tensor:
+        if self.dsa:
+            tokens = torch.arange(first_token, first_token + self.page)[:, None]
+            return value(room, 200 + i, 0, 0, 0, tokens * 64 + torch.arange(3))
         tokens = torch.arange(first_token, first_token + self.page)[:, None, None]
         return value(room, 100 + i, 0, 0, self.heads[None, :, None], tokens * 64 + torch.arange(self.swa[0].shape[2]))
 
@@ -106,7 +122,7 @@ class StateSide:
             for k, p in enumerate(swa_pages):
                 got = t[p * self.page:(p + 1) * self.page]
                 if not torch.equal(got, self.swa_expected(room, i, (first_page + k) * self.page)):
-                    bad.append(f"room {room} SWA tensor {i} page {p} (window page {k}) differs")
+                    bad.append(f"room {room} {'DSA' if self.dsa else 'SWA'} tensor {i} page {p} (window page {k}) differs")
         return bad
 
     def untouched(self, slots: set, pages: set) -> list[str]:
@@ -118,10 +134,11 @@ class StateSide:
         for i, t in enumerate(self.swa):
             for p in range(self.num_pages):
                 if p not in pages and not bool((t[p * self.page:(p + 1) * self.page] == SENTINEL).all()):
-                    bad.append(f"SWA tensor {i} page {p} written, no successful room owns it")
+                    bad.append(f"{'DSA' if self.dsa else 'SWA'} tensor {i} page {p} written, no successful room owns it")
         return bad
 
-    @staticmethod
-    def indices(slot: int, swa_pages) -> list:
-        """state_indices as SGLang's schedulers build them: Mamba [array(slot)], SWA page array."""
-        return [[np.array(slot, dtype=np.int64)], np.asarray(swa_pages, dtype=np.int32)]
+    def indices(self, slot: int, pages) -> list:
+        """state_indices as SGLang's schedulers build them: Mamba [array(slot)], SWA/DSA page array."""
+        if self.dsa:
+            return [np.asarray(pages, dtype=np.int32)]
+        return [[np.array(slot, dtype=np.int64)], np.asarray(pages, dtype=np.int32)]

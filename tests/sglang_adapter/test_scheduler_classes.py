@@ -83,10 +83,10 @@ def requests_for(seed: int, n: int, **overrides) -> list[dict]:
 
 
 def run(tmp_path, model_dir, port, prefill_tp, decode_tp, reqs, *, backend="nixl", staging=False,
-        die_at_room=None, extra_env=None, state=None) -> dict:
+        die_at_room=None, extra_env=None, state=None, mla=False) -> dict:
     sc = {"page_size": 4, "layers": 2, "heads": 4, "head_dim": 8, "num_pages": 64, "model": model_dir,
           "bootstrap_port": port, "http_port": free_port(), "deadline_s": 120, "requests": reqs,
-          "die_at_room": die_at_room, "state": state}
+          "die_at_room": die_at_room, "state": state, "mla": mla}
     (tmp_path / "scenario.json").write_text(json.dumps(sc))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SHIMS), os.environ.get("PYTHONPATH", "")]),
                KVSTAGE_SGLANG_BACKEND=backend, SGLANG_DISAGG_STAGING_BUFFER="1" if staging else "0",
@@ -177,16 +177,18 @@ def test_killed_prefill_fails_the_decode_side(tmp_path, model_dir, bootstrap_ser
     assert all(rooms[str(q["room"])]["result"] in ("Success", "Failed") for q in reqs), rooms
 
 
-@pytest.mark.parametrize("prefill_tp,decode_tp,staging,gdn", [(2, 1, True, False), (1, 2, False, False),
-                                                              (2, 2, False, True)],
-                         ids=["P2-D1-staged", "P1-D2-direct", "P2-D2-direct-gdn"])
-def test_state_components(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, staging, gdn):
+@pytest.mark.parametrize("prefill_tp,decode_tp,staging,kind", [(2, 1, True, "hybrid"), (1, 2, False, "hybrid"),
+                                                              (2, 2, False, "gdn"), (2, 1, False, "mla-dsa")],
+                         ids=["P2-D1-staged", "P1-D2-direct", "P2-D2-direct-gdn", "P2-D1-mla-dsa"])
+def test_state_components(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, staging, kind):
     """Mamba slots (TP-sharded, rows before the TP axis, replicated, GDN conv) and SWA window
-    pages move with the request, every byte checked on decode at indices other than prefill's;
-    a request whose two sides name different SWA page counts fails on both sides."""
+    pages, or an MLA model's DSA indexer pages (the whole suffix), move with the request, every
+    byte checked on decode at indices other than prefill's; a request whose two sides name
+    different page counts fails on both sides."""
     reqs = requests_for(13, 6, prefix={2: 1}, swa_short={4})
-    results = run(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, reqs, staging=staging,
-                  state={"slots": 12, "swa_pages": 2, "gdn": gdn})
+    dsa = kind == "mla-dsa"
+    results = run(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, reqs, staging=staging, mla=dsa,
+                  state={"slots": 12, "swa_pages": 99 if dsa else 2, "gdn": kind == "gdn", "dsa": dsa})
     expect(results, reqs, lambda i: "Failed" if i == 4 else "Success")
     for key, rep in results.items():
         rooms = rep["rooms"]
