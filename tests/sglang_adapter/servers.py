@@ -1,0 +1,156 @@
+"""Real SGLang servers on CPU for the tests and the benchmark: a tiny random Llama built locally,
+`python -m sglang.launch_server` processes (each in its own process group, stopped by its PID),
+a PD pair behind `sglang_router --pd-disaggregation --mini-lb`, and greedy requests.
+
+Shared by test_servers.py and examples/bench_sglang.py so both start servers the same way. Every
+wait polls a condition with a deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import requests
+
+HERE = Path(__file__).resolve().parent
+SHIMS = HERE / "shims"
+START_S = 300          # one server start, on a loaded 2-core machine
+REQUEST_S = 120
+
+
+def free_port() -> int:
+    """A free port below Linux's ephemeral range: the servers open many sockets of their own on
+    ephemeral ports, which could take one picked there before its server binds it."""
+    rnd = random.Random()
+    for _ in range(200):
+        port = rnd.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+                return port
+            except OSError:
+                continue
+    raise RuntimeError("no free port in 20000-32000")
+
+
+def build_tiny_model(path: Path) -> str:
+    """A 2-layer random Llama (2 KV heads, vocabulary 512) saved with transformers."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                      num_hidden_layers=2, vocab_size=512, max_position_embeddings=1024, bos_token_id=1,
+                      eos_token_id=2, tie_word_embeddings=False)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    return str(path)
+
+
+class Proc:
+    """A server process in its own process group, stopped by PID (the group's id)."""
+
+    def __init__(self, name: str, argv: list[str], log: Path, env: dict):
+        self.name, self.log = name, log
+        self.proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        try:   # whatever of the group is left (scheduler and detokenizer children)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def wait_healthy(p: Proc, url: str) -> None:
+    deadline = time.monotonic() + START_S
+    while True:
+        assert p.proc.poll() is None, f"{p.name} exited ({p.proc.returncode}):\n{p.tail()}"
+        try:
+            if requests.get(url, timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        assert time.monotonic() < deadline, f"{p.name} not healthy after {START_S}s:\n{p.tail()}"
+        time.sleep(0.5)
+
+
+def generate(url: str, ids: list[int], procs: list[Proc], max_new: int) -> list[int]:
+    """Greedy output ids, retried until REQUEST_S (the router may answer before its workers)."""
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0, "max_new_tokens": max_new, "ignore_eos": True}}
+    deadline = time.monotonic() + REQUEST_S
+    while True:
+        try:
+            r = requests.post(f"{url}/generate", json=body, timeout=REQUEST_S)
+            if r.status_code == 200:
+                return r.json()["output_ids"]
+            error = f"HTTP {r.status_code}: {r.text[:300]}"
+        except requests.RequestException as exc:
+            error = str(exc)
+        for p in procs:
+            assert p.proc.poll() is None, f"{p.name} exited ({p.proc.returncode}):\n{p.tail()}"
+        assert time.monotonic() < deadline, f"no answer from {url}: {error}\n" + "\n".join(
+            f"--- {p.name}\n{p.tail()}" for p in procs)
+        time.sleep(1)
+
+
+def env_for(extra_path: tuple = (), **extra) -> dict:
+    """The servers' environment: SGLang's CPU engine, offline, the test shims on PYTHONPATH."""
+    paths = [str(SHIMS), *map(str, extra_path), os.environ.get("PYTHONPATH")]
+    env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1", SGLANG_HOST_IP="127.0.0.1",
+               PYTHONPATH=os.pathsep.join(p for p in paths if p), **extra)
+    if "SGLANG_DISAGG_STAGING_BUFFER" not in extra:
+        env.pop("SGLANG_DISAGG_STAGING_BUFFER", None)
+    return env
+
+
+def server_argv(model: str, port: int, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--device", "cpu",
+            "--max-total-tokens", "4096", "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port),
+            "--chunked-prefill-size", "16", "--dtype", "float32", "--log-level", "warning", *extra]
+
+
+def start_pd(model: str, logs: Path, env: dict, backend: str, decode_tp: int = 1,
+             extra: tuple = ()) -> tuple[list[Proc], str, str]:
+    """Prefill + decode servers over `backend`, then the mini-lb router once both are healthy.
+    Returns (processes, router URL, prefill URL); the caller stops the processes (finally)."""
+    pp, dp, bp = free_port(), free_port(), free_port()
+    # SGLang's prefill overlap schedule records a torch.cuda.Event when it sends a cached prefix
+    # early: there is no CUDA here, so the PD servers run without it
+    common = ("--disaggregation-transfer-backend", backend, "--disable-overlap-schedule", *extra)
+    procs: list[Proc] = []
+    try:
+        procs.append(Proc("prefill", server_argv(model, pp, *common, "--disaggregation-mode", "prefill",
+                                                 "--disaggregation-bootstrap-port", str(bp)),
+                          logs / "prefill.log", env))
+        procs.append(Proc("decode", server_argv(model, dp, *common, "--disaggregation-mode", "decode",
+                                                "--tp", str(decode_tp),
+                                                "--disaggregation-decode-retraction-backup", "cpu_tensor"),
+                          logs / "decode.log", env))
+        for p, port in zip(procs, (pp, dp)):
+            wait_healthy(p, f"http://127.0.0.1:{port}/health")
+        rp = free_port()
+        procs.append(Proc("router", [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
+                                     "--mini-lb", "--prefill", f"http://127.0.0.1:{pp}", str(bp),
+                                     "--decode", f"http://127.0.0.1:{dp}", "--host", "127.0.0.1",
+                                     "--port", str(rp)], logs / "router.log", env))
+    except BaseException:
+        for p in reversed(procs):
+            p.stop()
+        raise
+    return procs, f"http://127.0.0.1:{rp}", f"http://127.0.0.1:{pp}"
