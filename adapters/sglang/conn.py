@@ -183,9 +183,12 @@ class _Handle:
         metric = KVTransferMetric()
         m = self._handle.metrics() if self._handle is not None else None
         if m is not None:
-            metric.transfer_latency_s = m.seconds
+            metric.transfer_latency_s = self._latency(m)
             metric.transfer_total_bytes = m.nbytes
         return metric
+
+    def _latency(self, m) -> Optional[float]:
+        return m.seconds
 
     def _clear_handle(self) -> None:
         if self._handle is not None:
@@ -206,6 +209,7 @@ class KvstageKVSender(_Handle, CommonKVSender):
         # SGLang names a request's state only with its last send; kvstage takes pool items at
         # init(): with state pools, the request's pages are held until then (see send())
         self._held: Optional[List[np.ndarray]] = [] if mgr.state.pools else None
+        self._sent, self._last_send_at = 0, None
         if self.conclude_state is not None or mgr.request_status.get(bootstrap_room) == KVPoll.Failed:
             self.conclude_state = KVPoll.Failed
             return
@@ -264,7 +268,17 @@ class KvstageKVSender(_Handle, CommonKVSender):
             self._handle.abort()
             self._end(KVPoll.Failed, f"send: {exc}")
             return
+        self._sent += pages.size
+        if self._sent == self.num_kv_indices + self._prefix_pages:
+            self._last_send_at = time.monotonic()
         self._record_transfer_indices(kv_indices, state_indices)
+
+    def _latency(self, m) -> Optional[float]:
+        """From the last send (the prefill computed all of the request) to the end, as SGLang
+        measures other backends, rather than kvstage's from init(), before the first chunk."""
+        if self._last_send_at is None or m.timeline.ended is None:
+            return m.seconds
+        return max(0.0, m.timeline.ended - self._last_send_at)
 
     def poll(self) -> KVPoll:
         if self.conclude_state is not None:

@@ -15,8 +15,8 @@ differ. Each component becomes kvstage pools that move with the request's last p
   own: a rank's share is not one range of the global axis, so it moves between equal attention
   TP sizes only (as does a tensor without dim metadata); across sizes the request fails naming it.
 - SWA. The window's pages of the SWA sub-pool, sharded like the KV heads: NHD pages
-  [page_size, heads, head] become token items of a heads pool (item = page x page_size +
-  token), HND pages [heads, page_size, head] page items.
+  [page_size, heads, head] become token items of a heads pool (item = page x page_size + token),
+  so each item holds whole heads. (SGLang's disaggregation takes NHD sub-pools only.)
 - DSA. Indexer pages of an MLA model, replicated over TP: a replicated pool of page items.
 
 Anything else (QSA, MiniMax, DeepSeek V4 rings/request state, block scales, DSA tail, ...) makes
@@ -77,8 +77,12 @@ class StateMap:
                 refused.append(str(exc))
                 continue
             comp = Component(i, kind, {}, same_tp_only)
-            for suffix, g in groups.items():
-                name = f"state{i}.{kind}{suffix}"
+            seen: dict = {}
+            for (suffix, _), g in groups.items():
+                # names must agree between prefill and decode, whose slot and page counts differ:
+                # a second item count under one suffix is told apart by its order, not its size
+                nth = seen[suffix] = seen.get(suffix, -1) + 1
+                name = f"state{i}.{kind}{suffix}" + (f".{nth}" if nth else "")
                 self.pools[name] = StatePool(g.tensors, sharding=g.sharding, heads=g.heads)
                 comp.pools[name] = g.expand
             self.components.append(comp)
@@ -157,8 +161,9 @@ class _Entries:
         return tensor_at(ptr, nbytes, torch.uint8, shape, self.device)
 
 
-def _add(groups: dict, key: str, sharding: str, heads, expand: int, tensor: torch.Tensor) -> None:
-    g = groups.setdefault(key, _Group(sharding, heads, expand))
+def _add(groups: dict, suffix: str, sharding: str, heads, expand: int, tensor: torch.Tensor) -> None:
+    """Tensors of one pool share a suffix (what they are) and their item count."""
+    g = groups.setdefault((suffix, tensor.shape[0]), _Group(sharding, heads, expand))
     g.tensors.append(tensor)
 
 
@@ -171,18 +176,18 @@ def _mamba(entries: _Entries, layout, args, tp: int):
         slots = nbytes // item
         if not dims:
             same_tp_only = "Mamba state without per-tensor TP dims (state_dim_per_tensor)"
-            _add(groups, f".whole{slots}", "replicated", None, 1, entries.view(ptr, nbytes, (slots, item)))
+            _add(groups, ".whole", "replicated", None, 1, entries.view(ptr, nbytes, (slots, item)))
             continue
         dim, outer = int(dims[j]), int(outers[j]) if j < len(outers) and outers[j] else 1
         if dim == 0:            # replicated over attention TP: one writer per decode rank
-            _add(groups, f".rep{slots}", "replicated", None, 1, entries.view(ptr, nbytes, (slots, item)))
+            _add(groups, ".rep", "replicated", None, 1, entries.view(ptr, nbytes, (slots, item)))
             continue
         if item % (outer * dim):
             raise NotImplementedError(f"Mamba state tensor {j}: item of {item} bytes is not {outer} rows x {dim} units")
         sub = subdims[j] if j < len(subdims) else None
         if sub and sum(sub) == dim * tp:
             same_tp_only = "GDN conv state (q|k|v sub-blocks sharded on their own, state_conv_shard_groups)"
-        _add(groups, f".h{dim * tp}x{outer}n{slots}", "heads", dim * tp, outer,
+        _add(groups, f".h{dim * tp}x{outer}", "heads", dim * tp, outer,
              entries.view(ptr, nbytes, (slots * outer, dim, item // (outer * dim))))
     return groups, same_tp_only
 
@@ -191,19 +196,16 @@ def _swa(entries: _Entries, layout, args, tp: int):
     if layout.mla:
         raise NotImplementedError("SWA state beside an MLA KV cache")
     kv_layout = getattr(args, "swa_kv_cache_layout", None)
-    if kv_layout not in ("nhd", "hnd"):
-        raise NotImplementedError(f"SWA state in a {kv_layout!r} sub-pool (kvstage moves nhd and hnd pages)")
+    if kv_layout != "nhd":
+        raise NotImplementedError(f"SWA state in a {kv_layout!r} sub-pool (kvstage moves NHD pages)")
     page, heads = int(args.page_size), layout.local_heads
     groups: dict = {}
     for j, ptr, nbytes, item in entries:
         if item % (page * heads):
             raise NotImplementedError(f"SWA state tensor {j}: a {item}-byte page is not {page} tokens x {heads} heads")
         pages, head = nbytes // item, item // (page * heads)
-        if kv_layout == "nhd":
-            view, expand = entries.view(ptr, nbytes, (pages * page, heads, head)), page
-        else:
-            view, expand = entries.view(ptr, nbytes, (pages, heads, page * head)), 1
-        _add(groups, f".{kv_layout}{pages}", "heads", layout.total_kv_heads, expand, view)
+        _add(groups, "", "heads", layout.total_kv_heads, page,
+             entries.view(ptr, nbytes, (pages * page, heads, head)))
     return groups, None
 
 
@@ -212,7 +214,7 @@ def _dsa(entries: _Entries, layout, args, tp: int):
         raise NotImplementedError("DSA indexer state beside a non-MLA KV cache")
     groups: dict = {}
     for j, ptr, nbytes, item in entries:
-        _add(groups, f".n{nbytes // item}", "replicated", None, 1, entries.view(ptr, nbytes, (nbytes // item, item)))
+        _add(groups, "", "replicated", None, 1, entries.view(ptr, nbytes, (nbytes // item, item)))
     return groups, None
 
 

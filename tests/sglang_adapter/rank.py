@@ -102,7 +102,8 @@ class Rank:
         args.state_conv_shard_groups, args.swa_kv_cache_layout = [], None
         self.state = None
         if sc.get("state"):
-            self.state = StateSide(sc["state"], a.tp, a.rank, self.local * a.tp, self.hd, self.ps, self.num_pages)
+            self.state = StateSide(sc["state"], a.tp, a.rank, self.local * a.tp, self.hd, self.ps, self.num_pages,
+                                   decode=not self.prefill)
             self.state.kv_args(args)
         args.ib_device, args.gpu_id, args.prefill_start_layer, args.prefill_end_layer = None, 0, 0, None
         args.num_draft_entries, args.is_hybrid_mla_backend = 0, False
@@ -208,7 +209,7 @@ def run_decode(r: Rank, sc, out) -> None:
             raise TimeoutError("prefill parallel info never became available")
         time.sleep(0.1)
     rows, pages = iter(range(1, 32)), iter(range(1, r.num_pages))
-    swa_pages = iter(range(r.num_pages - 1, 0, -1))   # other pages and slots than prefill's
+    swa_pages = iter(range((r.state.num_pages if r.state else r.num_pages) - 1, 0, -1))   # not prefill's pages
     reqs = []
     for i, q in enumerate(sc["requests"]):
         rec = r.Receiver(r.mgr, r.addr, q["room"])

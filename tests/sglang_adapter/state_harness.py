@@ -34,9 +34,11 @@ def value(room: int, tensor: int, layer: int, row, unit, pos) -> torch.Tensor:
 
 
 class StateSide:
-    def __init__(self, cfg: dict, tp: int, rank: int, kv_heads: int, head_dim: int, page: int, num_pages: int):
+    def __init__(self, cfg: dict, tp: int, rank: int, kv_heads: int, head_dim: int, page: int, num_pages: int,
+                 decode: bool):
         self.cfg, self.tp, self.rank, self.page = cfg, tp, rank, page
-        self.slots, self.num_pages = cfg["slots"], num_pages
+        # decode holds more slots and state pages than prefill, as real servers' sizes differ
+        self.slots, self.num_pages = cfg["slots"] + 4 * decode, num_pages + 8 * decode
         self.gdn, self.dsa = bool(cfg.get("gdn")), bool(cfg.get("dsa"))
         self.mamba = []          # (tensor id, layer, tensor [slots, rows, local units | whole, inner], global units)
         for tid, (name, rows, units, inner) in enumerate([] if self.dsa else MAMBA):
@@ -50,9 +52,9 @@ class StateSide:
         self.local_heads = kv_heads // tp
         self.heads = torch.arange(rank * self.local_heads, (rank + 1) * self.local_heads)
         if self.dsa:          # paged state: SWA (K layers, then V layers) or DSA
-            self.swa = [torch.empty(num_pages * page, 3, dtype=torch.int16) for _ in range(LAYERS)]
+            self.swa = [torch.empty(self.num_pages * page, 3, dtype=torch.int16) for _ in range(LAYERS)]
         else:
-            self.swa = [torch.empty(num_pages * page, self.local_heads, head_dim, dtype=torch.int16)
+            self.swa = [torch.empty(self.num_pages * page, self.local_heads, head_dim, dtype=torch.int16)
                         for _ in range(2 * LAYERS)]
         for t in self.tensors():
             t.fill_(SENTINEL)

@@ -178,11 +178,12 @@ def test_killed_prefill_fails_the_decode_side(tmp_path, model_dir, bootstrap_ser
 
 
 @pytest.mark.parametrize("prefill_tp,decode_tp,staging,kind", [(2, 1, True, "hybrid"), (1, 2, False, "hybrid"),
-                                                              (2, 2, False, "gdn"), (2, 1, False, "mla-dsa")],
-                         ids=["P2-D1-staged", "P1-D2-direct", "P2-D2-direct-gdn", "P2-D1-mla-dsa"])
+                                                              (2, 2, False, "gdn"), (1, 2, False, "mla-dsa")],
+                         ids=["P2-D1-staged", "P1-D2-direct", "P2-D2-direct-gdn", "P1-D2-mla-dsa"])
 def test_state_components(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, staging, kind):
     """Mamba slots (TP-sharded, rows before the TP axis, replicated, GDN conv) and SWA window
-    pages, or an MLA model's DSA indexer pages (the whole suffix), move with the request, every
+    pages, or an MLA model's DSA indexer pages (the whole suffix; one prefill rank, as a prefill
+    rank that writes nothing under MLA ends its rooms without comparing pool items), move with the request, every
     byte checked on decode at indices other than prefill's; a request whose two sides name
     different page counts fails on both sides."""
     reqs = requests_for(13, 6, prefix={2: 1}, swa_short={4})
