@@ -63,6 +63,7 @@ class StateMap:
         self.components: list[Component] = []
         self.pools: dict[str, StatePool] = {}
         self._layout = layout
+        self._verdicts: dict = {}
         types = list(getattr(args, "state_types", None) or [])
         self.num_types = len(types)
         refused = []
@@ -109,6 +110,11 @@ class StateMap:
         """Why state cannot move between these attention TP sizes (None: it can)."""
         if not self.components or prefill_tp == decode_tp:
             return None
+        if (prefill_tp, decode_tp) not in self._verdicts:
+            self._verdicts[(prefill_tp, decode_tp)] = self._problem(prefill_tp, decode_tp)
+        return self._verdicts[(prefill_tp, decode_tp)]
+
+    def _problem(self, prefill_tp: int, decode_tp: int) -> Optional[str]:
         for comp in self.components:
             if comp.same_tp_only:
                 return (f"the kvstage backend moves {comp.same_tp_only} between equal attention TP sizes only "
