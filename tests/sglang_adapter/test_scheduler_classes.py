@@ -86,14 +86,11 @@ def run(tmp_path, model_dir, port, prefill_tp, decode_tp, reqs, *, backend="nixl
         die_at_room=None, extra_env=None, state=None, mla=False) -> dict:
     sc = {"page_size": 4, "layers": 2, "heads": 4, "head_dim": 8, "num_pages": 64, "model": model_dir,
           "bootstrap_port": port, "http_port": free_port(), "deadline_s": 120, "requests": reqs,
-          "die_at_room": die_at_room, "state": state, "mla": mla}
+          "die_at_room": die_at_room, "state": state, "mla": mla, "release": str(tmp_path / "release")}
     (tmp_path / "scenario.json").write_text(json.dumps(sc))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SHIMS), os.environ.get("PYTHONPATH", "")]),
                KVSTAGE_SGLANG_BACKEND=backend, SGLANG_DISAGG_STAGING_BUFFER="1" if staging else "0",
-               HF_HUB_OFFLINE="1", SGLANG_HOST_IP="127.0.0.1",
-               # 4 rank processes importing SGLang on 2 busy cores can take past the 30 s default
-               # for every rank of an engine to register
-               KVSTAGE_TIMEOUT_BOOTSTRAP="90", **(extra_env or {}))
+               HF_HUB_OFFLINE="1", SGLANG_HOST_IP="127.0.0.1", **(extra_env or {}))
     procs = {}
     try:
         for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
@@ -105,8 +102,10 @@ def run(tmp_path, model_dir, port, prefill_tp, decode_tp, reqs, *, backend="nixl
                      "--scenario", str(tmp_path / "scenario.json"), "--out", str(out)],
                     env=env, stdout=log, stderr=subprocess.STDOUT), out)
         deadline = time.monotonic() + TIMEOUT_S
-        for (role, rank), (proc, _) in procs.items():
-            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        for key in sorted(procs, key=lambda k: k[0] != "decode"):   # decode ranks first, then
+            if key[0] == "prefill":                                  # the prefill ranks may go
+                (tmp_path / "release").touch()
+            procs[key][0].wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         for proc, _ in procs.values():
             if proc.poll() is None:
