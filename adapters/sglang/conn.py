@@ -155,6 +155,8 @@ class _Handle:
     def _end(self, state: int, reason: Optional[str] = None) -> int:
         if state == KVPoll.Failed and reason is not None:
             self.kv_mgr.record_failure(self.bootstrap_room, reason)
+            if getattr(self, "_error", None) is None:   # the adapter's own reason, not the abort's
+                self._error = KVTransferError(self.bootstrap_room, "sglang", reason)
         self.conclude_state = state
         self.kv_mgr.request_status[self.bootstrap_room] = state
         return state
