@@ -3,11 +3,11 @@ bytes of the last piece; decode: out of the ring into this rank's items).
 
 Each pool tensor is seen once as bytes, `[num_items, item bytes]` (`PoolBytes`); a request's
 copies then only index those views, which takes no torch op, and move every block in ONE op.
-That matters more than the bytes: every torch op releases the GIL, and while the control thread
-polls the backend each hand-back waits for it, up to the interpreter's switch interval (5 ms),
-longer when the rank shares its cores. Nine ops per tensor made an 8-layer pool cost ~10 ms a
-request where its bytes cost 0.1 ms (docs/benchmarks.md, "State pools"). The same code runs on
-either device (`torch._foreach_copy_` is one kernel launch per list on a GPU).
+Every torch op releases the GIL and must win it back from the rank's other threads (the control
+thread polls the backend while a transfer is on); the first version's ~9 ops per tensor took
+twice as long alone and 2.6x as long beside a polling thread (examples/bench_pool_copies.py,
+docs/benchmarks.md "State pools"). The same code runs on either device (`torch._foreach_copy_`
+is one kernel launch per list on a GPU).
 """
 
 from __future__ import annotations
