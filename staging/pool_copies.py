@@ -4,7 +4,7 @@ bytes of the last piece; decode: out of the ring into this rank's items).
 Each pool tensor is seen once as bytes, `[num_items, item bytes]` (`PoolBytes`); a request's
 copies then only index those views, which takes no torch op, and move every block in ONE op.
 Every torch op releases the GIL and must win it back from the rank's other threads (the control
-thread polls the backend while a transfer is on); the first version's ~9 ops per tensor took
+thread polls the backend while a transfer is on); the first version's ~9 ops per tensor took about
 twice as long alone and 2.6x as long beside a polling thread (examples/bench_pool_copies.py,
 docs/benchmarks.md "State pools"). The same code runs on either device (`torch._foreach_copy_`
 is one kernel launch per list on a GPU).
