@@ -24,9 +24,6 @@ class PoolBytes:
         self._pools = pools
         self._rows: dict[tuple[str, int], torch.Tensor] = {}
 
-    def __bool__(self) -> bool:
-        return bool(self._pools)
-
     def span(self, segment, heads: tuple[int, int] | None) -> tuple[torch.Tensor, int, int]:
         """The tensor's byte rows and the byte range [a, b) of `heads` (all of an item for None)
         within each row."""
