@@ -29,6 +29,7 @@ import msgspec
 import zmq
 
 from . import messages as m
+from .address import split_host_port
 from .wire import WireError
 
 log = logging.getLogger("kvstage.bootstrap.client")
@@ -133,14 +134,11 @@ class RankRecord(RankInfo):
         return cls(**msgspec.structs.asdict(rec))
 
 
-def parse_addr(addr: str) -> str:
-    """"host:port", "[v6]:port" or "tcp://host:port" -> a zmq endpoint."""
-    if addr.startswith("tcp://"):
-        addr = addr[len("tcp://"):]
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"bootstrap address must be 'host:port', got {addr!r}")
-    return f"tcp://{host}:{int(port)}"
+def parse_addr(addr: str, name: str = "bootstrap") -> str:
+    """"host:port", "[v6]:port" or "tcp://host:port" -> a zmq endpoint; ValueError naming
+    `name` and what is wrong (bootstrap/address.py)."""
+    host, port = split_host_port(name, addr)
+    return f"tcp://{host}:{port}"
 
 
 class _Channel:

@@ -24,7 +24,7 @@ import torch
 
 from .gather_scatter import Gatherer, Scatterer
 
-__all__ = ["ENV_VAR", "CHOICES", "kernel_choice", "gatherer_class", "scatterer_class", "make_gatherer",
+__all__ = ["ENV_VAR", "CHOICES", "requested_kernels", "kernel_choice", "gatherer_class", "scatterer_class", "make_gatherer",
            "make_scatterer"]
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,8 @@ CHOICES = ("auto", "torch", "triton")
 _warned_fallback = False
 
 
-def _requested() -> str:
+def requested_kernels() -> str:
+    """The value of KVSTAGE_STAGING_KERNELS (auto when unset); ValueError naming it otherwise."""
     value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
     if value not in CHOICES:
         raise ValueError(f"{ENV_VAR}={os.environ.get(ENV_VAR)!r}: expected one of {', '.join(CHOICES)}")
@@ -62,7 +63,7 @@ def _triton_module(device: torch.device, required: bool):
 def _triton_for(device):
     """The Triton kernels module for a cache on `device`, or None for the torch path."""
     device = torch.device(device)
-    requested = _requested()
+    requested = requested_kernels()
     if requested == "torch" or (requested == "auto" and device.type != "cuda"):
         return None
     mod = _triton_module(device, required=requested == "triton")

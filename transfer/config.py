@@ -127,8 +127,7 @@ class EngineConfig:
         if self.backend not in ("nixl", "mooncake"):
             raise ValueError(f"backend must be 'nixl' or 'mooncake', got {self.backend!r}")
         check.host_port("bootstrap", self.bootstrap)
-        if not isinstance(self.host, str) or not self.host:
-            raise ValueError(f"host must be a non-empty string, got {self.host!r}")
+        host = check.host("host", self.host).strip("[]")   # an IPv6 literal is kept without brackets
         check.port("ctrl_port", self.ctrl_port)
         if isinstance(self.dp_rank, bool) or not isinstance(self.dp_rank, int) or not 0 <= self.dp_rank <= 1024:
             raise ValueError(f"dp_rank must be an int in 0..1024, got {self.dp_rank!r}")
@@ -148,6 +147,7 @@ class EngineConfig:
             staging=env_flag(STAGING_ENV) if self.staging is None else check.flag("staging", self.staging),
             verify=env_flag(VERIFY_ENV) if self.verify is None else check.flag("verify", self.verify),
             auth_token=token,
+            host=host,
             staging_workers=self._count("staging_workers", WORKERS_ENV, 2),
             staging_buffer_mb=self._mb("staging_buffer_mb", BUFFER_MB_ENV, 64.0),
             ring_mb=self._mb("ring_mb", RING_MB_ENV, 256.0),

@@ -11,6 +11,8 @@ import numbers
 import os
 from typing import Callable, TypeVar
 
+from ..bootstrap.address import check_host, split_host_port
+
 T = TypeVar("T")
 
 TRUE_WORDS = ("1", "true", "on", "yes")
@@ -63,12 +65,15 @@ def port(name: str, value: object) -> int:
 
 
 def host_port(name: str, value: object) -> str:
-    """'host:port' with a port the server can actually listen on (1..65535)."""
-    if isinstance(value, str):
-        host, sep, num = value.rpartition(":")
-        if sep and host and num.isdigit() and 0 < int(num) < 65536:
-            return value
-    raise ValueError(f"{name} must be a 'host:port' string with port 1..65535, got {value!r}")
+    """'host:port' (or '[v6]:port') with a valid host and a port the server can actually listen
+    on (1..65535)."""
+    split_host_port(name, value)
+    return value  # type: ignore[return-value]
+
+
+def host(name: str, value: object) -> str:
+    """A host name or an IP address literal (IPv6 without brackets or with)."""
+    return check_host(name, value)
 
 
 def from_env(var: str, default: T, parse: Callable[[str], object], check: Callable[[str, object], T]) -> T:

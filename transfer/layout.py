@@ -191,6 +191,7 @@ class KVBuffers:
                     raise ValueError(f"{where} is not contiguous")
                 if t.shape[0] % layout.page_size:
                     raise ValueError(f"{where} has {t.shape[0]} tokens, not a multiple of page_size={layout.page_size}")
+                check_memory_device(where, t.device)
                 if tokens is None:
                     tokens, device = t.shape[0], t.device
                 elif t.shape[0] != tokens:
@@ -205,6 +206,7 @@ class KVBuffers:
         named = [(f"{name}[{i}]", t) for name, tensors in groups for i, t in enumerate(tensors)]
         for n in sorted(self.pools):
             for i, t in enumerate(self.pools[n].tensors):
+                check_memory_device(f"pool {n!r} tensor {i}", t.device)
                 if t.device != device:
                     raise ValueError(f"pool {n!r} tensor {i} is on {t.device}, the KV cache on {device}")
                 named.append((f"pool {n!r}[{i}]", t))
@@ -219,7 +221,11 @@ class KVBuffers:
         an address, a byte length and the bytes of one page (K layers, then V layers; MLA: K
         only). No copy; kvstage never frees this memory. Validated against `layout`."""
         from .raw_memory import check_pointers, tensor_at
-        dev = torch.device(device)
+        try:
+            dev = torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"from_pointers(device={device!r}) is not a torch device: {exc}") from None
+        check_memory_device(f"from_pointers(device={device!r})", dev)
         pages = check_pointers(layout, data_ptrs, data_lens, item_lens)
         shape = (pages * layout.page_size, layout.local_heads, layout.head_dim)
         views = [tensor_at(p, n, layout.dtype, shape, dev) for p, n in zip(data_ptrs, data_lens)]
@@ -238,6 +244,20 @@ class KVBuffers:
         """Every state pool tensor, pools by name."""
         return [t for n in sorted(self.pools) for t in self.pools[n].tensors]
 
+
+
+MEMORY_DEVICES = ("cpu", "cuda")   # what the backends can register and write
+
+
+def check_memory_device(where: str, device: torch.device) -> None:
+    """Only memory a backend can register: a `meta` tensor has no bytes at all, and other
+    devices (mps, xpu, ...) are not memory NIXL or Mooncake write. ValueError naming `where`."""
+    if device.type == "meta":
+        raise ValueError(f"{where} is on the meta device: it has no memory to send or receive (allocate it on "
+                         f"{' or '.join(MEMORY_DEVICES)})")
+    if device.type not in MEMORY_DEVICES:
+        raise ValueError(f"{where} is on {device}: kvstage moves KV caches in {' or '.join(MEMORY_DEVICES)} "
+                         f"memory only")
 
 
 def _check_disjoint(named: list[tuple[str, torch.Tensor]]) -> None:

@@ -38,9 +38,11 @@ def cfg(**kw) -> EngineConfig:
     ("staging", "maybe"), ("staging", 2),
     ("ctrl_port", 70000), ("ctrl_port", -1), ("ctrl_port", 1.5), ("ctrl_port", True),
     ("bootstrap", 8998), ("bootstrap", "localhost"), ("bootstrap", "h:0"), ("bootstrap", "h:70000"),
-    ("bootstrap", ":8998"),
+    ("bootstrap", ":8998"), ("bootstrap", "bad host!:8998"), ("bootstrap", "a..b:1"), ("bootstrap", "-h:1"),
+    ("bootstrap", "1.2.3.256:1"), ("bootstrap", "::1:8998"), ("bootstrap", "[::zz]:1"), ("bootstrap", "[h]:1"),
+    ("bootstrap", "x" * 64 + ":1"),
     ("backend_options", "x"), ("backend_options", [("a", 1)]),
-    ("host", ""), ("host", 127),
+    ("host", ""), ("host", 127), ("host", "bad host!"), ("host", "10.0.0.300"), ("host", "[::1"), ("host", "h_1"),
     ("timeouts", {"connect": 1.0}),
 ])
 def test_bad_option_is_a_value_error_naming_it(option, value):
@@ -157,3 +159,64 @@ def test_kv_manager_validates_before_starting_anything():
 def test_bad_dp_rank_names_it(value):
     with pytest.raises(ValueError, match="dp_rank"):
         cfg(dp_rank=value).resolved()
+
+
+@pytest.mark.parametrize("addr", ["127.0.0.1:8998", "localhost:1", "node-7.cluster.local:65535", "[::1]:8998",
+                                  "[fe80::1%eth0]:5", "tcp://10.0.0.1:8998", "trailing.dot.:2"])
+def test_good_bootstrap_addresses_are_kept(addr):
+    assert cfg(bootstrap=addr).resolved().bootstrap == addr
+
+
+@pytest.mark.parametrize("host, kept", [("127.0.0.1", "127.0.0.1"), ("::1", "::1"), ("[::1]", "::1"),
+                                        ("node-7", "node-7")])
+def test_good_hosts_are_kept_ipv6_without_brackets(host, kept):
+    assert cfg(host=host).resolved().host == kept
+
+
+def test_a_bad_bootstrap_host_says_what_is_wrong():
+    with pytest.raises(ValueError, match=r"bootstrap='bad host!:8998': the host 'bad host!' is not a host name"):
+        cfg(bootstrap="bad host!:8998").resolved()
+    with pytest.raises(ValueError, match=r"an IPv6 address goes in brackets, e\.g\. '\[::1\]:8998'"):
+        cfg(bootstrap="::1:8998").resolved()
+
+
+@pytest.mark.parametrize("kernels, staging, match", [
+    ("bogus", False, "KVSTAGE_STAGING_KERNELS='bogus': expected one of"),
+    ("bogus", True, "KVSTAGE_STAGING_KERNELS='bogus': expected one of"),
+    ("triton", True, "KVSTAGE_STAGING_KERNELS=triton needs a CUDA KV cache"),
+])
+def test_kv_manager_checks_the_kernel_choice_before_creating_anything(monkeypatch, kernels, staging, match):
+    """Before any socket or backend exists (a bootstrap at port 9 is never contacted)."""
+    import torch
+    from kvstage.staging import kernels as kernels_module
+    from kvstage.transfer import KVBuffers, KVLayout, KVManager
+    from kvstage.transfer.engine import manager
+    monkeypatch.setenv("KVSTAGE_STAGING_KERNELS", kernels)
+    # the CPU interpreter the test session runs under would make triton acceptable on the CPU
+    monkeypatch.setattr(kernels_module, "_triton_module", lambda device, required: _Compiled())
+    monkeypatch.setattr(manager, "create_backend", lambda *a, **k: pytest.fail("a backend was created"))
+    layout = KVLayout(num_layers=1, total_kv_heads=1, head_dim=8, dtype=torch.float32, page_size=4, tp_size=1,
+                      tp_rank=0)
+    for role in ("prefill", "decode"):
+        with pytest.raises(ValueError, match=match):
+            KVManager(cfg(role=role, staging=staging), layout, KVBuffers([torch.zeros(16, 1, 8)], [torch.zeros(16, 1, 8)]))
+
+
+def test_torch_kernels_on_a_staged_cpu_rank_pass_the_check(monkeypatch):
+    import torch
+    from kvstage.transfer import KVBuffers, KVLayout
+    from kvstage.transfer.engine.manager import check_kernels
+    layout = KVLayout(num_layers=1, total_kv_heads=1, head_dim=8, dtype=torch.float32, page_size=4, tp_size=1,
+                      tp_rank=0)
+    buffers = KVBuffers([torch.zeros(16, 1, 8)], [torch.zeros(16, 1, 8)]).validate(layout)
+    for value in ("torch", "auto", ""):
+        monkeypatch.setenv("KVSTAGE_STAGING_KERNELS", value)
+        check_kernels(cfg(staging=True).resolved(), layout, buffers)   # raises on a wrong verdict
+
+
+class _Compiled:
+    """Stands in for the Triton kernels module as it is on a machine without the interpreter."""
+
+    @staticmethod
+    def interpreted() -> bool:
+        return False

@@ -126,3 +126,29 @@ def test_buffers_accept_adjacent_views_of_one_storage():
     parts = list(base.split(12))  # one allocation, four disjoint contiguous slices
     buffers = KVBuffers(parts[:2], parts[2:]).validate(lay)
     assert buffers.num_pages == 3
+
+
+@pytest.mark.parametrize("where", ["k", "v", "pool"])
+def test_buffers_name_a_meta_tensor_as_such(where):
+    """A meta tensor has no memory: named for what it is, not as an overlap of two tensors."""
+    from kvstage.transfer.state_pools import StatePool
+    layout = KVLayout(num_layers=2, total_kv_heads=1, head_dim=8, dtype=torch.float32, page_size=4, tp_size=1,
+                      tp_rank=0)
+    k = [torch.zeros(16, 1, 8) for _ in range(2)]
+    v = [torch.zeros(16, 1, 8) for _ in range(2)]
+    pool = [torch.zeros(4, 3)]
+    {"k": k, "v": v, "pool": pool}[where][-1] = torch.zeros(*({"pool": (4, 3)}.get(where, (16, 1, 8))),
+                                                           device="meta")
+    name = {"k": "k\\[1\\]", "v": "v\\[1\\]", "pool": "pool 'aux' tensor 0"}[where]
+    with pytest.raises(ValueError, match=f"{name} is on the meta device: it has no memory"):
+        KVBuffers(k, v, pools={"aux": StatePool(pool)}).validate(layout)
+
+
+@pytest.mark.parametrize("device, match", [("meta", "is on the meta device"), ("nonsense", "is not a torch device")])
+def test_from_pointers_names_the_device_option(device, match):
+    layout = KVLayout(num_layers=1, total_kv_heads=1, head_dim=8, dtype=torch.float32, page_size=4, tp_size=1,
+                      tp_rank=0)
+    t = [torch.zeros(16, 1, 8), torch.zeros(16, 1, 8)]
+    with pytest.raises(ValueError, match=f"from_pointers\\(device='{device}'\\) {match}"):
+        KVBuffers.from_pointers(layout, [x.data_ptr() for x in t], [x.nbytes for x in t], [x[0:4].nbytes for x in t],
+                                device=device)

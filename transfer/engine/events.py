@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import queue
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,7 @@ class EventQueue:
         self._r, self._w = os.pipe()
         os.set_blocking(self._r, False)
         os.set_blocking(self._w, False)
+        self._closing = threading.Lock()   # a put racing close() never writes into a reused fd number
 
     @property
     def fd(self) -> int:
@@ -27,10 +29,13 @@ class EventQueue:
 
     def put(self, event: Any) -> None:
         self._q.put(event)
-        try:
-            os.write(self._w, b"\x01")
-        except (BlockingIOError, OSError):
-            pass  # the pipe is full or closed: a wake-up is already pending, or we are done
+        with self._closing:
+            if self._w < 0:
+                return  # closed: nobody drains any more
+            try:
+                os.write(self._w, b"\x01")
+            except (BlockingIOError, OSError):
+                pass  # the pipe is full: a wake-up is already pending
 
     def drain(self) -> list[Any]:
         try:
@@ -46,11 +51,12 @@ class EventQueue:
                 return out
 
     def close(self) -> None:
-        for fd in (self._r, self._w):
-            try:
+        """Idempotent: each fd is closed once, and a later put() writes nothing."""
+        with self._closing:
+            fds, self._r, self._w = (self._r, self._w), -1, -1
+        for fd in fds:
+            if fd >= 0:
                 os.close(fd)
-            except OSError:
-                pass
 
 
 # -- events ---------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from ..backends.faults import FaultPlan
 from ..config import EngineConfig
 from ..layout import KVBuffers, KVLayout
 from ..protocol.messages import Goodbye
+from ..poll import KVPoll
 from ..protocol.tags import TagCodec
 from .backend_owner import BackendOwner
 from .context import EngineContext, NoObserver, local_geometry
@@ -59,7 +60,24 @@ class EngineLoop:
                  stats: Stats, lookup: Callable[[str, float], list], codec, ctx: zmq.Context,
                  control_faults: Any = None, observer: Any = None):
         self.events = EventQueue()
-        sock = ControlSocket(ctx, cfg.host, cfg.ctrl_port, codec, control_faults)
+        self.workers: TransferWorkers | None = None
+        self.scatter: ScatterWorker | None = None
+        sock: ControlSocket | None = None
+        try:
+            sock = ControlSocket(ctx, cfg.host, cfg.ctrl_port, codec, control_faults)
+            self._build(cfg, layout, buffers, me, backend, backend_name, identity, handler, stats, lookup, sock,
+                        observer)
+        except BaseException:
+            # nothing may outlive a failed construction: an open socket blocks Context.term()
+            self.stop_workers()
+            if sock is not None:
+                sock.close()
+            self.events.close()
+            raise
+        self.thread = threading.Thread(target=self._run, name="kvstage-ctrl", daemon=True)
+
+    def _build(self, cfg, layout, buffers, me, backend, backend_name, identity, handler, stats, lookup, sock,
+               observer) -> None:
         self.ctx = c = EngineContext(cfg, layout, buffers, me, backend, backend_name, identity, handler, stats, sock,
                                      TagCodec(cfg.token_bytes), layout.summary(buffers.pool_specs),
                                      local_geometry(layout, buffers), self.post, observer or NoObserver())
@@ -68,8 +86,6 @@ class EngineLoop:
         self.peers = PeerTable(c)
         self.book = RoomBook(c, self.peers)
         self.writes = WriteQueue(c, self.peers, self.book, None)
-        self.workers: TransferWorkers | None = None
-        self.scatter: ScatterWorker | None = None
         if cfg.role == "prefill":
             self.side: Any = PrefillSide(c, self.peers, self.book, self.writes)
             if handler.buffers:
@@ -91,7 +107,8 @@ class EngineLoop:
         self._next_tick = 0.0
         self._closing_since: float | None = None
         self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="kvstage-ctrl", daemon=True)
+        self.died: str | None = None            # why the control thread stopped on an error
+        self._death_lock = threading.Lock()     # post() against _die(): no event slips past both
 
     @property
     def endpoint(self) -> str:
@@ -112,9 +129,27 @@ class EngineLoop:
     def start(self) -> None:
         self.thread.start()
 
+    def discard(self) -> None:
+        """A loop whose thread never started: close what it holds (the caller's thread)."""
+        self.ctx.sock.close()
+        self.events.close()
+
+    def stop_workers(self) -> None:
+        """The transfer workers and the scatter thread, once no write can still be posted."""
+        try:
+            if self.workers is not None:
+                self.workers.stop()
+        finally:
+            if self.scatter is not None:
+                self.scatter.stop()
+
     def post(self, event: Any) -> None:
-        """Any thread: hand an event to the control thread."""
-        self.events.put(event)
+        """Any thread: hand an event to the control thread; RuntimeError once it has died (an
+        event nobody will handle would leave its caller waiting forever)."""
+        with self._death_lock:
+            if self.died is not None:
+                raise RuntimeError(f"the kvstage control thread stopped: {self.died}")
+            self.events.put(event)
 
     # -- the loop ----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -147,6 +182,8 @@ class EngineLoop:
                     self._next_tick = now + TICK
                     self._safely(lambda _: sock.flush_held(), None)
                     self._safely(self._tick, now)
+        except BaseException as exc:  # noqa: BLE001 - said in the log and to every room, not re-raised
+            self._die(exc)
         finally:
             self._teardown()
             backend.release_ownership()
@@ -204,6 +241,23 @@ class EngineLoop:
             except Exception:  # noqa: BLE001
                 log.exception("control thread: failing room %s after an internal error failed", r)
 
+    def _die(self, exc: BaseException) -> None:
+        """The loop itself raised (outside the per-input guards): nothing will drive these rooms
+        again, so each fails with the reason now, and every later post() raises. close() still
+        releases the rank (KVManager._stop_loop finds the thread gone)."""
+        log.critical("kvstage control thread stopped on an error", exc_info=exc)
+        reason = f"the kvstage control thread stopped: {type(exc).__name__}: {exc}"
+        with self._death_lock:
+            self.died = reason
+            waiting = self.events.drain()
+        statuses = list(self.book.status.values()) + [ev.status for ev in waiting if hasattr(ev, "status")]
+        for status in statuses:
+            if status.state not in (KVPoll.Success, KVPoll.Failed):
+                status.update(KVPoll.Failed, reason, "internal", released=False)
+        for ev in waiting:
+            if isinstance(ev, Call):
+                ev.done(None)
+
     # -- closing -----------------------------------------------------------------------------------
     def begin_close(self) -> None:
         """On the control thread: fail every room; stop once all are released (or time is up)."""
@@ -213,11 +267,13 @@ class EngineLoop:
             self.book.apply(room, self.side.closing(room, now))
 
     def _teardown(self) -> None:
-        clean = not any(getattr(r, "ops", None) for r in self.book.rooms.values())  # no write of ours in flight
-        for peer in list(self.peers.peers.values()):
-            if peer.state in ("connected", "connecting"):
-                self.ctx.sock.send(peer.endpoint, Goodbye(src=self.ctx.me, dst=peer.key.incarnation,
-                                                          reason="closing", clean=clean, conn=peer.conn))
-        time.sleep(0.01)  # let zmq hand the goodbyes to the kernel before the sockets close
-        self.ctx.sock.close()
-        self.events.close()
+        try:
+            clean = not any(getattr(r, "ops", None) for r in self.book.rooms.values())  # no write of ours in flight
+            for peer in list(self.peers.peers.values()):
+                if peer.state in ("connected", "connecting"):
+                    self.ctx.sock.send(peer.endpoint, Goodbye(src=self.ctx.me, dst=peer.key.incarnation,
+                                                              reason="closing", clean=clean, conn=peer.conn))
+            time.sleep(0.01)  # let zmq hand the goodbyes to the kernel before the sockets close
+        finally:  # the sockets close even if a goodbye could not be sent: the context waits for them
+            self.ctx.sock.close()
+            self.events.close()

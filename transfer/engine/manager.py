@@ -18,6 +18,7 @@ import zmq
 
 from ...bootstrap import BootstrapClient, BootstrapError, RankInfo
 from ...staging.handler import StagingHandler
+from ...staging.kernels import kernel_choice, requested_kernels
 
 from ..backends import create_backend
 from ..backends.base import MemRegion
@@ -36,6 +37,12 @@ from .stats import Stats
 
 log = logging.getLogger("kvstage")
 
+# KVManager() runs these in order, each `_start_<step>`, each pushing its own undo; a failure at
+# any of them undoes the ones before, newest first (tests/integration/test_manager_start.py
+# injects one at each step and checks this list against the methods).
+STARTUP_STEPS = ("metrics", "backend", "kv_registration", "staging", "control_context", "bootstrap_client",
+                 "sources", "control_loop", "control_thread", "registration", "keepalive")
+
 
 class KVManager:
     """The KV transfer engine of one prefill or decode rank (see DESIGN.md section 3)."""
@@ -51,41 +58,57 @@ class KVManager:
         self._rooms: dict[int, RoomStatus] = {}
         self._rooms_lock = threading.Lock()
         self._closed = False
+        self._metrics_option_explicit = config.metrics_port is not None
         cfg = self.config
+        check_kernels(cfg, self.layout, self.buffers)   # the last check: nothing is created before it
         self._stack = contextlib.ExitStack()
         self._metrics: Any = None
+        self._loop_stuck = False
         self.metrics_port: int | None = None   # where /metrics is served (the bound port when 0 was asked)
+        self.name = f"kvstage-{cfg.engine_id}-{cfg.role}{self.layout.tp_rank}-{self.incarnation & 0xFFFFFF:06x}"
         try:
-            self._start_metrics(cfg, "metrics_port" if config.metrics_port is not None else METRICS_PORT_ENV)
-            self._start(cfg)
+            for step in STARTUP_STEPS:
+                getattr(self, f"_start_{step}")(cfg)
         except BaseException:
-            self._stack.close()
+            # everything already created goes, newest first; each undo is bounded, so the
+            # original error reaches the caller within seconds (never a hang in cleanup)
+            self._closed = True
+            try:
+                self._stack.close()
+            except Exception:  # noqa: BLE001 - the start-up error is the one the caller needs
+                log.exception("kvstage %s: cleaning up after a failed start raised", self.name)
             raise
+        log.info("kvstage %s rank %d of %s ready on %s (backend %s, staging %s)", cfg.role, self.layout.tp_rank,
+                 cfg.engine_id, self.endpoint, cfg.backend, "on" if cfg.staging else "off")
 
-    def _start_metrics(self, cfg: EngineConfig, option: str) -> None:
+    # -- start-up, one step each (STARTUP_STEPS); each pushes its own undo ----------------------------
+    def _start_metrics(self, cfg: EngineConfig) -> None:
         """First of all, so a port in use or a missing prometheus-client fails at once."""
         if cfg.metrics_port is None:
             return
         from ..metrics import MetricsExporter   # prometheus-client only when metrics are asked for
+        option = "metrics_port" if self._metrics_option_explicit else METRICS_PORT_ENV
         labels = {"role": cfg.role, "engine": cfg.engine_id, "rank": str(self.layout.tp_rank),
                   "backend": cfg.backend}
         self._metrics = MetricsExporter(cfg.host, cfg.metrics_port, labels, self.stats, option)
         self._stack.callback(self._metrics.close)
         self.metrics_port = self._metrics.port
 
-    def _start(self, cfg: EngineConfig) -> None:
-        stack = self._stack
-        self.name = f"kvstage-{cfg.engine_id}-{cfg.role}{self.layout.tp_rank}-{self.incarnation & 0xFFFFFF:06x}"
+    def _start_backend(self, cfg: EngineConfig) -> None:
         plan = FaultPlan.from_dict(cfg.faults) if cfg.faults else None
         # owned by this thread until the control thread starts, and again once it stopped
         self._backend = BackendOwner(self._make_backend(cfg, plan), wake=lambda: self._loop.post(Wake()))
-        stack.callback(self._backend.close)
+        self._stack.callback(self._backend.close)
+
+    def _start_kv_registration(self, cfg: EngineConfig) -> None:
         kind = "VRAM" if self.buffers.device.type == "cuda" else "DRAM"
         dev = (self.buffers.device.index or 0) if kind == "VRAM" else 0
         regions = [MemRegion(t.data_ptr(), t.numel() * t.element_size(), dev, kind)
                    for t in self.buffers.tensors() + self.buffers.pool_tensors()]
         kv_reg = self._backend.call(lambda b: b.register(regions))
-        stack.callback(lambda: self._backend.call(lambda b: b.deregister(kv_reg)))
+        self._stack.callback(lambda: self._backend.call(lambda b: b.deregister(kv_reg)))
+
+    def _start_staging(self, cfg: EngineConfig) -> None:
         staged = bool(cfg.staging) and not self.layout.mla
         self._handler = StagingHandler(
             cfg.role, lambda r: self._backend.call(lambda b: b.register(r)),
@@ -95,32 +118,44 @@ class KVManager:
             buffer_bytes=int(cfg.staging_buffer_mb * (1 << 20)),
             ring_bytes=int(cfg.ring_mb * (1 << 20)) if staged and cfg.role == "decode" else 0)
         self._handler.open()
-        stack.callback(self._handler.close)
-        identity = self._backend.call(lambda b: b.identity())
-        backend_name = self._backend.call(lambda b: b.name)
+        self._stack.callback(self._handler.close)
+
+    def _start_control_context(self, cfg: EngineConfig) -> None:
         self._ctx = zmq.Context()
-        stack.callback(self._ctx.term)
+        self._stack.callback(self._close_context)
+
+    def _start_bootstrap_client(self, cfg: EngineConfig) -> None:
         self._bootstrap = BootstrapClient(cfg.bootstrap, token=cfg.token_bytes)
-        stack.callback(self._bootstrap.close)
+        self._stack.callback(self._bootstrap.close)
+
+    def _start_sources(self, cfg: EngineConfig) -> None:
         self._sources = SourceResolver(self._bootstrap, cfg.token_bytes)   # other rendezvous servers, lazily
-        stack.callback(self._sources.close)
-        self._loop = EngineLoop(cfg, self.layout, self.buffers, self.incarnation, self._backend, backend_name,
-                                identity, self._handler, self._stats,
-                                self._sources.lookup,
+        self._stack.callback(self._sources.close)
+
+    def _start_control_loop(self, cfg: EngineConfig) -> None:
+        plan = FaultPlan.from_dict(cfg.faults) if cfg.faults else None
+        self._loop = EngineLoop(cfg, self.layout, self.buffers, self.incarnation, self._backend,
+                                self._backend.call(lambda b: b.name), self._backend.call(lambda b: b.identity()),
+                                self._handler, self._stats, self._sources.lookup,
                                 peer_codec(cfg.token_bytes), self._ctx, ControlFaults(plan) if plan else None,
                                 observer=self._metrics.observer if self._metrics is not None else None)
-        stack.callback(self._stop_loop)
-        self._loop.start()
+        self._stack.callback(self._stop_loop)
         self.endpoint = self._loop.endpoint
+
+    def _start_control_thread(self, cfg: EngineConfig) -> None:
+        self._loop.start()   # stopped by _stop_loop, pushed with the loop
+
+    def _start_registration(self, cfg: EngineConfig) -> None:
         self._info = RankInfo(
             engine_id=cfg.engine_id, role=cfg.role, tp_size=self.layout.tp_size, tp_rank=self.layout.tp_rank,
-            ctrl_endpoint=self.endpoint, backend=cfg.backend, backend_identity=backend_name,
-            layout={k: v for k, v in msgspec.structs.asdict(self.layout.summary()).items() if k != "pools"}, pools=self._pools(), incarnation=self.incarnation,
-            dp_rank=cfg.dp_rank)
+            ctrl_endpoint=self.endpoint, backend=cfg.backend, backend_identity=self._backend.call(lambda b: b.name),
+            layout={k: v for k, v in msgspec.structs.asdict(self.layout.summary()).items() if k != "pools"},
+            pools=self._pools(), incarnation=self.incarnation, dp_rank=cfg.dp_rank)
         self._register(cfg.timeouts.bootstrap)
+
+    def _start_keepalive(self, cfg: EngineConfig) -> None:
+        # stopped by the bootstrap client's close(); close() deregisters first
         self._bootstrap.start_keepalive(self._info, interval_s=cfg.timeouts.heartbeat)
-        log.info("kvstage %s rank %d of %s ready on %s (backend %s, staging %s)", cfg.role, self.layout.tp_rank,
-                 cfg.engine_id, self.endpoint, cfg.backend, "on" if cfg.staging else "off")
 
     def _make_backend(self, cfg: EngineConfig, plan: FaultPlan | None):
         options = dict(cfg.backend_options)
@@ -253,7 +288,10 @@ class KVManager:
         if self._closed or loop is None or not loop.thread.is_alive():
             return None
         fut: Future = Future()
-        loop.post(Call(fn, fut.set_result))
+        try:
+            loop.post(Call(fn, fut.set_result))
+        except RuntimeError:   # the control thread died (its reason is in every room's failure)
+            return None
         try:
             return fut.result(timeout)
         except Exception:  # noqa: BLE001 - stats are best effort while busy
@@ -278,10 +316,15 @@ class KVManager:
             log.exception("closing kvstage %s: a step raised", self.name)
 
     def _stop_loop(self) -> None:
-        if self._loop.thread.is_alive():
-            self._loop.post(Call(lambda loop: loop.begin_close(), lambda _: None))
-            self._loop.thread.join(self.config.timeouts.close + 30)
-        if self._loop.thread.is_alive():
+        loop = self._loop
+        if loop.thread.ident is None:          # never started: its socket is still this thread's
+            loop.discard()
+        elif loop.thread.is_alive():
+            with contextlib.suppress(RuntimeError):   # it died: it is ending by itself
+                loop.post(Call(lambda lp: lp.begin_close(), lambda _: None))
+            loop.thread.join(self.config.timeouts.close + 30)
+        if loop.thread.is_alive():
+            self._loop_stuck = True
             log.error("the kvstage control thread did not stop; leaving the backend to it")
             return
         # the backend is this thread's again: no write may stay in flight past this point,
@@ -290,16 +333,33 @@ class KVManager:
         try:
             self._backend.abort_writes()
         finally:  # the workers stop (and the backend closes, a later callback) even if that raised
-            if self._loop.workers is not None:
-                self._loop.workers.stop()
-            if self._loop.scatter is not None:
-                self._loop.scatter.stop()
+            loop.stop_workers()
+
+    def _close_context(self) -> None:
+        """Context.term() waits for every socket of the context to close: bounded here. The
+        control thread closes its own sockets when it ends (or discard() did, when it never
+        ran); a socket left open after that is closed now rather than waited for. While the
+        thread is still running (stuck), its sockets are its own: the context is left to it."""
+        if self._loop_stuck:
+            log.error("kvstage %s: leaving the control context open to the stuck control thread", self.name)
+            return
+        self._ctx.destroy(linger=0)
 
     def __enter__(self) -> "KVManager":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def check_kernels(cfg: EngineConfig, layout: KVLayout, buffers: KVBuffers) -> None:
+    """KVSTAGE_STAGING_KERNELS, checked before anything is created: its value on every rank,
+    and the choice against the KV cache's device where this rank stages (prefill workers
+    gather, the decode ring scatters). ValueError (RuntimeError: triton asked for by name but
+    not importable) naming the variable."""
+    requested_kernels()
+    if cfg.staging and not layout.mla:
+        kernel_choice(buffers.device)
 
 
 def _live_stats(loop: EngineLoop) -> dict:
