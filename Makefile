@@ -6,6 +6,8 @@
 #   make bench  the benchmark (also installs matplotlib for its plots), results into docs/bench
 #   make venv   only the installation
 #   make test-sglang  the SGLang adapter's tests, in their own venv .venv-sglang (make venv-sglang)
+#   make gpu-check    everything GPU-only (Triton kernels compiled, VRAM transfers, kernel benchmark),
+#                     on a machine with a CUDA device; one verdict line (examples/gpu_check.py)
 
 PYTHON ?= python3
 VENV   := .venv
@@ -29,7 +31,7 @@ SGL_PIN   := -c requirements/torch.txt
 SGL_STAMP := $(SGL_VENV)/.kvstage-installed
 SGL_SHIMS := tests/sglang_adapter/shims
 
-.PHONY: venv test demo bench apt clean venv-sglang test-sglang
+.PHONY: venv test demo bench apt clean venv-sglang test-sglang gpu-check
 
 venv: $(STAMP)
 
@@ -64,6 +66,9 @@ demo: apt $(STAMP)
 bench: apt $(STAMP)
 	$(PIP) install -q -r requirements/bench.txt
 	$(PY) examples/bench.py $(BENCH_ARGS)
+
+gpu-check: apt $(STAMP)
+	$(PY) examples/gpu_check.py
 
 venv-sglang: $(SGL_STAMP)
 

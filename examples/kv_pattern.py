@@ -48,7 +48,7 @@ class KVPattern:
         keys = self._keys(room, len(pages))
         for t, tensor in enumerate(tensors):
             view = _paged(tensor, self.layout)
-            view[pages_t] = self._expected(t, keys).view(len(pages), *view.shape[1:])
+            view[pages_t.to(tensor.device)] = self._expected(t, keys).view(len(pages), *view.shape[1:]).to(tensor.device)
 
     def check(self, tensors: list[torch.Tensor], room: int, pages: np.ndarray, first: int = 0) -> str | None:
         """None when cache `pages` hold exactly the pattern of the request's pages `first`,
@@ -57,7 +57,7 @@ class KVPattern:
         keys = self._keys(room, len(pages), first)
         for t, tensor in enumerate(tensors):
             view = _paged(tensor, self.layout)
-            got = view[pages_t]
+            got = view[pages_t.to(tensor.device)].cpu()   # a CUDA cache (examples/gpu_check.py) is read back
             want = self._expected(t, keys).view(got.shape)
             if not torch.equal(got, want):
                 bad = (got != want).nonzero()[0].tolist()

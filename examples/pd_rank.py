@@ -73,15 +73,18 @@ def build(spec: dict, bootstrap: str) -> tuple[KVManager, KVLayout, KVBuffers, K
                       tp_rank=spec["rank"], mla=g.get("mla", False))
     shape = (g["pages"] * layout.page_size, layout.local_heads, layout.head_dim)
     # touched at start-up, as a serving engine's KV cache is (fresh pages fault on first write)
-    k = [torch.zeros(shape, dtype=layout.dtype).zero_() for _ in range(layout.num_layers)]
-    v = None if layout.mla else [torch.zeros(shape, dtype=layout.dtype).zero_() for _ in range(layout.num_layers)]
+    device = torch.device(spec.get("device", "cpu"))   # "cuda:0": a VRAM cache (examples/gpu_check.py)
+    k = [torch.zeros(shape, dtype=layout.dtype, device=device).zero_() for _ in range(layout.num_layers)]
+    v = None if layout.mla else [torch.zeros(shape, dtype=layout.dtype, device=device).zero_()
+                                 for _ in range(layout.num_layers)]
     pools = pool_pattern.make_pools(g["pools"], layout) if g.get("pools") else {}
     buffers = KVBuffers(k, v, pools=pools)
     if spec.get("from_pointers"):  # hand the cache over the way SGLang's KVArgs does: raw addresses
         _ENGINE_OWNED.append((k, v))  # the "serving engine" keeps its memory alive
         owned = k + (v or [])
         buffers = KVBuffers.from_pointers(layout, [t.data_ptr() for t in owned],
-                                          [t.numel() * t.element_size() for t in owned], [layout.page_bytes] * len(owned))
+                                          [t.numel() * t.element_size() for t in owned], [layout.page_bytes] * len(owned),
+                                          device=device)
         buffers.pools = pools
     cfg = EngineConfig(role=spec["role"], engine_id=spec["engine"], bootstrap=bootstrap,
                        backend=spec.get("backend", "nixl"), staging=spec.get("staging"),

@@ -25,9 +25,10 @@ def make_pools(spec: dict, layout) -> dict:
     for name, p in sorted(spec.items()):
         heads = p.get("heads", layout.total_kv_heads) if p["sharding"] == "heads" else None
         local = [max(1, heads // layout.tp_size)] if heads else []
-        tensors = [torch.zeros((p["items"], *local, *shape), dtype=getattr(torch, dtype)).zero_()
+        device = torch.device(p.get("device", "cpu"))   # a pool may sit on another device than the KV
+        tensors = [torch.zeros((p["items"], *local, *shape), dtype=getattr(torch, dtype), device=device).zero_()
                    for dtype, shape in p["tensors"]]
-        pools[name] = StatePool(tensors, p["sharding"], heads=heads)
+        pools[name] = StatePool(tensors, p["sharding"], heads=heads, own_writes=bool(p.get("own_writes", False)))
     return pools
 
 
@@ -80,7 +81,7 @@ def fill(pools: dict, items: dict, key: int, layout) -> None:
         for ti, t in enumerate(pool.tensors):
             flat = t.view(t.shape[0], -1).view(torch.uint8)
             for j, item in enumerate(picked):
-                flat[item] = _mine(pool, _global_item(pool, name, ti, key, j, layout), layout)
+                flat[item] = _mine(pool, _global_item(pool, name, ti, key, j, layout), layout).to(t.device)
 
 
 def check(pools: dict, items: dict, key: int, layout) -> str | None:
@@ -90,7 +91,7 @@ def check(pools: dict, items: dict, key: int, layout) -> str | None:
             flat = t.view(t.shape[0], -1).view(torch.uint8)
             for j, item in enumerate(picked):
                 want = _mine(pool, _global_item(pool, name, ti, key, j, layout), layout)
-                got = flat[item]
+                got = flat[item].cpu()
                 if not torch.equal(got, want):
                     bad = int(np.count_nonzero((got != want).numpy()))
                     return f"pool {name!r} tensor {ti} item {item} (request item {j}): {bad} bytes wrong"

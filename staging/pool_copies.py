@@ -24,6 +24,13 @@ class PoolBytes:
         self._pools = pools
         self._rows: dict[tuple[str, int], torch.Tensor] = {}
 
+    def across(self, pool: str, other: torch.device) -> bool:
+        """Whether copies between `pool` and a staged region on `other` go through a bounce
+        buffer: the pool is in another kind of memory (a host pool beside a device ring), or
+        asks for it (`own_writes`, which makes CPU machines run the path GPU servers run)."""
+        p = self._pools[pool]
+        return p.tensors[0].device != other or bool(getattr(p, "own_writes", False))
+
     def span(self, segment, heads: tuple[int, int] | None) -> tuple[torch.Tensor, int, int]:
         """The tensor's byte rows and the byte range [a, b) of `heads` (all of an item for None)
         within each row."""
@@ -64,8 +71,8 @@ def gather_pools(pools, copies: Sequence, out: torch.Tensor, offset: int, dst: b
     at byte `offset`, in order; returns the bytes written. `dst`: the destination side's items
     instead (the decode rank digesting what landed). `pools`: a PoolBytes (or the pools dict)."""
     pb = _as_bytes(pools)
-    srcs: list[torch.Tensor] = []
-    dsts: list[torch.Tensor] = []
+    same: tuple[list, list] = ([], [])      # (destinations, sources) in one kind of memory
+    across: tuple[list, list] = ([], [])    # through the bounce buffer
     pos = offset
     for c in copies:
         seg = c.segment
@@ -74,20 +81,23 @@ def gather_pools(pools, copies: Sequence, out: torch.Tensor, offset: int, dst: b
         if len(items) * (b - a) != c.nbytes:
             raise ValueError(f"pool {seg.pool!r} tensor {seg.tensor}: {len(items) * (b - a)} bytes, expected "
                              f"{c.nbytes}")
+        dsts, srcs = across if pb.across(seg.pool, out.device) else same
         for r in items:
             srcs.append(r)
             dsts.append(out[pos:pos + (b - a)])
             pos += b - a
-    if srcs:
-        torch._foreach_copy_(dsts, srcs)
+    if same[1]:
+        torch._foreach_copy_(*same)
+    if across[1]:
+        copy_across(*across)
     return pos - offset
 
 
 def scatter_pools(pools, landed: Sequence[tuple[torch.Tensor, object]]) -> None:
     """Copy each landed block (a uint8 view of the ring) into its destination items."""
     pb = _as_bytes(pools)
-    srcs: list[torch.Tensor] = []
-    dsts: list[torch.Tensor] = []
+    same: tuple[list, list] = ([], [])      # (destinations, sources) in one kind of memory
+    across: tuple[list, list] = ([], [])    # through the bounce buffer
     for view, c in landed:
         seg = c.segment
         rows, a, b = pb.span(seg, seg.dst_heads)
@@ -95,8 +105,35 @@ def scatter_pools(pools, landed: Sequence[tuple[torch.Tensor, object]]) -> None:
         if view.numel() != len(items) * (b - a):
             raise ValueError(f"pool {seg.pool!r} tensor {seg.tensor}: a landed block of {view.numel()} bytes "
                              f"for {len(items)} items of {b - a}")
+        dsts, srcs = across if pb.across(seg.pool, view.device) else same
         for k, r in enumerate(items):
             dsts.append(r)
             srcs.append(view[k * (b - a):(k + 1) * (b - a)])
-    if srcs:
-        torch._foreach_copy_(dsts, srcs)
+    if same[1]:
+        torch._foreach_copy_(*same)
+    if across[1]:
+        copy_across(*across)
+
+
+def copy_across(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """Copy uint8 blocks between two kinds of memory in a batch: through ONE contiguous bounce
+    buffer on the host side (pinned when a GPU is on the other side, so the host-device leg is
+    one asynchronous copy list on the current stream), never one synchronous copy per item. The
+    current stream of a CUDA side is synchronized before returning (a stream, not the device),
+    so the bytes are in place for the backend write or the request's Success that follows."""
+    src_dev, dst_dev = srcs[0].device, dsts[0].device
+    gpu = next((d for d in (src_dev, dst_dev) if d.type == "cuda"), None)
+    host = src_dev if src_dev.type == "cpu" else dst_dev
+    sizes = [s.numel() for s in srcs]
+    bounce = torch.empty(sum(sizes), dtype=torch.uint8, device=host, pin_memory=gpu is not None and host.type == "cpu")
+    parts = list(bounce.split(sizes))
+    if host == src_dev:    # host -> (device): gather on the host, then one copy list out
+        torch.cat(srcs, out=bounce)
+        torch._foreach_copy_(dsts, parts, non_blocking=gpu is not None)
+    else:                  # device -> host: one copy list into the bounce, then spread on the host
+        torch._foreach_copy_(parts, srcs, non_blocking=True)
+        if gpu is not None:
+            torch.cuda.current_stream(gpu).synchronize()
+        torch._foreach_copy_(dsts, parts)
+    if gpu is not None:
+        torch.cuda.current_stream(gpu).synchronize()

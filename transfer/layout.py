@@ -10,7 +10,7 @@ import msgspec
 import torch
 
 from ..bootstrap.wire import prebuild_struct_info
-from .state_pools import PoolSpec, StatePool, pool_mismatches
+from .state_pools import PoolSpec, StatePool, memory_kind, pool_mismatches
 
 #: Bumped whenever the wire protocol or the staging region layout changes incompatibly.
 PROTOCOL_VERSION = 1
@@ -207,8 +207,6 @@ class KVBuffers:
         for n in sorted(self.pools):
             for i, t in enumerate(self.pools[n].tensors):
                 check_memory_device(f"pool {n!r} tensor {i}", t.device)
-                if t.device != device:
-                    raise ValueError(f"pool {n!r} tensor {i} is on {t.device}, the KV cache on {device}")
                 named.append((f"pool {n!r}[{i}]", t))
         _check_disjoint(named)
         self.num_pages = tokens // layout.page_size
@@ -226,6 +224,9 @@ class KVBuffers:
         except (RuntimeError, TypeError) as exc:
             raise ValueError(f"from_pointers(device={device!r}) is not a torch device: {exc}") from None
         check_memory_device(f"from_pointers(device={device!r})", dev)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"from_pointers(device={device!r}): CUDA is not available in this process, so the "
+                             f"pointers cannot be device memory (host memory is device='cpu')")
         pages = check_pointers(layout, data_ptrs, data_lens, item_lens)
         shape = (pages * layout.page_size, layout.local_heads, layout.head_dim)
         views = [tensor_at(p, n, layout.dtype, shape, dev) for p, n in zip(data_ptrs, data_lens)]
@@ -234,7 +235,13 @@ class KVBuffers:
 
     @property
     def device(self) -> torch.device:
+        """The KV cache's device (each state pool has its own: `StatePool.device`)."""
         return self.k[0].device
+
+    @property
+    def kind(self) -> str:
+        """The KV cache's memory kind, "VRAM" or "DRAM"."""
+        return memory_kind(self.device)
 
     def tensors(self) -> list[torch.Tensor]:
         """K tensors then V tensors, in layer order."""

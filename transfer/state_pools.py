@@ -1,7 +1,9 @@
 """State pools: what a request carries besides its paged KV (aux rows, Mamba/linear-attention
 states, sliding-window pages, indexer pools), registered beside K and V.
 
-A pool is a list of tensors, each `[num_items, ...]`, and a sharding rule:
+A pool is a list of tensors, each `[num_items, ...]`, all on one device (the pool is one memory
+region, registered with its own kind: a host pool may sit beside a device KV cache), and a
+sharding rule:
 - "heads": dim 1 is this rank's share of the pool's heads, split across TP ranks exactly like
   KV heads (same mapping, replication and hetero-TP rules), over `heads` global heads (default:
   the model's KV heads);
@@ -46,7 +48,19 @@ class StatePool:
     tensors: Sequence[torch.Tensor]
     sharding: str = "replicated"
     heads: int | None = None
+    own_writes: bool = False    # its items travel apart from the KV even when their memory kind is
+                                # the KV's (docs/protocol.md "Regions and memory kinds"): what a
+                                # host pool beside a device cache does, on any machine
     num_items: int = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.tensors[0].device
+
+    @property
+    def kind(self) -> str:
+        """The pool's memory kind: "VRAM" for CUDA memory, "DRAM" for host memory."""
+        return memory_kind(self.device)
 
     def spec(self, name: str, layout) -> PoolSpec:
         """Validate against `layout` (this rank's TP size and rank); set num_items. Raises
@@ -69,11 +83,16 @@ class StatePool:
                                  f"multiple of them): heads sharding cannot split it")
         elif self.heads is not None:
             raise ValueError(f"{where}: heads is only for sharding='heads'")
+        if not isinstance(self.own_writes, bool):
+            raise ValueError(f"{where}: own_writes must be a bool, got {self.own_writes!r}")
         items, dtypes, rows = None, [], []
         for i, t in enumerate(self.tensors):
             at = f"{where} tensor {i}"
             if not isinstance(t, torch.Tensor):
                 raise ValueError(f"{at} is {type(t).__name__}, expected a torch.Tensor")
+            if t.device != self.tensors[0].device:
+                raise ValueError(f"{at} is on {t.device}, tensor 0 on {self.tensors[0].device}: a pool is one memory "
+                                 f"region (give tensors on another device a pool of their own)")
             if not t.is_contiguous():
                 raise ValueError(f"{at} is not contiguous")
             if t.dim() < (2 if self.sharding == "heads" else 1):
@@ -92,6 +111,11 @@ class StatePool:
             rows.append(list(t.shape[2:] if self.sharding == "heads" else t.shape[1:]))
         self.num_items = int(items)
         return PoolSpec(name=name, sharding=self.sharding, heads=heads, dtypes=dtypes, rows=rows)
+
+
+def memory_kind(device: torch.device) -> str:
+    """The backends' name for where `device`'s memory is: VRAM (CUDA) or DRAM (host)."""
+    return "VRAM" if device.type == "cuda" else "DRAM"
 
 
 def pool_mismatches(mine: Sequence[PoolSpec], theirs: Sequence[PoolSpec]) -> list[str]:

@@ -75,7 +75,7 @@ class KvstageKVManager(CommonKVManager):
         device = device_of(server_args, args)
         self.state = StateMap(args, layout, torch.device(device), self.attn_tp_size)
         buffers = pools.make_buffers(layout, args, device, self.state.pools)
-        self.aux_rooms = pools.aux_room_column(args)
+        self.aux_rooms = pools.aux_room_column(args, device)
         if self.is_prefill:
             own = self._own_bootstrap_addr()
             rendezvous = self.rendezvous_for(own, wait_s=60.0)

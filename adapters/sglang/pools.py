@@ -13,6 +13,7 @@ state.py; a request's state_indices become its items of them, on each side.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -37,7 +38,7 @@ def make_buffers(layout, args, device: str, state_pools: dict) -> KVBuffers:
                                  list(args.kv_item_lens), device=device)
     found = dict(state_pools)
     if has_aux(args):
-        dev = _aux_device(torch.device(device))
+        dev = aux_device(torch.device(device))
         rows = [tensor_at(ptr, nbytes, torch.uint8, (nbytes // item, item), dev)
                 for ptr, nbytes, item in zip(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)]
         found[AUX] = StatePool(rows, sharding="replicated")
@@ -46,17 +47,16 @@ def make_buffers(layout, args, device: str, state_pools: dict) -> KVBuffers:
     return KVBuffers(kv.k, kv.v, pools=found).validate(layout)
 
 
-def _aux_device(kv_device: torch.device) -> torch.device:
-    """SGLang keeps MetadataBuffers in host memory; kvstage's pools live on the KV cache's
-    device. Wrapping a host address as device memory would be wrong, so a CUDA cache is refused
-    until pools can sit on their own device."""
-    if kv_device.type != "cpu":
-        raise NotImplementedError("the kvstage backend cannot move SGLang's host-memory aux rows beside a "
-                                  f"{kv_device.type} KV cache yet (docs/sglang.md)")
-    return kv_device
+def aux_device(kv_device: torch.device) -> torch.device:
+    """Where SGLang keeps its MetadataBuffers: host memory (also beside a CUDA KV cache, on NVIDIA
+    GPUs), unless SGLANG_MOONCAKE_CUSTOM_MEM_POOL=INTRA_NODE_NVLINK puts them on the GPU. The aux
+    pool is then a region of its own kind (transfer/regions.py): a DRAM pool beside a VRAM cache."""
+    if kv_device.type == "cuda" and os.environ.get("SGLANG_MOONCAKE_CUSTOM_MEM_POOL", "") == "INTRA_NODE_NVLINK":
+        return kv_device
+    return torch.device("cpu")
 
 
-def aux_room_column(args) -> Optional[torch.Tensor]:
+def aux_room_column(args, device: str = "cpu") -> Optional[torch.Tensor]:
     """A view of the aux buffer that holds each row's bootstrap_room (SGLang puts it after the
     output buffers, before the optional KV checksum: it is the int64 buffer of 8 columns that
     comes last or last but one)."""
@@ -72,7 +72,7 @@ def aux_room_column(args) -> Optional[torch.Tensor]:
     nbytes, item = args.aux_data_lens[i], args.aux_item_lens[i]
     if item != 64:
         return None
-    return tensor_at(ptrs[i], nbytes, torch.int64, (nbytes // item, 8), torch.device("cpu"))
+    return tensor_at(ptrs[i], nbytes, torch.int64, (nbytes // item, 8), aux_device(torch.device(device)))
 
 
 def init_items(mgr, aux_index: Optional[int], state_indices=None) -> dict:

@@ -131,7 +131,8 @@ def _worker_cannot_start(mp):
 
 
 def _backend_refuses_registration(nth: int):
-    """Inside kv_registration (nth=1) or staging (nth=2): the backend refuses to register memory."""
+    """Inside regions (nth=1: the KV region) or staging (nth=2 with no pools): the backend
+    refuses to register memory."""
     def patch(mp):
         real_create = manager_module.create_backend
 
@@ -152,7 +153,7 @@ def _backend_refuses_registration(nth: int):
 
 POINTS = {**{f"after_{step}": _after(step) for step in STARTUP_STEPS},
           "inside_control_loop": _worker_cannot_start,
-          "inside_kv_registration": _backend_refuses_registration(1),
+          "inside_regions": _backend_refuses_registration(1),
           "inside_staging": _backend_refuses_registration(2)}
 
 

@@ -158,7 +158,8 @@ def _queue(peer) -> WriteQueue:
         tags=SimpleNamespace(encode=lambda tag: tag), post=lambda ev: None,
         layout=SimpleNamespace(page_size=2, head_bytes=16),
         handler=SimpleNamespace(region_free=lambda inc, start, n: True),
-        integrity=SimpleNamespace(direct_tag=lambda op: op.tag, sealer=lambda tag: None))
+        buffers=SimpleNamespace(kind="DRAM", pools={}),
+        integrity=SimpleNamespace(direct_tags=lambda op, groups: [op.tag] * groups, sealer=lambda tag: None))
     book = SimpleNamespace(get={7: SimpleNamespace(state=None)}.get, status={})
     workers = SimpleNamespace(jobs=[])
     workers.submit = workers.jobs.append

@@ -152,3 +152,28 @@ def test_from_pointers_names_the_device_option(device, match):
     with pytest.raises(ValueError, match=f"from_pointers\\(device='{device}'\\) {match}"):
         KVBuffers.from_pointers(layout, [x.data_ptr() for x in t], [x.nbytes for x in t], [x[0:4].nbytes for x in t],
                                 device=device)
+
+
+def test_from_pointers_on_cuda_without_cuda_is_named():
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the pointers could be device memory")  # CI has none
+    layout = KVLayout(num_layers=1, total_kv_heads=1, head_dim=8, dtype=torch.float32, page_size=4, tp_size=1,
+                      tp_rank=0)
+    t = [torch.zeros(16, 1, 8), torch.zeros(16, 1, 8)]
+    with pytest.raises(ValueError, match=r"from_pointers\(device='cuda:0'\): CUDA is not available"):
+        KVBuffers.from_pointers(layout, [x.data_ptr() for x in t], [x.nbytes for x in t], [x[0:4].nbytes for x in t],
+                                device="cuda:0")
+
+
+def test_a_pool_is_one_region_but_may_live_beside_the_kv_on_another_device():
+    from kvstage.transfer.state_pools import StatePool
+    layout = KVLayout(num_layers=1, total_kv_heads=1, head_dim=8, dtype=torch.float32, page_size=4, tp_size=1,
+                      tp_rank=0)
+    kv = ([torch.zeros(16, 1, 8)], [torch.zeros(16, 1, 8)])
+    split = StatePool([torch.zeros(4, 3), torch.zeros(4, 3, device="meta")])
+    with pytest.raises(ValueError, match="pool 'aux' tensor 1 is on meta, tensor 0 on cpu: a pool is one memory region"):
+        KVBuffers(*kv, pools={"aux": split}).validate(layout)
+    ok = KVBuffers(*kv, pools={"aux": StatePool([torch.zeros(4, 3)], own_writes=True)}).validate(layout)
+    assert ok.pools["aux"].kind == "DRAM" and ok.kind == "DRAM" and ok.pools["aux"].own_writes
+    with pytest.raises(ValueError, match="own_writes must be a bool"):
+        KVBuffers(*kv, pools={"aux": StatePool([torch.zeros(4, 3)], own_writes="yes")}).validate(layout)

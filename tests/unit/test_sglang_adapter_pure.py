@@ -77,3 +77,16 @@ def test_layout_mla_is_one_latent_per_layer():
 def test_layout_refuses_what_it_cannot_map(args, match):
     with pytest.raises(ValueError, match=match):
         kv_layout(args, attn_tp_size=1, attn_tp_rank=0, mla=False)
+
+
+@pytest.mark.parametrize("kv, nvlink, want", [("cpu", False, "cpu"), ("cuda:1", False, "cpu"),
+                                              ("cuda:1", True, "cuda:1"), ("cpu", True, "cpu")])
+def test_aux_rows_are_host_memory_beside_a_cuda_cache(monkeypatch, kv, nvlink, want):
+    """SGLang's MetadataBuffers are host memory unless its NVLink pool puts them on the GPU: the
+    aux pool is a DRAM region beside a VRAM cache, no longer a refusal."""
+    from kvstage.adapters.sglang.pools import aux_device
+    if nvlink:
+        monkeypatch.setenv("SGLANG_MOONCAKE_CUSTOM_MEM_POOL", "INTRA_NODE_NVLINK")
+    else:
+        monkeypatch.delenv("SGLANG_MOONCAKE_CUSTOM_MEM_POOL", raising=False)
+    assert aux_device(torch.device(kv)) == torch.device(want)

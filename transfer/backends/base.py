@@ -174,6 +174,9 @@ class Backend(abc.ABC):
 
     #: "nixl" or "mooncake"
     kind: str = ""
+    #: the memory kinds this build can register and write into (a peer advertising another kind
+    #: is refused at connect, naming the region; a local region of another kind at start-up)
+    memory_kinds: tuple[str, ...] = MEMORY_KINDS
 
     @property
     @abc.abstractmethod

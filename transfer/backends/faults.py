@@ -75,6 +75,7 @@ class FaultyBackend(Backend):
         """`retag(tag) -> tag` rewrites a tag of a room in plan.corrupt_rooms (None: leave it)."""
         self.inner, self.plan, self._retag = inner, plan, retag
         self.kind = inner.kind
+        self.memory_kinds = inner.memory_kinds
         self._rng = random.Random(plan.seed)
         self._held = _Holder(self._rng, plan.hold_s)
         self._failed: set[int] = set()

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import importlib.metadata
 import json
 import os
 import queue
@@ -171,6 +172,16 @@ def _parse_identity(identity: bytes) -> tuple[str, RangeIndex | None]:
     return name, index
 
 
+def _build_memory_kinds() -> tuple[str, ...]:
+    """DRAM only for the non-CUDA build (what CPU machines install): it can neither register
+    device memory nor write into a peer's; both kinds for a CUDA build."""
+    try:
+        importlib.metadata.distribution("mooncake-transfer-engine-non-cuda")
+    except importlib.metadata.PackageNotFoundError:
+        return ("DRAM", "VRAM")
+    return ("DRAM",)
+
+
 class MooncakeBackend(Backend):
     """A Backend on one Mooncake TransferEngine (P2P handshake, no metadata server).
 
@@ -184,6 +195,7 @@ class MooncakeBackend(Backend):
     """
 
     kind = "mooncake"
+    memory_kinds = _build_memory_kinds()
 
     def __init__(
         self,

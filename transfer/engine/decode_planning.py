@@ -288,7 +288,10 @@ def pool_memory(pools: dict) -> list[PoolMemory]:
     for name in sorted(pools):
         ts = pools[name].tensors
         heads = pools[name].sharding == "heads"
+        pool = pools[name]
         out.append(PoolMemory(name=name, addrs=[t.data_ptr() for t in ts],
                               item_strides=[t.stride(0) * t.element_size() for t in ts],
-                              head_strides=[t.stride(1) * t.element_size() if heads else 0 for t in ts]))
+                              head_strides=[t.stride(1) * t.element_size() if heads else 0 for t in ts],
+                              mem_kind=pool.kind, device=(pool.device.index or 0) if pool.kind == "VRAM" else 0,
+                              own_writes=pool.own_writes))
     return out

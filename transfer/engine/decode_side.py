@@ -131,7 +131,8 @@ class DecodeSide:
         if room is None:
             self.ctx.stats.count("dropped_tags", "finished_room")
             return
-        corrupt = self.ctx.integrity.on_landed(room, tag)
+        # a direct write split by memory kind is checked once, with its last group
+        corrupt = self.ctx.integrity.on_landed(room, tag) if room.completes_write(tag) else None
         if corrupt is not None:  # never counted as landed: the room fails before it could succeed
             self.book.apply(room, room.fail("corrupt", corrupt, now))
             return
@@ -143,6 +144,9 @@ class DecodeSide:
             self.ctx.stats.add("tags_received")
             self._stamp(tag.room, "first_write", now)
             self._stamp(tag.room, "last_write", now)
+        elif verdict == "partial":
+            self.ctx.stats.add("tags_received")
+            self._stamp(tag.room, "first_write", now)
         else:
             self.ctx.stats.count("dropped_tags", verdict)
         self.book.apply(room, actions)

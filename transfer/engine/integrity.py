@@ -39,15 +39,19 @@ class Integrity:
         return self._gatherer
 
     # -- prefill ----------------------------------------------------------------------------------
-    def direct_tag(self, op: WriteOp) -> bytes:
-        """The tag of a direct write, with the digest of its source bytes when verifying."""
+    def direct_tags(self, op: WriteOp, groups: int = 1) -> list[bytes]:
+        """The tags of a direct write's `groups` backend writes (one per pair of memory kinds),
+        each with the digest of ALL the write's source bytes when verifying: the decode rank
+        checks the write once, when its last group landed."""
         tag = op.tag
         if self.verify:
             b = self.ctx.buffers
             d = gathered_digest(self._gather(), b.k, b.v, op.src_pages, self.ctx.layout.page_size, op.src_heads,
                                 b.pools, op.pools, op.nbytes)
             tag = msgspec.structs.replace(tag, digest=d)
-        return self.ctx.tags.encode(tag)
+        if groups == 1:
+            return [self.ctx.tags.encode(tag)]
+        return [self.ctx.tags.encode(msgspec.structs.replace(tag, group=i, groups=groups)) for i in range(groups)]
 
     def sealer(self, tag: Tag) -> Callable[[int], bytes] | None:
         """For a staged piece: how its transfer worker seals the tag once it gathered the bytes."""

@@ -21,11 +21,11 @@ from ...staging.handler import StagingHandler
 from ...staging.kernels import kernel_choice, requested_kernels
 
 from ..backends import create_backend
-from ..backends.base import MemRegion
 from ..backends.faults import ControlFaults, FaultPlan, FaultyBackend
 from ..config import METRICS_PORT_ENV, EngineConfig
 from ..layout import KVBuffers, KVLayout
 from ..protocol.messages import peer_codec
+from ..regions import buffer_regions, unregistrable
 from ..protocol.tags import TagCodec
 from ..state_pools import check_pool_items
 from .backend_owner import BackendOwner
@@ -40,7 +40,7 @@ log = logging.getLogger("kvstage")
 # KVManager() runs these in order, each `_start_<step>`, each pushing its own undo; a failure at
 # any of them undoes the ones before, newest first (tests/integration/test_manager_start.py
 # injects one at each step and checks this list against the methods).
-STARTUP_STEPS = ("metrics", "backend", "kv_registration", "staging", "control_context", "bootstrap_client",
+STARTUP_STEPS = ("metrics", "backend", "regions", "staging", "control_context", "bootstrap_client",
                  "sources", "control_loop", "control_thread", "registration", "keepalive")
 
 
@@ -100,13 +100,17 @@ class KVManager:
         self._backend = BackendOwner(self._make_backend(cfg, plan), wake=lambda: self._loop.post(Wake()))
         self._stack.callback(self._backend.close)
 
-    def _start_kv_registration(self, cfg: EngineConfig) -> None:
-        kind = "VRAM" if self.buffers.device.type == "cuda" else "DRAM"
-        dev = (self.buffers.device.index or 0) if kind == "VRAM" else 0
-        regions = [MemRegion(t.data_ptr(), t.numel() * t.element_size(), dev, kind)
-                   for t in self.buffers.tensors() + self.buffers.pool_tensors()]
-        kv_reg = self._backend.call(lambda b: b.register(regions))
-        self._stack.callback(lambda: self._backend.call(lambda b: b.deregister(kv_reg)))
+    def _start_regions(self, cfg: EngineConfig) -> None:
+        """The KV layers and each state pool, each registered as its own region with its own
+        memory kind (transfer/regions.py)."""
+        regions = buffer_regions(self.buffers)
+        kinds = self._backend.call(lambda b: b.memory_kinds)
+        problem = unregistrable(regions, kinds, cfg.backend)
+        if problem:
+            raise ValueError(problem)
+        for region in regions:
+            reg = self._backend.call(lambda b, spans=region.spans: b.register(spans))
+            self._stack.callback(lambda reg=reg: self._backend.call(lambda b: b.deregister(reg)))
 
     def _start_staging(self, cfg: EngineConfig) -> None:
         staged = bool(cfg.staging) and not self.layout.mla

@@ -17,6 +17,7 @@ from ...staging.ring import Watermark
 from ..poll import KVPoll
 from ..protocol.actions import PeerKey, Scatter
 from ..protocol.leases import Lease
+from ..regions import unwritable_peer_kinds
 from ..protocol.messages import (AllocGrant, Heartbeat, Hello, HelloAck, MetaAck, Quiesced, RoomDone, RoomFailed,
                                  RoomMeta, WatermarkUpdate)
 from ..protocol.pool_parts import writers_mismatch
@@ -84,6 +85,10 @@ class PrefillSide:
                             f"peer (EngineConfig(verify=...) / KVSTAGE_VERIFY must agree on both sides)")
         if msg.backend != ctx.cfg.backend:
             problems.append(f"backend: {ctx.cfg.backend!r} here vs {msg.backend!r} at peer")
+        problems += unwritable_peer_kinds(msg.kv.mem_kind, msg.ring.mem_kind if msg.ring is not None else None,
+                                          {p.name: p.mem_kind for p in msg.kv.pools},
+                                          ctx.backend.call(lambda b: b.memory_kinds),
+                                          ctx.cfg.backend)
         if not problems:
             try:
                 peer.backend_name = ctx.backend.call(lambda b: b.connect(msg.backend_identity))

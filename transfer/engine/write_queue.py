@@ -15,7 +15,8 @@ import time
 from ...staging.workers import GatherJob, TransferWorkers
 from ..poll import KVPoll
 from ..protocol.actions import WriteOp
-from ..protocol.direct_ranges import CacheGeometry, direct_descriptors, pool_descriptors
+from ..protocol.direct_ranges import CacheGeometry, direct_descriptors, pool_descriptor_parts
+from ..protocol.write_groups import DescriptorPart, WriteGroup, group_parts
 from ..protocol.write_queue import StagedQueue, WriteDeadlines
 from .context import EngineContext
 from .events import WriteDone
@@ -41,13 +42,10 @@ class WriteQueue:
             self.staged.add(op.peer.incarnation, op, now)
             ctx.stats.add("watermark_waits_started")
             return self.dispatch(op.peer.incarnation, now)
-        src, dst = direct_descriptors(ctx.geometry, self._peer_geometry(peer), op.src_pages, op.dst_pages,
-                                      op.src_heads, op.dst_heads)
-        if op.pools:  # the write carrying the last page also carries the state pool items
-            src, dst = pool_descriptors(ctx.buffers.pools, peer.kv.pools, op.pools, src, dst)
-        ctx.stats.add("write_requests")
-        ctx.stats.add("descriptors", len(src))
-        self._count(op, len(src))
+        groups = self._direct_groups(op, peer)
+        ctx.stats.add("write_requests", len(groups))
+        ctx.stats.add("descriptors", sum(len(g.src) for g in groups))
+        self._count(op, sum(len(g.src) for g in groups), writes=len(groups))
         self.deadlines.start(op.op_id, op.room, now + ctx.t.write)
         room, op_id = op.room, op.op_id
 
@@ -55,10 +53,25 @@ class WriteQueue:
             at = self._posted(op_id, room)
             self.deadlines.restart(op_id, at + ctx.t.write)
 
-        ctx.backend.submit_write(peer.backend_name, src, dst, ctx.integrity.direct_tag(op),
-                                 lambda ok, reason: ctx.post(WriteDone(op_id, room, ok, reason)), posted,
-                                 dst_kind=peer.kv.mem_kind)
+        done = AllWritesDone(len(groups), lambda ok, reason: ctx.post(WriteDone(op_id, room, ok, reason)))
+        for g, tag in zip(groups, ctx.integrity.direct_tags(op, len(groups))):
+            ctx.backend.submit_write(peer.backend_name, g.src, g.dst, tag, done.one, posted if g is groups[0] else None,
+                                     dst_kind=g.dst_kind)
         ctx.stats.add("bytes_posted", op.nbytes)
+
+    def _direct_groups(self, op: WriteOp, peer: Peer) -> list[WriteGroup]:
+        """The backend writes of a direct op: its KV ranges and, on the write carrying the last
+        page, its pool items, grouped so that no write mixes memory kinds (write_groups.py)."""
+        b = self.ctx.buffers
+        src, dst = direct_descriptors(self.ctx.geometry, self._peer_geometry(peer), op.src_pages, op.dst_pages,
+                                      op.src_heads, op.dst_heads)
+        parts = [DescriptorPart("kv", b.kind, peer.kv.mem_kind, False, src, dst)]
+        if op.pools:
+            mems = {m.name: m for m in peer.kv.pools}
+            for name, s, d in pool_descriptor_parts(b.pools, peer.kv.pools, op.pools):
+                pool, mem = b.pools[name], mems[name]
+                parts.append(DescriptorPart(name, pool.kind, mem.mem_kind, pool.own_writes or mem.own_writes, s, d))
+        return group_parts(parts)
 
     def _peer_geometry(self, peer: Peer) -> CacheGeometry:
         kv = peer.kv
@@ -124,10 +137,11 @@ class WriteQueue:
             self.ctx.stats.count("write_failures", "failed")
         self._finish(ev.room, ev.op_id, ev.ok, ev.reason, now)
 
-    def _count(self, op: WriteOp, descriptors: int) -> None:
-        """One backend write of `op` with `descriptors` ranges, by path and for its request."""
+    def _count(self, op: WriteOp, descriptors: int, writes: int = 1) -> None:
+        """The backend writes of `op` (one, or one per pair of memory kinds) with `descriptors`
+        ranges in all, by path and for its request."""
         path = "staged" if op.staged else "direct"
-        self.ctx.stats.count("write_requests_by_path", path)
+        self.ctx.stats.count("write_requests_by_path", path, writes)
         self.ctx.stats.count("descriptors_by_path", path, descriptors)
         status = self.book.status.get(op.room)
         if status is not None:
@@ -158,3 +172,21 @@ class WriteQueue:
         room = self.book.get(room_id)
         if room is not None:
             self.book.apply(room, room.on_write_done(op_id, ok, reason, now))
+
+
+class AllWritesDone:
+    """The completion of a logical write posted as several backend writes: `done(ok, reason)`
+    once every one completed, ok only if all were (the first failure's reason). Its `one` is
+    each backend write's on_done; they all run on the backend's owning thread, one at a time."""
+
+    def __init__(self, count: int, done):
+        self._left, self._done = count, done
+        self._failure: str | None = None
+        self._failed = False
+
+    def one(self, ok: bool, reason: str | None) -> None:
+        if not ok and not self._failed:
+            self._failed, self._failure = True, reason
+        self._left -= 1
+        if self._left == 0:
+            self._done(not self._failed, self._failure)

@@ -268,8 +268,9 @@ class DecodeRoom:
 
     # -- arrivals ---------------------------------------------------------------------------
     def on_tag(self, peer: PeerKey, tag: Tag, now: float) -> tuple[str, list[Action]]:
-        """Apply one arrived tag. Returns (verdict, actions): verdict is "ok", "duplicate",
-        "stale" (meant for another life of this room or peer: dropped) or "rejected"."""
+        """Apply one arrived tag. Returns (verdict, actions): verdict is "ok", "partial" (one
+        backend write of a direct write split by memory kind: its bytes count once all landed),
+        "duplicate", "stale" (meant for another life of this room or peer: dropped) or "rejected"."""
         w = self._writer(peer)
         if w is None or tag.session != self.session or tag.src != peer.incarnation or self.tracker is None:
             return "stale", []
@@ -288,9 +289,13 @@ class DecodeRoom:
             if tag.kind is not TagKind.DIRECT or tag.epoch != self.me:
                 return "rejected", self.fail("protocol", f"tag from {peer} is not a direct tag for this rank: "
                                                          f"{tag}", now)
-            arrival = self.tracker.arrive_direct(tag.writer, tag.chunk, tag.page_start, tag.num_pages, tag.nbytes)
+            arrival = self.tracker.arrive_direct(tag.writer, tag.chunk, tag.page_start, tag.num_pages, tag.nbytes,
+                                                 tag.group, tag.groups)
         if arrival.outcome is Outcome.DUPLICATE:
             return "duplicate", []
+        if arrival.outcome is Outcome.PARTIAL:
+            self.writes_in += 1
+            return "partial", []
         if arrival.outcome is Outcome.REJECTED:
             return "rejected", self.fail("tag_mismatch", f"tag from {peer} rejected: {arrival.reason}", now)
         w.tags.add((tag.chunk, tag.piece))
@@ -311,6 +316,14 @@ class DecodeRoom:
         kv = [per_head * w.assignment.num_heads for _, w in writers]
         offsets = part_offsets([n + block_bytes(c) for n, c in zip(kv, copies)])
         return [(r, region.offset + off, n, c) for (r, _), off, n, c in zip(writers, offsets, kv, copies)]
+
+    def completes_write(self, tag: Tag) -> bool:
+        """Whether the write `tag` belongs to is whole once it lands: always, but for a direct
+        write split by memory kind, whose bytes are only all in place with its last group."""
+        if tag.groups == 1 or self.tracker is None:
+            return True
+        return self.tracker.group_completes((tag.writer, tag.chunk, tag.page_start, tag.num_pages), tag.group,
+                                            tag.groups)
 
     def landed_span(self, tag: Tag) -> tuple | None:
         """Where the write of an accepted tag landed: ("ring", offset, nbytes) or ("pages", dst pages,

@@ -89,15 +89,16 @@ def direct_nbytes(num_tensors: int, num_pages: int, page_size: int, nheads: int,
     return num_tensors * num_pages * page_size * nheads * head_bytes
 
 
-def pool_descriptors(local: dict, peer_pools: list, copies, src: np.ndarray, dst: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """`src`/`dst` with one more range per pool item of each copy (its head range, for a heads
-    pool, is contiguous in the item): the state pool items ride in the write of the last page.
-    `local`: this rank's pools by name; `peer_pools`: the decode rank's PoolMemory list."""
+def pool_descriptor_parts(local: dict, peer_pools: list, copies) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """Per copy, (pool name, src rows, dst rows): one range per pool item (its head range, for a
+    heads pool, is contiguous in the item), each row on its own pool's device. `local`: this
+    rank's pools by name; `peer_pools`: the decode rank's PoolMemory list."""
     where = {p.name: p for p in peer_pools}
-    s_rows, d_rows = [src], [dst]
+    out = []
     for c in copies:
         seg = c.segment
-        t = local[seg.pool].tensors[seg.tensor]
+        pool = local[seg.pool]
+        t = pool.tensors[seg.tensor]
         mem = where.get(seg.pool)
         if mem is None:
             raise ValueError(f"the decode rank did not advertise pool {seg.pool!r}")
@@ -106,6 +107,7 @@ def pool_descriptors(local: dict, peer_pools: list, copies, src: np.ndarray, dst
         s_addr = np.uint64(s_base) + np.asarray(c.src_items, dtype=np.uint64) * np.uint64(t.stride(0) * t.element_size())
         d_addr = np.uint64(d_base) + np.asarray(c.dst_items, dtype=np.uint64) * np.uint64(mem.item_strides[seg.tensor])
         lengths = np.full(s_addr.shape, seg.item_bytes, dtype=np.uint64)
-        s_rows.append(_rows(s_addr, lengths, int(src[0, 2]) if src.size else 0))
-        d_rows.append(_rows(d_addr, lengths, int(dst[0, 2]) if dst.size else 0))
-    return np.concatenate(s_rows), np.concatenate(d_rows)
+        s_dev = (t.device.index or 0) if t.device.type == "cuda" else 0
+        out.append((seg.pool, _rows(s_addr, lengths, s_dev), _rows(d_addr, lengths, mem.device)))
+    return out
+

@@ -28,6 +28,9 @@ class PoolMemory(msgspec.Struct, frozen=True, kw_only=True):
     addrs: list[int]            # per tensor
     item_strides: list[int]     # bytes between items, per tensor
     head_strides: list[int]     # bytes between heads (heads pools; 0 when replicated), per tensor
+    mem_kind: str = "DRAM"      # the pool's own region: its kind may differ from the KV's
+    device: int = 0
+    own_writes: bool = False    # direct path: its items go in writes of their own (StatePool.own_writes)
 
 
 class KVMemory(msgspec.Struct, frozen=True, kw_only=True):

@@ -39,6 +39,8 @@ class Tag(msgspec.Struct, frozen=True, array_like=True):
     nbytes: int
     ring_start: int     # linear ring position of the region (staged), -1 (direct)
     digest: int = 0     # xxh3-64 of the bytes written, in gather order (EngineConfig(verify=True))
+    group: int = 0      # direct: which of the logical write's backend writes this is (one per
+    groups: int = 1     # pair of memory kinds; every group's tag is the same but for `group`)
 
 
 def make_tag(kind: TagKind, *, room: int, session: int, epoch: int, src: int, writer: int,

@@ -21,8 +21,13 @@ from typing import Mapping, Sequence
 import numpy as np
 
 
+MAX_GROUPS = 16   # pairs of memory kinds, plus pools with writes of their own: a few at most
+
+
 class Outcome(enum.Enum):
     ACCEPTED = "accepted"          # recorded; more writers still expected for this piece
+    PARTIAL = "partial"            # direct: one backend write of a logical write split by memory
+                                   # kind landed; the others are still due (nothing counts yet)
     PIECE_LANDED = "piece_landed"  # staged: every writer of the piece landed, scatter it
     DUPLICATE = "duplicate"        # already seen; ignore
     REJECTED = "rejected"          # disagrees with what is expected; fail the room
@@ -70,6 +75,7 @@ class RoomTracker:
         self._planned = np.zeros(num_pages, dtype=bool)   # staged: pages already given a piece
         self._scattered_pages = 0
         self._direct_seen: set[tuple[int, int, int, int]] = set()
+        self._groups: dict[tuple[int, int, int, int], tuple[int, set[int]]] = {}   # split writes in progress
 
     # -- staged path ----------------------------------------------------------------------
     def overlaps_plan(self, page_start: int, num_pages: int) -> bool:
@@ -125,12 +131,20 @@ class RoomTracker:
         return list(self._pieces.values())
 
     # -- direct path ----------------------------------------------------------------------
-    def arrive_direct(self, writer: int, chunk: int, page_start: int, num_pages: int, nbytes: int) -> Arrival:
+    def arrive_direct(self, writer: int, chunk: int, page_start: int, num_pages: int, nbytes: int,
+                      group: int = 0, groups: int = 1) -> Arrival:
+        """One tagged backend write. A logical write whose memory spans several pairs of kinds
+        comes as `groups` backend writes with the same tag but for `group`: it counts (and its
+        pages are covered) only once every group landed; until then PARTIAL."""
         if writer not in self.writer_page_bytes:
             return Arrival(Outcome.REJECTED, f"writer {writer} is not expected in this room")
         key = (writer, chunk, page_start, num_pages)
         if key in self._direct_seen:
             return Arrival(Outcome.DUPLICATE)
+        if groups != 1:
+            split = self._arrive_group(key, group, groups)
+            if split is not None:
+                return split
         if not self._in_range(page_start, num_pages):
             return Arrival(Outcome.REJECTED, f"pages [{page_start}, {page_start + num_pages}) outside the "
                                              f"room's {self.num_pages} pages")
@@ -145,7 +159,25 @@ class RoomTracker:
         cov[page_start:page_start + num_pages] = True
         self._covered_count[writer] += num_pages
         self._direct_seen.add(key)
+        self._groups.pop(key, None)
         return Arrival(Outcome.ACCEPTED)
+
+    def group_completes(self, key: tuple, group: int, groups: int) -> bool:
+        """Whether group `group` would be the last of its write to land (nothing recorded)."""
+        seen = self._groups.get(key)
+        return len((seen[1] if seen is not None else set()) | {group}) == groups
+
+    def _arrive_group(self, key: tuple, group: int, groups: int) -> Arrival | None:
+        """None once this group completes its write (the caller then checks the whole write)."""
+        if not 1 < groups <= MAX_GROUPS or not 0 <= group < groups:
+            return Arrival(Outcome.REJECTED, f"group {group} of {groups} is not a group of a write")
+        seen = self._groups.setdefault(key, (groups, set()))
+        if seen[0] != groups:
+            return Arrival(Outcome.REJECTED, f"a write of writer {key[0]} came as {seen[0]} and as {groups} groups")
+        if group in seen[1]:
+            return Arrival(Outcome.DUPLICATE)
+        seen[1].add(group)
+        return None if len(seen[1]) == groups else Arrival(Outcome.PARTIAL)
 
     # -- completion -----------------------------------------------------------------------
     @property

@@ -1,0 +1,69 @@
+"""A rank's memory as regions: the KV layers, and each state pool, each with its own device and
+memory kind (DRAM for host memory, VRAM for CUDA memory).
+
+On a GPU server the KV cache is device memory while the rows that go with a request (SGLang's
+MetadataBuffers) are host memory: each region is registered with the backend under its own kind,
+advertised to peers with it, and no backend write ever mixes kinds (docs/protocol.md, "Regions
+and memory kinds"). The checks here are pure: they take kinds and return what is wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from .backends.base import MemRegion
+from .state_pools import memory_kind
+
+KV_REGION = "kv"
+
+
+@dataclass(frozen=True)
+class Region:
+    """One region of a rank's memory: what it is called in errors, where it lives, its spans."""
+
+    name: str                       # "kv", or "pool 'aux'"
+    device: torch.device
+    kind: str                       # "DRAM" or "VRAM"
+    spans: tuple[MemRegion, ...]    # one per tensor, registered together
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.length for s in self.spans)
+
+
+def pool_region_name(pool: str) -> str:
+    return f"pool {pool!r}"
+
+
+def _spans(tensors: Sequence[torch.Tensor], device: torch.device, kind: str) -> tuple[MemRegion, ...]:
+    index = (device.index or 0) if kind == "VRAM" else 0
+    return tuple(MemRegion(t.data_ptr(), t.numel() * t.element_size(), index, kind) for t in tensors)
+
+
+def buffer_regions(buffers) -> list[Region]:
+    """The KV region, then one region per state pool (pools by name) of validated KVBuffers."""
+    kv = Region(KV_REGION, buffers.device, buffers.kind, _spans(buffers.tensors(), buffers.device, buffers.kind))
+    pools = [Region(pool_region_name(n), p.device, p.kind, _spans(p.tensors, p.device, p.kind))
+             for n, p in sorted(buffers.pools.items())]
+    return [kv] + pools
+
+
+def unregistrable(regions: Sequence[Region], kinds: Sequence[str], backend: str) -> str | None:
+    """Why this rank's regions cannot be registered with a backend that handles `kinds`, or None."""
+    for r in regions:
+        if r.kind not in kinds:
+            return (f"the {r.name} region is {r.kind} memory (on {r.device}), which this {backend} build cannot "
+                    f"register (it handles {', '.join(kinds)})")
+    return None
+
+
+def unwritable_peer_kinds(kv_kind: str, ring_kind: str | None, pool_kinds: Mapping[str, str],
+                          kinds: Sequence[str], backend: str) -> list[str]:
+    """Which of a decode rank's advertised regions this writer's backend cannot write into."""
+    named = [(KV_REGION, kv_kind)] + ([("staging ring", ring_kind)] if ring_kind is not None else [])
+    named += [(pool_region_name(n), k) for n, k in sorted(pool_kinds.items())]
+    return [f"the peer's {name} region is {kind} memory, which this {backend} build cannot write into "
+            f"(it handles {', '.join(kinds)})" for name, kind in named if kind not in kinds]
