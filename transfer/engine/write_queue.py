@@ -5,7 +5,9 @@ A direct write goes to the backend at once. A staged piece waits in the `StagedQ
 protocol/write_queue.py) until the decode rank's watermark frees its ring region, then a
 transfer worker gathers it and issues the one backend write. Completions come back as
 WriteDone events and go to the room's state machine. When the backend takes a write and when it
-completes are stamped on the request's timeline and timed for the per-write histogram.
+completes are stamped on the request's timeline and timed for the per-write histogram. When the
+backend takes a write, the decode rank is told (`WritePosted`): it polls for the write's tag
+only from then on (protocol/quiet.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from ...staging.workers import GatherJob, TransferWorkers
 from ..poll import KVPoll
 from ..protocol.actions import WriteOp
+from ..protocol.messages import WritePosted
 from ..protocol.direct_ranges import CacheGeometry, direct_descriptors, pool_descriptors
 from ..protocol.write_queue import StagedQueue, WriteDeadlines
 from .context import EngineContext
@@ -140,7 +143,19 @@ class WriteQueue:
         status = self.book.status.get(room)
         if status is not None:
             status.timeline.stamp("first_write", now)
+        self._announce(op_id, room)
         return now
+
+    def _announce(self, op_id: int, room_id: int) -> None:
+        """Tell the decode rank a write towards it is on its way, so it polls for its tag."""
+        room = self.book.get(room_id)
+        op = room.ops.get(op_id) if room is not None else None
+        if op is None:
+            return
+        tag = op.tag
+        self.peers.send(op.peer, WritePosted(src=self.ctx.me, dst=op.peer.incarnation, room=room_id,
+                                             session=tag.session, chunk=tag.chunk, piece=tag.piece))
+        self.ctx.stats.add("writes_announced")
 
     def worker_report(self, op_id: int, room: int, ok: bool, reason: str | None, gather_s: float) -> None:
         """From a transfer worker thread."""
