@@ -113,8 +113,10 @@ def test_waiting_and_idle_ranks_do_not_poll(backend, tmp_path):
         dec, pre = c.results["decode"]["stats"], c.results["prefill"]["stats"]
         writes = sum(pre["write_requests_by_path"].values())
         assert pre["writes_announced"] == writes > 0, (c.name, pre)
-        # every tag was read after its announcement woke the decode rank, none found by a tick
-        assert dec["tags_by_arrival"] == {"expected": writes}, (c.name, dec["tags_by_arrival"])
+        # every tag was read after its announcement woke the decode rank; at most one found by a
+        # tick that fell between a tag and its announcement (dropped announcements: all of them)
+        arrivals = dec["tags_by_arrival"]
+        assert arrivals.get("unannounced", 0) <= 1 and sum(arrivals.values()) == writes, (c.name, arrivals)
 
 
 @pytest.mark.timeout(300)

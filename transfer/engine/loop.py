@@ -30,13 +30,13 @@ import zmq
 
 from ...staging.handler import StagingHandler
 from ...staging.scatter_worker import ScatterWorker
+from ...staging.thread_meter import ThreadMeter
 from ...staging.workers import TransferWorkers
 from ..backends.faults import FaultPlan
 from ..config import EngineConfig
 from ..layout import KVBuffers, KVLayout
 from ..protocol.messages import Goodbye
 from ..protocol.quiet import MIN_EAGER_WAIT, Activity, activity, next_wait
-from ...staging.thread_meter import ThreadMeter
 from ..protocol.tags import TagCodec
 from .backend_owner import BackendOwner
 from .context import EngineContext, NoObserver, local_geometry
