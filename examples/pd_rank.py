@@ -150,7 +150,7 @@ def drive(spec: dict, bootstrap: str, result: dict) -> None:
     next_live = 0.0
     while (rooms or active) and time.monotonic() < deadline:
         if spec.get("live_stats") and time.monotonic() >= next_live:
-            _write_json(spec["live_stats"], mgr.stats())
+            _write_json(spec["live_stats"], {**mgr.stats(), "at": time.monotonic()})
             next_live = time.monotonic() + 0.3
         while rooms and len(active) < r_window(rooms[0], window):
             r = rooms[0]

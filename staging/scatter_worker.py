@@ -17,6 +17,7 @@ from .gather_scatter import Scatterer
 from .kernels import scatterer_class
 from .digests import digest
 from .pool_copies import PoolBytes, scatter_pools
+from .thread_meter import ThreadMeter
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +45,7 @@ class ScatterWorker:
         # chosen here, not in the thread: a bad KVSTAGE_STAGING_KERNELS fails the caller
         self._scatterer_class = scatterer_class(self._k[0].device)
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.meter = ThreadMeter("scatter")
         self._thread = threading.Thread(target=self._run, name="kvstage-scatter", daemon=True)
         self._thread.start()
 
@@ -55,10 +57,18 @@ class ScatterWorker:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        self.meter.started()
+        try:
+            self._work()
+        finally:
+            self.meter.stopped()
+
+    def _work(self) -> None:
         scatterer = self._scatterer_class()  # Triton kernels on CUDA, torch otherwise (staging/kernels.py)
         device = self._k[0].device
         while True:
             job = self._jobs.get()
+            self.meter.wake()
             if job is None:
                 return
             room, key = job.room, job.key

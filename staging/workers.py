@@ -22,6 +22,7 @@ from .buffers import StagingBuffer
 from .kernels import gatherer_class
 from .digests import digest
 from .pool_copies import PoolBytes, gather_pools
+from .thread_meter import ThreadMeter
 
 log = logging.getLogger(__name__)
 
@@ -58,8 +59,9 @@ class TransferWorkers:
         self._submit, self._report = submit, report
         # chosen here, not in the threads: a bad KVSTAGE_STAGING_KERNELS fails the caller
         self._gatherer_class = gatherer_class(self._k[0].device)
-        self._threads = [threading.Thread(target=self._run, args=(buf,), name=f"kvstage-xfer-{i}", daemon=True)
-                         for i, buf in enumerate(buffers)]
+        self.meters = [ThreadMeter(f"xfer-{i}") for i in range(len(buffers))]
+        self._threads = [threading.Thread(target=self._run, args=(buf, m), name=f"kvstage-xfer-{i}", daemon=True)
+                         for i, (buf, m) in enumerate(zip(buffers, self.meters))]
         for t in self._threads:
             t.start()
 
@@ -76,11 +78,19 @@ class TransferWorkers:
         for t in self._threads:
             t.join(timeout)
 
-    def _run(self, buf: StagingBuffer) -> None:
+    def _run(self, buf: StagingBuffer, meter: ThreadMeter) -> None:
+        meter.started()
+        try:
+            self._work(buf, meter)
+        finally:
+            meter.stopped()
+
+    def _work(self, buf: StagingBuffer, meter: ThreadMeter) -> None:
         gatherer = self._gatherer_class()  # Triton kernels on CUDA, torch otherwise (staging/kernels.py)
         device = self._k[0].device
         while True:
             job = self._jobs.get()
+            meter.wake()
             if job is None:
                 return
             t0 = time.perf_counter()
@@ -111,5 +121,6 @@ class TransferWorkers:
             dst = np.array([[job.dst_addr, job.nbytes, job.dst_device]], dtype=np.uint64)
             self._submit(job.peer, src, dst, tag, on_done, job.on_posted, dst_kind=job.dst_kind)
             done.wait()  # the buffer is ours again only when the backend is done with it
+            meter.wake()
             ok, reason = result[0]
             self._report(job.op_id, job.room, ok, reason, gather_s)

@@ -32,6 +32,7 @@ class FaultPlan:
     dup_msgs: float = 0.0           # ... sent twice
     reorder_msgs: float = 0.0       # ... held back and sent later
     corrupt_msgs: float = 0.0       # ... a byte flipped
+    drop_msg_types: list = field(default_factory=list)  # control plane: message types never sent ("WritePosted")
     hold_s: float = 0.05            # how long held items wait at most
     seed: int = 0
 
@@ -160,11 +161,12 @@ class ControlFaults:
         self._rng = random.Random(plan.seed + 1)
         self._held = _Holder(self._rng, plan.hold_s)
 
-    def outgoing(self, endpoint: str, frames: list[bytes]) -> list[tuple[str, list[bytes]]]:
-        """What to actually send now for one frame (possibly nothing, or several)."""
+    def outgoing(self, endpoint: str, frames: list[bytes], kind: str = "") -> list[tuple[str, list[bytes]]]:
+        """What to actually send now for one frame of message type `kind` (possibly nothing, or
+        several)."""
         p, rng = self.plan, self._rng
         out = [(e, f) for e, f in self._held.due()]
-        if rng.random() < p.drop_msgs:
+        if kind in p.drop_msg_types or rng.random() < p.drop_msgs:
             return out
         if rng.random() < p.corrupt_msgs:
             frames = [_flip(rng, frames[0]), frames[1]]

@@ -27,6 +27,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..backends.base import ArrivedTag, Backend, BackendError, WriteHandle, WriteState
+from ..protocol.quiet import InFlight
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class BackendOwner:
         self.pending: list[_Write] = []
         self._to_post: collections.deque[_Write] = collections.deque()  # the owner's own, one per step
         self.draining: list[_Write] = []          # given up on, but the library may still touch them
-        self.expecting = 0                        # rooms waiting for tags (owner thread only)
+        self.expecting = 0                        # writes announced towards us, tags not in (owner thread only)
 
     # -- ownership -----------------------------------------------------------------------------
     def adopt(self) -> None:
@@ -112,10 +113,10 @@ class BackendOwner:
                 self._fences[peer] = until
 
     # -- the owner --------------------------------------------------------------------------------
-    @property
-    def eager(self) -> bool:
-        """Poll often: writes in flight or to post, or tags expected."""
-        return bool(self.pending or self._to_post or self.draining or self.expecting)
+    def in_flight(self) -> InFlight:
+        """What the owner must poll for (protocol/quiet.py decides how often)."""
+        return InFlight(writes=len(self.pending) + len(self._to_post), expected=self.expecting,
+                        draining=len(self.draining))
 
     def step(self) -> tuple[list[ArrivedTag], bool]:
         """One round of progress on the owning thread: (arrived tags, whether anything happened)."""

@@ -58,7 +58,7 @@ class ControlSocket:
         if self.faults is None:
             return self._send_frames(endpoint, frames)
         ok = True
-        for ep, f in self.faults.outgoing(endpoint, frames):
+        for ep, f in self.faults.outgoing(endpoint, frames, type(msg).__name__):
             ok &= self._send_frames(ep, f)
         return ok
 

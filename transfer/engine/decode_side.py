@@ -1,9 +1,10 @@
 """The decode half of a rank: receivers, what prefill ranks say about rooms, the tagged
 notifications of landed writes, scatters from the staging ring, and the ring's watermark.
 
-While a room is Transferring this rank polls the backend eagerly (`backend.expecting`), so
-notifications are seen within microseconds; planning (which prefill ranks, which path) lives
-in decode_planning.py.
+The backend is polled only while writes were announced to this rank (`WritePosted`) and their
+tags are not in (`backend.expecting`, see protocol/quiet.py): a room waiting for its prefill to
+compute costs no wake-ups. Planning (which prefill ranks, which path) lives in
+decode_planning.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from ..poll import KVPoll
 from ..protocol.actions import Scatter, StatusChanged
 from ..protocol.decode_room import DecodeRoom
 from ..protocol.messages import (AllocRequest, Heartbeat, Hello, HelloAck, MetaAck, Quiesced, RoomDone, RoomFailed,
-                                 WatermarkUpdate, WriterDone)
+                                 WatermarkUpdate, WriterDone, WritePosted)
+from ..protocol.quiet import Arrival, ExpectedWrites
 from ..protocol.routing import finished_room_answer
 from ..protocol.tags import Tag, TagKind
 from .context import EngineContext
@@ -33,10 +35,12 @@ class DecodeSide:
         self.ctx, self.peers, self.book = ctx, peers, book
         self.planner = EnginePlanner(ctx, peers, book, lookup)
         self.scatterer: ScatterWorker | None = None
-        self.eager_rooms: set[int] = set()
+        self.eager_rooms: set[int] = set()       # Transferring: writes towards them may come
+        self.expected = ExpectedWrites()         # writes announced towards this rank, tags not in
         self.handlers = {HelloAck: self.planner.on_HelloAck, MetaAck: self.on_MetaAck,
                          AllocRequest: self.on_AllocRequest, WriterDone: self.on_WriterDone,
-                         Quiesced: self.on_Quiesced, RoomFailed: self.on_RoomFailed}
+                         Quiesced: self.on_Quiesced, RoomFailed: self.on_RoomFailed,
+                         WritePosted: self.on_WritePosted}
         self.events = {NewReceiver: self.new_receiver, InitReceiver: self.init_receiver, Abort: self.abort,
                        ScatterDone: self.on_scattered, LookupDone: self.planner.on_lookup}
 
@@ -98,6 +102,19 @@ class DecodeSide:
         else:
             self._answer_finished(peer, msg.room, msg.session)
 
+    def on_WritePosted(self, peer: Peer, msg: WritePosted, now: float) -> None:
+        """A writer's backend took a write towards this rank: poll until its tag is in."""
+        room = self.book.get(msg.room)
+        if room is None or room.session != msg.session or msg.room not in self.eager_rooms:
+            self.ctx.stats.count("write_announcements", "not_waiting")  # say, its tag came first
+            return
+        self.ctx.stats.count("write_announcements", "accepted")
+        self.expected.announce(msg.room, (peer.key.incarnation, msg.chunk, msg.piece, msg.group))
+        self._expecting()
+
+    def _expecting(self) -> None:
+        self.ctx.backend.expecting = self.expected.outstanding
+
     def on_Quiesced(self, peer: Peer, msg: Quiesced, now: float) -> None:
         room = self.book.get(msg.room)
         if room is not None:
@@ -136,6 +153,10 @@ class DecodeSide:
         if corrupt is not None:  # never counted as landed: the room fails before it could succeed
             self.book.apply(room, room.fail("corrupt", corrupt, now))
             return
+        arrival = self.expected.landed(tag.room, (peer.key.incarnation, tag.chunk, tag.piece, tag.group))
+        if arrival is not Arrival.REPEATED:
+            self.ctx.stats.count("tags_by_arrival", arrival.value)
+        self._expecting()
         verdict, actions = room.on_tag(peer.key, tag, now)
         if verdict == "ok":
             self.ctx.stats.add("bytes_received", tag.nbytes)
@@ -178,7 +199,6 @@ class DecodeSide:
         eager = a.state is KVPoll.Transferring
         if eager and room.room not in self.eager_rooms:
             self.eager_rooms.add(room.room)
-            self.ctx.backend.expecting += 1
         elif not eager and room.room in self.eager_rooms:
             self._not_eager(room.room)
         if a.state is KVPoll.Failed and not room.meta_sent and a.failure_kind not in ("layout",):
@@ -186,12 +206,12 @@ class DecodeSide:
 
     def released(self, room: DecodeRoom) -> None:
         self.planner.engine_of.pop(room.room, None)
-        if room.room in self.eager_rooms:
-            self._not_eager(room.room)
+        self._not_eager(room.room)
 
     def _not_eager(self, room_id: int) -> None:
         self.eager_rooms.discard(room_id)
-        self.ctx.backend.expecting -= 1
+        self.expected.forget(room_id)
+        self._expecting()
 
     def forget_finished(self, room_id: int) -> None:
         pass
@@ -218,7 +238,8 @@ class DecodeSide:
 
     def room_state(self) -> dict:
         views = self.planner.engines.values()
-        return {"eager_rooms": len(self.eager_rooms), "room_engines": len(self.planner.engine_of),
+        return {"eager_rooms": len(self.eager_rooms), "expected_rooms": self.expected.rooms(),
+                "room_engines": len(self.planner.engine_of),
                 "rooms_awaiting_plan": sum(len(v.rooms) for v in views),
                 "tombstones": sum(len(v.tombstones) for v in views)}
 

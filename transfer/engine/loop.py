@@ -8,15 +8,19 @@ module: peers.py (connections), routing.py (incoming frames and notifications), 
 (state machine actions), write_queue.py (writes and flow control), prefill_side.py and
 decode_side.py (the two roles), liveness.py (heartbeats and leases).
 
-While writes are in flight or tags are expected it polls the backend every loop and waits at
-most MAX_EAGER_WAIT for the sockets; otherwise it sleeps in the poller until a message, an
-event or the next tick. An exception in any handler fails the rooms it concerns (kind
-"internal") and the loop goes on.
+How long it blocks is decided by protocol/quiet.py: it polls the backend at 20-200 us only
+while a write is known to be in flight from or towards this rank (own writes posted; writes a
+prefill rank announced with WritePosted whose tags are not in), and otherwise sleeps in the
+poller until a message, an event or the next tick, so a rank whose rooms wait for the other
+side costs the process no wake-ups beyond the ticks. Every round, ticks included, steps the
+backend once: a tag whose announcement was lost is read at the next tick. An exception in any
+handler fails the rooms it concerns (kind "internal") and the loop goes on.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import select
 import threading
 import time
@@ -26,12 +30,17 @@ import zmq
 
 from ...staging.handler import StagingHandler
 from ...staging.scatter_worker import ScatterWorker
+from ...staging.thread_meter import ThreadMeter
 from ...staging.workers import TransferWorkers
 from ..backends.faults import FaultPlan
 from ..config import EngineConfig
 from ..layout import KVBuffers, KVLayout
 from ..protocol.messages import Goodbye
+<<<<<<< HEAD
 from ..poll import KVPoll
+=======
+from ..protocol.quiet import MIN_EAGER_WAIT, Activity, activity, next_wait
+>>>>>>> issue-27
 from ..protocol.tags import TagCodec
 from .backend_owner import BackendOwner
 from .context import EngineContext, NoObserver, local_geometry
@@ -50,8 +59,6 @@ from .write_queue import WriteQueue
 log = logging.getLogger("kvstage")
 
 TICK = 0.1                 # deadlines, retransmissions, heartbeats and leases are all seconds-scale
-MIN_EAGER_WAIT = 20e-6     # backend polling interval while writes are in flight or tags expected,
-MAX_EAGER_WAIT = 200e-6    # backing off to this when nothing happens
 
 
 class EngineLoop:
@@ -107,8 +114,14 @@ class EngineLoop:
         self._next_tick = 0.0
         self._closing_since: float | None = None
         self._stop = threading.Event()
+<<<<<<< HEAD
         self.died: str | None = None            # why the control thread stopped on an error
         self._death_lock = threading.Lock()     # post() against _die(): no event slips past both
+=======
+        self.meter = ThreadMeter("ctrl")             # wake-ups = rounds of the loop
+        self.steps: dict[str, int] = {a.value: 0 for a in Activity}  # backend steps, by what was in flight
+        self.thread = threading.Thread(target=self._run, name="kvstage-ctrl", daemon=True)
+>>>>>>> issue-27
 
     @property
     def endpoint(self) -> str:
@@ -117,6 +130,11 @@ class EngineLoop:
     @property
     def rooms(self) -> dict:
         return self.book.rooms
+
+    def meters(self) -> list[ThreadMeter]:
+        """The control thread's, the transfer workers' and the scatter thread's meters."""
+        return ([self.meter] + (self.workers.meters if self.workers is not None else [])
+                + ([self.scatter.meter] if self.scatter is not None else []))
 
     def room_state(self) -> dict:
         """How much per-room state the control thread holds (all zero once every room ended and
@@ -159,13 +177,15 @@ class EngineLoop:
         poller.register(sock.router, zmq.POLLIN)
         poller.register(self.events.fd, zmq.POLLIN)
         zfd = sock.router.getsockopt(zmq.FD)  # edge-triggered: valid to wait on once drained
-        wait = MIN_EAGER_WAIT
+        self.meter.started()
+        wait, act = MIN_EAGER_WAIT, Activity.QUIET
         try:
             while not self._stop.is_set():
-                if backend.eager:
+                if act is Activity.QUIET:
+                    poller.poll(math.ceil(wait * 1000))   # whole ms: rounded down, it would spin to the tick
+                else:  # the zmq fd is edge-triggered: valid to wait on once drained, as it is here
                     select.select([zfd, self.events.fd], [], [], wait)
-                else:
-                    poller.poll(max(0.0, (self._next_tick - time.monotonic()) * 1000))
+                self.meter.wake()
                 busy = False
                 for item in sock.recv_batch():
                     busy = True
@@ -173,18 +193,24 @@ class EngineLoop:
                 for ev in self.events.drain():
                     busy = True
                     self._safely(self._on_event, ev)
+                self.steps[act.value] += 1
                 tags, progressed = self._step()
                 if tags:
                     self._safely(self.router.on_tags, tags)
-                wait = MIN_EAGER_WAIT if busy or progressed else min(wait * 2, MAX_EAGER_WAIT)
                 now = time.monotonic()
                 if now >= self._next_tick:
                     self._next_tick = now + TICK
                     self._safely(lambda _: sock.flush_held(), None)
                     self._safely(self._tick, now)
+<<<<<<< HEAD
         except BaseException as exc:  # noqa: BLE001 - said in the log and to every room, not re-raised
             self._die(exc)
+=======
+                act = activity(backend.in_flight())
+                wait = next_wait(act, last=wait, progressed=busy or progressed, now=now, next_tick=self._next_tick)
+>>>>>>> issue-27
         finally:
+            self.meter.stopped()
             self._teardown()
             backend.release_ownership()
 

@@ -33,7 +33,7 @@ from .events import Call, NewReceiver, NewSender, Wake
 from .handles import KVReceiver, KVSender, RoomStatus
 from .prefill_sources import SourceResolver, make_source
 from .loop import EngineLoop
-from .stats import Stats
+from .stats import Stats, meter_stats
 
 log = logging.getLogger("kvstage")
 
@@ -285,6 +285,9 @@ class KVManager:
         live = self._on_loop(_live_stats, timeout=2.0)
         if live:
             out.update(live)
+        if self._metrics is not None:
+            for key, value in meter_stats(self._metrics.meters).items():
+                out.setdefault(key, {}).update(value)
         return out
 
     def _on_loop(self, fn, timeout: float) -> Any:
@@ -376,4 +379,6 @@ def _live_stats(loop: EngineLoop) -> dict:
     out["staged_pieces_waiting"] = len(loop.writes.staged)
     out["quarantined_bytes"] = loop.side.quarantined_bytes()
     out["room_state"] = loop.room_state()
+    out["backend_steps"] = dict(loop.steps)
+    out.update(meter_stats(loop.meters()))
     return out

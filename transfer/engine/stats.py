@@ -52,3 +52,10 @@ class Stats:
                 out[g] = dict(kinds)
             out["staged_writes_per_piece"] = {n: c for n, c in self._piece_hist.items() if c}
             return out
+
+
+def meter_stats(meters: list) -> dict:
+    """The stats() entries of some threads (staging/thread_meter.py): wake-ups and CPU seconds,
+    by thread name."""
+    return {"thread_wakeups": {m.name: m.wakeups for m in meters},
+            "thread_cpu_s": {m.name: round(m.cpu_seconds(), 6) for m in meters}}

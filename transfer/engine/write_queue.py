@@ -5,7 +5,9 @@ A direct write goes to the backend at once. A staged piece waits in the `StagedQ
 protocol/write_queue.py) until the decode rank's watermark frees its ring region, then a
 transfer worker gathers it and issues the one backend write. Completions come back as
 WriteDone events and go to the room's state machine. When the backend takes a write and when it
-completes are stamped on the request's timeline and timed for the per-write histogram.
+completes are stamped on the request's timeline and timed for the per-write histogram. When the
+backend takes a write, the decode rank is told (`WritePosted`): it polls for the write's tag
+only from then on (protocol/quiet.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from ...staging.workers import GatherJob, TransferWorkers
 from ..poll import KVPoll
 from ..protocol.actions import WriteOp
 from ..protocol.direct_ranges import CacheGeometry, direct_descriptors, pool_descriptor_parts
+from ..protocol.messages import WritePosted
 from ..protocol.write_groups import DescriptorPart, WriteGroup, group_parts
 from ..protocol.write_queue import StagedQueue, WriteDeadlines
 from .context import EngineContext
@@ -49,13 +52,13 @@ class WriteQueue:
         self.deadlines.start(op.op_id, op.room, now + ctx.t.write)
         room, op_id = op.room, op.op_id
 
-        def posted() -> None:  # on this thread; the deadline counts from the post, not the queue
-            at = self._posted(op_id, room)
+        def posted(group: int) -> None:  # on this thread; the deadline counts from the post, not the queue
+            at = self._posted(op_id, room, group)
             self.deadlines.restart(op_id, at + ctx.t.write)
 
         done = AllWritesDone(len(groups), lambda ok, reason: ctx.post(WriteDone(op_id, room, ok, reason)))
-        for g, tag in zip(groups, ctx.integrity.direct_tags(op, len(groups))):
-            ctx.backend.submit_write(peer.backend_name, g.src, g.dst, tag, done.one, posted if g is groups[0] else None,
+        for i, (g, tag) in enumerate(zip(groups, ctx.integrity.direct_tags(op, len(groups)))):
+            ctx.backend.submit_write(peer.backend_name, g.src, g.dst, tag, done.one, lambda i=i: posted(i),
                                      dst_kind=g.dst_kind)
         ctx.stats.add("bytes_posted", op.nbytes)
 
@@ -147,14 +150,27 @@ class WriteQueue:
         if status is not None:
             status.descriptors += descriptors
 
-    def _posted(self, op_id: int, room: int) -> float:
-        """On the control thread (the backend's owner), when the backend took the write."""
+    def _posted(self, op_id: int, room: int, group: int = 0) -> float:
+        """On the control thread (the backend's owner), when the backend took the write (each
+        backend write of a direct write split by memory kind: `group`)."""
         now = time.monotonic()
-        self.posted_at[op_id] = now
+        self.posted_at.setdefault(op_id, now)
         status = self.book.status.get(room)
         if status is not None:
             status.timeline.stamp("first_write", now)
+        self._announce(op_id, room, group)
         return now
+
+    def _announce(self, op_id: int, room_id: int, group: int = 0) -> None:
+        """Tell the decode rank a write towards it is on its way, so it polls for its tag."""
+        room = self.book.get(room_id)
+        op = room.ops.get(op_id) if room is not None else None
+        if op is None:
+            return
+        tag = op.tag
+        self.peers.send(op.peer, WritePosted(src=self.ctx.me, dst=op.peer.incarnation, room=room_id,
+                                             session=tag.session, chunk=tag.chunk, piece=tag.piece, group=group))
+        self.ctx.stats.add("writes_announced")
 
     def worker_report(self, op_id: int, room: int, ok: bool, reason: str | None, gather_s: float) -> None:
         """From a transfer worker thread."""

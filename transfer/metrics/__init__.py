@@ -43,6 +43,11 @@ class MetricsExporter:
         self.port = self._server.port
         log.info("kvstage metrics at http://%s:%d/metrics", host, self.port)
 
+    @property
+    def meters(self) -> list:
+        """The HTTP thread's wake-ups and CPU (staging/thread_meter.py), for stats()."""
+        return [self._server.meter] if self._server is not None else []
+
     def close(self) -> None:
         """Stop serving and free the port. Idempotent."""
         server, self._server = self._server, None

@@ -58,6 +58,15 @@ STATS_METRICS = (
     Metric("kvstage_dropped_tags_total", "counter", "write notifications dropped, by reason", "dropped_tags", "reason"),
     Metric("kvstage_internal_errors_total", "counter", "exceptions caught in the control thread, by where",
            "internal_errors", "where"),
+    Metric("kvstage_thread_wakeups_total", "counter", "times each kvstage thread woke up (ctrl: rounds of the "
+           "control loop; xfer-N, scatter, metrics)", "thread_wakeups", "thread"),
+    Metric("kvstage_thread_cpu_seconds_total", "counter", "CPU seconds each kvstage thread used", "thread_cpu_s",
+           "thread"),
+    Metric("kvstage_backend_steps_total", "counter", "backend steps of the control thread, by what was in flight "
+           "(writes, expected, draining: polling; quiet: ticks and other wake-ups)", "backend_steps", "activity"),
+    Metric("kvstage_tags_by_arrival_total", "counter", "decode: write notifications read after their WritePosted "
+           "announcement (expected) or without one, found by a tick (unannounced)", "tags_by_arrival", "arrival",
+           ("decode",), ("expected", "unannounced")),
     Metric("kvstage_requests_active", "gauge", "requests the control thread holds now", "rooms_active"),
     Metric("kvstage_peers_connected", "gauge", "peer ranks connected now", "peers_connected"),
     Metric("kvstage_staging_ring_size_bytes", "gauge", "size of this rank's staging ring (decode, staging on)",

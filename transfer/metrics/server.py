@@ -1,15 +1,20 @@
 """The HTTP endpoint of one rank's metrics: `/metrics` on its own daemon thread, stopped (and
 its port freed) by close(). Built on the standard library's WSGI server and prometheus-client's
 WSGI app; its own small wrapper only so that a failing scrape is logged to the `kvstage`
-logger and a bad path gets a 404."""
+logger and a bad path gets a 404. The thread blocks on the listening socket and a wake-up pipe
+(not serve_forever's half-second polling), so between scrapes it never runs."""
 
 from __future__ import annotations
 
 import logging
+import os
+import selectors
 import socket
 import threading
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from ...staging.thread_meter import ThreadMeter
 
 log = logging.getLogger("kvstage")
 
@@ -51,16 +56,33 @@ class MetricsServer:
         server = _Server6 if ":" in host else _Server
         self._httpd = make_server(host, port, guarded(app), server_class=server, handler_class=_QuietHandler)
         self.port: int = self._httpd.server_port
+        self._httpd.timeout = 0            # handle_request() after select: never blocks
+        self.meter = ThreadMeter("metrics")
+        self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._serve, name="kvstage-metrics", daemon=True)
         self._thread.start()
 
     def _serve(self) -> None:
+        self.meter.started()
+        sel = selectors.DefaultSelector()
+        sel.register(self._httpd.socket, selectors.EVENT_READ)
+        sel.register(self._wake_r, selectors.EVENT_READ)
         try:
-            self._httpd.serve_forever(poll_interval=0.5)
+            while True:
+                ready = sel.select()          # no timeout: a scrape or close() wakes it
+                self.meter.wake()
+                if any(key.fd == self._wake_r for key, _ in ready):
+                    return
+                self._httpd.handle_request()   # accept (timeout 0: never blocks), a thread per request
         except Exception:  # noqa: BLE001 - said, not swallowed: the endpoint is gone
             log.exception("kvstage metrics: the HTTP server stopped on an error")
+        finally:
+            sel.close()
+            self.meter.stopped()
 
     def close(self) -> None:
-        self._httpd.shutdown()          # returns once serve_forever has left its loop
-        self._httpd.server_close()
+        os.write(self._wake_w, b"x")
         self._thread.join(5)
+        self._httpd.server_close()
+        os.close(self._wake_r)
+        os.close(self._wake_w)

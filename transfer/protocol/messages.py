@@ -167,6 +167,18 @@ class WriterDone(PeerMessage, kw_only=True, frozen=True):
     nbytes: int
 
 
+class WritePosted(PeerMessage, kw_only=True, frozen=True):
+    """prefill -> decode: the backend took my write of this chunk and piece; its tag follows.
+    The decode rank polls its backend only while such writes are announced and their tags are
+    not in (protocol/quiet.py), so it needs no polling while the prefill computes."""
+
+    room: int
+    session: int
+    chunk: int
+    piece: int
+    group: int = 0      # which backend write of a direct write split by memory kind (Tag.group)
+
+
 class RoomDone(PeerMessage, kw_only=True, frozen=True):
     """decode -> prefill: every byte of the room is in place."""
 
@@ -214,7 +226,7 @@ class Goodbye(PeerMessage, kw_only=True, frozen=True):
 
 PEER_MESSAGES: tuple[type[PeerMessage], ...] = (
     Hello, HelloAck, RoomMeta, MetaAck, AllocRequest, AllocGrant, WatermarkUpdate,
-    WriterDone, RoomDone, RoomFailed, Quiesced, Heartbeat, Goodbye)
+    WriterDone, RoomDone, RoomFailed, Quiesced, Heartbeat, Goodbye, WritePosted)
 
 
 def peer_codec(token: bytes | None, max_frame: int | None = None) -> Codec[PeerMessage]:
