@@ -36,11 +36,8 @@ from ..backends.faults import FaultPlan
 from ..config import EngineConfig
 from ..layout import KVBuffers, KVLayout
 from ..protocol.messages import Goodbye
-<<<<<<< HEAD
 from ..poll import KVPoll
-=======
 from ..protocol.quiet import MIN_EAGER_WAIT, Activity, activity, next_wait
->>>>>>> issue-27
 from ..protocol.tags import TagCodec
 from .backend_owner import BackendOwner
 from .context import EngineContext, NoObserver, local_geometry
@@ -114,14 +111,10 @@ class EngineLoop:
         self._next_tick = 0.0
         self._closing_since: float | None = None
         self._stop = threading.Event()
-<<<<<<< HEAD
         self.died: str | None = None            # why the control thread stopped on an error
         self._death_lock = threading.Lock()     # post() against _die(): no event slips past both
-=======
         self.meter = ThreadMeter("ctrl")             # wake-ups = rounds of the loop
         self.steps: dict[str, int] = {a.value: 0 for a in Activity}  # backend steps, by what was in flight
-        self.thread = threading.Thread(target=self._run, name="kvstage-ctrl", daemon=True)
->>>>>>> issue-27
 
     @property
     def endpoint(self) -> str:
@@ -202,13 +195,10 @@ class EngineLoop:
                     self._next_tick = now + TICK
                     self._safely(lambda _: sock.flush_held(), None)
                     self._safely(self._tick, now)
-<<<<<<< HEAD
-        except BaseException as exc:  # noqa: BLE001 - said in the log and to every room, not re-raised
-            self._die(exc)
-=======
                 act = activity(backend.in_flight())
                 wait = next_wait(act, last=wait, progressed=busy or progressed, now=now, next_tick=self._next_tick)
->>>>>>> issue-27
+        except BaseException as exc:  # noqa: BLE001 - said in the log and to every room, not re-raised
+            self._die(exc)
         finally:
             self.meter.stopped()
             self._teardown()
