@@ -192,6 +192,8 @@ def drive(spec: dict, bootstrap: str, result: dict) -> None:
                     + str(st["handle"].failure), "kind": "driver_timeout", "latency_s": None, "verified": False})
     result["wall_s"] = time.perf_counter() - t_start
     result["stats"] = mgr.stats()
+    if (spec.get("faults") or {}).get("corrupt_data"):   # which rooms the fault flipped a byte of (tests)
+        result["corrupted_rooms"] = sorted(mgr._loop.ctx.integrity.corrupted_rooms)
     if spec.get("final_stats"):
         _write_json(spec["final_stats"], {"stats": result["stats"], "rooms": out})
     hold_open(spec)

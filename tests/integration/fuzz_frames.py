@@ -12,8 +12,10 @@ import zmq
 from kvstage.bootstrap.wire import WIRE_VERSION, sign
 
 
-def listening_ports(pid: int) -> list[int]:
-    """TCP ports a process listens on (from /proc)."""
+def listening_ports(pid: int) -> list[tuple[str, int]]:
+    """(address to connect to, port) of every TCP socket a process listens on (from /proc): the
+    address it is bound to, 127.0.0.1 for a wildcard or loopback one. A listener bound to one
+    interface (UCX binds its TCP transport to the host's address) refuses 127.0.0.1."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
@@ -22,13 +24,17 @@ def listening_ports(pid: int) -> list[int]:
             continue
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
-    ports = set()
+    found = set()
     for table in ("tcp", "tcp6"):
         for line in open(f"/proc/{pid}/net/{table}").read().splitlines()[1:]:
             f = line.split()
             if f[3] == "0A" and f[9] in inodes:
-                ports.add(int(f[1].rsplit(":", 1)[1], 16))
-    return sorted(ports)
+                addr, port = f[1].rsplit(":", 1)
+                host = "127.0.0.1"
+                if table == "tcp" and int(addr, 16) != 0:
+                    host = socket.inet_ntoa(bytes.fromhex(addr)[::-1])    # /proc writes it little-endian
+                found.add((host, int(port, 16)))
+    return sorted(found)
 
 
 MESSAGE_NAMES = ["Hello", "HelloAck", "RoomMeta", "MetaAck", "AllocRequest", "AllocGrant", "WatermarkUpdate",
@@ -85,7 +91,8 @@ def fuzz_zmq(port: int, count: int, seed: int, host: str = "127.0.0.1") -> None:
 
 
 def fuzz_raw(port: int, count: int, seed: int, host: str = "127.0.0.1", connections: int = 20) -> int:
-    """`count` random byte chunks over a few connections; returns how many were written."""
+    """`count` random byte chunks over a few connections; returns how many were written (0: every
+    connection was refused or closed at once, the listener got nothing)."""
     rng = random.Random(seed)
     sent = 0
     per = max(1, count // connections)

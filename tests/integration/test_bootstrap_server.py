@@ -303,7 +303,10 @@ def test_stale_ranks_leave_lookups_and_come_back(start):
         first = c.register(quiet)
         c.register(kept)
         c.start_keepalive(kept, interval_s=0.1)
-        time.sleep(1.8)
+        deadline = time.monotonic() + 10   # the lease is 1 s; the server sweeps on its own clock
+        while not (rows := {r["tp_rank"]: r for r in c.status()["ranks"]})[0]["stale"]:
+            assert time.monotonic() < deadline, rows
+            time.sleep(0.05)
         with pytest.raises(BootstrapTimeout, match=r"missing ranks \[0\] \(stale"):
             c.lookup("e", timeout_s=0.3)
         assert not c.heartbeat("e", 0, quiet.incarnation)
@@ -510,6 +513,10 @@ def test_hostile_frames_do_not_hurt_the_server(start):
             sent += 1
             if i % 250 == 249:
                 drain(0.0)
+        for k, s in enumerate(socks):   # last on each socket: once answered, the server took every frame
+            expected.add(rid := 2**40 + k)
+            p = msgspec.msgpack.encode(m.Status(rid=rid))
+            s.send_multipart([p, sign(TOKEN, p)])
         drain(2.0)
         deadline = time.monotonic() + 20
         while expected - answered and time.monotonic() < deadline:
@@ -529,13 +536,20 @@ def test_hostile_frames_do_not_hurt_the_server(start):
         for _ in range(5):
             with socket.create_connection(("127.0.0.1", srv.port), timeout=2) as raw:
                 raw.sendall(random.Random(7).randbytes(4096))
-        req = ctx.socket(zmq.REQ)
-        req.setsockopt(zmq.LINGER, 0)
-        req.connect(f"tcp://{srv.addr}")
-        p = msgspec.msgpack.encode(m.Status(rid=3))
-        req.send_multipart([p, sign(TOKEN, p)])
-        time.sleep(0.2)
-        req.close(0)
+        with BootstrapClient(srv.addr, token=TOKEN) as c:
+            refused = c.status()["counters"].get("refused_auth", 0)
+            req = ctx.socket(zmq.REQ)
+            req.setsockopt(zmq.LINGER, 0)
+            req.connect(f"tcp://{srv.addr}")
+            p = msgspec.msgpack.encode(m.Status(rid=3))
+            req.send_multipart([p, sign(TOKEN, p)])
+            deadline = time.monotonic() + 10
+            while c.status()["counters"].get("refused_auth", 0) == refused:
+                assert time.monotonic() < deadline, "the REQ socket's request never reached the server"
+                time.sleep(0.05)
+            # refused (three parts cannot carry a valid token), once
+            assert c.status()["counters"].get("refused_auth", 0) == refused + 1
+            req.close(0)
     finally:
         for s in socks:
             s.close(0)

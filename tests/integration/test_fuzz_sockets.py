@@ -55,17 +55,22 @@ def test_fuzzing_every_listening_socket(token, tmp_path):
                 f"ranks never registered: {ctrl}\n{p.log()}\n{d.log()}"
             time.sleep(0.2)
         client.close()
-        time.sleep(1)
+        # a manager registers once its backend is up, so its listeners are open; both backends
+        # (NIXL/UCX and Mooncake) listen beside the two control sockets of each rank process
         ports = {name: listening_ports(pr.proc.pid) for name, pr in (("prefill", p), ("decode", d))}
         for engine, port in ctrl.items():
-            assert port in ports["prefill" if engine.startswith("p-") else "decode"], (engine, port, ports)
-        server_port = int(cl.addr.rsplit(":", 1)[1])
-        targets = [("server", server_port)] + [(n, port) for n, ps in ports.items() for port in ps]
-        zmq_ports = {server_port, *ctrl.values()}   # the others never get past zmq's greeting
-        for i, (name, port) in enumerate(targets):
+            assert port in {pt for _, pt in ports["prefill" if engine.startswith("p-") else "decode"]}, \
+                (engine, port, ports)
+        server_host, server_port = cl.addr.rsplit(":", 1)
+        zmq_ports = {int(server_port), *ctrl.values()}   # the others never get past zmq's greeting
+        for name, ps in ports.items():
+            assert len({pt for _, pt in ps} - zmq_ports) >= 2, f"{name}: no backend listener besides control: {ps}"
+        targets = [("server", (server_host, int(server_port)))] + [(n, hp) for n, ps in ports.items() for hp in ps]
+        for i, (name, (host, port)) in enumerate(targets):
             if port in zmq_ports:
-                fuzz_zmq(port, FRAMES, seed=i)
-            fuzz_raw(port, FRAMES, seed=1000 + i)
+                fuzz_zmq(port, FRAMES, seed=i, host=host)
+            # every listener took bytes: a refused connection (a wrong address) would send nothing
+            assert fuzz_raw(port, FRAMES, seed=1000 + i, host=host) > 0, f"{name} {host}:{port} was never reached"
             for pr in (p, d):
                 assert pr.proc.poll() is None, f"{name}:{port} fuzzing killed a rank:\n{pr.log()}"
             assert cl.server.proc.poll() is None, "fuzzing killed the bootstrap server"

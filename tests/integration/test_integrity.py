@@ -44,12 +44,17 @@ def test_every_corrupted_request_fails_as_corrupt_and_no_other(backend):
                 assert r["state"] == "Success" and r["verified"] is True, (c.name, r)
         st = dec["stats"]
         # every request that got a flipped byte failed, and only those: 100% detected, no false alarm
-        assert st.get("corrupted_rooms", 0) == len(failed) > 0, (c.name, st.get("corrupted_rooms"), failed)
+        # (the sets: a miss and a false alarm would leave the counts equal)
+        assert set(dec["corrupted_rooms"]) == failed and failed, (c.name, dec["corrupted_rooms"], failed)
+        assert st["corrupted_rooms"] == len(failed)
         assert st["rooms"].get("success", 0) > 0, (c.name, st["rooms"])
         for pre in results[c.name]["prefill"]:
+            assert {r["room"] for r in pre["rooms"]} == {r["room"] for r in dec["rooms"]}, c.name
             for r in pre["rooms"]:
                 if r["room"] in failed:
                     assert r["state"] == "Failed" and r["kind"] == "remote_corrupt", (c.name, r)
+                else:
+                    assert r["state"] == "Success", (c.name, r)
 
 
 @pytest.mark.timeout(300)

@@ -155,17 +155,22 @@ def run_prefill(r: Rank, sc, out) -> None:
         reqs.append({"q": q, "s": r.Sender(r.mgr, r.addr, q["room"]), "st": "boot", "row": next(rows),
                      "pages": [next(pages) for _ in range(q["pages"])], "slot": 1 + i})
     deadline = time.monotonic() + sc["deadline_s"]
+    # die_at_room: the rank dies once that request is ready for its KV, after every request before
+    # it ended and before any after it started (each room's outcome is then known on decode)
+    die = next((i for i, q in enumerate(sc["requests"]) if q["room"] == sc.get("die_at_room")), None)
     while any(x["st"] != "done" for x in reqs) and time.monotonic() < deadline:
-        for x in reqs:
+        for i, x in enumerate(reqs):
             q, s = x["q"], x["s"]
-            if x["st"] == "done":
+            if x["st"] == "done" or (die is not None and i > die):
                 continue
             st = s.poll()
             if x["st"] == "boot" and st == P.WaitingForInput:
+                if i == die:
+                    if any(y["st"] != "done" for y in reqs[:die]):
+                        continue
+                    os.kill(os.getpid(), signal.SIGKILL)   # a prefill rank dies mid-request
                 k = s.pop_decode_prefix_len() // r.ps
                 x["prefix_seen"] = k
-                if sc.get("die_at_room") == q["room"]:
-                    os.kill(os.getpid(), signal.SIGKILL)   # a prefill rank dies mid-request
                 suffix = x["pages"][k:]
                 r.fill(q["room"], suffix, k * r.ps)
                 r.meta.output_ids[x["row"]] = aux_ids(q["room"])

@@ -368,9 +368,10 @@ class World:
                 break
         self.refresh_status()
 
-    def check_bytes(self, room: int) -> bool:
+    def check_bytes(self, room: int, ranks=None) -> bool:
+        """Every decode rank (or those in `ranks`) holds the room's bytes exactly."""
         g = self.g
-        for d in range(g.D):
+        for d in range(g.D) if ranks is None else ranks:
             dst, src, held, k = self.expected[(d, room)]
             if held.size and not (self.cd[d][:, held] == SENTINEL).all():
                 return False  # a byte landed in a page that holds the prefix

@@ -240,13 +240,13 @@ def test_rank_table_full_then_stale_rank_evicted():
 
 
 def test_parameter_validation():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="max_engines must be >= 1"):
         Limits(max_engines=0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="lease_s must be > 0"):
         Registry(lease_s=0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="forget_s must be >= lease_s"):
         Registry(lease_s=5, forget_s=1)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="epoch_base out of range"):
         Registry(epoch_base=-1)
 
 

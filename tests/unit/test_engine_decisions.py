@@ -86,7 +86,7 @@ def test_needed_ranks_cover_every_head_of_the_decode_rank_once(P, D):
 
 
 def test_needed_ranks_refuses_tp_sizes_that_cannot_share_heads():
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="tp_size=3 does not divide"):
         peering.needed_ranks(3, layout(2, 0))
 
 

@@ -11,7 +11,7 @@ def test_max_piece_pages():
     assert max_piece_pages([1000, 1000], buffer_bytes=999, ring_bytes=1 << 20) == 0     # not one page
     assert max_piece_pages([1000], buffer_bytes=1 << 20, ring_bytes=4096, align=2048) == 4
     assert max_piece_pages([2000, 1000], buffer_bytes=4000, ring_bytes=1 << 20) == 2     # largest writer
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="a piece has writers"):
         max_piece_pages([], 1, 1)
 
 

@@ -85,19 +85,36 @@ def test_gather_then_scatter_moves_exactly_the_named_items(data):
             assert torch.equal(t.view(torch.uint8), want.view(torch.uint8)), (name, i)
 
 
+def snapshot(p: dict) -> dict:
+    return {(name, i): t.clone() for name, pool in p.items() for i, t in enumerate(pool.tensors)}
+
+
+def changed(p: dict, before: dict) -> list:
+    """The (pool, tensor) whose bytes differ from `before`, over every tensor of every pool."""
+    now = snapshot(p)
+    assert now.keys() == before.keys()
+    return [k for k in now if not torch.equal(now[k].view(torch.uint8), before[k].view(torch.uint8))]
+
+
 @pytest.mark.parametrize("item", [ITEMS, -1])
 def test_an_item_outside_the_pool_is_refused_before_any_byte_moves(item):
+    """The bad item is in the last copy only: every copy before it (both "aux" tensors, the
+    first "mamba" one) is valid, and none of them may have moved a byte."""
     src, dst = pools(1, 2), pools(2, 2)
-    cs = copies(src, [0, item], [1, 2], (0, 2), (0, 2))
-    out = torch.zeros(sum(c.nbytes for c in cs), dtype=torch.uint8)
+    good = copies(src, [0, 1], [1, 2], (0, 2), (0, 2))
+    last = good[-1]
+    assert (last.segment.pool, last.segment.tensor) == ("mamba", 1)
+    src_before, dst_before = snapshot(src), snapshot(dst)
+    bad_src = good[:-1] + [PoolCopy(last.segment, np.array([0, item]), last.dst_items, last.offset, last.nbytes)]
+    out = torch.zeros(sum(c.nbytes for c in good), dtype=torch.uint8)
     with pytest.raises(ValueError, match=f"item {item} is out of range"):
-        gather_pools(src, cs, out, 0)
-    assert not out.any()
-    before = [t.clone() for t in dst["mamba"].tensors]
-    bad = copies(src, [0, 1], [1, item], (0, 2), (0, 2))
+        gather_pools(src, bad_src, out, 0)
+    assert not out.any() and changed(src, src_before) == []
+    gather_pools(src, good, out, 0)
+    bad_dst = good[:-1] + [PoolCopy(last.segment, last.src_items, np.array([1, item]), last.offset, last.nbytes)]
     with pytest.raises(ValueError, match=f"item {item} is out of range"):
-        scatter_pools(dst, [(out[c.offset:c.offset + c.nbytes], c) for c in bad])
-    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, dst["mamba"].tensors))
+        scatter_pools(dst, [(out[c.offset:c.offset + c.nbytes], c) for c in bad_dst])
+    assert changed(dst, dst_before) == []
 
 
 def test_a_block_of_the_wrong_size_is_refused():

@@ -121,12 +121,25 @@ def test_mla_with_a_replicated_pool():
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(1, 50), min_size=1, max_size=5), st.lists(st.integers(0, 30), min_size=1, max_size=5))
-def test_final_part_offsets_tile_the_region(kv_heads, pool_items):
-    """Writers' parts of the last piece (KV then pool block) follow each other without a gap."""
-    sizes = [h * 3 + p for h, p in zip(kv_heads, pool_items)]
-    offs = part_offsets(sizes)
-    assert offs[0] == 0 and all(offs[i] + sizes[i] == offs[i + 1] for i in range(len(sizes) - 1))
+@given(st.sampled_from(SPEC_CASES), st.integers(1, 64), st.integers(0, 4), st.integers(0, 4))
+def test_final_part_offsets_tile_the_region(case, head_bytes, n_aux, n_ssm):
+    """Writers' parts of the last piece (KV then pool block), as final_part places them, follow
+    each other without a gap or an overlap and add up to the decode rank's KV and pool bytes."""
+    P, D, H = case
+    lay = KVLayout(2, H, 8, torch.bfloat16, 4, P, 0)
+    specs = KVBuffers(*kv(lay), pools={
+        "aux": StatePool([torch.zeros(8, 5)]),
+        "ssm": StatePool([torch.zeros(8, max(1, H // P), 3)], "heads")}).validate(lay).pool_specs
+    mapping = compute_assignments(P, D, H)
+    src = {"aux": np.arange(n_aux), "ssm": np.arange(n_ssm)}
+    for d in range(D):
+        end = 0
+        for a in mapping.for_decode(d):   # in writer order
+            offset, copies = final_part(specs, mapping, a, head_bytes, src, None)
+            assert offset == end, (d, a)
+            end = offset + head_bytes * a.num_heads + block_bytes(copies)
+        heads = max(1, H // D)
+        assert end == head_bytes * heads + n_aux * 5 * 4 + n_ssm * heads * 3 * 4, d
 
 
 def test_prefill_and_decode_agree_on_the_last_piece_layout():

@@ -72,22 +72,33 @@ def test_random_rooms_small_rings(g, seed, specs, ring):
 @pytest.mark.parametrize("seed", range(6))
 def test_lost_tags_fail_cleanly_on_both_sides(seed):
     g = Geometry(P=4, D=2, H=8)
-    w = run_rooms(g, seed, {1: (8, [4, 4]), 2: (6, [6])}, drop_tags=0.5)
+    rooms = {1: (8, [4, 4]), 2: (6, [6])}
+    w = run_rooms(g, seed, rooms, drop_tags=0.5)
     # nothing more can happen; time passes: arrival deadlines fire
     for _ in range(3):
         w.now += 6
         w.tick_all()
         w.run()
-    for key, st_ in w.status_d.items():
-        room = w.rooms_d[key]
+    assert any(st_ is KVPoll.Failed for st_ in w.status_d.values()), "half the tags lost, yet no room failed"
+    for (d, room), st_ in w.status_d.items():
         assert st_ in (KVPoll.Success, KVPoll.Failed)
-        if st_ is KVPoll.Failed:
-            assert room.failure
-    for key, st_ in w.status_p.items():
-        assert st_ in (KVPoll.Success, KVPoll.Failed)
+        for p in w.mapping.writers_of(d):    # its writers end the way the decode rank did
+            assert w.status_p[(p, room)] is st_, (d, p, room, w.rooms_p[(p, room)].failure)
+            if st_ is KVPoll.Failed:
+                # told by the decode rank: its arrival deadline (5 s) is up well before the writers'
+                # own wait for its confirmation (arrival + scatter, 10 s) would fail them
+                r = w.rooms_p[(p, room)]
+                assert r.failure_kind == f"remote_{w.rooms_d[(d, room)].failure_kind}", (d, p, room, r.failure)
+                assert f"decode rank {d}" in r.failure, (d, p, room, r.failure)
+        if st_ is KVPoll.Success:
+            assert w.check_bytes(room, ranks=[d])
+    for rooms_, kind in ((w.rooms_d, "decode"), (w.rooms_p, "prefill")):
+        for key, r in rooms_.items():
+            assert r.state in (KVPoll.Success, KVPoll.Failed), (kind, key, r.state)
+            assert (r.state is KVPoll.Failed) == bool(r.failure), (kind, key, r.failure)
     # a failed room's ring regions are all released once writers quiesced
     assert all(r.live_regions == 0 for r in w.rings)
-    assert len(w.released_d) == len(w.rooms_d)
+    assert w.released_d == set(w.rooms_d) and w.released_p == set(w.rooms_p)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -99,21 +110,35 @@ def test_abort_mid_transfer_reaches_the_other_side(seed, side):
     w.add_room(2, 4, [4])
     for _ in range(40):
         w.step()
+    done = (KVPoll.Success, KVPoll.Failed)
     if side == "prefill":
+        assert w.rooms_p[(0, 1)].state not in done
         w.apply_p(0, w.rooms_p[(0, 1)].abort(w.now))
+        # its decode peers that did not hold every byte yet
+        failed_p = [0]
+        failed_d = [a.decode_rank for a in w.mapping.for_prefill(0) if w.rooms_d[(a.decode_rank, 1)].state not in done]
     else:
+        assert w.rooms_d[(1, 1)].state not in done
         w.apply_d(1, w.rooms_d[(1, 1)].abort(w.rings[1], w.now))
+        failed_p, failed_d = w.mapping.writers_of(1), [1]
+    assert failed_p and failed_d
     w.run()
     w.refresh_status()
-    assert w.status_p[(0, 1)] is KVPoll.Failed or side == "decode"
-    affected_d = [d for d in range(4) if w.status_d[(d, 1)] is KVPoll.Failed]
-    assert affected_d, "the abort reached decode"
-    for d in affected_d:
-        assert w.rooms_d[(d, 1)].failure
+    # the aborting rank's peers all fail, with a reason, and every failed room is released
+    for p in failed_p:
+        assert w.status_p[(p, 1)] is KVPoll.Failed and w.rooms_p[(p, 1)].failure, (p, w.rooms_p[(p, 1)].failure)
+    for d in failed_d:
+        assert w.status_d[(d, 1)] is KVPoll.Failed and w.rooms_d[(d, 1)].failure, (d, w.rooms_d[(d, 1)].failure)
+    for rooms_ in (w.rooms_p, w.rooms_d):
+        for key, r in rooms_.items():
+            if r.state is KVPoll.Failed:
+                assert r.failure, key
+    assert {k for k in w.rooms_p if k[1] == 1 and w.status_p[k] is KVPoll.Failed} <= w.released_p
+    assert {k for k in w.rooms_d if k[1] == 1 and w.status_d[k] is KVPoll.Failed} <= w.released_d
     # the other room is untouched and exact
     assert all(w.status_d[(d, 2)] is KVPoll.Success for d in range(4)) and w.check_bytes(2)
+    assert all(w.status_p[(p, 2)] is KVPoll.Success for p in range(2))
     assert all(r.live_regions == 0 for r in w.rings)
-    assert (0, 1) in w.released_p or side == "decode"
 
 
 @pytest.mark.parametrize("g", [Geometry(P=2, D=2, H=4), Geometry(P=4, D=2, H=8), Geometry(P=2, D=4, H=8)],

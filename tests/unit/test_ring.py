@@ -33,11 +33,11 @@ def test_too_large_and_bad_sizes():
     r = RingAllocator(1024, align=256)
     assert isinstance(r.allocate(1025), TooLarge)
     assert "can never fit" in str(r.allocate(5000))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="cannot allocate 0 bytes"):
         r.allocate(0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="positive multiple of align=256"):
         RingAllocator(1000, align=256)
-    with pytest.raises(KeyError):
+    with pytest.raises(KeyError, match="is not live"):
         r.free(Region(0, 256, 1024))
 
 

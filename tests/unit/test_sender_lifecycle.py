@@ -67,7 +67,7 @@ def test_a_closed_manager_leaves_the_handle_unchanged():
     def refuse(event):
         raise RuntimeError("the KVManager is closed")
     s = KVSender(refuse, 100, 7, None, RoomStatus())
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="the KVManager is closed"):
         s.init(2)
     assert s.num_pages is None
 

@@ -52,7 +52,7 @@ def test_decode_ring_and_allocator():
 def test_registration_failure_frees_everything():
     b = FakeBackend(fail_register=True)
     h = handler("prefill", b, workers=2, buffer_bytes=1 << 16)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="registration refused"):
         h.open()
     assert b.live == [] and h.buffers == []
 

@@ -3,9 +3,11 @@ per region, the reference's errors, the kernel choice (KVSTAGE_STAGING_KERNELS),
 ahead-of-time compile for sm_80 and sm_90.
 
 Without a GPU the kernels run under Triton's CPU interpreter: tests/conftest.py sets
-TRITON_INTERPRET=1 before any test module imports triton, and `test_kernels_are_interpreted`
-fails if that did not take. The interpreter works on raw host addresses, so the int64 address
-table, the word reinterpretation and every index computation are exercised as on the GPU.
+TRITON_INTERPRET=1 before any test module imports triton, and
+`test_kernels_run_on_the_gpu_or_interpreted` fails if that did not take (on a GPU machine: if the
+kernels are not compiled and run there). The interpreter works on raw host addresses, so the
+int64 address table, the word reinterpretation and every index computation are exercised as on
+the GPU.
 """
 
 from __future__ import annotations
@@ -75,11 +77,18 @@ def check_scatter(region, k, v, pages, page_size, heads):
 
 # ----------------------------------------------------------------------------- mode and geometry
 
-def test_kernels_are_interpreted():
-    """Without a GPU the kernels must run under the interpreter (else nothing here runs them)."""
-    if DEVICE.type == "cpu":
+def test_kernels_run_on_the_gpu_or_interpreted():
+    """On a GPU machine the kernels are compiled and every test here runs them on the GPU;
+    without one (or with TRITON_INTERPRET=1) they run under the interpreter. Either way
+    something runs them: compiled kernels with host tensors would leave them untested."""
+    if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        assert not tk.interpreted(), "a GPU is here, yet the kernels are interpreted"
+        assert DEVICE.type == "cuda"
+        (k,), _ = make_cache(1, False, 1, 1, 1, 8, torch.bfloat16, 0)
+        assert k.is_cuda
+    else:
         assert tk.interpreted(), "TRITON_INTERPRET=1 did not take: triton was imported before tests/conftest.py"
-        assert os.environ.get("TRITON_INTERPRET") == "1"
+        assert os.environ.get("TRITON_INTERPRET") == "1" and DEVICE.type == "cpu"
 
 
 def test_tile_shape_powers_of_two_within_tile():
