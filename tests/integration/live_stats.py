@@ -32,3 +32,20 @@ def wait_for_drops(paths: dict[str, Path], at_least: float, kinds: tuple[str, ..
         if time.monotonic() > deadline:
             raise AssertionError(f"the ranks never counted {at_least} dropped messages {kinds or ''}: {counted}")
         time.sleep(0.2)
+
+
+def wait_for_stat(path: Path, key: str, at_least: float = 1, timeout_s: float = 60) -> None:
+    """Until the rank's live stats count at least `at_least` of `key` (say bytes_received: its
+    transfers are under way); an AssertionError with the last value at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    seen = None
+    while True:
+        try:
+            seen = json.loads(Path(path).read_text()).get(key, 0)
+        except (OSError, ValueError):
+            pass
+        if seen is not None and seen >= at_least:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path}: {key} never reached {at_least} (last seen {seen})")
+        time.sleep(0.05)

@@ -15,6 +15,7 @@ import pytest
 
 from engine_cases import ROOT  # noqa: F401 - sets up sys.path for the examples
 from cluster import Cluster, rank_spec
+from live_stats import wait_for_stat
 from records import assert_exact
 
 pytestmark = pytest.mark.integration
@@ -96,9 +97,11 @@ def test_decode_rank_killed_mid_transfer(backend, tmp_path):
         for r in early:
             r["hold_last_until"] = [release]  # no early room can finish before the kill, however slow the start
         prefill = [cl.launch([spec("prefill", r, 2, early + late, backend, True)], f"p{r}") for r in range(2)]
-        victim = cl.launch([spec("decode", 0, 1, early, backend, True, started_file=started)], "d-victim")
+        live = tmp_path / "victim-live.json"
+        victim = cl.launch([spec("decode", 0, 1, early, backend, True, started_file=started, live_stats=str(live))],
+                           "d-victim")
         wait_file(started)
-        time.sleep(0.8)                                   # transfers of the slow rooms are under way
+        wait_for_stat(live, "bytes_received")             # transfers of the slow rooms are under way
         killed_at = time.time()
         victim.kill()
         open(release, "w").close()
@@ -124,9 +127,10 @@ def test_prefill_rank_killed_mid_transfer(backend, tmp_path):
             r["hold_last_until"] = [release]  # no early room can finish before the kill, however slow the start
         victim = cl.launch([spec("prefill", 0, 2, early, backend, True, started_file=started)], "p0-victim")
         other = cl.launch([spec("prefill", 1, 2, early + late, backend, True)], "p1")
-        decode = cl.launch([spec("decode", 0, 1, early + late, backend, True)], "d0")
+        live = tmp_path / "decode-live.json"
+        decode = cl.launch([spec("decode", 0, 1, early + late, backend, True, live_stats=str(live))], "d0")
         wait_file(started)
-        time.sleep(0.8)
+        wait_for_stat(live, "bytes_received")             # the victim's writes are landing
         killed_at = time.time()
         victim.kill()
         open(release, "w").close()  # the live prefill rank sends its last chunks of rooms that lost a rank
@@ -156,10 +160,11 @@ def test_peer_frozen_past_its_lease(frozen, tmp_path):
         for r in late:
             r["create_delay_s"] = 2 * LEASE + 3           # after the freeze is over
         p = cl.launch([spec("prefill", 0, 1, early + late, "nixl", False, started_file=started)], "p0")
-        d = cl.launch([spec("decode", 0, 1, early + late, "nixl", False)], "d0")
+        live = tmp_path / "decode-live.json"
+        d = cl.launch([spec("decode", 0, 1, early + late, "nixl", False, live_stats=str(live))], "d0")
         victim, survivor = (d, p) if frozen == "decode" else (p, d)
         wait_file(started)
-        time.sleep(0.8)
+        wait_for_stat(live, "bytes_received")             # transfers are under way
         stopped_at = time.time()
         victim.proc.send_signal(signal.SIGSTOP)
         open(release, "w").close()  # a live prefill sends the last chunks into the frozen decode rank

@@ -9,6 +9,7 @@ import pytest
 
 import engine_cases  # noqa: F401 - puts examples/ on sys.path
 from cluster import Cluster, rank_spec
+from live_stats import wait_for_stat
 from netns import can_make_namespaces, delete_hosts, make_hosts
 from records import assert_all_exact
 
@@ -39,15 +40,16 @@ def spec(role, rank, tp, rooms, backend, host, **kw):
     return rank_spec(role, rank, tp, rooms, backend, **(RANK_FIELDS | {"host": host} | kw))
 
 
-def launch_pair(cl, h, backend, rooms, started=None, barrier=None):
+def launch_pair(cl, h, backend, rooms, started=None, barrier=None, live=None):
     env_a = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": h.dev_a}
     env_b = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": h.dev_b}
     procs = []
     for r in range(2):
         procs.append(cl.launch([spec("prefill", r, 2, rooms, backend, h.ip_a, barrier=barrier)], f"p{r}", env=env_a,
                                netns=h.a))
-    procs.append(cl.launch([spec("decode", 0, 1, rooms, backend, h.ip_b, started_file=started, barrier=barrier)],
-                           "d0", env=env_b, netns=h.b))
+    extra = {"live_stats": str(live)} if live is not None else {}
+    procs.append(cl.launch([spec("decode", 0, 1, rooms, backend, h.ip_b, started_file=started, barrier=barrier,
+                                 **extra)], "d0", env=env_b, netns=h.b))
     return procs
 
 
@@ -74,12 +76,13 @@ def test_across_hosts_bit_exact_then_link_down(backend, hosts, tmp_path):
         release = str(tmp_path / "release")  # no room can finish before the link goes down
         slow = [{"room": 300 + i, "pages": 8, "chunks": [2, 2, 2, 2], "chunk_delay_s": 0.5, "hold_last_until": [release]}
                 for i in range(4)]
-        procs = launch_pair(cl, h, backend, slow, started=started)
+        live = tmp_path / "decode-live.json"
+        procs = launch_pair(cl, h, backend, slow, started=started, live=live)
         deadline = time.monotonic() + 90
         while not os.path.exists(started):
             assert time.monotonic() < deadline, "transfers never started"
             time.sleep(0.05)
-        time.sleep(0.5)
+        wait_for_stat(live, "bytes_received")   # bytes cross the link before it goes down
         down_at = time.time()
         h.link(up=False)
         open(release, "w").close()
