@@ -9,7 +9,7 @@ pre-faulted staging buffer. Each formulation runs once to warm up, then all form
 case run interleaved for `--rounds` rounds (the machine may be shared: interleaving spreads the
 noise evenly); the table shows the median GB/s (region bytes / time) and the best round.
 
-Formulations (u8: byte-wide views, as FACTS.md measured them; i64: head rows reinterpreted as
+Formulations (u8: byte-wide views, as docs/staging_kernels.md measured them; i64: head rows reinterpreted as
 8-byte units, what staging.gather_scatter does):
   gather  idxsel       index_select on the (head-sliced) page view straight into the region
           tmp+slice    index_select whole pages into a temp, then copy the head slice out

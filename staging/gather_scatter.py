@@ -25,7 +25,7 @@ whole-page ``index_select`` up to 1.7x faster than byte elements.
 - gather, whole head set: ``index_select`` of whole pages straight into the region;
 - gather, a head slice: ``index_select`` on the head-sliced page view straight into the region.
   It measured 1.2-5x faster than "whole pages into a temp, then copy the head slice out" with
-  torch 2.13 here (FACTS.md's 1.5 GB/s for the direct form is not reproduced), so no temp;
+  torch 2.13 here (the 1.5 GB/s once measured for the direct form is not reproduced, docs/staging_kernels.md), so no temp;
 - scatter: ``index_copy_`` into the (head-sliced) page view of the destination cache. It writes
   exactly the bytes of the destination head range and nothing else, so several writers may
   scatter DIFFERENT head ranges of the SAME pages concurrently (the decode side does, with P > D).

@@ -4,7 +4,7 @@
 (``MADV_HUGEPAGE``: NIXL's shared-memory copy pins pages one by one), rounds the size up to the
 page size, and writes one byte of every 4 KiB page so that every page is faulted in before the
 first transfer: a copy into freshly mapped memory runs at about half of memcpy speed here (see
-FACTS.md).
+docs/staging_kernels.md).
 
 Huge pages: set ``KVSTAGE_HUGEPAGE_SIZE`` to ``2MB`` or ``1GB`` (or pass ``hugepage_size=``) to
 map with ``MAP_HUGETLB`` and the matching size bits. Python's `mmap` passes its flags straight to

@@ -93,7 +93,7 @@ def _quarantine(name: str, value: object) -> float:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How one rank process embeds kvstage (DESIGN.md section 3)."""
+    """How one rank process embeds kvstage (README, "Embedding it"; docs/configuration.md)."""
 
     role: str                                # "prefill" or "decode"
     engine_id: str                           # the TP group this rank belongs to

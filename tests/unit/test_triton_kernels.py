@@ -150,7 +150,7 @@ def test_round_trip_head_slice_bit_exact(dtype, head_dim, page_size):
 @pytest.mark.parametrize("case", ["p_gt_d", "p_lt_d", "equal", "replicated", "mla"])
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 def test_tp_geometries(case, page_size):
-    """Head ranges as the TP mapping produces them (DESIGN.md section 4)."""
+    """Head ranges as the TP mapping produces them (docs/protocol.md section 1)."""
     dt, hd, has_v = torch.bfloat16, 128, True
     if case == "p_gt_d":        # prefill tp 4, decode tp 2, 8 heads: all 2 heads -> heads [2, 4) of 4
         src_heads, gather, dst_heads, scatter = 2, (0, 2), 4, (2, 4)

@@ -1,6 +1,6 @@
 """Mooncake TransferEngine backend (P2PHANDSHAKE; tcp by default, rdma where the hardware has it).
 
-Behaviour (measured facts in docs/backends.md and /work/shared/spec/FACTS.md):
+Behaviour (measured facts in docs/backends.md):
 
 - The only Python call that carries a notify with a write is the *synchronous*
   ``batch_transfer_sync(..., TransferNotify(name, msg))``; it blocks (and spins a core) until the

@@ -1,6 +1,6 @@
 """NIXL (UCX) backend: one NIXL agent per Backend object, driven by its single owning thread.
 
-Behaviour (measured facts in docs/backends.md and /work/shared/spec/FACTS.md):
+Behaviour (measured facts in docs/backends.md):
 
 - The agent is built with ``enable_prog_thread=False`` and the default (non-strict) thread sync
   mode: the object has ONE owning thread (the engine's backend thread), so nothing here locks.
@@ -12,7 +12,7 @@ Behaviour (measured facts in docs/backends.md and /work/shared/spec/FACTS.md):
   ``identity()`` after registering the memory peers will write to.
 - Agent names carry a random suffix, so a restarted process is a new peer, never the old one.
 - ``UCX_MODULES=^ib`` is set (when unset) before the first agent exists; without it every process
-  that made a UCX backend exits with SIGSEGV at interpreter shutdown (FACTS.md).
+  that made a UCX backend exits with SIGSEGV at interpreter shutdown (docs/backends.md).
 - NIXL's Python logger prints INFO lines on *stdout*; unless NIXL_LOG_LEVEL is set, this module
   lowers it to WARNING and moves its console handler to stderr.
 """
@@ -43,7 +43,7 @@ from .base import (
     close_at_exit,
 )
 
-# Must be in the environment before UCX is initialised by the first agent (FACTS.md).
+# Must be in the environment before UCX is initialised by the first agent (docs/backends.md).
 os.environ.setdefault("UCX_MODULES", "^ib")
 
 from nixl._api import nixl_agent, nixl_agent_config  # noqa: E402  (after the env var above)

@@ -45,7 +45,7 @@ STARTUP_STEPS = ("metrics", "backend", "regions", "staging", "control_context", 
 
 
 class KVManager:
-    """The KV transfer engine of one prefill or decode rank (see DESIGN.md section 3)."""
+    """The KV transfer engine of one prefill or decode rank (README, "Embedding it")."""
 
     def __init__(self, config: EngineConfig, layout: KVLayout, buffers: KVBuffers):
         self.config = config.resolved()
