@@ -58,6 +58,10 @@ def _host_of(addr: str) -> str:
 class KvstageKVManager(CommonKVManager):
     """One rank's kvstage engine, created from SGLang's KVArgs (raw pointers, no copy)."""
 
+    # SGLang's deferred decode KV release: a failed request's pages and aux slot stay held until
+    # is_abort_release_safe() below says that kvstage knows no write of it can still land
+    supports_deferred_decode_kv_release = True
+
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: ServerArgs,
                  is_mla_backend: Optional[bool] = False):
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
@@ -69,6 +73,7 @@ class KvstageKVManager(CommonKVManager):
         self._rendezvous: dict[str, str] = {}
         self._rendezvous_lock = threading.Lock()
         self._own_server: Optional[_Rendezvous] = None
+        self.receivers: dict[int, object] = {}      # decode: room -> its kvstage receiver, until clear()
         # a hybrid model's full-attention pool may be MLA although its pool as a whole is not
         mla = bool(is_mla_backend) or bool(getattr(args, "is_hybrid_mla_backend", False))
         layout = kv_layout(args, self.attn_tp_size, self.attn_tp_rank, mla, server_args)
@@ -93,6 +98,8 @@ class KvstageKVManager(CommonKVManager):
                                              host=self.local_ip, dp_rank=dp_rank), layout, buffers)
         log.info("kvstage %s rank %d/%d ready (engine %s, backend %s, staging %s)", self.engine.config.role,
                  self.attn_tp_rank, self.attn_tp_size, engine_id, backend, self.engine.config.staging)
+        if not self.is_prefill:
+            _check_release_timeout(self.enable_deferred_decode_kv_release, self.engine.config.timeouts)
 
     def _own_bootstrap_addr(self) -> str:
         """Where this prefill instance's SGLang bootstrap server is reached (as SGLang's own
@@ -128,6 +135,15 @@ class KvstageKVManager(CommonKVManager):
             self._rendezvous[bootstrap_addr] = addr
         return addr
 
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+        """Whether SGLang may hand a failed request's pages and aux slot to another request: once
+        kvstage's receiver is `released` (every prefill writer of the room quiesced after its
+        last write completed, or was declared lost and its backend's stall bound passed). SGLang's
+        count of prefill acks (`required_acks`) does not apply: the kvstage room waits for each
+        writer itself. No receiver: nothing was ever asked of a prefill rank."""
+        handle = self.receivers.get(bootstrap_room)
+        return handle is None or handle.released
+
     def fail_room(self, room: int, reason: str) -> None:
         self.record_failure(room, reason)
         self.update_status(room, KVPoll.Failed)
@@ -136,6 +152,21 @@ class KvstageKVManager(CommonKVManager):
         self.engine.close()
         if self._own_server is not None:
             self._own_server.close()
+
+
+def _check_release_timeout(enabled: bool, timeouts) -> None:
+    """SGLang frees held pages at its deferred-release timeout even if no drain was confirmed;
+    kvstage's release can take up to a write deadline plus a lease (a writer lost mid-write)."""
+    from sglang.srt.environ import envs
+    limit = envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get()
+    if not enabled:
+        log.warning("SGLang's deferred decode KV release is off (SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE): "
+                    "the pages of a failed request are reused at once, while a kvstage write may still land in "
+                    "them (docs/sglang.md)")
+    elif limit < timeouts.write + timeouts.lease:
+        log.warning("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT=%g is below kvstage's write deadline "
+                    "plus lease (%g s): a failed request's pages may be reused before kvstage released them",
+                    limit, timeouts.write + timeouts.lease)
 
 
 def _backend_name() -> str:
@@ -176,7 +207,7 @@ class _Handle:
             error = self._handle.failure_exception()
         with self.kv_mgr.failure_lock:
             reason = self.kv_mgr.failure_records.pop(self.bootstrap_room, None)
-        self.clear()
+        self._after_failure()
         if error is None:
             error = KVTransferError(self.bootstrap_room, "sglang", reason or "failed for an unknown reason")
         raise error
@@ -191,6 +222,9 @@ class _Handle:
 
     def _latency(self, m) -> Optional[float]:
         return m.seconds
+
+    def _after_failure(self) -> None:
+        self.clear()
 
     def _clear_handle(self) -> None:
         if self._handle is not None:
@@ -333,6 +367,7 @@ class KvstageKVReceiver(_Handle, CommonKVReceiver):
         except (ValueError, RuntimeError) as exc:
             self._end(KVPoll.Failed, f"kvstage receiver for room {self.bootstrap_room}: {exc}")
             return
+        self.kv_mgr.receivers[self.bootstrap_room] = self._handle
         self.bootstrap_infos = []             # kvstage owns the peer connections
 
     def send_metadata(self, kv_indices, aux_index: Optional[int] = None, state_indices: Optional[List] = None,
@@ -390,7 +425,10 @@ class KvstageKVReceiver(_Handle, CommonKVReceiver):
         self.abort_notified = True
 
     def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
-        # kvstage tells the prefill ranks of every failure and abort itself
+        """SGLang calls this for a failure the decode side did not start (a prefill rank's
+        failure, a transport error) before it holds the request's pages. kvstage's abort reaches
+        every prefill rank of the room (those the failure did not come from are told, and told
+        again until each one quiesced); on a room that already failed it changes nothing."""
         if not self.abort_notified and self._handle is not None:
             self._handle.abort()
         self.abort_notified = True
@@ -398,11 +436,22 @@ class KvstageKVReceiver(_Handle, CommonKVReceiver):
     def is_abort_release_safe(self) -> bool:
         return self._handle is None or self._handle.released
 
-    def clear(self) -> None:
-        self._clear_handle()
+    def _after_failure(self) -> None:
+        # SGLang may hold the request's pages until is_abort_release_safe(): the kvstage handle
+        # stays until clear(), which SGLang calls when it releases them
+        self._forget_room()
+
+    def _forget_room(self) -> None:
+        self.kv_mgr.request_status.pop(self.bootstrap_room, None)
         self.kv_mgr.required_prefill_response_num_table.pop(self.bootstrap_room, None)
         self.kv_mgr.prefill_response_tracker.pop(self.bootstrap_room, None)
         self.kv_mgr.addr_to_rooms_tracker[self.bootstrap_addr].discard(self.bootstrap_room)
+
+    def clear(self) -> None:
+        self._clear_handle()
+        if self._handle is not None and self.kv_mgr.receivers.get(self.bootstrap_room) is self._handle:
+            del self.kv_mgr.receivers[self.bootstrap_room]
+        self._forget_room()
 
 
 class _Rendezvous:

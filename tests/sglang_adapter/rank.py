@@ -31,6 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from decode_queue import decode_request, init_gloo, make_queue, pages_hold  # noqa: E402
 from state_harness import StateSide  # noqa: E402
 
 SENTINEL = -12345
@@ -108,6 +109,11 @@ class Rank:
         args.ib_device, args.gpu_id, args.prefill_start_layer, args.prefill_end_layer = None, 0, 0, None
         args.num_draft_entries, args.is_hybrid_mla_backend = 0, False
         mode = DisaggregationMode.PREFILL if self.prefill else DisaggregationMode.DECODE
+        if self.prefill and sc.get("hold"):   # this rank's writes of one room land hold["s"] late
+            from functools import partial
+            from kvstage.adapters.sglang import conn
+            conn.EngineConfig = partial(conn.EngineConfig, faults={"hold_write_rooms": [sc["hold"]["room"]],
+                                                                   "hold_write_s": sc["hold"]["s"]})
         self.mgr = get_kv_class(backend, KVClassType.MANAGER)(args, mode, sa, self.mla)
         self.Sender = get_kv_class(backend, KVClassType.SENDER)
         self.Receiver = get_kv_class(backend, KVClassType.RECEIVER)
@@ -185,6 +191,12 @@ def run_prefill(r: Rank, sc, out) -> None:
                         last = c == len(q["chunks"]) - 1
                         s.send(np.asarray(suffix[done:done + n], dtype=np.int32), state if last else None)
                         done += n
+                if q.get("abort") == "prefill-held":   # fail the request while its write is in flight
+                    injected = r.mgr.engine._backend.backend.injected
+                    while not injected.get("held_write") and time.monotonic() < deadline:
+                        time.sleep(0.005)
+                    x["held"] = bool(injected.get("held_write"))
+                    s.abort()
                 x["st"] = "sent"
             elif st in (P.Success, P.Failed):
                 x["result"] = "Success" if st == P.Success else "Failed"
@@ -267,8 +279,77 @@ def run_decode(r: Rank, sc, out) -> None:
     report(out, reqs, errors)
 
 
+def run_decode_queue(r: Rank, sc, out) -> None:
+    """Decode through SGLang's real DecodeTransferQueue (decode_queue.py): a request's pages are
+    handed back when SGLang releases them (the harness then rewrites them to the sentinel, as
+    the next owner would overwrite them); after the last request, every failed request's kvstage
+    receiver is waited on until released (any late write has landed by then), and every page no
+    successful request owns must still hold the sentinel."""
+    P = r.P
+    init_gloo(r.a.tp, r.a.rank, sc["gloo"])
+    deadline = time.monotonic() + sc["deadline_s"]
+    while not r.mgr.try_ensure_parallel_info(r.addr):
+        if time.monotonic() > deadline:
+            raise TimeoutError("prefill parallel info never became available")
+        time.sleep(0.1)
+    rows, pages = iter(range(1, 32)), iter(range(1, r.num_pages))
+    reqs, by_room, errors, owned = [], {}, [], set()
+    for q in sc["requests"]:
+        rec = r.Receiver(r.mgr, r.addr, q["room"])
+        rec.init(q.get("dp_rank", 0))
+        x = {"q": q, "r": rec, "st": "boot", "row": next(rows), "kv": rec._handle,
+             "pages": [next(pages) for _ in range(q["pages"] - q["prefix"])]}
+        reqs.append(x)
+        by_room[q["room"]] = x
+
+    def on_release(dr) -> None:
+        x = by_room[dr.req.bootstrap_room]
+        x["landed_before_release"] = not pages_hold(r.k + r.v, x["pages"], r.ps, SENTINEL)
+        for t in r.k + r.v:
+            for page in x["pages"]:
+                t.view(torch.int16)[page * r.ps:(page + 1) * r.ps] = SENTINEL
+        x["released_after_s"] = time.monotonic() - x.get("failed_at", time.monotonic())   # 0: at once
+
+    def on_commit(dr) -> None:
+        x = by_room[dr.req.bootstrap_room]
+        x["result"] = "Success"
+        owned.update(x["pages"])
+        nonlocal errors
+        errors += r.check(x["q"]["room"], x["pages"], x["q"]["prefix"] * r.ps)
+        x["aux_room"] = int(r.meta.bootstrap_room[x["row"], 0])
+        x["aux_ids_ok"] = bool(torch.equal(r.meta.output_ids[x["row"]], aux_ids(x["q"]["room"])))
+
+    queue = make_queue(r.meta, on_release, on_commit)
+    while time.monotonic() < deadline:
+        for x in reqs:
+            if x["st"] == "boot" and x["r"].poll() == P.WaitingForInput:
+                x["r"].send_metadata(np.asarray(x["pages"], dtype=np.int32), x["row"], None,
+                                     decode_prefix_len=x["q"]["prefix"] * r.ps)
+                x["dr"] = decode_request(x["q"]["room"], x["r"], x["row"])
+                queue.add(x["dr"])
+                x["st"] = "queued"
+        queue.pop_transferred()
+        for x in reqs:
+            if x["st"] == "queued" and x["dr"] not in queue.queue:
+                x["st"] = "out"
+                if x.get("result") != "Success":
+                    x["result"], x["failed_at"] = "Failed", time.monotonic()
+                    x["error"] = f"KVTransferError: {x['dr'].req.finished_reason.message}"
+        queue.resolve_deferred_releases()
+        held = {dr.req.bootstrap_room for dr, *_ in queue._deferred_releases}
+        if all(x["st"] == "out" for x in reqs) and not held:
+            break
+        time.sleep(0.002)
+    for x in reqs:    # a late write has landed once kvstage released the room
+        while x["kv"] is not None and not x["kv"].released and time.monotonic() < deadline:
+            time.sleep(0.01)
+    errors += r.untouched(owned)
+    report(out, reqs, errors)
+
+
 def report(out: str, reqs, errors) -> None:
-    rows = {str(x["q"]["room"]): {k: v for k, v in x.items() if k not in ("q", "s", "r", "pages")} for x in reqs}
+    rows = {str(x["q"]["room"]): {k: v for k, v in x.items() if k not in ("q", "s", "r", "pages", "kv", "dr")}
+            for x in reqs}
     with open(out + ".tmp", "w") as f:
         json.dump({"rooms": rows, "errors": errors}, f)
     os.replace(out + ".tmp", out)
@@ -285,7 +366,7 @@ def main() -> int:
     sc = json.load(open(a.scenario))
     try:
         r = Rank(a, sc)
-        (run_prefill if r.prefill else run_decode)(r, sc, a.out)
+        (run_prefill if r.prefill else run_decode_queue if sc.get("queue") else run_decode)(r, sc, a.out)
         if r.prefill:
             # a prefill server outlives its requests: a rank that is done must stay registered
             # until every decode rank has looked the engine up (the test writes this file then)
