@@ -35,7 +35,7 @@ from kvstage import EngineConfig, KVManager, KVTransferError
 from kvstage.bootstrap.server import BootstrapServer
 from kvstage.bootstrap.wire import load_token
 
-from . import pools
+from . import pools, send_gate
 from .geometry import device_of, kv_layout, unsupported_features
 from .state import StateMap
 from .plugin import staging_enabled
@@ -78,7 +78,8 @@ class KvstageKVManager(CommonKVManager):
         mla = bool(is_mla_backend) or bool(getattr(args, "is_hybrid_mla_backend", False))
         layout = kv_layout(args, self.attn_tp_size, self.attn_tp_rank, mla, server_args)
         device = device_of(server_args, args)
-        self.state = StateMap(args, layout, torch.device(device), self.attn_tp_size)
+        self.kv_device = torch.device(device)
+        self.state = StateMap(args, layout, self.kv_device, self.attn_tp_size)
         buffers = pools.make_buffers(layout, args, device, self.state.pools)
         self.aux_rooms = pools.aux_room_column(args)
         if self.is_prefill:
@@ -96,6 +97,8 @@ class KvstageKVManager(CommonKVManager):
         self.engine = KVManager(EngineConfig(role="prefill" if self.is_prefill else "decode", engine_id=engine_id,
                                              bootstrap=rendezvous, backend=backend, staging=staging_enabled(),
                                              host=self.local_ip, dp_rank=dp_rank), layout, buffers)
+        # prefill: the thread that waits for SGLang's events before a send (send_gate.py)
+        self.gate = send_gate.SendGate() if self.is_prefill else None
         log.info("kvstage %s rank %d/%d ready (engine %s, backend %s, staging %s)", self.engine.config.role,
                  self.attn_tp_rank, self.attn_tp_size, engine_id, backend, self.engine.config.staging)
         if not self.is_prefill:
@@ -149,6 +152,8 @@ class KvstageKVManager(CommonKVManager):
         self.update_status(room, KVPoll.Failed)
 
     def teardown(self) -> None:
+        if self.gate is not None:
+            self.gate.close()
         self.engine.close()
         if self._own_server is not None:
             self._own_server.close()
@@ -246,6 +251,10 @@ class KvstageKVSender(_Handle, CommonKVSender):
         # init(): with state pools, the request's pages are held until then (see send())
         self._held: Optional[List[np.ndarray]] = [] if mgr.state.pools else None
         self._sent, self._last_send_at = 0, None
+        self._sends = send_gate.RequestSends(mgr.gate, self._send_now, self._abort_handle)
+        # with a CUDA cache SGLang may hand the page indices as a pinned host tensor that its
+        # copy is still filling (indices_event): the gate waits, the scheduler does not copy
+        self.supports_host_tensor_indices = mgr.gate is not None and mgr.kv_device.type == "cuda"
         if self.conclude_state is not None or mgr.request_status.get(bootstrap_room) == KVPoll.Failed:
             self.conclude_state = KVPoll.Failed
             return
@@ -264,28 +273,41 @@ class KvstageKVSender(_Handle, CommonKVSender):
             return
         self._prefix_pages = self._handle.decode_prefix_pages or 0
         if self._held is None:
-            self._init_handle(None)
+            self._fail_now(self._init_handle(None))
 
-    def _init_handle(self, state_indices) -> bool:
+    def _init_handle(self, state_indices) -> Optional[str]:
         try:
             self._handle.init(self.num_kv_indices + self._prefix_pages,
                               **pools.init_items(self.kv_mgr, self.aux_index, state_indices))
         except (ValueError, RuntimeError) as exc:
+            return f"init: {exc}"
+        return None
+
+    def _fail_now(self, failure: Optional[str]) -> None:
+        if failure is not None:
             self._handle.abort()
-            self._end(KVPoll.Failed, f"init: {exc}")
-            return False
-        return True
+            self._end(KVPoll.Failed, failure)
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         return num_pages > 0
 
     def send(self, kv_indices, state_indices: Optional[List] = None, num_kv_tokens: Optional[int] = None,
              indices_event: Optional[object] = None):
+        """SGLang's events (the overlap schedule's `_early_send_wait_event`, `indices_event`
+        with host tensor indices) are waited on by the adapter's send gate before the indices
+        or the pages are read, never on the scheduler's thread (send_gate.py)."""
+        events = [e for e in (self._early_send_wait_event, indices_event) if e is not None]
+        self._early_send_wait_event = None      # it belongs to this chunk only
         if self.conclude_state is not None or self._handle is None:
             return
+        self._fail_now(self._sends.send(kv_indices, state_indices, events))
+
+    def _send_now(self, kv_indices, state_indices) -> Optional[str]:
+        """The send proper: on the scheduler's thread, or on the gate's once its events are
+        complete. Returns a failure reason (the caller aborts and ends the request)."""
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
         if pages.size == 0:
-            return
+            return None
         if self._first and self._prefix_pages:
             # stand-ins for the pages the decode side holds: kvstage skips them, never reads them
             pages = np.concatenate([np.full(self._prefix_pages, pages[0], dtype=np.int64), pages])
@@ -294,20 +316,20 @@ class KvstageKVSender(_Handle, CommonKVSender):
             self._held.append(pages)
             if sum(p.size for p in self._held) < self.num_kv_indices + self._prefix_pages:
                 self._record_transfer_indices(kv_indices, state_indices)
-                return
+                return None
             pages, self._held = np.concatenate(self._held), None
-            if not self._init_handle(state_indices):
-                return
+            failure = self._init_handle(state_indices)
+            if failure is not None:
+                return failure
         try:
             self._handle.send(pages)
         except (ValueError, RuntimeError) as exc:
-            self._handle.abort()
-            self._end(KVPoll.Failed, f"send: {exc}")
-            return
+            return f"send: {exc}"
         self._sent += pages.size
         if self._sent == self.num_kv_indices + self._prefix_pages:
             self._last_send_at = time.monotonic()
         self._record_transfer_indices(kv_indices, state_indices)
+        return None
 
     def _latency(self, m) -> Optional[float]:
         """From the last send (the prefill computed all of the request) to the end, as SGLang
@@ -316,11 +338,17 @@ class KvstageKVSender(_Handle, CommonKVSender):
             return m.seconds
         return max(0.0, m.timeline.ended - self._last_send_at)
 
+    def _abort_handle(self) -> None:
+        if self._handle is not None:
+            self._handle.abort()
+
     def poll(self) -> KVPoll:
         if self.conclude_state is not None:
             return self.conclude_state
         if self._handle is None:
             return self._end(KVPoll.Failed)
+        if self._sends.failure is not None:     # a send on the gate's thread failed
+            return self._end(KVPoll.Failed, self._sends.failure)
         state = self._kv_state()
         if state == KVPoll.Success:
             return self._end(KVPoll.Success)
@@ -329,12 +357,14 @@ class KvstageKVSender(_Handle, CommonKVSender):
     poll_pp_consensus = poll
 
     def abort(self):
+        self._sends.cancel()
         if self._handle is not None:
             self._handle.abort()
         if self.conclude_state != KVPoll.Success:
             self._end(KVPoll.Failed, "Aborted by AbortReq.")
 
     def clear(self) -> None:
+        self._sends.cancel()
         self._clear_handle()
         self.kv_mgr.req_to_decode_prefix_len.pop(self.bootstrap_room, None)
         self.kv_mgr.transfer_infos.pop(self.bootstrap_room, None)

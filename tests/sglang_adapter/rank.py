@@ -153,6 +153,20 @@ class Rank:
         return bad
 
 
+class ForwardDone:
+    """Stands for the CUDA event SGLang's overlap schedule puts on a sender before an early
+    send: the pages are written when it is waited on (as if the forward pass finished then),
+    and the waiting thread is recorded."""
+
+    def __init__(self, x: dict, write):
+        self.x, self.write = x, write
+
+    def synchronize(self) -> None:
+        import threading
+        self.x["event_thread"] = threading.current_thread().name
+        self.write()
+
+
 def run_prefill(r: Rank, sc, out) -> None:
     P, rows = r.P, iter(range(1, 32))
     reqs = []
@@ -173,7 +187,10 @@ def run_prefill(r: Rank, sc, out) -> None:
                 if sc.get("die_at_room") == q["room"]:
                     os.kill(os.getpid(), signal.SIGKILL)   # a prefill rank dies mid-request
                 suffix = x["pages"][k:]
-                r.fill(q["room"], suffix, k * r.ps)
+                # early_event: the first chunk's KV is written by "the previous forward pass",
+                # finished when SGLang's event completes: kvstage must wait for it before reading
+                late = q["chunks"][0] if q.get("early_event") else 0
+                r.fill(q["room"], suffix[late:], (k + late) * r.ps)
                 r.meta.output_ids[x["row"]] = aux_ids(q["room"])
                 r.meta.bootstrap_room[x["row"], 0] = q["room"]
                 state = None
@@ -187,6 +204,9 @@ def run_prefill(r: Rank, sc, out) -> None:
                     s.abort()
                 else:
                     done = 0
+                    if late:
+                        s._early_send_wait_event = ForwardDone(x, lambda room=q["room"], pages=suffix[:late], first=k * r.ps:
+                                                             r.fill(room, pages, first))
                     for c, n in enumerate(q["chunks"]):
                         last = c == len(q["chunks"]) - 1
                         s.send(np.asarray(suffix[done:done + n], dtype=np.int32), state if last else None)

@@ -34,7 +34,8 @@ def requests_for(seed: int, n: int, **overrides) -> list[dict]:
         cut = rnd.randint(1, suffix) if suffix > 1 else suffix
         chunks = [c for c in (cut, suffix - cut) if c]
         out.append({"room": rnd.randrange(1, 1 << 63), "pages": pages, "prefix": prefix, "chunks": chunks,
-                    "abort": overrides.get("abort", {}).get(i), "swa_short": i in overrides.get("swa_short", ())})
+                    "abort": overrides.get("abort", {}).get(i), "swa_short": i in overrides.get("swa_short", ()),
+                    "early_event": i in overrides.get("early_event", ())})
     return out
 
 

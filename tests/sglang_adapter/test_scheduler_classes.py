@@ -18,9 +18,13 @@ from scenario import expect, requests_for, run
 @pytest.mark.parametrize("prefill_tp,decode_tp,staging", [(2, 1, False), (2, 1, True), (1, 2, True)],
                          ids=["P2-D1-direct", "P2-D1-staged", "P1-D2-staged"])
 def test_chunked_requests_with_a_prefix_hit(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, staging):
-    reqs = requests_for(7, 6, prefix={2: 1, 4: 3})
+    reqs = requests_for(7, 6, prefix={2: 1, 4: 3}, early_event={1, 2})
     results = run(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, reqs, staging=staging)
     expect(results, reqs, lambda i: "Success")
+    for rank in range(prefill_tp):   # the overlap schedule's event: waited on off the scheduler's thread
+        rooms = results[("prefill", rank)]["rooms"]
+        assert [rooms[str(q["room"])].get("event_thread") for q in reqs] == [
+            "kvstage-send-gate" if q["early_event"] else None for q in reqs]
     paths = {row["path"] for rank in range(decode_tp) for row in results[("decode", rank)]["rooms"].values()}
     assert paths == {"staged" if staging else "direct"}
     for rank in range(prefill_tp):   # the prefill learned each decode prefix through pop_decode_prefix_len
