@@ -63,10 +63,14 @@ class Rank:
         self.prefill = a.role == "prefill"
         self.ps, self.layers, self.H, self.hd = sc["page_size"], sc["layers"], sc["heads"], sc["head_dim"]
         self.mla = bool(sc.get("mla"))     # one latent "head", the same on every rank; no V
-        self.local = 1 if self.mla else self.H // a.tp
-        self.heads = [0] if self.mla else list(range(a.rank * self.local, (a.rank + 1) * self.local))
+        # DP attention (scenario "<role>_dp"): tp ranks = dp x attention TP, heads split over attention TP
+        self.dp = int(sc.get(f"{a.role}_dp") or 1)
+        self.attn_tp, self.attn_rank, self.dp_rank = a.tp // self.dp, a.rank % (a.tp // self.dp), a.rank // (a.tp // self.dp)
+        self.local = 1 if self.mla else self.H // self.attn_tp
+        self.heads = [0] if self.mla else list(range(self.attn_rank * self.local, (self.attn_rank + 1) * self.local))
         self.num_pages = sc["num_pages"]
-        sa = ServerArgs(model_path=sc["model"], tp_size=a.tp, disaggregation_mode=a.role,
+        sa = ServerArgs(model_path=sc["model"], tp_size=a.tp, dp_size=self.dp, enable_dp_attention=self.dp > 1,
+                        disaggregation_mode=a.role,
                         disaggregation_transfer_backend="kvstage", disaggregation_bootstrap_port=sc["bootstrap_port"],
                         device="cpu", host="127.0.0.1", port=sc["http_port"] + (0 if self.prefill else 1),
                         skip_tokenizer_init=True, page_size=self.ps)
@@ -75,7 +79,8 @@ class Rank:
         group = lambda rank, size: SimpleNamespace(rank_in_group=rank, world_size=size, is_first_rank=rank == 0,
                                                    is_last_rank=rank == size - 1)
         get_parallel().override_permanently(pp_group=group(0, 1), world_group=group(a.rank, a.tp),
-                                            tp_group=group(a.rank, a.tp), attn_tp_group=group(a.rank, a.tp))
+                                            tp_group=group(a.rank, a.tp),
+                                            attn_tp_group=group(self.attn_rank, self.attn_tp))
         backend = TransferBackend("kvstage")
         tokens = self.num_pages * self.ps
         self.k = [torch.full((tokens, self.local, self.hd), 0, dtype=torch.bfloat16) for _ in range(self.layers)]
@@ -88,7 +93,7 @@ class Rank:
                                     max_sampling_mask_tokens=4)
         args = get_kv_class(backend, KVClassType.KVARGS)()
         bufs = self.k + self.v
-        args.engine_rank, args.pp_rank, args.system_dp_rank = a.rank, 0, 0
+        args.engine_rank, args.pp_rank, args.system_dp_rank = self.attn_rank, 0, 0
         args.kv_data_ptrs = [t.data_ptr() for t in bufs]
         args.kv_data_lens = [t.nbytes for t in bufs]
         args.kv_item_lens = [t[: self.ps].nbytes for t in bufs]
@@ -172,6 +177,8 @@ def run_prefill(r: Rank, sc, out) -> None:
     reqs = []
     pages, swa_pages = iter(range(1, r.num_pages)), iter(range(1, r.num_pages))
     for i, q in enumerate(sc["requests"]):
+        if q.get("dp_rank", 0) != r.dp_rank:      # the router sent it to another prefill DP rank
+            continue
         reqs.append({"q": q, "s": r.Sender(r.mgr, r.addr, q["room"]), "st": "boot", "row": next(rows),
                      "pages": [next(pages) for _ in range(q["pages"])], "slot": 1 + i})
     deadline = time.monotonic() + sc["deadline_s"]
@@ -244,8 +251,10 @@ def run_decode(r: Rank, sc, out) -> None:
     swa_pages = iter(range((r.state.num_pages if r.state else r.num_pages) - 1, 0, -1))   # not prefill's pages
     reqs = []
     for i, q in enumerate(sc["requests"]):
+        if q.get("decode_dp", 0) != r.dp_rank:    # another decode DP rank serves it
+            continue
         rec = r.Receiver(r.mgr, r.addr, q["room"])
-        rec.init(0)
+        rec.init(q.get("dp_rank", 0))
         reqs.append({"q": q, "r": rec, "st": "boot", "row": next(rows),
                      "pages": [next(pages) for _ in range(q["pages"] - q["prefix"])],
                      "slot": sc["state"]["slots"] - 1 - i if r.state is not None else None})
@@ -291,6 +300,7 @@ def run_decode(r: Rank, sc, out) -> None:
                 x["bytes"], x["latency"] = m.transfer_total_bytes, m.transfer_latency_s
                 kv = rec._handle.metrics() if rec._handle is not None else None   # the path kvstage took
                 x["path"] = kv.path if kv is not None else None
+                x["prefill_engine"] = rec._handle.prefill_engine if rec._handle is not None else None
                 x["st"] = "done"
         time.sleep(0.002)
     errors += r.untouched(owned)
