@@ -99,8 +99,9 @@ class KvstageKVManager(CommonKVManager):
                                              host=self.local_ip, dp_rank=dp_rank), layout, buffers)
         # prefill: the thread that waits for SGLang's events before a send (send_gate.py)
         self.gate = send_gate.SendGate() if self.is_prefill else None
-        log.info("kvstage %s rank %d/%d ready (engine %s, backend %s, staging %s)", self.engine.config.role,
-                 self.attn_tp_rank, self.attn_tp_size, engine_id, backend, self.engine.config.staging)
+        log.info("kvstage %s rank %d/%d ready (engine %s, backend %s, staging %s, metrics port %s)",
+                 self.engine.config.role, self.attn_tp_rank, self.attn_tp_size, engine_id, backend,
+                 self.engine.config.staging, self.engine.metrics_port)
         if not self.is_prefill:
             _check_release_timeout(self.enable_deferred_decode_kv_release, self.engine.config.timeouts)
 
