@@ -240,13 +240,18 @@ def run_prefill(r: Rank, sc, out) -> None:
     report(out, reqs, [])
 
 
-def run_decode(r: Rank, sc, out) -> None:
-    P = r.P
-    deadline = time.monotonic() + sc["deadline_s"]
+def wait_parallel_info(r: Rank, deadline: float) -> None:
+    """As SGLang's decode scheduler: the prefill instance's topology, before any receiver."""
     while not r.mgr.try_ensure_parallel_info(r.addr):
         if time.monotonic() > deadline:
             raise TimeoutError("prefill parallel info never became available")
         time.sleep(0.1)
+
+
+def run_decode(r: Rank, sc, out) -> None:
+    P = r.P
+    deadline = time.monotonic() + sc["deadline_s"]
+    wait_parallel_info(r, deadline)
     rows, pages = iter(range(1, 32)), iter(range(1, r.num_pages))
     swa_pages = iter(range((r.state.num_pages if r.state else r.num_pages) - 1, 0, -1))   # not prefill's pages
     reqs = []
@@ -318,10 +323,7 @@ def run_decode_queue(r: Rank, sc, out) -> None:
     P = r.P
     init_gloo(r.a.tp, r.a.rank, sc["gloo"])
     deadline = time.monotonic() + sc["deadline_s"]
-    while not r.mgr.try_ensure_parallel_info(r.addr):
-        if time.monotonic() > deadline:
-            raise TimeoutError("prefill parallel info never became available")
-        time.sleep(0.1)
+    wait_parallel_info(r, deadline)
     rows, pages = iter(range(1, 32)), iter(range(1, r.num_pages))
     reqs, by_room, errors, owned = [], {}, [], set()
     for q in sc["requests"]:
