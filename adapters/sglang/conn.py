@@ -35,7 +35,7 @@ from kvstage import EngineConfig, KVManager, KVTransferError
 from kvstage.bootstrap.server import BootstrapServer
 from kvstage.bootstrap.wire import load_token
 
-from . import pools
+from . import pools, send_gate
 from .geometry import device_of, kv_layout, unsupported_features
 from .state import StateMap
 from .plugin import staging_enabled
@@ -58,6 +58,10 @@ def _host_of(addr: str) -> str:
 class KvstageKVManager(CommonKVManager):
     """One rank's kvstage engine, created from SGLang's KVArgs (raw pointers, no copy)."""
 
+    # SGLang's deferred decode KV release: a failed request's pages and aux slot stay held until
+    # is_abort_release_safe() below says that kvstage knows no write of it can still land
+    supports_deferred_decode_kv_release = True
+
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: ServerArgs,
                  is_mla_backend: Optional[bool] = False):
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
@@ -69,11 +73,13 @@ class KvstageKVManager(CommonKVManager):
         self._rendezvous: dict[str, str] = {}
         self._rendezvous_lock = threading.Lock()
         self._own_server: Optional[_Rendezvous] = None
+        self.receivers: dict[int, object] = {}      # decode: room -> its kvstage receiver, until clear()
         # a hybrid model's full-attention pool may be MLA although its pool as a whole is not
         mla = bool(is_mla_backend) or bool(getattr(args, "is_hybrid_mla_backend", False))
         layout = kv_layout(args, self.attn_tp_size, self.attn_tp_rank, mla, server_args)
         device = device_of(server_args, args)
-        self.state = StateMap(args, layout, torch.device(device), self.attn_tp_size)
+        self.kv_device = torch.device(device)
+        self.state = StateMap(args, layout, self.kv_device, self.attn_tp_size)
         buffers = pools.make_buffers(layout, args, device, self.state.pools)
         self.aux_rooms = pools.aux_room_column(args, device)
         if self.is_prefill:
@@ -91,8 +97,13 @@ class KvstageKVManager(CommonKVManager):
         self.engine = KVManager(EngineConfig(role="prefill" if self.is_prefill else "decode", engine_id=engine_id,
                                              bootstrap=rendezvous, backend=backend, staging=staging_enabled(),
                                              host=self.local_ip, dp_rank=dp_rank), layout, buffers)
-        log.info("kvstage %s rank %d/%d ready (engine %s, backend %s, staging %s)", self.engine.config.role,
-                 self.attn_tp_rank, self.attn_tp_size, engine_id, backend, self.engine.config.staging)
+        # prefill: the thread that waits for SGLang's events before a send (send_gate.py)
+        self.gate = send_gate.SendGate() if self.is_prefill else None
+        log.info("kvstage %s rank %d/%d ready (engine %s, backend %s, staging %s, metrics port %s)",
+                 self.engine.config.role, self.attn_tp_rank, self.attn_tp_size, engine_id, backend,
+                 self.engine.config.staging, self.engine.metrics_port)
+        if not self.is_prefill:
+            _check_release_timeout(self.enable_deferred_decode_kv_release, self.engine.config.timeouts)
 
     def _own_bootstrap_addr(self) -> str:
         """Where this prefill instance's SGLang bootstrap server is reached (as SGLang's own
@@ -128,14 +139,40 @@ class KvstageKVManager(CommonKVManager):
             self._rendezvous[bootstrap_addr] = addr
         return addr
 
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+        """Whether SGLang may hand a failed request's pages and aux slot to another request: once
+        kvstage's receiver is `released` (every prefill writer of the room quiesced after its
+        last write completed, or was declared lost and its backend's stall bound passed). SGLang's
+        count of prefill acks (`required_acks`) does not apply: the kvstage room waits for each
+        writer itself. No receiver: nothing was ever asked of a prefill rank."""
+        handle = self.receivers.get(bootstrap_room)
+        return handle is None or handle.released
+
     def fail_room(self, room: int, reason: str) -> None:
         self.record_failure(room, reason)
         self.update_status(room, KVPoll.Failed)
 
     def teardown(self) -> None:
+        if self.gate is not None:
+            self.gate.close()
         self.engine.close()
         if self._own_server is not None:
             self._own_server.close()
+
+
+def _check_release_timeout(enabled: bool, timeouts) -> None:
+    """SGLang frees held pages at its deferred-release timeout even if no drain was confirmed;
+    kvstage's release can take up to a write deadline plus a lease (a writer lost mid-write)."""
+    from sglang.srt.environ import envs
+    limit = envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT.get()
+    if not enabled:
+        log.warning("SGLang's deferred decode KV release is off (SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE): "
+                    "the pages of a failed request are reused at once, while a kvstage write may still land in "
+                    "them (docs/sglang.md)")
+    elif limit < timeouts.write + timeouts.lease:
+        log.warning("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT=%g is below kvstage's write deadline "
+                    "plus lease (%g s): a failed request's pages may be reused before kvstage released them",
+                    limit, timeouts.write + timeouts.lease)
 
 
 def _backend_name() -> str:
@@ -176,7 +213,7 @@ class _Handle:
             error = self._handle.failure_exception()
         with self.kv_mgr.failure_lock:
             reason = self.kv_mgr.failure_records.pop(self.bootstrap_room, None)
-        self.clear()
+        self._after_failure()
         if error is None:
             error = KVTransferError(self.bootstrap_room, "sglang", reason or "failed for an unknown reason")
         raise error
@@ -191,6 +228,9 @@ class _Handle:
 
     def _latency(self, m) -> Optional[float]:
         return m.seconds
+
+    def _after_failure(self) -> None:
+        self.clear()
 
     def _clear_handle(self) -> None:
         if self._handle is not None:
@@ -212,6 +252,10 @@ class KvstageKVSender(_Handle, CommonKVSender):
         # init(): with state pools, the request's pages are held until then (see send())
         self._held: Optional[List[np.ndarray]] = [] if mgr.state.pools else None
         self._sent, self._last_send_at = 0, None
+        self._sends = send_gate.RequestSends(mgr.gate, self._send_now, self._abort_handle)
+        # with a CUDA cache SGLang may hand the page indices as a pinned host tensor that its
+        # copy is still filling (indices_event): the gate waits, the scheduler does not copy
+        self.supports_host_tensor_indices = mgr.gate is not None and mgr.kv_device.type == "cuda"
         if self.conclude_state is not None or mgr.request_status.get(bootstrap_room) == KVPoll.Failed:
             self.conclude_state = KVPoll.Failed
             return
@@ -230,28 +274,41 @@ class KvstageKVSender(_Handle, CommonKVSender):
             return
         self._prefix_pages = self._handle.decode_prefix_pages or 0
         if self._held is None:
-            self._init_handle(None)
+            self._fail_now(self._init_handle(None))
 
-    def _init_handle(self, state_indices) -> bool:
+    def _init_handle(self, state_indices) -> Optional[str]:
         try:
             self._handle.init(self.num_kv_indices + self._prefix_pages,
                               **pools.init_items(self.kv_mgr, self.aux_index, state_indices))
         except (ValueError, RuntimeError) as exc:
+            return f"init: {exc}"
+        return None
+
+    def _fail_now(self, failure: Optional[str]) -> None:
+        if failure is not None:
             self._handle.abort()
-            self._end(KVPoll.Failed, f"init: {exc}")
-            return False
-        return True
+            self._end(KVPoll.Failed, failure)
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         return num_pages > 0
 
     def send(self, kv_indices, state_indices: Optional[List] = None, num_kv_tokens: Optional[int] = None,
              indices_event: Optional[object] = None):
+        """SGLang's events (the overlap schedule's `_early_send_wait_event`, `indices_event`
+        with host tensor indices) are waited on by the adapter's send gate before the indices
+        or the pages are read, never on the scheduler's thread (send_gate.py)."""
+        events = [e for e in (self._early_send_wait_event, indices_event) if e is not None]
+        self._early_send_wait_event = None      # it belongs to this chunk only
         if self.conclude_state is not None or self._handle is None:
             return
+        self._fail_now(self._sends.send(kv_indices, state_indices, events))
+
+    def _send_now(self, kv_indices, state_indices) -> Optional[str]:
+        """The send proper: on the scheduler's thread, or on the gate's once its events are
+        complete. Returns a failure reason (the caller aborts and ends the request)."""
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
         if pages.size == 0:
-            return
+            return None
         if self._first and self._prefix_pages:
             # stand-ins for the pages the decode side holds: kvstage skips them, never reads them
             pages = np.concatenate([np.full(self._prefix_pages, pages[0], dtype=np.int64), pages])
@@ -260,20 +317,20 @@ class KvstageKVSender(_Handle, CommonKVSender):
             self._held.append(pages)
             if sum(p.size for p in self._held) < self.num_kv_indices + self._prefix_pages:
                 self._record_transfer_indices(kv_indices, state_indices)
-                return
+                return None
             pages, self._held = np.concatenate(self._held), None
-            if not self._init_handle(state_indices):
-                return
+            failure = self._init_handle(state_indices)
+            if failure is not None:
+                return failure
         try:
             self._handle.send(pages)
         except (ValueError, RuntimeError) as exc:
-            self._handle.abort()
-            self._end(KVPoll.Failed, f"send: {exc}")
-            return
+            return f"send: {exc}"
         self._sent += pages.size
         if self._sent == self.num_kv_indices + self._prefix_pages:
             self._last_send_at = time.monotonic()
         self._record_transfer_indices(kv_indices, state_indices)
+        return None
 
     def _latency(self, m) -> Optional[float]:
         """From the last send (the prefill computed all of the request) to the end, as SGLang
@@ -282,11 +339,17 @@ class KvstageKVSender(_Handle, CommonKVSender):
             return m.seconds
         return max(0.0, m.timeline.ended - self._last_send_at)
 
+    def _abort_handle(self) -> None:
+        if self._handle is not None:
+            self._handle.abort()
+
     def poll(self) -> KVPoll:
         if self.conclude_state is not None:
             return self.conclude_state
         if self._handle is None:
             return self._end(KVPoll.Failed)
+        if self._sends.failure is not None:     # a send on the gate's thread failed
+            return self._end(KVPoll.Failed, self._sends.failure)
         state = self._kv_state()
         if state == KVPoll.Success:
             return self._end(KVPoll.Success)
@@ -295,12 +358,14 @@ class KvstageKVSender(_Handle, CommonKVSender):
     poll_pp_consensus = poll
 
     def abort(self):
+        self._sends.cancel()
         if self._handle is not None:
             self._handle.abort()
         if self.conclude_state != KVPoll.Success:
             self._end(KVPoll.Failed, "Aborted by AbortReq.")
 
     def clear(self) -> None:
+        self._sends.cancel()
         self._clear_handle()
         self.kv_mgr.req_to_decode_prefix_len.pop(self.bootstrap_room, None)
         self.kv_mgr.transfer_infos.pop(self.bootstrap_room, None)
@@ -333,6 +398,7 @@ class KvstageKVReceiver(_Handle, CommonKVReceiver):
         except (ValueError, RuntimeError) as exc:
             self._end(KVPoll.Failed, f"kvstage receiver for room {self.bootstrap_room}: {exc}")
             return
+        self.kv_mgr.receivers[self.bootstrap_room] = self._handle
         self.bootstrap_infos = []             # kvstage owns the peer connections
 
     def send_metadata(self, kv_indices, aux_index: Optional[int] = None, state_indices: Optional[List] = None,
@@ -390,7 +456,10 @@ class KvstageKVReceiver(_Handle, CommonKVReceiver):
         self.abort_notified = True
 
     def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
-        # kvstage tells the prefill ranks of every failure and abort itself
+        """SGLang calls this for a failure the decode side did not start (a prefill rank's
+        failure, a transport error) before it holds the request's pages. kvstage's abort reaches
+        every prefill rank of the room (those the failure did not come from are told, and told
+        again until each one quiesced); on a room that already failed it changes nothing."""
         if not self.abort_notified and self._handle is not None:
             self._handle.abort()
         self.abort_notified = True
@@ -398,11 +467,22 @@ class KvstageKVReceiver(_Handle, CommonKVReceiver):
     def is_abort_release_safe(self) -> bool:
         return self._handle is None or self._handle.released
 
-    def clear(self) -> None:
-        self._clear_handle()
+    def _after_failure(self) -> None:
+        # SGLang may hold the request's pages until is_abort_release_safe(): the kvstage handle
+        # stays until clear(), which SGLang calls when it releases them
+        self._forget_room()
+
+    def _forget_room(self) -> None:
+        self.kv_mgr.request_status.pop(self.bootstrap_room, None)
         self.kv_mgr.required_prefill_response_num_table.pop(self.bootstrap_room, None)
         self.kv_mgr.prefill_response_tracker.pop(self.bootstrap_room, None)
         self.kv_mgr.addr_to_rooms_tracker[self.bootstrap_addr].discard(self.bootstrap_room)
+
+    def clear(self) -> None:
+        self._clear_handle()
+        if self._handle is not None and self.kv_mgr.receivers.get(self.bootstrap_room) is self._handle:
+            del self.kv_mgr.receivers[self.bootstrap_room]
+        self._forget_room()
 
 
 class _Rendezvous:

@@ -70,4 +70,12 @@ def unsupported_features(mgr, args) -> list[str]:
         out.append(f"state laid out over {state_tp} ranks beside attention TP {mgr.attn_tp_size} (CP-TP group sharing)")
     if getattr(args, "kv_layout", None) is not None:
         out.append(f"KV layout {args.kv_layout!r} (kvstage moves token-major NHD pages)")
+    server_args = getattr(mgr, "server_args", None)
+    if getattr(server_args, "enable_hisparse", False):
+        out.append("HiSparse (--enable-hisparse: the decode KV is host memory, kvstage would take it for device memory)")
+    kinds = sorted(set(getattr(args, "kv_data_mem_kinds", None) or []) - {"VRAM"})
+    if kinds and str(getattr(server_args, "device", "cuda") or "cuda") != "cpu":
+        out.append(f"KV buffers in {'/'.join(kinds)} memory beside a device KV cache (kv_data_mem_kinds)")
+    if getattr(args, "host_kv_data_ptrs", None):
+        out.append("host KV destinations (--disaggregation-decode-host-receive-threshold below 1)")
     return out

@@ -9,3 +9,46 @@ try:
     collect_ignore_glob: list[str] = []
 except metadata.PackageNotFoundError:
     collect_ignore_glob = ["*"]
+
+
+if not collect_ignore_glob:
+    import json
+    import time
+
+    import pytest
+
+    from scenario import free_port
+
+    @pytest.fixture(scope="module")
+    def model_dir(tmp_path_factory) -> str:
+        """SGLang's ServerArgs reads a model config; the harness never loads weights."""
+        d = tmp_path_factory.mktemp("model")
+        (d / "config.json").write_text(json.dumps({
+            "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+            "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 2,
+            "vocab_size": 256, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
+            "bos_token_id": 1, "eos_token_id": 2}))
+        return str(d)
+
+    @pytest.fixture
+    def bootstrap_server():
+        """The prefill instance's SGLang bootstrap server, as SGLang's launcher starts it: the class
+        comes from get_kv_class for backend kvstage (it also runs kvstage's rendezvous server)."""
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+        import requests
+
+        port = free_port()
+        server = get_kv_class(TransferBackend("kvstage"), KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", port)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline, "the SGLang bootstrap server never answered /health"
+            time.sleep(0.1)
+        yield port
+        server.close()

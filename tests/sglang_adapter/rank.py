@@ -31,6 +31,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from decode_queue import decode_request, init_gloo, make_queue, pages_hold  # noqa: E402
 from state_harness import StateSide  # noqa: E402
 
 SENTINEL = -12345
@@ -62,10 +63,14 @@ class Rank:
         self.prefill = a.role == "prefill"
         self.ps, self.layers, self.H, self.hd = sc["page_size"], sc["layers"], sc["heads"], sc["head_dim"]
         self.mla = bool(sc.get("mla"))     # one latent "head", the same on every rank; no V
-        self.local = 1 if self.mla else self.H // a.tp
-        self.heads = [0] if self.mla else list(range(a.rank * self.local, (a.rank + 1) * self.local))
+        # DP attention (scenario "<role>_dp"): tp ranks = dp x attention TP, heads split over attention TP
+        self.dp = int(sc.get(f"{a.role}_dp") or 1)
+        self.attn_tp, self.attn_rank, self.dp_rank = a.tp // self.dp, a.rank % (a.tp // self.dp), a.rank // (a.tp // self.dp)
+        self.local = 1 if self.mla else self.H // self.attn_tp
+        self.heads = [0] if self.mla else list(range(self.attn_rank * self.local, (self.attn_rank + 1) * self.local))
         self.num_pages = sc["num_pages"]
-        sa = ServerArgs(model_path=sc["model"], tp_size=a.tp, disaggregation_mode=a.role,
+        sa = ServerArgs(model_path=sc["model"], tp_size=a.tp, dp_size=self.dp, enable_dp_attention=self.dp > 1,
+                        disaggregation_mode=a.role,
                         disaggregation_transfer_backend="kvstage", disaggregation_bootstrap_port=sc["bootstrap_port"],
                         device="cpu", host="127.0.0.1", port=sc["http_port"] + (0 if self.prefill else 1),
                         skip_tokenizer_init=True, page_size=self.ps)
@@ -74,7 +79,8 @@ class Rank:
         group = lambda rank, size: SimpleNamespace(rank_in_group=rank, world_size=size, is_first_rank=rank == 0,
                                                    is_last_rank=rank == size - 1)
         get_parallel().override_permanently(pp_group=group(0, 1), world_group=group(a.rank, a.tp),
-                                            tp_group=group(a.rank, a.tp), attn_tp_group=group(a.rank, a.tp))
+                                            tp_group=group(a.rank, a.tp),
+                                            attn_tp_group=group(self.attn_rank, self.attn_tp))
         backend = TransferBackend("kvstage")
         tokens = self.num_pages * self.ps
         self.k = [torch.full((tokens, self.local, self.hd), 0, dtype=torch.bfloat16) for _ in range(self.layers)]
@@ -87,7 +93,7 @@ class Rank:
                                     max_sampling_mask_tokens=4)
         args = get_kv_class(backend, KVClassType.KVARGS)()
         bufs = self.k + self.v
-        args.engine_rank, args.pp_rank, args.system_dp_rank = a.rank, 0, 0
+        args.engine_rank, args.pp_rank, args.system_dp_rank = self.attn_rank, 0, 0
         args.kv_data_ptrs = [t.data_ptr() for t in bufs]
         args.kv_data_lens = [t.nbytes for t in bufs]
         args.kv_item_lens = [t[: self.ps].nbytes for t in bufs]
@@ -108,6 +114,11 @@ class Rank:
         args.ib_device, args.gpu_id, args.prefill_start_layer, args.prefill_end_layer = None, 0, 0, None
         args.num_draft_entries, args.is_hybrid_mla_backend = 0, False
         mode = DisaggregationMode.PREFILL if self.prefill else DisaggregationMode.DECODE
+        if self.prefill and sc.get("hold"):   # this rank's writes of one room land hold["s"] late
+            from functools import partial
+            from kvstage.adapters.sglang import conn
+            conn.EngineConfig = partial(conn.EngineConfig, faults={"hold_write_rooms": [sc["hold"]["room"]],
+                                                                   "hold_write_s": sc["hold"]["s"]})
         self.mgr = get_kv_class(backend, KVClassType.MANAGER)(args, mode, sa, self.mla)
         self.Sender = get_kv_class(backend, KVClassType.SENDER)
         self.Receiver = get_kv_class(backend, KVClassType.RECEIVER)
@@ -147,11 +158,27 @@ class Rank:
         return bad
 
 
+class ForwardDone:
+    """Stands for the CUDA event SGLang's overlap schedule puts on a sender before an early
+    send: the pages are written when it is waited on (as if the forward pass finished then),
+    and the waiting thread is recorded."""
+
+    def __init__(self, x: dict, write):
+        self.x, self.write = x, write
+
+    def synchronize(self) -> None:
+        import threading
+        self.x["event_thread"] = threading.current_thread().name
+        self.write()
+
+
 def run_prefill(r: Rank, sc, out) -> None:
     P, rows = r.P, iter(range(1, 32))
     reqs = []
     pages, swa_pages = iter(range(1, r.num_pages)), iter(range(1, r.num_pages))
     for i, q in enumerate(sc["requests"]):
+        if q.get("dp_rank", 0) != r.dp_rank:      # the router sent it to another prefill DP rank
+            continue
         reqs.append({"q": q, "s": r.Sender(r.mgr, r.addr, q["room"]), "st": "boot", "row": next(rows),
                      "pages": [next(pages) for _ in range(q["pages"])], "slot": 1 + i})
     deadline = time.monotonic() + sc["deadline_s"]
@@ -172,7 +199,10 @@ def run_prefill(r: Rank, sc, out) -> None:
                 k = s.pop_decode_prefix_len() // r.ps
                 x["prefix_seen"] = k
                 suffix = x["pages"][k:]
-                r.fill(q["room"], suffix, k * r.ps)
+                # early_event: the first chunk's KV is written by "the previous forward pass",
+                # finished when SGLang's event completes: kvstage must wait for it before reading
+                late = q["chunks"][0] if q.get("early_event") else 0
+                r.fill(q["room"], suffix[late:], (k + late) * r.ps)
                 r.meta.output_ids[x["row"]] = aux_ids(q["room"])
                 r.meta.bootstrap_room[x["row"], 0] = q["room"]
                 state = None
@@ -186,10 +216,19 @@ def run_prefill(r: Rank, sc, out) -> None:
                     s.abort()
                 else:
                     done = 0
+                    if late:
+                        s._early_send_wait_event = ForwardDone(x, lambda room=q["room"], pages=suffix[:late], first=k * r.ps:
+                                                             r.fill(room, pages, first))
                     for c, n in enumerate(q["chunks"]):
                         last = c == len(q["chunks"]) - 1
                         s.send(np.asarray(suffix[done:done + n], dtype=np.int32), state if last else None)
                         done += n
+                if q.get("abort") == "prefill-held":   # fail the request while its write is in flight
+                    injected = r.mgr.engine._backend.backend.injected
+                    while not injected.get("held_write") and time.monotonic() < deadline:
+                        time.sleep(0.005)
+                    x["held"] = bool(injected.get("held_write"))
+                    s.abort()
                 x["st"] = "sent"
             elif st in (P.Success, P.Failed):
                 x["result"] = "Success" if st == P.Success else "Failed"
@@ -206,19 +245,26 @@ def run_prefill(r: Rank, sc, out) -> None:
     report(out, reqs, [])
 
 
-def run_decode(r: Rank, sc, out) -> None:
-    P = r.P
-    deadline = time.monotonic() + sc["deadline_s"]
+def wait_parallel_info(r: Rank, deadline: float) -> None:
+    """As SGLang's decode scheduler: the prefill instance's topology, before any receiver."""
     while not r.mgr.try_ensure_parallel_info(r.addr):
         if time.monotonic() > deadline:
             raise TimeoutError("prefill parallel info never became available")
         time.sleep(0.1)
+
+
+def run_decode(r: Rank, sc, out) -> None:
+    P = r.P
+    deadline = time.monotonic() + sc["deadline_s"]
+    wait_parallel_info(r, deadline)
     rows, pages = iter(range(1, 32)), iter(range(1, r.num_pages))
     swa_pages = iter(range((r.state.num_pages if r.state else r.num_pages) - 1, 0, -1))   # not prefill's pages
     reqs = []
     for i, q in enumerate(sc["requests"]):
+        if q.get("decode_dp", 0) != r.dp_rank:    # another decode DP rank serves it
+            continue
         rec = r.Receiver(r.mgr, r.addr, q["room"])
-        rec.init(0)
+        rec.init(q.get("dp_rank", 0))
         reqs.append({"q": q, "r": rec, "st": "boot", "row": next(rows),
                      "pages": [next(pages) for _ in range(q["pages"] - q["prefix"])],
                      "slot": sc["state"]["slots"] - 1 - i if r.state is not None else None})
@@ -264,6 +310,7 @@ def run_decode(r: Rank, sc, out) -> None:
                 x["bytes"], x["latency"] = m.transfer_total_bytes, m.transfer_latency_s
                 kv = rec._handle.metrics() if rec._handle is not None else None   # the path kvstage took
                 x["path"] = kv.path if kv is not None else None
+                x["prefill_engine"] = rec._handle.prefill_engine if rec._handle is not None else None
                 x["st"] = "done"
         time.sleep(0.002)
     errors += r.untouched(owned)
@@ -272,8 +319,74 @@ def run_decode(r: Rank, sc, out) -> None:
     report(out, reqs, errors)
 
 
+def run_decode_queue(r: Rank, sc, out) -> None:
+    """Decode through SGLang's real DecodeTransferQueue (decode_queue.py): a request's pages are
+    handed back when SGLang releases them (the harness then rewrites them to the sentinel, as
+    the next owner would overwrite them); after the last request, every failed request's kvstage
+    receiver is waited on until released (any late write has landed by then), and every page no
+    successful request owns must still hold the sentinel."""
+    P = r.P
+    init_gloo(r.a.tp, r.a.rank, sc["gloo"])
+    deadline = time.monotonic() + sc["deadline_s"]
+    wait_parallel_info(r, deadline)
+    rows, pages = iter(range(1, 32)), iter(range(1, r.num_pages))
+    reqs, by_room, errors, owned = [], {}, [], set()
+    for q in sc["requests"]:
+        rec = r.Receiver(r.mgr, r.addr, q["room"])
+        rec.init(q.get("dp_rank", 0))
+        x = {"q": q, "r": rec, "st": "boot", "row": next(rows), "kv": rec._handle,
+             "pages": [next(pages) for _ in range(q["pages"] - q["prefix"])]}
+        reqs.append(x)
+        by_room[q["room"]] = x
+
+    def on_release(dr) -> None:
+        x = by_room[dr.req.bootstrap_room]
+        x["landed_before_release"] = not pages_hold(r.k + r.v, x["pages"], r.ps, SENTINEL)
+        for t in r.k + r.v:
+            for page in x["pages"]:
+                t.view(torch.int16)[page * r.ps:(page + 1) * r.ps] = SENTINEL
+        x["released_after_s"] = time.monotonic() - x.get("failed_at", time.monotonic())   # 0: at once
+
+    def on_commit(dr) -> None:
+        x = by_room[dr.req.bootstrap_room]
+        x["result"] = "Success"
+        owned.update(x["pages"])
+        nonlocal errors
+        errors += r.check(x["q"]["room"], x["pages"], x["q"]["prefix"] * r.ps)
+        x["aux_room"] = int(r.meta.bootstrap_room[x["row"], 0])
+        x["aux_ids_ok"] = bool(torch.equal(r.meta.output_ids[x["row"]], aux_ids(x["q"]["room"])))
+
+    queue = make_queue(r.meta, on_release, on_commit)
+    while time.monotonic() < deadline:
+        for x in reqs:
+            if x["st"] == "boot" and x["r"].poll() == P.WaitingForInput:
+                x["r"].send_metadata(np.asarray(x["pages"], dtype=np.int32), x["row"], None,
+                                     decode_prefix_len=x["q"]["prefix"] * r.ps)
+                x["dr"] = decode_request(x["q"]["room"], x["r"], x["row"])
+                queue.add(x["dr"])
+                x["st"] = "queued"
+        queue.pop_transferred()
+        for x in reqs:
+            if x["st"] == "queued" and x["dr"] not in queue.queue:
+                x["st"] = "out"
+                if x.get("result") != "Success":
+                    x["result"], x["failed_at"] = "Failed", time.monotonic()
+                    x["error"] = f"KVTransferError: {x['dr'].req.finished_reason.message}"
+        queue.resolve_deferred_releases()
+        held = {dr.req.bootstrap_room for dr, *_ in queue._deferred_releases}
+        if all(x["st"] == "out" for x in reqs) and not held:
+            break
+        time.sleep(0.002)
+    for x in reqs:    # a late write has landed once kvstage released the room
+        while x["kv"] is not None and not x["kv"].released and time.monotonic() < deadline:
+            time.sleep(0.01)
+    errors += r.untouched(owned)
+    report(out, reqs, errors)
+
+
 def report(out: str, reqs, errors) -> None:
-    rows = {str(x["q"]["room"]): {k: v for k, v in x.items() if k not in ("q", "s", "r", "pages")} for x in reqs}
+    rows = {str(x["q"]["room"]): {k: v for k, v in x.items() if k not in ("q", "s", "r", "pages", "kv", "dr")}
+            for x in reqs}
     with open(out + ".tmp", "w") as f:
         json.dump({"rooms": rows, "errors": errors}, f)
     os.replace(out + ".tmp", out)
@@ -290,7 +403,7 @@ def main() -> int:
     sc = json.load(open(a.scenario))
     try:
         r = Rank(a, sc)
-        (run_prefill if r.prefill else run_decode)(r, sc, a.out)
+        (run_prefill if r.prefill else run_decode_queue if sc.get("queue") else run_decode)(r, sc, a.out)
         if r.prefill:
             # a prefill server outlives its requests: a rank that is done must stay registered
             # until every decode rank has looked the engine up (the test writes this file then)

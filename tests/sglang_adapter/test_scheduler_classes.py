@@ -10,142 +10,21 @@ that no page outside a successful room was written.
 
 from __future__ import annotations
 
-import json
-import os
-import random
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
-
 import pytest
 
-HERE = Path(__file__).resolve().parent
-SHIMS = HERE / "shims"
-TIMEOUT_S = 240
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    """SGLang's ServerArgs reads a model config; the harness never loads weights."""
-    d = tmp_path_factory.mktemp("model")
-    (d / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 2,
-        "vocab_size": 256, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
-        "bos_token_id": 1, "eos_token_id": 2}))
-    return str(d)
-
-
-@pytest.fixture
-def bootstrap_server():
-    """The prefill instance's SGLang bootstrap server, as SGLang's launcher starts it: the class
-    comes from get_kv_class for backend kvstage (it also runs kvstage's rendezvous server)."""
-    from sglang.srt.plugins import load_plugins
-    load_plugins()
-    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
-    import requests
-
-    port = free_port()
-    server = get_kv_class(TransferBackend("kvstage"), KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", port)
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                break
-        except requests.RequestException:
-            pass
-        assert time.monotonic() < deadline, "the SGLang bootstrap server never answered /health"
-        time.sleep(0.1)
-    yield port
-    server.close()
-
-
-def requests_for(seed: int, n: int, **overrides) -> list[dict]:
-    rnd = random.Random(seed)
-    out = []
-    for i in range(n):
-        pages = rnd.randint(2, 6)
-        prefix = overrides.get("prefix", {}).get(i, 0)
-        suffix = pages - prefix
-        cut = rnd.randint(1, suffix) if suffix > 1 else suffix
-        chunks = [c for c in (cut, suffix - cut) if c]
-        out.append({"room": rnd.randrange(1, 1 << 63), "pages": pages, "prefix": prefix, "chunks": chunks,
-                    "abort": overrides.get("abort", {}).get(i), "swa_short": i in overrides.get("swa_short", ())})
-    return out
-
-
-def run(tmp_path, model_dir, port, prefill_tp, decode_tp, reqs, *, backend="nixl", staging=False,
-        die_at_room=None, extra_env=None, state=None, mla=False) -> dict:
-    sc = {"page_size": 4, "layers": 2, "heads": 4, "head_dim": 8, "num_pages": 64, "model": model_dir,
-          "bootstrap_port": port, "http_port": free_port(), "deadline_s": 120, "requests": reqs,
-          "die_at_room": die_at_room, "state": state, "mla": mla, "release": str(tmp_path / "release")}
-    (tmp_path / "scenario.json").write_text(json.dumps(sc))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SHIMS), os.environ.get("PYTHONPATH", "")]),
-               KVSTAGE_SGLANG_BACKEND=backend, SGLANG_DISAGG_STAGING_BUFFER="1" if staging else "0",
-               HF_HUB_OFFLINE="1", SGLANG_HOST_IP="127.0.0.1", **(extra_env or {}))
-    procs = {}
-    try:
-        for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
-            for rank in range(tp):
-                out = tmp_path / f"{role}{rank}.json"
-                log = open(tmp_path / f"{role}{rank}.log", "w")
-                procs[(role, rank)] = (subprocess.Popen(
-                    [sys.executable, str(HERE / "rank.py"), "--role", role, "--tp", str(tp), "--rank", str(rank),
-                     "--scenario", str(tmp_path / "scenario.json"), "--out", str(out)],
-                    env=env, stdout=log, stderr=subprocess.STDOUT), out)
-        deadline = time.monotonic() + TIMEOUT_S
-        for key in sorted(procs, key=lambda k: k[0] != "decode"):   # decode ranks first, then
-            if key[0] == "prefill":                                  # the prefill ranks may go
-                (tmp_path / "release").touch()
-            procs[key][0].wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for proc, _ in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    results = {}
-    for key, (proc, out) in procs.items():
-        tail = (tmp_path / f"{key[0]}{key[1]}.log").read_text()[-3000:]
-        if die_at_room is not None and key[0] == "prefill":
-            results[key] = {"rc": proc.returncode}
-            continue
-        assert out.exists(), f"{key} wrote no report (rc {proc.returncode}):\n{tail}"
-        rep = json.loads(out.read_text())
-        assert "crash" not in rep, f"{key} crashed:\n{rep.get('crash')}\n{tail}"
-        results[key] = rep
-    return results
-
-
-def expect(results, reqs, outcome) -> None:
-    """Every room ends `outcome(i)` on every rank of both sides; decode's bytes all check out."""
-    for key, rep in results.items():
-        if "rooms" not in rep:
-            continue
-        assert rep["errors"] == [], f"{key}: {rep['errors'][:5]}"
-        for i, q in enumerate(reqs):
-            row = rep["rooms"][str(q["room"])]
-            assert row.get("result") == outcome(i), f"{key} room #{i} {q}: {row}"
-            if key[0] == "decode" and row["result"] == "Success":
-                assert row["bytes"] > 0 and row["latency"] is not None
-                assert row["aux_room"] == q["room"] and row["aux_ids_ok"], f"aux row of room #{i}: {row}"
-            if row["result"] == "Failed":
-                assert "KVTransferError" in row.get("error", ""), row
+from scenario import expect, requests_for, run
 
 
 @pytest.mark.parametrize("prefill_tp,decode_tp,staging", [(2, 1, False), (2, 1, True), (1, 2, True)],
                          ids=["P2-D1-direct", "P2-D1-staged", "P1-D2-staged"])
 def test_chunked_requests_with_a_prefix_hit(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, staging):
-    reqs = requests_for(7, 6, prefix={2: 1, 4: 3})
+    reqs = requests_for(7, 6, prefix={2: 1, 4: 3}, early_event={1, 2})
     results = run(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, reqs, staging=staging)
     expect(results, reqs, lambda i: "Success")
+    for rank in range(prefill_tp):   # the overlap schedule's event: waited on off the scheduler's thread
+        rooms = results[("prefill", rank)]["rooms"]
+        assert [rooms[str(q["room"])].get("event_thread") for q in reqs] == [
+            "kvstage-send-gate" if q["early_event"] else None for q in reqs]
     paths = {row["path"] for rank in range(decode_tp) for row in results[("decode", rank)]["rooms"].values()}
     assert paths == {"staged" if staging else "direct"}
     for rank in range(prefill_tp):   # the prefill learned each decode prefix through pop_decode_prefix_len

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvstage.adapters.sglang import plugin
-from kvstage.adapters.sglang.geometry import kv_layout
+from kvstage.adapters.sglang.geometry import kv_layout, unsupported_features
 
 
 class Backend(enum.Enum):
@@ -90,3 +90,35 @@ def test_aux_rows_are_host_memory_beside_a_cuda_cache(monkeypatch, kv, nvlink, w
     else:
         monkeypatch.delenv("SGLANG_MOONCAKE_CUSTOM_MEM_POOL", raising=False)
     assert aux_device(torch.device(kv)) == torch.device(want)
+
+
+def plain_mgr(**kw):
+    """What unsupported_features reads of a manager: SGLang's parallel sizes and server args."""
+    base = dict(pp_size=1, attn_cp_size=1, dcp_size=1, kv_shard_size=1, defer_decode_allocation=False,
+                attn_tp_size=2, state_tp_size=2, server_args=SimpleNamespace(enable_hisparse=False, device="cuda"))
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+@pytest.mark.parametrize("mgr,args,named", [
+    (plain_mgr(server_args=SimpleNamespace(enable_hisparse=True, device="cuda")), {}, "HiSparse"),
+    (plain_mgr(), {"kv_data_mem_kinds": ["DRAM", "VRAM"]}, "DRAM memory beside a device KV cache"),
+    (plain_mgr(), {"host_kv_data_ptrs": [4096]}, "host KV destinations"),
+    (plain_mgr(pp_size=2), {}, "pipeline parallelism"),
+    (plain_mgr(attn_cp_size=2), {}, "context parallelism"),
+    (plain_mgr(dcp_size=2), {}, "decode context parallelism"),
+    (plain_mgr(kv_shard_size=2), {}, "KV cache sharding"),
+    (plain_mgr(defer_decode_allocation=True), {}, "prefill_complete"),
+    (plain_mgr(), {"num_draft_entries": 2}, "draft KV"),
+    (plain_mgr(), {"kv_layout": "dsv4"}, "KV layout"),
+], ids=["hisparse", "mem-kinds", "host-destinations", "pp", "cp", "dcp", "kv-sharding", "prefill-complete",
+        "draft", "kv-layout"])
+def test_features_kvstage_does_not_move_are_named_at_start(mgr, args, named):
+    problems = unsupported_features(mgr, SimpleNamespace(**args))
+    assert len(problems) == 1 and named in problems[0], problems
+
+
+def test_a_plain_gpu_deployment_is_not_refused():
+    assert unsupported_features(plain_mgr(), SimpleNamespace(kv_data_mem_kinds=["VRAM"] * 4)) == []
+    cpu = plain_mgr(server_args=SimpleNamespace(enable_hisparse=False, device="cpu"))
+    assert unsupported_features(cpu, SimpleNamespace(kv_data_mem_kinds=["DRAM"] * 4)) == []

@@ -28,6 +28,8 @@ class FaultPlan:
     fail_writes: float = 0.0        # probability a completed write is reported failed
     corrupt_rooms: list = field(default_factory=list)  # rooms whose tags lie about their ring offset
     corrupt_data: float = 0.0       # receiving rank: probability a landed write gets a byte flipped
+    hold_write_rooms: list = field(default_factory=list)  # rooms whose writes stay in flight ...
+    hold_write_s: float = 0.0       # ... this long before they reach the backend (then they land)
     drop_msgs: float = 0.0          # control plane: probability a message is not sent
     dup_msgs: float = 0.0           # ... sent twice
     reorder_msgs: float = 0.0       # ... held back and sent later
@@ -72,9 +74,11 @@ def _flip(rng: random.Random, data: bytes) -> bytes:
 
 
 class FaultyBackend(Backend):
-    def __init__(self, inner: Backend, plan: FaultPlan, retag: Callable[[bytes], bytes | None] | None = None):
-        """`retag(tag) -> tag` rewrites a tag of a room in plan.corrupt_rooms (None: leave it)."""
-        self.inner, self.plan, self._retag = inner, plan, retag
+    def __init__(self, inner: Backend, plan: FaultPlan, retag: Callable[[bytes], bytes | None] | None = None,
+                 room_of: Callable[[bytes], int] | None = None):
+        """`retag(tag) -> tag` rewrites a tag of a room in plan.corrupt_rooms (None: leave it);
+        `room_of(tag)` names the room of a write (for plan.hold_write_rooms)."""
+        self.inner, self.plan, self._retag, self._room_of = inner, plan, retag, room_of
         self.kind = inner.kind
         self.memory_kinds = inner.memory_kinds
         self._rng = random.Random(plan.seed)
@@ -112,9 +116,37 @@ class FaultyBackend(Backend):
             if new is not None:
                 tag = new
                 self._count("corrupted_room_tag")
+        if self.plan.hold_write_rooms and self._room_of is not None and self._room_of(tag) in self.plan.hold_write_rooms:
+            # in flight from the caller's view, posted for real only once the hold is over: a
+            # write that lands late (a slow link, a stalled NIC), whatever happened to its room
+            self._count("held_write")
+            held = WriteHandle(peer, int(np.asarray(src)[:, 1].sum()), len(src))
+            held.extra["held"] = (time.monotonic() + self.plan.hold_write_s, peer, src, dst, tag, dst_kind)
+            return held
         return self.inner.post_write(peer, src, dst, tag, dst_kind=dst_kind)
 
+    def _unheld(self, handle: WriteHandle) -> WriteHandle | None:
+        """The real write behind a held one once its hold is over (None while held)."""
+        if "inner" in handle.extra:
+            return handle.extra["inner"]
+        until, peer, src, dst, tag, dst_kind = handle.extra["held"]
+        if time.monotonic() < until:
+            return None
+        inner = self.inner.post_write(peer, src, dst, tag, dst_kind=dst_kind)
+        handle.extra["inner"] = inner
+        return inner
+
     def poll_write(self, handle: WriteHandle) -> WriteState:
+        if "held" in handle.extra:
+            inner = self._unheld(handle)
+            if inner is None:
+                return WriteState.PENDING
+            state = self.inner.poll_write(inner)
+            handle.state, handle.reason = state, inner.reason
+            for key in ("may_touch_memory", "returned"):
+                if key in inner.extra:
+                    handle.extra[key] = inner.extra[key]
+            return state
         state = self.inner.poll_write(handle)
         if state is WriteState.DONE and self.plan.fail_writes and self._rng.random() < self.plan.fail_writes:
             handle.state, handle.reason = WriteState.FAILED, "injected write failure"
@@ -123,7 +155,13 @@ class FaultyBackend(Backend):
         return state
 
     def release_write(self, handle: WriteHandle) -> None:
-        self.inner.release_write(handle)
+        if "held" not in handle.extra:
+            self.inner.release_write(handle)
+        elif "inner" in handle.extra:   # (a write released while still held never lands)
+            self.inner.release_write(handle.extra["inner"])
+            for key in ("may_touch_memory", "returned"):
+                if key in handle.extra["inner"].extra:
+                    handle.extra[key] = handle.extra["inner"].extra[key]
 
     def progress(self) -> None:
         self.inner.progress()

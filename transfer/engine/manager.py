@@ -181,7 +181,7 @@ class KVManager:
             if tag.room not in rooms:
                 return None
             return codec.encode(msgspec.structs.replace(tag, ring_start=tag.ring_start + 256, page_start=tag.page_start + 1))
-        return FaultyBackend(backend, plan, retag)
+        return FaultyBackend(backend, plan, retag, room_of=lambda data: codec.decode(data).room)
 
     def _pools(self) -> dict[str, int]:
         pools = {"kv": sum(t.numel() * t.element_size() for t in self.buffers.tensors())}

@@ -1,0 +1,100 @@
+"""The scheduler-class harness's driver: starts the rank processes of a scenario (rank.py),
+waits for them, and checks their reports. Used by the test_scheduler_classes*.py files; the
+fixtures (a model config, SGLang's bootstrap server) are in conftest.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SHIMS = HERE / "shims"
+TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def requests_for(seed: int, n: int, **overrides) -> list[dict]:
+    rnd = random.Random(seed)
+    out = []
+    for i in range(n):
+        pages = rnd.randint(2, 6)
+        prefix = overrides.get("prefix", {}).get(i, 0)
+        suffix = pages - prefix
+        cut = rnd.randint(1, suffix) if suffix > 1 else suffix
+        chunks = [c for c in (cut, suffix - cut) if c]
+        out.append({"room": rnd.randrange(1, 1 << 63), "pages": pages, "prefix": prefix, "chunks": chunks,
+                    "abort": overrides.get("abort", {}).get(i), "swa_short": i in overrides.get("swa_short", ()),
+                    "early_event": i in overrides.get("early_event", ())})
+    return out
+
+
+def run(tmp_path, model_dir, port, prefill_tp, decode_tp, reqs, *, backend="nixl", staging=False,
+        die_at_room=None, extra_env=None, state=None, mla=False, hold=None, queue=False, prefill_dp=1,
+        decode_dp=1) -> dict:
+    sc = {"page_size": 4, "layers": 2, "heads": 4, "head_dim": 8, "num_pages": 64, "model": model_dir,
+          "bootstrap_port": port, "http_port": free_port(), "deadline_s": 120, "requests": reqs,
+          "die_at_room": die_at_room, "state": state, "mla": mla, "release": str(tmp_path / "release"),
+          "hold": hold, "queue": queue, "gloo": str(tmp_path / "gloo"), "prefill_dp": prefill_dp,
+          "decode_dp": decode_dp}
+    (tmp_path / "scenario.json").write_text(json.dumps(sc))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SHIMS), os.environ.get("PYTHONPATH", "")]),
+               KVSTAGE_SGLANG_BACKEND=backend, SGLANG_DISAGG_STAGING_BUFFER="1" if staging else "0",
+               HF_HUB_OFFLINE="1", SGLANG_HOST_IP="127.0.0.1", **(extra_env or {}))
+    procs = {}
+    try:
+        for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
+            for rank in range(tp):
+                out = tmp_path / f"{role}{rank}.json"
+                log = open(tmp_path / f"{role}{rank}.log", "w")
+                procs[(role, rank)] = (subprocess.Popen(
+                    [sys.executable, str(HERE / "rank.py"), "--role", role, "--tp", str(tp), "--rank", str(rank),
+                     "--scenario", str(tmp_path / "scenario.json"), "--out", str(out)],
+                    env=env, stdout=log, stderr=subprocess.STDOUT), out)
+        deadline = time.monotonic() + TIMEOUT_S
+        for key in sorted(procs, key=lambda k: k[0] != "decode"):   # decode ranks first, then
+            if key[0] == "prefill":                                  # the prefill ranks may go
+                (tmp_path / "release").touch()
+            procs[key][0].wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    results = {}
+    for key, (proc, out) in procs.items():
+        tail = (tmp_path / f"{key[0]}{key[1]}.log").read_text()[-3000:]
+        if die_at_room is not None and key[0] == "prefill":
+            results[key] = {"rc": proc.returncode}
+            continue
+        assert out.exists(), f"{key} wrote no report (rc {proc.returncode}):\n{tail}"
+        rep = json.loads(out.read_text())
+        assert "crash" not in rep, f"{key} crashed:\n{rep.get('crash')}\n{tail}"
+        results[key] = rep
+    return results
+
+
+def expect(results, reqs, outcome) -> None:
+    """Every room ends `outcome(i)` on every rank of both sides; decode's bytes all check out."""
+    for key, rep in results.items():
+        if "rooms" not in rep:
+            continue
+        assert rep["errors"] == [], f"{key}: {rep['errors'][:5]}"
+        for i, q in enumerate(reqs):
+            row = rep["rooms"][str(q["room"])]
+            assert row.get("result") == outcome(i), f"{key} room #{i} {q}: {row}"
+            if key[0] == "decode" and row["result"] == "Success":
+                assert row["bytes"] > 0 and row["latency"] is not None
+                assert row["aux_room"] == q["room"] and row["aux_ids_ok"], f"aux row of room #{i}: {row}"
+            if row["result"] == "Failed":
+                assert "KVTransferError" in row.get("error", ""), row
