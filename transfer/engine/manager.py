@@ -38,7 +38,7 @@ from .stats import Stats, meter_stats
 log = logging.getLogger("kvstage")
 
 # KVManager() runs these in order, each `_start_<step>`, each pushing its own undo; a failure at
-# any of them undoes the ones before, newest first (tests/integration/test_manager_start.py
+# any of them undoes the ones before, newest first (tests/integration/test_startup_steps.py
 # injects one at each step and checks this list against the methods).
 STARTUP_STEPS = ("metrics", "backend", "regions", "staging", "control_context", "bootstrap_client",
                  "sources", "control_loop", "control_thread", "registration", "keepalive")
