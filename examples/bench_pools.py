@@ -33,6 +33,10 @@ def parse(argv=None):
     bench.add_model_args(p, layers=8)
     p.add_argument("--ssm-heads", type=bench._int(1), default=8)
     p.add_argument("--ssm-state", type=bench._ints, default="64,128", help="one head's state per layer (fp32)")
+    p.add_argument("--own-writes", action="store_true",
+                   help="the pool in a region of its own (StatePool(own_writes=True)): what a host pool "
+                        "beside a device cache does; staged: bounce copies, direct: its own writes")
+    p.add_argument("--direct", action="store_true", help="the direct path instead of the staged one")
     p.add_argument("--json", default="docs/bench/pools.json")
     a = p.parse_args(argv)
     a.chunk_tokens = 0
@@ -44,10 +48,11 @@ def one_run(a, transport: str, with_pool: bool) -> dict:
     geom = bench.geometry(a, a.tokens, 1)
     if with_pool:
         geom["pools"] = {"ssm": {"sharding": "heads", "heads": a.ssm_heads, "items": a.requests + 2,
-                                 "tensors": [["float32", list(a.ssm_state)]] * a.layers}}
+                                 "tensors": [["float32", list(a.ssm_state)]] * a.layers,
+                                 "own_writes": a.own_writes}}
     rooms = [{"room": i + 1, "pages": pages, "chunks": [pages], "drain_before": True,
               **({"pool_items": {"ssm": 1}} if with_pool else {})} for i in range(a.requests + 1)]
-    recs = bench.run_kvstage(a, transport, 4, 2, True, rooms, geom, verify=[1])
+    recs = bench.run_kvstage(a, transport, 4, 2, not a.direct, rooms, geom, verify=[1])
     secs = bench.per_request_seconds(recs[1:])
     st = recs[0]["stats"]
     rooms_done = len(recs)  # the warm-up included: the engine's counters cover it too
@@ -76,7 +81,7 @@ def main(argv=None) -> int:
     a = parse(argv)
     kv_bytes = -(-a.tokens // a.page_size) * a.page_size * bench.token_bytes(a)
     pool_bytes = a.layers * a.ssm_heads * math.prod(a.ssm_state) * 4
-    lines = [f"P4 -> D2 staged, {a.tokens} tokens ({kv_bytes / 2**20:.1f} MiB of KV), Mamba-like pool "
+    lines = [f"P4 -> D2 {'direct' if a.direct else 'staged'}{', pool with own_writes' if a.own_writes else ''}, {a.tokens} tokens ({kv_bytes / 2**20:.1f} MiB of KV), Mamba-like pool "
              f"{pool_bytes / 2**20:.2f} MiB per request ({a.layers} layers x {a.ssm_heads} heads x "
              f"{a.ssm_state} fp32), {a.requests} timed requests per run, {a.rounds} rounds alternated"]
     out = {"args": {k: v for k, v in vars(a).items()}, "results": []}
