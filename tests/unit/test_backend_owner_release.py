@@ -11,6 +11,7 @@ import numpy as np
 from kvstage.transfer.backends.base import WriteHandle, WriteState
 from kvstage.transfer.backends.nixl_backend import NixlBackend
 from kvstage.transfer.engine.backend_owner import BackendOwner
+from kvstage.transfer.engine.loop import EngineLoop
 from kvstage.transfer.engine.manager import KVManager
 
 ROW = np.zeros((1, 3), dtype=np.uint64)
@@ -107,9 +108,10 @@ def test_manager_stop_loop_stops_workers_even_when_abort_raises():
     stopped = []
     mgr = KVManager.__new__(KVManager)
     mgr.config = SimpleNamespace(timeouts=SimpleNamespace(close=0.1))
-    mgr._loop = SimpleNamespace(thread=SimpleNamespace(is_alive=lambda: False),
-                                workers=SimpleNamespace(stop=lambda: stopped.append("workers")),
-                                scatter=SimpleNamespace(stop=lambda: stopped.append("scatter")))
+    mgr._loop = loop = SimpleNamespace(thread=SimpleNamespace(is_alive=lambda: False, ident=1),   # ran, ended
+                                       workers=SimpleNamespace(stop=lambda: stopped.append("workers")),
+                                       scatter=SimpleNamespace(stop=lambda: stopped.append("scatter")))
+    loop.stop_workers = lambda: EngineLoop.stop_workers(loop)   # the real one, on this loop's parts
 
     def boom():
         raise KeyError("returned")

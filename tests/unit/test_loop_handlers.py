@@ -13,7 +13,7 @@ from kvstage.transfer.engine.routing import FrameRouter
 from kvstage.transfer.engine.stats import Stats
 from kvstage.transfer.protocol.actions import PeerKey
 from kvstage.transfer.protocol.leases import Lease
-from kvstage.transfer.protocol.messages import Goodbye, Hello
+from kvstage.transfer.protocol.messages import Goodbye, Hello, KVMemory
 from kvstage.transfer.protocol.tags import TagCodec, TagKind, make_tag
 
 
@@ -119,7 +119,7 @@ def test_a_goodbye_of_the_current_connection_ends_it():
 
 class ConnectingBackend:
     def call(self, fn):
-        return fn(SimpleNamespace(connect=lambda identity: "decode-backend"))
+        return fn(SimpleNamespace(connect=lambda identity: "decode-backend", memory_kinds=("DRAM", "VRAM")))
 
     def fence(self, peer, until):
         pass
@@ -139,7 +139,8 @@ def test_a_hello_with_a_newer_connection_replaces_the_old_one_and_an_older_one_i
 
     def hello(conn):
         return Hello(src=77, dst=5, engine_id="dec", role="decode", tp_size=1, tp_rank=0, ctrl_endpoint="tcp://d:1",
-                     backend="nixl", backend_identity=b"x", layout=None, kv=None, conn=conn)
+                     backend="nixl", backend_identity=b"x", layout=None, conn=conn,
+                     kv=KVMemory(k_addrs=[1], v_addrs=[2], num_pages=1, page_stride=1, token_stride=1))
     side.on_hello(hello(1), 0.0)
     first = peers.get(77)
     assert first.state == "connected" and first.conn == 1
