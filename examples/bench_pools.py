@@ -112,9 +112,10 @@ def main(argv=None) -> int:
         lines.append(f"{transport:9s} without pool {base * 1e3:8.2f} ms  with pool {pooled * 1e3:8.2f} ms  "
                      f"ratio {pooled / base:5.3f} [requests' 95 % {low:.2f}-{high:.2f}]  (bytes alone: {expected / base:5.3f})  backend writes per run "
                      f"without {row['writes_without']} with {row['writes_with']}")
-        lines.append(f"{'':9s} staging copies (gather + scatter, all ranks) per request: without "
-                     f"{row['copy_without_s'] * 1e3:.2f} ms, with {row['copy_with_s'] * 1e3:.2f} ms, ratio "
-                     f"{row['copy_with_s'] / row['copy_without_s']:.3f} (bytes alone: {expected / base:5.3f})")
+        if row["copy_without_s"]:   # the direct path has no staging copies
+            lines.append(f"{'':9s} staging copies (gather + scatter, all ranks) per request: without "
+                         f"{row['copy_without_s'] * 1e3:.2f} ms, with {row['copy_with_s'] * 1e3:.2f} ms, ratio "
+                         f"{row['copy_with_s'] / row['copy_without_s']:.3f} (bytes alone: {expected / base:5.3f})")
         lines.append(f"{'':9s} per-run medians, ms: without {_ms(row['runs_without_s'])} with {_ms(row['runs_with_s'])}; "
                      f"ratio per round " + ", ".join(f"{r:.2f}" for r in row["round_ratios"]))
     print("\n".join(lines))
