@@ -6,6 +6,7 @@
 #   make bench  the benchmark (also installs matplotlib for its plots), results into docs/bench
 #   make venv   only the installation
 #   make test-sglang  the SGLang adapter's tests, in their own venv .venv-sglang (make venv-sglang)
+#   make lint   ruff and mypy over the package (pyproject.toml configures both; requirements/lint.txt)
 #   make gpu-check    everything GPU-only (Triton kernels compiled, VRAM transfers, kernel benchmark),
 #                     on a machine with a CUDA device; one verdict line (examples/gpu_check.py)
 
@@ -31,7 +32,7 @@ SGL_PIN   := -c requirements/torch.txt
 SGL_STAMP := $(SGL_VENV)/.kvstage-installed
 SGL_SHIMS := tests/sglang_adapter/shims
 
-.PHONY: venv test demo bench apt clean venv-sglang test-sglang gpu-check
+.PHONY: venv test demo bench apt clean venv-sglang test-sglang gpu-check lint
 
 venv: $(STAMP)
 
@@ -66,6 +67,16 @@ demo: apt $(STAMP)
 bench: apt $(STAMP)
 	$(PIP) install -q -r requirements/bench.txt
 	$(PY) examples/bench.py $(BENCH_ARGS)
+
+LINT_STAMP := $(VENV)/.kvstage-lint-installed
+
+$(LINT_STAMP): requirements/lint.txt | $(STAMP)
+	$(PIP) install -q -r requirements/lint.txt
+	touch $(LINT_STAMP)
+
+lint: $(STAMP) $(LINT_STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 gpu-check: apt $(STAMP)
 	$(PY) examples/gpu_check.py

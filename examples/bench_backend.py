@@ -93,7 +93,7 @@ def _child() -> int:
             pattern = np.arange(1 << 20, dtype=np.uint64).astype(np.uint8)
             for lo in range(0, size, 1 << 20):  # pre-faulted, with a non-trivial pattern
                 buf[lo:lo + (1 << 20)] = pattern[:min(1 << 20, size - lo)]
-            backend.register([MemRegion(buf.ctypes.data, size)])
+            backend.register([MemRegion(addr=buf.ctypes.data, length=size)])
             reply(name=backend.name, identity=base64.b64encode(backend.identity()).decode(), addr=int(buf.ctypes.data))
         elif op == "connect":
             reply(peer=backend.connect(base64.b64decode(cmd["identity"])))
@@ -349,13 +349,20 @@ def main() -> int:
             ap.error(f"unknown config {k!r}")
     meta = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
         "loadavg_start": os.getloadavg(),
-        "command": " ".join([os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(ROOT) else sys.executable]
-                            + [os.path.relpath(os.path.abspath(__file__), ROOT)] + sys.argv[1:]),
+        "command": " ".join(
+            [os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(ROOT) else sys.executable]
+            + [os.path.relpath(os.path.abspath(__file__), ROOT)]
+            + sys.argv[1:]
+        ),
     }
-    print(f"# {meta['date']}  {meta['cpus']} CPUs  {args.mib} MiB per write  {args.rounds} rounds  loopback"
-          f"  load average {meta['loadavg_start'][0]:.2f} (the machine must be otherwise idle)")
+    print(
+        f"# {meta['date']}  {meta['cpus']} CPUs  {args.mib} MiB per write  {args.rounds} rounds  loopback"
+        f"  load average {meta['loadavg_start'][0]:.2f} (the machine must be otherwise idle)"
+    )
     results = []
     for k in keys:
         t0 = time.monotonic()
@@ -376,18 +383,27 @@ def main() -> int:
                 faults.append({"kind": "frozen", **f})
                 extra = ""
                 if "release_s" in r:
-                    extra = (f"; release_write took {r['release_s'] * 1e3:.2f} ms -> {r['after_release']}"
-                             f" (may_touch_memory={r['may_touch_memory']})")
-                print(f"  {k} {options or ''} SIGSTOP target: after {r['pending_or_failed_after_s']:.2f} s the write"
-                      f" is {r['state'].upper()}{extra}; writer close()+exit (target still frozen) {f['writer_close_s']:.2f} s,"
-                      f" exit {f['writer_exit']}", flush=True)
+                    extra = (
+                        f"; release_write took {r['release_s'] * 1e3:.2f} ms -> {r['after_release']}"
+                        f" (may_touch_memory={r['may_touch_memory']})"
+                    )
+                print(
+                    f"  {k} {options or ''} SIGSTOP target: after {r['pending_or_failed_after_s']:.2f} s the write"
+                    f" is {r['state'].upper()}{extra}; writer close()+exit (target still frozen) {f['writer_close_s']:.2f} s,"
+                    f" exit {f['writer_exit']}",
+                    flush=True,
+                )
             f = fault_killed(k)
             faults.append({"kind": "killed", **f})
             kf = f["kill_to_failed_s"]
-            print(f"  {k} SIGKILL target under a stream of 1 MiB writes: first FAILED "
-                  f"{kf * 1e3:.1f} ms after the kill" if kf is not None else f"  {k}: no failure seen",
-                  f"({f['writes_before']} writes done before); reason: "
-                  f"{(f['first_failure'] or {}).get('reason')}; writer exit {f['writer_exit']}", flush=True)
+            print(
+                f"  {k} SIGKILL target under a stream of 1 MiB writes: first FAILED {kf * 1e3:.1f} ms after the kill"
+                if kf is not None
+                else f"  {k}: no failure seen",
+                f"({f['writes_before']} writes done before); reason: "
+                f"{(f['first_failure'] or {}).get('reason')}; writer exit {f['writer_exit']}",
+                flush=True,
+            )
     meta["loadavg_end"] = os.getloadavg()
     print(f"# load average at the end: {meta['loadavg_end'][0]:.2f}")
     if args.json:

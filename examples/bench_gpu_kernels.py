@@ -43,7 +43,7 @@ GOAL = 0.7
 POOL = 2  # cache pages per chunk page: the chunk's pages are a random subset of the cache
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Case:
     """One chunk geometry: the prefill cache (src) and the decode cache (dst), per rank."""
     name: str
@@ -63,15 +63,46 @@ def _gqa(ps: int, tp: str, layers=32, heads=8, hd=128) -> Case:
     half = heads // 2
     geo = {"1to1": (heads, (0, heads), heads, (0, heads)), "1to2": (heads, (0, half), half, (0, half)),
            "2to1": (half, (0, half), heads, (half, heads))}[tp]
-    return Case(f"gqa{heads}-ps{ps}-tp{tp}", layers, True, hd, ps, *geo)
+    src_heads, gather, dst_heads, scatter = geo
+    return Case(name=f"gqa{heads}-ps{ps}-tp{tp}", layers=layers, has_v=True, head_dim=hd, page_size=ps,
+                src_heads=src_heads, gather=gather, dst_heads=dst_heads, scatter=scatter)
 
 
 #: GQA at page sizes 16 and 64 in three TP pairings; MLA shaped as DeepSeek-V3: 61 layers, K only,
 #: one latent "head" of 512 + 64 (the same on every rank, so gathered and scattered whole)
-CASES = [_gqa(16, "1to1"), _gqa(64, "1to1"), _gqa(16, "1to2"), _gqa(64, "1to2"), _gqa(16, "2to1"),
-         Case("mla-ps64", 61, False, 576, 64, 1, (0, 1), 1, (0, 1))]
-SMOKE_CASES = [_gqa(4, "1to2", layers=2, heads=4, hd=8), _gqa(4, "2to1", layers=2, heads=4, hd=12),
-               Case("mla-ps4", 2, False, 36, 4, 1, (0, 1), 1, (0, 1))]
+CASES = [
+    _gqa(16, "1to1"),
+    _gqa(64, "1to1"),
+    _gqa(16, "1to2"),
+    _gqa(64, "1to2"),
+    _gqa(16, "2to1"),
+    Case(
+        name="mla-ps64",
+        layers=61,
+        has_v=False,
+        head_dim=576,
+        page_size=64,
+        src_heads=1,
+        gather=(0, 1),
+        dst_heads=1,
+        scatter=(0, 1),
+    ),
+]
+SMOKE_CASES = [
+    _gqa(4, "1to2", layers=2, heads=4, hd=8),
+    _gqa(4, "2to1", layers=2, heads=4, hd=12),
+    Case(
+        name="mla-ps4",
+        layers=2,
+        has_v=False,
+        head_dim=36,
+        page_size=4,
+        src_heads=1,
+        gather=(0, 1),
+        dst_heads=1,
+        scatter=(0, 1),
+    ),
+]
 
 
 def make_buffers(case: Case, tokens: int, device: torch.device, seed: int = 0) -> SimpleNamespace:
@@ -84,17 +115,28 @@ def make_buffers(case: Case, tokens: int, device: torch.device, seed: int = 0) -
 
     def cache(heads):
         def one():
-            return torch.randint(0, 256, (rows, heads, case.head_dim * es), dtype=torch.uint8, device=device,
-                                 generator=gen).view(dt)
+            return torch.randint(
+                0, 256, (rows, heads, case.head_dim * es), dtype=torch.uint8, device=device, generator=gen
+            ).view(dt)
+
         return [one() for _ in range(case.layers)], [one() for _ in range(case.layers)] if case.has_v else None
 
     hh = case.gather[1] - case.gather[0]
     nbytes = region_nbytes(case.layers, case.has_v, n * case.page_size, hh, case.head_dim, es)
     (sk, sv), (dk, dv) = cache(case.src_heads), cache(case.dst_heads)
-    return SimpleNamespace(n=n, tokens=n * case.page_size, nbytes=nbytes, es=es, src_k=sk, src_v=sv, dst_k=dk, dst_v=dv,
-                           src_pages=torch.randperm(POOL * n, generator=host)[:n],
-                           dst_pages=torch.randperm(POOL * n, generator=host)[:n],
-                           region=torch.empty(nbytes, dtype=torch.uint8, device=device))
+    return SimpleNamespace(
+        n=n,
+        tokens=n * case.page_size,
+        nbytes=nbytes,
+        es=es,
+        src_k=sk,
+        src_v=sv,
+        dst_k=dk,
+        dst_v=dv,
+        src_pages=torch.randperm(POOL * n, generator=host)[:n],
+        dst_pages=torch.randperm(POOL * n, generator=host)[:n],
+        region=torch.empty(nbytes, dtype=torch.uint8, device=device),
+    )
 
 
 def _tensors(k, v) -> list[torch.Tensor]:
@@ -132,6 +174,7 @@ def bare_launch(tk, kernel, k, v, pages, page_size: int, heads: tuple[int, int],
     """A closure launching `kernel` as TritonGatherer/Scatterer._launch does, minus the per-call
     validation and page upload: what the kernel itself costs."""
     import triton
+
     tensors = _tensors(k, v)
     row_bytes = tensors[0].shape[2] * tensors[0].element_size()
     w, word = tk._word(row_bytes, tensors, region)
@@ -141,8 +184,20 @@ def bare_launch(tk, kernel, k, v, pages, page_size: int, heads: tuple[int, int],
     span = (heads[1] - heads[0]) * row_words
     block_r, block_w = tk.tile_shape(span)
     grid, view = (triton.cdiv(rows, block_r), len(tensors)), region.view(word)
-    return lambda: kernel[grid](table, view, index, rows, page_size, tensors[0].shape[1], heads[0], span, row_words,
-                                BLOCK_R=block_r, BLOCK_W=block_w, num_warps=tk._NUM_WARPS)
+    return lambda: kernel[grid](
+        table,
+        view,
+        index,
+        rows,
+        page_size,
+        tensors[0].shape[1],
+        heads[0],
+        span,
+        row_words,
+        BLOCK_R=block_r,
+        BLOCK_W=block_w,
+        num_warps=tk._NUM_WARPS,
+    )
 
 
 def time_op(fn, warmup: int, iters: int, cuda: bool) -> tuple[float, float]:
@@ -168,10 +223,12 @@ def time_op(fn, warmup: int, iters: int, cuda: bool) -> tuple[float, float]:
 def run_case(tk, case: Case, tokens: int, device: torch.device, args) -> dict:
     b = make_buffers(case, tokens, device)
     problems = verify(case, b, tk.TritonGatherer(), tk.TritonScatterer())
-    bare_g = bare_launch(tk, tk.gather_rows_kernel, b.src_k, b.src_v, b.src_pages, case.page_size, case.gather,
-                         b.region)
-    bare_s = bare_launch(tk, tk.scatter_rows_kernel, b.dst_k, b.dst_v, b.dst_pages, case.page_size, case.scatter,
-                         b.region)
+    bare_g = bare_launch(
+        tk, tk.gather_rows_kernel, b.src_k, b.src_v, b.src_pages, case.page_size, case.gather, b.region
+    )
+    bare_s = bare_launch(
+        tk, tk.scatter_rows_kernel, b.dst_k, b.dst_v, b.dst_pages, case.page_size, case.scatter, b.region
+    )
     good, back = b.region.clone(), torch.empty_like(b.region)
     b.region.zero_()
     bare_g()  # then: overwrite the destination heads with zeros, bare scatter, gather them back
@@ -184,11 +241,23 @@ def run_case(tk, case: Case, tokens: int, device: torch.device, args) -> dict:
         sys.exit(f"{case.name} ({tokens} tokens): NOT bit-exact, not timed:\n  " + "\n  ".join(problems))
     g, s = tk.TritonGatherer(), tk.TritonScatterer()
     copy_dst = torch.empty_like(b.region)
-    ops = {"gather": lambda: g.gather(b.src_k, b.src_v, b.src_pages, case.page_size, case.gather, b.region),
-           "scatter": lambda: s.scatter(b.region, b.dst_k, b.dst_v, b.dst_pages, case.page_size, case.scatter),
-           "bare_gather": bare_g, "bare_scatter": bare_s, "copy": lambda: copy_dst.copy_(b.region)}
-    rec = {**asdict(case), "kv": 2 if case.has_v else 1, "elem_size": b.es, "pages": b.n,
-           "tokens_asked": tokens, "tokens": b.tokens, "bytes": b.nbytes, "verified": True}
+    ops = {
+        "gather": lambda: g.gather(b.src_k, b.src_v, b.src_pages, case.page_size, case.gather, b.region),
+        "scatter": lambda: s.scatter(b.region, b.dst_k, b.dst_v, b.dst_pages, case.page_size, case.scatter),
+        "bare_gather": bare_g,
+        "bare_scatter": bare_s,
+        "copy": lambda: copy_dst.copy_(b.region),
+    }
+    rec = {
+        **asdict(case),
+        "kv": 2 if case.has_v else 1,
+        "elem_size": b.es,
+        "pages": b.n,
+        "tokens_asked": tokens,
+        "tokens": b.tokens,
+        "bytes": b.nbytes,
+        "verified": True,
+    }
     for name, fn in ops.items():
         dev_s, host_s = time_op(fn, args.warmup, args.iters, device.type == "cuda")
         rec[f"{name}_gbps"] = b.nbytes / dev_s / 1e9
@@ -221,16 +290,20 @@ def _device(text: str) -> torch.device:
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=_tokens, default=None, help="chunk sizes, e.g. 2048,8192 (default 2048; "
-                    "smoke 16)")
+    ap.add_argument("--tokens", type=_tokens, default=None, help="chunk sizes, e.g. 2048,8192 (default 2048; smoke 16)")
     ap.add_argument("--iters", type=_positive, default=None, help="timed calls per operation (default 50; smoke 3)")
-    ap.add_argument("--warmup", type=_positive, default=None, help="untimed calls first, Triton compiles in the "
-                    "first (default 5; smoke 1)")
+    ap.add_argument(
+        "--warmup",
+        type=_positive,
+        default=None,
+        help="untimed calls first, Triton compiles in the first (default 5; smoke 1)",
+    )
     ap.add_argument("--json", type=str, default=None, metavar="PATH", help="write every figure and the setup here")
     ap.add_argument("--device", type=_device, default=None, help="CUDA device (default cuda; smoke: cpu)")
     ap.add_argument("--cases", type=str, default=None, help="comma-separated case names (default: all)")
-    ap.add_argument("--smoke", action="store_true", help="tiny cases on the CPU under TRITON_INTERPRET=1 (CI): "
-                    "not GPU figures")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny cases on the CPU under TRITON_INTERPRET=1 (CI): not GPU figures"
+    )
     args = ap.parse_args(argv)
     args.device = args.device or torch.device("cpu" if args.smoke else "cuda")
     args.tokens = args.tokens or [16 if args.smoke else 2048]
@@ -252,10 +325,18 @@ def _kernels(smoke: bool):
     if smoke:
         os.environ["TRITON_INTERPRET"] = "1"
     from kvstage.staging import triton_kernels as tk
+
     if tk.interpreted() != smoke:
-        sys.stderr.write("the Triton kernels came out " + ("compiled" if smoke else "interpreted") + ": " +
-                         ("set TRITON_INTERPRET=1 before triton is imported\n" if smoke else
-                          "unset TRITON_INTERPRET (it is 1) to time the compiled kernels\n"))
+        sys.stderr.write(
+            "the Triton kernels came out "
+            + ("compiled" if smoke else "interpreted")
+            + ": "
+            + (
+                "set TRITON_INTERPRET=1 before triton is imported\n"
+                if smoke
+                else "unset TRITON_INTERPRET (it is 1) to time the compiled kernels\n"
+            )
+        )
         sys.exit(2)
     return tk
 
@@ -263,38 +344,57 @@ def _kernels(smoke: bool):
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     if not args.smoke and (args.device.type != "cuda" or (args.device.index or 0) >= torch.cuda.device_count()):
-        sys.stderr.write(f"bench_gpu_kernels.py needs a CUDA GPU: device {args.device}, {torch.cuda.device_count()} "
-                         f"CUDA device(s) here; --smoke runs tiny cases on the CPU instead\n")
+        sys.stderr.write(
+            f"bench_gpu_kernels.py needs a CUDA GPU: device {args.device}, {torch.cuda.device_count()} "
+            f"CUDA device(s) here; --smoke runs tiny cases on the CPU instead\n"
+        )
         sys.exit(2)
     tk = _kernels(args.smoke)
     import triton
+
     cuda = args.device.type == "cuda"
     name = torch.cuda.get_device_name(args.device) if cuda else "cpu (Triton interpreter)"
-    print(f"{name}; torch {torch.__version__}, triton {triton.__version__}; {args.warmup} warm-up + {args.iters} "
-          f"calls per op; GB/s = region bytes / time; goal: gather and scatter >= {GOAL}x copy")
+    print(
+        f"{name}; torch {torch.__version__}, triton {triton.__version__}; {args.warmup} warm-up + {args.iters} "
+        f"calls per op; GB/s = region bytes / time; goal: gather and scatter >= {GOAL}x copy"
+    )
     if args.smoke:
         print("SMOKE: Triton interpreter on the CPU, time.perf_counter: these are NOT GPU figures")
-    print(f"{'case':18s} {'tokens':>6s} {'bytes':>11s} {'copy':>8s} {'gather':>8s} {'scatter':>8s} "
-          f"{'g/copy':>6s} {'s/copy':>6s} {'bare g':>8s} {'bare s':>8s} {'bg/cp':>5s} {'bs/cp':>5s}")
+    print(
+        f"{'case':18s} {'tokens':>6s} {'bytes':>11s} {'copy':>8s} {'gather':>8s} {'scatter':>8s} "
+        f"{'g/copy':>6s} {'s/copy':>6s} {'bare g':>8s} {'bare s':>8s} {'bg/cp':>5s} {'bs/cp':>5s}"
+    )
     results = []
     with torch.cuda.device(args.device) if cuda else contextlib.nullcontext():
         for tokens in args.tokens:
             for case in args.case_list:
                 r = run_case(tk, case, tokens, args.device, args)
                 results.append(r)
-                mark = {k: "n/a" if args.smoke else "ok" if r[f"{k}_over_copy"] >= GOAL else "MISS"
-                        for k in ("gather", "scatter")}
-                print(f"{r['name']:18s} {r['tokens']:6d} {r['bytes']:11d} {r['copy_gbps']:8.1f} "
-                      f"{r['gather_gbps']:8.1f} {r['scatter_gbps']:8.1f} {r['gather_over_copy']:5.2f}x "
-                      f"{r['scatter_over_copy']:5.2f}x {r['bare_gather_gbps']:8.1f} {r['bare_scatter_gbps']:8.1f} "
-                      f"{r['bare_gather_over_copy']:4.2f}x {r['bare_scatter_over_copy']:4.2f}x  "
-                      f"gather {mark['gather']}, scatter {mark['scatter']}")
+                mark = {
+                    k: "n/a" if args.smoke else "ok" if r[f"{k}_over_copy"] >= GOAL else "MISS"
+                    for k in ("gather", "scatter")
+                }
+                print(
+                    f"{r['name']:18s} {r['tokens']:6d} {r['bytes']:11d} {r['copy_gbps']:8.1f} "
+                    f"{r['gather_gbps']:8.1f} {r['scatter_gbps']:8.1f} {r['gather_over_copy']:5.2f}x "
+                    f"{r['scatter_over_copy']:5.2f}x {r['bare_gather_gbps']:8.1f} {r['bare_scatter_gbps']:8.1f} "
+                    f"{r['bare_gather_over_copy']:4.2f}x {r['bare_scatter_over_copy']:4.2f}x  "
+                    f"gather {mark['gather']}, scatter {mark['scatter']}"
+                )
     if args.json:
-        meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-                "argv": sys.argv[1:] if argv is None else list(argv), "device": str(args.device),
-                "device_name": name, "smoke": args.smoke,
-                "timer": "torch.cuda.Event" if cuda else "time.perf_counter", "torch": torch.__version__,
-                "triton": triton.__version__, "iters": args.iters, "warmup": args.warmup, "goal": GOAL}
+        meta = {
+            "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "argv": sys.argv[1:] if argv is None else list(argv),
+            "device": str(args.device),
+            "device_name": name,
+            "smoke": args.smoke,
+            "timer": "torch.cuda.Event" if cuda else "time.perf_counter",
+            "torch": torch.__version__,
+            "triton": triton.__version__,
+            "iters": args.iters,
+            "warmup": args.warmup,
+            "goal": GOAL,
+        }
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "cases": results}, f, indent=1)
         print(f"wrote {args.json}")

@@ -61,12 +61,22 @@ def per_tensor_ops(pools: dict, copies, out: torch.Tensor, dst_pools: dict) -> N
         d = dst_pools[c.segment.pool].tensors[c.segment.tensor]
         idx = torch.as_tensor(c.dst_items, dtype=torch.int64)
         h = c.segment.dst_heads
-        d[idx, h[0]:h[1]] = out[pos:pos + c.nbytes].clone().view(d.dtype).view((idx.numel(), h[1] - h[0]) + tuple(d.shape[2:]))
+        d[idx, h[0] : h[1]] = (
+            out[pos : pos + c.nbytes].clone().view(d.dtype).view((idx.numel(), h[1] - h[0]) + tuple(d.shape[2:]))
+        )
         pos += c.nbytes
 
 
-def measure(layers: int = 8, heads: int = 2, head_dim: int = 128, page_size: int = 16, tokens: int = 2048,
-            state: tuple[int, int] = (64, 128), items: int = 8, repeats: int = 15) -> dict:
+def measure(
+    layers: int = 8,
+    heads: int = 2,
+    head_dim: int = 128,
+    page_size: int = 16,
+    tokens: int = 2048,
+    state: tuple[int, int] = (64, 128),
+    items: int = 8,
+    repeats: int = 15,
+) -> dict:
     """Median seconds per copy kind, alone and beside a Poller, for one writer's request."""
     pages = tokens // page_size
     shape = (pages * page_size, heads, head_dim)
@@ -74,11 +84,19 @@ def measure(layers: int = 8, heads: int = 2, head_dim: int = 128, page_size: int
     v = [torch.randn(shape).to(torch.bfloat16) for _ in range(layers)]
     dk = [torch.zeros_like(t) for t in k]
     dv = [torch.zeros_like(t) for t in v]
-    src = {"ssm": StatePool([torch.randn(items, heads, *state) for _ in range(layers)], "heads")}
-    dst = {"ssm": StatePool([torch.zeros(items, heads, *state) for _ in range(layers)], "heads")}
+    src = {"ssm": StatePool(tensors=[torch.randn(items, heads, *state) for _ in range(layers)], sharding="heads")}
+    dst = {"ssm": StatePool(tensors=[torch.zeros(items, heads, *state) for _ in range(layers)], sharding="heads")}
     item_bytes = heads * state[0] * state[1] * 4
-    copies = [PoolCopy(PoolSegment("ssm", i, (0, heads), (0, heads), item_bytes), np.array([3]), np.array([5]),
-                       i * item_bytes, item_bytes) for i in range(layers)]
+    copies = [
+        PoolCopy(
+            PoolSegment("ssm", i, (0, heads), (0, heads), item_bytes),
+            np.array([3]),
+            np.array([5]),
+            i * item_bytes,
+            item_bytes,
+        )
+        for i in range(layers)
+    ]
     kv_bytes = 2 * layers * tokens * heads * head_dim * 2
     pool_bytes = layers * item_bytes
     buf = torch.empty(kv_bytes + pool_bytes, dtype=torch.uint8)
@@ -92,7 +110,7 @@ def measure(layers: int = 8, heads: int = 2, head_dim: int = 128, page_size: int
 
     def pool():
         gather_pools(pb_src, copies, buf, kv_bytes)
-        scatter_pools(pb_dst, [(buf[kv_bytes + c.offset:kv_bytes + c.offset + c.nbytes], c) for c in copies])
+        scatter_pools(pb_dst, [(buf[kv_bytes + c.offset : kv_bytes + c.offset + c.nbytes], c) for c in copies])
 
     def reference():
         per_tensor_ops(src, copies, buf[kv_bytes:], dst)
@@ -122,13 +140,18 @@ def measure(layers: int = 8, heads: int = 2, head_dim: int = 128, page_size: int
 
 def report(r: dict) -> list[str]:
     kvb, pb = r["kv_bytes"], r["pool_bytes"]
-    lines = [f"staging copies of one writer's request, in one process: KV {kvb / 2**20:.1f} MiB gathered + scattered, "
-             f"pool {pb / 2**10:.0f} KiB gathered + scattered (bytes ratio {pb / kvb:.3f})"]
+    lines = [
+        f"staging copies of one writer's request, in one process: KV {kvb / 2**20:.1f} MiB gathered + scattered, "
+        f"pool {pb / 2**10:.0f} KiB gathered + scattered (bytes ratio {pb / kvb:.3f})"
+    ]
     for mode in ("quiet", "polling"):
         m = r[mode]
         per_kv = m["kv"] / kvb
-        cells = "  ".join(f"{name} {sec * 1e3:7.3f} ms ({sec / pb / per_kv:5.2f}x KV per byte)"
-                          for name, sec in m.items() if name != "kv")
+        cells = "  ".join(
+            f"{name} {sec * 1e3:7.3f} ms ({sec / pb / per_kv:5.2f}x KV per byte)"
+            for name, sec in m.items()
+            if name != "kv"
+        )
         lines.append(f"  {mode:8s} kv {m['kv'] * 1e3:7.3f} ms  {cells}")
     return lines
 

@@ -78,7 +78,7 @@ def start_bootstrap(host: str = "127.0.0.1", port: int = 0, env: dict | None = N
     return Server(proc, addr)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RankProc:
     proc: subprocess.Popen
     spec_path: str
@@ -104,7 +104,7 @@ class RankProc:
             return ""
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Cluster:
     """A bootstrap server plus rank processes; use as a context manager (kills everything)."""
 
@@ -171,7 +171,7 @@ class Cluster:
         log = open(log_path, "w")
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=rank_env({**(self.env or {}),
                                                                                          **(env or {})}))
-        rp = RankProc(proc, spec_path, result_path, log_path)
+        rp = RankProc(proc=proc, spec_path=spec_path, result_path=result_path, log_path=log_path)
         self.procs.append(rp)
         return rp
 

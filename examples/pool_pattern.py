@@ -28,7 +28,9 @@ def make_pools(spec: dict, layout) -> dict:
         device = torch.device(p.get("device", "cpu"))   # a pool may sit on another device than the KV
         tensors = [torch.zeros((p["items"], *local, *shape), dtype=getattr(torch, dtype), device=device).zero_()
                    for dtype, shape in p["tensors"]]
-        pools[name] = StatePool(tensors, p["sharding"], heads=heads, own_writes=bool(p.get("own_writes", False)))
+        pools[name] = StatePool(
+            tensors=tensors, sharding=p["sharding"], heads=heads, own_writes=bool(p.get("own_writes", False))
+        )
     return pools
 
 
@@ -72,7 +74,7 @@ def _mine(pool: StatePool, whole: torch.Tensor, layout) -> torch.Tensor:
         return whole
     local = max(1, pool.heads // layout.tp_size)
     first = layout.tp_rank // max(1, layout.tp_size // pool.heads) * local
-    return whole[first:first + local].reshape(-1)
+    return whole[first : first + local].reshape(-1)
 
 
 def fill(pools: dict, items: dict, key: int, layout) -> None:

@@ -61,7 +61,7 @@ class LayoutSummary(msgspec.Struct, frozen=True, kw_only=True):
         return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class KVLayout:
     """Geometry of one rank's paged KV cache.
 

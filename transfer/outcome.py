@@ -19,7 +19,7 @@ class KVTransferError(RuntimeError):
         self.room, self.kind, self.reason = room, kind, reason
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class TransferMetrics:
     """One request on one rank, once it ended. `nbytes`: KV bytes this rank wrote (prefill) or
     that landed in it (decode); `backend_writes`: the backend writes those took (one tagged

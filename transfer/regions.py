@@ -20,7 +20,7 @@ from .state_pools import memory_kind
 KV_REGION = "kv"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Region:
     """One region of a rank's memory: what it is called in errors, where it lives, its spans."""
 
@@ -40,14 +40,23 @@ def pool_region_name(pool: str) -> str:
 
 def _spans(tensors: Sequence[torch.Tensor], device: torch.device, kind: str) -> tuple[MemRegion, ...]:
     index = (device.index or 0) if kind == "VRAM" else 0
-    return tuple(MemRegion(t.data_ptr(), t.numel() * t.element_size(), index, kind) for t in tensors)
+    return tuple(
+        MemRegion(addr=t.data_ptr(), length=t.numel() * t.element_size(), device=index, kind=kind) for t in tensors
+    )
 
 
 def buffer_regions(buffers) -> list[Region]:
     """The KV region, then one region per state pool (pools by name) of validated KVBuffers."""
-    kv = Region(KV_REGION, buffers.device, buffers.kind, _spans(buffers.tensors(), buffers.device, buffers.kind))
-    pools = [Region(pool_region_name(n), p.device, p.kind, _spans(p.tensors, p.device, p.kind))
-             for n, p in sorted(buffers.pools.items())]
+    kv = Region(
+        name=KV_REGION,
+        device=buffers.device,
+        kind=buffers.kind,
+        spans=_spans(buffers.tensors(), buffers.device, buffers.kind),
+    )
+    pools = [
+        Region(name=pool_region_name(n), device=p.device, kind=p.kind, spans=_spans(p.tensors, p.device, p.kind))
+        for n, p in sorted(buffers.pools.items())
+    ]
     return [kv] + pools
 
 
@@ -55,15 +64,22 @@ def unregistrable(regions: Sequence[Region], kinds: Sequence[str], backend: str)
     """Why this rank's regions cannot be registered with a backend that handles `kinds`, or None."""
     for r in regions:
         if r.kind not in kinds:
-            return (f"the {r.name} region is {r.kind} memory (on {r.device}), which this {backend} build cannot "
-                    f"register (it handles {', '.join(kinds)})")
+            return (
+                f"the {r.name} region is {r.kind} memory (on {r.device}), which this {backend} build cannot "
+                f"register (it handles {', '.join(kinds)})"
+            )
     return None
 
 
-def unwritable_peer_kinds(kv_kind: str, ring_kind: str | None, pool_kinds: Mapping[str, str],
-                          kinds: Sequence[str], backend: str) -> list[str]:
+def unwritable_peer_kinds(
+    kv_kind: str, ring_kind: str | None, pool_kinds: Mapping[str, str], kinds: Sequence[str], backend: str
+) -> list[str]:
     """Which of a decode rank's advertised regions this writer's backend cannot write into."""
     named = [(KV_REGION, kv_kind)] + ([("staging ring", ring_kind)] if ring_kind is not None else [])
     named += [(pool_region_name(n), k) for n, k in sorted(pool_kinds.items())]
-    return [f"the peer's {name} region is {kind} memory, which this {backend} build cannot write into "
-            f"(it handles {', '.join(kinds)})" for name, kind in named if kind not in kinds]
+    return [
+        f"the peer's {name} region is {kind} memory, which this {backend} build cannot write into "
+        f"(it handles {', '.join(kinds)})"
+        for name, kind in named
+        if kind not in kinds
+    ]

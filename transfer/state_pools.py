@@ -41,7 +41,7 @@ class PoolSpec(msgspec.Struct, frozen=True, kw_only=True):
         return math.prod(self.rows[tensor]) * torch.empty((), dtype=getattr(torch, self.dtypes[tensor])).element_size()
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StatePool:
     """A named pool's tensors as this rank holds them (see the module docstring)."""
 

@@ -19,7 +19,7 @@ PHASES = ("created", "metadata", "init", "first_write", "last_write", "scattered
 LATEST = frozenset({"last_write", "scattered"})
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Timeline:
     """The phases of one request on one rank. Prefill: `metadata` = every decode rank's metadata
     received; `first_write` = first backend write posted; `last_write` = last write completed;

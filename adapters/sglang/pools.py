@@ -41,7 +41,7 @@ def make_buffers(layout, args, device: str, state_pools: dict) -> KVBuffers:
         dev = aux_device(torch.device(device))
         rows = [tensor_at(ptr, nbytes, torch.uint8, (nbytes // item, item), dev)
                 for ptr, nbytes, item in zip(args.aux_data_ptrs, args.aux_data_lens, args.aux_item_lens)]
-        found[AUX] = StatePool(rows, sharding="replicated")
+        found[AUX] = StatePool(tensors=rows, sharding="replicated")
     if not found:
         return kv
     return KVBuffers(kv.k, kv.v, pools=found).validate(layout)

@@ -36,7 +36,7 @@ from kvstage.transfer.protocol.pool_parts import writers_mismatch
 from kvstage.transfer.raw_memory import tensor_at
 
 
-@dataclass
+@dataclass(kw_only=True)
 class _Group:
     """Tensors of one component that form one kvstage pool."""
 
@@ -46,7 +46,7 @@ class _Group:
     tensors: list = field(default_factory=list)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Component:
     """One entry of kv_args.state_types: its pools and what limits it."""
 
@@ -77,14 +77,14 @@ class StateMap:
             except NotImplementedError as exc:
                 refused.append(str(exc))
                 continue
-            comp = Component(i, kind, {}, same_tp_only)
+            comp = Component(index=i, kind=kind, pools={}, same_tp_only=same_tp_only)
             seen: dict = {}
             for (suffix, _), g in groups.items():
                 # names must agree between prefill and decode, whose slot and page counts differ:
                 # a second item count under one suffix is told apart by its order, not its size
                 nth = seen[suffix] = seen.get(suffix, -1) + 1
                 name = f"state{i}.{kind}{suffix}" + (f".{nth}" if nth else "")
-                self.pools[name] = StatePool(g.tensors, sharding=g.sharding, heads=g.heads)
+                self.pools[name] = StatePool(tensors=g.tensors, sharding=g.sharding, heads=g.heads)
                 comp.pools[name] = g.expand
             self.components.append(comp)
         if refused:
@@ -169,7 +169,7 @@ class _Entries:
 
 def _add(groups: dict, suffix: str, sharding: str, heads, expand: int, tensor: torch.Tensor) -> None:
     """Tensors of one pool share a suffix (what they are) and their item count."""
-    g = groups.setdefault((suffix, tensor.shape[0]), _Group(sharding, heads, expand))
+    g = groups.setdefault((suffix, tensor.shape[0]), _Group(sharding=sharding, heads=heads, expand=expand))
     g.tensors.append(tensor)
 
 

@@ -17,8 +17,15 @@ SSM = {"sharding": "heads", "heads": 4, "items": 12, "device": "cuda:0", "tensor
 @pytest.mark.timeout(600)
 def test_vram_cache_with_a_host_aux_pool_moves_bit_exact():
     cases = []
-    for topo, staging in ((Topo(2, 1, 4), True), (Topo(2, 2, 4), False), (Topo(1, 2, 4), False)):
-        case = Case(topo, 16, "bfloat16", staging, "nixl", rooms=random_rooms(53, 6, 16, base=9000))
+    for topo, staging in ((Topo(P=2, D=1, H=4), True), (Topo(P=2, D=2, H=4), False), (Topo(P=1, D=2, H=4), False)):
+        case = Case(
+            topo=topo,
+            page_size=16,
+            dtype="bfloat16",
+            staging=staging,
+            backend="nixl",
+            rooms=random_rooms(53, 6, 16, base=9000),
+        )
         case.pools = {"aux": AUX, "ssm": SSM}
         for r in case.rooms:
             r["pool_items"] = {"aux": 1, "ssm": 1}

@@ -57,7 +57,7 @@ class Peer:
     def init(self, kind: str, size: int, options: dict | None = None) -> dict:
         self.backend = create_backend(kind, f"test-{kind}", "127.0.0.1", **(options or {}))
         self.buf = np.full(size, FILL, dtype=np.uint8)  # touched: pre-faulted
-        self.reg = self.backend.register([MemRegion(self.buf.ctypes.data, size)])
+        self.reg = self.backend.register([MemRegion(addr=self.buf.ctypes.data, length=size)])
         return {
             "name": self.backend.name,
             "identity": b64(self.backend.identity()),
@@ -71,7 +71,7 @@ class Peer:
     def register_extra(self, size: int) -> dict:
         """Register a second buffer; return its address and the identity that includes it."""
         self.extra = np.zeros(size, dtype=np.uint8)
-        self.extra_reg = self.backend.register([MemRegion(self.extra.ctypes.data, size)])
+        self.extra_reg = self.backend.register([MemRegion(addr=self.extra.ctypes.data, length=size)])
         return {"addr": int(self.extra.ctypes.data), "identity": b64(self.backend.identity())}
 
     def deregister_extra(self) -> dict:
@@ -164,7 +164,7 @@ class Peer:
         def churn_round() -> None:
             nonlocal churned, overlapped
             self.backend.drain_tags()
-            with self.backend.registered([MemRegion(churn.ctypes.data, churn.nbytes)]):
+            with self.backend.registered([MemRegion(addr=churn.ctypes.data, length=churn.nbytes)]):
                 pass
             churned += 1
             overlapped += poll_all()
@@ -209,7 +209,7 @@ class Peer:
         """
         be = self.backend
         scratch = np.zeros(1 << 16, dtype=np.uint8)
-        region = MemRegion(scratch.ctypes.data, scratch.nbytes)
+        region = MemRegion(addr=scratch.ctypes.data, length=scratch.nbytes)
         checks: dict[str, object] = {}
         before = self._library_knows(scratch)
         checks["library_knows_inside"] = before

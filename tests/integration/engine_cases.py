@@ -19,7 +19,7 @@ from records import exact  # noqa: E402
 TEST_TIMEOUTS = {"lease": 20.0, "heartbeat": 0.5, "connect": 20.0, "bootstrap": 45.0, "close": 5.0}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Topo:
     P: int
     D: int
@@ -31,7 +31,7 @@ class Topo:
         return f"P{self.P}D{self.D}H{self.H}{'mla' if self.mla else ''}"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Case:
     topo: Topo
     page_size: int = 16

@@ -7,7 +7,7 @@ import subprocess
 from dataclasses import dataclass
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TwoHosts:
     a: str
     b: str
@@ -26,7 +26,7 @@ def ip(*args: str) -> None:
 
 def make_hosts(tag: str) -> TwoHosts:
     a, b = f"kvs{tag}a", f"kvs{tag}b"
-    h = TwoHosts(a, b, f"kvs{tag}va", f"kvs{tag}vb")
+    h = TwoHosts(a=a, b=b, dev_a=f"kvs{tag}va", dev_b=f"kvs{tag}vb")
     delete_hosts(h)
     ip("netns", "add", a)
     ip("netns", "add", b)

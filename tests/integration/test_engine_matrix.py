@@ -14,8 +14,16 @@ from engine_cases import TEST_TIMEOUTS, Case, Topo, problems, random_rooms, run_
 
 pytestmark = pytest.mark.integration
 
-TOPOLOGIES = [Topo(1, 1, 2), Topo(2, 2, 4), Topo(4, 2, 8), Topo(2, 4, 8), Topo(1, 4, 2), Topo(4, 1, 2),
-              Topo(2, 1, 1, mla=True), Topo(1, 2, 1, mla=True)]
+TOPOLOGIES = [
+    Topo(P=1, D=1, H=2),
+    Topo(P=2, D=2, H=4),
+    Topo(P=4, D=2, H=8),
+    Topo(P=2, D=4, H=8),
+    Topo(P=1, D=4, H=2),
+    Topo(P=4, D=1, H=2),
+    Topo(P=2, D=1, H=1, mla=True),
+    Topo(P=1, D=2, H=1, mla=True),
+]
 VARIANTS = [(1, "bfloat16"), (16, "float8_e4m3fn")]
 
 
@@ -34,8 +42,17 @@ def cases(backend: str, staging: bool) -> list[Case]:
             if staging and not hetero and ps == 1:
                 continue  # the fallback to the direct path is covered once per topology
             extra = {"timeouts": MOONCAKE_TIMEOUTS} if backend == "mooncake" else {}
-            out.append(Case(t, ps, dtype, staging, backend, extra=extra,
-                            rooms=random_rooms(zlib.crc32(repr((t, ps, dtype, staging)).encode()) & 0xFFFF, 16, ps)))
+            out.append(
+                Case(
+                    topo=t,
+                    page_size=ps,
+                    dtype=dtype,
+                    staging=staging,
+                    backend=backend,
+                    extra=extra,
+                    rooms=random_rooms(zlib.crc32(repr((t, ps, dtype, staging)).encode()) & 0xFFFF, 16, ps),
+                )
+            )
     return out
 
 

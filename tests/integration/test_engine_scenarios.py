@@ -26,7 +26,7 @@ def test_creation_order_and_aborts(backend):
     the prefill side and from the decode side: the aborted room fails on both sides with a
     reason and is released, every other room is bit-exact."""
     made = []
-    for topo, staging in ((Topo(2, 2, 4), False), (Topo(4, 2, 8), True), (Topo(2, 4, 8), True)):
+    for topo, staging in ((Topo(P=2, D=2, H=4), False), (Topo(P=4, D=2, H=8), True), (Topo(P=2, D=4, H=8), True)):
         rooms = random_rooms(7, 12, 16, max_tokens=200)
         for r in rooms[1:4]:
             r["create_delay_s"] = 1.5          # decode metadata arrives before the sender exists
@@ -38,7 +38,7 @@ def test_creation_order_and_aborts(backend):
                         hold_last_until=[f"{flag}-{d}" for d in range(topo.D)],       # the last chunk waits
                         touch_after_abort=flag + "-{rank}")                            # for every abort
         rooms[9]["abort_before_init"] = True       # the prefill side must hear of it all the same
-        made.append(Case(topo, 16, "bfloat16", staging, backend, rooms=rooms,
+        made.append(Case(topo=topo, page_size=16, dtype="bfloat16", staging=staging, backend=backend, rooms=rooms,
                          extra={"timeouts": {**TEST_TIMEOUTS, "metadata": 40.0}}))
     results, codes, logs, _ = run_cases(made, timeout=200)
     bad = problems(results, codes, logs, expect_success=False)
@@ -67,11 +67,20 @@ def test_creation_order_and_aborts(backend):
 
 @pytest.mark.timeout(200)
 def test_layout_mismatch_fails_clearly_on_both_sides():
-    case = Case(Topo(2, 2, 4), 16, "bfloat16", False, "nixl", rooms=random_rooms(3, 3, 16))
+    case = Case(
+        topo=Topo(P=2, D=2, H=4),
+        page_size=16,
+        dtype="bfloat16",
+        staging=False,
+        backend="nixl",
+        rooms=random_rooms(3, 3, 16),
+    )
     geo = copy.deepcopy(case.geometry())
     geo["page_size"] = 8
-    case.decode_extra = {"geometry": geo, "timeouts": {"lease": 20.0, "heartbeat": 0.5, "connect": 20.0,
-                                                       "bootstrap": 45.0, "close": 2.0}}
+    case.decode_extra = {
+        "geometry": geo,
+        "timeouts": {"lease": 20.0, "heartbeat": 0.5, "connect": 20.0, "bootstrap": 45.0, "close": 2.0},
+    }
     case.prefill_extra = {"run_timeout_s": 60}
     results, codes, logs, _ = run_cases([case], timeout=90)
     assert not any(codes), codes

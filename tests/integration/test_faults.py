@@ -19,11 +19,23 @@ DEADLINES = {**TEST_TIMEOUTS, "arrival": 2.0, "heartbeat": 0.25, "metadata": 20.
 @pytest.mark.parametrize("backend,token", [("nixl", None), ("mooncake", "s3cret")])
 def test_every_room_ends_exact_or_failed_under_injected_faults(backend, token):
     cases = []
-    for i, (topo, staging) in enumerate(((Topo(2, 2, 4), False), (Topo(4, 2, 8), True), (Topo(2, 1, 2), True))):
-        case = Case(topo, 16, "bfloat16", staging, backend, rooms=random_rooms(31 + i, 24, 16, max_tokens=300),
-                    extra={"timeouts": DEADLINES, "run_timeout_s": 150})
-        case.rank_extra = {(role, r): {"faults": {**FAULTS, "seed": 100 * i + 10 * r + (role == "decode")}}
-                           for role in ("prefill", "decode") for r in range(4)}
+    for i, (topo, staging) in enumerate(
+        ((Topo(P=2, D=2, H=4), False), (Topo(P=4, D=2, H=8), True), (Topo(P=2, D=1, H=2), True))
+    ):
+        case = Case(
+            topo=topo,
+            page_size=16,
+            dtype="bfloat16",
+            staging=staging,
+            backend=backend,
+            rooms=random_rooms(31 + i, 24, 16, max_tokens=300),
+            extra={"timeouts": DEADLINES, "run_timeout_s": 150},
+        )
+        case.rank_extra = {
+            (role, r): {"faults": {**FAULTS, "seed": 100 * i + 10 * r + (role == "decode")}}
+            for role in ("prefill", "decode")
+            for r in range(4)
+        }
         cases.append(case)
     results, codes, logs, _ = run_cases(cases, timeout=250, env={"KVSTAGE_AUTH_TOKEN": token} if token else None)
     assert not any(codes), codes
@@ -39,7 +51,7 @@ def test_every_room_ends_exact_or_failed_under_injected_faults(backend, token):
                     assert r["state"] in outcomes, r
                     outcomes[r["state"]] += 1
                     if r["state"] == "Success":
-                        assert_exact(side, r)   # decode: every byte checked; prefill: nothing to check
+                        assert_exact(side, r)  # decode: every byte checked; prefill: nothing to check
                     else:
                         assert r["failure"], r
         dec = [res["stats"] for res in results[case.name]["decode"]]

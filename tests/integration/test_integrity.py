@@ -15,12 +15,20 @@ SSM = {"sharding": "heads", "heads": 4, "items": 40, "tensors": [["float32", [4,
 
 def verified_cases(backend: str, faults: dict | None) -> list[Case]:
     cases = []
-    for topo, staging in ((Topo(2, 1, 4), True), (Topo(2, 1, 4), False), (Topo(1, 1, 4), False)):
+    for topo, staging in ((Topo(P=2, D=1, H=4), True), (Topo(P=2, D=1, H=4), False), (Topo(P=1, D=1, H=4), False)):
         rooms = random_rooms(71, 24, 16, base=11000)
         for r in rooms:
             r["pool_items"] = {"aux": 1, "ssm": 1}
-        case = Case(topo, 16, "bfloat16", staging, backend, rooms=rooms, pools={"aux": AUX, "ssm": SSM},
-                    extra={"verify": True})
+        case = Case(
+            topo=topo,
+            page_size=16,
+            dtype="bfloat16",
+            staging=staging,
+            backend=backend,
+            rooms=rooms,
+            pools={"aux": AUX, "ssm": SSM},
+            extra={"verify": True},
+        )
         if faults:
             case.decode_extra = {"faults": faults}
         cases.append(case)
@@ -61,7 +69,14 @@ def test_every_corrupted_request_fails_as_corrupt_and_no_other(backend):
 def test_verify_on_one_side_only_refuses_the_connection():
     cases = []
     for backend in ("nixl", "mooncake"):
-        case = Case(Topo(1, 1, 4), 16, "bfloat16", False, backend, rooms=random_rooms(81, 2, 16, base=12000))
+        case = Case(
+            topo=Topo(P=1, D=1, H=4),
+            page_size=16,
+            dtype="bfloat16",
+            staging=False,
+            backend=backend,
+            rooms=random_rooms(81, 2, 16, base=12000),
+        )
         case.decode_extra = {"verify": True}
         cases.append(case)
     results, codes, logs, _ = run_cases(cases, timeout=120)

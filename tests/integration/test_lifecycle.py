@@ -20,7 +20,7 @@ def lifecycle_cases() -> list[Case]:
     out = []
     for backend in ("nixl", "mooncake"):
         for staging in (False, True):
-            for topo in (Topo(2, 1, 4), Topo(1, 2, 2)):
+            for topo in (Topo(P=2, D=1, H=4), Topo(P=1, D=2, H=2)):
                 seed = zlib.crc32(repr((backend, staging, topo)).encode()) & 0xFFFF
                 base = 2**64 - 10 if staging else 2**63 + 7   # room ids are unsigned 64-bit
                 rooms = random_rooms(seed, 10, 16, base=base)
@@ -28,7 +28,17 @@ def lifecycle_cases() -> list[Case]:
                     r.update(KNOBS[i % len(KNOBS)])
                 extra = {"timeouts": {**TEST_TIMEOUTS, "write": 120.0}} if backend == "mooncake" else {}
                 extra["from_pointers"] = topo.P == 2     # half the cases: the cache handed over as raw addresses
-                out.append(Case(topo, 16, "bfloat16", staging, backend, rooms=rooms, extra=extra))
+                out.append(
+                    Case(
+                        topo=topo,
+                        page_size=16,
+                        dtype="bfloat16",
+                        staging=staging,
+                        backend=backend,
+                        rooms=rooms,
+                        extra=extra,
+                    )
+                )
     return out
 
 
@@ -63,7 +73,7 @@ def check_metrics(c: Case, sides: dict) -> None:
     path = "staged" if c.staging else "direct"
     writes = {r["room"]: [0, 0] for r in c.rooms}
     for r in c.rooms:
-        want = r["pages"] * c.page_size * c.layers * 2 * local_heads * c.head_dim * 2   # K and V, bf16
+        want = r["pages"] * c.page_size * c.layers * 2 * local_heads * c.head_dim * 2  # K and V, bf16
         for res in sides["decode"]:
             m = next(x for x in res["rooms"] if x["room"] == r["room"])["metrics"]
             assert (m["state"], m["nbytes"], m["path"]) == ("Success", want, path), (c.name, r["room"], m)
@@ -78,13 +88,13 @@ def check_metrics(c: Case, sides: dict) -> None:
 
 ABORTS = [  # (knobs, who aborts)
     ({"late_init": "wait", "abort_at": "Bootstrapping", "init_delay_s": 1.0}, "prefill"),  # decode not there yet
-    ({"late_init": "wait", "abort_at": "WaitingForInput"}, "prefill"),                      # metadata in, no init
-    ({"abort_at": "WaitingForInput"}, "prefill"),                                           # counted, nothing sent
+    ({"late_init": "wait", "abort_at": "WaitingForInput"}, "prefill"),  # metadata in, no init
+    ({"abort_at": "WaitingForInput"}, "prefill"),  # counted, nothing sent
     ({"abort_before_init": True}, "decode"),
     # before its sender exists; when the metadata had not gone out yet, the parked failure binds a
     # lease after the sender is created
     ({"create_delay_s": 1.0, "abort_after_s": 0.2}, "decode"),
-    ({"create_delay_s": 1.0, "abort_before_init": True}, "decode"),                  # no metadata, ever
+    ({"create_delay_s": 1.0, "abort_before_init": True}, "decode"),  # no metadata, ever
 ]
 
 
@@ -96,7 +106,16 @@ def test_abort_in_every_state_fails_both_sides_and_releases():
             rooms = random_rooms(11, 8, 16, base=2**64 - 20)
             for i, (knobs, _) in enumerate(ABORTS):
                 rooms[i].update(knobs, pages=2, chunks=[1, 1])
-            cases.append(Case(Topo(2, 1, 4), 16, "bfloat16", staging, backend, rooms=rooms))
+            cases.append(
+                Case(
+                    topo=Topo(P=2, D=1, H=4),
+                    page_size=16,
+                    dtype="bfloat16",
+                    staging=staging,
+                    backend=backend,
+                    rooms=rooms,
+                )
+            )
     results, codes, logs, _ = run_cases(cases, timeout=200)
     assert not any(codes), codes
     for c in cases:
@@ -105,7 +124,7 @@ def test_abort_in_every_state_fails_both_sides_and_releases():
             for res in results[c.name][side]:
                 assert not res.get("error"), res.get("traceback")
                 recs = {r["room"]: r for r in res["rooms"]}
-                assert set(recs) == {r["room"] for r in c.rooms}   # every room ended and was released
+                assert set(recs) == {r["room"] for r in c.rooms}  # every room ended and was released
                 for room, rec in recs.items():
                     if room in aborted:
                         assert rec["state"] == "Failed" and "abort" in rec["failure"], (c.name, side, rec)
@@ -118,8 +137,16 @@ def test_abort_in_every_state_fails_both_sides_and_releases():
 def test_ten_thousand_short_requests_leave_no_per_room_state():
     """Cleared handles and released rooms: the engine's per-room state returns to zero."""
     rooms = [{"room": 2**63 + i, "pages": 1, "tokens": 16, "chunks": [1]} for i in range(10_000)]
-    case = Case(Topo(1, 1, 2), 16, "bfloat16", False, "nixl", rooms=rooms, pages=256,
-                extra={"clear_handles": True, "inflight": 64, "run_timeout_s": 300})
+    case = Case(
+        topo=Topo(P=1, D=1, H=2),
+        page_size=16,
+        dtype="bfloat16",
+        staging=False,
+        backend="nixl",
+        rooms=rooms,
+        pages=256,
+        extra={"clear_handles": True, "inflight": 64, "run_timeout_s": 300},
+    )
     results, codes, logs, wall = run_cases([case], timeout=330)
     bad = problems(results, codes, logs)
     assert not bad, "\n".join(bad[:10])
@@ -139,17 +166,36 @@ def test_prefix_hits_send_only_the_rest_and_never_touch_the_prefix():
     cases = []
     for backend in ("nixl", "mooncake"):
         for staging in (False, True):
-            for topo in (Topo(2, 1, 4), Topo(1, 2, 2)):
-                rooms = [{"room": 500 + i, "pages": 12, "tokens": 190, "chunks": [4, 0, 8], "prefix_pages": k}
-                         for i, k in enumerate((0, 4, 5, 11))]
+            for topo in (Topo(P=2, D=1, H=4), Topo(P=1, D=2, H=2)):
+                rooms = [
+                    {"room": 500 + i, "pages": 12, "tokens": 190, "chunks": [4, 0, 8], "prefix_pages": k}
+                    for i, k in enumerate((0, 4, 5, 11))
+                ]
                 rooms[1]["late_init"] = "wait"
                 rooms[2]["late_init"] = "now"
                 rooms[3]["infer_last"] = True
                 if topo.D == 2:
-                    rooms.append({"room": 599, "pages": 6, "tokens": 96, "chunks": [3, 3],
-                                  "prefix_pages_by_rank": {"0": 1, "1": 2}})
+                    rooms.append(
+                        {
+                            "room": 599,
+                            "pages": 6,
+                            "tokens": 96,
+                            "chunks": [3, 3],
+                            "prefix_pages_by_rank": {"0": 1, "1": 2},
+                        }
+                    )
                 extra = {"timeouts": {**TEST_TIMEOUTS, "write": 120.0}} if backend == "mooncake" else {}
-                cases.append(Case(topo, 16, "bfloat16", staging, backend, rooms=rooms, extra=extra))
+                cases.append(
+                    Case(
+                        topo=topo,
+                        page_size=16,
+                        dtype="bfloat16",
+                        staging=staging,
+                        backend=backend,
+                        rooms=rooms,
+                        extra=extra,
+                    )
+                )
     results, codes, logs, _ = run_cases(cases, timeout=240)
     assert not any(codes), codes
     for c in cases:
@@ -160,19 +206,21 @@ def test_prefix_hits_send_only_the_rest_and_never_touch_the_prefix():
                     spec = next(r for r in c.rooms if r["room"] == rec["room"])
                     if "prefix_pages_by_rank" in spec:
                         assert rec["state"] == "Failed" and "prefix" in rec["failure"], (c.name, side, rec)
-                        if side == "decode":     # each decode rank held a prefix (1 or 2 pages)
+                        if side == "decode":  # each decode rank held a prefix (1 or 2 pages)
                             assert rec["prefix_intact"] is True, (c.name, rec)
                         continue
                     k = spec["prefix_pages"]
                     assert rec["state"] == "Success", (c.name, side, rec)
                     if side == "decode":
-                        assert rec["verified"] is True, (c.name, rec)            # pages k.. bit-exact
-                        if k:                    # the k prefix pages kept their marker bytes
+                        assert rec["verified"] is True, (c.name, rec)  # pages k.. bit-exact
+                        if k:  # the k prefix pages kept their marker bytes
                             assert rec["prefix_intact"] is True, (c.name, rec)
                         else:
                             assert "prefix_intact" not in rec, (c.name, rec)
-                        assert rec["metrics"]["nbytes"] == (12 - k) * 16 * c.layers * 2 * \
-                            max(1, c.topo.H // c.topo.D) * c.head_dim * 2, (c.name, rec)
+                        assert (
+                            rec["metrics"]["nbytes"]
+                            == (12 - k) * 16 * c.layers * 2 * max(1, c.topo.H // c.topo.D) * c.head_dim * 2
+                        ), (c.name, rec)
                     else:
                         assert rec["decode_prefix_pages"] == k, (c.name, rec)
 
@@ -186,24 +234,49 @@ def test_prefill_instances_at_their_own_rendezvous_servers(backend):
     from cluster import Cluster, rank_spec, start_bootstrap
 
     timeouts = {**TEST_TIMEOUTS, "bootstrap": 6.0, "write": 120.0}
-    base = {"geometry": {"layers": 2, "heads": 2, "head_dim": 16, "dtype": "bfloat16", "page_size": 16,
-                         "pages": 64, "mla": False}, "timeouts": timeouts, "inflight": 8}
+    base = {
+        "geometry": {
+            "layers": 2,
+            "heads": 2,
+            "head_dim": 16,
+            "dtype": "bfloat16",
+            "page_size": 16,
+            "pages": 64,
+            "mla": False,
+        },
+        "timeouts": timeouts,
+        "inflight": 8,
+    }
     with Cluster() as cl:
         second = start_bootstrap()
         try:
-            srcs = {"pa": None, "pb0": {"bootstrap": second.addr, "dp_rank": 0},
-                    "pb1": {"bootstrap": second.addr, "dp_rank": 1}}
-            rooms = {e: [{"room": 7000 + 100 * i + j, "pages": 3, "chunks": [1, 2]} for j in range(4)]
-                     for i, e in enumerate(srcs)}
+            srcs = {
+                "pa": None,
+                "pb0": {"bootstrap": second.addr, "dp_rank": 0},
+                "pb1": {"bootstrap": second.addr, "dp_rank": 1},
+            }
+            rooms = {
+                e: [{"room": 7000 + 100 * i + j, "pages": 3, "chunks": [1, 2]} for j in range(4)]
+                for i, e in enumerate(srcs)
+            }
             dead = {"room": 9999, "pages": 2, "chunks": [2], "source": {"bootstrap": "127.0.0.1:9", "dp_rank": 0}}
             decode_rooms = [dict(r, source=srcs[e]) if srcs[e] else dict(r) for e in srcs for r in rooms[e]]
-            procs = [cl.launch([rank_spec("prefill", 0, 1, rooms["pa"], backend, prefill_engine="pa", **base)], "pa"),
-                     cl.launch([rank_spec("prefill", 0, 1, rooms["pb0"], backend, prefill_engine="pb0", dp_rank=0,
-                                          **base)], "pb0", bootstrap=second.addr),
-                     cl.launch([rank_spec("prefill", 0, 1, rooms["pb1"], backend, prefill_engine="pb1", dp_rank=1,
-                                          **base)], "pb1", bootstrap=second.addr),
-                     cl.launch([rank_spec("decode", 0, 1, decode_rooms + [dead], backend, prefill_engine="pa",
-                                          **base)], "dc")]
+            procs = [
+                cl.launch([rank_spec("prefill", 0, 1, rooms["pa"], backend, prefill_engine="pa", **base)], "pa"),
+                cl.launch(
+                    [rank_spec("prefill", 0, 1, rooms["pb0"], backend, prefill_engine="pb0", dp_rank=0, **base)],
+                    "pb0",
+                    bootstrap=second.addr,
+                ),
+                cl.launch(
+                    [rank_spec("prefill", 0, 1, rooms["pb1"], backend, prefill_engine="pb1", dp_rank=1, **base)],
+                    "pb1",
+                    bootstrap=second.addr,
+                ),
+                cl.launch(
+                    [rank_spec("decode", 0, 1, decode_rooms + [dead], backend, prefill_engine="pa", **base)], "dc"
+                ),
+            ]
             for p in procs:
                 p.proc.wait(200)
             assert [p.proc.returncode for p in procs] == [0, 0, 0, 0], [p.log() for p in procs]
@@ -232,13 +305,42 @@ def test_a_reused_room_id_is_untouched_by_its_earlier_use():
     cases = []
     for backend in ("nixl", "mooncake"):
         for staging in (True, False):
-            uses = [{"room": 42, "pages": 6, "chunks": [2, 2, 2], "chunk_delay_s": 0.3, "abort_after_s": 0.2,
-                     "pattern_key": 1042},
-                    {"room": 42, "pages": 6, "chunks": [2, 2, 2], "pattern_key": 2042, "drain_before": True,
-                     "init_delay_s": 1.5},
-                    {"room": 42, "pages": 6, "chunks": [3, 3], "pattern_key": 3042, "drain_before": True,
-                     "create_delay_s": 1.5}]
-            cases.append(Case(Topo(2, 1, 4), 16, "bfloat16", staging, backend, rooms=uses))
+            uses = [
+                {
+                    "room": 42,
+                    "pages": 6,
+                    "chunks": [2, 2, 2],
+                    "chunk_delay_s": 0.3,
+                    "abort_after_s": 0.2,
+                    "pattern_key": 1042,
+                },
+                {
+                    "room": 42,
+                    "pages": 6,
+                    "chunks": [2, 2, 2],
+                    "pattern_key": 2042,
+                    "drain_before": True,
+                    "init_delay_s": 1.5,
+                },
+                {
+                    "room": 42,
+                    "pages": 6,
+                    "chunks": [3, 3],
+                    "pattern_key": 3042,
+                    "drain_before": True,
+                    "create_delay_s": 1.5,
+                },
+            ]
+            cases.append(
+                Case(
+                    topo=Topo(P=2, D=1, H=4),
+                    page_size=16,
+                    dtype="bfloat16",
+                    staging=staging,
+                    backend=backend,
+                    rooms=uses,
+                )
+            )
     results, codes, logs, _ = run_cases(cases, timeout=200)
     assert not any(codes), codes
     for c, side, res in each_rank(cases, results):
@@ -259,11 +361,22 @@ def test_a_room_id_reused_back_to_back_under_late_and_duplicated_messages():
     cases = []
     for backend in ("nixl", "mooncake"):
         for staging in (True, False):
-            uses = [{"room": 77, "pages": 3, "chunks": [1, 2], "pattern_key": 7700 + i, "drain_before": i > 0}
-                    for i in range(8)]
+            uses = [
+                {"room": 77, "pages": 3, "chunks": [1, 2], "pattern_key": 7700 + i, "drain_before": i > 0}
+                for i in range(8)
+            ]
             faults = {"dup_msgs": 0.5, "reorder_msgs": 0.5, "hold_s": 1.0, "seed": 5}
-            cases.append(Case(Topo(2, 1, 4), 16, "bfloat16", staging, backend, rooms=uses,
-                              decode_extra={"faults": faults}))
+            cases.append(
+                Case(
+                    topo=Topo(P=2, D=1, H=4),
+                    page_size=16,
+                    dtype="bfloat16",
+                    staging=staging,
+                    backend=backend,
+                    rooms=uses,
+                    decode_extra={"faults": faults},
+                )
+            )
     results, codes, logs, _ = run_cases(cases, timeout=200)
     bad = problems(results, codes, logs)
     assert not bad, "\n".join(bad[:10])

@@ -33,7 +33,7 @@ ROOMS = [{"room": 100, "pages": 1, "chunks": [1]},
          {"room": 103, "pages": 3, "chunks": [1, 1, 1]}]
 HELD = {"room": 104, "pages": 4, "chunks": [2, 2]}          # its last chunk waits for a file
 ABORTED = {"room": 105, "pages": 2, "chunks": [2], "abort_before_init": True}   # fails on both sides
-TOPO = Topo(1, 2, 2)            # each decode rank takes one of the prefill rank's two heads
+TOPO = Topo(P=1, D=2, H=2)            # each decode rank takes one of the prefill rank's two heads
 
 
 def head_page_bytes(case: Case) -> int:
@@ -89,7 +89,7 @@ def test_metrics_endpoint_and_timelines(backend):
         work = Path(cl.workdir)
         release, close = work / "release-held", work / "close-managers"
         held = dict(HELD, hold_last_until=[str(release)])
-        cases = [Case(TOPO, staging=staged, backend=backend, rooms=ROOMS + [held, ABORTED],
+        cases = [Case(topo=TOPO, staging=staged, backend=backend, rooms=ROOMS + [held, ABORTED],
                       extra={"timeouts": dict(TEST_TIMEOUTS), "run_timeout_s": 200})
                  for staged in (True, False)]
         barrier = cl.barrier(len(cases) * (TOPO.P + TOPO.D), timeout_s=200)

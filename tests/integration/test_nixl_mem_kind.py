@@ -32,8 +32,8 @@ def pair():
 def test_dst_kind_is_the_kind_of_the_remote_dlist(pair):
     writer, target = pair
     src_mem, dst_mem = np.arange(SIZE, dtype=np.uint64).view(np.uint8)[:SIZE].copy(), np.zeros(SIZE, np.uint8)
-    writer.register([MemRegion(src_mem.ctypes.data, SIZE)])
-    target.register([MemRegion(dst_mem.ctypes.data, SIZE)])
+    writer.register([MemRegion(addr=src_mem.ctypes.data, length=SIZE)])
+    target.register([MemRegion(addr=dst_mem.ctypes.data, length=SIZE)])
     peer = writer.connect(target.identity())
 
     built: list[str] = []  # the memory kind of each descriptor list NIXL built, local then remote

@@ -68,8 +68,18 @@ def _run(backend: str, tmp_path: Path, faults: dict | None = None) -> list[Case]
     rooms = [{"room": 1, "pages": 1, "tokens": 16, "chunks": [1]}] + [
         {"room": 2 + i, "pages": 2, "tokens": 32, "chunks": [2], "start_after_file": str(start),
          "hold_last_until": [str(send)]} for i in range(WAITING)]
-    cases = [Case(Topo(1, 1, 2), 16, "bfloat16", staging, backend, rooms=rooms,
-                  extra={"run_timeout_s": 150}) for staging in (False, True)]
+    cases = [
+        Case(
+            topo=Topo(P=1, D=1, H=2),
+            page_size=16,
+            dtype="bfloat16",
+            staging=staging,
+            backend=backend,
+            rooms=rooms,
+            extra={"run_timeout_s": 150},
+        )
+        for staging in (False, True)
+    ]
     paths = {}
     with Cluster() as cl:
         barrier = cl.barrier(4, timeout_s=150)
@@ -84,13 +94,21 @@ def _run(backend: str, tmp_path: Path, faults: dict | None = None) -> list[Case]
                 specs.append(spec)
             cl.launch(specs, role)
         # idle and connected: the warm-up request is over on both sides
-        _wait_stats(paths, lambda n, s: s.get("rooms", {}).get("success", 0) >= 1 and s["rooms_active"] == 0,
-                    "finished the warm-up request")
+        _wait_stats(
+            paths,
+            lambda n, s: s.get("rooms", {}).get("success", 0) >= 1 and s["rooms_active"] == 0,
+            "finished the warm-up request",
+        )
         _count_over_window(paths, "idle")
         start.touch()
         # decode: every held request's metadata is out (Transferring); prefill: its senders exist
-        _wait_stats(paths, lambda n, s: s["rooms_active"] == WAITING and (
-            n.startswith("prefill") or s["room_state"]["eager_rooms"] == WAITING), "held the requests")
+        _wait_stats(
+            paths,
+            lambda n, s: (
+                s["rooms_active"] == WAITING and (n.startswith("prefill") or s["room_state"]["eager_rooms"] == WAITING)
+            ),
+            "held the requests",
+        )
         _count_over_window(paths, "waiting")
         send.touch()
         procs = cl.wait(150)

@@ -24,12 +24,22 @@ def test_ring_far_smaller_than_a_chunk(backend):
     """12 MiB chunks through a 1 MiB ring: every chunk split into pieces that fit, the ring
     wraps dozens of times, every byte exact."""
     rooms = [{"room": 500 + i, "pages": 96, "chunks": [48, 48]} for i in range(3)]
-    case = Case(Topo(4, 2, 8), 16, "bfloat16", True, backend, rooms=rooms, layers=8, head_dim=128, pages=256,
-                extra={"inflight": 2, "ring_mb": 1, "buffer_mb": 1})
+    case = Case(
+        topo=Topo(P=4, D=2, H=8),
+        page_size=16,
+        dtype="bfloat16",
+        staging=True,
+        backend=backend,
+        rooms=rooms,
+        layers=8,
+        head_dim=128,
+        pages=256,
+        extra={"inflight": 2, "ring_mb": 1, "buffer_mb": 1},
+    )
     results, codes, logs, _ = run_cases([case], timeout=300)
     bad = problems(results, codes, logs)
     assert not bad, "\n".join(bad[:20])
-    chunk_bytes = 48 * 8 * 2 * 16 * 4 * 128 * 2      # pages x layers x K/V x tokens x heads x head bytes
+    chunk_bytes = 48 * 8 * 2 * 16 * 4 * 128 * 2  # pages x layers x K/V x tokens x heads x head bytes
     assert chunk_bytes == 12 << 20
     for st in decode_stats(results, case):
         assert st["ring_bytes"] == 1 << 20
@@ -47,8 +57,17 @@ def test_ring_far_smaller_than_a_chunk(backend):
 def test_32_rooms_share_one_ring_with_reordered_and_duplicated_tags(backend):
     rooms = random_rooms(11, 32, 16, max_tokens=400)
     faults = {"reorder_tags": 0.5, "dup_tags": 0.3, "hold_s": 0.05, "seed": 5}
-    case = Case(Topo(4, 1, 4), 16, "bfloat16", True, backend, rooms=rooms, pages=1024,
-                extra={"inflight": 32, "ring_mb": 1}, decode_extra={"faults": faults})
+    case = Case(
+        topo=Topo(P=4, D=1, H=4),
+        page_size=16,
+        dtype="bfloat16",
+        staging=True,
+        backend=backend,
+        rooms=rooms,
+        pages=1024,
+        extra={"inflight": 32, "ring_mb": 1},
+        decode_extra={"faults": faults},
+    )
     results, codes, logs, _ = run_cases([case], timeout=300)
     bad = problems(results, codes, logs)
     assert not bad, "\n".join(bad[:20])
@@ -68,8 +87,15 @@ def test_tag_disagreeing_with_its_allocation_fails_only_that_room():
     with the allocation: that room fails on both sides with the reason, the others succeed."""
     rooms = random_rooms(13, 8, 16, max_tokens=200)
     bad_room = rooms[3]["room"]
-    case = Case(Topo(2, 1, 2), 16, "bfloat16", True, "nixl", rooms=rooms,
-                rank_extra={("prefill", 1): {"faults": {"corrupt_rooms": [bad_room]}}})
+    case = Case(
+        topo=Topo(P=2, D=1, H=2),
+        page_size=16,
+        dtype="bfloat16",
+        staging=True,
+        backend="nixl",
+        rooms=rooms,
+        rank_extra={("prefill", 1): {"faults": {"corrupt_rooms": [bad_room]}}},
+    )
     results, codes, logs, _ = run_cases([case], timeout=200)
     assert not any(codes), codes
     for side in ("prefill", "decode"):
@@ -81,4 +107,4 @@ def test_tag_disagreeing_with_its_allocation_fails_only_that_room():
                 if r["room"] == bad_room:
                     assert r["state"] == "Failed" and "does not match the allocation" in r["failure"], r
                 else:
-                    assert_exact(side, r)   # decode: every byte checked; prefill: nothing to check
+                    assert_exact(side, r)  # decode: every byte checked; prefill: nothing to check

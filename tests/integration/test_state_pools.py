@@ -23,7 +23,7 @@ def pooled(case: Case, pools: dict, counts: dict) -> Case:
     return case
 
 
-TOPOS = [Topo(2, 1, 4), Topo(1, 2, 4), Topo(2, 2, 4), Topo(4, 2, 2)]
+TOPOS = [Topo(P=2, D=1, H=4), Topo(P=1, D=2, H=4), Topo(P=2, D=2, H=4), Topo(P=4, D=2, H=2)]
 
 
 @pytest.mark.timeout(400)
@@ -34,8 +34,13 @@ def test_pools_move_bit_exact_with_the_kv(backend):
         for staging in (True, False):
             rooms = random_rooms(31, 6, 16, base=5000)
             heads = 8 if topo.H >= 4 else 2       # P4 over 2 KV heads: the pool replicates like the KV
-            cases.append(pooled(Case(topo, 16, "bfloat16", staging, backend, rooms=rooms),
-                                {"aux": AUX, "mamba": mamba(heads)}, {"aux": 1, "mamba": 1}))
+            cases.append(
+                pooled(
+                    Case(topo=topo, page_size=16, dtype="bfloat16", staging=staging, backend=backend, rooms=rooms),
+                    {"aux": AUX, "mamba": mamba(heads)},
+                    {"aux": 1, "mamba": 1},
+                )
+            )
     results, codes, logs, _ = run_cases(cases, timeout=240)
     bad = problems(results, codes, logs)
     assert not bad, "\n".join(bad[:10])
@@ -66,11 +71,16 @@ def test_a_pool_in_a_region_of_its_own_moves_bit_exact(backend):
     one write per rank pair per chunk)."""
     own = {**AUX, "own_writes": True}
     cases = []
-    for topo in (Topo(2, 1, 4), Topo(1, 2, 4), Topo(2, 2, 4)):
+    for topo in (Topo(P=2, D=1, H=4), Topo(P=1, D=2, H=4), Topo(P=2, D=2, H=4)):
         for staging in (True, False):
             rooms = random_rooms(37, 4, 16, base=6000)
-            cases.append(pooled(Case(topo, 16, "bfloat16", staging, backend, rooms=rooms),
-                                {"aux": own, "mamba": mamba(8)}, {"aux": 1, "mamba": 1}))
+            cases.append(
+                pooled(
+                    Case(topo=topo, page_size=16, dtype="bfloat16", staging=staging, backend=backend, rooms=rooms),
+                    {"aux": own, "mamba": mamba(8)},
+                    {"aux": 1, "mamba": 1},
+                )
+            )
     results, codes, logs, _ = run_cases(cases, timeout=240)
     bad = problems(results, codes, logs)
     assert not bad, "\n".join(bad[:10])
@@ -89,13 +99,30 @@ def test_mla_with_a_replicated_pool_and_states_of_hundreds_of_kib():
     cases = []
     for backend in ("nixl", "mooncake"):
         rooms = random_rooms(41, 4, 16, base=7000)
-        cases.append(pooled(Case(Topo(2, 4, 1, mla=True), 16, "bfloat16", False, backend, rooms=rooms),
-                            {"aux": AUX}, {"aux": 1}))
-        for topo in (Topo(2, 1, 4), Topo(1, 2, 4)):
+        cases.append(
+            pooled(
+                Case(
+                    topo=Topo(P=2, D=4, H=1, mla=True),
+                    page_size=16,
+                    dtype="bfloat16",
+                    staging=False,
+                    backend=backend,
+                    rooms=rooms,
+                ),
+                {"aux": AUX},
+                {"aux": 1},
+            )
+        )
+        for topo in (Topo(P=2, D=1, H=4), Topo(P=1, D=2, H=4)):
             for staging in (True, False):
                 rooms = random_rooms(43, 3, 16, base=7100)
-                cases.append(pooled(Case(topo, 16, "bfloat16", staging, backend, rooms=rooms),
-                                    {"ssm": BIG_SSM}, {"ssm": 1}))
+                cases.append(
+                    pooled(
+                        Case(topo=topo, page_size=16, dtype="bfloat16", staging=staging, backend=backend, rooms=rooms),
+                        {"ssm": BIG_SSM},
+                        {"ssm": 1},
+                    )
+                )
     results, codes, logs, _ = run_cases(cases, timeout=240)
     bad = problems(results, codes, logs)
     assert not bad, "\n".join(bad[:10])
@@ -109,8 +136,18 @@ def test_pool_items_that_disagree_fail_the_request_on_both_sides():
     for backend in ("nixl", "mooncake"):
         for staging in (True, False):
             rooms = random_rooms(51, 4, 16, base=8000)
-            case = pooled(Case(Topo(2, 1, 4), 16, "bfloat16", staging, backend, rooms=rooms), {"aux": AUX},
-                          {"aux": 1})
+            case = pooled(
+                Case(
+                    topo=Topo(P=2, D=1, H=4),
+                    page_size=16,
+                    dtype="bfloat16",
+                    staging=staging,
+                    backend=backend,
+                    rooms=rooms,
+                ),
+                {"aux": AUX},
+                {"aux": 1},
+            )
             rooms[1]["pool_items_decode"] = {"aux": 2}
             cases.append(case)
     results, codes, logs, _ = run_cases(cases, timeout=200)
@@ -128,7 +165,9 @@ def test_a_pool_registered_on_one_side_only_refuses_the_connection():
     cases = []
     for backend in ("nixl", "mooncake"):
         rooms = random_rooms(61, 2, 16, base=9000)
-        case = Case(Topo(1, 1, 4), 16, "bfloat16", False, backend, rooms=rooms)
+        case = Case(
+            topo=Topo(P=1, D=1, H=4), page_size=16, dtype="bfloat16", staging=False, backend=backend, rooms=rooms
+        )
         case.rank_extra = {("decode", 0): {"geometry": {**case.geometry(), "pools": {"aux": AUX}}}}
         cases.append(case)
     results, codes, logs, _ = run_cases(cases, timeout=120)
@@ -137,5 +176,7 @@ def test_a_pool_registered_on_one_side_only_refuses_the_connection():
         for rec in res["rooms"]:
             assert rec["state"] == "Failed", (c.name, side, rec)
             if side == "decode":
-                assert "pool 'aux': registered at the peer only" in rec["failure"] or \
-                    "pool 'aux': registered here only" in rec["failure"], rec
+                assert (
+                    "pool 'aux': registered at the peer only" in rec["failure"]
+                    or "pool 'aux': registered here only" in rec["failure"]
+                ), rec

@@ -20,19 +20,36 @@ from kvstage.staging.ring import RemoteWatermark, RingAllocator, Watermark
 from kvstage.transfer.config import Timeouts
 from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.poll import KVPoll
-from kvstage.transfer.protocol.actions import (DecodePrefix, PeerKey, PostWrite, PublishWatermark, Released, Scatter, Send,
-                                       StatusChanged)
+from kvstage.transfer.protocol.actions import (
+    DecodePrefix,
+    PeerKey,
+    PostWrite,
+    PublishWatermark,
+    Released,
+    Scatter,
+    Send,
+    StatusChanged,
+)
 from kvstage.transfer.protocol.decode_room import DecodeRoom, RoomPlan
 from kvstage.transfer.protocol.head_mapping import compute_assignments
-from kvstage.transfer.protocol.messages import (AllocGrant, AllocRequest, MetaAck, Quiesced, RoomDone, RoomFailed, RoomMeta,
-                                        WatermarkUpdate, WriterDone)
+from kvstage.transfer.protocol.messages import (
+    AllocGrant,
+    AllocRequest,
+    MetaAck,
+    Quiesced,
+    RoomDone,
+    RoomFailed,
+    RoomMeta,
+    WatermarkUpdate,
+    WriterDone,
+)
 from kvstage.transfer.protocol.prefill_room import PrefillRoom
 
 
-SENTINEL = 0xA5   # the bytes of decode pages that hold a prefix: no write may touch them
+SENTINEL = 0xA5  # the bytes of decode pages that hold a prefix: no write may touch them
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Geometry:
     P: int
     D: int
@@ -41,7 +58,7 @@ class Geometry:
     page_size: int = 2
     head_dim: int = 4
     mla: bool = False
-    pages: int = 256           # pages per cache
+    pages: int = 256  # pages per cache
     ring_bytes: int = 4096
     buffer_bytes: int = 2048
     staged: bool = True
@@ -51,25 +68,25 @@ class Geometry:
 class PendingWrite:
     src_rank: int
     op: object
-    waiting: bool              # staged: waiting for the watermark
+    waiting: bool  # staged: waiting for the watermark
 
 
-@dataclass
+@dataclass(kw_only=True)
 class World:
     g: Geometry
     seed: int
-    drop_tags: float = 0.0     # probability a tag is lost (the write itself lands)
+    drop_tags: float = 0.0  # probability a tag is lost (the write itself lands)
     dup_tags: float = 0.0
-    drop_msgs: float = 0.0     # probability a control message is lost
-    max_ranges: int = 65536    # direct path: descriptors per write
+    drop_msgs: float = 0.0  # probability a control message is lost
+    max_ranges: int = 65536  # direct path: descriptors per write
     hold_completions: bool = False  # the writer learns of its landed writes only when the test says
     now: float = 0.0
-    rooms_p: dict = field(default_factory=dict)    # (rank, room) -> PrefillRoom
-    rooms_d: dict = field(default_factory=dict)    # (rank, room) -> DecodeRoom
+    rooms_p: dict = field(default_factory=dict)  # (rank, room) -> PrefillRoom
+    rooms_d: dict = field(default_factory=dict)  # (rank, room) -> DecodeRoom
     chan: dict = field(default_factory=lambda: defaultdict(deque))  # (src key, dst key) -> messages
     writes: list = field(default_factory=list)
-    tags: list = field(default_factory=list)       # (decode rank, src peer, tag)
-    scatters: list = field(default_factory=list)   # (decode rank, Scatter)
+    tags: list = field(default_factory=list)  # (decode rank, src peer, tag)
+    scatters: list = field(default_factory=list)  # (decode rank, Scatter)
     status_p: dict = field(default_factory=dict)
     status_d: dict = field(default_factory=dict)
     released_p: set = field(default_factory=set)
@@ -81,22 +98,51 @@ class World:
         g = self.g
         self.rng = random.Random(self.seed)
         self.timeouts = Timeouts(metadata=50, watermark=50, arrival=5, scatter=5, room=100)
-        self.lp = [KVLayout(g.layers, g.H, g.head_dim, torch.uint8, g.page_size, g.P, r, g.mla) for r in range(g.P)]
-        self.ld = [KVLayout(g.layers, g.H, g.head_dim, torch.uint8, g.page_size, g.D, r, g.mla) for r in range(g.D)]
+        self.lp = [
+            KVLayout(
+                num_layers=g.layers,
+                total_kv_heads=g.H,
+                head_dim=g.head_dim,
+                dtype=torch.uint8,
+                page_size=g.page_size,
+                tp_size=g.P,
+                tp_rank=r,
+                mla=g.mla,
+            )
+            for r in range(g.P)
+        ]
+        self.ld = [
+            KVLayout(
+                num_layers=g.layers,
+                total_kv_heads=g.H,
+                head_dim=g.head_dim,
+                dtype=torch.uint8,
+                page_size=g.page_size,
+                tp_size=g.D,
+                tp_rank=r,
+                mla=g.mla,
+            )
+            for r in range(g.D)
+        ]
         self.kp = [PeerKey("prefill", r, 1000 + r) for r in range(g.P)]
         self.kd = [PeerKey("decode", r, 2000 + r) for r in range(g.D)]
         nkv = 1 if g.mla else 2
         self.nt = nkv * g.layers
         nrng = np.random.default_rng(self.seed)
-        self.cp = [nrng.integers(0, 256, (self.nt, g.pages, g.page_size, l.local_heads, g.head_dim), dtype=np.uint8)
-                   for l in self.lp]
-        self.cd = [np.zeros((self.nt, g.pages, g.page_size, l.local_heads, g.head_dim), dtype=np.uint8) for l in self.ld]
+        self.cp = [
+            nrng.integers(0, 256, (self.nt, g.pages, g.page_size, l.local_heads, g.head_dim), dtype=np.uint8)
+            for l in self.lp
+        ]
+        self.cd = [
+            np.zeros((self.nt, g.pages, g.page_size, l.local_heads, g.head_dim), dtype=np.uint8) for l in self.ld
+        ]
         self.mapping = compute_assignments(g.P, g.D, g.H, g.mla)
         self.rings = [RingAllocator(g.ring_bytes, align=8) for _ in range(g.D)]
         self.ring_mem = [np.zeros(g.ring_bytes, dtype=np.uint8) for _ in range(g.D)]
         self.ring_owner = [np.full(g.ring_bytes, -1, dtype=np.int64) for _ in range(g.D)]
-        self.remote_wm = {(p, d): RemoteWatermark(self.kd[d].incarnation, g.ring_bytes)
-                          for p in range(g.P) for d in range(g.D)}
+        self.remote_wm = {
+            (p, d): RemoteWatermark(self.kd[d].incarnation, g.ring_bytes) for p in range(g.P) for d in range(g.D)
+        }
         self.op_ids = itertools.count(1)
         self.expected = {}  # (decode rank, room) -> (dst pages, src pages per prefill rank, prefix pages, prefix)
         self.prefix_seen = []  # (prefill rank, prefix) per DecodePrefix action
@@ -112,8 +158,15 @@ class World:
         mpp = max_piece_pages([hpb * a.num_heads for _, a in assigns], g.buffer_bytes, g.ring_bytes, 8) if staged else 0
         return RoomPlan(assigns, tuple(self.kp[p] for p in notices), staged, hpb, mpp, self.kd[d].incarnation)
 
-    def add_room(self, room: int, n: int, chunks: list[int], late_init: bool = False, infer_last: bool = False,
-                 prefix: int | list[int] = 0):
+    def add_room(
+        self,
+        room: int,
+        n: int,
+        chunks: list[int],
+        late_init: bool = False,
+        infer_last: bool = False,
+        prefix: int | list[int] = 0,
+    ):
         """A request of n pages; each prefill rank sends it in the given chunk sizes.
         late_init: the prefill senders learn n with init(), at a random point before their first
         chunk (before or after the decode side's metadata); infer_last: no chunk says last;
@@ -123,8 +176,16 @@ class World:
         session = room * 7 + 1
         src = [np.array(self.rng.sample(range(g.pages), n)) for _ in range(g.P)]
         for p in range(g.P):
-            self.rooms_p[(p, room)] = PrefillRoom(room, None if late_init else n, self.lp[p], self.kp[p].incarnation,
-                                                  self.now, self.timeouts, self.op_ids, self.max_ranges)
+            self.rooms_p[(p, room)] = PrefillRoom(
+                room,
+                None if late_init else n,
+                self.lp[p],
+                self.kp[p].incarnation,
+                self.now,
+                self.timeouts,
+                self.op_ids,
+                self.max_ranges,
+            )
             self.status_p[(p, room)] = KVPoll.Bootstrapping
         for d in range(g.D):
             free = self.free_pages.setdefault(d, list(range(g.pages)))
@@ -143,10 +204,10 @@ class World:
         for p in range(g.P):
             pos = 0
             if late_init:
-                self.pending_chunks.append((p, room, n, None))   # init(n), in order before the chunks
+                self.pending_chunks.append((p, room, n, None))  # init(n), in order before the chunks
             for i, c in enumerate(chunks):
                 last = None if infer_last else i == len(chunks) - 1
-                self.pending_chunks.append((p, room, src[p][pos:pos + c], last))
+                self.pending_chunks.append((p, room, src[p][pos : pos + c], last))
                 pos += c
 
     # -- action application ----------------------------------------------------------------------
@@ -176,9 +237,17 @@ class World:
             elif isinstance(a, PublishWatermark):
                 wm = self.rings[d].watermark
                 for p in range(self.g.P):
-                    self.send(self.kd[d], self.kp[p],
-                              WatermarkUpdate(src=self.kd[d].incarnation, dst=self.kp[p].incarnation,
-                                              epoch=self.kd[d].incarnation, round=wm.round, tail=wm.tail))
+                    self.send(
+                        self.kd[d],
+                        self.kp[p],
+                        WatermarkUpdate(
+                            src=self.kd[d].incarnation,
+                            dst=self.kp[p].incarnation,
+                            epoch=self.kd[d].incarnation,
+                            round=wm.round,
+                            tail=wm.tail,
+                        ),
+                    )
             elif isinstance(a, (StatusChanged, Released)):
                 pass
             else:
@@ -208,12 +277,14 @@ class World:
                 return
             if isinstance(msg, RoomFailed) and r.released:
                 # the shell: a finished room has nothing in flight (an earlier Quiesced was lost)
-                self.send(dst, src, Quiesced(src=dst.incarnation, dst=src.incarnation, room=msg.room,
-                                             session=msg.session))
+                self.send(
+                    dst, src, Quiesced(src=dst.incarnation, dst=src.incarnation, room=msg.room, session=msg.session)
+                )
                 return
             if isinstance(msg, RoomMeta):
-                self.send(dst, src, MetaAck(src=dst.incarnation, dst=src.incarnation, room=msg.room,
-                                            session=msg.session))
+                self.send(
+                    dst, src, MetaAck(src=dst.incarnation, dst=src.incarnation, room=msg.room, session=msg.session)
+                )
                 self.apply_p(p, r.add_meta(src, self.g.D, msg, self.now))
             elif isinstance(msg, AllocGrant):
                 self.apply_p(p, r.on_grant(src, msg, self.now))
@@ -251,20 +322,20 @@ class World:
     def land(self, w: PendingWrite):
         op, p, d = w.op, w.src_rank, w.op.peer.tp_rank
         g = self.g
-        src = self.cp[p][:, op.src_pages][:, :, :, op.src_heads[0]:op.src_heads[1]]
+        src = self.cp[p][:, op.src_pages][:, :, :, op.src_heads[0] : op.src_heads[1]]
         if op.staged:
             data = np.ascontiguousarray(src).reshape(-1)
             assert data.size == op.nbytes
             off = (op.ring_start % g.ring_bytes) + op.writer_offset
-            owners = self.ring_owner[d][off:off + op.nbytes]
+            owners = self.ring_owner[d][off : off + op.nbytes]
             # a byte may only be overwritten once the piece that owned it was scattered and freed
             busy = owners[(owners >= 0) & (owners != op.ring_start)]
             if busy.size:
                 self.overlaps += 1
-            self.ring_mem[d][off:off + op.nbytes] = data
-            self.ring_owner[d][off:off + op.nbytes] = op.ring_start
+            self.ring_mem[d][off : off + op.nbytes] = data
+            self.ring_owner[d][off : off + op.nbytes] = op.ring_start
         else:
-            self.cd[d][:, op.dst_pages, :, op.dst_heads[0]:op.dst_heads[1]] = src
+            self.cd[d][:, op.dst_pages, :, op.dst_heads[0] : op.dst_heads[1]] = src
         if self.hold_completions:
             self.completions.append((p, op))
         else:
@@ -279,10 +350,10 @@ class World:
         r = self.rooms_d[(d, s.room)]
         for part in s.parts:
             nheads = part.dst_heads[1] - part.dst_heads[0]
-            data = self.ring_mem[d][part.region_offset:part.region_offset + part.nbytes]
+            data = self.ring_mem[d][part.region_offset : part.region_offset + part.nbytes]
             block = data.reshape(self.nt, s.dst_pages.size, g.page_size, nheads, g.head_dim)
-            self.cd[d][:, s.dst_pages, :, part.dst_heads[0]:part.dst_heads[1]] = block
-            self.ring_owner[d][part.region_offset:part.region_offset + part.nbytes] = -1
+            self.cd[d][:, s.dst_pages, :, part.dst_heads[0] : part.dst_heads[1]] = block
+            self.ring_owner[d][part.region_offset : part.region_offset + part.nbytes] = -1
         self.apply_d(d, r.on_scattered(s.key, True, None, self.rings[d], self.now))
 
     def cancel_failed_writes(self):
@@ -346,7 +417,7 @@ class World:
             self.apply_p(p, r.tick(self.now))
         for (d, _), r in self.rooms_d.items():
             self.apply_d(d, r.tick(self.rings[d], self.now))
-        for (p, d), view in self.remote_wm.items():   # heartbeats carry the watermark
+        for (p, d), view in self.remote_wm.items():  # heartbeats carry the watermark
             wm = self.rings[d].watermark
             if self.rng.random() >= self.drop_msgs:
                 view.update(self.kd[d].incarnation, wm)
@@ -376,8 +447,8 @@ class World:
             if held.size and not (self.cd[d][:, held] == SENTINEL).all():
                 return False  # a byte landed in a page that holds the prefix
             for a in self.mapping.for_decode(d):
-                got = self.cd[d][:, dst][:, :, :, a.dst_heads[0]:a.dst_heads[1]]
-                want = self.cp[a.prefill_rank][:, src[a.prefill_rank][k:]][:, :, :, a.src_heads[0]:a.src_heads[1]]
+                got = self.cd[d][:, dst][:, :, :, a.dst_heads[0] : a.dst_heads[1]]
+                want = self.cp[a.prefill_rank][:, src[a.prefill_rank][k:]][:, :, :, a.src_heads[0] : a.src_heads[1]]
                 if not np.array_equal(got, want):
                     return False
         return True

@@ -129,7 +129,7 @@ class FakeBackend(Backend):
         pass
 
     def post_write(self, peer, src, dst, tag, *, dst_kind=None):
-        return WriteHandle(peer, 0, 0, state=WriteState.DONE)
+        return WriteHandle(peer=peer, nbytes=0, ndesc=0, state=WriteState.DONE)
 
     def poll_write(self, handle):
         return handle.state
@@ -147,7 +147,7 @@ class FakeBackend(Backend):
 
 def test_registered_deregisters_on_normal_exit():
     be = FakeBackend()
-    with be.registered([MemRegion(4096, 4096)]) as reg:
+    with be.registered([MemRegion(addr=4096, length=4096)]) as reg:
         assert reg.active and len(be.active) == 1
     assert not reg.active and be.active == {}
 
@@ -155,7 +155,7 @@ def test_registered_deregisters_on_normal_exit():
 def test_registered_deregisters_on_error_and_reraises():
     be = FakeBackend()
     with pytest.raises(KeyError):
-        with be.registered([MemRegion(4096, 4096)]) as reg:
+        with be.registered([MemRegion(addr=4096, length=4096)]) as reg:
             raise KeyError("inside")
     assert not reg.active and be.active == {}
     be.deregister(reg)  # idempotent
@@ -165,7 +165,7 @@ def test_registered_deregisters_on_error_and_reraises():
 def test_registered_failure_to_register_propagates_without_deregister():
     be = FakeBackend(fail_register=True)
     with pytest.raises(BackendError):
-        with be.registered([MemRegion(4096, 4096)]):
+        with be.registered([MemRegion(addr=4096, length=4096)]):
             pytest.fail("body must not run")
     assert be.calls == ["register"]
 

@@ -57,7 +57,7 @@ class RecordingBackend(Backend):
 
     def post_write(self, peer, src, dst, tag, *, dst_kind=None):
         self.posts.append((peer, dst_kind))
-        return WriteHandle(peer, int(src[:, 1].sum()), len(src), state=WriteState.DONE)
+        return WriteHandle(peer=peer, nbytes=int(src[:, 1].sum()), ndesc=len(src), state=WriteState.DONE)
 
     def poll_write(self, handle):
         return handle.state

@@ -21,8 +21,14 @@ def cache(layout, pages=16):
 
 @pytest.mark.parametrize("dtype,head_dim", [(torch.bfloat16, 16), (torch.float8_e4m3fn, 4), (torch.float32, 3)])
 def test_prefill_pattern_checks_out_on_decode_ranks_with_other_tp(dtype, head_dim):
-    pre = [KVLayout(2, 4, head_dim, dtype, 4, 4, r) for r in range(4)]
-    dec = [KVLayout(2, 4, head_dim, dtype, 4, 2, r) for r in range(2)]
+    pre = [
+        KVLayout(num_layers=2, total_kv_heads=4, head_dim=head_dim, dtype=dtype, page_size=4, tp_size=4, tp_rank=r)
+        for r in range(4)
+    ]
+    dec = [
+        KVLayout(num_layers=2, total_kv_heads=4, head_dim=head_dim, dtype=dtype, page_size=4, tp_size=2, tp_rank=r)
+        for r in range(2)
+    ]
     src_pages, dst_pages = np.array([3, 1, 7]), np.array([9, 2, 5])
     pcaches = [cache(l) for l in pre]
     for l, c in zip(pre, pcaches):
@@ -35,15 +41,15 @@ def test_prefill_pattern_checks_out_on_decode_ranks_with_other_tp(dtype, head_di
                 c[t].view(-1, 4, 2, head_dim)[dst_pages, :, h] = src[src_pages, :, 0]
         pat = KVPattern(l)
         assert pat.check(c, 42, dst_pages) is None
-        assert pat.check(c, 43, dst_pages) is not None                     # other room
-        assert pat.check(c, 42, dst_pages[[1, 0, 2]]) is not None         # pages swapped
+        assert pat.check(c, 43, dst_pages) is not None  # other room
+        assert pat.check(c, 42, dst_pages[[1, 0, 2]]) is not None  # pages swapped
         hb = head_dim * c[1].element_size()
         c[1].view(torch.uint8).view(-1, 4, 2, hb)[dst_pages[2], 3, 1, hb - 1] ^= 1  # one bit
         assert pat.check(c, 42, dst_pages) is not None
 
 
 def test_a_flipped_bit_is_caught():
-    l = KVLayout(1, 2, 8, torch.bfloat16, 2, 1, 0)
+    l = KVLayout(num_layers=1, total_kv_heads=2, head_dim=8, dtype=torch.bfloat16, page_size=2, tp_size=1, tp_rank=0)
     c = cache(l)
     pat = KVPattern(l)
     pages = np.array([4, 5])

@@ -62,15 +62,23 @@ def test_buffers_validate_ok():
     assert KVBuffers(k, v).validate(lay).num_pages == 3
 
 
-@pytest.mark.parametrize("mutate, message", [
-    (lambda k, v: k.pop(), "k has 1 layers"),
-    (lambda k, v: v.__setitem__(1, torch.zeros(12, 2, 8, dtype=torch.bfloat16)), r"v\[1\] has shape"),
-    (lambda k, v: k.__setitem__(0, torch.zeros(12, 2, 16, dtype=torch.float16)), r"k\[0\] has dtype"),
-    (lambda k, v: k.__setitem__(1, torch.zeros(16, 2, 12, dtype=torch.bfloat16).transpose(0, 2)[:12].transpose(1, 2)), r"k\[1\]"),
-    (lambda k, v: k.__setitem__(1, torch.zeros(10, 2, 16, dtype=torch.bfloat16)), r"k\[1\] has 10 tokens"),
-    (lambda k, v: k.__setitem__(1, torch.zeros(16, 2, 16, dtype=torch.bfloat16)), r"k\[1\] has 16 tokens"),
-    (lambda k, v: k.__setitem__(0, "x"), r"k\[0\] is str"),
-])
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda k, v: k.pop(), "k has 1 layers"),
+        (lambda k, v: v.__setitem__(1, torch.zeros(12, 2, 8, dtype=torch.bfloat16)), r"v\[1\] has shape"),
+        (lambda k, v: k.__setitem__(0, torch.zeros(12, 2, 16, dtype=torch.float16)), r"k\[0\] has dtype"),
+        (
+            lambda k, v: k.__setitem__(
+                1, torch.zeros(16, 2, 12, dtype=torch.bfloat16).transpose(0, 2)[:12].transpose(1, 2)
+            ),
+            r"k\[1\]",
+        ),
+        (lambda k, v: k.__setitem__(1, torch.zeros(10, 2, 16, dtype=torch.bfloat16)), r"k\[1\] has 10 tokens"),
+        (lambda k, v: k.__setitem__(1, torch.zeros(16, 2, 16, dtype=torch.bfloat16)), r"k\[1\] has 16 tokens"),
+        (lambda k, v: k.__setitem__(0, "x"), r"k\[0\] is str"),
+    ],
+)
 def test_buffers_validate_errors(mutate, message):
     lay = layout()
     k, v = make_buffers(lay)
@@ -98,11 +106,14 @@ def test_buffers_mla_and_v_presence():
         KVBuffers(*make_buffers(layout())[:1], None).validate(layout())
 
 
-@pytest.mark.parametrize("alias, pair", [
-    (lambda k, v: v.__setitem__(0, k[0]), r"k\[0\] and v\[0\]"),             # K and V are one tensor
-    (lambda k, v: k.__setitem__(1, k[0]), r"k\[0\] and k\[1\]"),             # two layers share one
-    (lambda k, v: v.__setitem__(1, k[0].view(-1).view(k[0].shape)), r"k\[0\] and v\[1\]"),  # a view of it
-])
+@pytest.mark.parametrize(
+    "alias, pair",
+    [
+        (lambda k, v: v.__setitem__(0, k[0]), r"k\[0\] and v\[0\]"),  # K and V are one tensor
+        (lambda k, v: k.__setitem__(1, k[0]), r"k\[0\] and k\[1\]"),  # two layers share one
+        (lambda k, v: v.__setitem__(1, k[0].view(-1).view(k[0].shape)), r"k\[0\] and v\[1\]"),  # a view of it
+    ],
+)
 def test_buffers_refuse_aliased_tensors(alias, pair):
     lay = layout()
     k, v = make_buffers(lay)
@@ -132,48 +143,57 @@ def test_buffers_accept_adjacent_views_of_one_storage():
 def test_buffers_name_a_meta_tensor_as_such(where):
     """A meta tensor has no memory: named for what it is, not as an overlap of two tensors."""
     from kvstage.transfer.state_pools import StatePool
-    layout = KVLayout(num_layers=2, total_kv_heads=1, head_dim=8, dtype=torch.float32, page_size=4, tp_size=1,
-                      tp_rank=0)
+
+    layout = KVLayout(
+        num_layers=2, total_kv_heads=1, head_dim=8, dtype=torch.float32, page_size=4, tp_size=1, tp_rank=0
+    )
     k = [torch.zeros(16, 1, 8) for _ in range(2)]
     v = [torch.zeros(16, 1, 8) for _ in range(2)]
     pool = [torch.zeros(4, 3)]
-    {"k": k, "v": v, "pool": pool}[where][-1] = torch.zeros(*({"pool": (4, 3)}.get(where, (16, 1, 8))),
-                                                           device="meta")
+    {"k": k, "v": v, "pool": pool}[where][-1] = torch.zeros(*({"pool": (4, 3)}.get(where, (16, 1, 8))), device="meta")
     name = {"k": "k\\[1\\]", "v": "v\\[1\\]", "pool": "pool 'aux' tensor 0"}[where]
     with pytest.raises(ValueError, match=f"{name} is on the meta device: it has no memory"):
-        KVBuffers(k, v, pools={"aux": StatePool(pool)}).validate(layout)
+        KVBuffers(k, v, pools={"aux": StatePool(tensors=pool)}).validate(layout)
 
 
 @pytest.mark.parametrize("device, match", [("meta", "is on the meta device"), ("nonsense", "is not a torch device")])
 def test_from_pointers_names_the_device_option(device, match):
-    layout = KVLayout(num_layers=1, total_kv_heads=1, head_dim=8, dtype=torch.float32, page_size=4, tp_size=1,
-                      tp_rank=0)
+    layout = KVLayout(
+        num_layers=1, total_kv_heads=1, head_dim=8, dtype=torch.float32, page_size=4, tp_size=1, tp_rank=0
+    )
     t = [torch.zeros(16, 1, 8), torch.zeros(16, 1, 8)]
     with pytest.raises(ValueError, match=f"from_pointers\\(device='{device}'\\) {match}"):
-        KVBuffers.from_pointers(layout, [x.data_ptr() for x in t], [x.nbytes for x in t], [x[0:4].nbytes for x in t],
-                                device=device)
+        KVBuffers.from_pointers(
+            layout, [x.data_ptr() for x in t], [x.nbytes for x in t], [x[0:4].nbytes for x in t], device=device
+        )
 
 
 def test_from_pointers_on_cuda_without_cuda_is_named():
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the pointers could be device memory")  # CI has none
-    layout = KVLayout(num_layers=1, total_kv_heads=1, head_dim=8, dtype=torch.float32, page_size=4, tp_size=1,
-                      tp_rank=0)
+    layout = KVLayout(
+        num_layers=1, total_kv_heads=1, head_dim=8, dtype=torch.float32, page_size=4, tp_size=1, tp_rank=0
+    )
     t = [torch.zeros(16, 1, 8), torch.zeros(16, 1, 8)]
     with pytest.raises(ValueError, match=r"from_pointers\(device='cuda:0'\): CUDA is not available"):
-        KVBuffers.from_pointers(layout, [x.data_ptr() for x in t], [x.nbytes for x in t], [x[0:4].nbytes for x in t],
-                                device="cuda:0")
+        KVBuffers.from_pointers(
+            layout, [x.data_ptr() for x in t], [x.nbytes for x in t], [x[0:4].nbytes for x in t], device="cuda:0"
+        )
 
 
 def test_a_pool_is_one_region_but_may_live_beside_the_kv_on_another_device():
     from kvstage.transfer.state_pools import StatePool
-    layout = KVLayout(num_layers=1, total_kv_heads=1, head_dim=8, dtype=torch.float32, page_size=4, tp_size=1,
-                      tp_rank=0)
+
+    layout = KVLayout(
+        num_layers=1, total_kv_heads=1, head_dim=8, dtype=torch.float32, page_size=4, tp_size=1, tp_rank=0
+    )
     kv = ([torch.zeros(16, 1, 8)], [torch.zeros(16, 1, 8)])
-    split = StatePool([torch.zeros(4, 3), torch.zeros(4, 3, device="meta")])
-    with pytest.raises(ValueError, match="pool 'aux' tensor 1 is on meta, tensor 0 on cpu: a pool is one memory region"):
+    split = StatePool(tensors=[torch.zeros(4, 3), torch.zeros(4, 3, device="meta")])
+    with pytest.raises(
+        ValueError, match="pool 'aux' tensor 1 is on meta, tensor 0 on cpu: a pool is one memory region"
+    ):
         KVBuffers(*kv, pools={"aux": split}).validate(layout)
-    ok = KVBuffers(*kv, pools={"aux": StatePool([torch.zeros(4, 3)], own_writes=True)}).validate(layout)
+    ok = KVBuffers(*kv, pools={"aux": StatePool(tensors=[torch.zeros(4, 3)], own_writes=True)}).validate(layout)
     assert ok.pools["aux"].kind == "DRAM" and ok.kind == "DRAM" and ok.pools["aux"].own_writes
     with pytest.raises(ValueError, match="own_writes must be a bool"):
-        KVBuffers(*kv, pools={"aux": StatePool([torch.zeros(4, 3)], own_writes="yes")}).validate(layout)
+        KVBuffers(*kv, pools={"aux": StatePool(tensors=[torch.zeros(4, 3)], own_writes="yes")}).validate(layout)

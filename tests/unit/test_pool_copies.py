@@ -21,9 +21,14 @@ def pools(seed: int, heads: int) -> dict:
     def rnd(shape, dtype):
         return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8).view(dtype).reshape(*shape[:-1], -1)
 
-    return {"mamba": StatePool([rnd((ITEMS, heads, 3, 8), torch.float32), rnd((ITEMS, heads, 2, 4), torch.bfloat16)],
-                               "heads", heads=heads),
-            "aux": StatePool([rnd((ITEMS, 12), torch.int32), rnd((ITEMS, 1), torch.uint8)])}
+    return {
+        "mamba": StatePool(
+            tensors=[rnd((ITEMS, heads, 3, 8), torch.float32), rnd((ITEMS, heads, 2, 4), torch.bfloat16)],
+            sharding="heads",
+            heads=heads,
+        ),
+        "aux": StatePool(tensors=[rnd((ITEMS, 12), torch.int32), rnd((ITEMS, 1), torch.uint8)]),
+    }
 
 
 def copies(p: dict, src_items, dst_items, src_heads, dst_heads) -> list[PoolCopy]:
@@ -35,8 +40,9 @@ def copies(p: dict, src_items, dst_items, src_heads, dst_heads) -> list[PoolCopy
             row = t[0].numel() * t.element_size()
             item_bytes = row if hs is None else row // t.shape[1] * (hs[1] - hs[0])
             n = len(src_items) * item_bytes
-            out.append(PoolCopy(PoolSegment(name, i, hs, hd, item_bytes), np.array(src_items), np.array(dst_items),
-                                offset, n))
+            out.append(
+                PoolCopy(PoolSegment(name, i, hs, hd, item_bytes), np.array(src_items), np.array(dst_items), offset, n)
+            )
             offset += n
     return out
 
@@ -46,7 +52,9 @@ def expected_block(p: dict, cs: list[PoolCopy]) -> bytes:
     for c in cs:
         t = p[c.segment.pool].tensors[c.segment.tensor]
         for i in c.src_items:
-            row = t[int(i)] if c.segment.src_heads is None else t[int(i), c.segment.src_heads[0]:c.segment.src_heads[1]]
+            row = (
+                t[int(i)] if c.segment.src_heads is None else t[int(i), c.segment.src_heads[0] : c.segment.src_heads[1]]
+            )
             parts.append(row.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return b"".join(parts)
 
@@ -69,17 +77,17 @@ def test_gather_then_scatter_moves_exactly_the_named_items(data):
     out = torch.full((offset + total + 3,), 0xAB, dtype=torch.uint8)
 
     assert gather_pools(PoolBytes(src), cs, out, offset) == total
-    assert out[offset:offset + total].numpy().tobytes() == expected_block(src, cs)
-    assert bool((out[:offset] == 0xAB).all()) and bool((out[offset + total:] == 0xAB).all())
+    assert out[offset : offset + total].numpy().tobytes() == expected_block(src, cs)
+    assert bool((out[:offset] == 0xAB).all()) and bool((out[offset + total :] == 0xAB).all())
 
-    scatter_pools(PoolBytes(dst), [(out[offset + c.offset:offset + c.offset + c.nbytes], c) for c in cs])
+    scatter_pools(PoolBytes(dst), [(out[offset + c.offset : offset + c.offset + c.nbytes], c) for c in cs])
     for name, pool in dst.items():
         for i, t in enumerate(pool.tensors):
             want = before[name][i].clone()
             sharded = pool.sharding == "heads"
             for s, d in zip(src_items, dst_items):
                 if sharded:
-                    want[d, d0:d0 + width] = src[name].tensors[i][s, h0:h0 + width]
+                    want[d, d0 : d0 + width] = src[name].tensors[i][s, h0 : h0 + width]
                 else:
                     want[d] = src[name].tensors[i][s]
             assert torch.equal(t.view(torch.uint8), want.view(torch.uint8)), (name, i)
@@ -113,7 +121,7 @@ def test_an_item_outside_the_pool_is_refused_before_any_byte_moves(item):
     gather_pools(src, good, out, 0)
     bad_dst = good[:-1] + [PoolCopy(last.segment, last.src_items, np.array([1, item]), last.offset, last.nbytes)]
     with pytest.raises(ValueError, match=f"item {item} is out of range"):
-        scatter_pools(dst, [(out[c.offset:c.offset + c.nbytes], c) for c in bad_dst])
+        scatter_pools(dst, [(out[c.offset : c.offset + c.nbytes], c) for c in bad_dst])
     assert changed(dst, dst_before) == []
 
 
@@ -149,9 +157,9 @@ def test_a_request_moves_all_its_items_in_one_torch_op():
     cs = copies(src, [3, 1, 4], [0, 2, 5], (1, 3), (2, 4))
     out = torch.zeros(sum(c.nbytes for c in cs), dtype=torch.uint8)
     gather_pools(pb_src, cs, out, 0)  # the first call builds the byte views
-    scatter_pools(pb_dst, [(out[c.offset:c.offset + c.nbytes], c) for c in cs])
+    scatter_pools(pb_dst, [(out[c.offset : c.offset + c.nbytes], c) for c in cs])
     with _Ops() as g:
         gather_pools(pb_src, cs, out, 0)
     with _Ops() as s:
-        scatter_pools(pb_dst, [(out[c.offset:c.offset + c.nbytes], c) for c in cs])
+        scatter_pools(pb_dst, [(out[c.offset : c.offset + c.nbytes], c) for c in cs])
     assert g.ops == ["_foreach_copy_"] and s.ops == ["_foreach_copy_"], (g.ops, s.ops)

@@ -14,7 +14,16 @@ from kvstage.transfer.state_pools import check_pool_items, pool_mismatches
 
 
 def layout(tp=2, rank=0, heads=4, mla=False):
-    return KVLayout(2, 1 if mla else heads, 8, torch.bfloat16, 4, tp, rank, mla)
+    return KVLayout(
+        num_layers=2,
+        total_kv_heads=1 if mla else heads,
+        head_dim=8,
+        dtype=torch.bfloat16,
+        page_size=4,
+        tp_size=tp,
+        tp_rank=rank,
+        mla=mla,
+    )
 
 
 def kv(lay, pages=8):
@@ -26,8 +35,8 @@ def kv(lay, pages=8):
 def test_buffers_validate_pools_and_summarise_them():
     lay = layout()
     k, v = kv(lay)
-    aux = StatePool([torch.zeros(16, 5), torch.zeros(16, 3, dtype=torch.int32)])
-    mamba = StatePool([torch.zeros(4, 4, 6, 2)], "heads", heads=8)
+    aux = StatePool(tensors=[torch.zeros(16, 5), torch.zeros(16, 3, dtype=torch.int32)])
+    mamba = StatePool(tensors=[torch.zeros(4, 4, 6, 2)], sharding="heads", heads=8)
     b = KVBuffers(k, v, pools={"mamba": mamba, "aux": aux}).validate(lay)
     assert [p.name for p in b.pool_specs] == ["aux", "mamba"]
     assert b.pool_specs[0].rows == [[5], [3]] and b.pool_specs[0].dtypes == ["float32", "int32"]
@@ -35,15 +44,18 @@ def test_buffers_validate_pools_and_summarise_them():
     assert aux.num_items == 16 and mamba.num_items == 4
 
 
-@pytest.mark.parametrize("pool, match", [
-    (StatePool([torch.zeros(4, 3, 6)], "heads", heads=6), "do not divide by TP size 4"),
-    (StatePool([torch.zeros(4, 1, 6)], "heads", heads=8), "has 1 heads in dim 1"),
-    (StatePool([torch.zeros(4, 5), torch.zeros(3, 5)]), "has 3 items, tensor 0 has 4"),
-    (StatePool([torch.zeros(4, 6)[:, ::2]]), "not contiguous"),
-    (StatePool([torch.zeros(0, 6)]), "holds no items"),
-    (StatePool([torch.zeros(4, 6)], "rows"), "sharding must be one of"),
-    (StatePool([torch.zeros(4, 6)], heads=4), "heads is only for sharding='heads'"),
-])
+@pytest.mark.parametrize(
+    "pool, match",
+    [
+        (StatePool(tensors=[torch.zeros(4, 3, 6)], sharding="heads", heads=6), "do not divide by TP size 4"),
+        (StatePool(tensors=[torch.zeros(4, 1, 6)], sharding="heads", heads=8), "has 1 heads in dim 1"),
+        (StatePool(tensors=[torch.zeros(4, 5), torch.zeros(3, 5)]), "has 3 items, tensor 0 has 4"),
+        (StatePool(tensors=[torch.zeros(4, 6)[:, ::2]]), "not contiguous"),
+        (StatePool(tensors=[torch.zeros(0, 6)]), "holds no items"),
+        (StatePool(tensors=[torch.zeros(4, 6)], sharding="rows"), "sharding must be one of"),
+        (StatePool(tensors=[torch.zeros(4, 6)], heads=4), "heads is only for sharding='heads'"),
+    ],
+)
 def test_bad_pools_are_refused_naming_the_pool(pool, match):
     lay = layout(tp=4, heads=4)
     k, v = kv(lay)
@@ -55,15 +67,21 @@ def test_a_pool_sharing_bytes_with_the_kv_is_refused():
     lay = layout()
     k, v = kv(lay)
     with pytest.raises(ValueError, match="overlap"):
-        KVBuffers(k, v, pools={"p": StatePool([k[0].view(16, -1)])}).validate(lay)
+        KVBuffers(k, v, pools={"p": StatePool(tensors=[k[0].view(16, -1)])}).validate(lay)
 
 
 def test_pool_mismatches_are_readable():
     lay = layout()
     k, v = kv(lay)
-    mine = KVBuffers(k, v, pools={"aux": StatePool([torch.zeros(8, 5)])}).validate(lay).pool_specs
-    theirs = KVBuffers(*kv(lay), pools={"aux": StatePool([torch.zeros(8, 6)]),
-                                        "ssm": StatePool([torch.zeros(8, 2)])}).validate(lay).pool_specs
+    mine = KVBuffers(k, v, pools={"aux": StatePool(tensors=[torch.zeros(8, 5)])}).validate(lay).pool_specs
+    theirs = (
+        KVBuffers(
+            *kv(lay),
+            pools={"aux": StatePool(tensors=[torch.zeros(8, 6)]), "ssm": StatePool(tensors=[torch.zeros(8, 2)])},
+        )
+        .validate(lay)
+        .pool_specs
+    )
     out = pool_mismatches(mine, theirs)
     assert out == ["pool 'ssm': registered at the peer only", "pool 'aux' rows: [[5]] here vs [[6]] at peer"]
     assert lay.summary(mine).mismatches(lay.summary(theirs)) == out
@@ -71,11 +89,16 @@ def test_pool_mismatches_are_readable():
 
 
 def test_request_items_are_checked_in_the_callers_thread():
-    pools = {"aux": StatePool([torch.zeros(8, 5)])}
+    pools = {"aux": StatePool(tensors=[torch.zeros(8, 5)])}
     pools["aux"].spec("aux", layout())
     assert check_pool_items({"aux": [3, 1]}, pools, "x")["aux"].tolist() == [3, 1]
-    for bad, match in (({"ssm": [0]}, "unknown pool 'ssm'"), ({"aux": [8]}, r"outside \[0, 8\)"),
-                       ({"aux": [1, 1]}, "twice"), ({"aux": [[1]]}, "1-D list of ints"), ([1], "must be a dict")):
+    for bad, match in (
+        ({"ssm": [0]}, "unknown pool 'ssm'"),
+        ({"aux": [8]}, r"outside \[0, 8\)"),
+        ({"aux": [1, 1]}, "twice"),
+        ({"aux": [[1]]}, "1-D list of ints"),
+        ([1], "must be a dict"),
+    ):
         with pytest.raises(ValueError, match=match):
             check_pool_items(bad, pools, "x")
 
@@ -87,10 +110,18 @@ SPEC_CASES = [(P, D, H) for P in (1, 2, 4) for D in (1, 2, 4) for H in (2, 4, 8)
 def test_every_decode_rank_gets_every_pool_byte_exactly_once(P, D, H):
     """Summed over its writers, a decode rank receives each replicated item once and each of its
     heads of a heads pool once, from flows the KV makes anyway."""
-    lay = KVLayout(2, H, 8, torch.bfloat16, 4, P, 0)
-    specs = KVBuffers(*kv(lay), pools={
-        "aux": StatePool([torch.zeros(8, 5)]),
-        "ssm": StatePool([torch.zeros(8, max(1, H // P), 3)], "heads")}).validate(lay).pool_specs
+    lay = KVLayout(num_layers=2, total_kv_heads=H, head_dim=8, dtype=torch.bfloat16, page_size=4, tp_size=P, tp_rank=0)
+    specs = (
+        KVBuffers(
+            *kv(lay),
+            pools={
+                "aux": StatePool(tensors=[torch.zeros(8, 5)]),
+                "ssm": StatePool(tensors=[torch.zeros(8, max(1, H // P), 3)], sharding="heads"),
+            },
+        )
+        .validate(lay)
+        .pool_specs
+    )
     assert writers_mismatch(specs, P, D, H, False) == ""
     mapping = compute_assignments(P, D, H)
     for d in range(D):
@@ -102,9 +133,14 @@ def test_every_decode_rank_gets_every_pool_byte_exactly_once(P, D, H):
 
 
 def test_heads_pool_with_other_writers_than_the_kv_is_refused_at_connect():
-    lay = KVLayout(2, 2, 8, torch.bfloat16, 4, 4, 0)    # P4 over 2 KV heads: KV replicated
-    specs = KVBuffers(*kv(lay), pools={"ssm": StatePool([torch.zeros(8, 2, 3)], "heads", heads=8)}).validate(
-        lay).pool_specs
+    lay = KVLayout(
+        num_layers=2, total_kv_heads=2, head_dim=8, dtype=torch.bfloat16, page_size=4, tp_size=4, tp_rank=0
+    )  # P4 over 2 KV heads: KV replicated
+    specs = (
+        KVBuffers(*kv(lay), pools={"ssm": StatePool(tensors=[torch.zeros(8, 2, 3)], sharding="heads", heads=8)})
+        .validate(lay)
+        .pool_specs
+    )
     why = writers_mismatch(specs, 4, 1, 2, False)
     assert "pool 'ssm'" in why and "must have the KV's writers" in why
     assert writers_mismatch(specs[:0], 4, 1, 2, False) == ""
@@ -112,8 +148,11 @@ def test_heads_pool_with_other_writers_than_the_kv_is_refused_at_connect():
 
 def test_mla_with_a_replicated_pool():
     lay = layout(tp=2, mla=True)
-    specs = KVBuffers(*kv(lay), pools={"aux": StatePool([torch.zeros(8, 7, dtype=torch.int32)])}).validate(
-        lay).pool_specs
+    specs = (
+        KVBuffers(*kv(lay), pools={"aux": StatePool(tensors=[torch.zeros(8, 7, dtype=torch.int32)])})
+        .validate(lay)
+        .pool_specs
+    )
     mapping = compute_assignments(2, 4, 1, True)
     for d in range(4):
         (a,) = mapping.for_decode(d)
@@ -126,15 +165,23 @@ def test_final_part_offsets_tile_the_region(case, head_bytes, n_aux, n_ssm):
     """Writers' parts of the last piece (KV then pool block), as final_part places them, follow
     each other without a gap or an overlap and add up to the decode rank's KV and pool bytes."""
     P, D, H = case
-    lay = KVLayout(2, H, 8, torch.bfloat16, 4, P, 0)
-    specs = KVBuffers(*kv(lay), pools={
-        "aux": StatePool([torch.zeros(8, 5)]),
-        "ssm": StatePool([torch.zeros(8, max(1, H // P), 3)], "heads")}).validate(lay).pool_specs
+    lay = KVLayout(num_layers=2, total_kv_heads=H, head_dim=8, dtype=torch.bfloat16, page_size=4, tp_size=P, tp_rank=0)
+    specs = (
+        KVBuffers(
+            *kv(lay),
+            pools={
+                "aux": StatePool(tensors=[torch.zeros(8, 5)]),
+                "ssm": StatePool(tensors=[torch.zeros(8, max(1, H // P), 3)], sharding="heads"),
+            },
+        )
+        .validate(lay)
+        .pool_specs
+    )
     mapping = compute_assignments(P, D, H)
     src = {"aux": np.arange(n_aux), "ssm": np.arange(n_ssm)}
     for d in range(D):
         end = 0
-        for a in mapping.for_decode(d):   # in writer order
+        for a in mapping.for_decode(d):  # in writer order
             offset, copies = final_part(specs, mapping, a, head_bytes, src, None)
             assert offset == end, (d, a)
             end = offset + head_bytes * a.num_heads + block_bytes(copies)
@@ -144,15 +191,26 @@ def test_final_part_offsets_tile_the_region(case, head_bytes, n_aux, n_ssm):
 
 def test_prefill_and_decode_agree_on_the_last_piece_layout():
     P, D, H = 2, 1, 4
-    lay = KVLayout(2, H, 8, torch.bfloat16, 4, P, 0)
-    specs = KVBuffers(*kv(lay), pools={"aux": StatePool([torch.zeros(8, 5)]),
-                                       "ssm": StatePool([torch.zeros(8, 2, 3)], "heads")}).validate(lay).pool_specs
+    lay = KVLayout(num_layers=2, total_kv_heads=H, head_dim=8, dtype=torch.bfloat16, page_size=4, tp_size=P, tp_rank=0)
+    specs = (
+        KVBuffers(
+            *kv(lay),
+            pools={
+                "aux": StatePool(tensors=[torch.zeros(8, 5)]),
+                "ssm": StatePool(tensors=[torch.zeros(8, 2, 3)], sharding="heads"),
+            },
+        )
+        .validate(lay)
+        .pool_specs
+    )
     mapping = compute_assignments(P, D, H)
     src = {"aux": np.array([3]), "ssm": np.array([1, 2])}
     dst = {"aux": np.array([0]), "ssm": np.array([5, 6])}
     head_bytes = 100
-    decode_sizes = [head_bytes * a.num_heads + block_bytes(request_copies(writer_segments(specs, P, D, a), None, dst))
-                    for a in mapping.for_decode(0)]
+    decode_sizes = [
+        head_bytes * a.num_heads + block_bytes(request_copies(writer_segments(specs, P, D, a), None, dst))
+        for a in mapping.for_decode(0)
+    ]
     for a in mapping.for_decode(0):
         offset, copies = final_part(specs, mapping, a, head_bytes, src, dst)
         assert offset == part_offsets(decode_sizes)[a.writer_index]
@@ -169,14 +227,15 @@ def test_the_last_piece_is_split_so_its_pool_blocks_fit_the_ring_and_buffers():
     from kvstage.transfer.config import Timeouts
     from kvstage.transfer.protocol.decode_room import DecodeRoom, RoomPlan
     from kvstage.transfer.protocol.tracker import RoomTracker
+
     lay = layout(tp=1)
     room = DecodeRoom(1, 1, 1, lay, 0.0, Timeouts())
-    room.tracker = RoomTracker(10, {0: 100, 1: 100}, {0: 300, 1: 50})   # pages of 200 B, 350 B of pools
+    room.tracker = RoomTracker(10, {0: 100, 1: 100}, {0: 300, 1: 50})  # pages of 200 B, 350 B of pools
     room.plan = RoomPlan((), (), True, 50, max_piece_pages=8, ring_size=1000, buffer_bytes=10_000)
     # the last piece of 8 pages needs 8*200+350 > 1000: at most 3 pages (3*200+350 = 950) go with the pools
     assert room._fit_pools([(0, 2), (2, 8)]) == [(0, 2), (2, 5), (7, 3)]
     assert room._fit_pools([(0, 3)]) == [(0, 3)]
     room.plan = RoomPlan((), (), True, 50, max_piece_pages=8, ring_size=1000, buffer_bytes=450)
-    assert room._fit_pools([(0, 3)]) == [(0, 2), (2, 1)]    # writer 0: 100 B a page + 300 B of pools
+    assert room._fit_pools([(0, 3)]) == [(0, 2), (2, 1)]  # writer 0: 100 B a page + 300 B of pools
     room.plan = RoomPlan((), (), True, 50, max_piece_pages=8, ring_size=500, buffer_bytes=10_000)
-    assert room._fit_pools([(0, 3)]) == []                  # 200 + 350 > 500: not even one page
+    assert room._fit_pools([(0, 3)]) == []  # 200 + 350 > 500: not even one page

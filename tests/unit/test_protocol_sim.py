@@ -19,7 +19,7 @@ GEOMS = [
 
 
 def run_rooms(g, seed, rooms, **kw):
-    w = World(g, seed, **kw)
+    w = World(g=g, seed=seed, **kw)
     for room, (n, chunks) in rooms.items():
         w.add_room(room, n, chunks)
     w.run()
@@ -105,7 +105,7 @@ def test_lost_tags_fail_cleanly_on_both_sides(seed):
 @pytest.mark.parametrize("side", ["prefill", "decode"])
 def test_abort_mid_transfer_reaches_the_other_side(seed, side):
     g = Geometry(P=2, D=4, H=8)
-    w = World(g, seed)
+    w = World(g=g, seed=seed)
     w.add_room(1, 10, [3, 3, 4])
     w.add_room(2, 4, [4])
     for _ in range(40):
@@ -152,7 +152,7 @@ def test_decode_rank_leaving_after_it_confirmed_does_not_fail_the_prefill(g, sta
     completions). The prefill room still succeeds, whether the shell then reports those writes
     done or failed (released when the peer was disconnected): both sides agree on Success."""
     g = Geometry(**{**g.__dict__, "staged": staged})
-    w = World(g, seed, hold_completions=True)
+    w = World(g=g, seed=seed, hold_completions=True)
     w.add_room(1, 9, [4, 5])
     w.add_room(2, 3, [3])
     w.run()
@@ -173,7 +173,7 @@ def test_prefill_abort_before_any_metadata_still_releases_decode():
     """The prefill aborts before the decode metadata arrives: the late metadata is answered
     with the failure AND a promise not to write, so the decode side releases the room."""
     g = Geometry(P=2, D=2, H=4, staged=False)
-    w = World(g, 3)
+    w = World(g=g, seed=3)
     w.add_room(1, 4, [2, 2])
     w.apply_p(0, w.rooms_p[(0, 1)].abort(w.now))   # before any message was delivered
     w.run()
@@ -189,7 +189,7 @@ def test_lost_control_messages_never_hang_or_corrupt(g, seed, loss, staged):
     """Any control message may be lost (and tags too): every room still ends, on both sides,
     either bit-exact Success or Failed with a reason, and releases everything it held."""
     g = Geometry(**{**g.__dict__, "staged": staged, "ring_bytes": 2048, "buffer_bytes": 1024})
-    w = World(g, seed, drop_msgs=loss, drop_tags=loss / 2)
+    w = World(g=g, seed=seed, drop_msgs=loss, drop_tags=loss / 2)
     rooms = {1: (5, [2, 3]), 2: (1, [1]), 3: (9, [4, 5])}
     for room, (n, chunks) in rooms.items():
         w.add_room(room, n, chunks)
@@ -215,7 +215,7 @@ def test_plan_room_decides_the_path_and_refuses_impossible_pages():
     from kvstage.transfer.protocol.decode_room import WriterOffer, plan_room
     from kvstage.transfer.protocol.head_mapping import compute_assignments
 
-    lay = KVLayout(2, 8, 16, torch.bfloat16, 4, 2, 0)           # decode rank 0 of TP 2
+    lay = KVLayout(num_layers=2, total_kv_heads=8, head_dim=16, dtype=torch.bfloat16, page_size=4, tp_size=2, tp_rank=0)  # decode rank 0 of TP 2
     m = compute_assignments(4, 2, 8)
     offers = {p: WriterOffer(PeerKey("p", p, 10 + p), True, 1 << 20) for p in (0, 1)}
     kw = dict(staging=True, ring_size=1 << 20, ring_align=256, piece_cap=1 << 20, epoch=3)
@@ -229,16 +229,17 @@ def test_plan_room_decides_the_path_and_refuses_impossible_pages():
     kind, why = plan_room(lay, m, offers, {}, **{**kw, "ring_size": 1024})
     assert kind == "staging" and "never fit" in why
     tiny_cap = plan_room(lay, m, offers, {}, **{**kw, "piece_cap": 1})
-    assert tiny_cap.staged and tiny_cap.max_piece_pages >= 1   # the cap never makes a page impossible
+    assert tiny_cap.staged and tiny_cap.max_piece_pages >= 1  # the cap never makes a page impossible
 
 
-@pytest.mark.parametrize("g", [Geometry(P=2, D=4, H=8, staged=False), Geometry(P=2, D=2, H=4, staged=False)],
-                         ids=["heads", "whole"])
+@pytest.mark.parametrize(
+    "g", [Geometry(P=2, D=4, H=8, staged=False), Geometry(P=2, D=2, H=4, staged=False)], ids=["heads", "whole"]
+)
 @pytest.mark.parametrize("seed", range(3))
 def test_direct_writes_split_by_descriptor_budget(g, seed):
     """A chunk whose write would exceed the descriptor budget goes out as several writes (by
     page range, each with its own tag); the room still completes bit-exact."""
-    w = World(g, seed, max_ranges=8, dup_tags=0.2)
+    w = World(g=g, seed=seed, max_ranges=8, dup_tags=0.2)
     w.add_room(1, 12, [7, 5])
     w.add_room(2, 3, [3])
     w.run()
@@ -256,7 +257,7 @@ def test_late_init_and_inferred_last_complete_bit_exact(g, staged, seed):
     """init(n) comes at a random point (before or after the decode metadata), and no chunk says
     it is the last: the room still ends exactly when the pages reach n."""
     g = Geometry(**{**g.__dict__, "staged": staged})
-    w = World(g, seed)
+    w = World(g=g, seed=seed)
     rooms = {1: (5, [2, 3]), 2: (1, [1]), 3: (12, [4, 0, 8])}
     for room, (n, chunks) in rooms.items():
         w.add_room(room, n, chunks, late_init=True, infer_last=True)
@@ -267,15 +268,15 @@ def test_late_init_and_inferred_last_complete_bit_exact(g, staged, seed):
 
 def test_a_late_sender_waits_for_input_then_checks_the_metadata_against_its_init():
     g = Geometry(P=1, D=1, H=2, staged=False)
-    w = World(g, 0)
+    w = World(g=g, seed=0)
     w.add_room(1, 4, [4], late_init=True)
-    w.pending_chunks.clear()                        # no init, no chunk yet: the metadata alone
+    w.pending_chunks.clear()  # no init, no chunk yet: the metadata alone
     w.run()
     r = w.rooms_p[(0, 1)]
     assert w.status_p[(0, 1)] is KVPoll.WaitingForInput and r.num_pages is None
     with pytest.raises(ValueError, match="before init"):
         r.add_chunk(np.arange(4), None, w.now)
-    w.apply_p(0, r.init(3, w.now))                  # the decode side asked for 4 pages
+    w.apply_p(0, r.init(3, w.now))  # the decode side asked for 4 pages
     w.run()
     assert w.status_p[(0, 1)] is KVPoll.Failed and "expects 4 pages" in r.failure
     assert w.status_d[(0, 1)] is KVPoll.Failed
@@ -285,16 +286,16 @@ def test_a_late_sender_waits_for_input_then_checks_the_metadata_against_its_init
 
 def test_an_explicit_last_that_disagrees_with_the_count_is_refused_and_changes_nothing():
     g = Geometry(P=1, D=1, H=2)
-    w = World(g, 0)
+    w = World(g=g, seed=0)
     w.add_room(1, 4, [4])
     r = w.rooms_p[(0, 1)]
     with pytest.raises(ValueError, match="last chunk ends at page 2 of 4"):
         r.add_chunk(np.arange(2), True, w.now)
     assert r.pages_given == 0 and not r.last
     r.add_chunk(np.arange(2), None, w.now)
-    assert r.pages_given == 2 and not r.last        # inferred: not the last yet
+    assert r.pages_given == 2 and not r.last  # inferred: not the last yet
     r.add_chunk(np.arange(2, 4), None, w.now)
-    assert r.last                                   # inferred: the pages reached the count
+    assert r.last  # inferred: the pages reached the count
 
 
 @pytest.mark.parametrize("g", GEOMS, ids=lambda g: f"P{g.P}D{g.D}H{g.H}{'mla' if g.mla else ''}")
@@ -310,7 +311,7 @@ def test_room_totals_count_every_byte_and_write_once_on_each_side(g, staged):
         per_rank = [n * w.nt * g.page_size * g.head_dim * w.ld[d].local_heads for d in range(g.D)]
         assert [t.nbytes for t in landed] == per_rank
         assert sum(t.nbytes for t in sent) == sum(per_rank)
-        assert sum(t.writes for t in sent) == sum(t.writes for t in landed) > 0   # one tag per write
+        assert sum(t.writes for t in sent) == sum(t.writes for t in landed) > 0  # one tag per write
         path = "staged" if staged and g.P != g.D and not g.mla else "direct"
         assert {t.path for t in landed} == {path}
         assert {t.path for t in sent} <= {path, "none"} and path in {t.path for t in sent}
@@ -324,7 +325,7 @@ def test_prefix_hits_send_only_the_rest_bit_exact(g, staged, seed):
     """Chunks 0-4, (empty), 4-12 of a 12-page request; the decode ranks hold k pages already:
     none, exactly a chunk boundary, inside a chunk, all but one. Late init on some rooms."""
     g = Geometry(**{**g.__dict__, "staged": staged})
-    w = World(g, seed)
+    w = World(g=g, seed=seed)
     prefixes = {1: 0, 2: 4, 3: 5, 4: 11}
     for room, k in prefixes.items():
         w.add_room(room, 12, [4, 0, 8], late_init=room % 2 == 0, infer_last=room > 2, prefix=k)
@@ -332,26 +333,27 @@ def test_prefix_hits_send_only_the_rest_bit_exact(g, staged, seed):
     for room, k in prefixes.items():
         for d in range(g.D):
             assert w.status_d[(d, room)] is KVPoll.Success, w.rooms_d[(d, room)].failure
-            assert w.rooms_d[(d, room)].totals().nbytes == (12 - k) * w.nt * g.page_size * g.head_dim * \
-                w.ld[d].local_heads
+            assert (
+                w.rooms_d[(d, room)].totals().nbytes == (12 - k) * w.nt * g.page_size * g.head_dim * w.ld[d].local_heads
+            )
         for p in range(g.P):
             assert w.status_p[(p, room)] is KVPoll.Success, w.rooms_p[(p, room)].failure
             assert w.rooms_p[(p, room)].prefix == k
-        assert w.check_bytes(room)           # the rest bit-exact, and the prefix pages untouched
+        assert w.check_bytes(room)  # the rest bit-exact, and the prefix pages untouched
     assert sorted(w.prefix_seen) == sorted((p, k) for p in range(g.P) for k in prefixes.values())
 
 
 @pytest.mark.parametrize("staged", [True, False])
 def test_decode_ranks_that_disagree_on_the_prefix_fail_the_request_on_both_sides(staged):
     g = Geometry(P=1, D=2, H=2, staged=staged)
-    w = World(g, 3)
+    w = World(g=g, seed=3)
     w.add_room(1, 6, [3, 3], prefix=[2, 3])
     w.run()
     r = w.rooms_p[(0, 1)]
     assert w.status_p[(0, 1)] is KVPoll.Failed and "disagree on the prefix" in r.failure
     for d in range(2):
         assert w.status_d[(d, 1)] is KVPoll.Failed, w.rooms_d[(d, 1)].failure
-    assert len(w.released_d) == 2 and len(w.released_p) == 1        # everything released
-    for d in range(2):                                             # and no prefix page touched
+    assert len(w.released_d) == 2 and len(w.released_p) == 1  # everything released
+    for d in range(2):  # and no prefix page touched
         held = w.expected[(d, 1)][2]
         assert (w.cd[d][:, held] == 0xA5).all()

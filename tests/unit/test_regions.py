@@ -128,7 +128,7 @@ def test_a_split_write_of_the_wrong_size_is_rejected_when_it_completes():
 def test_buffer_regions_are_the_kv_then_each_pool_with_its_own_kind():
     """A CUDA cache with SGLang's host aux rows (the cache faked: only its device is read as
     data, no CUDA call is made) gives a VRAM KV region and a DRAM aux region."""
-    aux = StatePool([torch.zeros(4, 8), torch.zeros(4, 2, dtype=torch.int64)])
+    aux = StatePool(tensors=[torch.zeros(4, 8), torch.zeros(4, 2, dtype=torch.int64)])
     k = SimpleNamespace(data_ptr=lambda: 1 << 40, numel=lambda: 1024, element_size=lambda: 2)
     kv = SimpleNamespace(device=torch.device("cuda:3"), kind="VRAM", tensors=lambda: [k, k], pools={"aux": aux})
     regions = buffer_regions(kv)

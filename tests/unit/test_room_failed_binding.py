@@ -17,7 +17,9 @@ from kvstage.transfer.protocol.messages import Quiesced, RoomMeta
 from kvstage.transfer.protocol.prefill_room import PrefillRoom
 from kvstage.transfer.protocol.room_uses import EarlierUses
 
-LAYOUT = KVLayout(2, 2, 4, torch.uint8, 2, 1, 0, False)   # P=1 prefill rank
+LAYOUT = KVLayout(
+    num_layers=2, total_kv_heads=2, head_dim=4, dtype=torch.uint8, page_size=2, tp_size=1, tp_rank=0, mla=False
+)  # P=1 prefill rank
 ME = 1000
 DEC_A = PeerKey("decodeA", 0, 2000)
 DEC_B = PeerKey("decodeB", 0, 3000)
@@ -25,13 +27,21 @@ N = 4
 
 
 def room(stale=frozenset()):
-    return PrefillRoom(7, N, LAYOUT, ME, 0.0, Timeouts(metadata=50), itertools.count(1),
-                       stale=EarlierUses().plus(stale))
+    return PrefillRoom(
+        7, N, LAYOUT, ME, 0.0, Timeouts(metadata=50), itertools.count(1), stale=EarlierUses().plus(stale)
+    )
 
 
 def meta(peer, session):
-    return RoomMeta(src=peer.incarnation, dst=ME, room=7, session=session, num_pages=N, staged=False,
-                    dst_pages=np.arange(N, dtype="<i8").tobytes())
+    return RoomMeta(
+        src=peer.incarnation,
+        dst=ME,
+        room=7,
+        session=session,
+        num_pages=N,
+        staged=False,
+        dst_pages=np.arange(N, dtype="<i8").tobytes(),
+    )
 
 
 def quiesced_for(actions, session):
@@ -119,17 +129,17 @@ def test_metadata_retransmitted_from_an_earlier_use_is_stale():
     first.add_meta(DEC_A, 1, meta(DEC_A, 11), 1.0)
     first.on_room_failed(DEC_A, 11, "aborted", "use 1", 2.0)
     second = room(stale=first.sessions())
-    assert second.meta_use(DEC_A, 11) == "stale"      # its MetaAck was late: never bound to use 2
-    assert second.meta_use(DEC_A, 5) == "stale"       # a use further back
+    assert second.meta_use(DEC_A, 11) == "stale"  # its MetaAck was late: never bound to use 2
+    assert second.meta_use(DEC_A, 5) == "stale"  # a use further back
     assert second.meta_use(DEC_A, 22) == "this"
-    assert second.meta_use(DEC_B, 11) == "this"       # another engine's session 11 is not use 1's
+    assert second.meta_use(DEC_B, 11) == "this"  # another engine's session 11 is not use 1's
 
 
 def test_metadata_of_a_new_session_from_a_rank_this_use_dealt_with_is_the_next_use():
     r = room()
     r.add_meta(DEC_A, 1, meta(DEC_A, 22), 1.0)
-    assert r.meta_use(DEC_A, 22) == "this"            # a duplicate: add_meta ignores it
-    assert r.meta_use(DEC_A, 33) == "next"            # its room of this use is over there
+    assert r.meta_use(DEC_A, 22) == "this"  # a duplicate: add_meta ignores it
+    assert r.meta_use(DEC_A, 33) == "next"  # its room of this use is over there
     failed = room()
     failed.on_room_failed(DEC_A, 22, "aborted", "before its metadata", 1.0)
     assert failed.state is KVPoll.Failed and failed.meta_use(DEC_A, 33) == "next"

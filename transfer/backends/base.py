@@ -25,7 +25,7 @@ class BackendError(RuntimeError):
     """A backend operation failed in a way the caller must handle (bad range, unknown peer...)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class MemRegion:
     """A contiguous range of memory to register: host (DRAM) or device (VRAM)."""
 
@@ -50,7 +50,7 @@ class WriteState(enum.Enum):
     FAILED = "failed"
 
 
-@dataclass
+@dataclass(kw_only=True)
 class WriteHandle:
     """One posted write request. `reason` is set when state is FAILED."""
 

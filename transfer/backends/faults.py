@@ -19,7 +19,7 @@ import numpy as np
 from .base import ArrivedTag, Backend, MemRegion, Registration, WriteHandle, WriteState
 
 
-@dataclass
+@dataclass(kw_only=True)
 class FaultPlan:
     drop_tags: float = 0.0          # probability an arrived notification is lost
     dup_tags: float = 0.0           # probability it is delivered twice
@@ -116,11 +116,15 @@ class FaultyBackend(Backend):
             if new is not None:
                 tag = new
                 self._count("corrupted_room_tag")
-        if self.plan.hold_write_rooms and self._room_of is not None and self._room_of(tag) in self.plan.hold_write_rooms:
+        if (
+            self.plan.hold_write_rooms
+            and self._room_of is not None
+            and self._room_of(tag) in self.plan.hold_write_rooms
+        ):
             # in flight from the caller's view, posted for real only once the hold is over: a
             # write that lands late (a slow link, a stalled NIC), whatever happened to its room
             self._count("held_write")
-            held = WriteHandle(peer, int(np.asarray(src)[:, 1].sum()), len(src))
+            held = WriteHandle(peer=peer, nbytes=int(np.asarray(src)[:, 1].sum()), ndesc=len(src))
             held.extra["held"] = (time.monotonic() + self.plan.hold_write_s, peer, src, dst, tag, dst_kind)
             return held
         return self.inner.post_write(peer, src, dst, tag, dst_kind=dst_kind)
@@ -157,7 +161,7 @@ class FaultyBackend(Backend):
     def release_write(self, handle: WriteHandle) -> None:
         if "held" not in handle.extra:
             self.inner.release_write(handle)
-        elif "inner" in handle.extra:   # (a write released while still held never lands)
+        elif "inner" in handle.extra:  # (a write released while still held never lands)
             self.inner.release_write(handle.extra["inner"])
             for key in ("may_touch_memory", "returned"):
                 if key in handle.extra["inner"].extra:

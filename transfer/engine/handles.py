@@ -134,8 +134,14 @@ class _Handle:
         if totals is None:
             return None
         seconds = ended - self._started if self._started is not None else None
-        return TransferMetrics(state, totals.nbytes, totals.writes, totals.path, seconds,
-                               self._status.timeline.timeline())
+        return TransferMetrics(
+            state=state,
+            nbytes=totals.nbytes,
+            backend_writes=totals.writes,
+            path=totals.path,
+            seconds=seconds,
+            timeline=self._status.timeline.timeline(),
+        )
 
     def failure_exception(self) -> KVTransferError | None:
         """The failure as an exception object (kind and reason), None unless poll() is Failed."""
@@ -170,8 +176,16 @@ class KVSender(_Handle):
     """Prefill side of one request: give it the page count (at creation or with init()), then
     feed it chunk by chunk with send()."""
 
-    def __init__(self, post: Post, cache_pages: int, room: int, num_pages: int | None, status: RoomStatus,
-                 forget: Callable[[int, RoomStatus], None] | None = None, pools: dict | None = None):
+    def __init__(
+        self,
+        post: Post,
+        cache_pages: int,
+        room: int,
+        num_pages: int | None,
+        status: RoomStatus,
+        forget: Callable[[int, RoomStatus], None] | None = None,
+        pools: dict | None = None,
+    ):
         super().__init__(post, cache_pages, room, "prefill", status, forget)
         self.num_pages = num_pages
         self._pools = pools or {}
@@ -210,11 +224,14 @@ class KVSender(_Handle):
             raise ValueError(f"room {self.room}: send() after the last chunk")
         arr = as_pages(pages, self._cache_pages, f"room {self.room} send()", unique=False)
         if self._sent + arr.size > self.num_pages:
-            raise ValueError(f"room {self.room}: {self._sent + arr.size} pages sent, the sender was created for "
-                             f"{self.num_pages}")
+            raise ValueError(
+                f"room {self.room}: {self._sent + arr.size} pages sent, the sender was created for {self.num_pages}"
+            )
         if last and self._sent + arr.size != self.num_pages:
-            raise ValueError(f"room {self.room}: the last chunk ends at page {self._sent + arr.size}, the request "
-                             f"has {self.num_pages}")
+            raise ValueError(
+                f"room {self.room}: the last chunk ends at page {self._sent + arr.size}, the request "
+                f"has {self.num_pages}"
+            )
         if last is None:
             last = self._sent + arr.size == self.num_pages
         self._post(SendChunk(self.room, arr, bool(last)))
@@ -225,8 +242,16 @@ class KVSender(_Handle):
 class KVReceiver(_Handle):
     """Decode side of one request: give it the destination pages with init()."""
 
-    def __init__(self, post: Post, cache_pages: int, room: int, prefill_engine: str, status: RoomStatus,
-                 forget: Callable[[int, RoomStatus], None] | None = None, pools: dict | None = None):
+    def __init__(
+        self,
+        post: Post,
+        cache_pages: int,
+        room: int,
+        prefill_engine: str,
+        status: RoomStatus,
+        forget: Callable[[int, RoomStatus], None] | None = None,
+        pools: dict | None = None,
+    ):
         super().__init__(post, cache_pages, room, "decode", status, forget)
         self.prefill_engine = prefill_engine
         self._pools = pools or {}

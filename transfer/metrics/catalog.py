@@ -16,7 +16,7 @@ PATHS = ("staged", "direct")
 RANK_LABELS = ("role", "engine", "rank", "backend")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Metric:
     name: str                   # the exposed name (counters end in _total)
     kind: str                   # "counter", "gauge" or "histogram"
@@ -28,73 +28,250 @@ class Metric:
 
 
 STATS_METRICS = (
-    Metric("kvstage_sent_bytes_total", "counter", "KV bytes of backend writes completed (prefill)",
-           "bytes_sent_by_path", "path", ("prefill",), PATHS),
-    Metric("kvstage_received_bytes_total", "counter", "KV bytes of writes landed and accepted (decode)",
-           "bytes_received_by_path", "path", ("decode",), PATHS),
-    Metric("kvstage_backend_writes_total", "counter", "backend write requests posted (prefill)",
-           "write_requests_by_path", "path", ("prefill",), PATHS),
-    Metric("kvstage_descriptors_total", "counter", "memory ranges (descriptors) in the backend writes posted (prefill)",
-           "descriptors_by_path", "path", ("prefill",), PATHS),
-    Metric("kvstage_write_failures_total", "counter", "backend writes that completed with a failure (prefill)",
-           "write_failures", None, ("prefill",)),
-    Metric("kvstage_requests_total", "counter", "requests ended, by outcome",
-           "rooms", "outcome", BOTH, ("success", "failed")),
-    Metric("kvstage_request_failures_total", "counter", "failed requests by failure kind (docs/operations.md)",
-           "rooms_failed_by_kind", "kind"),
-    Metric("kvstage_watermark_stalls_total", "counter",
-           "staged pieces that waited for the decode ring's watermark to free their region (prefill)",
-           "watermark_waits", None, ("prefill",)),
-    Metric("kvstage_watermark_stall_seconds_total", "counter", "seconds staged pieces waited for ring space (prefill)",
-           "watermark_wait_s", None, ("prefill",)),
-    Metric("kvstage_gather_seconds_total", "counter", "seconds transfer workers spent gathering into staging buffers "
-           "(prefill, staged)", "gather_s", None, ("prefill",)),
-    Metric("kvstage_scatter_seconds_total", "counter", "seconds spent scattering the staging ring into the KV cache "
-           "(decode, staged)", "scatter_s", None, ("decode",)),
-    Metric("kvstage_peers_lost_total", "counter", "peers declared lost, by the state their connection was in",
-           "peers_lost", "state"),
-    Metric("kvstage_dropped_messages_total", "counter", "control messages dropped, by reason", "dropped_messages",
-           "reason"),
-    Metric("kvstage_dropped_tags_total", "counter", "write notifications dropped, by reason", "dropped_tags", "reason"),
-    Metric("kvstage_internal_errors_total", "counter", "exceptions caught in the control thread, by where",
-           "internal_errors", "where"),
-    Metric("kvstage_thread_wakeups_total", "counter", "times each kvstage thread woke up (ctrl: rounds of the "
-           "control loop; xfer-N, scatter, metrics)", "thread_wakeups", "thread"),
-    Metric("kvstage_thread_cpu_seconds_total", "counter", "CPU seconds each kvstage thread used", "thread_cpu_s",
-           "thread"),
-    Metric("kvstage_backend_steps_total", "counter", "backend steps of the control thread, by what was in flight "
-           "(writes, expected, draining: polling; quiet: ticks and other wake-ups)", "backend_steps", "activity"),
-    Metric("kvstage_tags_by_arrival_total", "counter", "decode: write notifications read after their WritePosted "
-           "announcement (expected) or without one, found by a tick (unannounced)", "tags_by_arrival", "arrival",
-           ("decode",), ("expected", "unannounced")),
-    Metric("kvstage_requests_active", "gauge", "requests the control thread holds now", "rooms_active"),
-    Metric("kvstage_peers_connected", "gauge", "peer ranks connected now", "peers_connected"),
-    Metric("kvstage_staging_ring_size_bytes", "gauge", "size of this rank's staging ring (decode, staging on)",
-           "ring_bytes", None, ("decode",)),
-    Metric("kvstage_staging_ring_occupied_bytes", "gauge", "staging ring bytes allocated now (decode)",
-           "ring_occupied_bytes", None, ("decode",)),
-    Metric("kvstage_staging_ring_high_water_bytes", "gauge", "most staging ring bytes ever allocated at once (decode)",
-           "ring_high_water_bytes", None, ("decode",)),
-    Metric("kvstage_staged_pieces_waiting", "gauge", "staged pieces waiting for ring space now (prefill)",
-           "staged_pieces_waiting", None, ("prefill",)),
-    Metric("kvstage_quarantined_bytes", "gauge", "memory held back because a write may still land in it (decode: "
-           "failed requests' ring regions and pages; prefill: sources of writes the backend may still read)",
-           "quarantined_bytes"),
+    Metric(
+        name="kvstage_sent_bytes_total",
+        kind="counter",
+        help="KV bytes of backend writes completed (prefill)",
+        source="bytes_sent_by_path",
+        label="path",
+        roles=("prefill",),
+        always=PATHS,
+    ),
+    Metric(
+        name="kvstage_received_bytes_total",
+        kind="counter",
+        help="KV bytes of writes landed and accepted (decode)",
+        source="bytes_received_by_path",
+        label="path",
+        roles=("decode",),
+        always=PATHS,
+    ),
+    Metric(
+        name="kvstage_backend_writes_total",
+        kind="counter",
+        help="backend write requests posted (prefill)",
+        source="write_requests_by_path",
+        label="path",
+        roles=("prefill",),
+        always=PATHS,
+    ),
+    Metric(
+        name="kvstage_descriptors_total",
+        kind="counter",
+        help="memory ranges (descriptors) in the backend writes posted (prefill)",
+        source="descriptors_by_path",
+        label="path",
+        roles=("prefill",),
+        always=PATHS,
+    ),
+    Metric(
+        name="kvstage_write_failures_total",
+        kind="counter",
+        help="backend writes that completed with a failure (prefill)",
+        source="write_failures",
+        label=None,
+        roles=("prefill",),
+    ),
+    Metric(
+        name="kvstage_requests_total",
+        kind="counter",
+        help="requests ended, by outcome",
+        source="rooms",
+        label="outcome",
+        roles=BOTH,
+        always=("success", "failed"),
+    ),
+    Metric(
+        name="kvstage_request_failures_total",
+        kind="counter",
+        help="failed requests by failure kind (docs/operations.md)",
+        source="rooms_failed_by_kind",
+        label="kind",
+    ),
+    Metric(
+        name="kvstage_watermark_stalls_total",
+        kind="counter",
+        help="staged pieces that waited for the decode ring's watermark to free their region (prefill)",
+        source="watermark_waits",
+        label=None,
+        roles=("prefill",),
+    ),
+    Metric(
+        name="kvstage_watermark_stall_seconds_total",
+        kind="counter",
+        help="seconds staged pieces waited for ring space (prefill)",
+        source="watermark_wait_s",
+        label=None,
+        roles=("prefill",),
+    ),
+    Metric(
+        name="kvstage_gather_seconds_total",
+        kind="counter",
+        help="seconds transfer workers spent gathering into staging buffers (prefill, staged)",
+        source="gather_s",
+        label=None,
+        roles=("prefill",),
+    ),
+    Metric(
+        name="kvstage_scatter_seconds_total",
+        kind="counter",
+        help="seconds spent scattering the staging ring into the KV cache (decode, staged)",
+        source="scatter_s",
+        label=None,
+        roles=("decode",),
+    ),
+    Metric(
+        name="kvstage_peers_lost_total",
+        kind="counter",
+        help="peers declared lost, by the state their connection was in",
+        source="peers_lost",
+        label="state",
+    ),
+    Metric(
+        name="kvstage_dropped_messages_total",
+        kind="counter",
+        help="control messages dropped, by reason",
+        source="dropped_messages",
+        label="reason",
+    ),
+    Metric(
+        name="kvstage_dropped_tags_total",
+        kind="counter",
+        help="write notifications dropped, by reason",
+        source="dropped_tags",
+        label="reason",
+    ),
+    Metric(
+        name="kvstage_internal_errors_total",
+        kind="counter",
+        help="exceptions caught in the control thread, by where",
+        source="internal_errors",
+        label="where",
+    ),
+    Metric(
+        name="kvstage_thread_wakeups_total",
+        kind="counter",
+        help="times each kvstage thread woke up (ctrl: rounds of the control loop; xfer-N, scatter, metrics)",
+        source="thread_wakeups",
+        label="thread",
+    ),
+    Metric(
+        name="kvstage_thread_cpu_seconds_total",
+        kind="counter",
+        help="CPU seconds each kvstage thread used",
+        source="thread_cpu_s",
+        label="thread",
+    ),
+    Metric(
+        name="kvstage_backend_steps_total",
+        kind="counter",
+        help="backend steps of the control thread, by what was in flight "
+        "(writes, expected, draining: polling; quiet: ticks and other wake-ups)",
+        source="backend_steps",
+        label="activity",
+    ),
+    Metric(
+        name="kvstage_tags_by_arrival_total",
+        kind="counter",
+        help="decode: write notifications read after their WritePosted "
+        "announcement (expected) or without one, found by a tick (unannounced)",
+        source="tags_by_arrival",
+        label="arrival",
+        roles=("decode",),
+        always=("expected", "unannounced"),
+    ),
+    Metric(
+        name="kvstage_requests_active",
+        kind="gauge",
+        help="requests the control thread holds now",
+        source="rooms_active",
+    ),
+    Metric(name="kvstage_peers_connected", kind="gauge", help="peer ranks connected now", source="peers_connected"),
+    Metric(
+        name="kvstage_staging_ring_size_bytes",
+        kind="gauge",
+        help="size of this rank's staging ring (decode, staging on)",
+        source="ring_bytes",
+        label=None,
+        roles=("decode",),
+    ),
+    Metric(
+        name="kvstage_staging_ring_occupied_bytes",
+        kind="gauge",
+        help="staging ring bytes allocated now (decode)",
+        source="ring_occupied_bytes",
+        label=None,
+        roles=("decode",),
+    ),
+    Metric(
+        name="kvstage_staging_ring_high_water_bytes",
+        kind="gauge",
+        help="most staging ring bytes ever allocated at once (decode)",
+        source="ring_high_water_bytes",
+        label=None,
+        roles=("decode",),
+    ),
+    Metric(
+        name="kvstage_staged_pieces_waiting",
+        kind="gauge",
+        help="staged pieces waiting for ring space now (prefill)",
+        source="staged_pieces_waiting",
+        label=None,
+        roles=("prefill",),
+    ),
+    Metric(
+        name="kvstage_quarantined_bytes",
+        kind="gauge",
+        help="memory held back because a write may still land in it (decode: "
+        "failed requests' ring regions and pages; prefill: sources of writes the backend may still read)",
+        source="quarantined_bytes",
+    ),
 )
 
 # buckets in seconds: from a one-page request on shared memory to a long request over TCP
-SECONDS_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0,
-                   120.0, 300.0)
-COUNT_BUCKETS = tuple(float(4 ** i) for i in range(12))   # 1 .. 4 Mi: writes or descriptors per request
+SECONDS_BUCKETS = (
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.2,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
+COUNT_BUCKETS = tuple(float(4**i) for i in range(12))  # 1 .. 4 Mi: writes or descriptors per request
 
 HISTOGRAMS = (
-    Metric("kvstage_transfer_seconds", "histogram", "successful requests: seconds from init() to Success"),
-    Metric("kvstage_write_seconds", "histogram", "one backend write: seconds from the backend taking it to its "
-           "completion (prefill)", roles=("prefill",)),
-    Metric("kvstage_request_backend_writes", "histogram", "backend writes per successful request (prefill: posted, "
-           "decode: landed)"),
-    Metric("kvstage_request_descriptors", "histogram", "descriptors per successful request (prefill)",
-           roles=("prefill",)),
+    Metric(
+        name="kvstage_transfer_seconds", kind="histogram", help="successful requests: seconds from init() to Success"
+    ),
+    Metric(
+        name="kvstage_write_seconds",
+        kind="histogram",
+        help="one backend write: seconds from the backend taking it to its completion (prefill)",
+        roles=("prefill",),
+    ),
+    Metric(
+        name="kvstage_request_backend_writes",
+        kind="histogram",
+        help="backend writes per successful request (prefill: posted, decode: landed)",
+    ),
+    Metric(
+        name="kvstage_request_descriptors",
+        kind="histogram",
+        help="descriptors per successful request (prefill)",
+        roles=("prefill",),
+    ),
 )
 
 ALL = STATS_METRICS + HISTOGRAMS
