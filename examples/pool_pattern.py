@@ -5,7 +5,8 @@ its own (each rank holds its share of a heads pool, so both derive it from the g
 Geometry spec: {"aux": {"sharding": "replicated", "items": 16, "tensors": [["float32", [4]],
 ["int32", [2]]]}, "mamba": {"sharding": "heads", "heads": 8, "items": 8, "tensors": [["float32",
 [16, 4]]]}}: per tensor its dtype and the shape of one item past the head dimension (heads) or
-of the whole item (replicated).
+of the whole item (replicated). A heads pool may give "blocks" instead of "heads" (global sizes of
+sub-blocks sharded each on its own, GDN's conv state: `StatePool(blocks=...)`).
 """
 
 from __future__ import annotations
@@ -23,15 +24,24 @@ from kvstage import StatePool
 def make_pools(spec: dict, layout) -> dict:
     pools = {}
     for name, p in sorted(spec.items()):
-        heads = p.get("heads", layout.total_kv_heads) if p["sharding"] == "heads" else None
-        local = [max(1, heads // layout.tp_size)] if heads else []
+        blocks = p.get("blocks")
+        heads = (sum(blocks) if blocks else p.get("heads", layout.total_kv_heads)) if p["sharding"] == "heads" else None
+        local = [_local_heads(heads, blocks, layout.tp_size)] if heads else []
         device = torch.device(p.get("device", "cpu"))   # a pool may sit on another device than the KV
         tensors = [torch.zeros((p["items"], *local, *shape), dtype=getattr(torch, dtype), device=device).zero_()
                    for dtype, shape in p["tensors"]]
         pools[name] = StatePool(
-            tensors=tensors, sharding=p["sharding"], heads=heads, own_writes=bool(p.get("own_writes", False))
+            tensors=tensors,
+            sharding=p["sharding"],
+            heads=heads,
+            blocks=blocks,
+            own_writes=bool(p.get("own_writes", False)),
         )
     return pools
+
+
+def _local_heads(heads: int, blocks: list | None, tp: int) -> int:
+    return sum(b // tp for b in blocks) if blocks else max(1, heads // tp)
 
 
 class Items:
@@ -72,6 +82,13 @@ def _mine(pool: StatePool, whole: torch.Tensor, layout) -> torch.Tensor:
     """This rank's share of a global item."""
     if pool.sharding != "heads":
         return whole
+    if pool.blocks and len(pool.blocks) > 1:     # its slice of every block, one after another
+        parts, at = [], 0
+        for b in pool.blocks:
+            n = b // layout.tp_size
+            parts.append(whole[at + layout.tp_rank * n : at + (layout.tp_rank + 1) * n])
+            at += b
+        return torch.cat(parts).reshape(-1)
     local = max(1, pool.heads // layout.tp_size)
     first = layout.tp_rank // max(1, layout.tp_size // pool.heads) * local
     return whole[first : first + local].reshape(-1)

@@ -6,7 +6,9 @@ region, registered with its own kind: a host pool may sit beside a device KV cac
 sharding rule:
 - "heads": dim 1 is this rank's share of the pool's heads, split across TP ranks exactly like
   KV heads (same mapping, replication and hetero-TP rules), over `heads` global heads (default:
-  the model's KV heads);
+  the model's KV heads). `blocks` splits that axis into sub-blocks sharded each on its own
+  (GDN's conv state is [q | k | v]): a rank's share is then its slice of every block, one after
+  another, so it is several ranges of the global axis;
 - "replicated": every rank holds the whole item; one prefill rank writes each decode rank's copy.
 Pools take part in the summary two peers compare before any byte moves (`PoolSpec`).
 """
@@ -35,6 +37,11 @@ class PoolSpec(msgspec.Struct, frozen=True, kw_only=True):
     heads: int                  # global heads of a heads pool; 0 when replicated
     dtypes: list[str]
     rows: list[list[int]]
+    blocks: list[int] = []      # global sizes of a heads pool's sub-blocks; [] means one block of `heads`
+
+    def head_blocks(self) -> list[int]:
+        """The global sizes of the sub-blocks each rank holds its share of (one for most pools)."""
+        return list(self.blocks) or [self.heads]
 
     def row_bytes(self, tensor: int) -> int:
         """Bytes of one head of one item (heads) or of one item (replicated) of a tensor."""
@@ -48,6 +55,7 @@ class StatePool:
     tensors: Sequence[torch.Tensor]
     sharding: str = "replicated"
     heads: int | None = None
+    blocks: Sequence[int] | None = None   # heads pools: global sub-block sizes along dim 1 (module docstring)
     own_writes: bool = False    # its items travel apart from the KV even when their memory kind is
                                 # the KV's (docs/protocol.md "Regions and memory kinds"): what a
                                 # host pool beside a device cache does, on any machine
@@ -72,15 +80,21 @@ class StatePool:
             raise ValueError(f"{where}: sharding must be one of {SHARDINGS}, got {self.sharding!r}")
         if not isinstance(self.tensors, (list, tuple)) or not self.tensors:
             raise ValueError(f"{where}: tensors must be a non-empty list of tensors")
-        heads = 0
+        heads, blocks = 0, self._blocks(where, layout.tp_size)
+        local = 0
         if self.sharding == "heads":
-            heads = layout.total_kv_heads if self.heads is None else self.heads
+            default = sum(blocks) if blocks else layout.total_kv_heads
+            heads = default if self.heads is None else self.heads
             if isinstance(heads, bool) or not isinstance(heads, int) or heads <= 0:
                 raise ValueError(f"{where}: heads must be a positive int, got {heads!r}")
+            if blocks and heads != sum(blocks):
+                raise ValueError(f"{where}: heads={heads} but its blocks {blocks} add up to {sum(blocks)}")
             tp = layout.tp_size
             if heads % tp and tp % heads:
                 raise ValueError(f"{where}: its {heads} heads do not divide by TP size {tp} (and TP is not a "
                                  f"multiple of them): heads sharding cannot split it")
+            blocks = blocks if len(blocks) > 1 else []     # one block is the plain heads split
+            local = sum(b // tp for b in blocks) if blocks else max(1, heads // tp)
         elif self.heads is not None:
             raise ValueError(f"{where}: heads is only for sharding='heads'")
         if not isinstance(self.own_writes, bool):
@@ -98,9 +112,9 @@ class StatePool:
             if t.dim() < (2 if self.sharding == "heads" else 1):
                 raise ValueError(f"{at} has shape {tuple(t.shape)}: [num_items, heads, ...] needed"
                                  if self.sharding == "heads" else f"{at} has no item dimension")
-            if self.sharding == "heads" and t.shape[1] != max(1, heads // layout.tp_size):
-                raise ValueError(f"{at} has {t.shape[1]} heads in dim 1, this rank holds "
-                                 f"{max(1, heads // layout.tp_size)} of the pool's {heads}")
+            if self.sharding == "heads" and t.shape[1] != local:
+                raise ValueError(f"{at} has {t.shape[1]} heads in dim 1, this rank holds {local} of the pool's "
+                                 f"{heads}" + (f" (its share of each block of {blocks})" if blocks else ""))
             if items is None:
                 items = t.shape[0]
             elif t.shape[0] != items:
@@ -110,7 +124,23 @@ class StatePool:
             dtypes.append(str(t.dtype).removeprefix("torch."))
             rows.append(list(t.shape[2:] if self.sharding == "heads" else t.shape[1:]))
         self.num_items = int(items)
-        return PoolSpec(name=name, sharding=self.sharding, heads=heads, dtypes=dtypes, rows=rows)
+        return PoolSpec(name=name, sharding=self.sharding, heads=heads, dtypes=dtypes, rows=rows, blocks=blocks)
+
+    def _blocks(self, where: str, tp: int) -> list[int]:
+        """`blocks` validated: positive ints; several blocks each divide by this rank's TP size (no
+        replication inside a block)."""
+        if self.blocks is None:
+            return []
+        if self.sharding != "heads":
+            raise ValueError(f"{where}: blocks is only for sharding='heads'")
+        blocks = list(self.blocks)
+        if not blocks or any(isinstance(b, bool) or not isinstance(b, int) or b <= 0 for b in blocks):
+            raise ValueError(f"{where}: blocks must be a non-empty list of positive ints, got {self.blocks!r}")
+        for i, b in enumerate(blocks if len(blocks) > 1 else []):
+            if b % tp:
+                raise ValueError(f"{where}: block {i} of {b} heads does not divide by TP size {tp}: each "
+                                 f"block is split across the ranks on its own")
+        return blocks
 
 
 def memory_kind(device: torch.device) -> str:

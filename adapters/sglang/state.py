@@ -12,8 +12,9 @@ differ. Each component becomes kvstage pools that move with the request's last p
   (state_slice_outer_counts, e.g. Kimi's [K-1, dim] conv) become separate items: item =
   slot x rows + row. A tensor replicated over TP (dim 0) is a `replicated` pool (one writer per
   decode rank, as SGLang elects). GDN conv state is [q|k|v] with each sub-block sharded on its
-  own: a rank's share is not one range of the global axis, so it moves between equal attention
-  TP sizes only (as does a tensor without dim metadata); across sizes the request fails naming it.
+  own (state_conv_shard_groups: the global sub-block sizes): a heads pool with those `blocks`, so
+  it moves across TP sizes too. A tensor without dim metadata moves between equal attention TP
+  sizes only; across sizes the request fails naming it.
 - SWA. The window's pages of the SWA sub-pool, sharded like the KV heads: NHD pages
   [page_size, heads, head] become token items of a heads pool (item = page x page_size + token),
   so each item holds whole heads. (SGLang's disaggregation takes NHD sub-pools only.)
@@ -43,6 +44,7 @@ class _Group:
     sharding: str
     heads: Optional[int]
     expand: int                     # pool items per SGLang index
+    blocks: Optional[list] = None   # heads sub-blocks sharded each on their own (GDN conv)
     tensors: list = field(default_factory=list)
 
 
@@ -84,7 +86,7 @@ class StateMap:
                 # a second item count under one suffix is told apart by its order, not its size
                 nth = seen[suffix] = seen.get(suffix, -1) + 1
                 name = f"state{i}.{kind}{suffix}" + (f".{nth}" if nth else "")
-                self.pools[name] = StatePool(tensors=g.tensors, sharding=g.sharding, heads=g.heads)
+                self.pools[name] = StatePool(tensors=g.tensors, sharding=g.sharding, heads=g.heads, blocks=g.blocks)
                 comp.pools[name] = g.expand
             self.components.append(comp)
         if refused:
@@ -167,9 +169,11 @@ class _Entries:
         return tensor_at(ptr, nbytes, torch.uint8, shape, self.device)
 
 
-def _add(groups: dict, suffix: str, sharding: str, heads, expand: int, tensor: torch.Tensor) -> None:
+def _add(groups: dict, suffix: str, sharding: str, heads, expand: int, tensor: torch.Tensor,
+         blocks: Optional[list] = None) -> None:
     """Tensors of one pool share a suffix (what they are) and their item count."""
-    g = groups.setdefault((suffix, tensor.shape[0]), _Group(sharding=sharding, heads=heads, expand=expand))
+    g = groups.setdefault((suffix, tensor.shape[0]),
+                          _Group(sharding=sharding, heads=heads, expand=expand, blocks=blocks))
     g.tensors.append(tensor)
 
 
@@ -191,10 +195,13 @@ def _mamba(entries: _Entries, layout, args, tp: int):
         if item % (outer * dim):
             raise NotImplementedError(f"Mamba state tensor {j}: item of {item} bytes is not {outer} rows x {dim} units")
         sub = subdims[j] if j < len(subdims) else None
-        if sub and sum(sub) == dim * tp:
-            same_tp_only = "GDN conv state (q|k|v sub-blocks sharded on their own, state_conv_shard_groups)"
-        _add(groups, f".h{dim * tp}x{outer}", "heads", dim * tp, outer,
-             entries.view(ptr, nbytes, (slots * outer, dim, item // (outer * dim))))
+        blocks = [int(b) for b in sub] if sub and len(sub) > 1 else None
+        if blocks and sum(blocks) != dim * tp:
+            raise NotImplementedError(f"Mamba state tensor {j}: conv sub-blocks {blocks} do not add up to its "
+                                      f"{dim} units x attention TP {tp}")
+        suffix = f".h{dim * tp}x{outer}" + ("b" + "-".join(map(str, blocks)) if blocks else "")
+        _add(groups, suffix, "heads", dim * tp, outer,
+             entries.view(ptr, nbytes, (slots * outer, dim, item // (outer * dim))), blocks)
     return groups, same_tp_only
 
 

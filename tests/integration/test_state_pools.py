@@ -1,5 +1,6 @@
-"""State pools (aux rows, Mamba-like states) move with each request's last page over real NIXL
-and Mooncake, staged and direct, across hetero TP, bit-exact; bad pool input fails cleanly."""
+"""State pools (aux rows, Mamba-like states, GDN-like conv states of sub-blocks sharded each on
+its own) move with each request's last page over real NIXL and Mooncake, staged and direct,
+across hetero TP, bit-exact; bad pool input fails cleanly."""
 
 from __future__ import annotations
 
@@ -14,6 +15,10 @@ AUX = {"sharding": "replicated", "items": 24, "tensors": [["float32", [5]], ["in
 
 def mamba(heads: int) -> dict:
     return {"sharding": "heads", "heads": heads, "items": 12, "tensors": [["float32", [6, 4]], ["bfloat16", [3]]]}
+
+
+# GDN's conv state: [q | k | v] along the head axis, each sub-block sharded on its own
+CONV = {"sharding": "heads", "blocks": [8, 8, 16], "items": 10, "tensors": [["bfloat16", [3]], ["float32", [2]]]}
 
 
 def pooled(case: Case, pools: dict, counts: dict) -> Case:
@@ -34,11 +39,14 @@ def test_pools_move_bit_exact_with_the_kv(backend):
         for staging in (True, False):
             rooms = random_rooms(31, 6, 16, base=5000)
             heads = 8 if topo.H >= 4 else 2       # P4 over 2 KV heads: the pool replicates like the KV
+            pools, counts = {"aux": AUX, "mamba": mamba(heads)}, {"aux": 1, "mamba": 1}
+            if topo.H >= 4:                        # blocks split like the KV only where it is not replicated
+                pools, counts = {**pools, "conv": CONV}, {**counts, "conv": 1}
             cases.append(
                 pooled(
                     Case(topo=topo, page_size=16, dtype="bfloat16", staging=staging, backend=backend, rooms=rooms),
-                    {"aux": AUX, "mamba": mamba(heads)},
-                    {"aux": 1, "mamba": 1},
+                    pools,
+                    counts,
                 )
             )
     results, codes, logs, _ = run_cases(cases, timeout=240)

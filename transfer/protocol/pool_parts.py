@@ -8,8 +8,10 @@ pool's tensors in order, each tensor's items in the order the request names them
 
 A heads pool is split like KV heads over its own global head count, and must have the same
 writers as the KV for every decode rank (checked when peers connect): then the pool bytes of a
-flow travel in that flow's write. A replicated pool is written to each decode rank by its first
-KV writer (writer_index 0).
+flow travel in that flow's write. A pool whose head axis is several sub-blocks, each sharded on
+its own (`PoolSpec.blocks`), is split block by block: a flow carries one segment per block and
+tensor, at that block's offset in each side's share. A replicated pool is written to each decode
+rank by its first KV writer (writer_index 0).
 """
 
 from __future__ import annotations
@@ -55,11 +57,30 @@ def writer_segments(specs: Sequence[PoolSpec], prefill_tp: int, decode_tp: int, 
             if kv.writer_index == 0:
                 out += [PoolSegment(spec.name, t, None, None, spec.row_bytes(t)) for t in range(len(spec.rows))]
             continue
-        a = compute_assignments(prefill_tp, decode_tp, spec.heads).find(kv.prefill_rank, kv.decode_rank)
-        if a is not None:
-            out += [PoolSegment(spec.name, t, a.src_heads, a.dst_heads, a.num_heads * spec.row_bytes(t))
-                    for t in range(len(spec.rows))]
+        for t in range(len(spec.rows)):
+            for src, dst in block_head_ranges(spec.head_blocks(), prefill_tp, decode_tp, kv):
+                out.append(PoolSegment(spec.name, t, src, dst, (src[1] - src[0]) * spec.row_bytes(t)))
     return tuple(out)
+
+
+def _local(block: int, tp: int) -> int:
+    return max(1, block // tp)
+
+
+def block_head_ranges(blocks: Sequence[int], prefill_tp: int, decode_tp: int,
+                      kv: Assignment) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    """(src, dst) local head ranges flow `kv` moves of a heads pool made of `blocks` (global
+    sizes, each sharded on its own): per block the plain heads mapping, shifted to where the block
+    starts in each side's share."""
+    out = []
+    src_at = dst_at = 0
+    for block in blocks:
+        a = compute_assignments(prefill_tp, decode_tp, block).find(kv.prefill_rank, kv.decode_rank)
+        if a is not None:
+            out.append(((src_at + a.src_heads[0], src_at + a.src_heads[1]),
+                        (dst_at + a.dst_heads[0], dst_at + a.dst_heads[1])))
+        src_at, dst_at = src_at + _local(block, prefill_tp), dst_at + _local(block, decode_tp)
+    return out
 
 
 def writers_mismatch(specs: Sequence[PoolSpec], prefill_tp: int, decode_tp: int, kv_heads: int, mla: bool) -> str:
@@ -68,13 +89,23 @@ def writers_mismatch(specs: Sequence[PoolSpec], prefill_tp: int, decode_tp: int,
     for spec in specs:
         if spec.sharding != "heads":
             continue
-        pools = compute_assignments(prefill_tp, decode_tp, spec.heads)
-        for d in range(decode_tp):
-            if sorted(kv.writers_of(d)) != sorted(pools.writers_of(d)):
-                return (f"pool {spec.name!r} ({spec.heads} heads) would be written to decode rank {d} by prefill "
-                        f"ranks {sorted(pools.writers_of(d))}, its KV ({kv_heads} heads{', MLA' if mla else ''}) "
-                        f"by {sorted(kv.writers_of(d))}: heads pools must have the KV's writers "
-                        f"(prefill TP {prefill_tp}, decode TP {decode_tp})")
+        for block in spec.head_blocks():
+            why = _block_writers_mismatch(spec, block, kv, prefill_tp, decode_tp, kv_heads, mla)
+            if why:
+                return why
+    return ""
+
+
+def _block_writers_mismatch(spec: PoolSpec, block: int, kv: HeadMapping, prefill_tp: int, decode_tp: int,
+                            kv_heads: int, mla: bool) -> str:
+    pools = compute_assignments(prefill_tp, decode_tp, block)
+    for d in range(decode_tp):
+        if sorted(kv.writers_of(d)) != sorted(pools.writers_of(d)):
+            what = f"{spec.heads} heads" if not spec.blocks else f"a block of {block} of its heads {spec.blocks}"
+            return (f"pool {spec.name!r} ({what}) would be written to decode rank {d} by prefill "
+                    f"ranks {sorted(pools.writers_of(d))}, its KV ({kv_heads} heads{', MLA' if mla else ''}) "
+                    f"by {sorted(kv.writers_of(d))}: heads pools must have the KV's writers "
+                    f"(prefill TP {prefill_tp}, decode TP {decode_tp})")
     return ""
 
 
