@@ -14,6 +14,7 @@ from typing import Callable
 
 from ...staging.scatter_worker import ScatterJob, ScatterWorker
 from ..poll import KVPoll
+from ..protocol.kinds import FailureKind
 from ..protocol.actions import Scatter, StatusChanged
 from ..protocol.decode_room import DecodeRoom
 from ..protocol.messages import (AllocRequest, Heartbeat, Hello, HelloAck, MetaAck, Quiesced, RoomDone, RoomFailed,
@@ -151,7 +152,7 @@ class DecodeSide:
         # a direct write split by memory kind is checked once, with its last group
         corrupt = self.ctx.integrity.on_landed(room, tag) if room.completes_write(tag) else None
         if corrupt is not None:  # never counted as landed: the room fails before it could succeed
-            self.book.apply(room, room.fail("corrupt", corrupt, now))
+            self.book.apply(room, room.fail(FailureKind.CORRUPT, corrupt, now))
             return
         arrival = self.expected.landed(tag.room, (peer.key.incarnation, tag.chunk, tag.piece, tag.group))
         if arrival is not Arrival.REPEATED:
@@ -180,7 +181,7 @@ class DecodeSide:
         self.scatterer.submit(ScatterJob(s.room, s.key, s.dst_pages, parts, pools, checks))
 
     def scatter_report(self, room: int, key: tuple, ok: bool, reason: str | None, seconds: float,
-                       kind: str = "scatter") -> None:
+                       kind: str = FailureKind.SCATTER) -> None:
         """From the scatter worker thread."""
         self.ctx.stats.add("scatter_s", seconds)
         self.ctx.post(ScatterDone(room, key, ok, reason, kind))
@@ -201,7 +202,7 @@ class DecodeSide:
             self.eager_rooms.add(room.room)
         elif not eager and room.room in self.eager_rooms:
             self._not_eager(room.room)
-        if a.state is KVPoll.Failed and not room.meta_sent and a.failure_kind not in ("layout",):
+        if a.state is KVPoll.Failed and not room.meta_sent and a.failure_kind != FailureKind.LAYOUT:
             self.planner.tombstone(room, a.failure_kind or "failed", a.failure or "", time.monotonic())
 
     def released(self, room: DecodeRoom) -> None:
@@ -233,7 +234,7 @@ class DecodeSide:
         self.planner.plan_deadlines(now)
 
     def closing(self, room: DecodeRoom, now: float) -> list:
-        return (room.fail("closed", "the kvstage manager is closing", now)
+        return (room.fail(FailureKind.CLOSED, "the kvstage manager is closing", now)
                 + room.abort(self.ctx.handler.allocator, now))
 
     def room_state(self) -> dict:

@@ -15,6 +15,7 @@ from typing import Any
 
 from ...staging.ring import Watermark
 from ..poll import KVPoll
+from ..protocol.kinds import FailureKind
 from ..protocol.actions import PeerKey, Scatter
 from ..protocol.leases import Lease
 from ..regions import unwritable_peer_kinds
@@ -23,7 +24,7 @@ from ..protocol.messages import (AllocGrant, Heartbeat, Hello, HelloAck, MetaAck
 from ..protocol.pool_parts import writers_mismatch
 from ..protocol.prefill_room import PrefillRoom
 from ..protocol.room_uses import EarlierUses, finished_room_meta
-from ..protocol.routing import hello_verdict
+from ..protocol.routing import PeerState, hello_verdict
 from .context import EngineContext
 from .events import Abort, InitSender, NewSender, SendChunk
 from .peers import Peer, PeerTable
@@ -95,9 +96,9 @@ class PrefillSide:
             except Exception as exc:  # noqa: BLE001
                 problems.append(f"backend connect failed: {exc}")
         if problems:
-            peer.state, peer.reason = "rejected", "; ".join(problems)
+            peer.state, peer.reason = PeerState.REJECTED, "; ".join(problems)
             log.error("rejecting decode rank %s: %s", key, peer.reason)
-            ctx.stats.count("failures_by_kind", "layout" if not peer.backend_name else "connect")
+            ctx.stats.count("failures_by_kind", FailureKind.LAYOUT if not peer.backend_name else FailureKind.CONNECT)
             return self._send_ack(peer, False, peer.reason)
         self.peers.connected_via(peer, peer.backend_name)
         ctx.backend.fence(peer.backend_name, peer.lease.fence_base + peer.lease.lease_s)
@@ -265,7 +266,7 @@ class PrefillSide:
                 self.ctx.stats.count("dropped_messages", "meta_without_sender")
 
     def closing(self, room: PrefillRoom, now: float) -> list:
-        return room.fail("closed", "the kvstage manager is closing", now)
+        return room.fail(FailureKind.CLOSED, "the kvstage manager is closing", now)
 
     def room_state(self) -> dict:
         return {"parked_rooms": len(self.pending)}

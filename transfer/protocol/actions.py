@@ -12,6 +12,7 @@ from typing import NamedTuple, Union
 import numpy as np
 
 from ..poll import KVPoll
+from .kinds import TransferPath
 from .messages import PeerMessage
 from .tags import Tag
 
@@ -111,7 +112,7 @@ class RoomTotals:
 
     nbytes: int = 0
     writes: int = 0
-    path: str = "none"                 # staged | direct | none (nothing to write)
+    path: TransferPath = TransferPath.NONE
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from ...staging.ring import Region, RingAllocator, TooLarge
 
 from ..config import Timeouts
 from ..layout import KVLayout
+from .kinds import FailureKind, StrKind, TransferPath, remote_kind
 from ..poll import KVPoll
 from .actions import (Action, PeerKey, PublishWatermark, Released, RoomTotals, Scatter, ScatterPart, Send,
                       StatusChanged)
@@ -37,6 +38,17 @@ from .tags import Tag, TagKind
 from .tracker import ExpectedPiece, Outcome, RoomTracker
 
 TERMINAL = (KVPoll.Success, KVPoll.Failed)
+
+
+class TagVerdict(StrKind):
+    """What one arrived tag did to its room (the engine counts all but OK and PARTIAL as dropped)."""
+
+    OK = "ok"                    # a write landed and counts
+    PARTIAL = "partial"          # one backend write of a direct write split by memory kind: its
+                                 # bytes count once all landed
+    DUPLICATE = "duplicate"
+    STALE = "stale"              # meant for another life of this room or peer: dropped
+    REJECTED = "rejected"        # disagrees with the room's plan: the room fails
 
 
 @dataclass(frozen=True)
@@ -86,7 +98,7 @@ def plan_room(layout: KVLayout, mapping: HeadMapping, writers: dict[int, WriterO
         mpp = (max_piece_pages(parts, min(buffers, piece_cap), ring_size, ring_align)
                or max_piece_pages(parts, buffers, ring_size, ring_align))
         if mpp == 0:
-            return ("staging", f"one page ({sum(parts)} bytes in the ring, up to {max(parts)} per writer buffer) "
+            return (FailureKind.STAGING, f"one page ({sum(parts)} bytes in the ring, up to {max(parts)} per writer buffer) "
                                f"can never fit the staging ring ({ring_size} bytes) or a prefill worker buffer "
                                f"({buffers} bytes)")
     return RoomPlan(assigns, tuple(notices[n] for n in sorted(notices)), staged, hpb, mpp, epoch,
@@ -210,17 +222,17 @@ class DecodeRoom:
         if self.state in TERMINAL:
             return self._outcome(peer)
         if not self.plan.staged:
-            return self.fail("protocol", f"{peer} asked for ring space in a direct-path room", now)
+            return self.fail(FailureKind.PROTOCOL, f"{peer} asked for ring space in a direct-path room", now)
         alloc = self.allocs.get(req.chunk)
         if alloc is not None:
             if (alloc.page_start, alloc.num_pages) != (req.page_start, req.num_pages):
-                return self.fail("protocol", f"writers disagree on chunk {req.chunk}: pages "
+                return self.fail(FailureKind.PROTOCOL, f"writers disagree on chunk {req.chunk}: pages "
                                              f"[{alloc.page_start}, +{alloc.num_pages}) vs [{req.page_start}, "
                                              f"+{req.num_pages}) from {peer}", now)
             return [self._grant(peer, alloc)]
         if req.num_pages <= 0 or req.page_start < 0 or req.page_start + req.num_pages > self.tracker.num_pages \
                 or self.tracker.overlaps_plan(req.page_start, req.num_pages):
-            return self.fail("protocol", f"chunk {req.chunk} from {peer} covers pages [{req.page_start}, "
+            return self.fail(FailureKind.PROTOCOL, f"chunk {req.chunk} from {peer} covers pages [{req.page_start}, "
                                          f"+{req.num_pages}) that are outside the room or already planned", now)
         page_bytes = sum(self.plan.writer_page_bytes(w.assignment) for w in self.writers.values())
         fit = ring.pages_fit_now(page_bytes)
@@ -232,7 +244,7 @@ class DecodeRoom:
         if extra:  # the last piece also holds every writer's pool block: it may need fewer pages
             planned = self._fit_pools(planned)
             if not planned:
-                return self.fail("staging", f"the state pool items of this request ({extra} bytes with one page) "
+                return self.fail(FailureKind.STAGING, f"the state pool items of this request ({extra} bytes with one page) "
                                             f"do not fit the staging ring ({self.plan.ring_size} bytes) or a prefill "
                                             f"worker buffer ({self.plan.buffer_bytes} bytes)", now)
         for i, (start, count) in enumerate(planned):
@@ -267,44 +279,42 @@ class DecodeRoom:
                                      chunk=alloc.chunk, epoch=self.plan.ring_epoch, pieces=list(alloc.pieces)))
 
     # -- arrivals ---------------------------------------------------------------------------
-    def on_tag(self, peer: PeerKey, tag: Tag, now: float) -> tuple[str, list[Action]]:
-        """Apply one arrived tag. Returns (verdict, actions): verdict is "ok", "partial" (one
-        backend write of a direct write split by memory kind: its bytes count once all landed),
-        "duplicate", "stale" (meant for another life of this room or peer: dropped) or "rejected"."""
+    def on_tag(self, peer: PeerKey, tag: Tag, now: float) -> tuple[TagVerdict, list[Action]]:
+        """Apply one arrived tag. Returns (verdict, actions)."""
         w = self._writer(peer)
         if w is None or tag.session != self.session or tag.src != peer.incarnation or self.tracker is None:
-            return "stale", []
+            return TagVerdict.STALE, []
         self.acked.add(peer.tp_rank)
         if self.state in TERMINAL:
-            return "stale", []
+            return TagVerdict.STALE, []
         if tag.writer != peer.tp_rank:
-            return "rejected", self.fail("protocol", f"tag from {peer} claims writer {tag.writer}", now)
+            return TagVerdict.REJECTED, self.fail(FailureKind.PROTOCOL, f"tag from {peer} claims writer {tag.writer}", now)
         if self.plan.staged:
             if tag.kind is not TagKind.STAGED or tag.epoch != self.plan.ring_epoch:
-                return "rejected", self.fail("protocol", f"tag from {peer} is not a staged tag of ring epoch "
+                return TagVerdict.REJECTED, self.fail(FailureKind.PROTOCOL, f"tag from {peer} is not a staged tag of ring epoch "
                                                          f"{self.plan.ring_epoch}: {tag}", now)
             arrival = self.tracker.arrive_staged(tag.writer, tag.chunk, tag.piece, tag.page_start, tag.num_pages,
                                                  tag.nbytes, tag.ring_start)
         else:
             if tag.kind is not TagKind.DIRECT or tag.epoch != self.me:
-                return "rejected", self.fail("protocol", f"tag from {peer} is not a direct tag for this rank: "
+                return TagVerdict.REJECTED, self.fail(FailureKind.PROTOCOL, f"tag from {peer} is not a direct tag for this rank: "
                                                          f"{tag}", now)
             arrival = self.tracker.arrive_direct(tag.writer, tag.chunk, tag.page_start, tag.num_pages, tag.nbytes,
                                                  tag.group, tag.groups)
         if arrival.outcome is Outcome.DUPLICATE:
-            return "duplicate", []
+            return TagVerdict.DUPLICATE, []
         if arrival.outcome is Outcome.PARTIAL:
             self.writes_in += 1
-            return "partial", []
+            return TagVerdict.PARTIAL, []
         if arrival.outcome is Outcome.REJECTED:
-            return "rejected", self.fail("tag_mismatch", f"tag from {peer} rejected: {arrival.reason}", now)
+            return TagVerdict.REJECTED, self.fail(FailureKind.TAG_MISMATCH, f"tag from {peer} rejected: {arrival.reason}", now)
         w.tags.add((tag.chunk, tag.piece))
         w.digests[(tag.chunk, tag.piece)] = tag.digest
         self.bytes_in += tag.nbytes
         self.writes_in += 1
         if arrival.outcome is Outcome.PIECE_LANDED:
-            return "ok", [self._scatter(arrival.piece, now)]
-        return "ok", self._check_complete(now)
+            return TagVerdict.OK, [self._scatter(arrival.piece, now)]
+        return TagVerdict.OK, self._check_complete(now)
 
     def _parts(self, chunk: int, index: int, page_start: int, num_pages: int) -> list[tuple]:
         """Per writer, in writer order: (rank, ring offset of its part, KV bytes, pool copies)."""
@@ -353,7 +363,7 @@ class DecodeRoom:
         return Scatter(self.room, piece.key, dst, parts, pools, checks)
 
     def on_scattered(self, key: tuple[int, int], ok: bool, reason: str | None, ring: RingAllocator,
-                     now: float, kind: str = "scatter") -> list[Action]:
+                     now: float, kind: str = FailureKind.SCATTER) -> list[Action]:
         if self.scattering.pop(key, None) is None:
             return []
         chunk, index = key
@@ -389,7 +399,7 @@ class DecodeRoom:
     def on_room_failed(self, peer: PeerKey, session: int, kind: str, reason: str, now: float) -> list[Action]:
         if session != self.session or (self._writer(peer) is None and peer not in (self.plan.notices if self.plan else ())):
             return []
-        return self.fail(kind if kind.startswith("remote_") else f"remote_{kind}", f"prefill rank {peer.tp_rank} ({peer.engine_id}): {reason}", now,
+        return self.fail(remote_kind(kind), f"prefill rank {peer.tp_rank} ({peer.engine_id}): {reason}", now,
                          origin=peer)
 
     def on_quiesced(self, peer: PeerKey, session: int, ring: RingAllocator | None, now: float) -> list[Action]:
@@ -399,7 +409,7 @@ class DecodeRoom:
         w.stopped = True
         out: list[Action] = []
         if self.state not in TERMINAL:  # it gave up on the room and its failure notice was lost
-            out = self.fail("remote_failed", f"prefill rank {peer.tp_rank} ({peer.engine_id}) stopped writing this "
+            out = self.fail(remote_kind("failed"), f"prefill rank {peer.tp_rank} ({peer.engine_id}) stopped writing this "
                                              "room", now, origin=peer)
         return out + self._maybe_release(ring, now)
 
@@ -416,11 +426,11 @@ class DecodeRoom:
             w.quiet_after = max(w.quiet_after, now + quarantine)
         out = []
         if w is not None or not self.meta_sent:
-            out = self.fail("peer_lost", f"prefill rank {peer.tp_rank} ({peer}) lost: {reason}", now)
+            out = self.fail(FailureKind.PEER_LOST, f"prefill rank {peer.tp_rank} ({peer}) lost: {reason}", now)
         return out + self._maybe_release(ring, now)
 
     def abort(self, ring: RingAllocator | None, now: float) -> list[Action]:
-        return self.fail("aborted", "aborted by the decode caller", now) + self._maybe_release(ring, now)
+        return self.fail(FailureKind.ABORTED, "aborted by the decode caller", now) + self._maybe_release(ring, now)
 
     def tick(self, ring: RingAllocator | None, now: float) -> list[Action]:
         out = self._retransmit(now)
@@ -442,15 +452,15 @@ class DecodeRoom:
     def _deadlines(self, now: float) -> list[Action]:
         t = self.timeouts
         if self.inited_at is not None and now - self.inited_at > t.room:
-            return self.fail("timeout", f"room not complete {t.room:g} s after init", now)
+            return self.fail(FailureKind.TIMEOUT, f"room not complete {t.room:g} s after init", now)
         for w in self.writers.values():
             if w.done_at is not None and len(w.tags) < w.done_writes and now - w.done_at > t.arrival:
-                return self.fail("timeout", f"prefill rank {w.peer.tp_rank} reported {w.done_writes} writes done "
+                return self.fail(FailureKind.TIMEOUT, f"prefill rank {w.peer.tp_rank} reported {w.done_writes} writes done "
                                             f"but only {len(w.tags)} notifications arrived within {t.arrival:g} s "
                                             "(lost notification)", now)
         for key, since in self.scattering.items():
             if now - since > t.scatter:
-                return self.fail("timeout", f"scatter of chunk {key[0]} piece {key[1]} took over {t.scatter:g} s",
+                return self.fail(FailureKind.TIMEOUT, f"scatter of chunk {key[0]} piece {key[1]} took over {t.scatter:g} s",
                                  now)
         return []
 
@@ -471,7 +481,8 @@ class DecodeRoom:
     # -- internals --------------------------------------------------------------------------
     def totals(self) -> RoomTotals:
         """Bytes and writes that landed here (each accepted tag is one backend write)."""
-        path = "none" if self.plan is None or not self.plan.writers else "staged" if self.plan.staged else "direct"
+        path = (TransferPath.NONE if self.plan is None or not self.plan.writers
+                else TransferPath.STAGED if self.plan.staged else TransferPath.DIRECT)
         return RoomTotals(self.bytes_in, self.writes_in, path)
 
     def _writer(self, peer: PeerKey) -> WriterState | None:

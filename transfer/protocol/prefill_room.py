@@ -26,6 +26,7 @@ import numpy as np
 
 from ..config import Timeouts
 from ..layout import KVLayout
+from .kinds import FailureKind, TransferPath, remote_kind
 from ..poll import KVPoll
 from .actions import (Action, DecodePrefix, Dropped, PeerKey, PostWrite, Released, RoomTotals, Send, StatusChanged,
                       WriteOp)
@@ -145,7 +146,7 @@ class PrefillRoom:
             return []
         if self.decode_engine is not None and peer.engine_id != self.decode_engine:
             return [Send(peer, RoomFailed(src=self.me, dst=peer.incarnation, room=self.room, session=meta.session,
-                                          kind="protocol", reason=f"room {self.room} is already bound to "
+                                          kind=FailureKind.PROTOCOL, reason=f"room {self.room} is already bound to "
                                                                   f"decode engine {self.decode_engine}"))]
         if self.mapping is None:
             self.mapping = compute_assignments(self.layout.tp_size, decode_tp, self.layout.total_kv_heads,
@@ -154,13 +155,13 @@ class PrefillRoom:
             self.expected = set(self.mapping.decode_peers_of(self.layout.tp_rank))
         if peer.tp_rank not in self.expected:
             return [Send(peer, RoomFailed(src=self.me, dst=peer.incarnation, room=self.room, session=meta.session,
-                                          kind="protocol", reason=f"prefill rank {self.layout.tp_rank} does not "
+                                          kind=FailureKind.PROTOCOL, reason=f"prefill rank {self.layout.tp_rank} does not "
                                                                   f"serve decode rank {peer.tp_rank}"))]
         old = self.flows.get(peer.tp_rank)
         if old is not None:
             if old.peer == peer and old.session == meta.session:
                 return []  # duplicate
-            return self.fail("protocol", f"decode rank {peer.tp_rank} sent metadata for room {self.room} twice "
+            return self.fail(FailureKind.PROTOCOL, f"decode rank {peer.tp_rank} sent metadata for room {self.room} twice "
                                          f"({old.peer} then {peer})", now)
         flow = Flow(peer, meta.session, self.mapping.find(self.layout.tp_rank, peer.tp_rank),
                     meta.staged, None)
@@ -170,7 +171,7 @@ class PrefillRoom:
             self.prefix = meta.prefix_pages
             prefix_news = [DecodePrefix(self.prefix)]
         elif meta.prefix_pages != self.prefix:  # every decode rank is told (this one has its flow now)
-            return self.fail("protocol", f"decode ranks of room {self.room} disagree on the prefix they hold: "
+            return self.fail(FailureKind.PROTOCOL, f"decode ranks of room {self.room} disagree on the prefix they hold: "
                                          f"{self.prefix} pages, then {meta.prefix_pages} from decode rank "
                                          f"{peer.tp_rank}", now)
         early = self.early.pop((peer, meta.session), None)
@@ -195,19 +196,19 @@ class PrefillRoom:
         flow.meta = None
         rank = flow.peer.tp_rank
         if meta.num_pages != self.num_pages:
-            return self.fail("protocol", f"decode rank {rank} expects {meta.num_pages} pages, this "
+            return self.fail(FailureKind.PROTOCOL, f"decode rank {rank} expects {meta.num_pages} pages, this "
                                          f"prefill rank was given {self.num_pages}", now)
         mismatch = counts_mismatch(self.pool_items, {k: v.size for k, v in meta.items().items()})
         if mismatch and flow.assignment is not None:
-            return self.fail("pool", f"decode rank {rank}: {mismatch}", now)
+            return self.fail(FailureKind.POOL, f"decode rank {rank}: {mismatch}", now)
         flow.pool_dst = meta.items()
         if not 0 <= meta.prefix_pages < self.num_pages:
-            return self.fail("protocol", f"decode rank {rank} holds a prefix of {meta.prefix_pages} pages of a "
+            return self.fail(FailureKind.PROTOCOL, f"decode rank {rank} holds a prefix of {meta.prefix_pages} pages of a "
                                          f"{self.num_pages}-page request: at least one page must be sent", now)
         if flow.assignment is not None and not meta.staged:
             pages = meta.pages()
             if pages.size != self.num_pages - meta.prefix_pages:
-                return self.fail("protocol", f"decode rank {rank} sent {pages.size} destination pages "
+                return self.fail(FailureKind.PROTOCOL, f"decode rank {rank} sent {pages.size} destination pages "
                                              f"for {self.num_pages} pages past a prefix of {meta.prefix_pages}", now)
             flow.dst_pages = pages
         return []
@@ -217,7 +218,7 @@ class PrefillRoom:
         if flow is None or self.state in TERMINAL or grant.chunk in flow.granted:
             return []  # a repeated grant (we asked twice): already acted upon
         if not flow.staged or grant.chunk not in flow.requested_at:
-            return self.fail("protocol", f"unexpected ring allocation for chunk {grant.chunk} from {peer}", now)
+            return self.fail(FailureKind.PROTOCOL, f"unexpected ring allocation for chunk {grant.chunk} from {peer}", now)
         chunk = self.sendable[grant.chunk]
         a = flow.assignment
         per_head = self._bytes_per_page(1)
@@ -235,7 +236,7 @@ class PrefillRoom:
                 nbytes += block_bytes(pools)
             if (piece.page_start != pos or piece.num_pages <= 0 or lo + piece.num_pages > chunk.pages.size
                     or offset + nbytes > piece.region_nbytes):
-                return self.fail("protocol", f"ring allocation for chunk {grant.chunk} from {peer} does not "
+                return self.fail(FailureKind.PROTOCOL, f"ring allocation for chunk {grant.chunk} from {peer} does not "
                                              f"match the chunk: {piece}", now)
             pos += piece.num_pages
             tag = make_tag(TagKind.STAGED, room=self.room, session=flow.session, epoch=grant.epoch, src=self.me,
@@ -247,7 +248,7 @@ class PrefillRoom:
                          nbytes, tag, piece.start, offset, pools)
             out.append(self._post(flow, op))
         if pos != chunk.page_start + chunk.pages.size:
-            return self.fail("protocol", f"ring allocation for chunk {grant.chunk} from {peer} does not cover it",
+            return self.fail(FailureKind.PROTOCOL, f"ring allocation for chunk {grant.chunk} from {peer} does not cover it",
                              now)
         flow.granted.add(grant.chunk)
         return out
@@ -263,7 +264,7 @@ class PrefillRoom:
             # failed now was released after it landed (e.g. the peer left and was disconnected)
             return self._check_done(now) + self._maybe_release()
         if not ok:
-            out = self.fail("write", f"write of chunk {op.chunk} piece {op.piece} to {op.peer} failed: {reason}",
+            out = self.fail(FailureKind.WRITE, f"write of chunk {op.chunk} piece {op.piece} to {op.peer} failed: {reason}",
                             now)
             return out + self._maybe_release()
         flow.writes += 1
@@ -294,7 +295,7 @@ class PrefillRoom:
                 self.early[(peer, session)] = (kind, reason)
                 return []
         self.failed_by = (peer.incarnation, session)
-        return self.fail(kind if kind.startswith("remote_") else f"remote_{kind}", f"decode rank {peer.tp_rank} ({peer.engine_id}): {reason}", now,
+        return self.fail(remote_kind(kind), f"decode rank {peer.tp_rank} ({peer.engine_id}): {reason}", now,
                          origin=peer)
 
     def on_peer_lost(self, peer: PeerKey, reason: str, now: float) -> list[Action]:
@@ -306,10 +307,10 @@ class PrefillRoom:
             # only our own completions are outstanding, and the room succeeds once they are in
             return self._check_done(now)
         # writes to a lost peer will never be confirmed; the shell fails those in flight
-        return self.fail("peer_lost", f"decode rank {peer.tp_rank} ({peer}) lost: {reason}", now)
+        return self.fail(FailureKind.PEER_LOST, f"decode rank {peer.tp_rank} ({peer}) lost: {reason}", now)
 
     def abort(self, now: float) -> list[Action]:
-        return self.fail("aborted", "aborted by the prefill caller", now)
+        return self.fail(FailureKind.ABORTED, "aborted by the prefill caller", now)
 
     def tick(self, now: float) -> list[Action]:
         if self.state in TERMINAL:
@@ -353,14 +354,14 @@ class PrefillRoom:
         t = self.timeouts
         if not self._all_metas() and now - self.created > t.metadata:
             who = f"decode rank(s) {sorted(self.expected - set(self.flows))}" if self.mapping else "any decode rank"
-            return self.fail("timeout", f"no room metadata from {who} within {t.metadata:g} s", now)
+            return self.fail(FailureKind.TIMEOUT, f"no room metadata from {who} within {t.metadata:g} s", now)
         for flow in self.flows.values():
             for chunk, asked in flow.requested_at.items():
                 if chunk not in flow.granted and now - asked > t.watermark:
-                    return self.fail("timeout", f"no ring allocation for chunk {chunk} from {flow.peer} within "
+                    return self.fail(FailureKind.TIMEOUT, f"no ring allocation for chunk {chunk} from {flow.peer} within "
                                                 f"{t.watermark:g} s", now)
             if flow.done_sent_at is not None and not flow.confirmed and now - flow.done_sent_at > t.arrival + t.scatter:
-                return self.fail("timeout", f"decode rank {flow.peer.tp_rank} did not confirm the room within "
+                return self.fail(FailureKind.TIMEOUT, f"decode rank {flow.peer.tp_rank} did not confirm the room within "
                                             f"{t.arrival + t.scatter:g} s of the last write", now)
         return []
 
@@ -378,7 +379,8 @@ class PrefillRoom:
     def totals(self) -> RoomTotals:
         """Bytes and writes completed, summed over the decode ranks written."""
         writing = [f for f in self.flows.values() if f.assignment is not None]
-        path = "none" if not writing else "staged" if any(f.staged for f in writing) else "direct"
+        path = (TransferPath.NONE if not writing
+                else TransferPath.STAGED if any(f.staged for f in writing) else TransferPath.DIRECT)
         return RoomTotals(sum(f.nbytes for f in writing), sum(f.writes for f in writing), path)
 
     def sessions(self) -> frozenset:
