@@ -28,17 +28,15 @@ from ...staging.ring import Region, RingAllocator, TooLarge
 from ..config import Timeouts
 from ..layout import KVLayout
 from .kinds import FailureKind, StrKind, TransferPath, remote_kind
+from .lifecycle import DECODE_TRANSITIONS, RoomEvent
 from ..poll import KVPoll
-from .actions import (Action, PeerKey, PublishWatermark, Released, RoomTotals, Scatter, ScatterPart, Send,
-                      StatusChanged)
+from .actions import Action, PeerKey, PublishWatermark, RoomTotals, Scatter, ScatterPart, Send
 from .head_mapping import Assignment, HeadMapping
-from .messages import AllocGrant, AllocRequest, Piece, RoomDone, RoomFailed, RoomMeta, WriterDone, encode_pages
+from .messages import AllocGrant, AllocRequest, Piece, RoomDone, RoomMeta, WriterDone, encode_pages
 from .pool_parts import block_bytes, part_offsets, request_copies, writer_segments
+from .room_base import RoomBase
 from .tags import Tag, TagKind
 from .tracker import ExpectedPiece, Outcome, RoomTracker
-
-TERMINAL = (KVPoll.Success, KVPoll.Failed)
-
 
 class TagVerdict(StrKind):
     """What one arrived tag did to its room (the engine counts all but OK and PARTIAL as dropped)."""
@@ -127,18 +125,14 @@ class Allocation:
     regions: dict[int, Region]                    # piece index -> region, until freed
 
 
-class DecodeRoom:
+class DecodeRoom(RoomBase):
+    TRANSITIONS = DECODE_TRANSITIONS
+    PEER_SIDE = "prefill"
+
     def __init__(self, room: int, session: int, me: int, layout: KVLayout, now: float, timeouts: Timeouts,
                  pools: tuple = ()):
-        self.room = room
+        super().__init__(room=room, me=me, layout=layout, now=now, timeouts=timeouts, pools=pools)
         self.session = session
-        self.me = me
-        self.layout = layout
-        self.timeouts = timeouts
-        self.created = now
-        self.state = KVPoll.Bootstrapping
-        self.failure: str | None = None
-        self.failure_kind: str | None = None
         self.plan: RoomPlan | None = None
         self.dst_pages: np.ndarray | None = None
         self.inited_at: float | None = None
@@ -147,24 +141,21 @@ class DecodeRoom:
         self.tracker: RoomTracker | None = None
         self.allocs: dict[int, Allocation] = {}
         self.scattering: dict[tuple[int, int], float] = {}   # piece key -> when asked
-        self.released = False
         self.acked: set[int] = set()                         # prefill ranks that acknowledged the metadata
         self._retry_at = 0.0
-        self._now = now
         self.prefix = 0                                      # pages of the request held already
         self.bytes_in = 0                                    # bytes of accepted tags (writes that landed)
         self.writes_in = 0
-        self.pools = pools                                   # state pool specs
         self.pool_items: dict = {}                           # this request's items of them
         self.pool_copies: dict[int, tuple] = {}              # writer rank -> its PoolCopy's (last page)
 
     # -- set-up -----------------------------------------------------------------------------
     def on_plan(self, plan: RoomPlan, now: float) -> list[Action]:
-        if self.state in TERMINAL or self.plan is not None:
+        if self.ended or self.plan is not None:
             return []
         self.plan = plan
         self.writers = {p.tp_rank: WriterState(p, a) for p, a in plan.writers}
-        out = self._set_state(KVPoll.WaitingForInput)
+        out = self._move(RoomEvent.PLANNED, now)
         return out + self._start(now)
 
     def on_plan_failed(self, kind: str, reason: str, now: float) -> list[Action]:
@@ -179,7 +170,7 @@ class DecodeRoom:
         self.prefix = prefix_pages
         self.pool_items = pool_items or {}
         self.inited_at = now
-        if self.state in TERMINAL:
+        if self.ended:
             return []
         return self._start(now)
 
@@ -194,7 +185,7 @@ class DecodeRoom:
                                    {r: block_bytes(c) for r, c in self.pool_copies.items()})
         self.meta_sent = True
         self._retry_at = now + self.timeouts.heartbeat
-        return self._metas(self._all_prefill()) + self._set_state(KVPoll.Transferring)
+        return self._metas(self._all_prefill()) + self._move(RoomEvent.METADATA_OUT, now)
 
     def _all_prefill(self) -> list[PeerKey]:
         return [p for p, _ in self.plan.writers] + list(self.plan.notices)
@@ -219,7 +210,7 @@ class DecodeRoom:
         if w is None or req.session != self.session:
             return []
         self.acked.add(peer.tp_rank)
-        if self.state in TERMINAL:
+        if self.ended:
             return self._outcome(peer)
         if not self.plan.staged:
             return self.fail(FailureKind.PROTOCOL, f"{peer} asked for ring space in a direct-path room", now)
@@ -285,7 +276,7 @@ class DecodeRoom:
         if w is None or tag.session != self.session or tag.src != peer.incarnation or self.tracker is None:
             return TagVerdict.STALE, []
         self.acked.add(peer.tp_rank)
-        if self.state in TERMINAL:
+        if self.ended:
             return TagVerdict.STALE, []
         if tag.writer != peer.tp_rank:
             return TagVerdict.REJECTED, self.fail(FailureKind.PROTOCOL, f"tag from {peer} claims writer {tag.writer}", now)
@@ -339,7 +330,7 @@ class DecodeRoom:
         """Where the write of an accepted tag landed: ("ring", offset, nbytes) or ("pages", dst pages,
         dst heads, pool copies, nbytes); None when the tag is not this room's."""
         w = self.writers.get(tag.writer)
-        if w is None or tag.session != self.session or self.tracker is None or self.state in TERMINAL:
+        if w is None or tag.session != self.session or self.tracker is None or self.ended:
             return None
         if self.plan.staged:
             if tag.chunk not in self.allocs or tag.piece not in self.allocs[tag.chunk].regions:
@@ -368,7 +359,7 @@ class DecodeRoom:
             return []
         chunk, index = key
         out: list[Action] = []
-        if ok and self.state not in TERMINAL:
+        if ok and not self.ended:
             piece = next(p for p in self.tracker.pieces() if p.key == key)
             self.tracker.mark_scattered(piece)
         elif not ok:
@@ -383,7 +374,7 @@ class DecodeRoom:
         if w is None or msg.session != self.session:
             return []
         self.acked.add(peer.tp_rank)
-        if self.state in TERMINAL:
+        if self.ended:
             return self._outcome(peer)   # our answer may have been lost: say it again
         if w.done_at is None:
             w.done_at, w.done_writes = now, msg.writes
@@ -392,15 +383,13 @@ class DecodeRoom:
     def _outcome(self, peer: PeerKey) -> list[Action]:
         if self.state is KVPoll.Success:
             return [Send(peer, RoomDone(src=self.me, dst=peer.incarnation, room=self.room, session=self.session))]
-        return [Send(peer, RoomFailed(src=self.me, dst=peer.incarnation, room=self.room, session=self.session,
-                                      kind=self.failure_kind or "failed", reason=self.failure or ""))]
+        return [Send(peer, self._failed_msg(peer, self.session))]
 
     # -- failures ---------------------------------------------------------------------------
     def on_room_failed(self, peer: PeerKey, session: int, kind: str, reason: str, now: float) -> list[Action]:
         if session != self.session or (self._writer(peer) is None and peer not in (self.plan.notices if self.plan else ())):
             return []
-        return self.fail(remote_kind(kind), f"prefill rank {peer.tp_rank} ({peer.engine_id}): {reason}", now,
-                         origin=peer)
+        return self._fail_remote(peer, kind, reason, now)
 
     def on_quiesced(self, peer: PeerKey, session: int, ring: RingAllocator | None, now: float) -> list[Action]:
         w = self._writer(peer)
@@ -408,9 +397,9 @@ class DecodeRoom:
             return []
         w.stopped = True
         out: list[Action] = []
-        if self.state not in TERMINAL:  # it gave up on the room and its failure notice was lost
+        if not self.ended:  # it gave up on the room and its failure notice was lost
             out = self.fail(remote_kind("failed"), f"prefill rank {peer.tp_rank} ({peer.engine_id}) stopped writing this "
-                                             "room", now, origin=peer)
+                                                   "room", now, origin=peer)
         return out + self._maybe_release(ring, now)
 
     def on_peer_lost(self, peer: PeerKey, reason: str, ring: RingAllocator | None, now: float,
@@ -434,7 +423,7 @@ class DecodeRoom:
 
     def tick(self, ring: RingAllocator | None, now: float) -> list[Action]:
         out = self._retransmit(now)
-        if self.state in TERMINAL:
+        if self.ended:
             return out + self._maybe_release(ring, now)
         return out + self._deadlines(now)
 
@@ -464,19 +453,8 @@ class DecodeRoom:
                                  now)
         return []
 
-    def fail(self, kind: str, reason: str, now: float, origin: PeerKey | None = None) -> list[Action]:
-        """Fail the room and tell every prefill peer but the one the failure came from."""
-        if self.state in TERMINAL:
-            return []
-        self.failure, self.failure_kind = reason, kind
-        out = self._set_state(KVPoll.Failed)
-        if self.meta_sent:
-            for peer in [p for p, _ in self.plan.writers] + list(self.plan.notices):
-                if peer == origin:
-                    continue
-                out.append(Send(peer, RoomFailed(src=self.me, dst=peer.incarnation, room=self.room,
-                                                 session=self.session, kind=kind, reason=reason)))
-        return out
+    def _told_of_failure(self) -> list[tuple[PeerKey, int]]:
+        return [(peer, self.session) for peer in self._all_prefill()] if self.meta_sent else []
 
     # -- internals --------------------------------------------------------------------------
     def totals(self) -> RoomTotals:
@@ -490,13 +468,13 @@ class DecodeRoom:
         return w if w is not None and w.peer == peer else None
 
     def _check_complete(self, now: float) -> list[Action]:
-        if self.state in TERMINAL or self.tracker is None or not self.tracker.complete:
+        if self.ended or self.tracker is None or not self.tracker.complete:
             return []
         out: list[Action] = []
         for w in self.writers.values():
             out.append(Send(w.peer, RoomDone(src=self.me, dst=w.peer.incarnation, room=self.room,
                                              session=self.session)))
-        return out + self._set_state(KVPoll.Success)
+        return out + self._move(RoomEvent.SUCCEED, now)
 
     def _free(self, ring: RingAllocator | None, regions: list[Region]) -> list[Action]:
         moved = False
@@ -505,24 +483,16 @@ class DecodeRoom:
         return [PublishWatermark()] if moved else []
 
     def _maybe_release(self, ring: RingAllocator | None, now: float) -> list[Action]:
-        self._now = now
-        if self.released or self.state not in TERMINAL or self.scattering:
+        if self.released or not self.ended or self.scattering:
             return []
         if self.state is KVPoll.Failed and self.meta_sent and not all(w.stopped and now >= w.quiet_after
                                                                      for w in self.writers.values()):
             return []
-        self.released = True
         leftover = [r for a in self.allocs.values() for r in a.regions.values()]
         for a in self.allocs.values():
             a.regions.clear()
         out = self._free(ring, leftover) if leftover else []
-        return out + [StatusChanged(self.state, self.failure, self.failure_kind, released=True), Released()]
+        return out + self._release()
 
-    def _set_state(self, state: KVPoll) -> list[Action]:
-        if state == self.state or self.state in TERMINAL:
-            return []
-        self.state = state
-        out: list[Action] = [StatusChanged(state, self.failure, self.failure_kind)]
-        if state is KVPoll.Success:
-            out += self._maybe_release(None, self._now)
-        return out
+    def _entered(self, state: KVPoll, now: float) -> list[Action]:
+        return self._maybe_release(None, now) if state is KVPoll.Success else []

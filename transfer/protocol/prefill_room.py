@@ -26,22 +26,23 @@ import numpy as np
 
 from ..config import Timeouts
 from ..layout import KVLayout
-from .kinds import FailureKind, TransferPath, remote_kind
+from .kinds import FailureKind, TransferPath
+from .lifecycle import PREFILL_TRANSITIONS, RoomEvent
 from ..poll import KVPoll
-from .actions import (Action, DecodePrefix, Dropped, PeerKey, PostWrite, Released, RoomTotals, Send, StatusChanged,
-                      WriteOp)
+from .actions import Action, DecodePrefix, Dropped, PeerKey, PostWrite, RoomTotals, Send, WriteOp
 from .direct_ranges import direct_nbytes
 from .flows import Chunk, Flow, past_prefix
 from .head_mapping import Assignment, HeadMapping, compute_assignments
 from .messages import AllocGrant, AllocRequest, Quiesced, RoomFailed, RoomMeta, WriterDone
 from .pool_parts import block_bytes, counts_mismatch, final_part, request_copies, writer_segments
+from .room_base import RoomBase
 from .room_uses import EarlierUses
 from .tags import TagKind, make_tag
 
-TERMINAL = (KVPoll.Success, KVPoll.Failed)
+class PrefillRoom(RoomBase):
+    TRANSITIONS = PREFILL_TRANSITIONS
+    PEER_SIDE = "decode"
 
-
-class PrefillRoom:
     def __init__(self, room: int, num_pages: int | None, layout: KVLayout, me: int, now: float,
                  timeouts: Timeouts, op_ids: itertools.count | None = None, max_ranges: int = 65536,
                  stale: EarlierUses = EarlierUses(), pools: tuple = (), pool_items: dict | None = None):
@@ -50,17 +51,10 @@ class PrefillRoom:
         `pool_items`: this request's items of them (validated by the caller's handle)."""
         if num_pages is not None and num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
-        self.room = room
+        super().__init__(room=room, me=me, layout=layout, now=now, timeouts=timeouts, pools=pools)
         self.num_pages = num_pages
-        self.layout = layout
-        self.me = me
-        self.timeouts = timeouts
-        self.created = now
         self._op_ids = op_ids or itertools.count(1)
         self.max_ranges = max_ranges  # direct path: descriptors per write at most
-        self.state = KVPoll.Bootstrapping
-        self.failure: str | None = None
-        self.failure_kind: str | None = None
         self.chunks: list[Chunk] = []       # as given: request page numbers
         self.prefix: int | None = None      # pages the decode side already holds (from its metadata)
         self.sendable: list[Chunk] = []     # the chunks' pages past the prefix, numbered from the prefix
@@ -72,11 +66,9 @@ class PrefillRoom:
         self.expected: set[int] = set()
         self.flows: dict[int, Flow] = {}
         self.ops: dict[int, WriteOp] = {}
-        self.released = False
         self.stale = stale                  # sessions of earlier uses of this id
         self.early: dict[tuple[PeerKey, int], tuple[str, str]] = {}  # failures parked before this sender
         self.failed_by: tuple[int, int] | None = None
-        self.pools = pools
         self.pool_items: dict = pool_items or {}
 
     # -- inputs -----------------------------------------------------------------------------
@@ -89,7 +81,7 @@ class PrefillRoom:
             raise ValueError(f"room {self.room}: num_pages must be a positive int, got {num_pages!r}")
         self.num_pages = num_pages
         self.pool_items = pool_items or {}
-        if self.state in TERMINAL:
+        if self.ended:
             return []
         for flow in list(self.flows.values()):
             if flow.meta is not None:
@@ -116,11 +108,11 @@ class PrefillRoom:
         start = self.pages_given
         self.pages_given += pages.size
         self.last = bool(last)
-        if self.state in TERMINAL:
+        if self.ended:
             return []  # input still accounted for, nothing more is written
         if pages.size:
             self.chunks.append(Chunk(len(self.chunks), start, pages))
-        out = self._set_state(KVPoll.Transferring) if self._all_metas() else []
+        out = self._move(RoomEvent.INPUT, now) if self._all_metas() else []
         return out + self._pump(now)
 
     def meta_use(self, peer: PeerKey, session: int) -> str:
@@ -138,7 +130,7 @@ class PrefillRoom:
         return "this"
 
     def add_meta(self, peer: PeerKey, decode_tp: int, meta: RoomMeta, now: float) -> list[Action]:
-        if self.state in TERMINAL:
+        if self.ended:
             if self.state is KVPoll.Failed:
                 # never wrote to a peer it had not heard from: it may reuse its memory at once
                 return [Send(peer, self._failed_msg(peer, meta.session)),
@@ -187,7 +179,7 @@ class PrefillRoom:
                 return prefix_news + bad
         out: list[Action] = prefix_news
         if self._all_metas():
-            out += self._set_state(KVPoll.Transferring if self.chunks or self.last else KVPoll.WaitingForInput)
+            out += self._move(RoomEvent.INPUT if self.chunks or self.last else RoomEvent.METADATA_IN, now)
         return out + self._pump(now)
 
     def _check_meta(self, flow: Flow, meta: RoomMeta, now: float) -> list[Action]:
@@ -215,7 +207,7 @@ class PrefillRoom:
 
     def on_grant(self, peer: PeerKey, grant: AllocGrant, now: float) -> list[Action]:
         flow = self._flow_of(peer, grant.session)
-        if flow is None or self.state in TERMINAL or grant.chunk in flow.granted:
+        if flow is None or self.ended or grant.chunk in flow.granted:
             return []  # a repeated grant (we asked twice): already acted upon
         if not flow.staged or grant.chunk not in flow.requested_at:
             return self.fail(FailureKind.PROTOCOL, f"unexpected ring allocation for chunk {grant.chunk} from {peer}", now)
@@ -273,7 +265,7 @@ class PrefillRoom:
 
     def on_room_done(self, peer: PeerKey, session: int, now: float) -> list[Action]:
         flow = self._flow_of(peer, session)
-        if flow is None or self.state in TERMINAL:
+        if flow is None or self.ended:
             return []
         flow.confirmed = True
         return self._check_done(now)
@@ -295,8 +287,7 @@ class PrefillRoom:
                 self.early[(peer, session)] = (kind, reason)
                 return []
         self.failed_by = (peer.incarnation, session)
-        return self.fail(remote_kind(kind), f"decode rank {peer.tp_rank} ({peer.engine_id}): {reason}", now,
-                         origin=peer)
+        return self._fail_remote(peer, kind, reason, now)
 
     def on_peer_lost(self, peer: PeerKey, reason: str, now: float) -> list[Action]:
         flow = self.flows.get(peer.tp_rank)
@@ -313,7 +304,7 @@ class PrefillRoom:
         return self.fail(FailureKind.ABORTED, "aborted by the prefill caller", now)
 
     def tick(self, now: float) -> list[Action]:
-        if self.state in TERMINAL:
+        if self.ended:
             return []
         return self._retransmit(now) + self._bind_early(now) + self._deadlines(now)
 
@@ -365,16 +356,11 @@ class PrefillRoom:
                                             f"{t.arrival + t.scatter:g} s of the last write", now)
         return []
 
-    def fail(self, kind: str, reason: str, now: float, origin: PeerKey | None = None) -> list[Action]:
-        """Fail the room and tell every decode peer but the one the failure came from."""
-        if self.state in TERMINAL:
-            return []
-        self.failure, self.failure_kind = reason, kind
-        out: list[Action] = self._set_state(KVPoll.Failed)
-        for flow in self.flows.values():
-            if flow.peer != origin:
-                out.append(Send(flow.peer, self._failed_msg(flow.peer, flow.session)))
-        return out + self._maybe_release()
+    def _told_of_failure(self) -> list[tuple[PeerKey, int]]:
+        return [(flow.peer, flow.session) for flow in self.flows.values()]
+
+    def _after_failure(self, now: float) -> list[Action]:
+        return self._maybe_release()
 
     def totals(self) -> RoomTotals:
         """Bytes and writes completed, summed over the decode ranks written."""
@@ -394,10 +380,6 @@ class PrefillRoom:
     @property
     def inflight(self) -> int:
         return len(self.ops)
-
-    def _failed_msg(self, peer: PeerKey, session: int) -> RoomFailed:
-        return RoomFailed(src=self.me, dst=peer.incarnation, room=self.room, session=session,
-                          kind=self.failure_kind or "failed", reason=self.failure or "")
 
     def _flow_of(self, peer: PeerKey, session: int) -> Flow | None:
         flow = self.flows.get(peer.tp_rank)
@@ -423,7 +405,7 @@ class PrefillRoom:
             self._synced = len(self.chunks)
 
     def _pump(self, now: float) -> list[Action]:
-        if self.state in TERMINAL or not self._all_metas():
+        if self.ended or not self._all_metas():
             return []  # nothing is written before every decode rank's metadata agreed (pages, prefix)
         self._sync_sendable()
         out: list[Action] = []
@@ -471,7 +453,7 @@ class PrefillRoom:
                 and (not flow.staged or len(flow.granted) == len(self.sendable)))
 
     def _check_done(self, now: float) -> list[Action]:
-        if self.state in TERMINAL or not self._all_metas():
+        if self.ended or not self._all_metas():
             return []
         out: list[Action] = []
         for flow in self.flows.values():
@@ -483,23 +465,16 @@ class PrefillRoom:
                     out.append(self._writer_done(flow))
         if self.last and all(f.assignment is None or (f.confirmed and f.done_sent_at is not None)
                              for f in self.flows.values()):
-            out += self._set_state(KVPoll.Success) + self._maybe_release()
+            out += self._move(RoomEvent.SUCCEED, now) + self._maybe_release()
         return out
 
-    def _set_state(self, state: KVPoll) -> list[Action]:
-        if state == self.state or self.state in TERMINAL:
-            return []
-        self.state = state
-        return [StatusChanged(state, self.failure, self.failure_kind)]
-
     def _maybe_release(self) -> list[Action]:
-        if self.released or self.state not in TERMINAL or self.ops:
+        if self.released or not self.ended or self.ops:
             return []
-        self.released = True
         out: list[Action] = []
         if self.state is KVPoll.Failed:
             for flow in self.flows.values():
                 if flow.assignment is not None:
                     out.append(Send(flow.peer, Quiesced(src=self.me, dst=flow.peer.incarnation, room=self.room,
                                                         session=flow.session)))
-        return out + [StatusChanged(self.state, self.failure, self.failure_kind, released=True), Released()]
+        return out + self._release()
