@@ -20,7 +20,7 @@ from ..protocol.decode_room import DecodeRoom
 from ..protocol.messages import (AllocRequest, Heartbeat, Hello, HelloAck, MetaAck, Quiesced, RoomDone, RoomFailed,
                                  WatermarkUpdate, WriterDone, WritePosted)
 from ..protocol.quiet import Arrival, ExpectedWrites
-from ..protocol.routing import finished_room_answer
+from ..protocol.room_uses import RoomUse, ended_answer
 from ..protocol.tags import Tag, TagKind
 from .context import EngineContext
 from .decode_planning import EnginePlanner
@@ -134,14 +134,15 @@ class DecodeSide:
             return
         state, kind, why, last_session = done
         me, dst = self.ctx.me, peer.key.incarnation
-        failed = finished_room_answer(state is KVPoll.Success, kind, why, last_session, session, room_id)
-        if failed is None:
+        answer = ended_answer(succeeded=state is KVPoll.Success, kind=kind, reason=why, last_session=last_session,
+                              session=session, room=room_id)
+        if answer.kind is None:
             self.peers.send(peer.key, RoomDone(src=me, dst=dst, room=room_id, session=session))
         else:
-            if session != last_session:
+            if answer.use is RoomUse.OTHER:
                 self.ctx.stats.count("dropped_messages", "other_use")
-            self.peers.send(peer.key, RoomFailed(src=me, dst=dst, room=room_id, session=session, kind=failed[0],
-                                                 reason=failed[1]))
+            self.peers.send(peer.key, RoomFailed(src=me, dst=dst, room=room_id, session=session, kind=answer.kind,
+                                                 reason=answer.reason))
 
     # -- landed writes, scatters, the watermark ---------------------------------------------------
     def on_tag(self, peer: Peer, tag: Tag, now: float) -> None:

@@ -36,7 +36,7 @@ from .head_mapping import Assignment, HeadMapping, compute_assignments
 from .messages import AllocGrant, AllocRequest, Quiesced, RoomFailed, RoomMeta, WriterDone
 from .pool_parts import block_bytes, counts_mismatch, final_part, request_copies, writer_segments
 from .room_base import RoomBase
-from .room_uses import EarlierUses
+from .room_uses import Bound, EarlierUses, RoomUse, failure_use, meta_use
 from .tags import TagKind, make_tag
 
 class PrefillRoom(RoomBase):
@@ -115,19 +115,13 @@ class PrefillRoom(RoomBase):
         out = self._move(RoomEvent.INPUT, now) if self._all_metas() else []
         return out + self._pump(now)
 
-    def meta_use(self, peer: PeerKey, session: int) -> str:
-        """Which use of the room id metadata from `peer` with `session` belongs to: "stale" (a
-        retransmission from the id's earlier use), "next" (a decode incarnation this use already
-        dealt with under another session has moved on: its room of this use is over there, and
-        this is the next use's, to be kept for its sender) or "this"."""
-        if self.stale.covers(peer.incarnation, session):
-            return "stale"
+    def meta_use(self, peer: PeerKey, session: int) -> RoomUse:
+        """Which use of the room id metadata from `peer` with `session` belongs to (room_uses.py)."""
+        return meta_use(self.stale, self._bound(peer), self.failed_by, peer, session)
+
+    def _bound(self, peer: PeerKey) -> Bound | None:
         flow = self.flows.get(peer.tp_rank)
-        if flow is not None and flow.peer == peer and flow.session != session:
-            return "next"
-        if self.failed_by is not None and self.failed_by[0] == peer.incarnation and self.failed_by[1] != session:
-            return "next"
-        return "this"
+        return None if flow is None else Bound(flow.peer, flow.session)
 
     def add_meta(self, peer: PeerKey, decode_tp: int, meta: RoomMeta, now: float) -> list[Action]:
         if self.ended:
@@ -275,9 +269,7 @@ class PrefillRoom(RoomBase):
         """`early`: it arrived before this sender existed (parked by the shell)."""
         flow = self._flow_of(peer, session)
         if flow is None:
-            bound = self.flows.get(peer.tp_rank)
-            if (self.stale.covers(peer.incarnation, session) or bound is not None
-                    or (self.decode_engine is not None and peer.engine_id != self.decode_engine)):
+            if failure_use(self.stale, self._bound(peer), self.decode_engine, peer, session) is RoomUse.STALE:
                 # an earlier use's, or another engine's: nothing of this use went to that session
                 return [Send(peer, Quiesced(src=self.me, dst=peer.incarnation, room=self.room, session=session)),
                         Dropped("stale_room_failed")]

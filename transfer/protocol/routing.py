@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .kinds import FailureKind, StrKind
+from .kinds import StrKind
 
 
 class PeerState(StrKind):
@@ -85,15 +85,3 @@ def hello_verdict(known_state: PeerState | None, known_conn: int, conn: int) -> 
     if not conn or not known_conn or conn == known_conn:
         return HelloVerdict.ACK_AGAIN
     return HelloVerdict.STALE if conn < known_conn else HelloVerdict.REPLACE
-
-
-
-def finished_room_answer(state_ok: bool, kind: str, reason: str, last_session: int, session: int,
-                         room: int) -> tuple[str, str] | None:
-    """Decode side: a writer asks about room `room`, whose last use here ended (`state_ok`:
-    it succeeded). None: answer RoomDone; else the (kind, reason) of the RoomFailed to answer.
-    Only the session that use had may hear "done": a writer bound to another use never succeeds."""
-    if session != last_session:
-        return FailureKind.PROTOCOL, (f"room {room} has no use of session {session} here (a writer bound to metadata "
-                            f"of another use of the id)")
-    return None if state_ok else (kind, reason)
