@@ -15,7 +15,6 @@ from typing import Mapping, Sequence
 import torch
 
 from .backends.base import MemRegion
-from .state_pools import memory_kind
 
 KV_REGION = "kv"
 

@@ -121,9 +121,9 @@ def test_decode_transferring_to_success_once_every_byte_landed():
     p = prefill()
     p.add_meta(DEC, 1, meta(), 1.0)
     writes = [a.op for a in p.add_chunk(np.arange(N), True, 2.0) if isinstance(a, PostWrite)]
-    verdicts = [d.on_tag(PREF, op.tag, 3.0) for op in writes]
-    assert [moves(acts) for _, acts in verdicts] == [[S]]
-    assert any(isinstance(a, Send) and isinstance(a.msg, RoomDone) for a in verdicts[0][1])
+    results = [d.on_tag(PREF, op.tag, 3.0) for op in writes]
+    assert [moves(r.actions) for r in results] == [[S]]
+    assert any(isinstance(a, Send) and isinstance(a.msg, RoomDone) for a in results[0].actions)
 
 
 @pytest.mark.parametrize("state", [B, W, T])

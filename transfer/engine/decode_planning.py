@@ -19,7 +19,7 @@ from ..poll import KVPoll
 from ..protocol.kinds import FailureKind
 from ..protocol import peering
 from ..protocol.actions import PeerKey
-from ..protocol.decode_room import DecodeRoom, WriterOffer, plan_room
+from ..protocol.decode_room import DecodeRoom, PlanRefused, WriterOffer, plan_room
 from ..protocol.leases import Lease
 from ..protocol.messages import Hello, HelloAck, KVMemory, PoolMemory, RingInfo, RoomFailed, WatermarkUpdate
 from ..protocol.routing import PeerState
@@ -146,8 +146,8 @@ class EnginePlanner:
                          {n: peers[n].key for n in need.notices}, staging=bool(cfg.staging),
                          ring_size=ring.size if ring else 0, ring_align=ring.align if ring else 1,
                          piece_cap=int(cfg.staging_piece_mb * (1 << 20)), epoch=self.ctx.me)
-        if isinstance(plan, tuple):
-            return self.book.apply(room, room.on_plan_failed(*plan, now))
+        if isinstance(plan, PlanRefused):
+            return self.book.apply(room, room.on_plan_failed(plan.kind, plan.reason, now))
         if cfg.staging and not plan.staged:
             self._log_fallback(view.engine_id, need.mapping, [peers[w] for w in need.writers])
         self.book.apply(room, room.on_plan(plan, now))

@@ -159,7 +159,8 @@ class DecodeSide:
         if arrival is not Arrival.REPEATED:
             self.ctx.stats.count("tags_by_arrival", arrival.value)
         self._expecting()
-        verdict, actions = room.on_tag(peer.key, tag, now)
+        result = room.on_tag(peer.key, tag, now)
+        verdict, actions = result.verdict, result.actions
         if verdict == "ok":
             self.ctx.stats.add("bytes_received", tag.nbytes)
             self.ctx.stats.count("bytes_received_by_path", "staged" if tag.kind is TagKind.STAGED else "direct",
@@ -177,7 +178,7 @@ class DecodeSide:
     def scatter(self, s: Scatter) -> None:
         view = self.ctx.handler.ring_view
         parts = tuple((view(p.region_offset, p.nbytes), p.dst_heads) for p in s.parts)
-        pools = tuple((view(offset, c.nbytes), c) for offset, c in s.pools)
+        pools = tuple((view(p.ring_offset, p.copy.nbytes), p.copy) for p in s.pools)
         checks = self.ctx.integrity.scatter_checks(s)
         self.scatterer.submit(ScatterJob(s.room, s.key, s.dst_pages, parts, pools, checks))
 

@@ -30,13 +30,47 @@ from ..layout import KVLayout
 from .kinds import FailureKind, StrKind, TransferPath, remote_kind
 from .lifecycle import DECODE_TRANSITIONS, RoomEvent
 from ..poll import KVPoll
-from .actions import Action, PeerKey, PublishWatermark, RoomTotals, Scatter, ScatterPart, Send
+from .actions import (Action, PartCheck, PeerKey, PoolPlacement, PublishWatermark, RoomTotals, Scatter, ScatterPart,
+                      Send)
 from .head_mapping import Assignment, HeadMapping
 from .messages import AllocGrant, AllocRequest, Piece, RoomDone, RoomMeta, WriterDone, encode_pages
-from .pool_parts import block_bytes, part_offsets, request_copies, writer_segments
+from .pool_parts import PoolCopy, block_bytes, part_offsets, request_copies, writer_segments
 from .room_base import RoomBase
 from .tags import Tag, TagKind
 from .tracker import ExpectedPiece, Outcome, RoomTracker
+
+@dataclass(frozen=True, kw_only=True)
+class WriterPart:
+    """One writer's part of a staged piece's ring region: its KV bytes, then (the last piece)
+    its pool copies."""
+
+    rank: int
+    ring_offset: int
+    kv_bytes: int
+    copies: tuple[PoolCopy, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv_bytes + block_bytes(self.copies)
+
+
+@dataclass(frozen=True)
+class RingSpan:
+    """Staged: a writer's part landed in the ring at `offset`."""
+
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class PageSpan:
+    """Direct: a write landed in these destination pages and heads (and pool items)."""
+
+    pages: np.ndarray
+    heads: tuple[int, int]
+    copies: tuple[PoolCopy, ...]
+    nbytes: int
+
 
 class TagVerdict(StrKind):
     """What one arrived tag did to its room (the engine counts all but OK and PARTIAL as dropped)."""
@@ -50,11 +84,17 @@ class TagVerdict(StrKind):
 
 
 @dataclass(frozen=True)
+class TagResult:
+    verdict: TagVerdict
+    actions: list[Action]
+
+
+@dataclass(frozen=True, kw_only=True)
 class RoomPlan:
     """Who writes this decode rank's part of a room, and how (decided when peers connected)."""
 
     writers: tuple[tuple[PeerKey, Assignment], ...]
-    notices: tuple[PeerKey, ...]                  # prefill ranks told about the room, not writing
+    notices: tuple[PeerKey, ...] = ()             # prefill ranks told about the room, not writing
     staged: bool
     head_page_bytes: int                          # bytes of one head of one page, all layers, K and V
     max_piece_pages: int = 0                      # staged: largest piece (ring and buffers)
@@ -69,6 +109,14 @@ class RoomPlan:
 
 
 @dataclass(frozen=True)
+class PlanRefused:
+    """A room that can never move (plan_room): its failure kind and why."""
+
+    kind: FailureKind
+    reason: str
+
+
+@dataclass(frozen=True)
 class WriterOffer:
     """What a connected prefill rank offers this decode rank (from its HelloAck)."""
 
@@ -79,10 +127,10 @@ class WriterOffer:
 
 def plan_room(layout: KVLayout, mapping: HeadMapping, writers: dict[int, WriterOffer],
               notices: dict[int, PeerKey], *, staging: bool, ring_size: int, ring_align: int,
-              piece_cap: int, epoch: int) -> RoomPlan | tuple[str, str]:
+              piece_cap: int, epoch: int) -> RoomPlan | PlanRefused:
     """Decide how a room from this prefill engine moves: the staged path when staging is on here
     (a ring) and at every writer, TP sizes differ and the model is not MLA; direct otherwise.
-    Returns the plan, or (failure kind, reason) when a single page can never fit."""
+    Returns the plan, or why not when a single page can never fit."""
     hpb = layout.num_kv * layout.num_layers * layout.page_size * layout.head_bytes
     assigns = tuple((writers[w].key, mapping.find(w, layout.tp_rank)) for w in sorted(writers))
     staged = (staging and ring_size > 0 and not layout.mla and mapping.prefill_tp != mapping.decode_tp
@@ -96,15 +144,16 @@ def plan_room(layout: KVLayout, mapping: HeadMapping, writers: dict[int, WriterO
         mpp = (max_piece_pages(parts, min(buffers, piece_cap), ring_size, ring_align)
                or max_piece_pages(parts, buffers, ring_size, ring_align))
         if mpp == 0:
-            return (FailureKind.STAGING, f"one page ({sum(parts)} bytes in the ring, up to {max(parts)} per writer buffer) "
+            return PlanRefused(FailureKind.STAGING, f"one page ({sum(parts)} bytes in the ring, up to {max(parts)} per writer buffer) "
                                f"can never fit the staging ring ({ring_size} bytes) or a prefill worker buffer "
                                f"({buffers} bytes)")
-    return RoomPlan(assigns, tuple(notices[n] for n in sorted(notices)), staged, hpb, mpp, epoch,
-                    mapping.prefill_tp, mapping.decode_tp, ring_size,
-                    min(o.buffer_bytes for o in writers.values()) if writers else 0)
+    return RoomPlan(writers=assigns, notices=tuple(notices[n] for n in sorted(notices)), staged=staged,
+                    head_page_bytes=hpb, max_piece_pages=mpp, ring_epoch=epoch, prefill_tp=mapping.prefill_tp,
+                    decode_tp=mapping.decode_tp, ring_size=ring_size,
+                    buffer_bytes=min(o.buffer_bytes for o in writers.values()) if writers else 0)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class WriterState:
     peer: PeerKey
     assignment: Assignment
@@ -116,7 +165,7 @@ class WriterState:
     quiet_after: float = 0.0                      # ... after this time (a lost writer's last write may stall)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Allocation:
     chunk: int
     page_start: int
@@ -154,7 +203,7 @@ class DecodeRoom(RoomBase):
         if self.ended or self.plan is not None:
             return []
         self.plan = plan
-        self.writers = {p.tp_rank: WriterState(p, a) for p, a in plan.writers}
+        self.writers = {p.tp_rank: WriterState(peer=p, assignment=a) for p, a in plan.writers}
         out = self._move(RoomEvent.PLANNED, now)
         return out + self._start(now)
 
@@ -246,7 +295,8 @@ class DecodeRoom(RoomBase):
             regions[i] = region
             pieces.append(Piece(i, start, count, region.start, region.nbytes))
             self.tracker.expect_piece(req.chunk, i, start, count, region.start, list(self.writers))
-        alloc = Allocation(req.chunk, req.page_start, req.num_pages, pieces, regions)
+        alloc = Allocation(chunk=req.chunk, page_start=req.page_start, num_pages=req.num_pages, pieces=pieces,
+                           regions=regions)
         self.allocs[req.chunk] = alloc
         return [self._grant(peer, alloc)]
 
@@ -270,8 +320,12 @@ class DecodeRoom(RoomBase):
                                      chunk=alloc.chunk, epoch=self.plan.ring_epoch, pieces=list(alloc.pieces)))
 
     # -- arrivals ---------------------------------------------------------------------------
-    def on_tag(self, peer: PeerKey, tag: Tag, now: float) -> tuple[TagVerdict, list[Action]]:
-        """Apply one arrived tag. Returns (verdict, actions)."""
+    def on_tag(self, peer: PeerKey, tag: Tag, now: float) -> TagResult:
+        """Apply one arrived tag."""
+        verdict, actions = self._on_tag(peer, tag, now)
+        return TagResult(verdict, actions)
+
+    def _on_tag(self, peer: PeerKey, tag: Tag, now: float) -> tuple[TagVerdict, list[Action]]:
         w = self._writer(peer)
         if w is None or tag.session != self.session or tag.src != peer.incarnation or self.tracker is None:
             return TagVerdict.STALE, []
@@ -307,8 +361,8 @@ class DecodeRoom(RoomBase):
             return TagVerdict.OK, [self._scatter(arrival.piece, now)]
         return TagVerdict.OK, self._check_complete(now)
 
-    def _parts(self, chunk: int, index: int, page_start: int, num_pages: int) -> list[tuple]:
-        """Per writer, in writer order: (rank, ring offset of its part, KV bytes, pool copies)."""
+    def _parts(self, chunk: int, index: int, page_start: int, num_pages: int) -> list[WriterPart]:
+        """Each writer's part of a piece's ring region, in writer order."""
         region = self.allocs[chunk].regions[index]
         per_head = num_pages * self.plan.head_page_bytes
         writers = sorted(self.writers.items(), key=lambda rw: rw[1].assignment.writer_index)
@@ -316,7 +370,8 @@ class DecodeRoom(RoomBase):
         copies = [self.pool_copies.get(r, ()) if final else () for r, _ in writers]
         kv = [per_head * w.assignment.num_heads for _, w in writers]
         offsets = part_offsets([n + block_bytes(c) for n, c in zip(kv, copies)])
-        return [(r, region.offset + off, n, c) for (r, _), off, n, c in zip(writers, offsets, kv, copies)]
+        return [WriterPart(rank=r, ring_offset=region.offset + off, kv_bytes=n, copies=c)
+                for (r, _), off, n, c in zip(writers, offsets, kv, copies)]
 
     def completes_write(self, tag: Tag) -> bool:
         """Whether the write `tag` belongs to is whole once it lands: always, but for a direct
@@ -326,32 +381,33 @@ class DecodeRoom(RoomBase):
         return self.tracker.group_completes((tag.writer, tag.chunk, tag.page_start, tag.num_pages), tag.group,
                                             tag.groups)
 
-    def landed_span(self, tag: Tag) -> tuple | None:
-        """Where the write of an accepted tag landed: ("ring", offset, nbytes) or ("pages", dst pages,
-        dst heads, pool copies, nbytes); None when the tag is not this room's."""
+    def landed_span(self, tag: Tag) -> RingSpan | PageSpan | None:
+        """Where the write of an accepted tag landed; None when the tag is not this room's."""
         w = self.writers.get(tag.writer)
         if w is None or tag.session != self.session or self.tracker is None or self.ended:
             return None
         if self.plan.staged:
             if tag.chunk not in self.allocs or tag.piece not in self.allocs[tag.chunk].regions:
                 return None
-            part = next(p for p in self._parts(tag.chunk, tag.piece, tag.page_start, tag.num_pages) if p[0] == tag.writer)
-            return ("ring", part[1], part[2] + block_bytes(part[3]))
+            part = next(p for p in self._parts(tag.chunk, tag.piece, tag.page_start, tag.num_pages)
+                        if p.rank == tag.writer)
+            return RingSpan(part.ring_offset, part.nbytes)
         if tag.page_start < 0 or tag.num_pages <= 0 or tag.page_start + tag.num_pages > self.tracker.num_pages:
             return None
         final = tag.page_start + tag.num_pages == self.tracker.num_pages
-        return ("pages", self.dst_pages[tag.page_start:tag.page_start + tag.num_pages], w.assignment.dst_heads,
-                self.pool_copies.get(tag.writer, ()) if final else (), tag.nbytes)
+        return PageSpan(pages=self.dst_pages[tag.page_start:tag.page_start + tag.num_pages],
+                        heads=w.assignment.dst_heads, copies=self.pool_copies.get(tag.writer, ()) if final else (),
+                        nbytes=tag.nbytes)
 
     def _scatter(self, piece: ExpectedPiece, now: float) -> Scatter:
         self.scattering[piece.key] = now
         parts_ = self._parts(piece.chunk, piece.index, piece.page_start, piece.num_pages)
-        parts = tuple(ScatterPart(off, n, self.writers[r].assignment.dst_heads) for r, off, n, _ in parts_)
-        pools = tuple((off + n + c.offset, c) for _, off, n, cs in parts_ for c in cs)
-        checks = tuple((off, n + block_bytes(cs), self.writers[r].digests.get(piece.key, 0), r)
-                       for r, off, n, cs in parts_)
+        parts = tuple(ScatterPart(p.ring_offset, p.kv_bytes, self.writers[p.rank].assignment.dst_heads) for p in parts_)
+        pools = tuple(PoolPlacement(p.ring_offset + p.kv_bytes + c.offset, c) for p in parts_ for c in p.copies)
+        checks = tuple(PartCheck(ring_offset=p.ring_offset, nbytes=p.nbytes,
+                                 digest=self.writers[p.rank].digests.get(piece.key, 0), writer=p.rank) for p in parts_)
         dst = self.dst_pages[piece.page_start:piece.page_start + piece.num_pages]
-        return Scatter(self.room, piece.key, dst, parts, pools, checks)
+        return Scatter(room=self.room, key=piece.key, dst_pages=dst, parts=parts, pools=pools, checks=checks)
 
     def on_scattered(self, key: tuple[int, int], ok: bool, reason: str | None, ring: RingAllocator,
                      now: float, kind: str = FailureKind.SCATTER) -> list[Action]:

@@ -149,8 +149,8 @@ class PrefillRoom(RoomBase):
                 return []  # duplicate
             return self.fail(FailureKind.PROTOCOL, f"decode rank {peer.tp_rank} sent metadata for room {self.room} twice "
                                          f"({old.peer} then {peer})", now)
-        flow = Flow(peer, meta.session, self.mapping.find(self.layout.tp_rank, peer.tp_rank),
-                    meta.staged, None)
+        flow = Flow(peer=peer, session=meta.session, assignment=self.mapping.find(self.layout.tp_rank, peer.tp_rank),
+                    staged=meta.staged)
         self.flows[peer.tp_rank] = flow
         prefix_news: list[Action] = []
         if self.prefix is None:
@@ -319,8 +319,9 @@ class PrefillRoom(RoomBase):
                 if chunk not in flow.granted and now - flow.asked_again.get(chunk, first) >= retry:
                     flow.asked_again[chunk] = now
                     out.append(self._alloc_request(flow, self.sendable[chunk]))
-            if flow.done_sent_at is not None and not flow.confirmed and now - flow.asked_again.get(-1, flow.done_sent_at) >= retry:
-                flow.asked_again[-1] = now
+            last_done = flow.done_again_at if flow.done_again_at is not None else flow.done_sent_at
+            if last_done is not None and not flow.confirmed and now - last_done >= retry:
+                flow.done_again_at = now
                 out.append(self._writer_done(flow))
         return out
 

@@ -48,7 +48,7 @@ class RoomBase:
         if state == self.state:
             return []
         self.state = state
-        return [StatusChanged(state, self.failure, self.failure_kind)] + self._entered(state, now)
+        return [StatusChanged(state=state, failure=self.failure, failure_kind=self.failure_kind)] + self._entered(state, now)
 
     def _entered(self, state: KVPoll, now: float) -> list[Action]:
         """What a side does on entering `state` (after reporting it)."""
@@ -85,4 +85,5 @@ class RoomBase:
     def _release(self) -> list[Action]:
         """The room's memory is no longer touched: say so (the shell may forget the room)."""
         self.released = True
-        return [StatusChanged(self.state, self.failure, self.failure_kind, released=True), Released()]
+        return [StatusChanged(state=self.state, failure=self.failure, failure_kind=self.failure_kind, released=True),
+                Released()]
