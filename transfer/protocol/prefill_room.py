@@ -37,6 +37,7 @@ from .messages import AllocGrant, AllocRequest, Quiesced, RoomFailed, RoomMeta, 
 from .pool_parts import block_bytes, counts_mismatch, final_part, request_copies, writer_segments
 from .room_base import RoomBase
 from .room_uses import Bound, EarlierUses, RoomUse, failure_use, meta_use
+from .send_checks import check_chunk, check_page_count
 from .tags import TagKind, make_tag
 
 class PrefillRoom(RoomBase):
@@ -75,11 +76,7 @@ class PrefillRoom(RoomBase):
     def init(self, num_pages: int, now: float, pool_items: dict | None = None) -> list[Action]:
         """The page count, for a sender created without one. Raises ValueError on bad input,
         unchanged. Metadata that came first is checked against it now."""
-        if self.num_pages is not None:
-            raise ValueError(f"room {self.room}: init() called twice, or on a sender created with num_pages")
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
-            raise ValueError(f"room {self.room}: num_pages must be a positive int, got {num_pages!r}")
-        self.num_pages = num_pages
+        self.num_pages = check_page_count(self.room, self.num_pages, num_pages)
         self.pool_items = pool_items or {}
         if self.ended:
             return []
@@ -93,21 +90,10 @@ class PrefillRoom(RoomBase):
     def add_chunk(self, pages: np.ndarray, last: bool | None, now: float) -> list[Action]:
         """The next pages of the request, in order; `last` None: this chunk is the last when it
         reaches the page count. Raises ValueError on bad input, unchanged."""
-        if self.num_pages is None:
-            raise ValueError(f"room {self.room}: send() before init(): the page count is not known yet")
-        if self.last:
-            raise ValueError(f"room {self.room}: send() after the last chunk")
-        if self.pages_given + pages.size > self.num_pages:
-            raise ValueError(f"room {self.room}: {self.pages_given + pages.size} pages sent, "
-                             f"the sender was created for {self.num_pages}")
-        if last and self.pages_given + pages.size != self.num_pages:
-            raise ValueError(f"room {self.room}: last chunk ends at page {self.pages_given + pages.size} "
-                             f"of {self.num_pages}")
-        if last is None:
-            last = self.pages_given + pages.size == self.num_pages
+        last = check_chunk(self.room, self.num_pages, self.pages_given, self.last, int(pages.size), last)
         start = self.pages_given
         self.pages_given += pages.size
-        self.last = bool(last)
+        self.last = last
         if self.ended:
             return []  # input still accounted for, nothing more is written
         if pages.size:
