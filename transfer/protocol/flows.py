@@ -33,7 +33,7 @@ class Flow:
     staged: bool
     dst_pages: np.ndarray | None = None
     meta: RoomMeta | None = None        # kept until init() gives the page count to check it against
-    pool_dst: dict | None = None        # the decode rank's state pool items of this request
+    pool_dst: dict[str, np.ndarray] | None = None        # the decode rank's state pool items of this request
     issued: int = 0                     # chunks issued (direct) or requested (staged)
     requested_at: dict[int, float] = field(default_factory=dict)  # staged: chunk -> when first asked
     asked_again: dict[int, float] = field(default_factory=dict)   # staged: chunk -> when last asked

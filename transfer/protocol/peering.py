@@ -9,7 +9,7 @@ those decisions from plain inputs; the engine's decode side carries them out.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
 from ..layout import KVLayout
 from .head_mapping import HeadMapping, compute_assignments
@@ -43,7 +43,7 @@ class LookupState(StrKind):
     FAILED = "failed"
 
 
-def read_lookup(engine_id: str, records: list | None, error: str | None) -> tuple[LookupState, list, str]:
+def read_lookup(engine_id: str, records: list[Any] | None, error: str | None) -> tuple[LookupState, list[Any], str]:
     """The bootstrap server's answer -> (state, records sorted by rank, error)."""
     if error is not None:
         return LookupState.FAILED, [], error
@@ -52,7 +52,7 @@ def read_lookup(engine_id: str, records: list | None, error: str | None) -> tupl
     return LookupState.READY, sorted(records, key=lambda r: r.tp_rank), ""
 
 
-def records_stale(incarnations: Iterable[int], gone: Iterable[int] | set, replaced: Iterable[int] | set) -> bool:
+def records_stale(incarnations: Iterable[int], gone: Iterable[int] | set[int], replaced: Iterable[int] | set[int]) -> bool:
     """The records name a rank we lost or saw replaced: the server may know better now."""
     return any(i in gone or i in replaced for i in incarnations)
 
@@ -107,7 +107,7 @@ class DpMatch(StrKind):
     AMBIGUOUS = "ambiguous"  # several: a configuration error, waiting cannot help
 
 
-def engine_for_dp(rows: list[dict], dp_rank: int) -> tuple[DpMatch, str]:
+def engine_for_dp(rows: list[dict[str, Any]], dp_rank: int) -> tuple[DpMatch, str]:
     """Which prefill engine serves data-parallel rank `dp_rank` at a rendezvous server, from its
     status rows: (FOUND, engine id), else (NONE or AMBIGUOUS, why)."""
     engines = sorted({r["engine_id"] for r in rows

@@ -12,6 +12,7 @@ from typing import ClassVar, Sequence
 from ..config import Timeouts
 from ..layout import KVLayout
 from ..poll import KVPoll
+from ..state_pools import PoolSpec
 from .actions import Action, PeerKey, Released, Send, StatusChanged
 from .kinds import remote_kind
 from .lifecycle import FINAL, RoomEvent, Transitions, next_state
@@ -23,7 +24,7 @@ class RoomBase:
     PEER_SIDE: ClassVar[str]            # what the other side's ranks are called in failure reasons
 
     def __init__(self, *, room: int, me: int, layout: KVLayout, now: float, timeouts: Timeouts,
-                 pools: tuple = ()):
+                 pools: tuple[PoolSpec, ...] = ()):
         self.room = room
         self.me = me
         self.layout = layout
