@@ -53,7 +53,7 @@ class WriteOp:
     tag: Tag
     ring_start: int = -1               # staged: linear ring position of the whole region
     writer_offset: int = 0             # staged: this writer's part inside the region
-    pools: tuple = ()                  # state pool copies (PoolCopy) after the KV bytes: the last page's write
+    pools: tuple[PoolCopy, ...] = ()   # state pool copies after the KV bytes: the last page's write
 
     @property
     def num_pages(self) -> int:

@@ -19,6 +19,7 @@ WriterDone or AllocRequest with its outcome. Everything it receives is idempoten
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -30,6 +31,7 @@ from ..layout import KVLayout
 from .kinds import FailureKind, StrKind, TransferPath, remote_kind
 from .lifecycle import DECODE_TRANSITIONS, RoomEvent
 from ..poll import KVPoll
+from ..state_pools import PoolSpec
 from .actions import (Action, PartCheck, PeerKey, PoolPlacement, PublishWatermark, RoomTotals, Scatter, ScatterPart,
                       Send)
 from .head_mapping import Assignment, HeadMapping
@@ -125,6 +127,12 @@ class WriterOffer:
     buffer_bytes: int
 
 
+def _writes(mapping: HeadMapping, prefill_rank: int, decode_rank: int) -> Assignment:
+    a = mapping.find(prefill_rank, decode_rank)
+    assert a is not None, f"prefill rank {prefill_rank} writes nothing to decode rank {decode_rank}"
+    return a
+
+
 def plan_room(layout: KVLayout, mapping: HeadMapping, writers: dict[int, WriterOffer],
               notices: dict[int, PeerKey], *, staging: bool, ring_size: int, ring_align: int,
               piece_cap: int, epoch: int) -> RoomPlan | PlanRefused:
@@ -132,7 +140,7 @@ def plan_room(layout: KVLayout, mapping: HeadMapping, writers: dict[int, WriterO
     (a ring) and at every writer, TP sizes differ and the model is not MLA; direct otherwise.
     Returns the plan, or why not when a single page can never fit."""
     hpb = layout.num_kv * layout.num_layers * layout.page_size * layout.head_bytes
-    assigns = tuple((writers[w].key, mapping.find(w, layout.tp_rank)) for w in sorted(writers))
+    assigns = tuple((writers[w].key, _writes(mapping, w, layout.tp_rank)) for w in sorted(writers))
     staged = (staging and ring_size > 0 and not layout.mla and mapping.prefill_tp != mapping.decode_tp
               and all(o.staging for o in writers.values()))
     mpp = 0
@@ -157,8 +165,8 @@ def plan_room(layout: KVLayout, mapping: HeadMapping, writers: dict[int, WriterO
 class WriterState:
     peer: PeerKey
     assignment: Assignment
-    tags: set = field(default_factory=set)        # distinct (chunk, piece) landed
-    digests: dict = field(default_factory=dict)   # (chunk, piece) -> the digest its tag carries (verify)
+    tags: set[tuple[int, int]] = field(default_factory=set)       # distinct (chunk, piece) landed
+    digests: dict[tuple[int, int], int] = field(default_factory=dict)  # (chunk, piece) -> its tag's digest (verify)
     done_at: float | None = None                  # WriterDone received
     done_writes: int = 0
     stopped: bool = False                         # quiesced or lost: it will not write again...
@@ -179,7 +187,7 @@ class DecodeRoom(RoomBase):
     PEER_SIDE = "prefill"
 
     def __init__(self, room: int, session: int, me: int, layout: KVLayout, now: float, timeouts: Timeouts,
-                 pools: tuple = ()):
+                 pools: tuple[PoolSpec, ...] = ()):
         super().__init__(room=room, me=me, layout=layout, now=now, timeouts=timeouts, pools=pools)
         self.session = session
         self.plan: RoomPlan | None = None
@@ -195,8 +203,24 @@ class DecodeRoom(RoomBase):
         self.prefix = 0                                      # pages of the request held already
         self.bytes_in = 0                                    # bytes of accepted tags (writes that landed)
         self.writes_in = 0
-        self.pool_items: dict = {}                           # this request's items of them
-        self.pool_copies: dict[int, tuple] = {}              # writer rank -> its PoolCopy's (last page)
+        self.pool_items: dict[str, np.ndarray] = {}          # this request's items of the state pools
+        self.pool_copies: dict[int, tuple[PoolCopy, ...]] = {}  # writer rank -> its pool copies (last page)
+
+    # What on_plan and init give, for the inputs that only come after them.
+    @property
+    def _plan(self) -> RoomPlan:
+        assert self.plan is not None, "the room is not planned yet"
+        return self.plan
+
+    @property
+    def _tracker(self) -> RoomTracker:
+        assert self.tracker is not None, "the room has no destination pages yet"
+        return self.tracker
+
+    @property
+    def _dst(self) -> np.ndarray:
+        assert self.dst_pages is not None, "the room has no destination pages yet"
+        return self.dst_pages
 
     # -- set-up -----------------------------------------------------------------------------
     def on_plan(self, plan: RoomPlan, now: float) -> list[Action]:
@@ -210,7 +234,8 @@ class DecodeRoom(RoomBase):
     def on_plan_failed(self, kind: str, reason: str, now: float) -> list[Action]:
         return self.fail(kind, reason, now)
 
-    def init(self, dst_pages: np.ndarray, now: float, prefix_pages: int = 0, pool_items: dict | None = None) -> list[Action]:
+    def init(self, dst_pages: np.ndarray, now: float, prefix_pages: int = 0,
+             pool_items: dict[str, np.ndarray] | None = None) -> list[Action]:
         """Destination pages (validated by the caller's handle) for the request's pages past the
         `prefix_pages` this rank already holds (its prefix cache): those are never written."""
         if self.dst_pages is not None:
@@ -226,25 +251,25 @@ class DecodeRoom(RoomBase):
     def _start(self, now: float) -> list[Action]:
         if self.plan is None or self.dst_pages is None or self.meta_sent:
             return []
-        n = int(self.dst_pages.size)
+        n = int(self._dst.size)
         p = self.plan
         self.pool_copies = {r: request_copies(writer_segments(self.pools, p.prefill_tp, p.decode_tp, w.assignment), None,
                                               self.pool_items) for r, w in self.writers.items()} if self.pool_items else {}
-        self.tracker = RoomTracker(n, {r: self.plan.writer_page_bytes(w.assignment) for r, w in self.writers.items()},
+        self.tracker = RoomTracker(n, {r: self._plan.writer_page_bytes(w.assignment) for r, w in self.writers.items()},
                                    {r: block_bytes(c) for r, c in self.pool_copies.items()})
         self.meta_sent = True
         self._retry_at = now + self.timeouts.heartbeat
         return self._metas(self._all_prefill()) + self._move(RoomEvent.METADATA_OUT, now)
 
     def _all_prefill(self) -> list[PeerKey]:
-        return [p for p, _ in self.plan.writers] + list(self.plan.notices)
+        return [p for p, _ in self._plan.writers] + list(self._plan.notices)
 
     def _metas(self, peers: list[PeerKey]) -> list[Action]:
-        n = int(self.dst_pages.size)
-        writers = {p for p, _ in self.plan.writers}
-        pages = b"" if self.plan.staged else encode_pages(self.dst_pages)
+        n = int(self._dst.size)
+        writers = {p for p, _ in self._plan.writers}
+        pages = b"" if self._plan.staged else encode_pages(self._dst)
         return [Send(p, RoomMeta(src=self.me, dst=p.incarnation, room=self.room, session=self.session,
-                                 num_pages=self.prefix + n, staged=self.plan.staged and p in writers,
+                                 num_pages=self.prefix + n, staged=self._plan.staged and p in writers,
                                  dst_pages=pages if p in writers else b"", prefix_pages=self.prefix,
                                  pool_items={k: encode_pages(v) for k, v in self.pool_items.items()}))
                 for p in peers]
@@ -261,7 +286,7 @@ class DecodeRoom(RoomBase):
         self.acked.add(peer.tp_rank)
         if self.ended:
             return self._outcome(peer)
-        if not self.plan.staged:
+        if not self._plan.staged:
             return self.fail(FailureKind.PROTOCOL, f"{peer} asked for ring space in a direct-path room", now)
         alloc = self.allocs.get(req.chunk)
         if alloc is not None:
@@ -270,31 +295,31 @@ class DecodeRoom(RoomBase):
                                              f"[{alloc.page_start}, +{alloc.num_pages}) vs [{req.page_start}, "
                                              f"+{req.num_pages}) from {peer}", now)
             return [self._grant(peer, alloc)]
-        if req.num_pages <= 0 or req.page_start < 0 or req.page_start + req.num_pages > self.tracker.num_pages \
-                or self.tracker.overlaps_plan(req.page_start, req.num_pages):
+        if req.num_pages <= 0 or req.page_start < 0 or req.page_start + req.num_pages > self._tracker.num_pages \
+                or self._tracker.overlaps_plan(req.page_start, req.num_pages):
             return self.fail(FailureKind.PROTOCOL, f"chunk {req.chunk} from {peer} covers pages [{req.page_start}, "
                                          f"+{req.num_pages}) that are outside the room or already planned", now)
-        page_bytes = sum(self.plan.writer_page_bytes(w.assignment) for w in self.writers.values())
+        page_bytes = sum(self._plan.writer_page_bytes(w.assignment) for w in self.writers.values())
         fit = ring.pages_fit_now(page_bytes)
         pieces: list[Piece] = []
         regions: dict[int, Region] = {}
-        planned = plan_pieces(req.page_start, req.num_pages, self.plan.max_piece_pages, fit)
-        final = req.page_start + req.num_pages == self.tracker.num_pages
-        extra = sum(self.tracker.final_extra.values()) if final else 0
+        planned = plan_pieces(req.page_start, req.num_pages, self._plan.max_piece_pages, fit)
+        final = req.page_start + req.num_pages == self._tracker.num_pages
+        extra = sum(self._tracker.final_extra.values()) if final else 0
         if extra:  # the last piece also holds every writer's pool block: it may need fewer pages
             planned = self._fit_pools(planned)
             if not planned:
                 return self.fail(FailureKind.STAGING, f"the state pool items of this request ({extra} bytes with one page) "
-                                            f"do not fit the staging ring ({self.plan.ring_size} bytes) or a prefill "
-                                            f"worker buffer ({self.plan.buffer_bytes} bytes)", now)
+                                            f"do not fit the staging ring ({self._plan.ring_size} bytes) or a prefill "
+                                            f"worker buffer ({self._plan.buffer_bytes} bytes)", now)
         for i, (start, count) in enumerate(planned):
-            last = start + count == self.tracker.num_pages
+            last = start + count == self._tracker.num_pages
             region = ring.allocate(count * page_bytes + (extra if last else 0))
             if isinstance(region, TooLarge):  # max_piece_pages makes this impossible
                 raise AssertionError(str(region))
             regions[i] = region
             pieces.append(Piece(i, start, count, region.start, region.nbytes))
-            self.tracker.expect_piece(req.chunk, i, start, count, region.start, list(self.writers))
+            self._tracker.expect_piece(req.chunk, i, start, count, region.start, list(self.writers))
         alloc = Allocation(chunk=req.chunk, page_start=req.page_start, num_pages=req.num_pages, pieces=pieces,
                            regions=regions)
         self.allocs[req.chunk] = alloc
@@ -304,12 +329,12 @@ class DecodeRoom(RoomBase):
         """Split the last piece so its pages and every writer's pool block fit the ring and each
         writer's part its buffer; [] when not even one page does."""
         start, count = planned[-1]
-        extra = self.tracker.final_extra
-        wpb = self.tracker.writer_page_bytes
+        extra = self._tracker.final_extra
+        wpb = self._tracker.writer_page_bytes
         total = sum(wpb.values())
         fits = [n for n in range(count, 0, -1)
-                if n * total + sum(extra.values()) <= self.plan.ring_size
-                and all(n * wpb[w] + extra.get(w, 0) <= self.plan.buffer_bytes for w in wpb)]
+                if n * total + sum(extra.values()) <= self._plan.ring_size
+                and all(n * wpb[w] + extra.get(w, 0) <= self._plan.buffer_bytes for w in wpb)]
         if not fits:
             return []
         n = fits[0]
@@ -317,7 +342,7 @@ class DecodeRoom(RoomBase):
 
     def _grant(self, peer: PeerKey, alloc: Allocation) -> Send:
         return Send(peer, AllocGrant(src=self.me, dst=peer.incarnation, room=self.room, session=self.session,
-                                     chunk=alloc.chunk, epoch=self.plan.ring_epoch, pieces=list(alloc.pieces)))
+                                     chunk=alloc.chunk, epoch=self._plan.ring_epoch, pieces=list(alloc.pieces)))
 
     # -- arrivals ---------------------------------------------------------------------------
     def on_tag(self, peer: PeerKey, tag: Tag, now: float) -> TagResult:
@@ -334,17 +359,17 @@ class DecodeRoom(RoomBase):
             return TagVerdict.STALE, []
         if tag.writer != peer.tp_rank:
             return TagVerdict.REJECTED, self.fail(FailureKind.PROTOCOL, f"tag from {peer} claims writer {tag.writer}", now)
-        if self.plan.staged:
-            if tag.kind is not TagKind.STAGED or tag.epoch != self.plan.ring_epoch:
+        if self._plan.staged:
+            if tag.kind is not TagKind.STAGED or tag.epoch != self._plan.ring_epoch:
                 return TagVerdict.REJECTED, self.fail(FailureKind.PROTOCOL, f"tag from {peer} is not a staged tag of ring epoch "
-                                                         f"{self.plan.ring_epoch}: {tag}", now)
-            arrival = self.tracker.arrive_staged(tag.writer, tag.chunk, tag.piece, tag.page_start, tag.num_pages,
+                                                         f"{self._plan.ring_epoch}: {tag}", now)
+            arrival = self._tracker.arrive_staged(tag.writer, tag.chunk, tag.piece, tag.page_start, tag.num_pages,
                                                  tag.nbytes, tag.ring_start)
         else:
             if tag.kind is not TagKind.DIRECT or tag.epoch != self.me:
                 return TagVerdict.REJECTED, self.fail(FailureKind.PROTOCOL, f"tag from {peer} is not a direct tag for this rank: "
                                                          f"{tag}", now)
-            arrival = self.tracker.arrive_direct(tag.writer, tag.chunk, tag.page_start, tag.num_pages, tag.nbytes,
+            arrival = self._tracker.arrive_direct(tag.writer, tag.chunk, tag.page_start, tag.num_pages, tag.nbytes,
                                                  tag.group, tag.groups)
         if arrival.outcome is Outcome.DUPLICATE:
             return TagVerdict.DUPLICATE, []
@@ -358,15 +383,16 @@ class DecodeRoom(RoomBase):
         self.bytes_in += tag.nbytes
         self.writes_in += 1
         if arrival.outcome is Outcome.PIECE_LANDED:
+            assert arrival.piece is not None
             return TagVerdict.OK, [self._scatter(arrival.piece, now)]
         return TagVerdict.OK, self._check_complete(now)
 
     def _parts(self, chunk: int, index: int, page_start: int, num_pages: int) -> list[WriterPart]:
         """Each writer's part of a piece's ring region, in writer order."""
         region = self.allocs[chunk].regions[index]
-        per_head = num_pages * self.plan.head_page_bytes
+        per_head = num_pages * self._plan.head_page_bytes
         writers = sorted(self.writers.items(), key=lambda rw: rw[1].assignment.writer_index)
-        final = page_start + num_pages == self.tracker.num_pages
+        final = page_start + num_pages == self._tracker.num_pages
         copies = [self.pool_copies.get(r, ()) if final else () for r, _ in writers]
         kv = [per_head * w.assignment.num_heads for _, w in writers]
         offsets = part_offsets([n + block_bytes(c) for n, c in zip(kv, copies)])
@@ -378,7 +404,7 @@ class DecodeRoom(RoomBase):
         write split by memory kind, whose bytes are only all in place with its last group."""
         if tag.groups == 1 or self.tracker is None:
             return True
-        return self.tracker.group_completes((tag.writer, tag.chunk, tag.page_start, tag.num_pages), tag.group,
+        return self._tracker.group_completes((tag.writer, tag.chunk, tag.page_start, tag.num_pages), tag.group,
                                             tag.groups)
 
     def landed_span(self, tag: Tag) -> RingSpan | PageSpan | None:
@@ -386,16 +412,16 @@ class DecodeRoom(RoomBase):
         w = self.writers.get(tag.writer)
         if w is None or tag.session != self.session or self.tracker is None or self.ended:
             return None
-        if self.plan.staged:
+        if self._plan.staged:
             if tag.chunk not in self.allocs or tag.piece not in self.allocs[tag.chunk].regions:
                 return None
             part = next(p for p in self._parts(tag.chunk, tag.piece, tag.page_start, tag.num_pages)
                         if p.rank == tag.writer)
             return RingSpan(part.ring_offset, part.nbytes)
-        if tag.page_start < 0 or tag.num_pages <= 0 or tag.page_start + tag.num_pages > self.tracker.num_pages:
+        if tag.page_start < 0 or tag.num_pages <= 0 or tag.page_start + tag.num_pages > self._tracker.num_pages:
             return None
-        final = tag.page_start + tag.num_pages == self.tracker.num_pages
-        return PageSpan(pages=self.dst_pages[tag.page_start:tag.page_start + tag.num_pages],
+        final = tag.page_start + tag.num_pages == self._tracker.num_pages
+        return PageSpan(pages=self._dst[tag.page_start:tag.page_start + tag.num_pages],
                         heads=w.assignment.dst_heads, copies=self.pool_copies.get(tag.writer, ()) if final else (),
                         nbytes=tag.nbytes)
 
@@ -406,7 +432,7 @@ class DecodeRoom(RoomBase):
         pools = tuple(PoolPlacement(p.ring_offset + p.kv_bytes + c.offset, c) for p in parts_ for c in p.copies)
         checks = tuple(PartCheck(ring_offset=p.ring_offset, nbytes=p.nbytes,
                                  digest=self.writers[p.rank].digests.get(piece.key, 0), writer=p.rank) for p in parts_)
-        dst = self.dst_pages[piece.page_start:piece.page_start + piece.num_pages]
+        dst = self._dst[piece.page_start:piece.page_start + piece.num_pages]
         return Scatter(room=self.room, key=piece.key, dst_pages=dst, parts=parts, pools=pools, checks=checks)
 
     def on_scattered(self, key: tuple[int, int], ok: bool, reason: str | None, ring: RingAllocator,
@@ -416,10 +442,10 @@ class DecodeRoom(RoomBase):
         chunk, index = key
         out: list[Action] = []
         if ok and not self.ended:
-            piece = next(p for p in self.tracker.pieces() if p.key == key)
-            self.tracker.mark_scattered(piece)
+            piece = next(p for p in self._tracker.pieces() if p.key == key)
+            self._tracker.mark_scattered(piece)
         elif not ok:
-            out += self.fail(kind, reason if kind == "corrupt" else
+            out += self.fail(kind, cast(str, reason) if kind == "corrupt" else
                              f"scatter of chunk {chunk} piece {index} failed: {reason}", now)
         # every writer of the piece landed and the scatter is over: nothing touches the region
         out += self._free(ring, [self.allocs[chunk].regions.pop(index)])
@@ -443,7 +469,7 @@ class DecodeRoom(RoomBase):
 
     # -- failures ---------------------------------------------------------------------------
     def on_room_failed(self, peer: PeerKey, session: int, kind: str, reason: str, now: float) -> list[Action]:
-        if session != self.session or (self._writer(peer) is None and peer not in (self.plan.notices if self.plan else ())):
+        if session != self.session or (self._writer(peer) is None and peer not in (self._plan.notices if self.plan else ())):
             return []
         return self._fail_remote(peer, kind, reason, now)
 
@@ -463,7 +489,7 @@ class DecodeRoom(RoomBase):
         """`quarantine`: how long a write the lost writer already posted may still land (its
         backend's stall bound); its memory is not reused before."""
         w = self._writer(peer)
-        notice = self.plan is not None and peer in self.plan.notices
+        notice = self.plan is not None and peer in self._plan.notices
         if w is None and not notice:
             return []
         if w is not None:
@@ -515,8 +541,8 @@ class DecodeRoom(RoomBase):
     # -- internals --------------------------------------------------------------------------
     def totals(self) -> RoomTotals:
         """Bytes and writes that landed here (each accepted tag is one backend write)."""
-        path = (TransferPath.NONE if self.plan is None or not self.plan.writers
-                else TransferPath.STAGED if self.plan.staged else TransferPath.DIRECT)
+        path = (TransferPath.NONE if self.plan is None or not self._plan.writers
+                else TransferPath.STAGED if self._plan.staged else TransferPath.DIRECT)
         return RoomTotals(self.bytes_in, self.writes_in, path)
 
     def _writer(self, peer: PeerKey) -> WriterState | None:
@@ -524,7 +550,7 @@ class DecodeRoom(RoomBase):
         return w if w is not None and w.peer == peer else None
 
     def _check_complete(self, now: float) -> list[Action]:
-        if self.ended or self.tracker is None or not self.tracker.complete:
+        if self.ended or self.tracker is None or not self._tracker.complete:
             return []
         out: list[Action] = []
         for w in self.writers.values():
@@ -535,6 +561,7 @@ class DecodeRoom(RoomBase):
     def _free(self, ring: RingAllocator | None, regions: list[Region]) -> list[Action]:
         moved = False
         for region in regions:
+            assert ring is not None, "ring regions are only held with a ring"
             moved |= ring.free(region) is not None
         return [PublishWatermark()] if moved else []
 

@@ -29,12 +29,13 @@ from ..layout import KVLayout
 from .kinds import FailureKind, TransferPath
 from .lifecycle import PREFILL_TRANSITIONS, RoomEvent
 from ..poll import KVPoll
+from ..state_pools import PoolSpec
 from .actions import Action, DecodePrefix, Dropped, PeerKey, PostWrite, RoomTotals, Send, WriteOp
 from .direct_ranges import direct_nbytes
 from .flows import Chunk, Flow, past_prefix
 from .head_mapping import Assignment, HeadMapping, compute_assignments
 from .messages import AllocGrant, AllocRequest, Quiesced, RoomFailed, RoomMeta, WriterDone
-from .pool_parts import block_bytes, counts_mismatch, final_part, request_copies, writer_segments
+from .pool_parts import PoolCopy, block_bytes, counts_mismatch, final_part, request_copies, writer_segments
 from .room_base import RoomBase
 from .room_uses import Bound, EarlierUses, RoomUse, failure_use, meta_use
 from .send_checks import check_chunk, check_page_count
@@ -45,8 +46,9 @@ class PrefillRoom(RoomBase):
     PEER_SIDE = "decode"
 
     def __init__(self, room: int, num_pages: int | None, layout: KVLayout, me: int, now: float,
-                 timeouts: Timeouts, op_ids: itertools.count | None = None, max_ranges: int = 65536,
-                 stale: EarlierUses = EarlierUses(), pools: tuple = (), pool_items: dict | None = None):
+                 timeouts: Timeouts, op_ids: itertools.count[int] | None = None, max_ranges: int = 65536,
+                 stale: EarlierUses = EarlierUses(), pools: tuple[PoolSpec, ...] = (),
+                 pool_items: dict[str, np.ndarray] | None = None):
         """`num_pages` None: the page count comes later, with init() (serving engines create the
         sender when the request arrives, before they know it). `pools`: the state pools' specs;
         `pool_items`: this request's items of them (validated by the caller's handle)."""
@@ -70,10 +72,10 @@ class PrefillRoom(RoomBase):
         self.stale = stale                  # sessions of earlier uses of this id
         self.early: dict[tuple[PeerKey, int], tuple[str, str]] = {}  # failures parked before this sender
         self.failed_by: tuple[int, int] | None = None
-        self.pool_items: dict = pool_items or {}
+        self.pool_items: dict[str, np.ndarray] = pool_items or {}
 
     # -- inputs -----------------------------------------------------------------------------
-    def init(self, num_pages: int, now: float, pool_items: dict | None = None) -> list[Action]:
+    def init(self, num_pages: int, now: float, pool_items: dict[str, np.ndarray] | None = None) -> list[Action]:
         """The page count, for a sender created without one. Raises ValueError on bad input,
         unchanged. Metadata that came first is checked against it now."""
         self.num_pages = check_page_count(self.room, self.num_pages, num_pages)
@@ -124,7 +126,7 @@ class PrefillRoom(RoomBase):
             self.mapping = compute_assignments(self.layout.tp_size, decode_tp, self.layout.total_kv_heads,
                                                self.layout.mla)
             self.decode_engine = peer.engine_id
-            self.expected = set(self.mapping.decode_peers_of(self.layout.tp_rank))
+            self.expected = set(self._mapping.decode_peers_of(self.layout.tp_rank))
         if peer.tp_rank not in self.expected:
             return [Send(peer, RoomFailed(src=self.me, dst=peer.incarnation, room=self.room, session=meta.session,
                                           kind=FailureKind.PROTOCOL, reason=f"prefill rank {self.layout.tp_rank} does not "
@@ -135,7 +137,7 @@ class PrefillRoom(RoomBase):
                 return []  # duplicate
             return self.fail(FailureKind.PROTOCOL, f"decode rank {peer.tp_rank} sent metadata for room {self.room} twice "
                                          f"({old.peer} then {peer})", now)
-        flow = Flow(peer=peer, session=meta.session, assignment=self.mapping.find(self.layout.tp_rank, peer.tp_rank),
+        flow = Flow(peer=peer, session=meta.session, assignment=self._mapping.find(self.layout.tp_rank, peer.tp_rank),
                     staged=meta.staged)
         self.flows[peer.tp_rank] = flow
         prefix_news: list[Action] = []
@@ -193,6 +195,7 @@ class PrefillRoom(RoomBase):
             return self.fail(FailureKind.PROTOCOL, f"unexpected ring allocation for chunk {grant.chunk} from {peer}", now)
         chunk = self.sendable[grant.chunk]
         a = flow.assignment
+        assert a is not None, "a notice-only flow asks for no ring space"
         per_head = self._bytes_per_page(1)
         pos = chunk.page_start
         out: list[Action] = []
@@ -200,10 +203,10 @@ class PrefillRoom(RoomBase):
             lo = piece.page_start - chunk.page_start
             nbytes = piece.num_pages * per_head * a.num_heads
             offset = piece.num_pages * per_head * a.dst_heads[0]  # parts follow in head order
-            pools = ()
-            if piece.page_start + piece.num_pages == self.num_pages - self.prefix and self.pool_items:
+            pools: tuple[PoolCopy, ...] = ()
+            if piece.page_start + piece.num_pages == self._pages_to_send and self.pool_items:
                 # the last piece: each writer's part ends with its pool block
-                offset, pools = final_part(self.pools, self.mapping, a, piece.num_pages * per_head, self.pool_items,
+                offset, pools = final_part(self.pools, self._mapping, a, piece.num_pages * per_head, self.pool_items,
                                            flow.pool_dst)
                 nbytes += block_bytes(pools)
             if (piece.page_start != pos or piece.num_pages <= 0 or lo + piece.num_pages > chunk.pages.size
@@ -348,7 +351,7 @@ class PrefillRoom(RoomBase):
                 else TransferPath.STAGED if any(f.staged for f in writing) else TransferPath.DIRECT)
         return RoomTotals(sum(f.nbytes for f in writing), sum(f.writes for f in writing), path)
 
-    def sessions(self) -> frozenset:
+    def sessions(self) -> frozenset[tuple[int, int]]:
         """(decode incarnation, session) pairs this use dealt with: stale for the next use of the id."""
         out = {(f.peer.incarnation, f.session) for f in self.flows.values()}
         if self.failed_by is not None:
@@ -356,6 +359,17 @@ class PrefillRoom(RoomBase):
         return frozenset(out)
 
     # -- internals --------------------------------------------------------------------------
+    @property
+    def _mapping(self) -> HeadMapping:
+        assert self.mapping is not None, "no decode rank's metadata yet"
+        return self.mapping
+
+    @property
+    def _pages_to_send(self) -> int:
+        """The request's pages past the decode side's prefix (once both are known)."""
+        assert self.num_pages is not None and self.prefix is not None
+        return self.num_pages - self.prefix
+
     @property
     def inflight(self) -> int:
         return len(self.ops)
@@ -406,7 +420,7 @@ class PrefillRoom(RoomBase):
         """One write per chunk, split by page range when it would exceed max_ranges descriptors
         (each part with its own tag): a write of millions of ranges would hold the backend for
         seconds at a time."""
-        whole = self.mapping.prefill_tp == self.mapping.decode_tp or self.layout.mla
+        whole = self._mapping.prefill_tp == self._mapping.decode_tp or self.layout.mla
         per_page = self.layout.num_kv * self.layout.num_layers * (1 if whole else self.layout.page_size)
         step = max(1, self.max_ranges // per_page)
         out: list[Action] = []
@@ -414,14 +428,15 @@ class PrefillRoom(RoomBase):
             pages = chunk.pages[lo:lo + step]
             start = chunk.page_start + lo
             nbytes = pages.size * self._bytes_per_page(a.num_heads)
-            pools = ()
-            if start + pages.size == self.num_pages - self.prefix:  # the write carrying the last page
-                pools = request_copies(writer_segments(self.pools, self.mapping.prefill_tp, self.mapping.decode_tp, a),
+            pools: tuple[PoolCopy, ...] = ()
+            if start + pages.size == self._pages_to_send:  # the write carrying the last page
+                pools = request_copies(writer_segments(self.pools, self._mapping.prefill_tp, self._mapping.decode_tp, a),
                                        self.pool_items, flow.pool_dst)
                 nbytes += block_bytes(pools)
             tag = make_tag(TagKind.DIRECT, room=self.room, session=flow.session, epoch=flow.peer.incarnation,
                            src=self.me, writer=self.layout.tp_rank, chunk=chunk.index, piece=part,
                            page_start=start, num_pages=int(pages.size), nbytes=nbytes)
+            assert flow.dst_pages is not None, "a direct flow has its destination pages from its metadata"
             dst = flow.dst_pages[start:start + pages.size]
             out.append(self._post(flow, WriteOp(next(self._op_ids), self.room, flow.peer, False, chunk.index, part,
                                                 pages, dst, a.src_heads, a.dst_heads, nbytes, tag, pools=pools)))
