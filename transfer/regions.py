@@ -15,6 +15,7 @@ from typing import Mapping, Sequence
 import torch
 
 from .backends.base import MemRegion
+from .state_pools import memory_kind
 
 KV_REGION = "kv"
 

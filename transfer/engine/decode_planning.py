@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from ..poll import KVPoll
-from ..protocol.kinds import FailureKind
 from ..protocol import peering
 from ..protocol.actions import PeerKey
 from ..protocol.decode_room import DecodeRoom, PlanRefused, WriterOffer, plan_room
+from ..protocol.kinds import FailureKind
 from ..protocol.leases import Lease
 from ..protocol.messages import Hello, HelloAck, KVMemory, PoolMemory, RingInfo, RoomFailed, WatermarkUpdate
 from ..protocol.routing import PeerState

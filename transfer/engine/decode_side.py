@@ -14,9 +14,9 @@ from typing import Callable
 
 from ...staging.scatter_worker import ScatterJob, ScatterWorker
 from ..poll import KVPoll
-from ..protocol.kinds import FailureKind
 from ..protocol.actions import Scatter, StatusChanged
 from ..protocol.decode_room import DecodeRoom
+from ..protocol.kinds import FailureKind
 from ..protocol.messages import (AllocRequest, Heartbeat, Hello, HelloAck, MetaAck, Quiesced, RoomDone, RoomFailed,
                                  WatermarkUpdate, WriterDone, WritePosted)
 from ..protocol.quiet import Arrival, ExpectedWrites

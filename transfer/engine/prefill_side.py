@@ -15,8 +15,8 @@ from typing import Any
 
 from ...staging.ring import Watermark
 from ..poll import KVPoll
-from ..protocol.kinds import FailureKind
 from ..protocol.actions import PeerKey, Scatter
+from ..protocol.kinds import FailureKind
 from ..protocol.leases import Lease
 from ..regions import unwritable_peer_kinds
 from ..protocol.messages import (AllocGrant, Heartbeat, Hello, HelloAck, MetaAck, Quiesced, RoomDone, RoomFailed,
