@@ -26,20 +26,21 @@ import numpy as np
 
 from ..config import Timeouts
 from ..layout import KVLayout
-from .kinds import FailureKind, TransferPath
-from .lifecycle import PREFILL_TRANSITIONS, RoomEvent
 from ..poll import KVPoll
 from ..state_pools import PoolSpec
 from .actions import Action, DecodePrefix, Dropped, PeerKey, PostWrite, RoomTotals, Send, WriteOp
 from .direct_ranges import direct_nbytes
 from .flows import Chunk, Flow, past_prefix
 from .head_mapping import Assignment, HeadMapping, compute_assignments
+from .kinds import FailureKind, TransferPath
+from .lifecycle import PREFILL_TRANSITIONS, RoomEvent
 from .messages import AllocGrant, AllocRequest, Quiesced, RoomFailed, RoomMeta, WriterDone
 from .pool_parts import PoolCopy, block_bytes, counts_mismatch, final_part, request_copies, writer_segments
 from .room_base import RoomBase
 from .room_uses import Bound, EarlierUses, RoomUse, failure_use, meta_use
 from .send_checks import check_chunk, check_page_count
 from .tags import TagKind, make_tag
+
 
 class PrefillRoom(RoomBase):
     TRANSITIONS = PREFILL_TRANSITIONS
