@@ -52,7 +52,7 @@ class _Versioned(msgspec.Struct):
     v: int = WIRE_VERSION
 
 
-def load_token(token: str | None = None, token_file: str | os.PathLike | None = None) -> bytes | None:
+def load_token(token: str | None = None, token_file: str | os.PathLike[str] | None = None) -> bytes | None:
     """The shared secret: explicit value, else a file's first line, else $KVSTAGE_AUTH_TOKEN.
 
     Returns None when none is configured (authentication off).
@@ -114,7 +114,8 @@ class Codec(Generic[M]):
         if version != WIRE_VERSION:
             raise WireError("version", f"version {version}, this build speaks {WIRE_VERSION}")
         try:
-            return self._decoder.decode(payload)
+            msg: M = self._decoder.decode(payload)
+            return msg
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise WireError("malformed", str(exc)) from None
 
@@ -143,7 +144,7 @@ PREBUILT: set[type] = set()  # every Struct class prebuild_struct_info saw (the 
 def _union(types: Sequence[type]) -> Any:
     if not types:
         raise ValueError("a codec needs at least one message type")
-    u = types[0]
+    u: Any = types[0]
     for t in types[1:]:
         u = u | t
     return u

@@ -64,6 +64,8 @@ class ScatterWorker:
             self.meter.stopped()
 
     def _work(self) -> None:
+        from ..transfer.protocol.kinds import FailureKind  # lazy: keeps staging importable on its own
+
         scatterer = self._scatterer_class()  # Triton kernels on CUDA, torch otherwise (staging/kernels.py)
         device = self._k[0].device
         while True:
@@ -76,9 +78,9 @@ class ScatterWorker:
             bad = next((f"writer {w}: the landed bytes' digest {digest(view):#018x} is not the sent "
                         f"{want:#018x}" for view, want, w in job.checks if digest(view) != want), None)
             if bad is not None:  # never scattered: the cache keeps what it had
-                ok, reason, kind = False, f"corrupt data in chunk {key[0]} piece {key[1]}: {bad}", "corrupt"
+                ok, reason, kind = False, f"corrupt data in chunk {key[0]} piece {key[1]}: {bad}", FailureKind.CORRUPT
             else:
-                (ok, reason), kind = self._scatter(scatterer, job, device), "scatter"
+                (ok, reason), kind = self._scatter(scatterer, job, device), FailureKind.SCATTER
             del job  # drop the ring views before the region is handed back
             self._report(room, key, ok, reason, time.perf_counter() - t0, kind)
 

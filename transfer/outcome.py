@@ -7,12 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .poll import KVPoll
+from .protocol.kinds import FailureKind, TransferPath, remote_kind
+
+__all__ = ["FailureKind", "KVTransferError", "TransferMetrics", "TransferPath", "remote_kind"]
 from .timeline import Timeline
 
 
 class KVTransferError(RuntimeError):
-    """A request failed. `kind` is the failure kind of docs/operations.md ("timeout",
-    "peer_lost", "remote_aborted", ...), `reason` the human-readable why."""
+    """A request failed. `kind` is a FailureKind, or "remote_<kind>" for one a peer reported
+    (docs/operations.md), `reason` the human-readable why."""
 
     def __init__(self, room: int, kind: str, reason: str):
         super().__init__(f"room {room} failed ({kind}): {reason}")
@@ -23,7 +26,7 @@ class KVTransferError(RuntimeError):
 class TransferMetrics:
     """One request on one rank, once it ended. `nbytes`: KV bytes this rank wrote (prefill) or
     that landed in it (decode); `backend_writes`: the backend writes those took (one tagged
-    write per (writer, chunk) direct, per piece staged); `path`: "staged", "direct", or "none"
+    write per (writer, chunk) direct, per piece staged); `path`: a TransferPath
     (a rank with nothing to write, e.g. it holds only replicas nobody needs); `seconds`: from
     init() (or a sender created with its page count) until the request ended, None if it
     ended before init(); `timeline`: when each phase happened on this rank (timeline.py)."""
@@ -31,7 +34,7 @@ class TransferMetrics:
     state: KVPoll
     nbytes: int
     backend_writes: int
-    path: str
+    path: TransferPath
     seconds: float | None
     timeline: Timeline = Timeline()
 

@@ -156,7 +156,8 @@ class World:
         hpb = self.nt * g.page_size * g.head_dim
         staged = g.staged and g.P != g.D and not g.mla
         mpp = max_piece_pages([hpb * a.num_heads for _, a in assigns], g.buffer_bytes, g.ring_bytes, 8) if staged else 0
-        return RoomPlan(assigns, tuple(self.kp[p] for p in notices), staged, hpb, mpp, self.kd[d].incarnation)
+        return RoomPlan(writers=assigns, notices=tuple(self.kp[p] for p in notices), staged=staged, head_page_bytes=hpb,
+                        max_piece_pages=mpp, ring_epoch=self.kd[d].incarnation)
 
     def add_room(
         self,
@@ -405,7 +406,7 @@ class World:
             d, peer, tag = self.tags.pop(self.rng.randrange(len(self.tags)))
             r = self.rooms_d.get((d, tag.room))
             if r is not None:
-                self.apply_d(d, r.on_tag(peer, tag, self.now)[1])
+                self.apply_d(d, r.on_tag(peer, tag, self.now).actions)
         else:
             d, s = self.scatters.pop(self.rng.randrange(len(self.scatters)))
             self.do_scatter(d, s)

@@ -236,29 +236,3 @@ def test_hello_verdict():
     assert hello_verdict("connected", 5, 4) == "stale"
     assert hello_verdict("connected", 5, 6) == "replace"
 
-
-def test_finished_room_meta():
-    from kvstage.transfer.protocol.room_uses import EarlierUses, finished_room_meta
-    old = EarlierUses().plus({(7, 90)}).plus({(7, 100), (8, 200)})   # two ended uses
-    assert finished_room_meta(old, {(7, 100)}, 7, 100) == "served"
-    assert finished_room_meta(old, (), 7, 100) == "over"        # that use's own session, not served: it failed
-    assert finished_room_meta(old, (), 7, 90) == "over"         # two uses back: never a new use
-    assert finished_room_meta(old, (), 7, 101) == "new_use"     # a newer session of a rank that use knew
-    assert finished_room_meta(old, (), 9, 101) == "over"        # a rank that use never heard from: ambiguous
-    assert finished_room_meta(EarlierUses(), (), 7, 101) == "over"
-
-
-def test_earlier_uses_cover_every_older_session_of_their_ranks():
-    from kvstage.transfer.protocol.room_uses import EarlierUses
-    uses = EarlierUses().plus({(7, 5)}).plus({(7, 3), (8, 9)})
-    assert uses.covers(7, 5) and uses.covers(7, 1) and not uses.covers(7, 6)
-    assert uses.covers(8, 9) and not uses.covers(8, 10) and not uses.covers(9, 1)
-
-
-def test_finished_room_answer_never_says_done_to_another_use():
-    from kvstage.transfer.protocol.routing import finished_room_answer
-    assert finished_room_answer(True, "gone", "it succeeded", 5, 5, 77) is None
-    assert finished_room_answer(False, "aborted", "by the caller", 5, 5, 77) == ("aborted", "by the caller")
-    kind, reason = finished_room_answer(True, "gone", "it succeeded", 5, 4, 77)  # a writer of use 4
-    assert kind == "protocol" and "session 4" in reason
-    assert finished_room_answer(False, "aborted", "x", 5, 6, 77)[0] == "protocol"

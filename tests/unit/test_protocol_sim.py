@@ -226,8 +226,8 @@ def test_plan_room_decides_the_path_and_refuses_impossible_pages():
     assert not plan_room(lay, m, offers, {}, **{**kw, "ring_size": 0}).staged
     eq = compute_assignments(2, 2, 8)
     assert not plan_room(lay, eq, {0: offers[0]}, {}, **kw).staged  # equal TP: direct whole pages
-    kind, why = plan_room(lay, m, offers, {}, **{**kw, "ring_size": 1024})
-    assert kind == "staging" and "never fit" in why
+    refused = plan_room(lay, m, offers, {}, **{**kw, "ring_size": 1024})
+    assert refused.kind == "staging" and "never fit" in refused.reason
     tiny_cap = plan_room(lay, m, offers, {}, **{**kw, "piece_cap": 1})
     assert tiny_cap.staged and tiny_cap.max_piece_pages >= 1  # the cap never makes a page impossible
 

@@ -18,9 +18,11 @@ from typing import Any, Callable
 from ..poll import KVPoll
 from ..protocol import peering
 from ..protocol.actions import PeerKey
-from ..protocol.decode_room import DecodeRoom, WriterOffer, plan_room
+from ..protocol.decode_room import DecodeRoom, PlanRefused, WriterOffer, plan_room
+from ..protocol.kinds import FailureKind
 from ..protocol.leases import Lease
 from ..protocol.messages import Hello, HelloAck, KVMemory, PoolMemory, RingInfo, RoomFailed, WatermarkUpdate
+from ..protocol.routing import PeerState
 from .context import EngineContext
 from .events import LookupDone
 from .peers import Peer, PeerTable
@@ -38,7 +40,7 @@ class EngineView:
 
     source: PrefillSource
     engine_id: str = ""                # known at once for a source named by engine id, else after the lookup
-    state: str = "lookup"              # lookup | ready | failed
+    state: str = peering.LookupState.LOOKUP
     records: list = field(default_factory=list)
     error: str = ""
     rooms: set = field(default_factory=set)          # rooms waiting for their plan
@@ -116,14 +118,14 @@ class EnginePlanner:
         if view.state == "failed":
             view.rooms.discard(room.room)
             return self.book.apply(room, room.on_plan_failed(
-                "bootstrap", f"looking up prefill engine {view.name} failed: {view.error}", now))
+                FailureKind.BOOTSTRAP, f"looking up prefill engine {view.name} failed: {view.error}", now))
         if view.state != "ready":
             return
         try:
             need = peering.needed_ranks(view.records[0].tp_size, self.ctx.layout)
         except ValueError as exc:
             view.rooms.discard(room.room)
-            return self.book.apply(room, room.on_plan_failed("layout", str(exc), now))
+            return self.book.apply(room, room.on_plan_failed(FailureKind.LAYOUT, str(exc), now))
         peers: dict[int, Peer] = {}
         for rank in need.all:
             peers[rank] = self.ensure_peer(view, rank, now)
@@ -134,7 +136,7 @@ class EnginePlanner:
             view.rooms.discard(room.room)
             self._tell_rejected(view, room, peers[bad].reason)
             return self.book.apply(room, room.on_plan_failed(
-                "layout", f"prefill rank {bad} of {view.engine_id}: {peers[bad].reason}", now))
+                FailureKind.LAYOUT, f"prefill rank {bad} of {view.engine_id}: {peers[bad].reason}", now))
         if gate == "wait":
             return
         view.rooms.discard(room.room)
@@ -144,8 +146,8 @@ class EnginePlanner:
                          {n: peers[n].key for n in need.notices}, staging=bool(cfg.staging),
                          ring_size=ring.size if ring else 0, ring_align=ring.align if ring else 1,
                          piece_cap=int(cfg.staging_piece_mb * (1 << 20)), epoch=self.ctx.me)
-        if isinstance(plan, tuple):
-            return self.book.apply(room, room.on_plan_failed(*plan, now))
+        if isinstance(plan, PlanRefused):
+            return self.book.apply(room, room.on_plan_failed(plan.kind, plan.reason, now))
         if cfg.staging and not plan.staged:
             self._log_fallback(view.engine_id, need.mapping, [peers[w] for w in need.writers])
         self.book.apply(room, room.on_plan(plan, now))
@@ -164,7 +166,7 @@ class EnginePlanner:
             peer = self.peers.of_rank(view.engine_id, rec.tp_rank)
             if peer is not None:
                 self.ctx.sock.send(peer.endpoint, RoomFailed(
-                    src=self.ctx.me, dst=peer.key.incarnation, room=room.room, session=room.session, kind="layout",
+                    src=self.ctx.me, dst=peer.key.incarnation, room=room.room, session=room.session, kind=FailureKind.LAYOUT,
                     reason=f"decode rank {self.ctx.layout.tp_rank} refused: {reason}"))
 
     def tombstone(self, room: DecodeRoom, kind: str, reason: str, now: float) -> None:
@@ -236,7 +238,7 @@ class EnginePlanner:
         if peer.state != "connecting":
             return
         if not msg.ok:
-            peer.state, peer.reason = "rejected", msg.reason
+            peer.state, peer.reason = PeerState.REJECTED, msg.reason
             log.error("prefill rank %s refused the connection: %s", peer.key, msg.reason)
             return self.changed(peer.key.engine_id, now)
         self.peers.connected_via(peer, msg.backend_name)
@@ -279,7 +281,7 @@ class EnginePlanner:
                     view.rooms.discard(room_id)
                     why = view.error or f"prefill engine {view.name} not ready"
                     self.book.apply(room, room.on_plan_failed(
-                        "connect", f"no connection to the prefill ranks of this room within {limit:g} s: {why}", now))
+                        FailureKind.CONNECT, f"no connection to the prefill ranks of this room within {limit:g} s: {why}", now))
 
 
 def pool_memory(pools: dict) -> list[PoolMemory]:

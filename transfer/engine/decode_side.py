@@ -16,10 +16,11 @@ from ...staging.scatter_worker import ScatterJob, ScatterWorker
 from ..poll import KVPoll
 from ..protocol.actions import Scatter, StatusChanged
 from ..protocol.decode_room import DecodeRoom
+from ..protocol.kinds import FailureKind
 from ..protocol.messages import (AllocRequest, Heartbeat, Hello, HelloAck, MetaAck, Quiesced, RoomDone, RoomFailed,
                                  WatermarkUpdate, WriterDone, WritePosted)
 from ..protocol.quiet import Arrival, ExpectedWrites
-from ..protocol.routing import finished_room_answer
+from ..protocol.room_uses import RoomUse, ended_answer
 from ..protocol.tags import Tag, TagKind
 from .context import EngineContext
 from .decode_planning import EnginePlanner
@@ -133,14 +134,15 @@ class DecodeSide:
             return
         state, kind, why, last_session = done
         me, dst = self.ctx.me, peer.key.incarnation
-        failed = finished_room_answer(state is KVPoll.Success, kind, why, last_session, session, room_id)
-        if failed is None:
+        answer = ended_answer(succeeded=state is KVPoll.Success, kind=kind, reason=why, last_session=last_session,
+                              session=session, room=room_id)
+        if answer.kind is None:
             self.peers.send(peer.key, RoomDone(src=me, dst=dst, room=room_id, session=session))
         else:
-            if session != last_session:
+            if answer.use is RoomUse.OTHER:
                 self.ctx.stats.count("dropped_messages", "other_use")
-            self.peers.send(peer.key, RoomFailed(src=me, dst=dst, room=room_id, session=session, kind=failed[0],
-                                                 reason=failed[1]))
+            self.peers.send(peer.key, RoomFailed(src=me, dst=dst, room=room_id, session=session, kind=answer.kind,
+                                                 reason=answer.reason))
 
     # -- landed writes, scatters, the watermark ---------------------------------------------------
     def on_tag(self, peer: Peer, tag: Tag, now: float) -> None:
@@ -151,13 +153,14 @@ class DecodeSide:
         # a direct write split by memory kind is checked once, with its last group
         corrupt = self.ctx.integrity.on_landed(room, tag) if room.completes_write(tag) else None
         if corrupt is not None:  # never counted as landed: the room fails before it could succeed
-            self.book.apply(room, room.fail("corrupt", corrupt, now))
+            self.book.apply(room, room.fail(FailureKind.CORRUPT, corrupt, now))
             return
         arrival = self.expected.landed(tag.room, (peer.key.incarnation, tag.chunk, tag.piece, tag.group))
         if arrival is not Arrival.REPEATED:
             self.ctx.stats.count("tags_by_arrival", arrival.value)
         self._expecting()
-        verdict, actions = room.on_tag(peer.key, tag, now)
+        result = room.on_tag(peer.key, tag, now)
+        verdict, actions = result.verdict, result.actions
         if verdict == "ok":
             self.ctx.stats.add("bytes_received", tag.nbytes)
             self.ctx.stats.count("bytes_received_by_path", "staged" if tag.kind is TagKind.STAGED else "direct",
@@ -175,12 +178,12 @@ class DecodeSide:
     def scatter(self, s: Scatter) -> None:
         view = self.ctx.handler.ring_view
         parts = tuple((view(p.region_offset, p.nbytes), p.dst_heads) for p in s.parts)
-        pools = tuple((view(offset, c.nbytes), c) for offset, c in s.pools)
+        pools = tuple((view(p.ring_offset, p.copy.nbytes), p.copy) for p in s.pools)
         checks = self.ctx.integrity.scatter_checks(s)
         self.scatterer.submit(ScatterJob(s.room, s.key, s.dst_pages, parts, pools, checks))
 
     def scatter_report(self, room: int, key: tuple, ok: bool, reason: str | None, seconds: float,
-                       kind: str = "scatter") -> None:
+                       kind: str = FailureKind.SCATTER) -> None:
         """From the scatter worker thread."""
         self.ctx.stats.add("scatter_s", seconds)
         self.ctx.post(ScatterDone(room, key, ok, reason, kind))
@@ -201,7 +204,7 @@ class DecodeSide:
             self.eager_rooms.add(room.room)
         elif not eager and room.room in self.eager_rooms:
             self._not_eager(room.room)
-        if a.state is KVPoll.Failed and not room.meta_sent and a.failure_kind not in ("layout",):
+        if a.state is KVPoll.Failed and not room.meta_sent and a.failure_kind != FailureKind.LAYOUT:
             self.planner.tombstone(room, a.failure_kind or "failed", a.failure or "", time.monotonic())
 
     def released(self, room: DecodeRoom) -> None:
@@ -233,7 +236,7 @@ class DecodeSide:
         self.planner.plan_deadlines(now)
 
     def closing(self, room: DecodeRoom, now: float) -> list:
-        return (room.fail("closed", "the kvstage manager is closing", now)
+        return (room.fail(FailureKind.CLOSED, "the kvstage manager is closing", now)
                 + room.abort(self.ctx.handler.allocator, now))
 
     def room_state(self) -> dict:

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from ..protocol.kinds import FailureKind
+
 
 class EventQueue:
     def __init__(self):
@@ -123,7 +125,7 @@ class ScatterDone:
     key: tuple[int, int]
     ok: bool
     reason: str | None
-    kind: str = "scatter"      # the failure kind when not ok ("corrupt": the digest disagreed)
+    kind: str = FailureKind.SCATTER  # the failure kind when not ok ("corrupt": the digest disagreed)
 
 
 @dataclass(frozen=True)

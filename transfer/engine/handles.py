@@ -16,6 +16,7 @@ import torch
 
 from ..outcome import KVTransferError, TransferMetrics
 from ..poll import KVPoll
+from ..protocol.send_checks import check_chunk, check_page_count
 from ..state_pools import check_pool_items
 from ..timeline import TimelineRecorder
 from .events import Abort, InitReceiver, InitSender, SendChunk
@@ -204,10 +205,7 @@ class KVSender(_Handle):
         """The request's page count on this rank, for a sender created without one, and its
         items of the state pools ({pool name: [item, ...]}, moved with the last page). Allowed in
         any state: before the decode side's metadata arrived, the request waits for it."""
-        if self.num_pages is not None:
-            raise ValueError(f"room {self.room}: init() called twice, or on a sender created with num_pages")
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
-            raise ValueError(f"room {self.room}: num_pages must be a positive int, got {num_pages!r}")
+        check_page_count(self.room, self.num_pages, num_pages)
         items = check_pool_items(pool_items, self._pools, f"room {self.room} init()")
         started = self._mark_init()
         self._post(InitSender(self.room, num_pages, items))
@@ -218,25 +216,12 @@ class KVSender(_Handle):
         """The next pages of the request (indices into this rank's cache, in request order).
         `last` left out: the request ends when the pages sent reach its page count; given, it
         must agree with that count."""
-        if self.num_pages is None:
-            raise ValueError(f"room {self.room}: send() before init(): the page count is not known yet")
-        if self._last:
-            raise ValueError(f"room {self.room}: send() after the last chunk")
+        check_chunk(self.room, self.num_pages, self._sent, self._last, 0, None)  # before the pages are read
         arr = as_pages(pages, self._cache_pages, f"room {self.room} send()", unique=False)
-        if self._sent + arr.size > self.num_pages:
-            raise ValueError(
-                f"room {self.room}: {self._sent + arr.size} pages sent, the sender was created for {self.num_pages}"
-            )
-        if last and self._sent + arr.size != self.num_pages:
-            raise ValueError(
-                f"room {self.room}: the last chunk ends at page {self._sent + arr.size}, the request "
-                f"has {self.num_pages}"
-            )
-        if last is None:
-            last = self._sent + arr.size == self.num_pages
-        self._post(SendChunk(self.room, arr, bool(last)))
+        last = check_chunk(self.room, self.num_pages, self._sent, self._last, int(arr.size), last)
+        self._post(SendChunk(self.room, arr, last))
         self._sent += arr.size
-        self._last = bool(last)
+        self._last = last
 
 
 class KVReceiver(_Handle):

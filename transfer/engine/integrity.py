@@ -21,6 +21,7 @@ import torch
 from ...staging.digests import gathered_digest
 from ...staging.kernels import gatherer_class
 from ..protocol.actions import Scatter, WriteOp
+from ..protocol.decode_room import PageSpan, RingSpan
 from ..protocol.tags import Tag
 
 
@@ -69,12 +70,11 @@ class Integrity:
             return None
         if self.corrupt_data and self._rng.random() < self.corrupt_data:
             self._flip(room.room, span)
-        if not self.verify or span[0] != "pages":
+        if not self.verify or not isinstance(span, PageSpan):
             return None  # staged pieces are checked on the scatter thread, before the scatter
-        _, pages, heads, copies, nbytes = span
         b = self.ctx.buffers
-        got = gathered_digest(self._gather(), b.k, b.v, pages, self.ctx.layout.page_size, heads, b.pools, copies,
-                              nbytes, dst=True)
+        got = gathered_digest(self._gather(), b.k, b.v, span.pages, self.ctx.layout.page_size, span.heads, b.pools,
+                              span.copies, span.nbytes, dst=True)
         if got != tag.digest:
             return (f"corrupt data from prefill rank {tag.writer}, chunk {tag.chunk} part {tag.piece}: the landed "
                     f"bytes' digest {got:#018x} is not the sent {tag.digest:#018x}")
@@ -85,20 +85,19 @@ class Integrity:
         if not self.verify:
             return ()
         view = self.ctx.handler.ring_view
-        return tuple((view(offset, nbytes), want, writer) for offset, nbytes, want, writer in s.checks)
+        return tuple((view(c.ring_offset, c.nbytes), c.digest, c.writer) for c in s.checks)
 
-    def _flip(self, room: int, span: tuple) -> None:
+    def _flip(self, room: int, span: RingSpan | PageSpan) -> None:
         """Flip one byte of what the write landed (the fault `corrupt_data`)."""
         stats = self.ctx.stats
         stats.count("faults_injected", "corrupt_data")
         if room not in self.corrupted_rooms:
             self.corrupted_rooms.add(room)
             stats.add("corrupted_rooms")
-        if span[0] == "ring":
-            _, offset, nbytes = span
-            v = self.ctx.handler.ring_view(offset + self._rng.randrange(nbytes), 1)
+        if isinstance(span, RingSpan):
+            v = self.ctx.handler.ring_view(span.offset + self._rng.randrange(span.nbytes), 1)
         else:
-            _, pages, heads, _, _ = span
+            pages, heads = span.pages, span.heads
             lay = self.ctx.layout
             k = self.ctx.buffers.k[self._rng.randrange(len(self.ctx.buffers.k))]
             token = int(pages[self._rng.randrange(len(pages))]) * lay.page_size

@@ -37,6 +37,7 @@ from ..config import EngineConfig
 from ..layout import KVBuffers, KVLayout
 from ..protocol.messages import Goodbye
 from ..poll import KVPoll
+from ..protocol.kinds import FailureKind
 from ..protocol.quiet import MIN_EAGER_WAIT, Activity, activity, next_wait
 from ..protocol.tags import TagCodec
 from .backend_owner import BackendOwner
@@ -253,7 +254,7 @@ class EngineLoop:
         reason = f"internal error in the control thread ({what}: {type(exc).__name__}: {exc})"
         for r in ids:
             try:
-                self.book.fail(r, "internal", reason, now)
+                self.book.fail(r, FailureKind.INTERNAL, reason, now)
             except Exception:  # noqa: BLE001
                 log.exception("control thread: failing room %s after an internal error failed", r)
 
@@ -269,7 +270,7 @@ class EngineLoop:
         statuses = list(self.book.status.values()) + [ev.status for ev in waiting if hasattr(ev, "status")]
         for status in statuses:
             if status.state not in (KVPoll.Success, KVPoll.Failed):
-                status.update(KVPoll.Failed, reason, "internal", released=False)
+                status.update(KVPoll.Failed, reason, FailureKind.INTERNAL, released=False)
         for ev in waiting:
             if isinstance(ev, Call):
                 ev.done(None)

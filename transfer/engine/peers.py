@@ -16,6 +16,7 @@ from typing import Any
 from ..protocol.actions import PeerKey
 from ..protocol.leases import Lease
 from ..protocol.messages import Goodbye, KVMemory, PeerMessage, RingInfo
+from ..protocol.routing import PeerState
 from .context import FINISHED_MEMORY, EngineContext
 
 log = logging.getLogger("kvstage")
@@ -28,7 +29,7 @@ class Peer:
     tp_size: int
     endpoint: str
     lease: Lease
-    state: str = "connecting"          # connecting | connected | rejected | lost
+    state: PeerState = PeerState.CONNECTING
     backend_name: str = ""
     staging: bool = False
     buffer_bytes: int = 0
@@ -81,7 +82,7 @@ class PeerTable:
         self.by_rank[(key.engine_id, key.tp_rank)] = key.incarnation
 
     def connected_via(self, peer: Peer, backend_name: str) -> None:
-        peer.state, peer.backend_name = "connected", backend_name
+        peer.state, peer.backend_name = PeerState.CONNECTED, backend_name
         self.by_backend[backend_name] = peer.key.incarnation
 
     def came_back(self, incarnation: int) -> bool:
@@ -100,7 +101,7 @@ class PeerTable:
                                                  reason=f"you were declared lost: {reason}"))
         log.warning("peer %s lost: %s", peer.key, reason)
         was = peer.state
-        peer.state, peer.reason = "lost", reason
+        peer.state, peer.reason = PeerState.LOST, reason
         self.peers.pop(peer.key.incarnation, None)
         if self.by_rank.get((peer.key.engine_id, peer.key.tp_rank)) == peer.key.incarnation:
             del self.by_rank[(peer.key.engine_id, peer.key.tp_rank)]

@@ -16,14 +16,15 @@ from typing import Any
 from ...staging.ring import Watermark
 from ..poll import KVPoll
 from ..protocol.actions import PeerKey, Scatter
+from ..protocol.kinds import FailureKind
 from ..protocol.leases import Lease
 from ..regions import unwritable_peer_kinds
 from ..protocol.messages import (AllocGrant, Heartbeat, Hello, HelloAck, MetaAck, Quiesced, RoomDone, RoomFailed,
                                  RoomMeta, WatermarkUpdate)
 from ..protocol.pool_parts import writers_mismatch
 from ..protocol.prefill_room import PrefillRoom
-from ..protocol.room_uses import EarlierUses, finished_room_meta
-from ..protocol.routing import hello_verdict
+from ..protocol.room_uses import EarlierUses, Parked, RoomUse, use_without_sender
+from ..protocol.routing import PeerState, hello_verdict
 from .context import EngineContext
 from .events import Abort, InitSender, NewSender, SendChunk
 from .peers import Peer, PeerTable
@@ -43,7 +44,7 @@ class PrefillSide:
         self.ctx, self.peers, self.book, self.writes = ctx, peers, book, writes
         self.served: dict[int, frozenset] = {}          # room that succeeded -> its (decode incarnation, session)s
         self.used_sessions: dict[int, EarlierUses] = {}  # finished room -> its uses' sessions (stale for the next)
-        self.pending: dict[int, list] = defaultdict(list)  # room -> messages that came before its sender
+        self.pending: dict[int, list[Parked]] = defaultdict(list)  # room -> messages that came before its sender
         self.pending_since: dict[int, float] = {}
         self.handlers = {RoomMeta: self.on_RoomMeta, AllocGrant: self.on_AllocGrant,
                          WatermarkUpdate: self.on_WatermarkUpdate, RoomDone: self.on_RoomDone,
@@ -95,9 +96,9 @@ class PrefillSide:
             except Exception as exc:  # noqa: BLE001
                 problems.append(f"backend connect failed: {exc}")
         if problems:
-            peer.state, peer.reason = "rejected", "; ".join(problems)
+            peer.state, peer.reason = PeerState.REJECTED, "; ".join(problems)
             log.error("rejecting decode rank %s: %s", key, peer.reason)
-            ctx.stats.count("failures_by_kind", "layout" if not peer.backend_name else "connect")
+            ctx.stats.count("failures_by_kind", FailureKind.LAYOUT if not peer.backend_name else FailureKind.CONNECT)
             return self._send_ack(peer, False, peer.reason)
         self.peers.connected_via(peer, peer.backend_name)
         ctx.backend.fence(peer.backend_name, peer.lease.fence_base + peer.lease.lease_s)
@@ -157,27 +158,25 @@ class PrefillSide:
             self.book.apply(room, room.abort(now))
 
     # -- messages about rooms -------------------------------------------------------------------
-    def _input(self, room_id: int, item: tuple, now: float) -> None:
+    def _input(self, room_id: int, item: Parked, now: float) -> None:
         room = self.book.get(room_id)
         if room is not None:
             return self._item(room, item, now)
-        kind, key, msg = item
+        key, msg = item.peer, item.msg
         me = self.ctx.me
-        if kind == "failed":
+        if not item.is_meta:
             # nothing of ours for this room is in flight to that peer (finished, or never started):
             # say so, in case an earlier Quiesced was lost
             self.peers.send(key, Quiesced(src=me, dst=key.incarnation, room=room_id, session=msg.session))
-        verdict = finished_room_meta(self.used_sessions.get(room_id, EarlierUses()), self.served.get(room_id, ()),
-                                     key.incarnation, msg.session) if room_id in self.book.finished else ""
-        if room_id in self.book.finished and not (kind == "meta" and verdict == "new_use"):
-            if kind == "meta" and verdict == "served":
-                pass  # a late retransmission of metadata this room already served (and acked): no news
-            elif kind == "meta":  # the decode side must not wait for a room that is over here
-                _, kind_, why, _ = self.book.finished[room_id]
-                self.peers.send(key, RoomFailed(src=me, dst=key.incarnation, room=room_id, session=msg.session,
-                                                kind=kind_, reason=f"the prefill sender of this room has finished: "
-                                                                   f"{why}"))
-                self.peers.send(key, Quiesced(src=me, dst=key.incarnation, room=room_id, session=msg.session))
+        use = use_without_sender(item, ended=room_id in self.book.finished,
+                                 earlier=self.used_sessions.get(room_id, EarlierUses()),
+                                 served=self.served.get(room_id, ()))
+        if use is RoomUse.OVER and item.is_meta:  # the decode side must not wait for a room that is over here
+            _, kind_, why, _ = self.book.finished[room_id]
+            self.peers.send(key, RoomFailed(src=me, dst=key.incarnation, room=room_id, session=msg.session,
+                                            kind=kind_, reason=f"the prefill sender of this room has finished: {why}"))
+            self.peers.send(key, Quiesced(src=me, dst=key.incarnation, room=room_id, session=msg.session))
+        if use is not RoomUse.NEXT:  # SERVED: metadata this room already served (and acked) again: no news
             self.ctx.stats.count("dropped_messages", "finished_room")
             return
         if len(self.pending) >= MAX_PENDING_ROOMS and room_id not in self.pending:
@@ -186,14 +185,14 @@ class PrefillSide:
         self.pending[room_id].append(item)
         self.pending_since.setdefault(room_id, now)
 
-    def _item(self, room: PrefillRoom, item: tuple, now: float, early: bool = False) -> None:
-        kind, key, msg = item
-        if kind == "meta":
+    def _item(self, room: PrefillRoom, item: Parked, now: float, early: bool = False) -> None:
+        key, msg = item.peer, item.msg
+        if isinstance(msg, RoomMeta):
             use = room.meta_use(key, msg.session)
-            if use == "stale":  # a retransmission from the id's earlier use, acked late
+            if use is RoomUse.STALE:  # a retransmission from the id's earlier use, acked late
                 self.ctx.stats.count("dropped_messages", "stale_room_meta")
                 return
-            if use == "next":  # this use is over at that decode rank: keep it for the next sender
+            if use is RoomUse.NEXT:  # this use is over at that decode rank: keep it for the next sender
                 self.pending[room.room].append(item)
                 self.pending_since.setdefault(room.room, now)
                 return
@@ -205,7 +204,7 @@ class PrefillSide:
             self.book.apply(room, room.on_room_failed(key, msg.session, msg.kind, msg.reason, now, early=early))
 
     def on_RoomMeta(self, peer: Peer, msg: RoomMeta, now: float) -> None:
-        self._input(msg.room, ("meta", peer.key, msg), now)  # the write goes out first
+        self._input(msg.room, Parked(peer.key, msg), now)  # the write goes out first
         self.peers.send(peer.key, MetaAck(src=self.ctx.me, dst=peer.key.incarnation, room=msg.room,
                                           session=msg.session))
 
@@ -225,7 +224,7 @@ class PrefillSide:
 
     def on_RoomFailed(self, peer: Peer, msg: RoomFailed, now: float) -> None:
         """Also for a peer whose connection was refused: its rooms fail here too."""
-        self._input(msg.room, ("failed", peer.key, msg), now)
+        self._input(msg.room, Parked(peer.key, msg), now)
 
     # -- hooks: rooms, peers, time, closing -----------------------------------------------------
     def status_changed(self, room: Any, a: Any) -> None:
@@ -265,7 +264,7 @@ class PrefillSide:
                 self.ctx.stats.count("dropped_messages", "meta_without_sender")
 
     def closing(self, room: PrefillRoom, now: float) -> list:
-        return room.fail("closed", "the kvstage manager is closing", now)
+        return room.fail(FailureKind.CLOSED, "the kvstage manager is closing", now)
 
     def room_state(self) -> dict:
         return {"parked_rooms": len(self.pending)}

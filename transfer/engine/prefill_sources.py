@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ...bootstrap import BootstrapClient, BootstrapError
 from ...bootstrap.client import parse_addr
-from ..protocol.peering import engine_for_dp
+from ..protocol.peering import DpMatch, engine_for_dp
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ class SourceResolver:
             except BootstrapError as exc:
                 if exc.permanent or time.monotonic() >= deadline:
                     raise BootstrapError(f"rendezvous server {source.bootstrap}: {exc}", exc.kind) from exc
-                verdict, what = "none", str(exc)
+                verdict, what = DpMatch.NONE, str(exc)
             if verdict == "found":
                 return what
             if verdict == "ambiguous" or time.monotonic() >= deadline:

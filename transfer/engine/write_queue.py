@@ -16,6 +16,7 @@ import time
 
 from ...staging.workers import GatherJob, TransferWorkers
 from ..poll import KVPoll
+from ..protocol.kinds import FailureKind
 from ..protocol.actions import WriteOp
 from ..protocol.direct_ranges import CacheGeometry, direct_descriptors, pool_descriptor_parts
 from ..protocol.messages import WritePosted
@@ -180,7 +181,7 @@ class WriteQueue:
     def tick(self, now: float) -> None:
         t = self.ctx.t
         for _, room_id in self.deadlines.expired(now):
-            self.book.fail(room_id, "timeout", f"a write did not complete within {t.write:g} s", now)
+            self.book.fail(room_id, FailureKind.TIMEOUT, f"a write did not complete within {t.write:g} s", now)
         for op in self.staged.expire(now, t.watermark):
             self._finish(op.room, op.op_id, False, f"the decode ring stayed full for {t.watermark:g} s", now)
 

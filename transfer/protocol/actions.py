@@ -12,7 +12,9 @@ from typing import NamedTuple, Union
 import numpy as np
 
 from ..poll import KVPoll
+from .kinds import TransferPath
 from .messages import PeerMessage
+from .pool_parts import PoolCopy
 from .tags import Tag
 
 
@@ -51,7 +53,7 @@ class WriteOp:
     tag: Tag
     ring_start: int = -1               # staged: linear ring position of the whole region
     writer_offset: int = 0             # staged: this writer's part inside the region
-    pools: tuple = ()                  # state pool copies (PoolCopy) after the KV bytes: the last page's write
+    pools: tuple[PoolCopy, ...] = ()   # state pool copies after the KV bytes: the last page's write
 
     @property
     def num_pages(self) -> int:
@@ -73,6 +75,24 @@ class ScatterPart:
 
 
 @dataclass(frozen=True)
+class PoolPlacement:
+    """The last piece: where in the ring one pool copy (PoolCopy) of a writer's part lies."""
+
+    ring_offset: int
+    copy: PoolCopy
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartCheck:
+    """Verify: one writer's part of a landed piece, and the digest its tag carries."""
+
+    ring_offset: int
+    nbytes: int
+    digest: int
+    writer: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class Scatter:
     """Decode (staged): copy a landed piece from the ring into the KV cache."""
 
@@ -80,8 +100,8 @@ class Scatter:
     key: tuple[int, int]               # (chunk, piece)
     dst_pages: np.ndarray
     parts: tuple[ScatterPart, ...]
-    pools: tuple = ()                  # the last piece: (byte offset in the ring, PoolCopy) per pool copy
-    checks: tuple = ()                 # (ring offset, bytes, digest, writer) of each writer's part (verify)
+    pools: tuple[PoolPlacement, ...] = ()
+    checks: tuple[PartCheck, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -89,7 +109,7 @@ class PublishWatermark:
     """Decode: the ring's watermark moved; tell every writer of the ring."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class StatusChanged:
     state: KVPoll
     failure: str | None = None
@@ -111,7 +131,7 @@ class RoomTotals:
 
     nbytes: int = 0
     writes: int = 0
-    path: str = "none"                 # staged | direct | none (nothing to write)
+    path: TransferPath = TransferPath.NONE
 
 
 @dataclass(frozen=True)

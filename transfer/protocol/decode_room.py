@@ -19,94 +19,96 @@ WriterDone or AllocRequest with its outcome. Everything it receives is idempoten
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
-from ...staging.pieces import max_piece_pages, plan_pieces
+from ...staging.pieces import plan_pieces
 from ...staging.ring import Region, RingAllocator, TooLarge
 
 from ..config import Timeouts
 from ..layout import KVLayout
 from ..poll import KVPoll
-from .actions import (Action, PeerKey, PublishWatermark, Released, RoomTotals, Scatter, ScatterPart, Send,
-                      StatusChanged)
-from .head_mapping import Assignment, HeadMapping
-from .messages import AllocGrant, AllocRequest, Piece, RoomDone, RoomFailed, RoomMeta, WriterDone, encode_pages
-from .pool_parts import block_bytes, part_offsets, request_copies, writer_segments
+from ..state_pools import PoolSpec
+from .actions import (Action, PartCheck, PeerKey, PoolPlacement, PublishWatermark, RoomTotals, Scatter, ScatterPart,
+                      Send)
+from .decode_plan import PlanRefused, RoomPlan, WriterOffer, plan_room
+from .head_mapping import Assignment
+from .kinds import FailureKind, StrKind, TransferPath, remote_kind
+from .lifecycle import DECODE_TRANSITIONS, RoomEvent
+from .messages import AllocGrant, AllocRequest, Piece, RoomDone, RoomMeta, WriterDone, encode_pages
+from .pool_parts import PoolCopy, block_bytes, part_offsets, request_copies, writer_segments
+from .room_base import RoomBase
 from .tags import Tag, TagKind
 from .tracker import ExpectedPiece, Outcome, RoomTracker
 
-TERMINAL = (KVPoll.Success, KVPoll.Failed)
+__all__ = ["DecodeRoom", "PageSpan", "PlanRefused", "RingSpan", "RoomPlan", "TagResult", "TagVerdict", "WriterOffer",
+           "WriterPart", "plan_room"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriterPart:
+    """One writer's part of a staged piece's ring region: its KV bytes, then (the last piece)
+    its pool copies."""
+
+    rank: int
+    ring_offset: int
+    kv_bytes: int
+    copies: tuple[PoolCopy, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv_bytes + block_bytes(self.copies)
 
 
 @dataclass(frozen=True)
-class RoomPlan:
-    """Who writes this decode rank's part of a room, and how (decided when peers connected)."""
+class RingSpan:
+    """Staged: a writer's part landed in the ring at `offset`."""
 
-    writers: tuple[tuple[PeerKey, Assignment], ...]
-    notices: tuple[PeerKey, ...]                  # prefill ranks told about the room, not writing
-    staged: bool
-    head_page_bytes: int                          # bytes of one head of one page, all layers, K and V
-    max_piece_pages: int = 0                      # staged: largest piece (ring and buffers)
-    ring_epoch: int = 0
-    prefill_tp: int = 0
-    decode_tp: int = 0
-    ring_size: int = 0                            # staged: the ring and the smallest writer buffer, which
-    buffer_bytes: int = 0                         # the last piece's pool bytes must fit besides its pages
+    offset: int
+    nbytes: int
 
-    def writer_page_bytes(self, a: Assignment) -> int:
-        return self.head_page_bytes * a.num_heads
+
+@dataclass(frozen=True, kw_only=True)
+class PageSpan:
+    """Direct: a write landed in these destination pages and heads (and pool items)."""
+
+    pages: np.ndarray
+    heads: tuple[int, int]
+    copies: tuple[PoolCopy, ...]
+    nbytes: int
+
+
+class TagVerdict(StrKind):
+    """What one arrived tag did to its room (the engine counts all but OK and PARTIAL as dropped)."""
+
+    OK = "ok"                    # a write landed and counts
+    PARTIAL = "partial"          # one backend write of a direct write split by memory kind: its
+                                 # bytes count once all landed
+    DUPLICATE = "duplicate"
+    STALE = "stale"              # meant for another life of this room or peer: dropped
+    REJECTED = "rejected"        # disagrees with the room's plan: the room fails
 
 
 @dataclass(frozen=True)
-class WriterOffer:
-    """What a connected prefill rank offers this decode rank (from its HelloAck)."""
-
-    key: PeerKey
-    staging: bool
-    buffer_bytes: int
+class TagResult:
+    verdict: TagVerdict
+    actions: list[Action]
 
 
-def plan_room(layout: KVLayout, mapping: HeadMapping, writers: dict[int, WriterOffer],
-              notices: dict[int, PeerKey], *, staging: bool, ring_size: int, ring_align: int,
-              piece_cap: int, epoch: int) -> RoomPlan | tuple[str, str]:
-    """Decide how a room from this prefill engine moves: the staged path when staging is on here
-    (a ring) and at every writer, TP sizes differ and the model is not MLA; direct otherwise.
-    Returns the plan, or (failure kind, reason) when a single page can never fit."""
-    hpb = layout.num_kv * layout.num_layers * layout.page_size * layout.head_bytes
-    assigns = tuple((writers[w].key, mapping.find(w, layout.tp_rank)) for w in sorted(writers))
-    staged = (staging and ring_size > 0 and not layout.mla and mapping.prefill_tp != mapping.decode_tp
-              and all(o.staging for o in writers.values()))
-    mpp = 0
-    if staged:
-        parts = [hpb * a.num_heads for _, a in assigns]
-        buffers = min(o.buffer_bytes for o in writers.values())
-        # pieces no larger than piece_cap keep gather, write and scatter of consecutive pieces
-        # overlapping; the cap never makes a page impossible, only the buffers and the ring do
-        mpp = (max_piece_pages(parts, min(buffers, piece_cap), ring_size, ring_align)
-               or max_piece_pages(parts, buffers, ring_size, ring_align))
-        if mpp == 0:
-            return ("staging", f"one page ({sum(parts)} bytes in the ring, up to {max(parts)} per writer buffer) "
-                               f"can never fit the staging ring ({ring_size} bytes) or a prefill worker buffer "
-                               f"({buffers} bytes)")
-    return RoomPlan(assigns, tuple(notices[n] for n in sorted(notices)), staged, hpb, mpp, epoch,
-                    mapping.prefill_tp, mapping.decode_tp, ring_size,
-                    min(o.buffer_bytes for o in writers.values()) if writers else 0)
-
-
-@dataclass
+@dataclass(kw_only=True)
 class WriterState:
     peer: PeerKey
     assignment: Assignment
-    tags: set = field(default_factory=set)        # distinct (chunk, piece) landed
-    digests: dict = field(default_factory=dict)   # (chunk, piece) -> the digest its tag carries (verify)
+    tags: set[tuple[int, int]] = field(default_factory=set)       # distinct (chunk, piece) landed
+    digests: dict[tuple[int, int], int] = field(default_factory=dict)  # (chunk, piece) -> its tag's digest (verify)
     done_at: float | None = None                  # WriterDone received
     done_writes: int = 0
     stopped: bool = False                         # quiesced or lost: it will not write again...
     quiet_after: float = 0.0                      # ... after this time (a lost writer's last write may stall)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Allocation:
     chunk: int
     page_start: int
@@ -115,18 +117,14 @@ class Allocation:
     regions: dict[int, Region]                    # piece index -> region, until freed
 
 
-class DecodeRoom:
+class DecodeRoom(RoomBase):
+    TRANSITIONS = DECODE_TRANSITIONS
+    PEER_SIDE = "prefill"
+
     def __init__(self, room: int, session: int, me: int, layout: KVLayout, now: float, timeouts: Timeouts,
-                 pools: tuple = ()):
-        self.room = room
+                 pools: tuple[PoolSpec, ...] = ()):
+        super().__init__(room=room, me=me, layout=layout, now=now, timeouts=timeouts, pools=pools)
         self.session = session
-        self.me = me
-        self.layout = layout
-        self.timeouts = timeouts
-        self.created = now
-        self.state = KVPoll.Bootstrapping
-        self.failure: str | None = None
-        self.failure_kind: str | None = None
         self.plan: RoomPlan | None = None
         self.dst_pages: np.ndarray | None = None
         self.inited_at: float | None = None
@@ -135,30 +133,44 @@ class DecodeRoom:
         self.tracker: RoomTracker | None = None
         self.allocs: dict[int, Allocation] = {}
         self.scattering: dict[tuple[int, int], float] = {}   # piece key -> when asked
-        self.released = False
         self.acked: set[int] = set()                         # prefill ranks that acknowledged the metadata
         self._retry_at = 0.0
-        self._now = now
         self.prefix = 0                                      # pages of the request held already
         self.bytes_in = 0                                    # bytes of accepted tags (writes that landed)
         self.writes_in = 0
-        self.pools = pools                                   # state pool specs
-        self.pool_items: dict = {}                           # this request's items of them
-        self.pool_copies: dict[int, tuple] = {}              # writer rank -> its PoolCopy's (last page)
+        self.pool_items: dict[str, np.ndarray] = {}          # this request's items of the state pools
+        self.pool_copies: dict[int, tuple[PoolCopy, ...]] = {}  # writer rank -> its pool copies (last page)
+
+    # What on_plan and init give, for the inputs that only come after them.
+    @property
+    def _plan(self) -> RoomPlan:
+        assert self.plan is not None, "the room is not planned yet"
+        return self.plan
+
+    @property
+    def _tracker(self) -> RoomTracker:
+        assert self.tracker is not None, "the room has no destination pages yet"
+        return self.tracker
+
+    @property
+    def _dst(self) -> np.ndarray:
+        assert self.dst_pages is not None, "the room has no destination pages yet"
+        return self.dst_pages
 
     # -- set-up -----------------------------------------------------------------------------
     def on_plan(self, plan: RoomPlan, now: float) -> list[Action]:
-        if self.state in TERMINAL or self.plan is not None:
+        if self.ended or self.plan is not None:
             return []
         self.plan = plan
-        self.writers = {p.tp_rank: WriterState(p, a) for p, a in plan.writers}
-        out = self._set_state(KVPoll.WaitingForInput)
+        self.writers = {p.tp_rank: WriterState(peer=p, assignment=a) for p, a in plan.writers}
+        out = self._move(RoomEvent.PLANNED, now)
         return out + self._start(now)
 
     def on_plan_failed(self, kind: str, reason: str, now: float) -> list[Action]:
         return self.fail(kind, reason, now)
 
-    def init(self, dst_pages: np.ndarray, now: float, prefix_pages: int = 0, pool_items: dict | None = None) -> list[Action]:
+    def init(self, dst_pages: np.ndarray, now: float, prefix_pages: int = 0,
+             pool_items: dict[str, np.ndarray] | None = None) -> list[Action]:
         """Destination pages (validated by the caller's handle) for the request's pages past the
         `prefix_pages` this rank already holds (its prefix cache): those are never written."""
         if self.dst_pages is not None:
@@ -167,32 +179,32 @@ class DecodeRoom:
         self.prefix = prefix_pages
         self.pool_items = pool_items or {}
         self.inited_at = now
-        if self.state in TERMINAL:
+        if self.ended:
             return []
         return self._start(now)
 
     def _start(self, now: float) -> list[Action]:
         if self.plan is None or self.dst_pages is None or self.meta_sent:
             return []
-        n = int(self.dst_pages.size)
+        n = int(self._dst.size)
         p = self.plan
         self.pool_copies = {r: request_copies(writer_segments(self.pools, p.prefill_tp, p.decode_tp, w.assignment), None,
                                               self.pool_items) for r, w in self.writers.items()} if self.pool_items else {}
-        self.tracker = RoomTracker(n, {r: self.plan.writer_page_bytes(w.assignment) for r, w in self.writers.items()},
+        self.tracker = RoomTracker(n, {r: self._plan.writer_page_bytes(w.assignment) for r, w in self.writers.items()},
                                    {r: block_bytes(c) for r, c in self.pool_copies.items()})
         self.meta_sent = True
         self._retry_at = now + self.timeouts.heartbeat
-        return self._metas(self._all_prefill()) + self._set_state(KVPoll.Transferring)
+        return self._metas(self._all_prefill()) + self._move(RoomEvent.METADATA_OUT, now)
 
     def _all_prefill(self) -> list[PeerKey]:
-        return [p for p, _ in self.plan.writers] + list(self.plan.notices)
+        return [p for p, _ in self._plan.writers] + list(self._plan.notices)
 
     def _metas(self, peers: list[PeerKey]) -> list[Action]:
-        n = int(self.dst_pages.size)
-        writers = {p for p, _ in self.plan.writers}
-        pages = b"" if self.plan.staged else encode_pages(self.dst_pages)
+        n = int(self._dst.size)
+        writers = {p for p, _ in self._plan.writers}
+        pages = b"" if self._plan.staged else encode_pages(self._dst)
         return [Send(p, RoomMeta(src=self.me, dst=p.incarnation, room=self.room, session=self.session,
-                                 num_pages=self.prefix + n, staged=self.plan.staged and p in writers,
+                                 num_pages=self.prefix + n, staged=self._plan.staged and p in writers,
                                  dst_pages=pages if p in writers else b"", prefix_pages=self.prefix,
                                  pool_items={k: encode_pages(v) for k, v in self.pool_items.items()}))
                 for p in peers]
@@ -207,43 +219,44 @@ class DecodeRoom:
         if w is None or req.session != self.session:
             return []
         self.acked.add(peer.tp_rank)
-        if self.state in TERMINAL:
+        if self.ended:
             return self._outcome(peer)
-        if not self.plan.staged:
-            return self.fail("protocol", f"{peer} asked for ring space in a direct-path room", now)
+        if not self._plan.staged:
+            return self.fail(FailureKind.PROTOCOL, f"{peer} asked for ring space in a direct-path room", now)
         alloc = self.allocs.get(req.chunk)
         if alloc is not None:
             if (alloc.page_start, alloc.num_pages) != (req.page_start, req.num_pages):
-                return self.fail("protocol", f"writers disagree on chunk {req.chunk}: pages "
+                return self.fail(FailureKind.PROTOCOL, f"writers disagree on chunk {req.chunk}: pages "
                                              f"[{alloc.page_start}, +{alloc.num_pages}) vs [{req.page_start}, "
                                              f"+{req.num_pages}) from {peer}", now)
             return [self._grant(peer, alloc)]
-        if req.num_pages <= 0 or req.page_start < 0 or req.page_start + req.num_pages > self.tracker.num_pages \
-                or self.tracker.overlaps_plan(req.page_start, req.num_pages):
-            return self.fail("protocol", f"chunk {req.chunk} from {peer} covers pages [{req.page_start}, "
+        if req.num_pages <= 0 or req.page_start < 0 or req.page_start + req.num_pages > self._tracker.num_pages \
+                or self._tracker.overlaps_plan(req.page_start, req.num_pages):
+            return self.fail(FailureKind.PROTOCOL, f"chunk {req.chunk} from {peer} covers pages [{req.page_start}, "
                                          f"+{req.num_pages}) that are outside the room or already planned", now)
-        page_bytes = sum(self.plan.writer_page_bytes(w.assignment) for w in self.writers.values())
+        page_bytes = sum(self._plan.writer_page_bytes(w.assignment) for w in self.writers.values())
         fit = ring.pages_fit_now(page_bytes)
         pieces: list[Piece] = []
         regions: dict[int, Region] = {}
-        planned = plan_pieces(req.page_start, req.num_pages, self.plan.max_piece_pages, fit)
-        final = req.page_start + req.num_pages == self.tracker.num_pages
-        extra = sum(self.tracker.final_extra.values()) if final else 0
+        planned = plan_pieces(req.page_start, req.num_pages, self._plan.max_piece_pages, fit)
+        final = req.page_start + req.num_pages == self._tracker.num_pages
+        extra = sum(self._tracker.final_extra.values()) if final else 0
         if extra:  # the last piece also holds every writer's pool block: it may need fewer pages
             planned = self._fit_pools(planned)
             if not planned:
-                return self.fail("staging", f"the state pool items of this request ({extra} bytes with one page) "
-                                            f"do not fit the staging ring ({self.plan.ring_size} bytes) or a prefill "
-                                            f"worker buffer ({self.plan.buffer_bytes} bytes)", now)
+                return self.fail(FailureKind.STAGING, f"the state pool items of this request ({extra} bytes with one page) "
+                                            f"do not fit the staging ring ({self._plan.ring_size} bytes) or a prefill "
+                                            f"worker buffer ({self._plan.buffer_bytes} bytes)", now)
         for i, (start, count) in enumerate(planned):
-            last = start + count == self.tracker.num_pages
+            last = start + count == self._tracker.num_pages
             region = ring.allocate(count * page_bytes + (extra if last else 0))
             if isinstance(region, TooLarge):  # max_piece_pages makes this impossible
                 raise AssertionError(str(region))
             regions[i] = region
             pieces.append(Piece(i, start, count, region.start, region.nbytes))
-            self.tracker.expect_piece(req.chunk, i, start, count, region.start, list(self.writers))
-        alloc = Allocation(req.chunk, req.page_start, req.num_pages, pieces, regions)
+            self._tracker.expect_piece(req.chunk, i, start, count, region.start, list(self.writers))
+        alloc = Allocation(chunk=req.chunk, page_start=req.page_start, num_pages=req.num_pages, pieces=pieces,
+                           regions=regions)
         self.allocs[req.chunk] = alloc
         return [self._grant(peer, alloc)]
 
@@ -251,12 +264,12 @@ class DecodeRoom:
         """Split the last piece so its pages and every writer's pool block fit the ring and each
         writer's part its buffer; [] when not even one page does."""
         start, count = planned[-1]
-        extra = self.tracker.final_extra
-        wpb = self.tracker.writer_page_bytes
+        extra = self._tracker.final_extra
+        wpb = self._tracker.writer_page_bytes
         total = sum(wpb.values())
         fits = [n for n in range(count, 0, -1)
-                if n * total + sum(extra.values()) <= self.plan.ring_size
-                and all(n * wpb[w] + extra.get(w, 0) <= self.plan.buffer_bytes for w in wpb)]
+                if n * total + sum(extra.values()) <= self._plan.ring_size
+                and all(n * wpb[w] + extra.get(w, 0) <= self._plan.buffer_bytes for w in wpb)]
         if not fits:
             return []
         n = fits[0]
@@ -264,105 +277,110 @@ class DecodeRoom:
 
     def _grant(self, peer: PeerKey, alloc: Allocation) -> Send:
         return Send(peer, AllocGrant(src=self.me, dst=peer.incarnation, room=self.room, session=self.session,
-                                     chunk=alloc.chunk, epoch=self.plan.ring_epoch, pieces=list(alloc.pieces)))
+                                     chunk=alloc.chunk, epoch=self._plan.ring_epoch, pieces=list(alloc.pieces)))
 
     # -- arrivals ---------------------------------------------------------------------------
-    def on_tag(self, peer: PeerKey, tag: Tag, now: float) -> tuple[str, list[Action]]:
-        """Apply one arrived tag. Returns (verdict, actions): verdict is "ok", "partial" (one
-        backend write of a direct write split by memory kind: its bytes count once all landed),
-        "duplicate", "stale" (meant for another life of this room or peer: dropped) or "rejected"."""
+    def on_tag(self, peer: PeerKey, tag: Tag, now: float) -> TagResult:
+        """Apply one arrived tag."""
+        verdict, actions = self._on_tag(peer, tag, now)
+        return TagResult(verdict, actions)
+
+    def _on_tag(self, peer: PeerKey, tag: Tag, now: float) -> tuple[TagVerdict, list[Action]]:
         w = self._writer(peer)
         if w is None or tag.session != self.session or tag.src != peer.incarnation or self.tracker is None:
-            return "stale", []
+            return TagVerdict.STALE, []
         self.acked.add(peer.tp_rank)
-        if self.state in TERMINAL:
-            return "stale", []
+        if self.ended:
+            return TagVerdict.STALE, []
         if tag.writer != peer.tp_rank:
-            return "rejected", self.fail("protocol", f"tag from {peer} claims writer {tag.writer}", now)
-        if self.plan.staged:
-            if tag.kind is not TagKind.STAGED or tag.epoch != self.plan.ring_epoch:
-                return "rejected", self.fail("protocol", f"tag from {peer} is not a staged tag of ring epoch "
-                                                         f"{self.plan.ring_epoch}: {tag}", now)
-            arrival = self.tracker.arrive_staged(tag.writer, tag.chunk, tag.piece, tag.page_start, tag.num_pages,
+            return TagVerdict.REJECTED, self.fail(FailureKind.PROTOCOL, f"tag from {peer} claims writer {tag.writer}", now)
+        if self._plan.staged:
+            if tag.kind is not TagKind.STAGED or tag.epoch != self._plan.ring_epoch:
+                return TagVerdict.REJECTED, self.fail(FailureKind.PROTOCOL, f"tag from {peer} is not a staged tag of ring epoch "
+                                                         f"{self._plan.ring_epoch}: {tag}", now)
+            arrival = self._tracker.arrive_staged(tag.writer, tag.chunk, tag.piece, tag.page_start, tag.num_pages,
                                                  tag.nbytes, tag.ring_start)
         else:
             if tag.kind is not TagKind.DIRECT or tag.epoch != self.me:
-                return "rejected", self.fail("protocol", f"tag from {peer} is not a direct tag for this rank: "
+                return TagVerdict.REJECTED, self.fail(FailureKind.PROTOCOL, f"tag from {peer} is not a direct tag for this rank: "
                                                          f"{tag}", now)
-            arrival = self.tracker.arrive_direct(tag.writer, tag.chunk, tag.page_start, tag.num_pages, tag.nbytes,
+            arrival = self._tracker.arrive_direct(tag.writer, tag.chunk, tag.page_start, tag.num_pages, tag.nbytes,
                                                  tag.group, tag.groups)
         if arrival.outcome is Outcome.DUPLICATE:
-            return "duplicate", []
+            return TagVerdict.DUPLICATE, []
         if arrival.outcome is Outcome.PARTIAL:
             self.writes_in += 1
-            return "partial", []
+            return TagVerdict.PARTIAL, []
         if arrival.outcome is Outcome.REJECTED:
-            return "rejected", self.fail("tag_mismatch", f"tag from {peer} rejected: {arrival.reason}", now)
+            return TagVerdict.REJECTED, self.fail(FailureKind.TAG_MISMATCH, f"tag from {peer} rejected: {arrival.reason}", now)
         w.tags.add((tag.chunk, tag.piece))
         w.digests[(tag.chunk, tag.piece)] = tag.digest
         self.bytes_in += tag.nbytes
         self.writes_in += 1
         if arrival.outcome is Outcome.PIECE_LANDED:
-            return "ok", [self._scatter(arrival.piece, now)]
-        return "ok", self._check_complete(now)
+            assert arrival.piece is not None
+            return TagVerdict.OK, [self._scatter(arrival.piece, now)]
+        return TagVerdict.OK, self._check_complete(now)
 
-    def _parts(self, chunk: int, index: int, page_start: int, num_pages: int) -> list[tuple]:
-        """Per writer, in writer order: (rank, ring offset of its part, KV bytes, pool copies)."""
+    def _parts(self, chunk: int, index: int, page_start: int, num_pages: int) -> list[WriterPart]:
+        """Each writer's part of a piece's ring region, in writer order."""
         region = self.allocs[chunk].regions[index]
-        per_head = num_pages * self.plan.head_page_bytes
+        per_head = num_pages * self._plan.head_page_bytes
         writers = sorted(self.writers.items(), key=lambda rw: rw[1].assignment.writer_index)
-        final = page_start + num_pages == self.tracker.num_pages
+        final = page_start + num_pages == self._tracker.num_pages
         copies = [self.pool_copies.get(r, ()) if final else () for r, _ in writers]
         kv = [per_head * w.assignment.num_heads for _, w in writers]
         offsets = part_offsets([n + block_bytes(c) for n, c in zip(kv, copies)])
-        return [(r, region.offset + off, n, c) for (r, _), off, n, c in zip(writers, offsets, kv, copies)]
+        return [WriterPart(rank=r, ring_offset=region.offset + off, kv_bytes=n, copies=c)
+                for (r, _), off, n, c in zip(writers, offsets, kv, copies)]
 
     def completes_write(self, tag: Tag) -> bool:
         """Whether the write `tag` belongs to is whole once it lands: always, but for a direct
         write split by memory kind, whose bytes are only all in place with its last group."""
         if tag.groups == 1 or self.tracker is None:
             return True
-        return self.tracker.group_completes((tag.writer, tag.chunk, tag.page_start, tag.num_pages), tag.group,
+        return self._tracker.group_completes((tag.writer, tag.chunk, tag.page_start, tag.num_pages), tag.group,
                                             tag.groups)
 
-    def landed_span(self, tag: Tag) -> tuple | None:
-        """Where the write of an accepted tag landed: ("ring", offset, nbytes) or ("pages", dst pages,
-        dst heads, pool copies, nbytes); None when the tag is not this room's."""
+    def landed_span(self, tag: Tag) -> RingSpan | PageSpan | None:
+        """Where the write of an accepted tag landed; None when the tag is not this room's."""
         w = self.writers.get(tag.writer)
-        if w is None or tag.session != self.session or self.tracker is None or self.state in TERMINAL:
+        if w is None or tag.session != self.session or self.tracker is None or self.ended:
             return None
-        if self.plan.staged:
+        if self._plan.staged:
             if tag.chunk not in self.allocs or tag.piece not in self.allocs[tag.chunk].regions:
                 return None
-            part = next(p for p in self._parts(tag.chunk, tag.piece, tag.page_start, tag.num_pages) if p[0] == tag.writer)
-            return ("ring", part[1], part[2] + block_bytes(part[3]))
-        if tag.page_start < 0 or tag.num_pages <= 0 or tag.page_start + tag.num_pages > self.tracker.num_pages:
+            part = next(p for p in self._parts(tag.chunk, tag.piece, tag.page_start, tag.num_pages)
+                        if p.rank == tag.writer)
+            return RingSpan(part.ring_offset, part.nbytes)
+        if tag.page_start < 0 or tag.num_pages <= 0 or tag.page_start + tag.num_pages > self._tracker.num_pages:
             return None
-        final = tag.page_start + tag.num_pages == self.tracker.num_pages
-        return ("pages", self.dst_pages[tag.page_start:tag.page_start + tag.num_pages], w.assignment.dst_heads,
-                self.pool_copies.get(tag.writer, ()) if final else (), tag.nbytes)
+        final = tag.page_start + tag.num_pages == self._tracker.num_pages
+        return PageSpan(pages=self._dst[tag.page_start:tag.page_start + tag.num_pages],
+                        heads=w.assignment.dst_heads, copies=self.pool_copies.get(tag.writer, ()) if final else (),
+                        nbytes=tag.nbytes)
 
     def _scatter(self, piece: ExpectedPiece, now: float) -> Scatter:
         self.scattering[piece.key] = now
         parts_ = self._parts(piece.chunk, piece.index, piece.page_start, piece.num_pages)
-        parts = tuple(ScatterPart(off, n, self.writers[r].assignment.dst_heads) for r, off, n, _ in parts_)
-        pools = tuple((off + n + c.offset, c) for _, off, n, cs in parts_ for c in cs)
-        checks = tuple((off, n + block_bytes(cs), self.writers[r].digests.get(piece.key, 0), r)
-                       for r, off, n, cs in parts_)
-        dst = self.dst_pages[piece.page_start:piece.page_start + piece.num_pages]
-        return Scatter(self.room, piece.key, dst, parts, pools, checks)
+        parts = tuple(ScatterPart(p.ring_offset, p.kv_bytes, self.writers[p.rank].assignment.dst_heads) for p in parts_)
+        pools = tuple(PoolPlacement(p.ring_offset + p.kv_bytes + c.offset, c) for p in parts_ for c in p.copies)
+        checks = tuple(PartCheck(ring_offset=p.ring_offset, nbytes=p.nbytes,
+                                 digest=self.writers[p.rank].digests.get(piece.key, 0), writer=p.rank) for p in parts_)
+        dst = self._dst[piece.page_start:piece.page_start + piece.num_pages]
+        return Scatter(room=self.room, key=piece.key, dst_pages=dst, parts=parts, pools=pools, checks=checks)
 
     def on_scattered(self, key: tuple[int, int], ok: bool, reason: str | None, ring: RingAllocator,
-                     now: float, kind: str = "scatter") -> list[Action]:
+                     now: float, kind: str = FailureKind.SCATTER) -> list[Action]:
         if self.scattering.pop(key, None) is None:
             return []
         chunk, index = key
         out: list[Action] = []
-        if ok and self.state not in TERMINAL:
-            piece = next(p for p in self.tracker.pieces() if p.key == key)
-            self.tracker.mark_scattered(piece)
+        if ok and not self.ended:
+            piece = next(p for p in self._tracker.pieces() if p.key == key)
+            self._tracker.mark_scattered(piece)
         elif not ok:
-            out += self.fail(kind, reason if kind == "corrupt" else
+            out += self.fail(kind, cast(str, reason) if kind == "corrupt" else
                              f"scatter of chunk {chunk} piece {index} failed: {reason}", now)
         # every writer of the piece landed and the scatter is over: nothing touches the region
         out += self._free(ring, [self.allocs[chunk].regions.pop(index)])
@@ -373,7 +391,7 @@ class DecodeRoom:
         if w is None or msg.session != self.session:
             return []
         self.acked.add(peer.tp_rank)
-        if self.state in TERMINAL:
+        if self.ended:
             return self._outcome(peer)   # our answer may have been lost: say it again
         if w.done_at is None:
             w.done_at, w.done_writes = now, msg.writes
@@ -382,15 +400,13 @@ class DecodeRoom:
     def _outcome(self, peer: PeerKey) -> list[Action]:
         if self.state is KVPoll.Success:
             return [Send(peer, RoomDone(src=self.me, dst=peer.incarnation, room=self.room, session=self.session))]
-        return [Send(peer, RoomFailed(src=self.me, dst=peer.incarnation, room=self.room, session=self.session,
-                                      kind=self.failure_kind or "failed", reason=self.failure or ""))]
+        return [Send(peer, self._failed_msg(peer, self.session))]
 
     # -- failures ---------------------------------------------------------------------------
     def on_room_failed(self, peer: PeerKey, session: int, kind: str, reason: str, now: float) -> list[Action]:
-        if session != self.session or (self._writer(peer) is None and peer not in (self.plan.notices if self.plan else ())):
+        if session != self.session or (self._writer(peer) is None and peer not in (self._plan.notices if self.plan else ())):
             return []
-        return self.fail(kind if kind.startswith("remote_") else f"remote_{kind}", f"prefill rank {peer.tp_rank} ({peer.engine_id}): {reason}", now,
-                         origin=peer)
+        return self._fail_remote(peer, kind, reason, now)
 
     def on_quiesced(self, peer: PeerKey, session: int, ring: RingAllocator | None, now: float) -> list[Action]:
         w = self._writer(peer)
@@ -398,9 +414,9 @@ class DecodeRoom:
             return []
         w.stopped = True
         out: list[Action] = []
-        if self.state not in TERMINAL:  # it gave up on the room and its failure notice was lost
-            out = self.fail("remote_failed", f"prefill rank {peer.tp_rank} ({peer.engine_id}) stopped writing this "
-                                             "room", now, origin=peer)
+        if not self.ended:  # it gave up on the room and its failure notice was lost
+            out = self.fail(remote_kind("failed"), f"prefill rank {peer.tp_rank} ({peer.engine_id}) stopped writing this "
+                                                   "room", now, origin=peer)
         return out + self._maybe_release(ring, now)
 
     def on_peer_lost(self, peer: PeerKey, reason: str, ring: RingAllocator | None, now: float,
@@ -408,7 +424,7 @@ class DecodeRoom:
         """`quarantine`: how long a write the lost writer already posted may still land (its
         backend's stall bound); its memory is not reused before."""
         w = self._writer(peer)
-        notice = self.plan is not None and peer in self.plan.notices
+        notice = self.plan is not None and peer in self._plan.notices
         if w is None and not notice:
             return []
         if w is not None:
@@ -416,15 +432,15 @@ class DecodeRoom:
             w.quiet_after = max(w.quiet_after, now + quarantine)
         out = []
         if w is not None or not self.meta_sent:
-            out = self.fail("peer_lost", f"prefill rank {peer.tp_rank} ({peer}) lost: {reason}", now)
+            out = self.fail(FailureKind.PEER_LOST, f"prefill rank {peer.tp_rank} ({peer}) lost: {reason}", now)
         return out + self._maybe_release(ring, now)
 
     def abort(self, ring: RingAllocator | None, now: float) -> list[Action]:
-        return self.fail("aborted", "aborted by the decode caller", now) + self._maybe_release(ring, now)
+        return self.fail(FailureKind.ABORTED, "aborted by the decode caller", now) + self._maybe_release(ring, now)
 
     def tick(self, ring: RingAllocator | None, now: float) -> list[Action]:
         out = self._retransmit(now)
-        if self.state in TERMINAL:
+        if self.ended:
             return out + self._maybe_release(ring, now)
         return out + self._deadlines(now)
 
@@ -442,36 +458,26 @@ class DecodeRoom:
     def _deadlines(self, now: float) -> list[Action]:
         t = self.timeouts
         if self.inited_at is not None and now - self.inited_at > t.room:
-            return self.fail("timeout", f"room not complete {t.room:g} s after init", now)
+            return self.fail(FailureKind.TIMEOUT, f"room not complete {t.room:g} s after init", now)
         for w in self.writers.values():
             if w.done_at is not None and len(w.tags) < w.done_writes and now - w.done_at > t.arrival:
-                return self.fail("timeout", f"prefill rank {w.peer.tp_rank} reported {w.done_writes} writes done "
+                return self.fail(FailureKind.TIMEOUT, f"prefill rank {w.peer.tp_rank} reported {w.done_writes} writes done "
                                             f"but only {len(w.tags)} notifications arrived within {t.arrival:g} s "
                                             "(lost notification)", now)
         for key, since in self.scattering.items():
             if now - since > t.scatter:
-                return self.fail("timeout", f"scatter of chunk {key[0]} piece {key[1]} took over {t.scatter:g} s",
+                return self.fail(FailureKind.TIMEOUT, f"scatter of chunk {key[0]} piece {key[1]} took over {t.scatter:g} s",
                                  now)
         return []
 
-    def fail(self, kind: str, reason: str, now: float, origin: PeerKey | None = None) -> list[Action]:
-        """Fail the room and tell every prefill peer but the one the failure came from."""
-        if self.state in TERMINAL:
-            return []
-        self.failure, self.failure_kind = reason, kind
-        out = self._set_state(KVPoll.Failed)
-        if self.meta_sent:
-            for peer in [p for p, _ in self.plan.writers] + list(self.plan.notices):
-                if peer == origin:
-                    continue
-                out.append(Send(peer, RoomFailed(src=self.me, dst=peer.incarnation, room=self.room,
-                                                 session=self.session, kind=kind, reason=reason)))
-        return out
+    def _told_of_failure(self) -> list[tuple[PeerKey, int]]:
+        return [(peer, self.session) for peer in self._all_prefill()] if self.meta_sent else []
 
     # -- internals --------------------------------------------------------------------------
     def totals(self) -> RoomTotals:
         """Bytes and writes that landed here (each accepted tag is one backend write)."""
-        path = "none" if self.plan is None or not self.plan.writers else "staged" if self.plan.staged else "direct"
+        path = (TransferPath.NONE if self.plan is None or not self._plan.writers
+                else TransferPath.STAGED if self._plan.staged else TransferPath.DIRECT)
         return RoomTotals(self.bytes_in, self.writes_in, path)
 
     def _writer(self, peer: PeerKey) -> WriterState | None:
@@ -479,39 +485,32 @@ class DecodeRoom:
         return w if w is not None and w.peer == peer else None
 
     def _check_complete(self, now: float) -> list[Action]:
-        if self.state in TERMINAL or self.tracker is None or not self.tracker.complete:
+        if self.ended or self.tracker is None or not self._tracker.complete:
             return []
         out: list[Action] = []
         for w in self.writers.values():
             out.append(Send(w.peer, RoomDone(src=self.me, dst=w.peer.incarnation, room=self.room,
                                              session=self.session)))
-        return out + self._set_state(KVPoll.Success)
+        return out + self._move(RoomEvent.SUCCEED, now)
 
     def _free(self, ring: RingAllocator | None, regions: list[Region]) -> list[Action]:
         moved = False
         for region in regions:
+            assert ring is not None, "ring regions are only held with a ring"
             moved |= ring.free(region) is not None
         return [PublishWatermark()] if moved else []
 
     def _maybe_release(self, ring: RingAllocator | None, now: float) -> list[Action]:
-        self._now = now
-        if self.released or self.state not in TERMINAL or self.scattering:
+        if self.released or not self.ended or self.scattering:
             return []
         if self.state is KVPoll.Failed and self.meta_sent and not all(w.stopped and now >= w.quiet_after
                                                                      for w in self.writers.values()):
             return []
-        self.released = True
         leftover = [r for a in self.allocs.values() for r in a.regions.values()]
         for a in self.allocs.values():
             a.regions.clear()
         out = self._free(ring, leftover) if leftover else []
-        return out + [StatusChanged(self.state, self.failure, self.failure_kind, released=True), Released()]
+        return out + self._release()
 
-    def _set_state(self, state: KVPoll) -> list[Action]:
-        if state == self.state or self.state in TERMINAL:
-            return []
-        self.state = state
-        out: list[Action] = [StatusChanged(state, self.failure, self.failure_kind)]
-        if state is KVPoll.Success:
-            out += self._maybe_release(None, self._now)
-        return out
+    def _entered(self, state: KVPoll, now: float) -> list[Action]:
+        return self._maybe_release(None, now) if state is KVPoll.Success else []

@@ -8,8 +8,12 @@ in a token-major cache the heads of one token are the only contiguous bytes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 import numpy as np
+
+from .messages import PoolMemory
+from .pool_parts import PoolCopy
 
 
 @dataclass(frozen=True)
@@ -89,12 +93,13 @@ def direct_nbytes(num_tensors: int, num_pages: int, page_size: int, nheads: int,
     return num_tensors * num_pages * page_size * nheads * head_bytes
 
 
-def pool_descriptor_parts(local: dict, peer_pools: list, copies) -> list[tuple[str, np.ndarray, np.ndarray]]:
+def pool_descriptor_parts(local: dict[str, Any], peer_pools: Sequence[PoolMemory],
+                          copies: Sequence[PoolCopy]) -> list[tuple[str, np.ndarray, np.ndarray]]:
     """Per copy, (pool name, src rows, dst rows): one range per pool item (its head range, for a
     heads pool, is contiguous in the item), each row on its own pool's device. `local`: this
     rank's pools by name; `peer_pools`: the decode rank's PoolMemory list."""
     where = {p.name: p for p in peer_pools}
-    out = []
+    out: list[tuple[str, np.ndarray, np.ndarray]] = []
     for c in copies:
         seg = c.segment
         pool = local[seg.pool]

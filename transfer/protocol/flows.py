@@ -23,7 +23,7 @@ class Chunk:
     pages: np.ndarray
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Flow:
     """This prefill rank -> one decode rank, for this room."""
 
@@ -31,12 +31,13 @@ class Flow:
     session: int
     assignment: Assignment | None       # None: a notice only, nothing to write
     staged: bool
-    dst_pages: np.ndarray | None
+    dst_pages: np.ndarray | None = None
     meta: RoomMeta | None = None        # kept until init() gives the page count to check it against
-    pool_dst: dict | None = None        # the decode rank's state pool items of this request
+    pool_dst: dict[str, np.ndarray] | None = None        # the decode rank's state pool items of this request
     issued: int = 0                     # chunks issued (direct) or requested (staged)
     requested_at: dict[int, float] = field(default_factory=dict)  # staged: chunk -> when first asked
     asked_again: dict[int, float] = field(default_factory=dict)   # staged: chunk -> when last asked
+    done_again_at: float | None = None                            # WriterDone last re-sent
     granted: set[int] = field(default_factory=set)
     inflight: set[int] = field(default_factory=set)               # op ids
     writes: int = 0

@@ -122,8 +122,8 @@ def compute_assignments(P: int, D: int, H: int, mla: bool = False) -> HeadMappin
     if mla:
         if H != 1:
             raise ValueError("MLA has exactly one latent head")
-        flows = [Assignment(d % P, d, (0, 1), (0, 1), 0, 1) for d in range(D)]
-        return HeadMapping(P, D, H, True, tuple(flows))
+        replicated = [Assignment(d % P, d, (0, 1), (0, 1), 0, 1) for d in range(D)]
+        return HeadMapping(P, D, H, True, tuple(replicated))
 
     flows: list[Assignment] = []
     for d in range(D):

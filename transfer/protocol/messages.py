@@ -21,6 +21,14 @@ class PeerMessage(Message, kw_only=True, frozen=True):
     dst: int = 0
 
 
+class RoomMessage(PeerMessage, kw_only=True, frozen=True):
+    """A message about one use of a room: the room id and the decode side's session of it.
+    Encoded exactly as when each message declared the two fields itself, right after `dst`."""
+
+    room: int
+    session: int
+
+
 class PoolMemory(msgspec.Struct, frozen=True, kw_only=True):
     """Where one state pool's tensors live at a decode rank, for direct writes into its items."""
 
@@ -90,11 +98,9 @@ class HelloAck(PeerMessage, kw_only=True, frozen=True):
     conn: int = 0               # the Hello's connection number
 
 
-class RoomMeta(PeerMessage, kw_only=True, frozen=True):
+class RoomMeta(RoomMessage, kw_only=True, frozen=True):
     """decode -> prefill, per room: where this room's pages go."""
 
-    room: int
-    session: int
     num_pages: int              # the whole request, prefix included
     staged: bool
     dst_pages: bytes = b""      # little-endian int64 page indices (direct path), past the prefix
@@ -112,18 +118,14 @@ class RoomMeta(PeerMessage, kw_only=True, frozen=True):
         return {k: np.frombuffer(b, dtype="<i8") for k, b in self.pool_items.items()}
 
 
-class MetaAck(PeerMessage, kw_only=True, frozen=True):
+class MetaAck(RoomMessage, kw_only=True, frozen=True):
     """prefill -> decode: room metadata received (the decode side stops re-sending it)."""
 
-    room: int
-    session: int
 
 
-class AllocRequest(PeerMessage, kw_only=True, frozen=True):
+class AllocRequest(RoomMessage, kw_only=True, frozen=True):
     """prefill -> decode (staged): this chunk is ready; where in your ring does it go?"""
 
-    room: int
-    session: int
     chunk: int
     page_start: int
     num_pages: int
@@ -140,11 +142,9 @@ class Piece(msgspec.Struct, frozen=True, array_like=True):
     region_nbytes: int
 
 
-class AllocGrant(PeerMessage, kw_only=True, frozen=True):
+class AllocGrant(RoomMessage, kw_only=True, frozen=True):
     """decode -> prefill (staged): the pieces a chunk was split into, in ring order."""
 
-    room: int
-    session: int
     chunk: int
     epoch: int
     pieces: list[Piece]
@@ -158,48 +158,38 @@ class WatermarkUpdate(PeerMessage, kw_only=True, frozen=True):
     tail: int
 
 
-class WriterDone(PeerMessage, kw_only=True, frozen=True):
+class WriterDone(RoomMessage, kw_only=True, frozen=True):
     """prefill -> decode: all my writes for the room completed locally (tags should follow)."""
 
-    room: int
-    session: int
     writes: int
     nbytes: int
 
 
-class WritePosted(PeerMessage, kw_only=True, frozen=True):
+class WritePosted(RoomMessage, kw_only=True, frozen=True):
     """prefill -> decode: the backend took my write of this chunk and piece; its tag follows.
     The decode rank polls its backend only while such writes are announced and their tags are
     not in (protocol/quiet.py), so it needs no polling while the prefill computes."""
 
-    room: int
-    session: int
     chunk: int
     piece: int
     group: int = 0      # which backend write of a direct write split by memory kind (Tag.group)
 
 
-class RoomDone(PeerMessage, kw_only=True, frozen=True):
+class RoomDone(RoomMessage, kw_only=True, frozen=True):
     """decode -> prefill: every byte of the room is in place."""
 
-    room: int
-    session: int
 
 
-class RoomFailed(PeerMessage, kw_only=True, frozen=True):
+class RoomFailed(RoomMessage, kw_only=True, frozen=True):
     """either way: the room failed or was aborted here; kind says which failure."""
 
-    room: int
-    session: int
     kind: str
     reason: str
 
 
-class Quiesced(PeerMessage, kw_only=True, frozen=True):
+class Quiesced(RoomMessage, kw_only=True, frozen=True):
     """prefill -> decode: no write of mine for this room is in flight or will be posted."""
 
-    room: int
-    session: int
 
 
 class Heartbeat(PeerMessage, kw_only=True, frozen=True):

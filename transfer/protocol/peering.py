@@ -9,10 +9,12 @@ those decisions from plain inputs; the engine's decode side carries them out.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Iterable
 
 from ..layout import KVLayout
 from .head_mapping import HeadMapping, compute_assignments
+from .kinds import StrKind
+from .routing import PeerState
 
 
 @dataclass(frozen=True)
@@ -33,16 +35,24 @@ def needed_ranks(prefill_tp: int, layout: KVLayout) -> NeededRanks:
     return NeededRanks(list(writers), list(notices), mapping)
 
 
-def read_lookup(engine_id: str, records: list | None, error: str | None) -> tuple[str, list, str]:
+class LookupState(StrKind):
+    """Where the decode side's view of a prefill engine stands (None: never looked up)."""
+
+    LOOKUP = "lookup"        # a lookup is in flight
+    READY = "ready"
+    FAILED = "failed"
+
+
+def read_lookup(engine_id: str, records: list[Any] | None, error: str | None) -> tuple[LookupState, list[Any], str]:
     """The bootstrap server's answer -> (state, records sorted by rank, error)."""
     if error is not None:
-        return "failed", [], error
+        return LookupState.FAILED, [], error
     if not records or any(r.role != "prefill" for r in records):
-        return "failed", [], f"engine {engine_id} is not a prefill engine"
-    return "ready", sorted(records, key=lambda r: r.tp_rank), ""
+        return LookupState.FAILED, [], f"engine {engine_id} is not a prefill engine"
+    return LookupState.READY, sorted(records, key=lambda r: r.tp_rank), ""
 
 
-def records_stale(incarnations: Iterable[int], gone: Iterable[int] | set, replaced: Iterable[int] | set) -> bool:
+def records_stale(incarnations: Iterable[int], gone: Iterable[int] | set[int], replaced: Iterable[int] | set[int]) -> bool:
     """The records name a rank we lost or saw replaced: the server may know better now."""
     return any(i in gone or i in replaced for i in incarnations)
 
@@ -50,23 +60,31 @@ def records_stale(incarnations: Iterable[int], gone: Iterable[int] | set, replac
 def needs_lookup(state: str | None, stale: bool) -> bool:
     """Look the engine up (again) when never looked up, when the last lookup failed, or when a
     ready view names a lost incarnation. A lookup in flight is never repeated."""
-    return state is None or state == "failed" or (state == "ready" and stale)
+    return state is None or state == LookupState.FAILED or (state == LookupState.READY and stale)
 
 
 def reuse_peer(known_incarnation: int | None, known_state: str | None, record_incarnation: int) -> bool:
     """An existing connection serves the record when it is the same incarnation and not lost."""
-    return known_incarnation == record_incarnation and known_state not in (None, "lost")
+    return known_incarnation == record_incarnation and known_state not in (None, PeerState.LOST)
 
 
-def plan_gate(states: dict[int, str]) -> tuple[str, int | None]:
-    """Given each needed rank's connection state: ("rejected", rank) when one refused us,
-    ("wait", None) while any is still connecting, ("go", None) when all are connected."""
+class Gate(StrKind):
+    """Whether a request can be planned, from its needed ranks' connection states."""
+
+    GO = "go"                # every needed rank is connected
+    WAIT = "wait"            # some are still connecting
+    REJECTED = "rejected"    # one refused us
+
+
+def plan_gate(states: dict[int, str]) -> tuple[Gate, int | None]:
+    """Given each needed rank's connection state: (REJECTED, rank) when one refused us,
+    (WAIT, None) while any is still connecting, (GO, None) when all are connected."""
     for rank, state in states.items():
-        if state == "rejected":
-            return "rejected", rank
-    if any(s != "connected" for s in states.values()):
-        return "wait", None
-    return "go", None
+        if state == PeerState.REJECTED:
+            return Gate.REJECTED, rank
+    if any(s != PeerState.CONNECTED for s in states.values()):
+        return Gate.WAIT, None
+    return Gate.GO, None
 
 
 def fallback_reason(has_ring: bool, mla: bool, prefill_tp: int, decode_tp: int,
@@ -81,15 +99,21 @@ def fallback_reason(has_ring: bool, mla: bool, prefill_tp: int, decode_tp: int,
     return "staging is off at prefill rank(s) " + ", ".join(str(r) for r in non_staging_writers)
 
 
-def engine_for_dp(rows: list[dict], dp_rank: int) -> tuple[str, str]:
+class DpMatch(StrKind):
+    """How many live prefill engines claim a data-parallel rank."""
+
+    FOUND = "found"          # exactly one
+    NONE = "none"            # none yet: the caller may poll again
+    AMBIGUOUS = "ambiguous"  # several: a configuration error, waiting cannot help
+
+
+def engine_for_dp(rows: list[dict[str, Any]], dp_rank: int) -> tuple[DpMatch, str]:
     """Which prefill engine serves data-parallel rank `dp_rank` at a rendezvous server, from its
-    status rows: ("found", engine id) when exactly one live engine does; ("none", why) when none
-    does yet (the caller may poll again); ("ambiguous", why) when several claim it (a
-    configuration error: waiting cannot help)."""
+    status rows: (FOUND, engine id), else (NONE or AMBIGUOUS, why)."""
     engines = sorted({r["engine_id"] for r in rows
                       if r.get("role") == "prefill" and r.get("dp_rank", 0) == dp_rank and not r.get("stale")})
     if len(engines) == 1:
-        return "found", engines[0]
+        return DpMatch.FOUND, engines[0]
     if not engines:
-        return "none", f"no live prefill engine with DP rank {dp_rank} is registered"
-    return "ambiguous", f"prefill engines {', '.join(engines)} all claim DP rank {dp_rank}"
+        return DpMatch.NONE, f"no live prefill engine with DP rank {dp_rank} is registered"
+    return DpMatch.AMBIGUOUS, f"prefill engines {', '.join(engines)} all claim DP rank {dp_rank}"

@@ -27,39 +27,38 @@ import numpy as np
 from ..config import Timeouts
 from ..layout import KVLayout
 from ..poll import KVPoll
-from .actions import (Action, DecodePrefix, Dropped, PeerKey, PostWrite, Released, RoomTotals, Send, StatusChanged,
-                      WriteOp)
+from ..state_pools import PoolSpec
+from .actions import Action, DecodePrefix, Dropped, PeerKey, PostWrite, RoomTotals, Send, WriteOp
 from .direct_ranges import direct_nbytes
 from .flows import Chunk, Flow, past_prefix
 from .head_mapping import Assignment, HeadMapping, compute_assignments
+from .kinds import FailureKind, TransferPath
+from .lifecycle import PREFILL_TRANSITIONS, RoomEvent
 from .messages import AllocGrant, AllocRequest, Quiesced, RoomFailed, RoomMeta, WriterDone
-from .pool_parts import block_bytes, counts_mismatch, final_part, request_copies, writer_segments
-from .room_uses import EarlierUses
+from .pool_parts import PoolCopy, block_bytes, counts_mismatch, final_part, request_copies, writer_segments
+from .room_base import RoomBase
+from .room_uses import Bound, EarlierUses, RoomUse, failure_use, meta_use
+from .send_checks import check_chunk, check_page_count
 from .tags import TagKind, make_tag
 
-TERMINAL = (KVPoll.Success, KVPoll.Failed)
 
+class PrefillRoom(RoomBase):
+    TRANSITIONS = PREFILL_TRANSITIONS
+    PEER_SIDE = "decode"
 
-class PrefillRoom:
     def __init__(self, room: int, num_pages: int | None, layout: KVLayout, me: int, now: float,
-                 timeouts: Timeouts, op_ids: itertools.count | None = None, max_ranges: int = 65536,
-                 stale: EarlierUses = EarlierUses(), pools: tuple = (), pool_items: dict | None = None):
+                 timeouts: Timeouts, op_ids: itertools.count[int] | None = None, max_ranges: int = 65536,
+                 stale: EarlierUses = EarlierUses(), pools: tuple[PoolSpec, ...] = (),
+                 pool_items: dict[str, np.ndarray] | None = None):
         """`num_pages` None: the page count comes later, with init() (serving engines create the
         sender when the request arrives, before they know it). `pools`: the state pools' specs;
         `pool_items`: this request's items of them (validated by the caller's handle)."""
         if num_pages is not None and num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
-        self.room = room
+        super().__init__(room=room, me=me, layout=layout, now=now, timeouts=timeouts, pools=pools)
         self.num_pages = num_pages
-        self.layout = layout
-        self.me = me
-        self.timeouts = timeouts
-        self.created = now
         self._op_ids = op_ids or itertools.count(1)
         self.max_ranges = max_ranges  # direct path: descriptors per write at most
-        self.state = KVPoll.Bootstrapping
-        self.failure: str | None = None
-        self.failure_kind: str | None = None
         self.chunks: list[Chunk] = []       # as given: request page numbers
         self.prefix: int | None = None      # pages the decode side already holds (from its metadata)
         self.sendable: list[Chunk] = []     # the chunks' pages past the prefix, numbered from the prefix
@@ -71,24 +70,18 @@ class PrefillRoom:
         self.expected: set[int] = set()
         self.flows: dict[int, Flow] = {}
         self.ops: dict[int, WriteOp] = {}
-        self.released = False
         self.stale = stale                  # sessions of earlier uses of this id
         self.early: dict[tuple[PeerKey, int], tuple[str, str]] = {}  # failures parked before this sender
         self.failed_by: tuple[int, int] | None = None
-        self.pools = pools
-        self.pool_items: dict = pool_items or {}
+        self.pool_items: dict[str, np.ndarray] = pool_items or {}
 
     # -- inputs -----------------------------------------------------------------------------
-    def init(self, num_pages: int, now: float, pool_items: dict | None = None) -> list[Action]:
+    def init(self, num_pages: int, now: float, pool_items: dict[str, np.ndarray] | None = None) -> list[Action]:
         """The page count, for a sender created without one. Raises ValueError on bad input,
         unchanged. Metadata that came first is checked against it now."""
-        if self.num_pages is not None:
-            raise ValueError(f"room {self.room}: init() called twice, or on a sender created with num_pages")
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
-            raise ValueError(f"room {self.room}: num_pages must be a positive int, got {num_pages!r}")
-        self.num_pages = num_pages
+        self.num_pages = check_page_count(self.room, self.num_pages, num_pages)
         self.pool_items = pool_items or {}
-        if self.state in TERMINAL:
+        if self.ended:
             return []
         for flow in list(self.flows.values()):
             if flow.meta is not None:
@@ -100,44 +93,27 @@ class PrefillRoom:
     def add_chunk(self, pages: np.ndarray, last: bool | None, now: float) -> list[Action]:
         """The next pages of the request, in order; `last` None: this chunk is the last when it
         reaches the page count. Raises ValueError on bad input, unchanged."""
-        if self.num_pages is None:
-            raise ValueError(f"room {self.room}: send() before init(): the page count is not known yet")
-        if self.last:
-            raise ValueError(f"room {self.room}: send() after the last chunk")
-        if self.pages_given + pages.size > self.num_pages:
-            raise ValueError(f"room {self.room}: {self.pages_given + pages.size} pages sent, "
-                             f"the sender was created for {self.num_pages}")
-        if last and self.pages_given + pages.size != self.num_pages:
-            raise ValueError(f"room {self.room}: last chunk ends at page {self.pages_given + pages.size} "
-                             f"of {self.num_pages}")
-        if last is None:
-            last = self.pages_given + pages.size == self.num_pages
+        last = check_chunk(self.room, self.num_pages, self.pages_given, self.last, int(pages.size), last)
         start = self.pages_given
         self.pages_given += pages.size
-        self.last = bool(last)
-        if self.state in TERMINAL:
+        self.last = last
+        if self.ended:
             return []  # input still accounted for, nothing more is written
         if pages.size:
             self.chunks.append(Chunk(len(self.chunks), start, pages))
-        out = self._set_state(KVPoll.Transferring) if self._all_metas() else []
+        out = self._move(RoomEvent.INPUT, now) if self._all_metas() else []
         return out + self._pump(now)
 
-    def meta_use(self, peer: PeerKey, session: int) -> str:
-        """Which use of the room id metadata from `peer` with `session` belongs to: "stale" (a
-        retransmission from the id's earlier use), "next" (a decode incarnation this use already
-        dealt with under another session has moved on: its room of this use is over there, and
-        this is the next use's, to be kept for its sender) or "this"."""
-        if self.stale.covers(peer.incarnation, session):
-            return "stale"
+    def meta_use(self, peer: PeerKey, session: int) -> RoomUse:
+        """Which use of the room id metadata from `peer` with `session` belongs to (room_uses.py)."""
+        return meta_use(self.stale, self._bound(peer), self.failed_by, peer, session)
+
+    def _bound(self, peer: PeerKey) -> Bound | None:
         flow = self.flows.get(peer.tp_rank)
-        if flow is not None and flow.peer == peer and flow.session != session:
-            return "next"
-        if self.failed_by is not None and self.failed_by[0] == peer.incarnation and self.failed_by[1] != session:
-            return "next"
-        return "this"
+        return None if flow is None else Bound(flow.peer, flow.session)
 
     def add_meta(self, peer: PeerKey, decode_tp: int, meta: RoomMeta, now: float) -> list[Action]:
-        if self.state in TERMINAL:
+        if self.ended:
             if self.state is KVPoll.Failed:
                 # never wrote to a peer it had not heard from: it may reuse its memory at once
                 return [Send(peer, self._failed_msg(peer, meta.session)),
@@ -145,32 +121,32 @@ class PrefillRoom:
             return []
         if self.decode_engine is not None and peer.engine_id != self.decode_engine:
             return [Send(peer, RoomFailed(src=self.me, dst=peer.incarnation, room=self.room, session=meta.session,
-                                          kind="protocol", reason=f"room {self.room} is already bound to "
+                                          kind=FailureKind.PROTOCOL, reason=f"room {self.room} is already bound to "
                                                                   f"decode engine {self.decode_engine}"))]
         if self.mapping is None:
             self.mapping = compute_assignments(self.layout.tp_size, decode_tp, self.layout.total_kv_heads,
                                                self.layout.mla)
             self.decode_engine = peer.engine_id
-            self.expected = set(self.mapping.decode_peers_of(self.layout.tp_rank))
+            self.expected = set(self._mapping.decode_peers_of(self.layout.tp_rank))
         if peer.tp_rank not in self.expected:
             return [Send(peer, RoomFailed(src=self.me, dst=peer.incarnation, room=self.room, session=meta.session,
-                                          kind="protocol", reason=f"prefill rank {self.layout.tp_rank} does not "
+                                          kind=FailureKind.PROTOCOL, reason=f"prefill rank {self.layout.tp_rank} does not "
                                                                   f"serve decode rank {peer.tp_rank}"))]
         old = self.flows.get(peer.tp_rank)
         if old is not None:
             if old.peer == peer and old.session == meta.session:
                 return []  # duplicate
-            return self.fail("protocol", f"decode rank {peer.tp_rank} sent metadata for room {self.room} twice "
+            return self.fail(FailureKind.PROTOCOL, f"decode rank {peer.tp_rank} sent metadata for room {self.room} twice "
                                          f"({old.peer} then {peer})", now)
-        flow = Flow(peer, meta.session, self.mapping.find(self.layout.tp_rank, peer.tp_rank),
-                    meta.staged, None)
+        flow = Flow(peer=peer, session=meta.session, assignment=self._mapping.find(self.layout.tp_rank, peer.tp_rank),
+                    staged=meta.staged)
         self.flows[peer.tp_rank] = flow
         prefix_news: list[Action] = []
         if self.prefix is None:
             self.prefix = meta.prefix_pages
             prefix_news = [DecodePrefix(self.prefix)]
         elif meta.prefix_pages != self.prefix:  # every decode rank is told (this one has its flow now)
-            return self.fail("protocol", f"decode ranks of room {self.room} disagree on the prefix they hold: "
+            return self.fail(FailureKind.PROTOCOL, f"decode ranks of room {self.room} disagree on the prefix they hold: "
                                          f"{self.prefix} pages, then {meta.prefix_pages} from decode rank "
                                          f"{peer.tp_rank}", now)
         early = self.early.pop((peer, meta.session), None)
@@ -186,7 +162,7 @@ class PrefillRoom:
                 return prefix_news + bad
         out: list[Action] = prefix_news
         if self._all_metas():
-            out += self._set_state(KVPoll.Transferring if self.chunks or self.last else KVPoll.WaitingForInput)
+            out += self._move(RoomEvent.INPUT if self.chunks or self.last else RoomEvent.METADATA_IN, now)
         return out + self._pump(now)
 
     def _check_meta(self, flow: Flow, meta: RoomMeta, now: float) -> list[Action]:
@@ -195,31 +171,32 @@ class PrefillRoom:
         flow.meta = None
         rank = flow.peer.tp_rank
         if meta.num_pages != self.num_pages:
-            return self.fail("protocol", f"decode rank {rank} expects {meta.num_pages} pages, this "
+            return self.fail(FailureKind.PROTOCOL, f"decode rank {rank} expects {meta.num_pages} pages, this "
                                          f"prefill rank was given {self.num_pages}", now)
         mismatch = counts_mismatch(self.pool_items, {k: v.size for k, v in meta.items().items()})
         if mismatch and flow.assignment is not None:
-            return self.fail("pool", f"decode rank {rank}: {mismatch}", now)
+            return self.fail(FailureKind.POOL, f"decode rank {rank}: {mismatch}", now)
         flow.pool_dst = meta.items()
         if not 0 <= meta.prefix_pages < self.num_pages:
-            return self.fail("protocol", f"decode rank {rank} holds a prefix of {meta.prefix_pages} pages of a "
+            return self.fail(FailureKind.PROTOCOL, f"decode rank {rank} holds a prefix of {meta.prefix_pages} pages of a "
                                          f"{self.num_pages}-page request: at least one page must be sent", now)
         if flow.assignment is not None and not meta.staged:
             pages = meta.pages()
             if pages.size != self.num_pages - meta.prefix_pages:
-                return self.fail("protocol", f"decode rank {rank} sent {pages.size} destination pages "
+                return self.fail(FailureKind.PROTOCOL, f"decode rank {rank} sent {pages.size} destination pages "
                                              f"for {self.num_pages} pages past a prefix of {meta.prefix_pages}", now)
             flow.dst_pages = pages
         return []
 
     def on_grant(self, peer: PeerKey, grant: AllocGrant, now: float) -> list[Action]:
         flow = self._flow_of(peer, grant.session)
-        if flow is None or self.state in TERMINAL or grant.chunk in flow.granted:
+        if flow is None or self.ended or grant.chunk in flow.granted:
             return []  # a repeated grant (we asked twice): already acted upon
         if not flow.staged or grant.chunk not in flow.requested_at:
-            return self.fail("protocol", f"unexpected ring allocation for chunk {grant.chunk} from {peer}", now)
+            return self.fail(FailureKind.PROTOCOL, f"unexpected ring allocation for chunk {grant.chunk} from {peer}", now)
         chunk = self.sendable[grant.chunk]
         a = flow.assignment
+        assert a is not None, "a notice-only flow asks for no ring space"
         per_head = self._bytes_per_page(1)
         pos = chunk.page_start
         out: list[Action] = []
@@ -227,15 +204,15 @@ class PrefillRoom:
             lo = piece.page_start - chunk.page_start
             nbytes = piece.num_pages * per_head * a.num_heads
             offset = piece.num_pages * per_head * a.dst_heads[0]  # parts follow in head order
-            pools = ()
-            if piece.page_start + piece.num_pages == self.num_pages - self.prefix and self.pool_items:
+            pools: tuple[PoolCopy, ...] = ()
+            if piece.page_start + piece.num_pages == self._pages_to_send and self.pool_items:
                 # the last piece: each writer's part ends with its pool block
-                offset, pools = final_part(self.pools, self.mapping, a, piece.num_pages * per_head, self.pool_items,
+                offset, pools = final_part(self.pools, self._mapping, a, piece.num_pages * per_head, self.pool_items,
                                            flow.pool_dst)
                 nbytes += block_bytes(pools)
             if (piece.page_start != pos or piece.num_pages <= 0 or lo + piece.num_pages > chunk.pages.size
                     or offset + nbytes > piece.region_nbytes):
-                return self.fail("protocol", f"ring allocation for chunk {grant.chunk} from {peer} does not "
+                return self.fail(FailureKind.PROTOCOL, f"ring allocation for chunk {grant.chunk} from {peer} does not "
                                              f"match the chunk: {piece}", now)
             pos += piece.num_pages
             tag = make_tag(TagKind.STAGED, room=self.room, session=flow.session, epoch=grant.epoch, src=self.me,
@@ -247,7 +224,7 @@ class PrefillRoom:
                          nbytes, tag, piece.start, offset, pools)
             out.append(self._post(flow, op))
         if pos != chunk.page_start + chunk.pages.size:
-            return self.fail("protocol", f"ring allocation for chunk {grant.chunk} from {peer} does not cover it",
+            return self.fail(FailureKind.PROTOCOL, f"ring allocation for chunk {grant.chunk} from {peer} does not cover it",
                              now)
         flow.granted.add(grant.chunk)
         return out
@@ -263,7 +240,7 @@ class PrefillRoom:
             # failed now was released after it landed (e.g. the peer left and was disconnected)
             return self._check_done(now) + self._maybe_release()
         if not ok:
-            out = self.fail("write", f"write of chunk {op.chunk} piece {op.piece} to {op.peer} failed: {reason}",
+            out = self.fail(FailureKind.WRITE, f"write of chunk {op.chunk} piece {op.piece} to {op.peer} failed: {reason}",
                             now)
             return out + self._maybe_release()
         flow.writes += 1
@@ -272,7 +249,7 @@ class PrefillRoom:
 
     def on_room_done(self, peer: PeerKey, session: int, now: float) -> list[Action]:
         flow = self._flow_of(peer, session)
-        if flow is None or self.state in TERMINAL:
+        if flow is None or self.ended:
             return []
         flow.confirmed = True
         return self._check_done(now)
@@ -282,9 +259,7 @@ class PrefillRoom:
         """`early`: it arrived before this sender existed (parked by the shell)."""
         flow = self._flow_of(peer, session)
         if flow is None:
-            bound = self.flows.get(peer.tp_rank)
-            if (self.stale.covers(peer.incarnation, session) or bound is not None
-                    or (self.decode_engine is not None and peer.engine_id != self.decode_engine)):
+            if failure_use(self.stale, self._bound(peer), self.decode_engine, peer, session) is RoomUse.STALE:
                 # an earlier use's, or another engine's: nothing of this use went to that session
                 return [Send(peer, Quiesced(src=self.me, dst=peer.incarnation, room=self.room, session=session)),
                         Dropped("stale_room_failed")]
@@ -294,8 +269,7 @@ class PrefillRoom:
                 self.early[(peer, session)] = (kind, reason)
                 return []
         self.failed_by = (peer.incarnation, session)
-        return self.fail(kind if kind.startswith("remote_") else f"remote_{kind}", f"decode rank {peer.tp_rank} ({peer.engine_id}): {reason}", now,
-                         origin=peer)
+        return self._fail_remote(peer, kind, reason, now)
 
     def on_peer_lost(self, peer: PeerKey, reason: str, now: float) -> list[Action]:
         flow = self.flows.get(peer.tp_rank)
@@ -306,13 +280,13 @@ class PrefillRoom:
             # only our own completions are outstanding, and the room succeeds once they are in
             return self._check_done(now)
         # writes to a lost peer will never be confirmed; the shell fails those in flight
-        return self.fail("peer_lost", f"decode rank {peer.tp_rank} ({peer}) lost: {reason}", now)
+        return self.fail(FailureKind.PEER_LOST, f"decode rank {peer.tp_rank} ({peer}) lost: {reason}", now)
 
     def abort(self, now: float) -> list[Action]:
-        return self.fail("aborted", "aborted by the prefill caller", now)
+        return self.fail(FailureKind.ABORTED, "aborted by the prefill caller", now)
 
     def tick(self, now: float) -> list[Action]:
-        if self.state in TERMINAL:
+        if self.ended:
             return []
         return self._retransmit(now) + self._bind_early(now) + self._deadlines(now)
 
@@ -335,8 +309,9 @@ class PrefillRoom:
                 if chunk not in flow.granted and now - flow.asked_again.get(chunk, first) >= retry:
                     flow.asked_again[chunk] = now
                     out.append(self._alloc_request(flow, self.sendable[chunk]))
-            if flow.done_sent_at is not None and not flow.confirmed and now - flow.asked_again.get(-1, flow.done_sent_at) >= retry:
-                flow.asked_again[-1] = now
+            last_done = flow.done_again_at if flow.done_again_at is not None else flow.done_sent_at
+            if last_done is not None and not flow.confirmed and now - last_done >= retry:
+                flow.done_again_at = now
                 out.append(self._writer_done(flow))
         return out
 
@@ -353,35 +328,31 @@ class PrefillRoom:
         t = self.timeouts
         if not self._all_metas() and now - self.created > t.metadata:
             who = f"decode rank(s) {sorted(self.expected - set(self.flows))}" if self.mapping else "any decode rank"
-            return self.fail("timeout", f"no room metadata from {who} within {t.metadata:g} s", now)
+            return self.fail(FailureKind.TIMEOUT, f"no room metadata from {who} within {t.metadata:g} s", now)
         for flow in self.flows.values():
             for chunk, asked in flow.requested_at.items():
                 if chunk not in flow.granted and now - asked > t.watermark:
-                    return self.fail("timeout", f"no ring allocation for chunk {chunk} from {flow.peer} within "
+                    return self.fail(FailureKind.TIMEOUT, f"no ring allocation for chunk {chunk} from {flow.peer} within "
                                                 f"{t.watermark:g} s", now)
             if flow.done_sent_at is not None and not flow.confirmed and now - flow.done_sent_at > t.arrival + t.scatter:
-                return self.fail("timeout", f"decode rank {flow.peer.tp_rank} did not confirm the room within "
+                return self.fail(FailureKind.TIMEOUT, f"decode rank {flow.peer.tp_rank} did not confirm the room within "
                                             f"{t.arrival + t.scatter:g} s of the last write", now)
         return []
 
-    def fail(self, kind: str, reason: str, now: float, origin: PeerKey | None = None) -> list[Action]:
-        """Fail the room and tell every decode peer but the one the failure came from."""
-        if self.state in TERMINAL:
-            return []
-        self.failure, self.failure_kind = reason, kind
-        out: list[Action] = self._set_state(KVPoll.Failed)
-        for flow in self.flows.values():
-            if flow.peer != origin:
-                out.append(Send(flow.peer, self._failed_msg(flow.peer, flow.session)))
-        return out + self._maybe_release()
+    def _told_of_failure(self) -> list[tuple[PeerKey, int]]:
+        return [(flow.peer, flow.session) for flow in self.flows.values()]
+
+    def _after_failure(self, now: float) -> list[Action]:
+        return self._maybe_release()
 
     def totals(self) -> RoomTotals:
         """Bytes and writes completed, summed over the decode ranks written."""
         writing = [f for f in self.flows.values() if f.assignment is not None]
-        path = "none" if not writing else "staged" if any(f.staged for f in writing) else "direct"
+        path = (TransferPath.NONE if not writing
+                else TransferPath.STAGED if any(f.staged for f in writing) else TransferPath.DIRECT)
         return RoomTotals(sum(f.nbytes for f in writing), sum(f.writes for f in writing), path)
 
-    def sessions(self) -> frozenset:
+    def sessions(self) -> frozenset[tuple[int, int]]:
         """(decode incarnation, session) pairs this use dealt with: stale for the next use of the id."""
         out = {(f.peer.incarnation, f.session) for f in self.flows.values()}
         if self.failed_by is not None:
@@ -390,12 +361,19 @@ class PrefillRoom:
 
     # -- internals --------------------------------------------------------------------------
     @property
+    def _mapping(self) -> HeadMapping:
+        assert self.mapping is not None, "no decode rank's metadata yet"
+        return self.mapping
+
+    @property
+    def _pages_to_send(self) -> int:
+        """The request's pages past the decode side's prefix (once both are known)."""
+        assert self.num_pages is not None and self.prefix is not None
+        return self.num_pages - self.prefix
+
+    @property
     def inflight(self) -> int:
         return len(self.ops)
-
-    def _failed_msg(self, peer: PeerKey, session: int) -> RoomFailed:
-        return RoomFailed(src=self.me, dst=peer.incarnation, room=self.room, session=session,
-                          kind=self.failure_kind or "failed", reason=self.failure or "")
 
     def _flow_of(self, peer: PeerKey, session: int) -> Flow | None:
         flow = self.flows.get(peer.tp_rank)
@@ -421,7 +399,7 @@ class PrefillRoom:
             self._synced = len(self.chunks)
 
     def _pump(self, now: float) -> list[Action]:
-        if self.state in TERMINAL or not self._all_metas():
+        if self.ended or not self._all_metas():
             return []  # nothing is written before every decode rank's metadata agreed (pages, prefix)
         self._sync_sendable()
         out: list[Action] = []
@@ -443,7 +421,7 @@ class PrefillRoom:
         """One write per chunk, split by page range when it would exceed max_ranges descriptors
         (each part with its own tag): a write of millions of ranges would hold the backend for
         seconds at a time."""
-        whole = self.mapping.prefill_tp == self.mapping.decode_tp or self.layout.mla
+        whole = self._mapping.prefill_tp == self._mapping.decode_tp or self.layout.mla
         per_page = self.layout.num_kv * self.layout.num_layers * (1 if whole else self.layout.page_size)
         step = max(1, self.max_ranges // per_page)
         out: list[Action] = []
@@ -451,14 +429,15 @@ class PrefillRoom:
             pages = chunk.pages[lo:lo + step]
             start = chunk.page_start + lo
             nbytes = pages.size * self._bytes_per_page(a.num_heads)
-            pools = ()
-            if start + pages.size == self.num_pages - self.prefix:  # the write carrying the last page
-                pools = request_copies(writer_segments(self.pools, self.mapping.prefill_tp, self.mapping.decode_tp, a),
+            pools: tuple[PoolCopy, ...] = ()
+            if start + pages.size == self._pages_to_send:  # the write carrying the last page
+                pools = request_copies(writer_segments(self.pools, self._mapping.prefill_tp, self._mapping.decode_tp, a),
                                        self.pool_items, flow.pool_dst)
                 nbytes += block_bytes(pools)
             tag = make_tag(TagKind.DIRECT, room=self.room, session=flow.session, epoch=flow.peer.incarnation,
                            src=self.me, writer=self.layout.tp_rank, chunk=chunk.index, piece=part,
                            page_start=start, num_pages=int(pages.size), nbytes=nbytes)
+            assert flow.dst_pages is not None, "a direct flow has its destination pages from its metadata"
             dst = flow.dst_pages[start:start + pages.size]
             out.append(self._post(flow, WriteOp(next(self._op_ids), self.room, flow.peer, False, chunk.index, part,
                                                 pages, dst, a.src_heads, a.dst_heads, nbytes, tag, pools=pools)))
@@ -469,7 +448,7 @@ class PrefillRoom:
                 and (not flow.staged or len(flow.granted) == len(self.sendable)))
 
     def _check_done(self, now: float) -> list[Action]:
-        if self.state in TERMINAL or not self._all_metas():
+        if self.ended or not self._all_metas():
             return []
         out: list[Action] = []
         for flow in self.flows.values():
@@ -481,23 +460,16 @@ class PrefillRoom:
                     out.append(self._writer_done(flow))
         if self.last and all(f.assignment is None or (f.confirmed and f.done_sent_at is not None)
                              for f in self.flows.values()):
-            out += self._set_state(KVPoll.Success) + self._maybe_release()
+            out += self._move(RoomEvent.SUCCEED, now) + self._maybe_release()
         return out
 
-    def _set_state(self, state: KVPoll) -> list[Action]:
-        if state == self.state or self.state in TERMINAL:
-            return []
-        self.state = state
-        return [StatusChanged(state, self.failure, self.failure_kind)]
-
     def _maybe_release(self) -> list[Action]:
-        if self.released or self.state not in TERMINAL or self.ops:
+        if self.released or not self.ended or self.ops:
             return []
-        self.released = True
         out: list[Action] = []
         if self.state is KVPoll.Failed:
             for flow in self.flows.values():
                 if flow.assignment is not None:
                     out.append(Send(flow.peer, Quiesced(src=self.me, dst=flow.peer.incarnation, room=self.room,
                                                         session=flow.session)))
-        return out + [StatusChanged(self.state, self.failure, self.failure_kind, released=True), Released()]
+        return out + self._release()

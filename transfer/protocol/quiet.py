@@ -75,8 +75,8 @@ class ExpectedWrites:
     come before or after their tag (the message and the notification travel separately)."""
 
     def __init__(self) -> None:
-        self._announced: dict[int, set[tuple]] = {}
-        self._landed: dict[int, set[tuple]] = {}
+        self._announced: dict[int, set[tuple[int, ...]]] = {}
+        self._landed: dict[int, set[tuple[int, ...]]] = {}
         self._outstanding = 0
 
     @property
@@ -86,7 +86,7 @@ class ExpectedWrites:
     def rooms(self) -> int:
         return len(self._announced.keys() | self._landed.keys())
 
-    def announce(self, room: int, write: tuple) -> bool:
+    def announce(self, room: int, write: tuple[int, ...]) -> bool:
         """True when this makes the write newly outstanding."""
         if write in self._landed.get(room, ()) or write in self._announced.get(room, ()):
             return False
@@ -94,7 +94,7 @@ class ExpectedWrites:
         self._outstanding += 1
         return True
 
-    def landed(self, room: int, write: tuple) -> Arrival:
+    def landed(self, room: int, write: tuple[int, ...]) -> Arrival:
         landed = self._landed.setdefault(room, set())
         if write in landed:
             return Arrival.REPEATED

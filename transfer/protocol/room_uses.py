@@ -1,10 +1,16 @@
-"""Telling the uses of a reused room id apart, on the prefill side, without sockets.
+"""Room-id reuse: which use of a reused room id a message belongs to, decided in one place.
 
 Room ids are reused, and a decode rank re-sends its room messages until they are acknowledged,
-so a message of an earlier use can reach a later use's sender. A decode rank numbers its
-sessions in increasing order (one per receiver), so remembering, per decode incarnation, the
-highest session the id's earlier uses dealt with tells every earlier use's message apart,
-however many uses back it was sent.
+so a message of an earlier use can reach a later use's sender, and one of a later use can come
+before that use's sender exists. A decode rank numbers its sessions in increasing order (one per
+receiver), so remembering, per decode incarnation, the highest session the id's earlier uses
+dealt with tells every earlier use's message apart, however many uses back it was sent.
+
+Every decision returns a RoomUse; the rooms and the engine's sides only act on it:
+- prefill, a sender exists: `meta_use` (metadata) and `failure_use` (a RoomFailed);
+- prefill, no sender: `use_without_sender` (park it, drop it, or tell the decode side the room
+  is over here);
+- decode, the room ended here: `ended_answer` (what to answer a writer that still asks).
 """
 
 from __future__ import annotations
@@ -12,12 +18,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable
 
+from .actions import PeerKey
+from .kinds import FailureKind, StrKind
+from .messages import RoomFailed, RoomMeta
+
+
+class RoomUse(StrKind):
+    """Which use of a room id a message belongs to, and so what is done with it."""
+
+    THIS = "this"        # the use at hand: apply it
+    STALE = "stale"      # an earlier use's (a late retransmission): drop it
+    NEXT = "next"        # a later use's, whose sender is not created yet: park it for that sender
+    SERVED = "served"    # prefill, the id's last use ended: metadata that use served again (no news)
+    OVER = "over"        # prefill, the id's last use ended: it may be that use's (tell the decode side)
+    OTHER = "other"      # decode, the id's last use ended: a writer bound to another use (never "done")
+
 
 @dataclass(frozen=True)
 class EarlierUses:
     """Per decode incarnation, the highest session an earlier use of one room id dealt with."""
 
-    last: dict = field(default_factory=dict)
+    last: dict[int, int] = field(default_factory=dict)
 
     def covers(self, incarnation: int, session: int) -> bool:
         """The session belongs to an earlier use (never to a later one)."""
@@ -26,7 +47,7 @@ class EarlierUses:
     def knows(self, incarnation: int) -> bool:
         return incarnation in self.last
 
-    def plus(self, pairs: Iterable[tuple[int, int]]) -> "EarlierUses":
+    def plus(self, pairs: Iterable[tuple[int, int]]) -> EarlierUses:
         """These and the (decode incarnation, session) pairs of one more ended use."""
         last = dict(self.last)
         for inc, session in pairs:
@@ -34,14 +55,97 @@ class EarlierUses:
         return EarlierUses(last)
 
 
-def finished_room_meta(earlier: EarlierUses, served: frozenset | tuple, incarnation: int, session: int) -> str:
-    """Room metadata for a room id whose last use ended here, and no sender yet.
-    "served": a retransmission of metadata that use served (no news); "new_use": a newer session
-    from a decode incarnation the earlier uses dealt with, so a new use of the id whose sender is
-    not created yet (park it, like any early metadata); "over": metadata that may belong to the
-    ended use (tell the decode side the room is over here, rather than let it wait)."""
+@dataclass(frozen=True)
+class Bound:
+    """The decode rank (and its session) a prefill room's flow of one decode TP rank is bound to."""
+
+    peer: PeerKey
+    session: int
+
+
+@dataclass(frozen=True)
+class Parked:
+    """A room message for a prefill room id that has no sender (yet), kept for it."""
+
+    peer: PeerKey
+    msg: RoomMeta | RoomFailed
+
+    @property
+    def is_meta(self) -> bool:
+        return isinstance(self.msg, RoomMeta)
+
+
+# -- prefill, a sender exists ------------------------------------------------------------------------
+def meta_use(earlier: EarlierUses, bound: Bound | None, failed_by: tuple[int, int] | None, peer: PeerKey,
+             session: int) -> RoomUse:
+    """Metadata from `peer` with `session` reaching a sender: STALE (a retransmission from the
+    id's earlier use), NEXT (a decode incarnation this use already dealt with under another
+    session has moved on: its room of this use is over there) or THIS. `bound`: the flow of
+    that decode TP rank; `failed_by`: (incarnation, session) of the failure that ended this use."""
+    if earlier.covers(peer.incarnation, session):
+        return RoomUse.STALE
+    if bound is not None and bound.peer == peer and bound.session != session:
+        return RoomUse.NEXT
+    if failed_by is not None and failed_by[0] == peer.incarnation and failed_by[1] != session:
+        return RoomUse.NEXT
+    return RoomUse.THIS
+
+
+def failure_use(earlier: EarlierUses, bound: Bound | None, decode_engine: str | None, peer: PeerKey,
+                session: int) -> RoomUse:
+    """A RoomFailed reaching a sender that has no flow of that peer and session: STALE when it
+    is an earlier use's, or the flow of that decode TP rank is bound to another session, or it
+    comes from another engine than the room is bound to (nothing of this use went to that
+    session: answer Quiesced); THIS otherwise."""
+    if (earlier.covers(peer.incarnation, session) or bound is not None
+            or (decode_engine is not None and peer.engine_id != decode_engine)):
+        return RoomUse.STALE
+    return RoomUse.THIS
+
+
+# -- prefill, no sender ------------------------------------------------------------------------------
+def finished_meta_use(earlier: EarlierUses, served: frozenset[tuple[int, int]] | tuple[()], incarnation: int,
+                      session: int) -> RoomUse:
+    """Room metadata for a room id whose last use ended here: SERVED (a retransmission of
+    metadata that use served), NEXT (a newer session from a decode incarnation the earlier uses
+    dealt with: a new use of the id whose sender is not created yet) or OVER (it may belong to
+    the ended use: tell the decode side the room is over here, rather than let it wait)."""
     if (incarnation, session) in served:
-        return "served"
+        return RoomUse.SERVED
     if earlier.knows(incarnation) and not earlier.covers(incarnation, session):
-        return "new_use"
-    return "over"
+        return RoomUse.NEXT
+    return RoomUse.OVER
+
+
+def use_without_sender(item: Parked, *, ended: bool, earlier: EarlierUses,
+                       served: frozenset[tuple[int, int]] | tuple[()]) -> RoomUse:
+    """A room message for an id with no sender: NEXT (park it until the sender is created)
+    unless the id's last use `ended` here; then a failure is OVER (that use has nothing in
+    flight), and metadata is decided by `finished_meta_use`."""
+    if not ended:
+        return RoomUse.NEXT
+    if not item.is_meta:
+        return RoomUse.OVER
+    return finished_meta_use(earlier, served, item.peer.incarnation, item.msg.session)
+
+
+# -- decode, the room ended ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EndedAnswer:
+    """What a decode rank answers a writer asking about a room id whose last use ended: RoomDone
+    when `kind` is None, else RoomFailed with `kind` and `reason`."""
+
+    use: RoomUse
+    kind: str | None = None
+    reason: str = ""
+
+
+def ended_answer(*, succeeded: bool, kind: str, reason: str, last_session: int, session: int,
+                 room: int) -> EndedAnswer:
+    """Only the session the ended use had may hear "done" (THIS); a writer bound to another use
+    (OTHER) hears a protocol failure, and never succeeds."""
+    if session != last_session:
+        return EndedAnswer(RoomUse.OTHER, FailureKind.PROTOCOL,
+                           f"room {room} has no use of session {session} here (a writer bound to metadata "
+                           f"of another use of the id)")
+    return EndedAnswer(RoomUse.THIS) if succeeded else EndedAnswer(RoomUse.THIS, kind, reason)

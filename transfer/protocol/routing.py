@@ -9,66 +9,79 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-PEER_STATES = ("connecting", "connected", "rejected", "lost")
+from .kinds import StrKind
+
+
+class PeerState(StrKind):
+    """A peer connection's state, as the engine's peer table keeps it."""
+
+    CONNECTING = "connecting"
+    CONNECTED = "connected"
+    REJECTED = "rejected"
+    LOST = "lost"
+
+
+PEER_STATES = tuple(PeerState)
+
+
+class RouteAction(StrKind):
+    """Where a decoded frame goes (see Route)."""
+
+    HELLO = "hello"                        # the connection handshake
+    DELIVER = "deliver"                    # the handler of its type
+    TELL_GONE = "tell_gone"                # drop it and tell the sender it was declared lost
+    REJECTED_FAILURE = "rejected_failure"  # a refused peer fails a room (the prefill side must still fail it)
+    DROP = "drop"                          # count it under the Route's reason (nothing when empty)
 
 
 @dataclass(frozen=True)
 class Route:
-    """deliver: hand it to the handler; hello: the connection handshake; tell_gone: drop it and
-    tell the sender it was declared lost; rejected_failure: a refused peer fails a room (the
-    prefill side must still fail it); drop: count it under `reason` (nothing when empty).
-    `heard` says whether the frame renews the sender's lease."""
+    """What to do with one frame. `heard` says whether the frame renews the sender's lease."""
 
-    action: str
+    action: RouteAction
     reason: str = ""
     heard: bool = False
 
 
-def route_frame(kind: str, *, role: str, me: int, dst: int, peer_state: str | None, src_gone: bool,
+def route_frame(kind: str, *, role: str, me: int, dst: int, peer_state: PeerState | None, src_gone: bool,
                 src_replaced: bool, handled: frozenset[str] | set[str], conn: int = 0, peer_conn: int = 0) -> Route:
     """`kind`: the message class name; `peer_state`: None when the sender is not a current peer;
     `handled`: the message kinds this rank's role has handlers for; `conn`: the connection a
     Goodbye ends, `peer_conn`: the current connection with its sender (0: not known)."""
     if kind == "Hello":
-        return Route("hello")
+        return Route(RouteAction.HELLO)
     if peer_state is None:
         reason = "stale_peer" if src_gone or src_replaced else "unknown_peer"
         if src_gone and kind != "Goodbye":
-            return Route("tell_gone", reason)
-        return Route("drop", reason)
+            return Route(RouteAction.TELL_GONE, reason)
+        return Route(RouteAction.DROP, reason)
     if dst != me:
-        return Route("drop", "stale_epoch")
+        return Route(RouteAction.DROP, "stale_epoch")
     if kind == "Goodbye" and conn and peer_conn and conn != peer_conn:
-        return Route("drop", "stale_connection")  # ends a connection that a newer one replaced
-    if peer_state == "rejected":
+        return Route(RouteAction.DROP, "stale_connection")  # ends a connection that a newer one replaced
+    if peer_state == PeerState.REJECTED:
         if kind == "RoomFailed" and role == "prefill":
-            return Route("rejected_failure")
-        return Route("drop")
+            return Route(RouteAction.REJECTED_FAILURE)
+        return Route(RouteAction.DROP)
     if kind not in handled:
-        return Route("drop", "unexpected", heard=True)
-    return Route("deliver", heard=True)
+        return Route(RouteAction.DROP, "unexpected", heard=True)
+    return Route(RouteAction.DELIVER, heard=True)
 
 
-def hello_verdict(known_state: str | None, known_conn: int, conn: int) -> str:
-    """Prefill side: a Hello from a decode incarnation that may already be connected.
-    "ack_again": a retransmission of the current connection's Hello; "stale": a Hello of an
-    older connection, delivered late; "replace": the decode rank declared the current
-    connection lost and opened a new one (the old one is over here too); "new": no current
-    connection."""
-    if known_state != "connected":
-        return "new"
+class HelloVerdict(StrKind):
+    """Prefill side: what a Hello from a decode incarnation means."""
+
+    NEW = "new"              # no current connection
+    ACK_AGAIN = "ack_again"  # a retransmission of the current connection's Hello
+    STALE = "stale"          # a Hello of an older connection, delivered late
+    REPLACE = "replace"      # the decode rank declared the connection lost and opened a new one
+
+
+def hello_verdict(known_state: PeerState | None, known_conn: int, conn: int) -> HelloVerdict:
+    """Prefill side: a Hello from a decode incarnation that may already be connected (on
+    REPLACE, the old connection is over here too)."""
+    if known_state != PeerState.CONNECTED:
+        return HelloVerdict.NEW
     if not conn or not known_conn or conn == known_conn:
-        return "ack_again"
-    return "stale" if conn < known_conn else "replace"
-
-
-
-def finished_room_answer(state_ok: bool, kind: str, reason: str, last_session: int, session: int,
-                         room: int) -> tuple[str, str] | None:
-    """Decode side: a writer asks about room `room`, whose last use here ended (`state_ok`:
-    it succeeded). None: answer RoomDone; else the (kind, reason) of the RoomFailed to answer.
-    Only the session that use had may hear "done": a writer bound to another use never succeeds."""
-    if session != last_session:
-        return "protocol", (f"room {room} has no use of session {session} here (a writer bound to metadata "
-                            f"of another use of the id)")
-    return None if state_ok else (kind, reason)
+        return HelloVerdict.ACK_AGAIN
+    return HelloVerdict.STALE if conn < known_conn else HelloVerdict.REPLACE

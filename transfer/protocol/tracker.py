@@ -162,12 +162,12 @@ class RoomTracker:
         self._groups.pop(key, None)
         return Arrival(Outcome.ACCEPTED)
 
-    def group_completes(self, key: tuple, group: int, groups: int) -> bool:
+    def group_completes(self, key: tuple[int, int, int, int], group: int, groups: int) -> bool:
         """Whether group `group` would be the last of its write to land (nothing recorded)."""
         seen = self._groups.get(key)
         return len((seen[1] if seen is not None else set()) | {group}) == groups
 
-    def _arrive_group(self, key: tuple, group: int, groups: int) -> Arrival | None:
+    def _arrive_group(self, key: tuple[int, int, int, int], group: int, groups: int) -> Arrival | None:
         """None once this group completes its write (the caller then checks the whole write)."""
         if not 1 < groups <= MAX_GROUPS or not 0 <= group < groups:
             return Arrival(Outcome.REJECTED, f"group {group} of {groups} is not a group of a write")

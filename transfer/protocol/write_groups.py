@@ -48,8 +48,8 @@ class WriteGroup:
 def group_parts(parts: Sequence[DescriptorPart]) -> list[WriteGroup]:
     """The backend writes of one logical write, in the order their first part comes (the KV
     first); parts without rows make no write. Every row of `parts` is in exactly one group."""
-    order: list[tuple] = []
-    members: dict[tuple, list[DescriptorPart]] = {}
+    order: list[tuple[str, str, str]] = []
+    members: dict[tuple[str, str, str], list[DescriptorPart]] = {}
     for p in parts:
         if len(p.src) != len(p.dst):
             raise ValueError(f"{p.label}: {len(p.src)} source rows for {len(p.dst)} destination rows")

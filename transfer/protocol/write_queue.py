@@ -15,7 +15,7 @@ from .actions import WriteOp
 
 
 class StagedQueue:
-    def __init__(self):
+    def __init__(self) -> None:
         self._by_peer: dict[int, list[tuple[WriteOp, float]]] = {}
 
     def __len__(self) -> int:
@@ -63,7 +63,7 @@ class StagedQueue:
                 self._set(peer, [(op, s) for op, s in queue if now - s <= limit])
         return out
 
-    def _set(self, peer: int, queue: list) -> None:
+    def _set(self, peer: int, queue: list[tuple[WriteOp, float]]) -> None:
         if queue:
             self._by_peer[peer] = queue
         else:
@@ -73,7 +73,7 @@ class StagedQueue:
 class WriteDeadlines:
     """op id -> (room, the time its write must have completed by)."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._at: dict[int, tuple[int, float]] = {}
 
     def __contains__(self, op_id: int) -> bool:

@@ -1,0 +1,55 @@
+"""A sender's input rules, written once (protocol/send_checks.py): the prefill room refuses what
+the caller's handle refuses, in the same words."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from kvstage.transfer.config import Timeouts
+from kvstage.transfer.layout import KVLayout
+from kvstage.transfer.protocol.prefill_room import PrefillRoom
+from kvstage.transfer.protocol.send_checks import check_chunk, check_page_count
+
+LAYOUT = KVLayout(2, 2, 4, torch.uint8, 2, 1, 0, False)
+
+
+def room(n):
+    return PrefillRoom(7, n, LAYOUT, 1000, 0.0, Timeouts(), itertools.count(1))
+
+
+CASES = [  # (num_pages, chunks already sent (size, last), this chunk's size, last) -> the refusal
+    (None, [], 2, None, "send\\(\\) before init\\(\\)"),
+    (4, [(4, None)], 1, None, "send\\(\\) after the last chunk"),
+    (4, [(2, False)], 3, None, "5 pages sent, the sender was created for 4"),
+    (4, [], 2, True, "the last chunk ends at page 2 of 4"),
+]
+
+
+@pytest.mark.parametrize("n,before,size,last,match", CASES)
+def test_room_and_rule_refuse_alike(n, before, size, last, match):
+    r, sent, ended = room(n), 0, False
+    for s, lst in before:
+        r.add_chunk(np.arange(s), lst, 0.0)
+        ended = check_chunk(7, n, sent, ended, s, lst)
+        sent += s
+    with pytest.raises(ValueError, match=match):
+        check_chunk(7, n, sent, ended, size, last)
+    with pytest.raises(ValueError, match=match):
+        r.add_chunk(np.arange(size), last, 1.0)
+    assert r.pages_given == sent    # nothing of a refused chunk is kept
+
+
+def test_last_is_inferred_from_the_count():
+    assert check_chunk(7, 4, 2, False, 2, None) is True and check_chunk(7, 4, 0, False, 2, None) is False
+
+
+@pytest.mark.parametrize("current,n,match", [(4, 4, "init\\(\\) called twice"), (None, 0, "positive int"),
+                                              (None, True, "positive int"), (None, 2.0, "positive int")])
+def test_page_count_rules(current, n, match):
+    with pytest.raises(ValueError, match=match):
+        check_page_count(7, current, n)
+    if current is None:
+        with pytest.raises(ValueError, match=match):
+            room(None).init(n, 0.0)

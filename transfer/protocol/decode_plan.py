@@ -1,0 +1,82 @@
+"""Decode side: how a room from a prefill engine moves (staged or direct, piece sizes), decided
+once its prefill ranks are connected. Pure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...staging.pieces import max_piece_pages
+from ..layout import KVLayout
+from .actions import PeerKey
+from .head_mapping import Assignment, HeadMapping
+from .kinds import FailureKind
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoomPlan:
+    """Who writes this decode rank's part of a room, and how (decided when peers connected)."""
+
+    writers: tuple[tuple[PeerKey, Assignment], ...]
+    notices: tuple[PeerKey, ...] = ()             # prefill ranks told about the room, not writing
+    staged: bool
+    head_page_bytes: int                          # bytes of one head of one page, all layers, K and V
+    max_piece_pages: int = 0                      # staged: largest piece (ring and buffers)
+    ring_epoch: int = 0
+    prefill_tp: int = 0
+    decode_tp: int = 0
+    ring_size: int = 0                            # staged: the ring and the smallest writer buffer, which
+    buffer_bytes: int = 0                         # the last piece's pool bytes must fit besides its pages
+
+    def writer_page_bytes(self, a: Assignment) -> int:
+        return self.head_page_bytes * a.num_heads
+
+
+@dataclass(frozen=True)
+class PlanRefused:
+    """A room that can never move (plan_room): its failure kind and why."""
+
+    kind: FailureKind
+    reason: str
+
+
+@dataclass(frozen=True)
+class WriterOffer:
+    """What a connected prefill rank offers this decode rank (from its HelloAck)."""
+
+    key: PeerKey
+    staging: bool
+    buffer_bytes: int
+
+
+def _writes(mapping: HeadMapping, prefill_rank: int, decode_rank: int) -> Assignment:
+    a = mapping.find(prefill_rank, decode_rank)
+    assert a is not None, f"prefill rank {prefill_rank} writes nothing to decode rank {decode_rank}"
+    return a
+
+
+def plan_room(layout: KVLayout, mapping: HeadMapping, writers: dict[int, WriterOffer],
+              notices: dict[int, PeerKey], *, staging: bool, ring_size: int, ring_align: int,
+              piece_cap: int, epoch: int) -> RoomPlan | PlanRefused:
+    """Decide how a room from this prefill engine moves: the staged path when staging is on here
+    (a ring) and at every writer, TP sizes differ and the model is not MLA; direct otherwise.
+    Returns the plan, or why not when a single page can never fit."""
+    hpb = layout.num_kv * layout.num_layers * layout.page_size * layout.head_bytes
+    assigns = tuple((writers[w].key, _writes(mapping, w, layout.tp_rank)) for w in sorted(writers))
+    staged = (staging and ring_size > 0 and not layout.mla and mapping.prefill_tp != mapping.decode_tp
+              and all(o.staging for o in writers.values()))
+    mpp = 0
+    if staged:
+        parts = [hpb * a.num_heads for _, a in assigns]
+        buffers = min(o.buffer_bytes for o in writers.values())
+        # pieces no larger than piece_cap keep gather, write and scatter of consecutive pieces
+        # overlapping; the cap never makes a page impossible, only the buffers and the ring do
+        mpp = (max_piece_pages(parts, min(buffers, piece_cap), ring_size, ring_align)
+               or max_piece_pages(parts, buffers, ring_size, ring_align))
+        if mpp == 0:
+            return PlanRefused(FailureKind.STAGING, f"one page ({sum(parts)} bytes in the ring, up to {max(parts)} per writer buffer) "
+                               f"can never fit the staging ring ({ring_size} bytes) or a prefill worker buffer "
+                               f"({buffers} bytes)")
+    return RoomPlan(writers=assigns, notices=tuple(notices[n] for n in sorted(notices)), staged=staged,
+                    head_page_bytes=hpb, max_piece_pages=mpp, ring_epoch=epoch, prefill_tp=mapping.prefill_tp,
+                    decode_tp=mapping.decode_tp, ring_size=ring_size,
+                    buffer_bytes=min(o.buffer_bytes for o in writers.values()) if writers else 0)

@@ -1,0 +1,90 @@
+"""What the prefill and the decode room share: identity, status, failure, release.
+
+Each side says which lifecycle table it follows (lifecycle.py), whom a failure is told to and
+what happens after it; the status moves, the failure notices and the release report are
+written once, here.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Sequence
+
+from ..config import Timeouts
+from ..layout import KVLayout
+from ..poll import KVPoll
+from ..state_pools import PoolSpec
+from .actions import Action, PeerKey, Released, Send, StatusChanged
+from .kinds import remote_kind
+from .lifecycle import FINAL, RoomEvent, Transitions, next_state
+from .messages import RoomFailed
+
+
+class RoomBase:
+    TRANSITIONS: ClassVar[Transitions]
+    PEER_SIDE: ClassVar[str]            # what the other side's ranks are called in failure reasons
+
+    def __init__(self, *, room: int, me: int, layout: KVLayout, now: float, timeouts: Timeouts,
+                 pools: tuple[PoolSpec, ...] = ()):
+        self.room = room
+        self.me = me
+        self.layout = layout
+        self.timeouts = timeouts
+        self.created = now
+        self.pools = pools                  # the state pools' specs
+        self.state = KVPoll.Bootstrapping
+        self.failure: str | None = None
+        self.failure_kind: str | None = None  # a FailureKind, or "remote_<kind>" for a peer's
+        self.released = False
+
+    @property
+    def ended(self) -> bool:
+        """Success or Failed: the status never changes again."""
+        return self.state in FINAL
+
+    # -- status -----------------------------------------------------------------------------
+    def _move(self, event: RoomEvent, now: float) -> list[Action]:
+        """Move the status along the side's table (IllegalTransition when it has no such
+        move); report it unless it stayed the same."""
+        state = next_state(self.TRANSITIONS, type(self).__name__, self.room, self.state, event)
+        if state == self.state:
+            return []
+        self.state = state
+        return [StatusChanged(state=state, failure=self.failure, failure_kind=self.failure_kind)] + self._entered(state, now)
+
+    def _entered(self, state: KVPoll, now: float) -> list[Action]:
+        """What a side does on entering `state` (after reporting it)."""
+        return []
+
+    # -- failure ----------------------------------------------------------------------------
+    def fail(self, kind: str, reason: str, now: float, origin: PeerKey | None = None) -> list[Action]:
+        """Fail the room and tell every peer of the room but the one the failure came from."""
+        if self.ended:
+            return []
+        self.failure, self.failure_kind = reason, kind
+        out = self._move(RoomEvent.FAIL, now)
+        out += [Send(peer, self._failed_msg(peer, session)) for peer, session in self._told_of_failure()
+                if peer != origin]
+        return out + self._after_failure(now)
+
+    def _fail_remote(self, peer: PeerKey, kind: str, reason: str, now: float) -> list[Action]:
+        """A peer failed the room with `kind`: fail it here as remote_<kind>, naming the peer."""
+        return self.fail(remote_kind(kind), f"{self.PEER_SIDE} rank {peer.tp_rank} ({peer.engine_id}): {reason}", now,
+                         origin=peer)
+
+    def _told_of_failure(self) -> Sequence[tuple[PeerKey, int]]:
+        """(peer, session) of every peer a failure is told to."""
+        raise NotImplementedError
+
+    def _after_failure(self, now: float) -> list[Action]:
+        return []
+
+    def _failed_msg(self, peer: PeerKey, session: int) -> RoomFailed:
+        return RoomFailed(src=self.me, dst=peer.incarnation, room=self.room, session=session,
+                          kind=self.failure_kind or "failed", reason=self.failure or "")
+
+    # -- release ----------------------------------------------------------------------------
+    def _release(self) -> list[Action]:
+        """The room's memory is no longer touched: say so (the shell may forget the room)."""
+        self.released = True
+        return [StatusChanged(state=self.state, failure=self.failure, failure_kind=self.failure_kind, released=True),
+                Released()]
