@@ -20,7 +20,7 @@ from kvstage.transfer.protocol.messages import RoomDone, RoomMeta
 from kvstage.transfer.protocol.prefill_room import PrefillRoom
 
 B, W, T, S, F = KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Success, KVPoll.Failed
-LAYOUT = KVLayout(2, 2, 4, torch.uint8, 2, 1, 0, False)   # one prefill rank, one decode rank
+LAYOUT = KVLayout(num_layers=2, total_kv_heads=2, head_dim=4, dtype=torch.uint8, page_size=2, tp_size=1, tp_rank=0, mla=False)   # one prefill rank, one decode rank
 PREF = PeerKey("prefill", 0, 1000)
 DEC = PeerKey("decode", 0, 2000)
 N = 4

@@ -12,7 +12,7 @@ from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.protocol.prefill_room import PrefillRoom
 from kvstage.transfer.protocol.send_checks import check_chunk, check_page_count
 
-LAYOUT = KVLayout(2, 2, 4, torch.uint8, 2, 1, 0, False)
+LAYOUT = KVLayout(num_layers=2, total_kv_heads=2, head_dim=4, dtype=torch.uint8, page_size=2, tp_size=1, tp_rank=0, mla=False)
 
 
 def room(n):
