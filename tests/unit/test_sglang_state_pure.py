@@ -35,7 +35,7 @@ def state_args(tp: int, slots: int = 6, pages: int = 10, gdn: bool = False, swa_
         state_data_lens=[[t.nbytes for t in mamba], [t.nbytes for t in swa]],
         state_item_lens=[[t[0].nbytes for t in mamba], [t[:PAGE].nbytes for t in swa]],
         state_dim_per_tensor=[[4 // tp, 4 // tp, 0], []], state_slice_outer_counts=[[1, 3, 1], []],
-        state_conv_shard_groups=[[[1, 1, 2] if gdn else None, None, None], []], swa_kv_cache_layout=swa_layout)
+        state_conv_shard_groups=[[[2, 2] if gdn else None, None, None], []], swa_kv_cache_layout=swa_layout)
 
 
 def test_components_become_pools_and_indices_become_items():
@@ -61,9 +61,13 @@ def test_pool_names_do_not_depend_on_sizes_or_tp():
 def test_tp_combinations():
     sm = StateMap(state_args(2), layout(2), torch.device("cpu"), 2)
     assert sm.peer_problem(2, 1) is None and sm.peer_problem(1, 2) is None
-    gdn = StateMap(state_args(2, gdn=True), layout(2), torch.device("cpu"), 2)
-    assert gdn.peer_problem(2, 2) is None
-    assert "GDN conv state" in gdn.peer_problem(2, 1)
+    gdn = StateMap(state_args(2, gdn=True), layout(2), torch.device("cpu"), 2)   # conv sub-blocks [2 | 2]
+    assert gdn.pools["state0.mamba.h4x1b2-2"].blocks == [2, 2]
+    assert gdn.peer_problem(2, 2) is None and gdn.peer_problem(2, 1) is None and gdn.peer_problem(1, 2) is None
+    bad = state_args(2, gdn=True)
+    bad.state_conv_shard_groups = [[[2, 1], None, None], []]
+    with pytest.raises(NotImplementedError, match=r"conv sub-blocks \[2, 1\] do not add up to its 2 units"):
+        StateMap(bad, layout(2), torch.device("cpu"), 2)
     two_heads = StateMap(state_args(2), layout(2, heads=2), torch.device("cpu"), 2)
     assert "must have the KV's writers" in two_heads.peer_problem(4, 2)   # KV replicated on prefill
 
