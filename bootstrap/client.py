@@ -352,6 +352,10 @@ class BootstrapClient:
                                                      name="kvstage-bootstrap-keepalive")
                 self._keep_thread.start()
 
+    def on_gone(self, callback) -> None:
+        """Nothing to subscribe to: the bootstrap server has no watch; a decode rank learns of a
+        dead prefill rank from its own lease on the connection (bootstrap/rendezvous.py)."""
+
     def status(self) -> dict[str, Any]:
         """What the server knows: {"started_at", "lease_s", "auth", "limits", "counters",
         "ranks": [row dicts: engine_id, role, tp_size, tp_rank, epoch, incarnation,
