@@ -106,9 +106,14 @@ class EtcdRendezvous:
                 raise BootstrapError(f"etcd {self.config.display} refused the registration: {decision.reason}",
                                      "conflict")
             lease = self._lease_for(info, decision.verdict)
-            record = EtcdRecord(rank=entry, epoch=decision.epoch, registered_at=time.time())
+            epoch = decision.epoch
+            with self._lock:
+                held = self._held.get((info.engine_id, info.tp_rank))
+            if decision.verdict is Verdict.NEW and held is not None and held.info.incarnation == info.incarnation:
+                epoch = held.epoch   # its key ran out and comes back: the same incarnation keeps its epoch
+            record = EtcdRecord(rank=entry, epoch=epoch, registered_at=time.time())
             if self._put_if_unchanged(key, encode_record(record), lease, mine.mod_revision if mine else 0):
-                self._hold(info, lease, decision.epoch)
+                self._hold(info, lease, epoch)
                 return RankRecord._from_wire(record.wire())
         raise BootstrapError(f"registering {info.engine_id!r}/{info.tp_rank} at {self.config.display} kept "
                              f"racing with other writers ({_RACES} attempts)", "internal")

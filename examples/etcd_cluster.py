@@ -126,16 +126,14 @@ class EtcdCluster:
         self._spawn(self.members[i], "existing")
 
     def stop(self) -> None:
+        """SIGKILL every member (a graceful stop hands leadership around for seconds) and remove
+        their data."""
         for m in self.members:
             if m.alive:
-                m.proc.terminate()
+                m.proc.kill()
         for m in self.members:
             if m.proc is not None:
-                try:
-                    m.proc.wait(5)
-                except subprocess.TimeoutExpired:
-                    m.proc.kill()
-                    m.proc.wait()
+                m.proc.wait()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
     def __enter__(self) -> "EtcdCluster":

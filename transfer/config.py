@@ -97,7 +97,8 @@ class EngineConfig:
 
     role: str                                # "prefill" or "decode"
     engine_id: str                           # the TP group this rank belongs to
-    bootstrap: str                           # "host:port" of the rendezvous server
+    bootstrap: str | None = None             # the rendezvous: "host:port" of a bootstrap server, or
+                                             # "etcd://host:port[,...][/namespace]"; None: KVSTAGE_BOOTSTRAP
     backend: str = "nixl"                    # or "mooncake"
     staging: bool | None = None              # None: read SGLANG_DISAGG_STAGING_BUFFER
     host: str = "127.0.0.1"                  # address this rank binds and advertises
@@ -126,7 +127,7 @@ class EngineConfig:
             raise ValueError("engine_id must be a non-empty string")
         if self.backend not in ("nixl", "mooncake"):
             raise ValueError(f"backend must be 'nixl' or 'mooncake', got {self.backend!r}")
-        check.host_port("bootstrap", self.bootstrap)
+        bootstrap = check.rendezvous("bootstrap", self.bootstrap)
         host = check.host("host", self.host).strip("[]")   # an IPv6 literal is kept without brackets
         check.port("ctrl_port", self.ctrl_port)
         if isinstance(self.dp_rank, bool) or not isinstance(self.dp_rank, int) or not 0 <= self.dp_rank <= 1024:
@@ -147,6 +148,7 @@ class EngineConfig:
             staging=env_flag(STAGING_ENV) if self.staging is None else check.flag("staging", self.staging),
             verify=env_flag(VERIFY_ENV) if self.verify is None else check.flag("verify", self.verify),
             auth_token=token,
+            bootstrap=bootstrap,
             host=host,
             staging_workers=self._count("staging_workers", WORKERS_ENV, 2),
             staging_buffer_mb=self._mb("staging_buffer_mb", BUFFER_MB_ENV, 64.0),
