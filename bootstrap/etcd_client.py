@@ -61,9 +61,13 @@ def _b64(text: str | bytes) -> str:
 class EtcdRendezvous:
     """Register, look up, keep alive and deregister ranks in etcd (``etcd://`` addresses)."""
 
-    def __init__(self, addr: str, request_timeout_s: float = 2.0, config: EtcdConfig | None = None):
-        if request_timeout_s <= 0:
-            raise ValueError("request_timeout_s must be > 0")
+    def __init__(self, addr: str, request_timeout_s: float = 2.0, config: EtcdConfig | None = None,
+                 watch_idle_s: float = 15.0):
+        """`watch_idle_s`: a watch stream silent this long is reopened (on the next member when
+        its own does not answer): bounds how long a partitioned member can hide deletions."""
+        if request_timeout_s <= 0 or watch_idle_s <= 0:
+            raise ValueError("request_timeout_s and watch_idle_s must be > 0")
+        self._watch_idle_s = watch_idle_s
         self.config = config or parse_etcd_url(addr)
         self.addr = addr
         self.request_timeout_s = request_timeout_s
@@ -221,14 +225,14 @@ class EtcdRendezvous:
             self._keep.clear()
         if thread is not None:
             thread.join(self.request_timeout_s * len(self._members.members) + 2.0)
+        if watch is not None:   # first: the revokes below are ours, nobody's to hear about
+            watch.stop()
         for h in held:
             try:
                 self._revoke(h.lease)
             except BootstrapError as exc:
                 log.warning("closing: could not revoke the lease of %s rank %d (etcd deletes its key in %d s): %s",
                             h.info.engine_id, h.info.tp_rank, self.config.ttl_s, exc)
-        if watch is not None:
-            watch.stop()
         self._members.close()
 
     def __enter__(self) -> "EtcdRendezvous":
@@ -358,7 +362,8 @@ class EtcdRendezvous:
             if self._watch is not None or self._closed:
                 return
             self._watch = PrefixWatch(self._members, ranks_prefix(self._ns), revision + 1, self._on_events,
-                                      self._resync)
+                                      self._resync, read_timeout_s=self._watch_idle_s,
+                                      connect_timeout_s=self.request_timeout_s)
             watch = self._watch
         watch.start()
 
@@ -399,7 +404,7 @@ class EtcdRendezvous:
     @staticmethod
     def _tell(gone: list[RankGone], callbacks: list) -> None:
         for g in gone:
-            log.warning("etcd: %s rank %d (incarnation %d) is gone: %s", g.engine_id, g.tp_rank, g.incarnation,
+            log.info("etcd: %s rank %d (incarnation %d) is gone: %s", g.engine_id, g.tp_rank, g.incarnation,
                         g.reason)
             for cb in callbacks:
                 try:

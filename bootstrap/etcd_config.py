@@ -95,6 +95,16 @@ def parse_etcd_url(addr: object, name: str = "bootstrap", env: Mapping[str, str]
                       ca_cert=ca, cert=cert, key=key)
 
 
+def with_namespace(addr: str, namespace: str) -> str:
+    """The same etcd address (endpoints, options) with `namespace` appended to its own."""
+    base, _, query = addr.partition("?")
+    hosts, _, ns = base[len(SCHEME):].partition("/")
+    ns = "/".join(x for x in (ns.strip("/") or DEFAULT_NAMESPACE, namespace.strip("/")) if x)
+    out = f"{SCHEME}{hosts}/{ns}" + (f"?{query}" if query else "")
+    parse_etcd_url(out, "namespace", env={})
+    return out
+
+
 def _endpoint(name: str, addr: str, text: str) -> str:
     if not text:
         raise ValueError(f"{name}={addr!r}: an empty endpoint (etcd://host:port[,host:port...][/namespace])")

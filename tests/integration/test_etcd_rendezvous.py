@@ -114,7 +114,7 @@ def test_the_keepalive_registers_again_after_its_key_was_lost(etcd3, ns):
 
 
 def test_the_watch_reports_looked_up_ranks_whose_keys_went_away(etcd3, ns):
-    with EtcdRendezvous(etcd3.url(ns, TTL)) as a, EtcdRendezvous(etcd3.url(ns, TTL)) as b:
+    with EtcdRendezvous(etcd3.url(ns, TTL)) as a, EtcdRendezvous(etcd3.url(ns, TTL), watch_idle_s=0.3) as b:
         gone = []
         b.on_gone(gone.append)
         for r, inc in ((0, 11), (1, 12)):
@@ -123,11 +123,12 @@ def test_the_watch_reports_looked_up_ranks_whose_keys_went_away(etcd3, ns):
         a.register(info(0, 31, eng="other", tp=1))
         b.lookup("pf", timeout_s=2)
         until(lambda: b._watch is not None and b._watch.connected.is_set(), 3.0, "the watch started")
+        time.sleep(1.0)                               # idle past watch_idle_s: its stream was reopened, ...
         a.deregister("other", 0, 31)                  # never looked up by b: not reported
         a.deregister("pf", 1, 12)                     # revoked
         got = until(lambda: list(gone), 2.0, "rank 1 reported gone")
         assert [(g.engine_id, g.tp_rank, g.incarnation) for g in got] == [("pf", 1, 12)]
-        assert "deleted from etcd" in got[0].reason
+        assert "deleted from etcd" in got[0].reason   # ... and resumed where it was
         a.register(info(0, 41))                       # rank 0 restarted: another incarnation took the key
         until(lambda: len(gone) == 2, 2.0, "rank 0's old incarnation reported gone")
         assert (gone[1].tp_rank, gone[1].incarnation) == (0, 11) and "taken over by incarnation 41" in gone[1].reason
