@@ -63,6 +63,7 @@ class EtcdCluster:
     """`size` members; a context manager (stops them all)."""
 
     size: int = 3
+    args: list[str] = field(default_factory=list)   # more etcd flags for every member
     workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="kvstage-etcd-"))
     members: list[Member] = field(default_factory=list)
 
@@ -89,7 +90,7 @@ class EtcdCluster:
                "--listen-peer-urls", f"http://127.0.0.1:{m.peer_port}",
                "--initial-advertise-peer-urls", f"http://127.0.0.1:{m.peer_port}",
                "--initial-cluster", initial, "--initial-cluster-state", state,
-               "--initial-cluster-token", os.path.basename(self.workdir), *TIMING]
+               "--initial-cluster-token", os.path.basename(self.workdir), *TIMING, *self.args]
         log = open(m.log_path, "a")
         m.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                   preexec_fn=_die_with_parent)
