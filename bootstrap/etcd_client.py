@@ -25,7 +25,7 @@ from typing import Any, Callable
 from etcd3gw import exceptions as etcd_exc
 from etcd3gw.lease import Lease
 
-from .client import BootstrapError, BootstrapTimeout, RankInfo, RankRecord
+from .client import BootstrapError, RankInfo, RankRecord, keep_round, poll_lookup
 from .etcd_config import EtcdConfig, parse_etcd_url
 from .etcd_members import Members
 from .etcd_records import (EtcdRecord, RankGone, Verdict, WatchedRanks, decode_record, encode_record,
@@ -127,36 +127,22 @@ class EtcdRendezvous:
         until ``timeout_s``; then BootstrapTimeout saying what is missing or who did not answer."""
         if not isinstance(engine_id, str) or not engine_id:
             raise ValueError("engine_id must be a non-empty str")
-        deadline = time.monotonic() + timeout_s
-        delay = 0.02
-        state = unanswered = None
         prefix = engine_prefix(self._ns, engine_id)
-        while True:
-            self._check_open()
-            try:
-                revision, kvs = self._range(prefix, f"lookup {engine_id!r}")
-            except BootstrapTimeout as exc:
-                unanswered = str(exc)
-            else:
-                by_rank = {}
-                for kv in kvs:
-                    where = parse_key(self._ns, kv.key)
-                    if where is not None and where[0] == engine_id:
-                        by_rank[where[1]] = kv
-                read = read_engine(engine_id, {r: kv.value for r, kv in by_rank.items()})
-                if read.complete:
-                    self._follow(engine_id, {r.rank.tp_rank: (r.rank.incarnation, by_rank[r.rank.tp_rank].mod_revision)
-                                             for r in read.records}, revision)
-                    return [RankRecord._from_wire(r.wire()) for r in read.records]
-                state, unanswered = read.describe(self.config.display), None
-            left = deadline - time.monotonic()
-            if left <= 0:
-                why = state or unanswered
-                if state and unanswered:
-                    why += " (and etcd did not answer the last poll in time)"
-                raise BootstrapTimeout(f"lookup of engine {engine_id!r} timed out after {timeout_s:.1f}s: {why}")
-            self._stop.wait(min(delay, left))
-            delay = min(delay * 1.5, 0.25)
+
+        def ask(left: float) -> tuple[list[RankRecord] | None, str]:
+            revision, kvs = self._range(prefix, f"lookup {engine_id!r}")
+            by_rank = {}
+            for kv in kvs:
+                where = parse_key(self._ns, kv.key)
+                if where is not None and where[0] == engine_id:
+                    by_rank[where[1]] = kv
+            read = read_engine(engine_id, {r: kv.value for r, kv in by_rank.items()})
+            if not read.complete:
+                return None, read.describe(self.config.display)
+            self._follow(engine_id, {r.rank.tp_rank: (r.rank.incarnation, by_rank[r.rank.tp_rank].mod_revision)
+                                     for r in read.records}, revision)
+            return [RankRecord._from_wire(r.wire()) for r in read.records], ""
+        return poll_lookup(engine_id, timeout_s, ask, self._stop, "etcd")
 
     def deregister(self, engine_id: str, tp_rank: int, incarnation: int) -> None:
         """Revoke the rank's lease (its key goes with it); a no-op for a rank this client did not
@@ -302,24 +288,13 @@ class EtcdRendezvous:
             if self._stop.wait(interval):
                 return
             with self._lock:
-                kept = [(k, info, self._held.get(k)) for k, info in self._keep.items() if k not in self._superseded]
-            for key, info, held in kept:
-                if self._stop.is_set():
-                    return
-                try:
-                    self._keep_one(key, info, held)
-                except BootstrapError as exc:
-                    if self._stop.is_set():
-                        return
-                    if key not in failing:
-                        log.warning("etcd keepalive of %s rank %d failed: %s", *key, exc)
-                        failing.add(key)
-                    continue
-                if key in failing:
-                    log.info("etcd keepalive of %s rank %d works again", *key)
-                    failing.discard(key)
+                infos = [info for k, info in self._keep.items() if k not in self._superseded]
+            if not keep_round(infos, self._keep_one, failing, self._stop, log):
+                return
 
-    def _keep_one(self, key: tuple[str, int], info: RankInfo, held: _Held | None) -> None:
+    def _keep_one(self, info: RankInfo, key: tuple[str, int]) -> None:
+        with self._lock:
+            held = self._held.get(key)
         if held is not None and held.info.incarnation == info.incarnation:
             ttl = self._members.call("renew a lease", lambda c: Lease(held.lease, c).refresh())
             if ttl > 0:
