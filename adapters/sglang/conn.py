@@ -84,14 +84,14 @@ class KvstageKVManager(CommonKVManager):
             rendezvous = self.rendezvous_for(own, wait_s=60.0)
             dp_rank = self.attn_dp_rank if self.attn_dp_size > 1 else self.system_dp_rank
             engine_id = f"sglang-prefill@{own}/dp{dp_rank}"
-        elif shared_rendezvous() is not None:
-            # KVSTAGE_BOOTSTRAP=etcd://...: decode ranks register in the fleet's namespace
-            rendezvous, dp_rank = shared_rendezvous(), 0
         else:
-            # a decode rank registers at a rendezvous server of its own; it reaches prefill
-            # engines at theirs (kvstage looks them up there by rendezvous address + DP rank)
-            self._own_server = _Rendezvous(self.local_ip)
-            rendezvous, dp_rank = self._own_server.address, 0
+            # a decode rank registers at a rendezvous server of its own (with
+            # KVSTAGE_BOOTSTRAP=etcd://..., in the fleet's namespace); it reaches prefill engines at
+            # theirs (kvstage looks them up there by rendezvous address + DP rank)
+            rendezvous, dp_rank = shared_rendezvous(), 0
+            if rendezvous is None:
+                self._own_server = _Rendezvous(self.local_ip)
+                rendezvous = self._own_server.address
             engine_id = f"sglang-decode@{self.local_ip}:{server_args.port}/dp{self.attn_dp_rank}"
         backend = _backend_name()
         self.engine = KVManager(EngineConfig(role="prefill" if self.is_prefill else "decode", engine_id=engine_id,

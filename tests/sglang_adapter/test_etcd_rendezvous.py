@@ -29,7 +29,7 @@ def test_prefill_and_decode_meet_in_etcd(tmp_path, model_dir, fleet, bootstrap_s
     route = requests.get(f"http://127.0.0.1:{bootstrap_server}/kvstage/rendezvous", timeout=5).json()
     assert route["address"].startswith(fleet.url("fleet/prefill-")), route
     namespace = route["address"].rsplit("/", 2)[-2:]
-    reqs = requests_for(5, 4, prefix={1: 1})
-    results = run(tmp_path, model_dir, bootstrap_server, 2, 1, reqs, staging=True)
+    reqs = requests_for(5, 3, prefix={1: 1})
+    results = run(tmp_path, model_dir, bootstrap_server, 1, 1, reqs)
     expect(results, reqs, lambda i: "Success")
     assert fleet.keys(f"/{'/'.join(namespace)}/ranks/") == [] and fleet.keys("/fleet/ranks/") == []  # all revoked
