@@ -76,7 +76,7 @@ class EtcdCluster:
                                        os.path.join(self.workdir, f"{name}.log")))
 
     # ---- life ---------------------------------------------------------------------------------
-    def start(self, timeout_s: float = 20.0) -> "EtcdCluster":
+    def start(self, timeout_s: float = 60.0) -> "EtcdCluster":
         for m in self.members:
             self._spawn(m, "new")
         self.wait_healthy(timeout_s)
@@ -96,7 +96,7 @@ class EtcdCluster:
                                   preexec_fn=_die_with_parent)
         log.close()
 
-    def wait_healthy(self, timeout_s: float = 20.0) -> None:
+    def wait_healthy(self, timeout_s: float = 60.0) -> None:
         """Until every running member says it is healthy (it has a leader)."""
         deadline = time.monotonic() + timeout_s
         for m in self.members:

@@ -88,14 +88,15 @@ def test_prefill_killed_keys_expire_and_decode_fails_its_rooms_from_the_watch(tm
         assert ec.keys("/kill/ranks/pf/") == ["/kill/ranks/pf/0"]
         killed_at = time.time()
         victim.kill()
-        until(lambda: ec.keys("/kill/ranks/pf/") == [], TTL + 2.0, "the killed rank's key expired")
+        until(lambda: ec.keys("/kill/ranks/pf/") == [], TTL + 4.0, "the killed rank's key expired")
         decode.proc.wait(60)
         clean_exit([decode])
         recs = rooms_of(decode)
         for room in range(100, 104):
             r = recs[room]
             assert r["state"] == "Failed" and "deleted from etcd" in r["failure"], r
-            assert r["end"] - killed_at <= TTL + 3.0, f"room {room} failed {r['end'] - killed_at:.1f} s after the kill"
+            # far sooner than the 30 s peer lease: etcd's watch told the decode rank
+            assert r["end"] - killed_at <= TTL + 8.0, f"room {room} failed {r['end'] - killed_at:.1f} s after the kill"
 
 
 @pytest.mark.timeout(180)
@@ -126,7 +127,7 @@ def test_etcd_lost_mid_run_running_transfers_go_on_and_new_lookups_fail_at_their
         lost = recs[300]
         assert lost["state"] == "Failed" and lost["kind"] == "bootstrap", lost
         assert "no etcd member answered" in lost["failure"] and "nobody" in lost["failure"], lost["failure"]
-        assert 3.0 <= lost["end"] - lost["start"] <= 3.0 + 5.0, lost
+        assert 3.0 <= lost["end"] - lost["start"] <= 3.0 + 10.0, lost   # at its deadline, and no hang
 
 
 def test_etcd_unreachable_when_a_rank_starts_names_the_endpoints():
