@@ -119,6 +119,11 @@ class EtcdRendezvous:
             if self._put_if_unchanged(key, encode_record(record), lease, mine.mod_revision if mine else 0):
                 self._hold(info, lease, epoch)
                 return RankRecord._from_wire(record.wire())
+            if held is None or held.lease != lease:
+                try:   # another writer came first: this new lease holds nothing
+                    self._revoke(lease)
+                except BootstrapError:
+                    pass   # it runs out by itself
         raise BootstrapError(f"registering {info.engine_id!r}/{info.tp_rank} at {self.config.display} kept "
                              f"racing with other writers ({_RACES} attempts)", "internal")
 
