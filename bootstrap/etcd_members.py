@@ -9,7 +9,7 @@ user. So:
 - Authentication: etcd's gateway takes a token from ``POST /v3/auth/authenticate`` in the
   Authorization header. `_TokenAuth` is a requests auth hook given to etcd3gw through its own
   ``session`` parameter: it fetches the token on first use and, when the member says the token
-  is invalid (a simple token expired, or the member restarted and forgot it), fetches a new one
+  is invalid (etcd's simple tokens expire when unused for --auth-token-ttl), fetches a new one
   and sends the request once more. A refused password is BootstrapAuthError (permanent).
 
 Every other etcd error becomes a BootstrapError with the server's words.
