@@ -16,8 +16,9 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.kvstage-installed
 REQS   := requirements/torch.txt requirements/nixl.txt requirements/base.txt pyproject.toml
-# Debian packages the Mooncake engine links against, and iproute2 for the multi-host tests.
-APT_PACKAGES := libibverbs1 libnuma1 iproute2
+# Debian packages the Mooncake engine links against, iproute2 for the multi-host tests, and
+# etcd-server (3.4) for the etcd rendezvous' tests and benchmark (docs/bootstrap.md).
+APT_PACKAGES := libibverbs1 libnuma1 iproute2 etcd-server
 
 PYTEST_ARGS ?=
 DEMO_ARGS ?=

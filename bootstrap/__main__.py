@@ -1,4 +1,5 @@
-"""Command line: ``python -m kvstage.bootstrap [serve] ...`` runs the server; ``... status`` asks one.
+"""Command line: ``python -m kvstage.bootstrap [serve] ...`` runs the server; ``... status`` asks one
+(``--addr etcd://...``: the ranks an etcd rendezvous holds, as the same table).
 
 serve: the first line on stdout is ``kvstage-bootstrap listening on tcp://HOST:PORT`` (the real
 port, also with --port 0); logs go to stderr. SIGTERM or SIGINT stops it: exit code 0.
@@ -18,7 +19,8 @@ import time
 
 import zmq
 
-from .client import BootstrapAuthError, BootstrapClient, BootstrapError, BootstrapTimeout
+from .client import BootstrapAuthError, BootstrapError, BootstrapTimeout
+from .rendezvous import open_rendezvous
 from .registry import Limits
 from .server import BootstrapServer
 from .wire import TOKEN_ENV, load_token
@@ -50,8 +52,9 @@ def _serve_parser() -> argparse.ArgumentParser:
 
 def _status_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m kvstage.bootstrap status",
-                                description="Print the engines and ranks a bootstrap server knows.")
-    p.add_argument("--addr", default="127.0.0.1:8998", help="HOST:PORT (default 127.0.0.1:8998)")
+                                description="Print the engines and ranks a bootstrap server (or etcd) knows.")
+    p.add_argument("--addr", default="127.0.0.1:8998",
+                   help="HOST:PORT of a bootstrap server, or etcd://HOST:PORT[,...][/NAMESPACE] (default 127.0.0.1:8998)")
     p.add_argument("--token-file", help=f"shared secret file (first line); else ${TOKEN_ENV}")
     p.add_argument("--timeout", type=float, default=2.0, help="seconds to wait for the answer")
     p.add_argument("--json", action="store_true", help="print the raw status as JSON")
@@ -98,11 +101,14 @@ def serve(argv: list[str]) -> int:
 
 
 def _table(st: dict, addr: str) -> str:
-    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st["started_at"]))
     rows = st["ranks"]
     engines = {r["engine_id"] for r in rows}
-    lines = [f"bootstrap {addr}: started {started}, lease {st['lease_s']:g}s, "
-             f"auth {'on' if st['auth'] else 'off'}, {len(engines)} engines, {len(rows)} ranks"]
+    auth = f"auth {'on' if st['auth'] else 'off'}, {len(engines)} engines, {len(rows)} ranks"
+    if st.get("rendezvous") == "etcd":   # AGE: since the rank registered (etcd holds no stale ranks)
+        lines = [f"etcd {st['address']}: lease TTL {st['lease_s']:g}s, {auth}"]
+    else:
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(st["started_at"]))
+        lines = [f"bootstrap {addr}: started {started}, lease {st['lease_s']:g}s, {auth}"]
     head = ("ENGINE", "ROLE", "TP", "RANK", "EPOCH", "ENDPOINT", "BACKEND", "AGE", "STATE")
     body = [(r["engine_id"], r["role"], str(r["tp_size"]), str(r["tp_rank"]), str(r["epoch"]),
              r["ctrl_endpoint"], r["backend"], f"{r['age_s']:.1f}s",
@@ -119,7 +125,7 @@ def status(argv: list[str]) -> int:
     args = _status_parser().parse_args(argv)
     try:
         token = load_token(token_file=args.token_file)
-        client = BootstrapClient(args.addr, token=token, request_timeout_s=args.timeout)
+        client = open_rendezvous(args.addr, token=token, request_timeout_s=args.timeout)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -128,9 +134,8 @@ def status(argv: list[str]) -> int:
     except BootstrapAuthError as exc:
         print(f"error: refused: {exc}", file=sys.stderr)
         return EXIT_AUTH
-    except BootstrapTimeout:
-        print(f"error: bootstrap server {args.addr} unreachable (no answer within "
-              f"{args.timeout:g}s)", file=sys.stderr)
+    except BootstrapTimeout as exc:
+        print(f"error: {args.addr} unreachable (no answer within {args.timeout:g}s): {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except BootstrapError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -141,6 +141,57 @@ def parse_addr(addr: str, name: str = "bootstrap") -> str:
     return f"tcp://{host}:{port}"
 
 
+def poll_lookup(engine_id: str, timeout_s: float, ask, stop: threading.Event, who: str) -> list:
+    """A lookup: ``ask(seconds left)`` until it returns records (``(records, "")``) rather than
+    what is still missing (``(None, why)``), polling every 20 ms growing to 250 ms, waiting on
+    `stop` (a closed client). BootstrapTimeout from `ask` (``who`` did not answer) is retried;
+    at the deadline BootstrapTimeout says what the last answer said, or that none came."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.02
+    state = unanswered = None  # what the last answer said; the last unanswered poll
+    while True:
+        if stop.is_set():
+            raise BootstrapError("the rendezvous client is closed", "closed")
+        try:
+            records, why = ask(deadline - time.monotonic())
+        except BootstrapTimeout as exc:
+            unanswered = str(exc)
+        else:
+            if records is not None:
+                return records
+            state, unanswered = why, None
+        left = deadline - time.monotonic()
+        if left <= 0:
+            why = state or unanswered
+            if state and unanswered:
+                why += f" (and {who} did not answer the last poll in time)"
+            raise BootstrapTimeout(f"lookup of engine {engine_id!r} timed out after {timeout_s:.1f}s: {why}")
+        stop.wait(min(delay, left))
+        delay = min(delay * 1.5, 0.25)
+
+
+def keep_round(infos: list, keep_one, failing: set, stop: threading.Event, logger: logging.Logger) -> bool:
+    """One keepalive round: ``keep_one(info, (engine_id, tp_rank))`` for each rank; a failure is
+    logged once, and its recovery. False once `stop` is set (the client is closing)."""
+    for info in infos:
+        if stop.is_set():
+            return False
+        key = (info.engine_id, info.tp_rank)
+        try:
+            keep_one(info, key)
+        except BootstrapError as exc:
+            if stop.is_set():
+                return False
+            if key not in failing:
+                logger.warning("keepalive of %s rank %d failed: %s", info.engine_id, info.tp_rank, exc)
+                failing.add(key)
+            continue
+        if key in failing:
+            logger.info("keepalive of %s rank %d works again", *key)
+            failing.discard(key)
+    return True
+
+
 class _Channel:
     """One DEALER socket, one request at a time (lock), reconnect after a timeout."""
 
@@ -300,29 +351,14 @@ class BootstrapClient:
         live. Polls until ``timeout_s``; then raises BootstrapTimeout saying what is missing."""
         if not isinstance(engine_id, str) or not engine_id:
             raise ValueError("engine_id must be a non-empty str")
-        deadline = time.monotonic() + timeout_s
-        delay = 0.02
-        state = unanswered = None  # what the last answer said; the last unanswered poll
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                rep = self._request(self._main, m.Lookup(engine_id=engine_id), m.LookupReply,
-                                    min(self.request_timeout_s, max(left, 0.05)))
-            except BootstrapTimeout as exc:
-                unanswered = str(exc)
-            else:
-                if rep.known and not rep.missing:
-                    return [RankRecord._from_wire(r) for r in rep.records]
-                state, unanswered = self._incomplete(rep), None
-            left = deadline - time.monotonic()
-            if left <= 0:
-                why = state or unanswered
-                if state and unanswered:
-                    why += " (and the server did not answer the last poll in time)"
-                raise BootstrapTimeout(f"lookup of engine {engine_id!r} timed out after "
-                                       f"{timeout_s:.1f}s: {why}")
-            self._stop.wait(min(delay, left))
-            delay = min(delay * 1.5, 0.25)
+
+        def ask(left: float) -> tuple[list[RankRecord] | None, str]:
+            rep = self._request(self._main, m.Lookup(engine_id=engine_id), m.LookupReply,
+                                min(self.request_timeout_s, max(left, 0.05)))
+            if rep.known and not rep.missing:
+                return [RankRecord._from_wire(r) for r in rep.records], ""
+            return None, self._incomplete(rep)
+        return poll_lookup(engine_id, timeout_s, ask, self._stop, "the server")
 
     def deregister(self, engine_id: str, tp_rank: int, incarnation: int) -> None:
         """Remove a rank (no-op when the server does not hold this incarnation)."""
@@ -351,6 +387,10 @@ class BootstrapClient:
                 self._keep_thread = threading.Thread(target=self._keepalive, daemon=True,
                                                      name="kvstage-bootstrap-keepalive")
                 self._keep_thread.start()
+
+    def on_gone(self, callback) -> None:
+        """Nothing to subscribe to: the bootstrap server has no watch; a decode rank learns of a
+        dead prefill rank from its own lease on the connection (bootstrap/rendezvous.py)."""
 
     def status(self) -> dict[str, Any]:
         """What the server knows: {"started_at", "lease_s", "auth", "limits", "counters",
@@ -432,23 +472,9 @@ class BootstrapClient:
                     return
                 with self._lock:
                     infos = list(self._keep.values())
-                for info in infos:
-                    if self._stop.is_set():
-                        return
-                    key = (info.engine_id, info.tp_rank)
-                    try:
-                        self._keep_one(chan, info, key)
-                    except BootstrapError as exc:
-                        if self._stop.is_set():
-                            return
-                        if key not in failing:
-                            log.warning("keepalive of %s rank %d failed: %s", info.engine_id,
-                                        info.tp_rank, exc)
-                            failing.add(key)
-                        continue
-                    if key in failing:
-                        log.info("keepalive of %s rank %d works again", *key)
-                        failing.discard(key)
+                if not keep_round(infos, lambda info, key: self._keep_one(chan, info, key), failing,
+                                  self._stop, log):
+                    return
         finally:
             chan.close()
 

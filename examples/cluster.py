@@ -106,7 +106,8 @@ class RankProc:
 
 @dataclass(kw_only=True)
 class Cluster:
-    """A bootstrap server plus rank processes; use as a context manager (kills everything)."""
+    """A bootstrap server plus rank processes; use as a context manager (kills everything).
+    With `rendezvous` (e.g. an etcd:// address) the ranks use it and no server is started."""
 
     env: dict | None = None
     server_args: list | None = None
@@ -115,8 +116,11 @@ class Cluster:
     workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="kvstage-"))
     server: Server | None = None
     procs: list = field(default_factory=list)
+    rendezvous: str | None = None
 
     def __enter__(self) -> "Cluster":
+        if self.rendezvous is not None:
+            return self
         self.server = start_bootstrap(host=self.server_host, env=self.env, args=self.server_args,
                                       netns=self.server_netns)
         return self
@@ -153,7 +157,7 @@ class Cluster:
 
     @property
     def addr(self) -> str:
-        return self.server.addr
+        return self.rendezvous if self.rendezvous is not None else self.server.addr
 
     def launch(self, managers: list[dict], name: str, env: dict | None = None, netns: str | None = None,
                log_level: str = "WARNING", bootstrap: str | None = None) -> RankProc:

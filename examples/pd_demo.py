@@ -3,8 +3,10 @@ through kvstage, as separate processes on this machine, and every byte is verifi
 
     make demo                       # defaults: prefill TP 4 -> decode TP 2, staged, NIXL
     .venv/bin/python examples/pd_demo.py --backend mooncake --no-staging --requests 16
+    .venv/bin/python examples/pd_demo.py --bootstrap etcd://127.0.0.1:2379/demo   # rendezvous on etcd
 
-It starts the bootstrap server (python -m kvstage.bootstrap), one process per prefill rank and per
+It starts the bootstrap server (python -m kvstage.bootstrap; with --bootstrap, the ranks use that
+rendezvous instead: another server, or etcd), one process per prefill rank and per
 decode rank (examples/pd_rank.py). Prefill ranks fill each request's pages with a deterministic
 pattern and send them in chunks, as chunked prefill would; decode ranks receive into random
 pages and check every byte. Exit code 0 only when every request arrived and verified.
@@ -51,7 +53,17 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument("--json", help="write the summary here")
-    return p.parse_args(argv)
+    p.add_argument("--bootstrap", help="the ranks' rendezvous, instead of a bootstrap server of the demo's own: "
+                                       "HOST:PORT of a running one, or etcd://HOST:PORT[,...][/NAMESPACE] "
+                                       "(docs/bootstrap.md)")
+    a = p.parse_args(argv)
+    if a.bootstrap is not None:
+        from kvstage.bootstrap.rendezvous import check_address
+        try:
+            check_address("--bootstrap", a.bootstrap)
+        except ValueError as exc:
+            p.error(str(exc))
+    return a
 
 
 def make_requests(a: argparse.Namespace) -> list[dict]:
@@ -90,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
               "ring_mb": a.ring_mb, "buffer_mb": a.buffer_mb, "workers": a.workers, "inflight": a.inflight,
               "run_timeout_s": a.timeout, "seed": a.seed}
     t0 = time.time()
-    with Cluster() as cl:
+    with Cluster(rendezvous=a.bootstrap) as cl:
         common["barrier"] = cl.barrier(a.prefill_tp + a.decode_tp, timeout_s=a.timeout)
         progress = [os.path.join(cl.workdir, f"progress-{r}.json") for r in range(a.decode_tp)]
         for r in range(a.prefill_tp):
@@ -98,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(a.decode_tp):
             cl.launch([{**common, "role": "decode", "engine": "decode-0", "peer_engine": "prefill-0", "rank": r,
                         "tp": a.decode_tp, "progress": progress[r]}], f"decode{r}")
-        print(f"  bootstrap server on {cl.addr}; {a.prefill_tp + a.decode_tp} rank processes started")
+        where = f"rendezvous {cl.addr}" if a.bootstrap else f"bootstrap server on {cl.addr}"
+        print(f"  {where}; {a.prefill_tp + a.decode_tp} rank processes started")
         deadline = time.time() + a.timeout + 60
         tty, shown = sys.stdout.isatty(), -1
         while time.time() < deadline and any(p.proc.poll() is None for p in cl.procs):

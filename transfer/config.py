@@ -56,11 +56,9 @@ class Timeouts:
             else:
                 check.positive(name, val)
         if self.heartbeat >= self.lease:
-            raise ValueError(
-                f"timeouts.heartbeat={self.heartbeat:g} must be shorter than timeouts.lease={self.lease:g}: "
-                f"a peer would be declared lost between two heartbeats (a quarter of the lease or "
-                f"less leaves room for lost ones)"
-            )
+            raise ValueError(f"timeouts.heartbeat={self.heartbeat:g} must be shorter than timeouts.lease={self.lease:g}: "
+                             f"a peer would be declared lost between two heartbeats (a quarter of the lease or "
+                             f"less leaves room for lost ones)")
 
     @classmethod
     def from_env(cls, **overrides: float) -> "Timeouts":
@@ -97,27 +95,28 @@ def _quarantine(name: str, value: object) -> float:
 class EngineConfig:
     """How one rank process embeds kvstage (README, "Embedding it"; docs/configuration.md)."""
 
-    role: str  # "prefill" or "decode"
-    engine_id: str  # the TP group this rank belongs to
-    bootstrap: str  # "host:port" of the rendezvous server
-    backend: str = "nixl"  # or "mooncake"
-    staging: bool | None = None  # None: read SGLANG_DISAGG_STAGING_BUFFER
-    host: str = "127.0.0.1"  # address this rank binds and advertises
-    auth_token: str | None = None  # None: read KVSTAGE_AUTH_TOKEN
-    ctrl_port: int = 0  # control-plane port; 0 picks a free one
-    staging_workers: int | None = None  # prefill transfer workers; env KVSTAGE_STAGING_WORKERS, 2
-    staging_buffer_mb: float | None = None  # per-worker buffer; env KVSTAGE_STAGING_BUFFER_MB, 64
-    ring_mb: float | None = None  # decode ring; env SGLANG_DISAGG_STAGING_POOL_SIZE_MB, 256
-    staging_piece_mb: float | None = None  # largest writer part of one piece (pipelining); env
-    # KVSTAGE_STAGING_PIECE_MB, 32
-    timeouts: Timeouts | None = None  # None: Timeouts.from_env()
+    role: str                                # "prefill" or "decode"
+    engine_id: str                           # the TP group this rank belongs to
+    bootstrap: str | None = None             # the rendezvous: "host:port" of a bootstrap server, or
+                                             # "etcd://host:port[,...][/namespace]"; None: KVSTAGE_BOOTSTRAP
+    backend: str = "nixl"                    # or "mooncake"
+    staging: bool | None = None              # None: read SGLANG_DISAGG_STAGING_BUFFER
+    host: str = "127.0.0.1"                  # address this rank binds and advertises
+    auth_token: str | None = None            # None: read KVSTAGE_AUTH_TOKEN
+    ctrl_port: int = 0                       # control-plane port; 0 picks a free one
+    staging_workers: int | None = None       # prefill transfer workers; env KVSTAGE_STAGING_WORKERS, 2
+    staging_buffer_mb: float | None = None   # per-worker buffer; env KVSTAGE_STAGING_BUFFER_MB, 64
+    ring_mb: float | None = None             # decode ring; env SGLANG_DISAGG_STAGING_POOL_SIZE_MB, 256
+    staging_piece_mb: float | None = None    # largest writer part of one piece (pipelining); env
+                                             # KVSTAGE_STAGING_PIECE_MB, 32
+    timeouts: Timeouts | None = None         # None: Timeouts.from_env()
     backend_options: dict = field(default_factory=dict)
-    faults: dict | None = None  # tests and drills only: transfer.backends.faults.FaultPlan
-    dp_rank: int = 0  # prefill: data-parallel rank of this engine in its serving
-    # instance (decode ranks may name it by rendezvous server + DP rank)
-    metrics_port: int | None = None  # Prometheus /metrics on host:port (0: any free port); None: env
-    # KVSTAGE_METRICS_PORT, unset: no metrics (needs prometheus-client)
-    verify: bool | None = None  # end-to-end digests of every write; None: read KVSTAGE_VERIFY
+    faults: dict | None = None               # tests and drills only: transfer.backends.faults.FaultPlan
+    dp_rank: int = 0                         # prefill: data-parallel rank of this engine in its serving
+                                             # instance (decode ranks may name it by rendezvous server + DP rank)
+    metrics_port: int | None = None          # Prometheus /metrics on host:port (0: any free port); None: env
+                                             # KVSTAGE_METRICS_PORT, unset: no metrics (needs prometheus-client)
+    verify: bool | None = None               # end-to-end digests of every write; None: read KVSTAGE_VERIFY
 
     def resolved(self) -> "EngineConfig":
         """A copy with every None filled from the environment, validated: a bad value raises
@@ -128,8 +127,8 @@ class EngineConfig:
             raise ValueError("engine_id must be a non-empty string")
         if self.backend not in ("nixl", "mooncake"):
             raise ValueError(f"backend must be 'nixl' or 'mooncake', got {self.backend!r}")
-        check.host_port("bootstrap", self.bootstrap)
-        host = check.host("host", self.host).strip("[]")  # an IPv6 literal is kept without brackets
+        bootstrap = check.rendezvous("bootstrap", self.bootstrap)
+        host = check.host("host", self.host).strip("[]")   # an IPv6 literal is kept without brackets
         check.port("ctrl_port", self.ctrl_port)
         if isinstance(self.dp_rank, bool) or not isinstance(self.dp_rank, int) or not 0 <= self.dp_rank <= 1024:
             raise ValueError(f"dp_rank must be an int in 0..1024, got {self.dp_rank!r}")
@@ -149,6 +148,7 @@ class EngineConfig:
             staging=env_flag(STAGING_ENV) if self.staging is None else check.flag("staging", self.staging),
             verify=env_flag(VERIFY_ENV) if self.verify is None else check.flag("verify", self.verify),
             auth_token=token,
+            bootstrap=bootstrap,
             host=host,
             staging_workers=self._count("staging_workers", WORKERS_ENV, 2),
             staging_buffer_mb=self._mb("staging_buffer_mb", BUFFER_MB_ENV, 64.0),
@@ -156,24 +156,19 @@ class EngineConfig:
             staging_piece_mb=self._mb("staging_piece_mb", PIECE_MB_ENV, 32.0),
             backend_options=options,
             timeouts=timeouts,
-            metrics_port=(
-                from_env(METRICS_PORT_ENV, None, int, check.port)
-                if self.metrics_port is None
-                else check.port("metrics_port", self.metrics_port)
-            ),
+            metrics_port=(from_env(METRICS_PORT_ENV, None, int, check.port) if self.metrics_port is None
+                          else check.port("metrics_port", self.metrics_port)),
         )
 
     def _count(self, option: str, env: str, default: int) -> int:
         def workers(name: str, value: object) -> int:
             return check.count(name, value, 1, MAX_WORKERS)
-
         value = getattr(self, option)
         return from_env(env, default, int, workers) if value is None else workers(option, value)
 
     def _mb(self, option: str, env: str, default: float) -> float:
         def size(name: str, value: object) -> float:
             return check.positive(name, value, MAX_MB)
-
         value = getattr(self, option)
         return from_env(env, default, float, size) if value is None else size(option, value)
 

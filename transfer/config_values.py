@@ -12,6 +12,8 @@ import os
 from typing import Callable, TypeVar
 
 from ..bootstrap.address import check_host, split_host_port
+from ..bootstrap.rendezvous import check_address
+from ..bootstrap.rendezvous import from_env as from_bootstrap_env
 
 T = TypeVar("T")
 
@@ -69,6 +71,12 @@ def host_port(name: str, value: object) -> str:
     on (1..65535)."""
     split_host_port(name, value)
     return value  # type: ignore[return-value]
+
+
+def rendezvous(name: str, value: object) -> str:
+    """A rendezvous address (bootstrap/rendezvous.py): 'host:port' of a bootstrap server or an
+    etcd:// address; None reads KVSTAGE_BOOTSTRAP."""
+    return check_address(name, from_bootstrap_env(value))
 
 
 def host(name: str, value: object) -> str:

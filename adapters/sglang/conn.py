@@ -36,6 +36,7 @@ from kvstage.bootstrap.server import BootstrapServer
 from kvstage.bootstrap.wire import load_token
 
 from . import pools, send_gate
+from .rendezvous import address_from_route, instance_address, route_answer, shared_rendezvous
 from .geometry import device_of, kv_layout, unsupported_features
 from .state import StateMap
 from .plugin import staging_enabled
@@ -49,10 +50,6 @@ AUX_GATE_S = 5.0                               # how long Success may wait for t
 
 def _join(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
-def _host_of(addr: str) -> str:
-    return addr.rsplit(":", 1)[0]
 
 
 class KvstageKVManager(CommonKVManager):
@@ -88,10 +85,13 @@ class KvstageKVManager(CommonKVManager):
             dp_rank = self.attn_dp_rank if self.attn_dp_size > 1 else self.system_dp_rank
             engine_id = f"sglang-prefill@{own}/dp{dp_rank}"
         else:
-            # a decode rank registers at a rendezvous server of its own; it reaches prefill
-            # engines at theirs (kvstage looks them up there by rendezvous address + DP rank)
-            self._own_server = _Rendezvous(self.local_ip)
-            rendezvous, dp_rank = self._own_server.address, 0
+            # a decode rank registers at a rendezvous server of its own (with
+            # KVSTAGE_BOOTSTRAP=etcd://..., in the fleet's namespace); it reaches prefill engines at
+            # theirs (kvstage looks them up there by rendezvous address + DP rank)
+            rendezvous, dp_rank = shared_rendezvous(), 0
+            if rendezvous is None:
+                self._own_server = _Rendezvous(self.local_ip)
+                rendezvous = self._own_server.address
             engine_id = f"sglang-decode@{self.local_ip}:{server_args.port}/dp{self.attn_dp_rank}"
         backend = _backend_name()
         self.engine = KVManager(EngineConfig(role="prefill" if self.is_prefill else "decode", engine_id=engine_id,
@@ -126,7 +126,7 @@ class KvstageKVManager(CommonKVManager):
             try:
                 reply = requests.get(f"http://{bootstrap_addr}{RENDEZVOUS_ROUTE}", timeout=5)
                 if reply.status_code == 200:
-                    addr = _join(_host_of(bootstrap_addr).strip("[]"), int(reply.json()["port"]))
+                    addr = address_from_route(bootstrap_addr, reply.json())   # a server's port, or etcd
                     break
                 error = f"HTTP {reply.status_code}: {reply.text[:200]}"
             except (requests.RequestException, ValueError, KeyError) as exc:
@@ -506,11 +506,14 @@ class _Rendezvous:
 
 class KvstageKVBootstrapServer(CommonKVBootstrapServer):
     """SGLang's bootstrap server of a prefill instance, plus kvstage's rendezvous server on a
-    free port; `GET /kvstage/rendezvous` tells ranks that port."""
+    free port; `GET /kvstage/rendezvous` tells ranks that port. With KVSTAGE_BOOTSTRAP=etcd://...
+    no server: the route names the instance's own namespace in that etcd (rendezvous.py)."""
 
     def __init__(self, host: str, port: int):
         bind = host or "127.0.0.1"
-        self._kvstage = _Rendezvous(bind)
+        fleet = shared_rendezvous()
+        self._etcd = instance_address(fleet) if fleet is not None else None
+        self._kvstage = _Rendezvous(bind) if fleet is None else None
         super().__init__(host, port)
 
     def _setup_routes(self):
@@ -518,8 +521,9 @@ class KvstageKVBootstrapServer(CommonKVBootstrapServer):
         self.app.router.add_get(RENDEZVOUS_ROUTE, self._handle_kvstage_rendezvous)
 
     async def _handle_kvstage_rendezvous(self, request: web.Request):
-        return web.json_response({"port": self._kvstage.port})
+        return web.json_response(route_answer(self._kvstage.port if self._kvstage else None, self._etcd))
 
     def close(self):
-        self._kvstage.close()
+        if self._kvstage is not None:
+            self._kvstage.close()
         super().close()

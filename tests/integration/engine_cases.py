@@ -87,15 +87,17 @@ def manager_specs(case: Case, role: str, rank: int, barrier: dict) -> dict:
     return spec
 
 
-def run_cases(cases: list[Case], timeout: float = 240, env: dict | None = None, server_args: list | None = None):
+def run_cases(cases: list[Case], timeout: float = 240, env: dict | None = None, server_args: list | None = None,
+              rendezvous: str | None = None):
     """Run every case in one cluster; return {case name: {"prefill": [...], "decode": [...]}}
-    with each rank's result dict, plus the processes for exit-code checks."""
+    with each rank's result dict, plus the processes for exit-code checks. `rendezvous`: an
+    address the ranks use instead of a bootstrap server of their own (e.g. etcd://)."""
     nprefill = max(c.topo.P for c in cases)
     ndecode = max(c.topo.D for c in cases)
     total = sum(c.topo.P + c.topo.D for c in cases)
     out = {c.name: {"prefill": [], "decode": []} for c in cases}
     t0 = time.monotonic()
-    with Cluster(env=env, server_args=server_args) as cl:
+    with Cluster(env=env, server_args=server_args, rendezvous=rendezvous) as cl:
         barrier = cl.barrier(total, timeout_s=timeout)
         for r in range(nprefill):
             specs = [manager_specs(c, "prefill", r, barrier) for c in cases if r < c.topo.P]

@@ -122,3 +122,19 @@ def test_a_plain_gpu_deployment_is_not_refused():
     assert unsupported_features(plain_mgr(), SimpleNamespace(kv_data_mem_kinds=["VRAM"] * 4)) == []
     cpu = plain_mgr(server_args=SimpleNamespace(enable_hisparse=False, device="cpu"))
     assert unsupported_features(cpu, SimpleNamespace(kv_data_mem_kinds=["DRAM"] * 4)) == []
+
+
+def test_rendezvous_per_prefill_instance_or_one_etcd_for_the_fleet():
+    from kvstage.adapters.sglang.rendezvous import (address_from_route, instance_address, route_answer,
+                                                    shared_rendezvous)
+    assert shared_rendezvous({}) is None                                   # a bootstrap server per instance
+    fleet = shared_rendezvous({"KVSTAGE_BOOTSTRAP": "etcd://e1:2379,e2:2379/prod?ttl=5"})
+    assert fleet == "etcd://e1:2379,e2:2379/prod?ttl=5"
+    with pytest.raises(ValueError, match="names an etcd cluster"):
+        shared_rendezvous({"KVSTAGE_BOOTSTRAP": "10.0.0.1:8998"})
+    one, two = instance_address(fleet), instance_address(fleet)
+    assert one != two and one.startswith("etcd://e1:2379,e2:2379/prod/prefill-") and one.endswith("?ttl=5")
+    # the decode side reads what the prefill instance's route says
+    assert address_from_route("10.0.0.7:8998", route_answer(None, one)) == one
+    assert address_from_route("10.0.0.7:8998", route_answer(41234, None)) == "10.0.0.7:41234"
+    assert address_from_route("[fd00::7]:8998", route_answer(41234, None)) == "[fd00::7]:41234"

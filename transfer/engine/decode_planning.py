@@ -15,6 +15,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from ...bootstrap.rendezvous import RankGone
 from ..poll import KVPoll
 from ..protocol import peering
 from ..protocol.actions import PeerKey
@@ -268,6 +269,21 @@ class EnginePlanner:
         for view in self._views_of(peer.key.engine_id):
             if view.rooms:
                 self.engine(view.source, now)  # look the engine up again for rooms still waiting
+
+    def rank_gone(self, gone: RankGone, now: float) -> None:
+        """The rendezvous no longer holds a prefill rank (etcd's watch saw its key deleted or taken
+        over): a connection to it ends as a lost peer's does, failing its rooms with the reason;
+        views that name it without a connection fail their waiting rooms and are looked up again
+        for the next ones."""
+        reason = f"prefill rank {gone.tp_rank} of {gone.engine_id}: {gone.reason}"
+        peer = self.peers.get(gone.incarnation)
+        if peer is not None:
+            self.peers.lost(peer, reason, now)
+            return
+        for view in self._views_of(gone.engine_id):
+            if view.state == "ready" and any(r.incarnation == gone.incarnation for r in view.records):
+                view.state, view.error = "failed", reason
+                self._changed(view, now)
 
     def plan_deadlines(self, now: float) -> None:
         """Rooms that could not reach their prefill ranks in time fail, saying why."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from ...bootstrap.rendezvous import RankGone
 from ...staging.scatter_worker import ScatterJob, ScatterWorker
 from ..poll import KVPoll
 from ..protocol.actions import Scatter, StatusChanged
@@ -43,7 +44,8 @@ class DecodeSide:
                          Quiesced: self.on_Quiesced, RoomFailed: self.on_RoomFailed,
                          WritePosted: self.on_WritePosted}
         self.events = {NewReceiver: self.new_receiver, InitReceiver: self.init_receiver, Abort: self.abort,
-                       ScatterDone: self.on_scattered, LookupDone: self.planner.on_lookup}
+                       ScatterDone: self.on_scattered, LookupDone: self.planner.on_lookup,
+                       RankGone: self.planner.rank_gone}
 
     def on_hello(self, msg: Hello, now: float) -> None:
         self.ctx.stats.count("dropped_messages", "unexpected")  # decode ranks connect, they are not connected to

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from ...bootstrap import BootstrapClient, BootstrapError, RankInfo
+from ...bootstrap import BootstrapError, RankGone, RankInfo, open_rendezvous
 from ...staging.handler import StagingHandler
 from ...staging.kernels import kernel_choice, requested_kernels
 
@@ -129,11 +129,13 @@ class KVManager:
         self._stack.callback(self._close_context)
 
     def _start_bootstrap_client(self, cfg: EngineConfig) -> None:
-        self._bootstrap = BootstrapClient(cfg.bootstrap, token=cfg.token_bytes)
+        self._bootstrap = open_rendezvous(cfg.bootstrap, token=cfg.token_bytes)   # a server, or etcd
         self._stack.callback(self._bootstrap.close)
 
     def _start_sources(self, cfg: EngineConfig) -> None:
-        self._sources = SourceResolver(self._bootstrap, cfg.token_bytes)   # other rendezvous servers, lazily
+        # other rendezvous, lazily; a decode rank hears of prefill ranks the rendezvous dropped (etcd)
+        on_gone = self._rank_gone if cfg.role == "decode" else None
+        self._sources = SourceResolver(self._bootstrap, cfg.token_bytes, on_gone=on_gone)
         self._stack.callback(self._sources.close)
 
     def _start_control_loop(self, cfg: EngineConfig) -> None:
@@ -191,6 +193,13 @@ class KVManager:
             pools["staging_buffers"] = sum(b.nbytes for b in self._handler.buffers)
         return pools
 
+    def _rank_gone(self, gone: RankGone) -> None:
+        """From a rendezvous' watch thread: the control thread fails what depended on that rank."""
+        loop = getattr(self, "_loop", None)
+        if loop is not None and not self._closed:
+            with contextlib.suppress(RuntimeError):   # the control thread died: its rooms failed already
+                loop.post(gone)
+
     def _register(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while True:
@@ -201,7 +210,7 @@ class KVManager:
                 # a permanent refusal fails at once with the server's reason; no answer or a
                 # transient error is retried until the bootstrap deadline
                 if exc.permanent or time.monotonic() > deadline:
-                    raise BootstrapError(f"registering with the bootstrap server {self.config.bootstrap} failed: "
+                    raise BootstrapError(f"registering at the rendezvous {self.config.bootstrap} failed: "
                                          f"{exc}", exc.kind) from exc
                 time.sleep(0.2)
 

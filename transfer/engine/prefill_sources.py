@@ -14,15 +14,15 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ...bootstrap import BootstrapClient, BootstrapError
-from ...bootstrap.client import parse_addr
+from ...bootstrap import BootstrapError, Rendezvous, open_rendezvous
+from ...bootstrap.rendezvous import check_address, rendezvous_key
 from ..protocol.peering import DpMatch, engine_for_dp
 
 
 @dataclass(frozen=True)
 class PrefillSource:
     engine_id: str = ""       # "": the engine of `dp_rank` at `bootstrap`
-    bootstrap: str = ""       # "host:port" of the prefill instance's rendezvous server; "": this rank's own
+    bootstrap: str = ""       # the prefill instance's rendezvous ("host:port" or etcd://); "": this rank's own
     dp_rank: int = 0
 
     @property
@@ -39,8 +39,8 @@ def make_source(prefill_engine: str | None, bootstrap: str | None, dp_rank: int 
         raise ValueError("prefill_engine must be a non-empty string")
     if bootstrap is not None:
         if not isinstance(bootstrap, str):
-            raise ValueError(f"bootstrap must be 'host:port', got {bootstrap!r}")
-        parse_addr(bootstrap)  # raises ValueError naming the address
+            raise ValueError(f"bootstrap must be 'host:port' or an etcd:// address, got {bootstrap!r}")
+        check_address("bootstrap", bootstrap)  # raises ValueError naming the address
     if dp_rank is not None and (isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0):
         raise ValueError(f"prefill_dp_rank must be an int >= 0, got {dp_rank!r}")
     if prefill_engine is None and bootstrap is None:
@@ -53,9 +53,12 @@ def make_source(prefill_engine: str | None, bootstrap: str | None, dp_rank: int 
 class SourceResolver:
     """Lookups for the decode side's planner (called on its lookup threads)."""
 
-    def __init__(self, own: BootstrapClient, token: bytes | None, poll_s: float = 0.2):
+    def __init__(self, own: Rendezvous, token: bytes | None, poll_s: float = 0.2, on_gone=None):
         self._own, self._token, self._poll_s = own, token, poll_s
-        self._clients: dict[str, BootstrapClient] = {}
+        self._on_gone = on_gone   # told of looked-up ranks a rendezvous no longer holds (etcd's watch)
+        self._clients: dict[str, Rendezvous] = {}
+        if on_gone is not None and own is not None:
+            own.on_gone(on_gone)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -64,19 +67,21 @@ class SourceResolver:
         engine = source.engine_id or self._engine_of_dp(client, source, timeout)
         return client.lookup(engine, timeout_s=timeout)
 
-    def _client(self, addr: str) -> BootstrapClient:
+    def _client(self, addr: str) -> Rendezvous:
         if not addr:
             return self._own
-        endpoint = parse_addr(addr)
+        endpoint = rendezvous_key(addr)
         with self._lock:
             if self._closed:
                 raise BootstrapError("the KVManager is closing")
             client = self._clients.get(endpoint)
             if client is None:  # connects lazily: an unreachable server only fails its requests
-                client = self._clients[endpoint] = BootstrapClient(addr, token=self._token)
+                client = self._clients[endpoint] = open_rendezvous(addr, token=self._token)
+                if self._on_gone is not None:
+                    client.on_gone(self._on_gone)
             return client
 
-    def _engine_of_dp(self, client: BootstrapClient, source: PrefillSource, timeout: float) -> str:
+    def _engine_of_dp(self, client: Rendezvous, source: PrefillSource, timeout: float) -> str:
         """Poll the server's status until one prefill engine serves the DP rank (or time is up)."""
         deadline = time.monotonic() + timeout
         while True:
