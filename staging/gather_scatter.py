@@ -55,6 +55,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .page_lists import check_pages
+
 __all__ = ["region_nbytes", "Gatherer", "Scatterer"]
 
 # Widest first: (bytes, dtype) used to reinterpret head rows.
@@ -169,28 +171,10 @@ class _Pages:
 
 def _check_pages(pages, num_pages: int, device: torch.device, what: str, unique: bool,
                  max_runs: int) -> _Pages:
-    if isinstance(pages, torch.Tensor):
-        if pages.dtype.is_floating_point or pages.dtype.is_complex or pages.dtype == torch.bool:
-            raise ValueError(f"{what}: pages must hold integers, got {pages.dtype}")
-        host = pages.detach().to("cpu", torch.int64).numpy()
-    else:
-        host = np.asarray(pages)
-        if host.size == 0:
-            host = host.astype(np.int64)
-        if host.dtype.kind not in "iu":
-            raise ValueError(f"{what}: pages must hold integers, got {host.dtype}")
-        host = host.astype(np.int64, copy=False)
-    if host.ndim != 1:
-        raise ValueError(f"{what}: pages must be 1-D, got shape {host.shape}")
+    host = check_pages(pages, num_pages, what, unique=unique)
     n = int(host.shape[0])
     if n == 0:
         return _Pages(0, None, ())
-    lo, hi = int(host.min()), int(host.max())
-    if lo < 0 or hi >= num_pages:
-        bad = lo if lo < 0 else hi
-        raise ValueError(f"{what}: page index {bad} is out of range for a cache of {num_pages} pages")
-    if unique and np.unique(host).shape[0] != n:
-        raise ValueError(f"{what}: destination pages must be distinct (the list repeats a page)")
     breaks = np.flatnonzero(np.diff(host) != 1) + 1 if max_runs > 0 else None
     if breaks is not None and breaks.shape[0] + 1 <= max_runs:
         starts = [0, *breaks.tolist()]
