@@ -134,7 +134,9 @@ def bare_launch(tk, kernel, k, v, pages, page_size: int, heads: tuple[int, int],
     import triton
     tensors = _tensors(k, v)
     row_bytes = tensors[0].shape[2] * tensors[0].element_size()
-    w, word = tk._word(row_bytes, tensors, region)
+    from kvstage.staging.copy_units import unit_for
+    unit = unit_for(row_bytes, (*tensors, region))
+    w, word = unit.nbytes, unit.dtype
     table = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=region.device)
     index = pages.to(region.device, torch.int64)
     rows, row_words = index.numel() * page_size, row_bytes // w

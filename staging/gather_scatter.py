@@ -55,12 +55,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .copy_units import alignment, unit_for
 from .page_lists import check_pages
 
 __all__ = ["region_nbytes", "Gatherer", "Scatterer"]
-
-# Widest first: (bytes, dtype) used to reinterpret head rows.
-_UNITS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 
 #: Plain slice copies replace the index kernels for page lists made of few runs of consecutive
 #: pages: scatter for up to two runs, gather for ONE run (bench_gather.py: with more runs, one
@@ -186,25 +184,6 @@ def _check_pages(pages, num_pages: int, device: torch.device, what: str, unique:
     return _Pages(n, index, None)
 
 
-def _alignment(t: torch.Tensor) -> int:
-    """The largest unit (8/4/2/1 bytes) that both the storage offset and the address honour."""
-    off = t.storage_offset() * t.element_size()
-    ptr = t.data_ptr()
-    for w, _ in _UNITS:
-        if off % w == 0 and ptr % w == 0:
-            return w
-    return 1
-
-
-def _unit_for(cache: _Cache) -> tuple[int, torch.dtype]:
-    """Widest unit dividing the head row bytes and honoured by every layer tensor."""
-    limit = min(_alignment(t) for t in cache.tensors)
-    for w, dt in _UNITS:
-        if w <= limit and cache.row_bytes % w == 0:
-            return w, dt
-    return 1, torch.uint8
-
-
 class _Prepared:
     """A validated cache and its views in `unit` elements, memoised by the Gatherer/Scatterer.
 
@@ -216,7 +195,8 @@ class _Prepared:
         self.cache = cache
         self.page_size = page_size
         self.ptrs = tuple(t.data_ptr() for t in cache.tensors)
-        self.w, self.unit = _unit_for(cache)
+        unit = unit_for(cache.row_bytes, cache.tensors)
+        self.w, self.unit = unit.nbytes, unit.dtype
         self.r = cache.row_bytes // self.w
         P, H = cache.num_pages, cache.num_heads
         #: per tensor: [num_pages, page_size, heads, r]
@@ -325,7 +305,7 @@ class Gatherer(_Worker):
         nblk = len(cache.tensors)
         block = total // nblk
         srcs = prep.pages if whole else prep.sliced(h0, h1)
-        staged = _alignment(out) < prep.w
+        staged = alignment(out) < prep.w
         # whole pages by index: one row per page; otherwise [n, page_size, heads, r]
         shape = (n, -1) if whole and pg.runs is None else (n, ps, hh, r)
         if staged:
@@ -376,7 +356,7 @@ class Scatterer(_Worker):
         block = total // nblk
         whole = hh == cache.num_heads
         dsts = prep.pages if whole else prep.sliced(h0, h1)
-        staged = _alignment(src) < prep.w
+        staged = alignment(src) < prep.w
         shape = (n, -1) if whole and pg.runs is None else (n, ps, hh, r)
         if staged:
             tmp = self._scratch(block, cache.device)

@@ -15,7 +15,7 @@ address in an int64 table) and each region row ``j``::
 
 A head row is reinterpreted as the widest machine word (int64/int32/int16/int8) that divides
 ``head_dim * elem_size`` and that every tensor and the region are aligned to, so any dtype
-(fp8 included) moves bit-exactly and whole words at a time.
+(fp8 included) moves bit-exactly and whole words at a time (`copy_units.unit_for`).
 
 Launch geometry: grid ``(cdiv(rows, BLOCK_R), blocks)``; each program copies a tile of
 ``BLOCK_R`` region rows, looping over the row's ``(h1 - h0) * row_words`` words in
@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .gather_scatter import (_UNITS, _alignment, _check_heads, _check_pages, _check_region, _Worker,
-                             region_nbytes)
+from .copy_units import unit_for
+from .gather_scatter import _check_heads, _check_pages, _check_region, _Worker, region_nbytes
 
 __all__ = ["TritonGatherer", "TritonScatterer", "gather_rows_kernel", "scatter_rows_kernel", "tile_shape",
            "interpreted"]
@@ -99,15 +99,6 @@ def tile_shape(span: int) -> tuple[int, int]:
     return max(1, _TILE_WORDS // block_w), block_w
 
 
-def _word(row_bytes: int, tensors, region: torch.Tensor) -> tuple[int, torch.dtype]:
-    """Widest unit dividing the head row bytes and honoured by every tensor AND the region."""
-    limit = min(_alignment(t) for t in (*tensors, region))
-    for w, dt in _UNITS:
-        if w <= limit and row_bytes % w == 0:
-            return w, dt
-    return 1, torch.uint8
-
-
 class _TritonWorker(_Worker):
     """Validation and the per-cache address table; the reference's checks, memo and messages."""
 
@@ -121,7 +112,8 @@ class _TritonWorker(_Worker):
         _check_region(region, cache.device, total, name, what)
         if total == 0:
             return 0
-        w, word = _word(cache.row_bytes, cache.tensors, region)
+        unit = unit_for(cache.row_bytes, (*cache.tensors, region))  # the region's alignment too: no scratch copy
+        w, word = unit.nbytes, unit.dtype
         table = prep.extras.get("triton_table")
         if table is None:  # data_ptr of every tensor, region order (all K layers, then all V)
             table = prep.extras["triton_table"] = torch.tensor(

@@ -25,6 +25,7 @@ import torch
 
 from kvstage.staging import kernels
 from kvstage.staging import triton_kernels as tk
+from kvstage.staging.copy_units import unit_for
 from kvstage.staging.gather_scatter import Gatherer, Scatterer, region_nbytes
 from kvstage.staging.triton_kernels import TritonGatherer, TritonScatterer
 
@@ -106,7 +107,7 @@ def test_tile_shape_powers_of_two_within_tile():
 def test_word_is_widest_unit_dividing_row_and_alignment(head_dim, dtype, offset, word):
     k, _ = make_cache(1, False, 1, 1, 1, head_dim, dtype, 0)
     region = torch.empty(64 + head_dim * 8, dtype=torch.uint8, device=DEVICE)[offset:]
-    assert tk._word(head_dim * k[0].element_size(), k, region)[1] == word
+    assert unit_for(head_dim * k[0].element_size(), [*k, region]).dtype == word
 
 
 def test_one_launch_per_region_with_address_table(monkeypatch):
