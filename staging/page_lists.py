@@ -1,6 +1,6 @@
 """The one validator of page lists: what `send()`/`init()` accept from the caller
-(transfer/engine/handles.py) and what a gather or scatter accepts (staging/gather_scatter.py,
-staging/triton_kernels.py).
+(transfer/engine/handles.py) and what a gather or scatter accepts (staging/copy_plan.py, for
+both staging/gather_scatter.py and staging/triton_kernels.py).
 
 A page list is a 1-D list of indices into a rank's paged KV cache, in request order: an int
 sequence, a numpy integer array or an integer torch tensor. Every failure is a ValueError that

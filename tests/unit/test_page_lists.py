@@ -12,8 +12,9 @@ from kvstage.staging.page_lists import check_pages
 from kvstage.transfer.engine.handles import KVReceiver, KVSender, RoomStatus
 
 
-@pytest.mark.parametrize("pages", [[3, 0, 3], (1, 2), np.array([4, 1], np.uint16), torch.tensor([2, 0], dtype=torch.int32),
-                                   [], np.zeros(0, np.float64), torch.zeros(0, dtype=torch.int64)])
+@pytest.mark.parametrize("pages", [[3, 0, 3], (1, 2), np.array([4, 1], np.uint16),
+                                   torch.tensor([2, 0], dtype=torch.int32), [], np.zeros(0, np.float64),
+                                   torch.zeros(0, dtype=torch.int64)])
 def test_accepts_int_lists_arrays_and_tensors_as_int64(pages):
     got = check_pages(pages, 5, "x", unique=False)
     assert got.dtype == np.int64 and got.ndim == 1
