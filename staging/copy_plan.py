@@ -175,7 +175,7 @@ class PreparedCache:
         return views
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class PageRun:
     """Consecutive cache pages [page, page + length) at list positions [position, + length)."""
 
@@ -184,7 +184,7 @@ class PageRun:
     length: int
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class CopyPlan:
     """One validated gather or scatter: region block b <-> cache tensor b, region page position
     j <-> cache page `pages[j]`, region heads <-> cache heads [h0, h1). `pages` is the page list
