@@ -170,34 +170,13 @@ def verify(case: Case, b: SimpleNamespace, gatherer, scatterer) -> list[str]:
     return problems
 
 
-def bare_launch(tk, kernel, k, v, pages, page_size: int, heads: tuple[int, int], region: torch.Tensor):
-    """A closure launching `kernel` as TritonGatherer/Scatterer._launch does, minus the per-call
-    validation and page upload: what the kernel itself costs."""
-    import triton
-
-    tensors = _tensors(k, v)
-    row_bytes = tensors[0].shape[2] * tensors[0].element_size()
-    w, word = tk._word(row_bytes, tensors, region)
-    table = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=region.device)
-    index = pages.to(region.device, torch.int64)
-    rows, row_words = index.numel() * page_size, row_bytes // w
-    span = (heads[1] - heads[0]) * row_words
-    block_r, block_w = tk.tile_shape(span)
-    grid, view = (triton.cdiv(rows, block_r), len(tensors)), region.view(word)
-    return lambda: kernel[grid](
-        table,
-        view,
-        index,
-        rows,
-        page_size,
-        tensors[0].shape[1],
-        heads[0],
-        span,
-        row_words,
-        BLOCK_R=block_r,
-        BLOCK_W=block_w,
-        num_warps=tk._NUM_WARPS,
-    )
+def bare_launch(tk, direction: str, k, v, pages, page_size: int, heads: tuple[int, int], region: torch.Tensor):
+    """A closure launching the kernel for `direction` ("gather" or "scatter") as TritonGatherer /
+    TritonScatterer do, minus the per-call validation and page upload: what the kernel itself
+    costs. The plan and its launch arguments are worked out once, here."""
+    from kvstage.staging.copy_plan import Direction
+    planner = tk.TritonGatherer() if direction == "gather" else tk.TritonScatterer()
+    return tk.kernel_launch(planner.plan(Direction(direction), k, v, pages, page_size, heads, region))
 
 
 def time_op(fn, warmup: int, iters: int, cuda: bool) -> tuple[float, float]:
@@ -223,12 +202,8 @@ def time_op(fn, warmup: int, iters: int, cuda: bool) -> tuple[float, float]:
 def run_case(tk, case: Case, tokens: int, device: torch.device, args) -> dict:
     b = make_buffers(case, tokens, device)
     problems = verify(case, b, tk.TritonGatherer(), tk.TritonScatterer())
-    bare_g = bare_launch(
-        tk, tk.gather_rows_kernel, b.src_k, b.src_v, b.src_pages, case.page_size, case.gather, b.region
-    )
-    bare_s = bare_launch(
-        tk, tk.scatter_rows_kernel, b.dst_k, b.dst_v, b.dst_pages, case.page_size, case.scatter, b.region
-    )
+    bare_g = bare_launch(tk, "gather", b.src_k, b.src_v, b.src_pages, case.page_size, case.gather, b.region)
+    bare_s = bare_launch(tk, "scatter", b.dst_k, b.dst_v, b.dst_pages, case.page_size, case.scatter, b.region)
     good, back = b.region.clone(), torch.empty_like(b.region)
     b.region.zero_()
     bare_g()  # then: overwrite the destination heads with zeros, bare scatter, gather them back

@@ -16,16 +16,21 @@ the ``h1 - h0`` heads of the range; its size is `region_nbytes(...)`.
 
 How (figures: examples/bench_gather.py, docs/staging_kernels.md)
 -----------------------------------------------------------------
+Both directions run the same `copy_plan.CopyPlan` (validated cache, head range, page list,
+region) through one loop: gather reads the cache and writes the region, scatter the reverse.
+
 Everything works on byte views of the caches, so every dtype (fp8 included) moves bit-exactly.
 The bytes of one head row (``head_dim * elem_size``) are reinterpreted as the widest integer unit
-that divides them and that every tensor involved is aligned to (int64 in practice): torch's
+that divides them and that every tensor involved is aligned to (int64 in practice;
+`copy_units.unit_for`): torch's
 index kernels move one element at a time, and 8-byte elements make ``index_copy_`` 2-7x and
 whole-page ``index_select`` up to 1.7x faster than byte elements.
 
 - gather, whole head set: ``index_select`` of whole pages straight into the region;
 - gather, a head slice: ``index_select`` on the head-sliced page view straight into the region.
   It measured 1.2-5x faster than "whole pages into a temp, then copy the head slice out" with
-  torch 2.13 here (the 1.5 GB/s once measured for the direct form is not reproduced, docs/staging_kernels.md), so no temp;
+  torch 2.13 here (the 1.5 GB/s once measured for the direct form is not reproduced,
+  docs/staging_kernels.md), so no temp;
 - scatter: ``index_copy_`` into the (head-sliced) page view of the destination cache. It writes
   exactly the bytes of the destination head range and nothing else, so several writers may
   scatter DIFFERENT head ranges of the SAME pages concurrently (the decode side does, with P > D).
@@ -49,16 +54,14 @@ releases the GIL during the copies.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from collections.abc import Sequence
 
-import numpy as np
 import torch
 
-__all__ = ["region_nbytes", "Gatherer", "Scatterer"]
+from .copy_plan import CopyPlan, Direction, Planner, PreparedCache, region_nbytes
+from .copy_units import alignment
 
-# Widest first: (bytes, dtype) used to reinterpret head rows.
-_UNITS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
+__all__ = ["Gatherer", "Scatterer", "region_nbytes"]
 
 #: Plain slice copies replace the index kernels for page lists made of few runs of consecutive
 #: pages: scatter for up to two runs, gather for ONE run (bench_gather.py: with more runs, one
@@ -75,208 +78,12 @@ def _gather_slices_win(whole: bool, page_size: int, page_bytes: int) -> bool:
     return page_bytes < _GATHER_ROW_MIN_BYTES if whole else page_size > 1
 
 
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
-def region_nbytes(num_layers: int, has_v: bool, num_tokens: int, num_heads: int, head_dim: int,
-                  elem_size: int) -> int:
-    """Byte size of one writer's staging region: K (and V) x layers x tokens x heads x head_dim."""
-    for name, val in (("num_layers", num_layers), ("num_tokens", num_tokens), ("num_heads", num_heads),
-                      ("head_dim", head_dim), ("elem_size", elem_size)):
-        _check_int(name, val, 0)
-    return (2 if has_v else 1) * num_layers * num_tokens * num_heads * head_dim * elem_size
-
-
-@dataclass(frozen=True)
-class _Cache:
-    """A validated KV cache: the per-layer tensors in region order (all K layers, then all V)."""
-
-    tensors: tuple[torch.Tensor, ...]
-    num_layers: int
-    has_v: bool
-    num_pages: int
-    num_heads: int
-    head_dim: int
-    elem_size: int
-    device: torch.device
-    dtype: torch.dtype
-
-    @property
-    def row_bytes(self) -> int:
-        return self.head_dim * self.elem_size
-
-
-def _check_structure(k, v, page_size, what: str) -> int:
-    if isinstance(k, torch.Tensor) or not isinstance(k, Sequence) or len(k) == 0:
-        raise ValueError(f"{what}: k must be a non-empty sequence of per-layer tensors")
-    if v is not None:
-        if isinstance(v, torch.Tensor) or not isinstance(v, Sequence):
-            raise ValueError(f"{what}: v must be None (MLA) or a sequence of per-layer tensors")
-        if len(v) != len(k):
-            raise ValueError(f"{what}: v has {len(v)} layers but k has {len(k)}")
-    return _check_int("page_size", page_size, 1)
-
-
-def _describe_cache(k, v, page_size: int, what: str) -> _Cache:
-    first = k[0]
-    if not isinstance(first, torch.Tensor):
-        raise ValueError(f"{what}: k[0] is a {type(first).__name__}, not a torch.Tensor")
-    if first.dim() != 3:
-        raise ValueError(f"{what}: k[0] must be [tokens, heads, head_dim], got shape {tuple(first.shape)}")
-    tensors = list(k) + (list(v) if v is not None else [])
-    for i, t in enumerate(tensors):
-        name = f"k[{i}]" if i < len(k) else f"v[{i - len(k)}]"
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(f"{what}: {name} is a {type(t).__name__}, not a torch.Tensor")
-        if t.dtype != first.dtype:
-            raise ValueError(f"{what}: dtype mismatch: {name} is {t.dtype}, k[0] is {first.dtype}")
-        if t.device != first.device:
-            raise ValueError(f"{what}: device mismatch: {name} is on {t.device}, k[0] on {first.device}")
-        if t.shape != first.shape:
-            raise ValueError(f"{what}: shape mismatch: {name} is {tuple(t.shape)}, k[0] is {tuple(first.shape)}")
-        if not t.is_contiguous():
-            raise ValueError(f"{what}: {name} must be contiguous")
-    num_tokens, num_heads, head_dim = first.shape
-    if num_tokens % page_size:
-        raise ValueError(f"{what}: {num_tokens} tokens per layer is not a multiple of page_size={page_size}")
-    return _Cache(tuple(tensors), len(k), v is not None, num_tokens // page_size, num_heads, head_dim,
-                  first.element_size(), first.device, first.dtype)
-
-
-def _check_heads(heads, num_heads: int, what: str) -> tuple[int, int]:
-    try:
-        h0, h1 = heads
-    except (TypeError, ValueError):
-        raise ValueError(f"{what}: heads must be a (start, stop) pair, got {heads!r}") from None
-    h0 = _check_int("heads[0]", h0, 0)
-    h1 = _check_int("heads[1]", h1, 0)
-    if not h0 < h1 <= num_heads:
-        raise ValueError(f"{what}: head range [{h0}, {h1}) is out of bounds for {num_heads} heads")
-    return h0, h1
-
-
-@dataclass(frozen=True)
-class _Pages:
-    n: int
-    index: torch.Tensor | None      # int64 on the cache's device; None when `runs` replace it
-    runs: tuple[tuple[int, int, int], ...] | None  # (position in list, first page, length)
-
-
-def _check_pages(pages, num_pages: int, device: torch.device, what: str, unique: bool,
-                 max_runs: int) -> _Pages:
-    if isinstance(pages, torch.Tensor):
-        if pages.dtype.is_floating_point or pages.dtype.is_complex or pages.dtype == torch.bool:
-            raise ValueError(f"{what}: pages must hold integers, got {pages.dtype}")
-        host = pages.detach().to("cpu", torch.int64).numpy()
-    else:
-        host = np.asarray(pages)
-        if host.size == 0:
-            host = host.astype(np.int64)
-        if host.dtype.kind not in "iu":
-            raise ValueError(f"{what}: pages must hold integers, got {host.dtype}")
-        host = host.astype(np.int64, copy=False)
-    if host.ndim != 1:
-        raise ValueError(f"{what}: pages must be 1-D, got shape {host.shape}")
-    n = int(host.shape[0])
-    if n == 0:
-        return _Pages(0, None, ())
-    lo, hi = int(host.min()), int(host.max())
-    if lo < 0 or hi >= num_pages:
-        bad = lo if lo < 0 else hi
-        raise ValueError(f"{what}: page index {bad} is out of range for a cache of {num_pages} pages")
-    if unique and np.unique(host).shape[0] != n:
-        raise ValueError(f"{what}: destination pages must be distinct (the list repeats a page)")
-    breaks = np.flatnonzero(np.diff(host) != 1) + 1 if max_runs > 0 else None
-    if breaks is not None and breaks.shape[0] + 1 <= max_runs:
-        starts = [0, *breaks.tolist()]
-        ends = [*breaks.tolist(), n]
-        return _Pages(n, None, tuple((s, int(host[s]), e - s) for s, e in zip(starts, ends)))
-    index = torch.from_numpy(np.ascontiguousarray(host))
-    if index.device != device:
-        index = index.to(device)
-    return _Pages(n, index, None)
-
-
-def _alignment(t: torch.Tensor) -> int:
-    """The largest unit (8/4/2/1 bytes) that both the storage offset and the address honour."""
-    off = t.storage_offset() * t.element_size()
-    ptr = t.data_ptr()
-    for w, _ in _UNITS:
-        if off % w == 0 and ptr % w == 0:
-            return w
-    return 1
-
-
-def _unit_for(cache: _Cache) -> tuple[int, torch.dtype]:
-    """Widest unit dividing the head row bytes and honoured by every layer tensor."""
-    limit = min(_alignment(t) for t in cache.tensors)
-    for w, dt in _UNITS:
-        if w <= limit and cache.row_bytes % w == 0:
-            return w, dt
-    return 1, torch.uint8
-
-
-class _Prepared:
-    """A validated cache and its views in `unit` elements, memoised by the Gatherer/Scatterer.
-
-    Holding the tensors keeps their ids unique while the entry exists, so (ids, data pointers)
-    identify the same cache on the next call without re-validating it.
-    """
-
-    def __init__(self, cache: _Cache, page_size: int) -> None:
-        self.cache = cache
-        self.page_size = page_size
-        self.ptrs = tuple(t.data_ptr() for t in cache.tensors)
-        self.w, self.unit = _unit_for(cache)
-        self.r = cache.row_bytes // self.w
-        P, H = cache.num_pages, cache.num_heads
-        #: per tensor: [num_pages, page_size, heads, r]
-        self.pages = [t.view(torch.uint8).view(self.unit).view(P, page_size, H, self.r) for t in cache.tensors]
-        #: per tensor: [num_pages, page_size * heads * r] (whole-page rows)
-        self.rows = [pv.view(P, -1) for pv in self.pages]
-        self._sliced: dict[tuple[int, int], list[torch.Tensor]] = {}
-        #: data other implementations derive from this cache (the Triton address table), kept
-        #: and dropped with this entry
-        self.extras: dict[str, object] = {}
-
-    def valid(self) -> bool:
-        return all(t.data_ptr() == p for t, p in zip(self.cache.tensors, self.ptrs))
-
-    def sliced(self, h0: int, h1: int) -> list[torch.Tensor]:
-        views = self._sliced.get((h0, h1))
-        if views is None:
-            views = self._sliced[(h0, h1)] = [pv[:, :, h0:h1] for pv in self.pages]
-        return views
-
-
-def _check_region(region, device: torch.device, need: int, name: str, what: str) -> None:
-    if not isinstance(region, torch.Tensor):
-        raise ValueError(f"{what}: {name} must be a torch.Tensor, got {type(region).__name__}")
-    if region.dtype != torch.uint8 or region.dim() != 1:
-        raise ValueError(f"{what}: {name} must be a 1-D torch.uint8 tensor, got {region.dtype} "
-                         f"of shape {tuple(region.shape)}")
-    if not region.is_contiguous():
-        raise ValueError(f"{what}: {name} must be contiguous")
-    if region.device != device:
-        raise ValueError(f"{what}: device mismatch: {name} is on {region.device}, the KV cache on {device}")
-    if region.numel() < need:
-        raise ValueError(f"{what}: {name} has {region.numel()} bytes, the region needs {need}")
-
-
-_MEMO_ENTRIES = 4
-
-
-class _Worker:
-    """Shared by Gatherer and Scatterer: the reusable scratch buffer and the prepared caches."""
+class _TorchCopier(Planner):
+    """Runs a CopyPlan with torch copies, in either direction; owns the reusable scratch buffer."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._temp: torch.Tensor | None = None
-        self._memo: dict[tuple, _Prepared] = {}
 
     @property
     def temp(self) -> torch.Tensor | None:
@@ -290,25 +97,59 @@ class _Worker:
             t = self._temp = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return t[:nbytes]
 
-    def _prepare(self, k, v, page_size, what: str) -> _Prepared:
-        page_size = _check_structure(k, v, page_size, what)
-        key = (page_size, len(k), v is not None, *map(id, k), *(map(id, v) if v is not None else ()))
-        prep = self._memo.get(key)
-        if prep is not None and prep.valid():
-            return prep
-        prep = _Prepared(_describe_cache(k, v, page_size, what), page_size)
-        if len(self._memo) >= _MEMO_ENTRIES:
-            self._memo.clear()
-        self._memo[key] = prep
-        return prep
-
     def forget(self) -> None:
         """Drop the scratch buffer and the references this object holds to KV caches."""
+        super().forget()
         self._temp = None
-        self._memo.clear()
+
+    def _max_runs(self, direction: Direction, prep: PreparedCache, whole: bool) -> int:
+        if direction is Direction.SCATTER:
+            return _SCATTER_MAX_RUNS
+        page_bytes = prep.page_size * prep.cache.num_heads * prep.cache.row_bytes
+        return _GATHER_MAX_RUNS if _gather_slices_win(whole, prep.page_size, page_bytes) else 0
+
+    def _copy(self, plan: CopyPlan) -> int:
+        """One (K/V, layer) block at a time: index_select / index_copy_ by the page index, or one
+        slice copy per run; through the scratch block when the region is not word-aligned."""
+        total = plan.nbytes
+        if total == 0:
+            return 0
+        prep, region, gather, pages = plan.prep, plan.region, plan.gather, plan.pages
+        nblk, block, unit = plan.blocks, plan.block_bytes, prep.unit.dtype
+        by_row = plan.whole and isinstance(pages, torch.Tensor)   # whole pages by index: one row per page
+        caches = prep.rows if by_row else prep.pages if plan.whole else prep.sliced(plan.h0, plan.h1)
+        shape = (plan.n, -1) if by_row else (plan.n, prep.page_size, plan.h1 - plan.h0, prep.r)
+        staged = alignment(region) < prep.unit.nbytes
+        parts: Sequence[torch.Tensor]
+        if staged:
+            tmp = self._scratch(block, prep.cache.device)
+            parts = [tmp.view(unit).view(shape)] * nblk
+        else:
+            parts = region[:total].view(unit).view(nblk, *shape).unbind(0)
+        with torch.no_grad():
+            for i in range(nblk):
+                if staged and not gather:
+                    tmp.copy_(region[i * block: (i + 1) * block])
+                part, cache = parts[i], caches[i]
+                if isinstance(pages, torch.Tensor):
+                    if gather:
+                        torch.index_select(cache, 0, pages, out=part)
+                    else:
+                        cache.index_copy_(0, pages, part)
+                else:
+                    for run in pages:
+                        at_cache = cache[run.page: run.page + run.length]
+                        at_region = part[run.position: run.position + run.length]
+                        if gather:
+                            at_region.copy_(at_cache)
+                        else:
+                            at_cache.copy_(at_region)
+                if staged and gather:
+                    region[i * block: (i + 1) * block].copy_(tmp)
+        return total
 
 
-class Gatherer(_Worker):
+class Gatherer(_TorchCopier):
     """Gathers KV pages into staging regions. One per transfer worker thread: NOT thread-safe.
 
     It keeps a reusable scratch buffer and, to skip re-validating and re-viewing the same cache
@@ -325,45 +166,10 @@ class Gatherer(_Worker):
         is the range [h0, h1) of this cache's local heads; `pages` may repeat a page. Raises
         ValueError naming what is wrong.
         """
-        what = "gather"
-        prep = self._prepare(k, v, page_size, what)
-        cache = prep.cache
-        h0, h1 = _check_heads(heads, cache.num_heads, what)
-        whole = h1 - h0 == cache.num_heads
-        slices = _gather_slices_win(whole, prep.page_size, prep.page_size * cache.num_heads * cache.row_bytes)
-        pg = _check_pages(pages, cache.num_pages, cache.device, what, unique=False,
-                          max_runs=_GATHER_MAX_RUNS if slices else 0)
-        ps, hh, n, r, unit = prep.page_size, h1 - h0, pg.n, prep.r, prep.unit
-        total = region_nbytes(cache.num_layers, cache.has_v, n * ps, hh, cache.head_dim, cache.elem_size)
-        _check_region(out, cache.device, total, "out", what)
-        if total == 0:
-            return 0
-        nblk = len(cache.tensors)
-        block = total // nblk
-        srcs = prep.pages if whole else prep.sliced(h0, h1)
-        staged = _alignment(out) < prep.w
-        # whole pages by index: one row per page; otherwise [n, page_size, heads, r]
-        shape = (n, -1) if whole and pg.runs is None else (n, ps, hh, r)
-        if staged:
-            tmp = self._scratch(block, cache.device)
-            dsts = [tmp.view(unit).view(shape)] * nblk
-        else:
-            dsts = out[:total].view(unit).view(nblk, *shape).unbind(0)
-        with torch.no_grad():
-            for i in range(nblk):
-                dst = dsts[i]
-                if pg.runs is not None:
-                    src = srcs[i]
-                    for pos, start, length in pg.runs:
-                        dst[pos: pos + length].copy_(src[start: start + length])
-                else:
-                    torch.index_select(prep.rows[i] if whole else srcs[i], 0, pg.index, out=dst)
-                if staged:
-                    out[i * block: (i + 1) * block].copy_(tmp)
-        return total
+        return self._copy(self.plan(Direction.GATHER, k, v, pages, page_size, heads, out))
 
 
-class Scatterer(_Worker):
+class Scatterer(_TorchCopier):
     """Scatters staging regions into KV pages. One per thread: NOT thread-safe.
 
     Writes exactly the bytes of the destination head range: concurrent scatters of disjoint head
@@ -378,36 +184,4 @@ class Scatterer(_Worker):
         `heads` is the range [h0, h1) of the DESTINATION cache's local heads; `pages` are
         destination page indices in request order and must be distinct.
         """
-        what = "scatter"
-        prep = self._prepare(k, v, page_size, what)
-        cache = prep.cache
-        h0, h1 = _check_heads(heads, cache.num_heads, what)
-        pg = _check_pages(pages, cache.num_pages, cache.device, what, unique=True, max_runs=_SCATTER_MAX_RUNS)
-        ps, hh, n, r, unit = prep.page_size, h1 - h0, pg.n, prep.r, prep.unit
-        total = region_nbytes(cache.num_layers, cache.has_v, n * ps, hh, cache.head_dim, cache.elem_size)
-        _check_region(src, cache.device, total, "src", what)
-        if total == 0:
-            return 0
-        nblk = len(cache.tensors)
-        block = total // nblk
-        whole = hh == cache.num_heads
-        dsts = prep.pages if whole else prep.sliced(h0, h1)
-        staged = _alignment(src) < prep.w
-        shape = (n, -1) if whole and pg.runs is None else (n, ps, hh, r)
-        if staged:
-            tmp = self._scratch(block, cache.device)
-            parts = [tmp.view(unit).view(shape)] * nblk
-        else:
-            parts = src[:total].view(unit).view(nblk, *shape).unbind(0)
-        with torch.no_grad():
-            for i in range(nblk):
-                if staged:
-                    tmp.copy_(src[i * block: (i + 1) * block])
-                part = parts[i]
-                if pg.runs is not None:
-                    dst = dsts[i]
-                    for pos, start, length in pg.runs:
-                        dst[start: start + length].copy_(part[pos: pos + length])
-                else:
-                    (prep.rows[i] if whole else dsts[i]).index_copy_(0, pg.index, part)
-        return total
+        return self._copy(self.plan(Direction.SCATTER, k, v, pages, page_size, heads, src))

@@ -25,6 +25,7 @@ import torch
 
 from kvstage.staging import kernels
 from kvstage.staging import triton_kernels as tk
+from kvstage.staging.copy_units import unit_for
 from kvstage.staging.gather_scatter import Gatherer, Scatterer, region_nbytes
 from kvstage.staging.triton_kernels import TritonGatherer, TritonScatterer
 
@@ -106,7 +107,7 @@ def test_tile_shape_powers_of_two_within_tile():
 def test_word_is_widest_unit_dividing_row_and_alignment(head_dim, dtype, offset, word):
     k, _ = make_cache(1, False, 1, 1, 1, head_dim, dtype, 0)
     region = torch.empty(64 + head_dim * 8, dtype=torch.uint8, device=DEVICE)[offset:]
-    assert tk._word(head_dim * k[0].element_size(), k, region)[1] == word
+    assert unit_for(head_dim * k[0].element_size(), [*k, region]).dtype == word
 
 
 def test_one_launch_per_region_with_address_table(monkeypatch):
@@ -119,19 +120,19 @@ def test_one_launch_per_region_with_address_table(monkeypatch):
 
         def __getitem__(self, grid):
             def launch(table, region, *args, **kw):
-                launches.append((grid, table.cpu().tolist(), region.dtype))
+                launches.append((grid, table.cpu().tolist(), region.dtype, kw["GATHER"]))
                 return self.kernel[grid](table, region, *args, **kw)
             return launch
 
-    monkeypatch.setattr(tk, "gather_rows_kernel", Spy(tk.gather_rows_kernel))
-    monkeypatch.setattr(tk, "scatter_rows_kernel", Spy(tk.scatter_rows_kernel))
+    monkeypatch.setattr(tk, "copy_rows_kernel", Spy(tk.copy_rows_kernel))
     k, v = make_cache(5, True, 6, 4, 4, 64, torch.bfloat16, 1)
     region = check_gather(k, v, [4, 0, 2], 4, (1, 3))
     dk, dv = clone(k), clone(v)
     TritonScatterer().scatter(region, dk, dv, [5, 1, 3], 4, (2, 4))
     assert len(launches) == 2
-    for (grid, table, word), cache in zip(launches, (k + v, dk + dv)):
+    for (grid, table, word, gather), cache, want in zip(launches, (k + v, dk + dv), (True, False), strict=True):
         assert grid[1] == 10 and table == [t.data_ptr() for t in cache] and word == torch.int64
+        assert gather is want   # the direction is the kernel's compile-time constant
 
 
 # ----------------------------------------------------------------------------- bit-exact matrix
@@ -326,7 +327,8 @@ def test_workers_fail_at_construction_on_a_bad_setting(monkeypatch):
 # ----------------------------------------------------------------------------- ahead-of-time compile
 
 def test_aot_compile_for_sm80_and_sm90(tmp_path):
-    """Lower both kernels for every word size to PTX and a cubin (bundled ptxas), no GPU needed."""
+    """Lower the kernel in both directions for every word size to PTX and a cubin (bundled ptxas),
+    no GPU needed."""
     env = {key: val for key, val in os.environ.items() if key != "TRITON_INTERPRET"}
     env.update(TRITON_CACHE_DIR=str(tmp_path), TRITON_DEFAULT_FP_FUSION="1")
     script = Path(__file__).with_name("aot_compile_kernels.py")
@@ -335,12 +337,15 @@ def test_aot_compile_for_sm80_and_sm90(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines()]
     bits = {"int64": 64, "int32": 32, "int16": 16, "uint8": 8}
-    assert {(r["cap"], r["kernel"], r["word"]) for r in rows} == {
-        (cap, kern, word) for cap in (80, 90) for kern in ("gather_rows_kernel", "scatter_rows_kernel")
+    assert {(r["cap"], r["kernel"], r["direction"], r["word"]) for r in rows} == {
+        (cap, "copy_rows_kernel", direction, word) for cap in (80, 90) for direction in ("gather", "scatter")
         for word in bits}
     for r in rows:
         assert r["cubin_elf"] and r["cubin_bytes"] > 1000 and r["ptx_target"] and r["ptx_entry"], r
         assert r["store_bits"] == [bits[r["word"]]], r  # whole words, never narrower stores
+    ptx = {(r["cap"], r["direction"], r["word"]): r["ptx_sha256"] for r in rows}
+    for cap in (80, 90):  # the GATHER constexpr specialises the kernel: two different programs
+        assert all(ptx[cap, "gather", word] != ptx[cap, "scatter", word] for word in bits)
 
 
 def test_cpu_workers_do_not_import_triton():

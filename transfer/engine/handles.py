@@ -11,9 +11,7 @@ import threading
 import time
 from typing import Any, Callable
 
-import numpy as np
-import torch
-
+from ...staging.page_lists import check_pages
 from ..outcome import KVTransferError, TransferMetrics
 from ..poll import KVPoll
 from ..protocol.send_checks import check_chunk, check_page_count
@@ -64,31 +62,6 @@ class RoomStatus:
     def wait(self, predicate, timeout: float | None) -> bool:
         with self._lock:
             return self._changed.wait_for(lambda: predicate(self), timeout)
-
-
-def as_pages(pages: Any, limit: int, what: str, unique: bool) -> np.ndarray:
-    """Any int sequence, numpy array or CPU tensor -> int64 numpy array, validated."""
-    if isinstance(pages, torch.Tensor):
-        if pages.device.type != "cpu":
-            raise ValueError(f"{what}: page indices must be a CPU tensor, got one on {pages.device}")
-        if pages.dtype.is_floating_point or pages.dtype.is_complex or pages.dtype == torch.bool:
-            raise ValueError(f"{what}: page indices must be integers, got {pages.dtype}")
-        arr = pages.detach().numpy().astype(np.int64, copy=True)
-    else:
-        arr = np.asarray(pages if not isinstance(pages, (str, bytes)) else [pages])
-        if arr.size == 0:
-            arr = arr.astype(np.int64)
-        if arr.dtype.kind not in "iu":
-            raise ValueError(f"{what}: page indices must be integers, got {arr.dtype}")
-        arr = arr.astype(np.int64, copy=True)
-    if arr.ndim != 1:
-        raise ValueError(f"{what}: page indices must be one-dimensional, got shape {tuple(arr.shape)}")
-    if arr.size and (arr.min() < 0 or arr.max() >= limit):
-        bad = int(arr[(arr < 0) | (arr >= limit)][0])
-        raise ValueError(f"{what}: page index {bad} is outside this rank's cache of {limit} pages")
-    if unique and np.unique(arr).size != arr.size:
-        raise ValueError(f"{what}: page indices repeat; every destination page must be distinct")
-    return arr
 
 
 class _Handle:
@@ -217,7 +190,8 @@ class KVSender(_Handle):
         `last` left out: the request ends when the pages sent reach its page count; given, it
         must agree with that count."""
         check_chunk(self.room, self.num_pages, self._sent, self._last, 0, None)  # before the pages are read
-        arr = as_pages(pages, self._cache_pages, f"room {self.room} send()", unique=False)
+        arr = check_pages(pages, self._cache_pages, f"room {self.room} send()", unique=False, host_only=True,
+                          copy=True)
         last = check_chunk(self.room, self.num_pages, self._sent, self._last, int(arr.size), last)
         self._post(SendChunk(self.room, arr, last))
         self._sent += arr.size
@@ -253,7 +227,8 @@ class KVReceiver(_Handle):
             raise ValueError(f"room {self.room}: init() called twice")
         if isinstance(prefix_pages, bool) or not isinstance(prefix_pages, int) or prefix_pages < 0:
             raise ValueError(f"room {self.room}: prefix_pages must be an int >= 0, got {prefix_pages!r}")
-        arr = as_pages(dst_pages, self._cache_pages, f"room {self.room} init()", unique=True)
+        arr = check_pages(dst_pages, self._cache_pages, f"room {self.room} init()", unique=True, host_only=True,
+                          copy=True)
         if arr.size == 0:
             raise ValueError(f"room {self.room}: init() needs at least one page past the prefix")
         items = check_pool_items(pool_items, self._pools, f"room {self.room} init()")
