@@ -65,8 +65,8 @@ def clean_exit(procs) -> None:
 def test_bit_exact_over_both_backends_with_a_member_down():
     """Prefill TP 2 -> decode TP 1, NIXL staged and Mooncake direct, every rank registering and
     looking up through etcd while the member every client asks first is dead."""
-    cases = [Case(Topo(2, 1, 2), staging=True, backend="nixl", rooms=random_rooms(1, 6, 16)),
-             Case(Topo(2, 1, 2), staging=False, backend="mooncake", rooms=random_rooms(2, 6, 16))]
+    cases = [Case(topo=Topo(P=2, D=1, H=2), staging=True, backend="nixl", rooms=random_rooms(1, 6, 16)),
+             Case(topo=Topo(P=2, D=1, H=2), staging=False, backend="mooncake", rooms=random_rooms(2, 6, 16))]
     with EtcdCluster(3) as ec:
         ec.kill(0)
         results, codes, logs, _ = run_cases(cases, timeout=150, rendezvous=ec.url("engines", TTL))
