@@ -26,8 +26,19 @@ _PUBLIC = {
 __all__ = list(_PUBLIC)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
-    from .transfer import (EngineConfig, KVBuffers, KVLayout, KVManager, KVPoll, KVReceiver, KVSender,
-                           KVTransferError, StatePool, Timeouts, TransferMetrics)
+    from .transfer import (
+        EngineConfig,
+        KVBuffers,
+        KVLayout,
+        KVManager,
+        KVPoll,
+        KVReceiver,
+        KVSender,
+        KVTransferError,
+        StatePool,
+        Timeouts,
+        TransferMetrics,
+    )
 
 
 def __getattr__(name: str) -> Any:

@@ -5,8 +5,15 @@ Prefill and decode ranks register here and look up each other's ranks; see docs/
 This package must not import torch: the server runs on machines without it.
 """
 
-from .client import (BootstrapAuthError, BootstrapClient, BootstrapError, BootstrapTimeout,
-                     RankInfo, RankRecord, new_incarnation)
+from .client import (
+                     BootstrapAuthError,
+                     BootstrapClient,
+                     BootstrapError,
+                     BootstrapTimeout,
+                     RankInfo,
+                     RankRecord,
+                     new_incarnation,
+)
 from .rendezvous import BOOTSTRAP_ENV, RankGone, Rendezvous, open_rendezvous
 
 __all__ = ["BootstrapClient", "RankInfo", "RankRecord", "BootstrapError", "BootstrapTimeout",

@@ -20,8 +20,8 @@ import time
 import zmq
 
 from .client import BootstrapAuthError, BootstrapError, BootstrapTimeout
-from .rendezvous import open_rendezvous
 from .registry import Limits
+from .rendezvous import open_rendezvous
 from .server import BootstrapServer
 from .wire import TOKEN_ENV, load_token
 

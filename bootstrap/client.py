@@ -130,7 +130,7 @@ class RankRecord(RankInfo):
         return RankInfo(**{f.name: getattr(self, f.name) for f in dataclasses.fields(RankInfo)})
 
     @classmethod
-    def _from_wire(cls, rec: m.RecordEntry) -> "RankRecord":
+    def _from_wire(cls, rec: m.RecordEntry) -> RankRecord:
         return cls(**msgspec.structs.asdict(rec))
 
 
@@ -413,7 +413,7 @@ class BootstrapClient:
             thread.join(timeout=self.request_timeout_s + 2.0)
         self._main.close()
 
-    def __enter__(self) -> "BootstrapClient":
+    def __enter__(self) -> BootstrapClient:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -19,8 +19,9 @@ import base64
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from etcd3gw import exceptions as etcd_exc
 from etcd3gw.lease import Lease
@@ -28,9 +29,21 @@ from etcd3gw.lease import Lease
 from .client import BootstrapError, RankInfo, RankRecord, keep_round, poll_lookup
 from .etcd_config import EtcdConfig, parse_etcd_url
 from .etcd_members import Members
-from .etcd_records import (EtcdRecord, RankGone, Verdict, WatchedRanks, decode_record, encode_record,
-                           engine_prefix, parse_key, prefix_end, rank_key, ranks_prefix, read_engine,
-                           register_verdict)
+from .etcd_records import (
+    EtcdRecord,
+    RankGone,
+    Verdict,
+    WatchedRanks,
+    decode_record,
+    encode_record,
+    engine_prefix,
+    parse_key,
+    prefix_end,
+    rank_key,
+    ranks_prefix,
+    read_engine,
+    register_verdict,
+)
 from .etcd_watch import PrefixWatch, WatchEvent
 
 log = logging.getLogger("kvstage.bootstrap.etcd")
@@ -226,7 +239,7 @@ class EtcdRendezvous:
                             h.info.engine_id, h.info.tp_rank, self.config.ttl_s, exc)
         self._members.close()
 
-    def __enter__(self) -> "EtcdRendezvous":
+    def __enter__(self) -> EtcdRendezvous:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -20,11 +20,12 @@ from __future__ import annotations
 import json
 import logging
 import threading
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import requests
-from etcd3gw.client import Etcd3Client
 from etcd3gw import exceptions as etcd_exc
+from etcd3gw.client import Etcd3Client
 
 from .client import BootstrapAuthError, BootstrapError, BootstrapTimeout
 from .etcd_config import PASSWORD_ENV, USER_ENV, EtcdConfig

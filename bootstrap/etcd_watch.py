@@ -16,8 +16,8 @@ import json
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import requests
 from etcd3gw import exceptions as etcd_exc

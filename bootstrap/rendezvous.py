@@ -10,7 +10,8 @@ needs neither etcd3gw nor requests.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from .address import split_host_port
 from .client import BootstrapClient, RankInfo, RankRecord
@@ -79,6 +80,6 @@ def open_rendezvous(addr: str, token: bytes | None = None, request_timeout_s: fl
     """A client of the rendezvous at `addr`. `token` authenticates frames to a bootstrap server;
     etcd takes its user and password from the environment instead (bootstrap/etcd_config.py)."""
     if is_etcd(addr):
-        from .etcd_client import EtcdRendezvous   # etcd3gw only for those who use etcd
+        from .etcd_client import EtcdRendezvous  # etcd3gw only for those who use etcd
         return EtcdRendezvous(addr, request_timeout_s=request_timeout_s)
     return BootstrapClient(addr, token=token, request_timeout_s=request_timeout_s)

@@ -20,7 +20,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from typing import Callable
+from collections.abc import Callable
 
 import msgspec
 import zmq
@@ -71,7 +71,7 @@ class BootstrapServer:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8998, *, token: bytes | None = None,
                  lease_s: float = 10.0, forget_s: float | None = None,
-                 limits: Limits = Limits(), max_request: int = m.MAX_REQUEST,
+                 limits: Limits | None = None, max_request: int = m.MAX_REQUEST,
                  clock: Callable[[], float] = time.monotonic,
                  wall_clock: Callable[[], float] = time.time):
         self.host, self.port = host, port
@@ -80,7 +80,7 @@ class BootstrapServer:
         self.started_at = wall_clock()
         # Epochs start at the start time in milliseconds: a restarted server hands out larger
         # epochs than its predecessor as long as that one assigned fewer than one per ms of life.
-        self.registry = Registry(lease_s, forget_s, limits, epoch_base=int(self.started_at * 1000))
+        self.registry = Registry(lease_s, forget_s, limits or Limits(), epoch_base=int(self.started_at * 1000))
         self.max_request = max_request
         self._codec = m.request_codec(token, max_frame=max_request)
         self._encoder = msgspec.msgpack.Encoder()

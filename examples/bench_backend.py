@@ -30,6 +30,7 @@ import datetime
 import json
 import os
 import platform
+import queue
 import select
 import signal
 import statistics
@@ -37,7 +38,6 @@ import subprocess
 import sys
 import threading
 import time
-import queue
 
 import numpy as np
 
@@ -163,7 +163,7 @@ class Proc:
         self.p = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child"], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE, stderr=subprocess.DEVNULL if not VERBOSE else None,
                                   text=True, env=env)
-        self.q: "queue.Queue[dict | None]" = queue.Queue()
+        self.q: queue.Queue[dict | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:

@@ -145,6 +145,7 @@ class Rank:
 
 def child(spec: dict) -> None:
     import pd_rank  # noqa: F401 - torch, numpy and kvstage load before any phase is timed
+
     from kvstage.staging import thread_meter  # noqa: F401
     rank = Rank(spec)
     out = {}

@@ -118,7 +118,7 @@ class Cluster:
     procs: list = field(default_factory=list)
     rendezvous: str | None = None
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         if self.rendezvous is not None:
             return self
         self.server = start_bootstrap(host=self.server_host, env=self.env, args=self.server_args,

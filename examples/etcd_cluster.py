@@ -76,7 +76,7 @@ class EtcdCluster:
                                        os.path.join(self.workdir, f"{name}.log")))
 
     # ---- life ---------------------------------------------------------------------------------
-    def start(self, timeout_s: float = 60.0) -> "EtcdCluster":
+    def start(self, timeout_s: float = 60.0) -> EtcdCluster:
         for m in self.members:
             self._spawn(m, "new")
         self.wait_healthy(timeout_s)
@@ -137,7 +137,7 @@ class EtcdCluster:
                 m.proc.wait()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
-    def __enter__(self) -> "EtcdCluster":
+    def __enter__(self) -> EtcdCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:

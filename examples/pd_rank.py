@@ -54,8 +54,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from kv_pattern import KVPattern  # noqa: E402
 import pool_pattern  # noqa: E402
+from kv_pattern import KVPattern  # noqa: E402
 
 from kvstage.transfer import EngineConfig, KVBuffers, KVLayout, KVManager, KVPoll, Timeouts  # noqa: E402
 

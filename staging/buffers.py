@@ -36,13 +36,13 @@ class StagingBuffer:
         self.nbytes = tensor.numel()
 
     @classmethod
-    def host(cls, nbytes: int, *, hugepage_size: str | None = None) -> "StagingBuffer":
+    def host(cls, nbytes: int, *, hugepage_size: str | None = None) -> StagingBuffer:
         """A host buffer of at least `nbytes` (rounded up to the page size; see HostMemory)."""
         mem = HostMemory(nbytes, hugepage_size=hugepage_size)
         return cls(mem.tensor, "DRAM", 0, owner=mem)
 
     @classmethod
-    def cuda(cls, nbytes: int, device_index: int) -> "StagingBuffer":
+    def cuda(cls, nbytes: int, device_index: int) -> StagingBuffer:
         """A device buffer of exactly `nbytes` on cuda:`device_index` (uninitialised)."""
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
@@ -98,7 +98,7 @@ class StagingBuffer:
         else:
             self._tensor = None
 
-    def __enter__(self) -> "StagingBuffer":
+    def __enter__(self) -> StagingBuffer:
         return self
 
     def __exit__(self, *exc) -> None:

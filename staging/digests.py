@@ -8,7 +8,7 @@ gathered in the same order). Equal digests mean the same bytes, up to xxh3's col
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

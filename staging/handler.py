@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,8 +31,8 @@ RING_ALIGN = 256  # region starts stay aligned for wide copies
 
 
 class StagingHandler:
-    def __init__(self, role: str, register: "Callable[[list[MemRegion]], Registration]",
-                 deregister: "Callable[[Registration], None]", *, epoch: int, device: torch.device,
+    def __init__(self, role: str, register: Callable[[list[MemRegion]], Registration],
+                 deregister: Callable[[Registration], None], *, epoch: int, device: torch.device,
                  workers: int = 0, buffer_bytes: int = 0, ring_bytes: int = 0):
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be prefill or decode, got {role!r}")
@@ -48,7 +49,7 @@ class StagingHandler:
         self._stack: contextlib.ExitStack | None = None
 
     # -- life cycle -------------------------------------------------------------------------------
-    def open(self) -> "StagingHandler":
+    def open(self) -> StagingHandler:
         """Allocate and register; on any error everything done so far is undone."""
         if self._stack is not None:
             return self
@@ -86,7 +87,7 @@ class StagingHandler:
         self.ring = None
         self.allocator = None
 
-    def __enter__(self) -> "StagingHandler":
+    def __enter__(self) -> StagingHandler:
         return self.open()
 
     def __exit__(self, *exc) -> None:

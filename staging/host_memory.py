@@ -188,7 +188,7 @@ class HostMemory:
                 ) from None
         self._mm = None
 
-    def __enter__(self) -> "HostMemory":
+    def __enter__(self) -> HostMemory:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 def max_piece_pages(writer_page_bytes: Sequence[int], buffer_bytes: int, ring_bytes: int,

@@ -12,7 +12,7 @@ is one kernel launch per list on a GPU).
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 

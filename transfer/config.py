@@ -61,7 +61,7 @@ class Timeouts:
                              f"less leaves room for lost ones)")
 
     @classmethod
-    def from_env(cls, **overrides: float) -> "Timeouts":
+    def from_env(cls, **overrides: float) -> Timeouts:
         unknown = set(overrides) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"unknown timeouts: {', '.join(sorted(unknown))}")
@@ -118,7 +118,7 @@ class EngineConfig:
                                              # KVSTAGE_METRICS_PORT, unset: no metrics (needs prometheus-client)
     verify: bool | None = None               # end-to-end digests of every write; None: read KVSTAGE_VERIFY
 
-    def resolved(self) -> "EngineConfig":
+    def resolved(self) -> EngineConfig:
         """A copy with every None filled from the environment, validated: a bad value raises
         ValueError naming the option or variable, never turns into another value."""
         if self.role not in ("prefill", "decode"):

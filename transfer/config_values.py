@@ -9,7 +9,8 @@ from __future__ import annotations
 import math
 import numbers
 import os
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from ..bootstrap.address import check_host, split_host_port
 from ..bootstrap.rendezvous import check_address

@@ -3,8 +3,8 @@ two peers compare before any byte moves. Pure: validation and arithmetic only.""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import msgspec
 import torch
@@ -49,7 +49,7 @@ class LayoutSummary(msgspec.Struct, frozen=True, kw_only=True):
     protocol_version: int = PROTOCOL_VERSION
     pools: list[PoolSpec] = []      # state pools (aux rows, Mamba states, ...), by name
 
-    def mismatches(self, other: "LayoutSummary") -> list[str]:
+    def mismatches(self, other: LayoutSummary) -> list[str]:
         """Human-readable differences, empty when compatible."""
         out = []
         for name in self.__struct_fields__:
@@ -166,7 +166,7 @@ class KVBuffers:
     num_pages: int = field(default=0, init=False)
     pool_specs: list[PoolSpec] = field(default_factory=list, init=False)
 
-    def validate(self, layout: KVLayout) -> "KVBuffers":
+    def validate(self, layout: KVLayout) -> KVBuffers:
         """Check the tensors against `layout`; set num_pages. Raises ValueError naming the layer."""
         if layout.mla and self.v is not None:
             raise ValueError("v must be None for an MLA layout (the latent lives in k)")
@@ -214,7 +214,7 @@ class KVBuffers:
 
     @classmethod
     def from_pointers(cls, layout: KVLayout, data_ptrs: Sequence[int], data_lens: Sequence[int],
-                      item_lens: Sequence[int], device: str | torch.device = "cpu") -> "KVBuffers":
+                      item_lens: Sequence[int], device: str | torch.device = "cpu") -> KVBuffers:
         """Buffers over memory the serving engine owns, as SGLang's KVArgs gives it: per layer
         an address, a byte length and the bytes of one page (K layers, then V layers; MLA: K
         only). No copy; kvstage never frees this memory. Validated against `layout`."""

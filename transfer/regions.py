@@ -9,13 +9,12 @@ and memory kinds"). The checks here are pure: they take kinds and return what is
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import torch
 
 from .backends.base import MemRegion
-from .state_pools import memory_kind
 
 KV_REGION = "kv"
 

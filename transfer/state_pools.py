@@ -16,8 +16,8 @@ Pools take part in the summary two peers compare before any byte moves (`PoolSpe
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import msgspec
 import numpy as np

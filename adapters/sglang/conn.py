@@ -18,16 +18,18 @@ import logging
 import os
 import threading
 import time
-from typing import List, Optional
 
 import numpy as np
 import requests
 import torch
 from aiohttp import web
-
 from sglang.srt.disaggregation.base.conn import KVArgs, KVPoll, KVTransferDestination, KVTransferMetric
-from sglang.srt.disaggregation.common.conn import (CommonKVBootstrapServer, CommonKVManager, CommonKVReceiver,
-                                                   CommonKVSender)
+from sglang.srt.disaggregation.common.conn import (
+    CommonKVBootstrapServer,
+    CommonKVManager,
+    CommonKVReceiver,
+    CommonKVSender,
+)
 from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.server_args import ServerArgs
 
@@ -36,10 +38,10 @@ from kvstage.bootstrap.server import BootstrapServer
 from kvstage.bootstrap.wire import load_token
 
 from . import pools, send_gate
-from .rendezvous import address_from_route, instance_address, route_answer, shared_rendezvous
 from .geometry import device_of, kv_layout, unsupported_features
-from .state import StateMap
 from .plugin import staging_enabled
+from .rendezvous import address_from_route, instance_address, route_answer, shared_rendezvous
+from .state import StateMap
 
 log = logging.getLogger("kvstage.sglang")
 
@@ -60,7 +62,7 @@ class KvstageKVManager(CommonKVManager):
     supports_deferred_decode_kv_release = True
 
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: ServerArgs,
-                 is_mla_backend: Optional[bool] = False):
+                 is_mla_backend: bool | None = False):
         super().__init__(args, disaggregation_mode, server_args, is_mla_backend)
         problems = unsupported_features(self, args)
         if problems:
@@ -69,7 +71,7 @@ class KvstageKVManager(CommonKVManager):
         self.page_size = args.page_size
         self._rendezvous: dict[str, str] = {}
         self._rendezvous_lock = threading.Lock()
-        self._own_server: Optional[_Rendezvous] = None
+        self._own_server: _Rendezvous | None = None
         self.receivers: dict[int, object] = {}      # decode: room -> its kvstage receiver, until clear()
         # a hybrid model's full-attention pool may be MLA although its pool as a whole is not
         mla = bool(is_mla_backend) or bool(getattr(args, "is_hybrid_mla_backend", False))
@@ -187,9 +189,9 @@ class _Handle:
 
     kv_mgr: KvstageKVManager
     bootstrap_room: int
-    conclude_state: Optional[KVPoll]
+    conclude_state: KVPoll | None
 
-    def _end(self, state: int, reason: Optional[str] = None) -> int:
+    def _end(self, state: int, reason: str | None = None) -> int:
         if state == KVPoll.Failed and reason is not None:
             self.kv_mgr.record_failure(self.bootstrap_room, reason)
             if getattr(self, "_error", None) is None:   # the adapter's own reason, not the abort's
@@ -226,7 +228,7 @@ class _Handle:
             metric.transfer_total_bytes = m.nbytes
         return metric
 
-    def _latency(self, m) -> Optional[float]:
+    def _latency(self, m) -> float | None:
         return m.seconds
 
     def _after_failure(self) -> None:
@@ -250,7 +252,7 @@ class KvstageKVSender(_Handle, CommonKVSender):
         self._prefix_pages, self._first = 0, True
         # SGLang names a request's state only with its last send; kvstage takes pool items at
         # init(): with state pools, the request's pages are held until then (see send())
-        self._held: Optional[List[np.ndarray]] = [] if mgr.state.pools else None
+        self._held: list[np.ndarray] | None = [] if mgr.state.pools else None
         self._sent, self._last_send_at = 0, None
         self._sends = send_gate.RequestSends(mgr.gate, self._send_now, self._abort_handle)
         # with a CUDA cache SGLang may hand the page indices as a pinned host tensor that its
@@ -268,7 +270,7 @@ class KvstageKVSender(_Handle, CommonKVSender):
         pages = self._handle.decode_prefix_pages if self._handle is not None else None
         return (pages or 0) * self.kv_mgr.page_size
 
-    def init(self, num_kv_indices: int, aux_index: Optional[int] = None):
+    def init(self, num_kv_indices: int, aux_index: int | None = None):
         self.num_kv_indices, self.aux_index = num_kv_indices, aux_index
         if self._handle is None or self.conclude_state is not None:
             return
@@ -276,7 +278,7 @@ class KvstageKVSender(_Handle, CommonKVSender):
         if self._held is None:
             self._fail_now(self._init_handle(None))
 
-    def _init_handle(self, state_indices) -> Optional[str]:
+    def _init_handle(self, state_indices) -> str | None:
         try:
             self._handle.init(self.num_kv_indices + self._prefix_pages,
                               **pools.init_items(self.kv_mgr, self.aux_index, state_indices))
@@ -284,7 +286,7 @@ class KvstageKVSender(_Handle, CommonKVSender):
             return f"init: {exc}"
         return None
 
-    def _fail_now(self, failure: Optional[str]) -> None:
+    def _fail_now(self, failure: str | None) -> None:
         if failure is not None:
             self._handle.abort()
             self._end(KVPoll.Failed, failure)
@@ -292,8 +294,8 @@ class KvstageKVSender(_Handle, CommonKVSender):
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         return num_pages > 0
 
-    def send(self, kv_indices, state_indices: Optional[List] = None, num_kv_tokens: Optional[int] = None,
-             indices_event: Optional[object] = None):
+    def send(self, kv_indices, state_indices: list | None = None, num_kv_tokens: int | None = None,
+             indices_event: object | None = None):
         """SGLang's events (the overlap schedule's `_early_send_wait_event`, `indices_event`
         with host tensor indices) are waited on by the adapter's send gate before the indices
         or the pages are read, never on the scheduler's thread (send_gate.py)."""
@@ -303,7 +305,7 @@ class KvstageKVSender(_Handle, CommonKVSender):
             return
         self._fail_now(self._sends.send(kv_indices, state_indices, events))
 
-    def _send_now(self, kv_indices, state_indices) -> Optional[str]:
+    def _send_now(self, kv_indices, state_indices) -> str | None:
         """The send proper: on the scheduler's thread, or on the gate's once its events are
         complete. Returns a failure reason (the caller aborts and ends the request)."""
         pages = np.asarray(kv_indices, dtype=np.int64).reshape(-1)
@@ -332,7 +334,7 @@ class KvstageKVSender(_Handle, CommonKVSender):
         self._record_transfer_indices(kv_indices, state_indices)
         return None
 
-    def _latency(self, m) -> Optional[float]:
+    def _latency(self, m) -> float | None:
         """From the last send (the prefill computed all of the request) to the end, as SGLang
         measures other backends, rather than kvstage's from init(), before the first chunk."""
         if self._last_send_at is None or m.timeline.ended is None:
@@ -375,11 +377,11 @@ class KvstageKVReceiver(_Handle, CommonKVReceiver):
     """Decode side of one request. Success is held until the aux row's bootstrap_room column
     names this request (SGLang reads the first output token from that row)."""
 
-    def __init__(self, mgr: KvstageKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None):
+    def __init__(self, mgr: KvstageKVManager, bootstrap_addr: str, bootstrap_room: int | None = None):
         CommonKVReceiver.__init__(self, mgr, bootstrap_addr, bootstrap_room)
         self._handle, self._error = None, None
-        self._aux_index: Optional[int] = None
-        self._kv_done_at: Optional[float] = None
+        self._aux_index: int | None = None
+        self._kv_done_at: float | None = None
         self.bootstrap_infos = None
 
     def init(self, prefill_dp_rank: int):
@@ -401,8 +403,8 @@ class KvstageKVReceiver(_Handle, CommonKVReceiver):
         self.kv_mgr.receivers[self.bootstrap_room] = self._handle
         self.bootstrap_infos = []             # kvstage owns the peer connections
 
-    def send_metadata(self, kv_indices, aux_index: Optional[int] = None, state_indices: Optional[List] = None,
-                      decode_prefix_len: Optional[int] = None,
+    def send_metadata(self, kv_indices, aux_index: int | None = None, state_indices: list | None = None,
+                      decode_prefix_len: int | None = None,
                       destination: KVTransferDestination = KVTransferDestination.DEVICE,
                       device_kv_indices=None):
         if destination != KVTransferDestination.DEVICE:

@@ -14,15 +14,11 @@ state.py; a request's state_indices become its items of them, on each side.
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch
 
-from kvstage import KVBuffers
+from kvstage import KVBuffers, StatePool
 from kvstage.transfer.raw_memory import tensor_at
-
-from kvstage import StatePool
-
 
 AUX = "aux"
 
@@ -56,7 +52,7 @@ def aux_device(kv_device: torch.device) -> torch.device:
     return torch.device("cpu")
 
 
-def aux_room_column(args, device: str = "cpu") -> Optional[torch.Tensor]:
+def aux_room_column(args, device: str = "cpu") -> torch.Tensor | None:
     """A view of the aux buffer that holds each row's bootstrap_room (SGLang puts it after the
     output buffers, before the optional KV checksum: it is the int64 buffer of 8 columns that
     comes last or last but one)."""
@@ -75,7 +71,7 @@ def aux_room_column(args, device: str = "cpu") -> Optional[torch.Tensor]:
     return tensor_at(ptrs[i], nbytes, torch.int64, (nbytes // item, 8), aux_device(torch.device(device)))
 
 
-def init_items(mgr, aux_index: Optional[int], state_indices=None) -> dict:
+def init_items(mgr, aux_index: int | None, state_indices=None) -> dict:
     """Keyword arguments for kvstage's init() on either side: the request's aux row and its
     items of the state pools. ValueError when state_indices do not fit this rank's state."""
     items = mgr.state.items(state_indices)
@@ -84,7 +80,7 @@ def init_items(mgr, aux_index: Optional[int], state_indices=None) -> dict:
     return {"pool_items": items} if items else {}
 
 
-def aux_row_ready(mgr, aux_index: Optional[int], room: int) -> bool:
+def aux_row_ready(mgr, aux_index: int | None, room: int) -> bool:
     """Decode: whether SGLang may read the request's aux row: its bootstrap_room column names
     the request (room 0 is never used, so a zeroed row never passes)."""
     if aux_index is None or mgr.aux_rooms is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import secrets
-from typing import Mapping
+from collections.abc import Mapping
 
 from kvstage.bootstrap.etcd_config import is_etcd, with_namespace
 from kvstage.bootstrap.rendezvous import BOOTSTRAP_ENV, check_address

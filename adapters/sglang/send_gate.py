@@ -20,11 +20,12 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 log = logging.getLogger("kvstage.sglang")
 
-Run = Callable[[Any, Any], Optional[str]]   # (kv_indices, state_indices) -> failure reason or None
+Run = Callable[[Any, Any], str | None]   # (kv_indices, state_indices) -> failure reason or None
 
 
 class SendGate:
@@ -59,14 +60,14 @@ class RequestSends:
     and returns a failure reason or None; `abort` aborts the kvstage request. A failure on the
     gate's thread is kept for the caller's next poll (`failure`)."""
 
-    def __init__(self, gate: Optional[SendGate], run: Run, abort: Callable[[], None]):
+    def __init__(self, gate: SendGate | None, run: Run, abort: Callable[[], None]):
         self._gate, self._run, self._abort = gate, run, abort
         self._lock = threading.Lock()      # a gated run against cancel(): none after it
         self._queued = 0
         self._cancelled = False
-        self.failure: Optional[str] = None
+        self.failure: str | None = None
 
-    def send(self, kv_indices: Any, state_indices: Any, events: Sequence[Any]) -> Optional[str]:
+    def send(self, kv_indices: Any, state_indices: Any, events: Sequence[Any]) -> str | None:
         """Send now (returns `run`'s failure) or, with events to wait for or earlier sends of
         this request still queued, queue it on the gate (returns None)."""
         with self._lock:

@@ -27,7 +27,6 @@ the manager refuse to start, naming the state type.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 import torch
@@ -42,9 +41,9 @@ class _Group:
     """Tensors of one component that form one kvstage pool."""
 
     sharding: str
-    heads: Optional[int]
+    heads: int | None
     expand: int                     # pool items per SGLang index
-    blocks: Optional[list] = None   # heads sub-blocks sharded each on their own (GDN conv)
+    blocks: list | None = None   # heads sub-blocks sharded each on their own (GDN conv)
     tensors: list = field(default_factory=list)
 
 
@@ -55,7 +54,7 @@ class Component:
     index: int
     kind: str
     pools: dict                     # pool name -> items per SGLang index
-    same_tp_only: Optional[str] = None
+    same_tp_only: str | None = None
 
 
 class StateMap:
@@ -108,7 +107,7 @@ class StateMap:
                 out[name] = (idx[:, None] * expand + np.arange(expand, dtype=np.int64)).reshape(-1)
         return out
 
-    def peer_problem(self, prefill_tp: int, decode_tp: int) -> Optional[str]:
+    def peer_problem(self, prefill_tp: int, decode_tp: int) -> str | None:
         """Why state cannot move between these attention TP sizes (None: it can)."""
         if not self.components or prefill_tp == decode_tp:
             return None
@@ -116,7 +115,7 @@ class StateMap:
             self._verdicts[(prefill_tp, decode_tp)] = self._problem(prefill_tp, decode_tp)
         return self._verdicts[(prefill_tp, decode_tp)]
 
-    def _problem(self, prefill_tp: int, decode_tp: int) -> Optional[str]:
+    def _problem(self, prefill_tp: int, decode_tp: int) -> str | None:
         for comp in self.components:
             if comp.same_tp_only:
                 return (f"the kvstage backend moves {comp.same_tp_only} between equal attention TP sizes only "
@@ -170,7 +169,7 @@ class _Entries:
 
 
 def _add(groups: dict, suffix: str, sharding: str, heads, expand: int, tensor: torch.Tensor,
-         blocks: Optional[list] = None) -> None:
+         blocks: list | None = None) -> None:
     """Tensors of one pool share a suffix (what they are) and their item count."""
     g = groups.setdefault((suffix, tensor.shape[0]),
                           _Group(sharding=sharding, heads=heads, expand=expand, blocks=blocks))
@@ -226,7 +225,7 @@ def _dsa(entries: _Entries, layout, args, tp: int):
     if not layout.mla:
         raise NotImplementedError("DSA indexer state beside a non-MLA KV cache")
     groups: dict = {}
-    for j, ptr, nbytes, item in entries:
+    for _, ptr, nbytes, item in entries:
         _add(groups, "", "replicated", None, 1, entries.view(ptr, nbytes, (nbytes // item, item)))
     return groups, None
 

@@ -6,7 +6,6 @@ bit-exact. Run by `make gpu-check` only (tests/gpu/conftest.py)."""
 from __future__ import annotations
 
 import pytest
-
 from engine_cases import Case, Topo, problems, random_rooms, run_cases
 
 AUX = {"sharding": "replicated", "items": 24, "device": "cpu",

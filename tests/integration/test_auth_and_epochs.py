@@ -2,17 +2,16 @@
 
 import time
 
+import numpy as np
 import pytest
 import zmq
-
-from engine_cases import ROOT  # noqa: F401 - sys.path
-from kvstage.bootstrap import BootstrapClient
 from cluster import Cluster
-from records import assert_exact
+from engine_cases import ROOT  # noqa: F401 - sys.path
 from live_stats import wait_for_drops
-from kvstage.transfer.protocol.messages import RoomMeta, WatermarkUpdate, encode_pages, peer_codec
+from records import assert_exact
 
-import numpy as np
+from kvstage.bootstrap import BootstrapClient
+from kvstage.transfer.protocol.messages import RoomMeta, WatermarkUpdate, encode_pages, peer_codec
 
 pytestmark = pytest.mark.integration
 

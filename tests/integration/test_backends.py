@@ -46,7 +46,7 @@ class Child:
             text=True,
             env=env,
         )
-        self._replies: "queue.Queue[dict | None]" = queue.Queue()
+        self._replies: queue.Queue[dict | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
 

@@ -17,8 +17,14 @@ import msgspec
 import pytest
 import zmq
 
-from kvstage.bootstrap import (BootstrapAuthError, BootstrapClient, BootstrapError, BootstrapTimeout,
-                       RankInfo, RankRecord)
+from kvstage.bootstrap import (
+    BootstrapAuthError,
+    BootstrapClient,
+    BootstrapError,
+    BootstrapTimeout,
+    RankInfo,
+    RankRecord,
+)
 from kvstage.bootstrap import messages as m
 from kvstage.bootstrap.client import new_incarnation
 from kvstage.bootstrap.wire import TOKEN_ENV, sign

@@ -9,7 +9,6 @@ lengths (one of them a single token) in uneven chunks, at most 16 in flight.
 import zlib
 
 import pytest
-
 from engine_cases import TEST_TIMEOUTS, Case, Topo, problems, random_rooms, run_cases
 
 pytestmark = pytest.mark.integration

@@ -4,7 +4,6 @@ import copy
 import tempfile
 
 import pytest
-
 from engine_cases import TEST_TIMEOUTS, Case, Topo, problems, random_rooms, run_cases
 from records import assert_exact
 

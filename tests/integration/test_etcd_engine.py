@@ -12,12 +12,12 @@ import time
 
 import pytest
 import torch
-
+from cluster import Cluster, rank_spec
 from engine_cases import Case, Topo, each_rank, problems, random_rooms, run_cases
 from etcd_cluster import EtcdCluster, free_port
-from cluster import Cluster, rank_spec
 from live_stats import wait_for_stat
 from records import assert_exact
+
 from kvstage.bootstrap import BootstrapError
 from kvstage.transfer import EngineConfig, KVBuffers, KVLayout, KVManager, Timeouts
 

@@ -12,9 +12,8 @@ import signal
 import time
 
 import pytest
-
-from engine_cases import ROOT  # noqa: F401 - sets up sys.path for the examples
 from cluster import Cluster, rank_spec
+from engine_cases import ROOT  # noqa: F401 - sets up sys.path for the examples
 from live_stats import wait_for_stat
 from records import assert_exact
 

@@ -3,7 +3,6 @@ duplicates, reorders and corrupts notifications and control messages on every ra
 room must end bit-exact or Failed with a reason: never corrupt, never hung."""
 
 import pytest
-
 from engine_cases import TEST_TIMEOUTS, Case, Topo, random_rooms, run_cases
 from records import assert_exact
 

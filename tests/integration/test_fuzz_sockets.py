@@ -5,13 +5,13 @@ nothing crashes, and real transfers afterwards are bit-exact."""
 import time
 
 import pytest
-
-from engine_cases import ROOT  # noqa: F401 - sys.path
-from kvstage.bootstrap import BootstrapClient
 from cluster import Cluster
+from engine_cases import ROOT  # noqa: F401 - sys.path
 from fuzz_frames import fuzz_raw, fuzz_zmq, listening_ports
 from live_stats import wait_for_drops
 from records import assert_exact
+
+from kvstage.bootstrap import BootstrapClient
 
 pytestmark = pytest.mark.integration
 

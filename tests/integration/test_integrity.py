@@ -6,7 +6,6 @@ sides and none is reported as Success; the others succeed, bit-exact."""
 from __future__ import annotations
 
 import pytest
-
 from engine_cases import Case, Topo, random_rooms, run_cases
 
 AUX = {"sharding": "replicated", "items": 40, "tensors": [["float32", [5]], ["int32", [3]]]}

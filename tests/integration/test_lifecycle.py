@@ -7,7 +7,6 @@ caches handed over as raw addresses (KVBuffers.from_pointers)."""
 import zlib
 
 import pytest
-
 from engine_cases import TEST_TIMEOUTS, Case, Topo, each_rank, problems, random_rooms, run_cases
 
 pytestmark = pytest.mark.integration

@@ -5,9 +5,8 @@ rooms fail cleanly on both sides."""
 import os
 import time
 
-import pytest
-
 import engine_cases  # noqa: F401 - puts examples/ on sys.path
+import pytest
 from cluster import Cluster, rank_spec
 from live_stats import wait_for_stat
 from netns import can_make_namespaces, delete_hosts, make_hosts

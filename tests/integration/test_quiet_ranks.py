@@ -15,9 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
-
-from engine_cases import Case, Topo, manager_specs   # first: it puts examples/ on the path
 from cluster import Cluster  # noqa: E402
+from engine_cases import Case, Topo, manager_specs  # first: it puts examples/ on the path
 from records import assert_exact
 
 pytestmark = pytest.mark.integration

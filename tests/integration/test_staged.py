@@ -3,7 +3,6 @@ one ring, notifications reordered and duplicated by a fault-injecting wrapper ar
 backend, exactly one write per piece, and a tag that lies about its allocation."""
 
 import pytest
-
 from engine_cases import Case, Topo, problems, random_rooms, run_cases
 from records import assert_exact
 

@@ -18,9 +18,8 @@ import time
 
 import pytest
 import torch
-
-from engine_cases import ROOT  # noqa: F401 - sets up sys.path for the examples
 from cluster import start_bootstrap
+from engine_cases import ROOT  # noqa: F401 - sets up sys.path for the examples
 
 from kvstage.transfer import EngineConfig, KVBuffers, KVLayout, KVManager, KVPoll, Timeouts
 from kvstage.transfer.engine import loop as loop_module

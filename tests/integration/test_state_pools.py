@@ -5,7 +5,6 @@ across hetero TP, bit-exact; bad pool input fails cleanly."""
 from __future__ import annotations
 
 import pytest
-
 from engine_cases import Case, Topo, each_rank, problems, random_rooms, run_cases
 
 from kvstage.transfer.protocol.head_mapping import compute_assignments

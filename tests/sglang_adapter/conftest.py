@@ -16,7 +16,6 @@ if not collect_ignore_glob:
     import time
 
     import pytest
-
     from scenario import free_port
 
     @pytest.fixture(scope="module")
@@ -36,8 +35,8 @@ if not collect_ignore_glob:
         comes from get_kv_class for backend kvstage (it also runs kvstage's rendezvous server)."""
         from sglang.srt.plugins import load_plugins
         load_plugins()
-        from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
         import requests
+        from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
 
         port = free_port()
         server = get_kv_class(TransferBackend("kvstage"), KVClassType.BOOTSTRAP_SERVER)("127.0.0.1", port)

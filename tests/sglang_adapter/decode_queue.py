@@ -12,8 +12,8 @@ touches a scheduler's Req, radix tree and allocator: releasing a request's pages
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Callable
 
 import torch
 import torch.distributed as dist

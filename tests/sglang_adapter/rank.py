@@ -30,7 +30,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-
 from decode_queue import decode_request, init_gloo, make_queue, pages_hold  # noqa: E402
 from state_harness import StateSide  # noqa: E402
 
@@ -53,9 +52,13 @@ class Rank:
     def __init__(self, a, sc):
         from sglang.srt.plugins import load_plugins
         load_plugins()                       # kvstage's plugin: backend choice + get_kv_class hook
-        from sglang.srt.disaggregation.base.conn import KVArgs
-        from sglang.srt.disaggregation.utils import (DisaggregationMode, KVClassType, MetadataBuffers,
-                                                     TransferBackend, get_kv_class)
+        from sglang.srt.disaggregation.utils import (
+            DisaggregationMode,
+            KVClassType,
+            MetadataBuffers,
+            TransferBackend,
+            get_kv_class,
+        )
         from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
         from sglang.srt.server_args import ServerArgs
 
@@ -116,6 +119,7 @@ class Rank:
         mode = DisaggregationMode.PREFILL if self.prefill else DisaggregationMode.DECODE
         if self.prefill and sc.get("hold"):   # this rank's writes of one room land hold["s"] late
             from functools import partial
+
             from kvstage.adapters.sglang import conn
             conn.EngineConfig = partial(conn.EngineConfig, faults={"hold_write_rooms": [sc["hold"]["room"]],
                                                                    "hold_write_s": sc["hold"]["s"]})

@@ -20,7 +20,6 @@ the commit of a transferred request are the harness's).
 from __future__ import annotations
 
 import pytest
-
 from scenario import requests_for, run
 
 HOLD_S = 4.0

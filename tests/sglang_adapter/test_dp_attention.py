@@ -15,7 +15,6 @@ SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK=1).
 from __future__ import annotations
 
 import pytest
-
 from scenario import requests_for, run
 
 

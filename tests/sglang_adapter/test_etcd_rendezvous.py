@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import requests
-
 from scenario import expect, requests_for, run
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))

@@ -11,7 +11,6 @@ that no page outside a successful room was written.
 from __future__ import annotations
 
 import pytest
-
 from scenario import expect, requests_for, run
 
 

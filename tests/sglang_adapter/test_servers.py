@@ -15,7 +15,6 @@ import os
 import random
 
 import pytest
-
 from servers import Proc, build_tiny_model, env_for, free_port, generate, server_argv, start_pd, wait_healthy
 
 MAX_NEW = 16

@@ -45,7 +45,6 @@ from kvstage.transfer.protocol.messages import (
 )
 from kvstage.transfer.protocol.prefill_room import PrefillRoom
 
-
 SENTINEL = 0xA5  # the bytes of decode pages that hold a prefix: no write may touch them
 
 

@@ -9,8 +9,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstage.transfer.config import (BUFFER_MB_ENV, PIECE_MB_ENV, RING_MB_ENV, STAGING_ENV, WORKERS_ENV,
-                                     EngineConfig, Timeouts)
+from kvstage.transfer.config import (
+    BUFFER_MB_ENV,
+    PIECE_MB_ENV,
+    RING_MB_ENV,
+    STAGING_ENV,
+    WORKERS_ENV,
+    EngineConfig,
+    Timeouts,
+)
 
 MAX_MB = 1 << 20
 ENVS = (STAGING_ENV, RING_MB_ENV, WORKERS_ENV, BUFFER_MB_ENV, PIECE_MB_ENV)
@@ -188,6 +195,7 @@ def test_a_bad_bootstrap_host_says_what_is_wrong():
 def test_kv_manager_checks_the_kernel_choice_before_creating_anything(monkeypatch, kernels, staging, match):
     """Before any socket or backend exists (a bootstrap at port 9 is never contacted)."""
     import torch
+
     from kvstage.staging import kernels as kernels_module
     from kvstage.transfer import KVBuffers, KVLayout, KVManager
     from kvstage.transfer.engine import manager
@@ -204,6 +212,7 @@ def test_kv_manager_checks_the_kernel_choice_before_creating_anything(monkeypatc
 
 def test_torch_kernels_on_a_staged_cpu_rank_pass_the_check(monkeypatch):
     import torch
+
     from kvstage.transfer import KVBuffers, KVLayout
     from kvstage.transfer.engine.manager import check_kernels
     layout = KVLayout(num_layers=1, total_kv_heads=1, head_dim=8, dtype=torch.float32, page_size=4, tp_size=1,

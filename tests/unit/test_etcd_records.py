@@ -4,9 +4,20 @@ completeness and what a watch event takes away (bootstrap/etcd_records.py)."""
 import msgspec
 import pytest
 
-from kvstage.bootstrap.etcd_records import (EtcdRecord, RankGone, Verdict, WatchedRanks, decode_record,
-                                            encode_record, engine_prefix, parse_key, prefix_end, rank_key,
-                                            read_engine, register_verdict)
+from kvstage.bootstrap.etcd_records import (
+    EtcdRecord,
+    RankGone,
+    Verdict,
+    WatchedRanks,
+    decode_record,
+    encode_record,
+    engine_prefix,
+    parse_key,
+    prefix_end,
+    rank_key,
+    read_engine,
+    register_verdict,
+)
 from kvstage.bootstrap.messages import RankEntry
 
 NS = "kvstage/test"

@@ -6,11 +6,10 @@ The clock is the faults module's time.monotonic, replaced here so nothing sleeps
 
 from __future__ import annotations
 
-from kvstage.transfer.backends import WriteHandle, WriteState
-from kvstage.transfer.backends import faults
-from kvstage.transfer.backends.faults import FaultPlan, FaultyBackend
-
 from test_dst_kind import DST, SRC, RecordingBackend
+
+from kvstage.transfer.backends import WriteHandle, WriteState, faults
+from kvstage.transfer.backends.faults import FaultPlan, FaultyBackend
 
 
 class Clock:

@@ -8,8 +8,15 @@ from hypothesis import strategies as st
 
 from kvstage import KVBuffers, KVLayout, StatePool
 from kvstage.transfer.protocol.head_mapping import compute_assignments
-from kvstage.transfer.protocol.pool_parts import (block_bytes, counts_mismatch, final_part, part_offsets,
-                                                  request_copies, writer_segments, writers_mismatch)
+from kvstage.transfer.protocol.pool_parts import (
+    block_bytes,
+    counts_mismatch,
+    final_part,
+    part_offsets,
+    request_copies,
+    writer_segments,
+    writers_mismatch,
+)
 from kvstage.transfer.state_pools import check_pool_items, pool_mismatches
 
 

@@ -4,10 +4,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from protocol_sim import Geometry, World
 
 from kvstage.transfer.poll import KVPoll
-
-from protocol_sim import Geometry, World
 
 GEOMS = [
     Geometry(P=1, D=1, H=2), Geometry(P=2, D=2, H=4),
@@ -210,6 +209,7 @@ def test_lost_control_messages_never_hang_or_corrupt(g, seed, loss, staged):
 
 def test_plan_room_decides_the_path_and_refuses_impossible_pages():
     import torch
+
     from kvstage.transfer.layout import KVLayout
     from kvstage.transfer.protocol.actions import PeerKey
     from kvstage.transfer.protocol.decode_room import WriterOffer, plan_room

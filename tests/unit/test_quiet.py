@@ -3,8 +3,17 @@ the control thread blocks, and which announced writes a decode rank still waits 
 
 import pytest
 
-from kvstage.transfer.protocol.quiet import (DRAIN_WAIT, MAX_EAGER_WAIT, MIN_EAGER_WAIT, Activity, Arrival,
-                                             ExpectedWrites, InFlight, activity, next_wait)
+from kvstage.transfer.protocol.quiet import (
+    DRAIN_WAIT,
+    MAX_EAGER_WAIT,
+    MIN_EAGER_WAIT,
+    Activity,
+    Arrival,
+    ExpectedWrites,
+    InFlight,
+    activity,
+    next_wait,
+)
 
 
 def test_activity_is_the_most_urgent_thing_in_flight():

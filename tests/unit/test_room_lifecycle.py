@@ -14,8 +14,13 @@ from kvstage.transfer.poll import KVPoll
 from kvstage.transfer.protocol.actions import PeerKey, PostWrite, Send, StatusChanged
 from kvstage.transfer.protocol.decode_room import DecodeRoom, RoomPlan
 from kvstage.transfer.protocol.head_mapping import compute_assignments
-from kvstage.transfer.protocol.lifecycle import (DECODE_TRANSITIONS, FINAL, PREFILL_TRANSITIONS, IllegalTransition,
-                                                 RoomEvent)
+from kvstage.transfer.protocol.lifecycle import (
+    DECODE_TRANSITIONS,
+    FINAL,
+    PREFILL_TRANSITIONS,
+    IllegalTransition,
+    RoomEvent,
+)
 from kvstage.transfer.protocol.messages import RoomDone, RoomMeta
 from kvstage.transfer.protocol.prefill_room import PrefillRoom
 

@@ -6,8 +6,16 @@ import pytest
 from kvstage.transfer.protocol.actions import PeerKey
 from kvstage.transfer.protocol.kinds import FailureKind
 from kvstage.transfer.protocol.messages import RoomFailed, RoomMeta
-from kvstage.transfer.protocol.room_uses import (Bound, EarlierUses, Parked, RoomUse, ended_answer, failure_use,
-                                                 meta_use, use_without_sender)
+from kvstage.transfer.protocol.room_uses import (
+    Bound,
+    EarlierUses,
+    Parked,
+    RoomUse,
+    ended_answer,
+    failure_use,
+    meta_use,
+    use_without_sender,
+)
 
 DEC = PeerKey("decode", 0, 7)          # decode incarnation 7
 OTHER_ENGINE = PeerKey("decode2", 0, 9)

@@ -125,8 +125,7 @@ def test_a_plain_gpu_deployment_is_not_refused():
 
 
 def test_rendezvous_per_prefill_instance_or_one_etcd_for_the_fleet():
-    from kvstage.adapters.sglang.rendezvous import (address_from_route, instance_address, route_answer,
-                                                    shared_rendezvous)
+    from kvstage.adapters.sglang.rendezvous import address_from_route, instance_address, route_answer, shared_rendezvous
     assert shared_rendezvous({}) is None                                   # a bootstrap server per instance
     fleet = shared_rendezvous({"KVSTAGE_BOOTSTRAP": "etcd://e1:2379,e2:2379/prod?ttl=5"})
     assert fleet == "etcd://e1:2379,e2:2379/prod?ttl=5"

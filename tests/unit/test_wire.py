@@ -1,17 +1,27 @@
 """Control messages and tags: round trips, and only WireError for anything malformed."""
 
 import msgspec
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstage.bootstrap.wire import WIRE_VERSION, WireError, sign
 from kvstage.transfer.layout import LayoutSummary
-from kvstage.transfer.protocol.messages import (PEER_MESSAGES, AllocGrant, AllocRequest, Hello, KVMemory, Piece, RingInfo,
-                               RoomMeta, WatermarkUpdate, encode_pages, peer_codec)
+from kvstage.transfer.protocol.messages import (
+    PEER_MESSAGES,
+    AllocGrant,
+    AllocRequest,
+    Hello,
+    KVMemory,
+    Piece,
+    RingInfo,
+    RoomMeta,
+    WatermarkUpdate,
+    encode_pages,
+    peer_codec,
+)
 from kvstage.transfer.protocol.tags import TagCodec, TagKind, make_tag
-
-import numpy as np
 
 SUMMARY = LayoutSummary(dtype="bfloat16", head_dim=128, page_size=16, num_layers=32, total_kv_heads=8, mla=False)
 

@@ -15,8 +15,8 @@ import atexit
 import contextlib
 import enum
 import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 import numpy as np
 
@@ -241,7 +241,7 @@ class Backend(abc.ABC):
     def drain_tags(self) -> list[ArrivedTag]:
         """Return the tags of writes that landed in this endpoint's memory since the last call."""
 
-    def progress(self) -> None:
+    def progress(self) -> None:  # noqa: B027 - optional hook: a backend that needs no driving keeps it
         """Drive backend progress without checking a particular write (target side)."""
 
     @abc.abstractmethod
@@ -249,7 +249,7 @@ class Backend(abc.ABC):
         """Release everything; idempotent. Registrations still active are deregistered."""
 
 
-_LIVE: "weakref.WeakSet[Backend]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[Backend] = weakref.WeakSet()
 
 
 def close_at_exit(backend: Backend, live: bool = True) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import numpy as np
 
@@ -39,7 +39,7 @@ class FaultPlan:
     seed: int = 0
 
     @classmethod
-    def from_dict(cls, d: dict) -> "FaultPlan":
+    def from_dict(cls, d: dict) -> FaultPlan:
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown fault settings: {sorted(unknown)}")

@@ -32,15 +32,15 @@ import json
 import os
 import queue
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from .base import (
+    MEMORY_KINDS,
     ArrivedTag,
     Backend,
     BackendError,
-    MEMORY_KINDS,
     MemRegion,
     RangeIndex,
     Registration,
@@ -100,7 +100,7 @@ class _Submitter:
 
     def __init__(self, engine: TransferEngine, peer: str, threads: int):
         self._engine = engine
-        self._queue: "queue.SimpleQueue[_Job | None]" = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._stopping = False
         self._threads = [
             threading.Thread(target=self._run, name=f"kvstage-mooncake-{peer}-{i}", daemon=True)
@@ -272,7 +272,7 @@ class MooncakeBackend(Backend):
                 ret = self._engine.batch_register_memory(addrs, lengths, locations.pop())
             else:  # mixed kinds: one call per region, undone together on failure
                 ret = 0
-                for i, r in enumerate(regions):
+                for r in regions:
                     loc = "*" if r.kind == "DRAM" else f"cuda:{r.device}"
                     ret = self._engine.register_memory(r.addr, r.length, loc)
                     if ret != 0:

@@ -24,15 +24,15 @@ import os
 import secrets
 import sys
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from .base import (
+    MEMORY_KINDS,
     ArrivedTag,
     Backend,
     BackendError,
-    MEMORY_KINDS,
     MemRegion,
     RangeIndex,
     Registration,

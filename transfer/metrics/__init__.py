@@ -9,7 +9,7 @@ managers in one process (tests) never share or clash.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 log = logging.getLogger("kvstage")
 

@@ -5,9 +5,10 @@ a second count of anything. Imported only when metrics are on (it needs promethe
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric as Family
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import Metric as Family
 
 from . import catalog
 

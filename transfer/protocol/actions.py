@@ -7,7 +7,7 @@ returns a list of these actions; it never performs IO itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Union
+from typing import NamedTuple
 
 import numpy as np
 
@@ -146,4 +146,4 @@ class Dropped:
     reason: str
 
 
-Action = Union[Send, PostWrite, Scatter, PublishWatermark, StatusChanged, Released, Dropped, DecodePrefix]
+Action = Send | PostWrite | Scatter | PublishWatermark | StatusChanged | Released | Dropped | DecodePrefix

@@ -25,13 +25,11 @@ import numpy as np
 
 from ...staging.pieces import plan_pieces
 from ...staging.ring import Region, RingAllocator, TooLarge
-
 from ..config import Timeouts
 from ..layout import KVLayout
 from ..poll import KVPoll
 from ..state_pools import PoolSpec
-from .actions import (Action, PartCheck, PeerKey, PoolPlacement, PublishWatermark, RoomTotals, Scatter, ScatterPart,
-                      Send)
+from .actions import Action, PartCheck, PeerKey, PoolPlacement, PublishWatermark, RoomTotals, Scatter, ScatterPart, Send
 from .decode_plan import PlanRefused, RoomPlan, WriterOffer, plan_room
 from .head_mapping import Assignment
 from .kinds import FailureKind, StrKind, TransferPath, remote_kind

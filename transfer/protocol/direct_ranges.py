@@ -7,8 +7,9 @@ in a token-major cache the heads of one token are the only contiguous bytes.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

@@ -9,7 +9,7 @@ them, and the rooms check `ended` before they would try.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from ..poll import KVPoll
 from .kinds import StrKind

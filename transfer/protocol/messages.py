@@ -12,7 +12,6 @@ import msgspec
 import numpy as np
 
 from ...bootstrap.wire import Codec, Message, WireError, prebuild_struct_info
-
 from ..layout import LayoutSummary
 
 

@@ -8,8 +8,9 @@ those decisions from plain inputs; the engine's decode side carries them out.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from ..layout import KVLayout
 from .head_mapping import HeadMapping, compute_assignments

@@ -16,8 +16,8 @@ rank by its first KV writer (writer_index 0).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import numpy as np
 

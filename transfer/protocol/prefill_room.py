@@ -48,7 +48,7 @@ class PrefillRoom(RoomBase):
 
     def __init__(self, room: int, num_pages: int | None, layout: KVLayout, me: int, now: float,
                  timeouts: Timeouts, op_ids: itertools.count[int] | None = None, max_ranges: int = 65536,
-                 stale: EarlierUses = EarlierUses(), pools: tuple[PoolSpec, ...] = (),
+                 stale: EarlierUses | None = None, pools: tuple[PoolSpec, ...] = (),
                  pool_items: dict[str, np.ndarray] | None = None):
         """`num_pages` None: the page count comes later, with init() (serving engines create the
         sender when the request arrives, before they know it). `pools`: the state pools' specs;
@@ -70,7 +70,7 @@ class PrefillRoom(RoomBase):
         self.expected: set[int] = set()
         self.flows: dict[int, Flow] = {}
         self.ops: dict[int, WriteOp] = {}
-        self.stale = stale                  # sessions of earlier uses of this id
+        self.stale = stale if stale is not None else EarlierUses()   # sessions of earlier uses of this id
         self.early: dict[tuple[PeerKey, int], tuple[str, str]] = {}  # failures parked before this sender
         self.failed_by: tuple[int, int] | None = None
         self.pool_items: dict[str, np.ndarray] = pool_items or {}

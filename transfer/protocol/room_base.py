@@ -7,7 +7,8 @@ written once, here.
 
 from __future__ import annotations
 
-from typing import ClassVar, Sequence
+from collections.abc import Sequence
+from typing import ClassVar
 
 from ..config import Timeouts
 from ..layout import KVLayout

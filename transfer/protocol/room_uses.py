@@ -15,8 +15,8 @@ Every decision returns a RoomUse; the rooms and the engine's sides only act on i
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable
 
 from .actions import PeerKey
 from .kinds import FailureKind, StrKind

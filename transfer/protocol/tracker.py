@@ -15,11 +15,10 @@ is rejected with a reason, and the caller fails the room.
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 import numpy as np
-
 
 MAX_GROUPS = 16   # pairs of memory kinds, plus pools with writes of their own: a few at most
 
@@ -37,7 +36,7 @@ class Outcome(enum.Enum):
 class Arrival:
     outcome: Outcome
     reason: str = ""
-    piece: "ExpectedPiece | None" = None
+    piece: ExpectedPiece | None = None
 
 
 @dataclass

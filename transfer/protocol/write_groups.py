@@ -12,8 +12,8 @@ the logical write once every group landed (protocol/tracker.py, docs/protocol.md
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

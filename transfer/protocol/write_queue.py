@@ -9,7 +9,7 @@ engine's write queue performs the gathers, the writes and the room updates they 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from .actions import WriteOp
 
