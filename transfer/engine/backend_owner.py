@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 ABANDON_AFTER_DISCONNECT = 5.0
 
 
-@dataclass(eq=False)  # identity, not field equality: fields hold numpy arrays
+@dataclass(eq=False, kw_only=True)  # identity, not field equality: fields hold numpy arrays
 class _Write:
     peer: str
     src: np.ndarray
@@ -43,15 +43,24 @@ class _Write:
     on_done: Callable[[bool, str | None], None]
     handle: WriteHandle | None = None
     disconnected_at: float | None = None
-    on_posted: Callable[[], None] | None = None
+    on_posted: Callable[[], object] | None = None
     dst_kind: str | None = None   # the peer memory's kind ("DRAM"/"VRAM"), see Backend.post_write
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Another thread's call(): fn(backend, *args) on the owner, its result into `fut`."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    fut: Future[Any]
 
 
 class BackendOwner:
     def __init__(self, backend: Backend, wake: Callable[[], None] | None = None):
         self.backend = backend
         self._wake = wake or (lambda: None)
-        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._cmds: queue.SimpleQueue[_Call | _Write] = queue.SimpleQueue()   # from other threads
         self._lock = threading.Lock()
         self._fences: dict[str, float] = {}      # peer -> monotonic time its write lease ends
         self._owner: int | None = threading.get_ident()  # the constructing thread, until adopt()
@@ -80,19 +89,19 @@ class BackendOwner:
         """Run fn(backend, *args) on the owning thread and return its result (or raise)."""
         if self._mine():
             return fn(self.backend, *args)
-        fut: Future = Future()
-        self._cmds.put(("call", fn, args, fut))
+        fut: Future[Any] = Future()
+        self._cmds.put(_Call(fn, args, fut))
         self._wake()
         return fut.result(timeout)
 
     def submit_write(self, peer: str, src: np.ndarray, dst: np.ndarray, tag: bytes,
                      on_done: Callable[[bool, str | None], None],
-                     on_posted: Callable[[], None] | None = None, *, dst_kind: str | None = None) -> None:
+                     on_posted: Callable[[], object] | None = None, *, dst_kind: str | None = None) -> None:
         """Post one write; on_done(ok, reason) runs on the owner exactly once, when the backend no
         longer touches the source memory. on_posted() runs on the owner when the backend took the
         write (a write may wait its turn behind an earlier one to the same peer first). dst_kind is
         the memory kind the peer advertised for `dst` (NIXL describes the remote side with it)."""
-        w = _Write(peer, src, dst, tag, on_done, on_posted=on_posted, dst_kind=dst_kind)
+        w = _Write(peer=peer, src=src, dst=dst, tag=tag, on_done=on_done, on_posted=on_posted, dst_kind=dst_kind)
         if self._closed:
             _finish(w, False, "the backend is closed")
         elif self._mine():
@@ -101,7 +110,7 @@ class BackendOwner:
             # control thread wait for more than one write's worth, so heartbeats keep flowing
             self._to_post.append(w)
         else:
-            self._cmds.put(("write", w))
+            self._cmds.put(w)
             self._wake()
 
     def fence(self, peer: str, until: float | None) -> None:
@@ -179,10 +188,10 @@ class BackendOwner:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 break
-            if cmd[0] == "call":
-                cmd[3].set_exception(RuntimeError("the backend is closed"))
+            if isinstance(cmd, _Call):
+                cmd.fut.set_exception(RuntimeError("the backend is closed"))
             else:
-                _finish(cmd[1], False, "backend shutting down")
+                _finish(cmd, False, "backend shutting down")
 
     def close(self) -> None:
         """abort_writes(), then close the backend (its remaining registrations go with it), even
@@ -204,14 +213,13 @@ class BackendOwner:
             except queue.Empty:
                 return did
             did = True
-            if cmd[0] == "call":
-                _, fn, args, fut = cmd
+            if isinstance(cmd, _Call):
                 try:
-                    fut.set_result(fn(self.backend, *args))
+                    cmd.fut.set_result(cmd.fn(self.backend, *cmd.args))
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                    fut.set_exception(exc)
+                    cmd.fut.set_exception(exc)
             else:
-                self._post(cmd[1])
+                self._post(cmd)
 
     def _post(self, w: _Write) -> None:
         try:

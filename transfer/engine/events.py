@@ -10,9 +10,14 @@ import os
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
+
+if TYPE_CHECKING:   # annotations only: these modules import this one
+    from .handles import RoomStatus
+    from .loop import EngineLoop
+    from .prefill_sources import PrefillSource
 
 
 class EventQueue:
@@ -60,11 +65,11 @@ class EventQueue:
 
 
 # -- events ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NewSender:
     room: int
     num_pages: int | None     # None: given later by InitSender
-    status: Any
+    status: RoomStatus
     pool_items: dict | None = None
 
 
@@ -82,15 +87,15 @@ class SendChunk:
     last: bool                # decided in the caller's thread (inferred there when not given)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NewReceiver:
     room: int
     session: int
-    source: Any               # prefill_sources.PrefillSource
-    status: Any
+    source: PrefillSource
+    status: RoomStatus
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class InitReceiver:
     room: int
     pages: np.ndarray
@@ -104,7 +109,7 @@ class Abort:
     room: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WriteDone:
     op_id: int
     room: int
@@ -117,7 +122,7 @@ class Wake:
     """Work is queued for the control thread's backend (a transfer worker posted a write)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ScatterDone:
     room: int
     key: tuple[int, int]
@@ -137,5 +142,5 @@ class LookupDone:
 class Call:
     """Run fn() on the control thread and hand the result to `done` (used by close/stats)."""
 
-    fn: Any
-    done: Any
+    fn: Callable[[EngineLoop], object]
+    done: Callable[[object], None]

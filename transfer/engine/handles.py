@@ -248,6 +248,6 @@ class KVReceiver(_Handle):
             raise ValueError(f"room {self.room}: init() needs at least one page past the prefix")
         items = check_pool_items(pool_items, self._pools, f"room {self.room} init()")
         started = self._mark_init()
-        self._post(InitReceiver(self.room, arr, prefix_pages, items))
+        self._post(InitReceiver(room=self.room, pages=arr, prefix_pages=prefix_pages, pool_items=items))
         self._inited = True
         self._started = started

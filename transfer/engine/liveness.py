@@ -12,11 +12,12 @@ from typing import Any
 
 from ..protocol.messages import Goodbye, Heartbeat
 from .context import EngineContext
+from .interfaces import RoleSide
 from .peers import Peer, PeerTable
 
 
 class Liveness:
-    def __init__(self, ctx: EngineContext, peers: PeerTable, side: Any):
+    def __init__(self, ctx: EngineContext, peers: PeerTable, side: RoleSide[Any]):
         self.ctx, self.peers, self.side = ctx, peers, side
         self._next_heartbeat = 0.0
         self.handlers = {Heartbeat: self.on_Heartbeat, Goodbye: self.on_Goodbye}

@@ -9,17 +9,19 @@ wrote it and its tag decoded before the role's side sees it.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
 from ...bootstrap.wire import WireError
 from ..protocol.messages import PeerMessage
 from ..protocol.routing import route_frame
 from .context import EngineContext
+from .interfaces import MessageHandler, RoleSide
 from .peers import PeerTable
 
 
 class FrameRouter:
-    def __init__(self, ctx: EngineContext, peers: PeerTable, side: Any, handlers: dict[type, Callable]):
+    def __init__(self, ctx: EngineContext, peers: PeerTable, side: RoleSide[Any],
+                 handlers: dict[type, MessageHandler]):
         self.ctx, self.peers, self.side = ctx, peers, side
         self.handlers = handlers
         self._handled = frozenset(t.__name__ for t in handlers)

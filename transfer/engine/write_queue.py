@@ -12,13 +12,16 @@ only from then on (protocol/quiet.py).
 
 from __future__ import annotations
 
+import functools
 import time
+from typing import Callable
 
-from ...staging.workers import GatherJob, TransferWorkers
+from ...staging.workers import GatherJob, Report, TransferWorkers
 from ..poll import KVPoll
 from ..protocol.actions import WriteOp
 from ..protocol.direct_ranges import CacheGeometry, direct_descriptors, pool_descriptor_parts
 from ..protocol.messages import WritePosted
+from ..protocol.prefill_room import PrefillRoom
 from ..protocol.write_groups import DescriptorPart, WriteGroup, group_parts
 from ..protocol.write_queue import StagedQueue, WriteDeadlines
 from .context import EngineContext
@@ -28,7 +31,10 @@ from .rooms import RoomBook
 
 
 class WriteQueue:
-    def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook, workers: TransferWorkers | None):
+    """`workers`: the transfer workers of a prefill rank with staging buffers, else None."""
+
+    def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook[PrefillRoom],
+                 workers: TransferWorkers | None):
         self.ctx, self.peers, self.book, self.workers = ctx, peers, book, workers
         self.staged = StagedQueue()
         self.deadlines = WriteDeadlines()
@@ -56,9 +62,10 @@ class WriteQueue:
             at = self._posted(op_id, room, group)
             self.deadlines.restart(op_id, at + ctx.t.write)
 
-        done = AllWritesDone(len(groups), lambda ok, reason: ctx.post(WriteDone(op_id, room, ok, reason)))
+        done = AllWritesDone(len(groups),
+                             lambda ok, reason: ctx.post(WriteDone(op_id=op_id, room=room, ok=ok, reason=reason)))
         for i, (g, tag) in enumerate(zip(groups, ctx.integrity.direct_tags(op, len(groups)))):
-            ctx.backend.submit_write(peer.backend_name, g.src, g.dst, tag, done.one, lambda i=i: posted(i),
+            ctx.backend.submit_write(peer.backend_name, g.src, g.dst, tag, done.one, functools.partial(posted, i),
                                      dst_kind=g.dst_kind)
         ctx.stats.add("bytes_posted", op.nbytes)
 
@@ -107,12 +114,13 @@ class WriteQueue:
             ctx.stats.staged_write((peer_inc, op.room, op.chunk, op.piece))
             self._count(op, 1)
             self.deadlines.start(op.op_id, op.room, now + ctx.t.write)
-            self.workers.submit(GatherJob(op.op_id, op.room, peer.backend_name, op.src_pages, op.src_heads,
-                                          op.nbytes, peer.ring.addr + op.ring_start % peer.ring.size
-                                          + op.writer_offset, peer.ring.device, ctx.tags.encode(op.tag),
-                                          dst_kind=peer.ring.mem_kind, pools=op.pools,
-                                          on_posted=lambda op_id=op.op_id, room=op.room: self._posted(op_id, room),
-                                          seal=ctx.integrity.sealer(op.tag)))
+            assert self.workers is not None, "a staged piece on a rank without transfer workers"
+            self.workers.submit(GatherJob(
+                op_id=op.op_id, room=op.room, peer=peer.backend_name, pages=op.src_pages, heads=op.src_heads,
+                nbytes=op.nbytes, dst_addr=peer.ring.addr + op.ring_start % peer.ring.size + op.writer_offset,
+                dst_device=peer.ring.device, tag=ctx.tags.encode(op.tag), dst_kind=peer.ring.mem_kind, pools=op.pools,
+                on_posted=functools.partial(self._posted, op.op_id, op.room),
+                seal=ctx.integrity.sealer(op.tag)))
 
     def cancel_room(self, room_id: int, now: float) -> None:
         for op in self.staged.cancel_room(room_id):
@@ -172,11 +180,6 @@ class WriteQueue:
                                              session=tag.session, chunk=tag.chunk, piece=tag.piece, group=group))
         self.ctx.stats.add("writes_announced")
 
-    def worker_report(self, op_id: int, room: int, ok: bool, reason: str | None, gather_s: float) -> None:
-        """From a transfer worker thread."""
-        self.ctx.stats.add("gather_s", gather_s)
-        self.ctx.post(WriteDone(op_id, room, ok, reason))
-
     def tick(self, now: float) -> None:
         t = self.ctx.t
         for _, room_id in self.deadlines.expired(now):
@@ -190,12 +193,21 @@ class WriteQueue:
             self.book.apply(room, room.on_write_done(op_id, ok, reason, now))
 
 
+def gather_report(ctx: EngineContext) -> Report:
+    """How the transfer workers report a staged write, from their threads: its gather time
+    counted, then a WriteDone event to the control thread."""
+    def report(op_id: int, room: int, ok: bool, reason: str | None, gather_s: float) -> None:
+        ctx.stats.add("gather_s", gather_s)
+        ctx.post(WriteDone(op_id=op_id, room=room, ok=ok, reason=reason))
+    return report
+
+
 class AllWritesDone:
     """The completion of a logical write posted as several backend writes: `done(ok, reason)`
     once every one completed, ok only if all were (the first failure's reason). Its `one` is
     each backend write's on_done; they all run on the backend's owning thread, one at a time."""
 
-    def __init__(self, count: int, done):
+    def __init__(self, count: int, done: Callable[[bool, str | None], None]):
         self._left, self._done = count, done
         self._failure: str | None = None
         self._failed = False
