@@ -61,6 +61,8 @@ class ScatterWorker:
         def work(job: ScatterJob) -> Callable[[], None]:
             room, key, report = job.room, job.key, self._report
             t0 = time.perf_counter()
+            ok: bool
+            reason: str | None
             bad = next((f"writer {w}: the landed bytes' digest {digest(view):#018x} is not the sent "
                         f"{want:#018x}" for view, want, w in job.checks if digest(view) != want), None)
             if bad is not None:  # never scattered: the cache keeps what it had

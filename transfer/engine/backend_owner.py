@@ -256,10 +256,11 @@ class BackendOwner:
             # reused the target memory, so this write is never driven again
             self._give_up(w, "the write lease with the peer expired")
             return True
+        handle = _handle(w)
         try:
-            state = self.backend.poll_write(w.handle)
+            state = self.backend.poll_write(handle)
         except Exception as exc:  # noqa: BLE001
-            w.handle.state, w.handle.reason = WriteState.FAILED, f"{type(exc).__name__}: {exc}"
+            handle.state, handle.reason = WriteState.FAILED, f"{type(exc).__name__}: {exc}"
             state = WriteState.FAILED
         if state is WriteState.PENDING:
             if w.disconnected_at is not None and now - w.disconnected_at > ABANDON_AFTER_DISCONNECT:
@@ -268,17 +269,17 @@ class BackendOwner:
             return False
         self.pending.remove(w)
         self._release(w)
-        if state is not WriteState.DONE and w.handle.extra.get("may_touch_memory"):
+        if state is not WriteState.DONE and handle.extra.get("may_touch_memory"):
             self.draining.append(w)  # failed (say the peer was disconnected) but may still land
         else:
-            _finish(w, state is WriteState.DONE, w.handle.reason)
+            _finish(w, state is WriteState.DONE, handle.reason)
         return True
 
     def _give_up(self, w: _Write, reason: str) -> None:
         self.pending.remove(w)
-        w.handle.reason = reason
+        _handle(w).reason = reason
         self._release(w)
-        if w.handle.extra.get("may_touch_memory"):
+        if _handle(w).extra.get("may_touch_memory"):
             self.draining.append(w)
         else:
             _finish(w, False, reason)
@@ -287,17 +288,17 @@ class BackendOwner:
         done = [w for w in self.draining if self._returned(w)]
         for w in done:
             self.draining.remove(w)
-            _finish(w, False, w.handle.reason)
+            _finish(w, False, _handle(w).reason)
         return bool(done)
 
     def _returned(self, w: _Write) -> bool:
         """Whether the library let go of a write it may have touched. A backend that gives no
         `returned` event breaks its contract: the write is kept (memory safety first) until
         abort_writes' bounded wait, and said once."""
-        ev = w.handle.extra.get("returned")
+        ev = _handle(w).extra.get("returned")
         if ev is None:
-            if not w.handle.extra.get("_no_event_logged"):
-                w.handle.extra["_no_event_logged"] = True
+            if not _handle(w).extra.get("_no_event_logged"):
+                _handle(w).extra["_no_event_logged"] = True
                 log.error("backend %s gave no 'returned' event for a write it may still touch; it is kept "
                           "until the backend closes", type(self.backend).__name__)
             return False
@@ -309,9 +310,15 @@ class BackendOwner:
 
     def _release(self, w: _Write) -> None:
         try:
-            self.backend.release_write(w.handle)
+            self.backend.release_write(_handle(w))
         except Exception:  # noqa: BLE001
             log.debug("releasing a write failed", exc_info=True)
+
+
+def _handle(w: _Write) -> WriteHandle:
+    """A posted write's handle (every pending or draining write was posted)."""
+    assert w.handle is not None, "a write that was never posted"
+    return w.handle
 
 
 def _finish(w: _Write, ok: bool, reason: str | None) -> None:

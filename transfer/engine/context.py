@@ -8,7 +8,7 @@ others, so the parts stay small and only the control thread ever touches them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Protocol, cast
 
 from ...staging.handler import StagingHandler
 from ..config import EngineConfig, Timeouts
@@ -67,7 +67,7 @@ class EngineContext:
 
     @property
     def t(self) -> Timeouts:
-        return self.cfg.timeouts
+        return cast(Timeouts, self.cfg.timeouts)   # a resolved config has them
 
 
 def local_geometry(layout: KVLayout, buffers: KVBuffers) -> CacheGeometry:

@@ -13,7 +13,7 @@ import itertools
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from ..poll import KVPoll
 from ...bootstrap import RankRecord
@@ -81,6 +81,7 @@ class EnginePlanner:
                               rooms=view.rooms if view else set(), tombstones=view.tombstones if view else [])
             self.engines[source.key] = view
             threading.Thread(target=self._do_lookup, args=(source,), name="kvstage-lookup", daemon=True).start()
+        assert view is not None
         return view
 
     def _do_lookup(self, source: PrefillSource) -> None:
@@ -144,6 +145,7 @@ class EnginePlanner:
                 break  # no Hello to the rest: this room cannot be planned
         gate, bad = peering.plan_gate({rank: p.state for rank, p in peers.items()})
         if gate == "rejected":
+            assert bad is not None
             view.rooms.discard(room.room)
             self._tell_rejected(view, room, peers[bad].reason)
             return self.book.apply(room, room.on_plan_failed(
@@ -156,7 +158,7 @@ class EnginePlanner:
                          {w: WriterOffer(peers[w].key, peers[w].staging, peers[w].buffer_bytes) for w in need.writers},
                          {n: peers[n].key for n in need.notices}, staging=bool(cfg.staging),
                          ring_size=ring.size if ring else 0, ring_align=ring.align if ring else 1,
-                         piece_cap=int(cfg.staging_piece_mb * (1 << 20)), epoch=self.ctx.me)
+                         piece_cap=int(cast(float, cfg.staging_piece_mb) * (1 << 20)), epoch=self.ctx.me)
         if isinstance(plan, tuple):
             return self.book.apply(room, room.on_plan_failed(*plan, now))
         if cfg.staging and not plan.staged:
@@ -232,7 +234,7 @@ class EnginePlanner:
                       token_stride=ctx.layout.token_bytes, mem_kind="VRAM" if b.device.type == "cuda" else "DRAM",
                       device=ctx.geometry.device, pools=pool_memory(b.pools))
         ring = None
-        if ctx.handler.ring is not None:
+        if ctx.handler.ring is not None and ctx.handler.allocator is not None:
             r = ctx.handler.ring
             ring = RingInfo(addr=r.addr, size=ctx.handler.allocator.size, epoch=ctx.me, mem_kind=r.kind,
                             device=r.device)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from ...staging.ring import RingAllocator
 from ...staging.scatter_worker import ScatterJob, ScatterWorker
 from ..poll import KVPoll
 from ..protocol.actions import Action, Scatter, StatusChanged
@@ -84,8 +85,7 @@ class DecodeSide:
         if room is not None:
             if ev.ok:
                 self._stamp(ev.room, "scattered", now)
-            self.book.apply(room, room.on_scattered(ev.key, ev.ok, ev.reason, self.ctx.handler.allocator, now,
-                                                    ev.kind))
+            self.book.apply(room, room.on_scattered(ev.key, ev.ok, ev.reason, self._ring(), now, ev.kind))
 
     def _stamp(self, room_id: int, phase: str, now: float) -> None:
         status = self.book.status.get(room_id)
@@ -194,8 +194,14 @@ class DecodeSide:
         self.scatterer.submit(ScatterJob(room=s.room, key=s.key, pages=s.dst_pages, parts=parts, pools=pools,
                                          checks=checks))
 
-    def publish_watermark(self) -> None:
+    def _ring(self) -> RingAllocator:
+        """The staging ring's allocator: there is one wherever a piece was staged."""
         a = self.ctx.handler.allocator
+        assert a is not None, "a staged piece on a rank without a staging ring"
+        return a
+
+    def publish_watermark(self) -> None:
+        a = self._ring()
         wm = a.watermark
         self.ctx.stats.set("ring_live_bytes", a.live_bytes)
         for peer in self.peers.connected():
@@ -263,7 +269,7 @@ class DecodeSide:
             if room.state is not KVPoll.Failed or room.released or not room.meta_sent:
                 continue
             held += sum(r.nbytes for a in room.allocs.values() for r in a.regions.values())
-            if not room.plan.staged:
+            if room.plan is not None and not room.plan.staged and room.dst_pages is not None:  # both, once meta_sent
                 held += int(room.dst_pages.size) * page
         return held
 

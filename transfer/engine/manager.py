@@ -370,7 +370,7 @@ def check_kernels(cfg: EngineConfig, layout: KVLayout, buffers: KVBuffers) -> No
 
 
 def _live_stats(loop: EngineLoop) -> dict:
-    out = {"rooms_active": len(loop.rooms), "peers_connected": len(loop.peers.connected())}
+    out: dict[str, Any] = {"rooms_active": len(loop.rooms), "peers_connected": len(loop.peers.connected())}
     a = loop.ctx.handler.allocator
     if a is not None:
         out.update(ring_bytes=a.size, ring_live_bytes=a.live_bytes, ring_live_regions=a.live_regions,

@@ -62,11 +62,13 @@ class PrefillSide:
         old = self.peers.get(msg.src)
         verdict = hello_verdict(old.state if old is not None else None, old.conn if old is not None else 0, msg.conn)
         if verdict == "ack_again":
+            assert old is not None
             return self._send_ack(old, True, "")  # a retried Hello
         if verdict == "stale":
             ctx.stats.count("dropped_messages", "stale_connection")
             return
         if verdict == "replace":  # its side of the old connection is over: so is ours
+            assert old is not None
             self.peers.lost(old, "it connected again (it had declared the connection lost)", now, tell=False)
         if msg.src in self.peers.replaced:
             ctx.stats.count("dropped_messages", "stale_peer")
@@ -102,7 +104,7 @@ class PrefillSide:
         self.peers.connected_via(peer, peer.backend_name)
         ctx.backend.fence(peer.backend_name, peer.lease.fence_base + peer.lease.lease_s)
         peer.staging = bool(msg.staging and msg.ring is not None and ctx.handler.buffers)
-        if peer.staging:
+        if peer.staging and msg.ring is not None:
             ctx.handler.subscribe(key.incarnation, msg.ring.epoch, msg.ring.size)
         elif ctx.cfg.staging:
             log.info("staging off towards decode rank %s: %s", key,

@@ -20,7 +20,7 @@ from ...staging.workers import GatherJob, Report, TransferWorkers
 from ..poll import KVPoll
 from ..protocol.actions import WriteOp
 from ..protocol.direct_ranges import CacheGeometry, direct_descriptors, pool_descriptor_parts
-from ..protocol.messages import WritePosted
+from ..protocol.messages import KVMemory, WritePosted
 from ..protocol.prefill_room import PrefillRoom
 from ..protocol.write_groups import DescriptorPart, WriteGroup, group_parts
 from ..protocol.write_queue import StagedQueue, WriteDeadlines
@@ -72,26 +72,27 @@ class WriteQueue:
     def _direct_groups(self, op: WriteOp, peer: Peer) -> list[WriteGroup]:
         """The backend writes of a direct op: its KV ranges and, on the write carrying the last
         page, its pool items, grouped so that no write mixes memory kinds (write_groups.py)."""
-        b = self.ctx.buffers
+        b, kv = self.ctx.buffers, _memory(peer)
+        assert op.dst_pages is not None, "a direct write without destination pages"
         src, dst = direct_descriptors(self.ctx.geometry, self._peer_geometry(peer), op.src_pages, op.dst_pages,
                                       op.src_heads, op.dst_heads)
-        parts = [DescriptorPart("kv", b.kind, peer.kv.mem_kind, False, src, dst)]
+        parts = [DescriptorPart("kv", b.kind, kv.mem_kind, False, src, dst)]
         if op.pools:
-            mems = {m.name: m for m in peer.kv.pools}
-            for name, s, d in pool_descriptor_parts(b.pools, peer.kv.pools, op.pools):
+            mems = {m.name: m for m in kv.pools}
+            for name, s, d in pool_descriptor_parts(b.pools, kv.pools, op.pools):
                 pool, mem = b.pools[name], mems[name]
                 parts.append(DescriptorPart(name, pool.kind, mem.mem_kind, pool.own_writes or mem.own_writes, s, d))
         return group_parts(parts)
 
     def _peer_geometry(self, peer: Peer) -> CacheGeometry:
-        kv = peer.kv
+        kv = _memory(peer)
         return CacheGeometry(tuple(kv.k_addrs) + tuple(kv.v_addrs), self.ctx.layout.page_size, kv.token_stride,
                              self.ctx.layout.head_bytes, kv.device)
 
     def dispatch(self, peer_inc: int, now: float) -> None:
         """Hand every waiting piece whose ring region is free to a transfer worker."""
         ctx = self.ctx
-        peer = self.peers.get(peer_inc)
+        peer = self.peers.get(peer_inc)   # known while it has pieces waiting: a lost peer's are dropped
 
         def room_live(room_id: int) -> bool:
             room = self.book.get(room_id)
@@ -114,11 +115,13 @@ class WriteQueue:
             ctx.stats.staged_write((peer_inc, op.room, op.chunk, op.piece))
             self._count(op, 1)
             self.deadlines.start(op.op_id, op.room, now + ctx.t.write)
-            assert self.workers is not None, "a staged piece on a rank without transfer workers"
+            assert self.workers is not None and peer is not None and peer.ring is not None, \
+                "a staged piece without transfer workers here or a ring there"
+            ring = peer.ring
             self.workers.submit(GatherJob(
                 op_id=op.op_id, room=op.room, peer=peer.backend_name, pages=op.src_pages, heads=op.src_heads,
-                nbytes=op.nbytes, dst_addr=peer.ring.addr + op.ring_start % peer.ring.size + op.writer_offset,
-                dst_device=peer.ring.device, tag=ctx.tags.encode(op.tag), dst_kind=peer.ring.mem_kind, pools=op.pools,
+                nbytes=op.nbytes, dst_addr=ring.addr + op.ring_start % ring.size + op.writer_offset,
+                dst_device=ring.device, tag=ctx.tags.encode(op.tag), dst_kind=ring.mem_kind, pools=op.pools,
                 on_posted=functools.partial(self._posted, op.op_id, op.room),
                 seal=ctx.integrity.sealer(op.tag)))
 
@@ -191,6 +194,12 @@ class WriteQueue:
         room = self.book.get(room_id)
         if room is not None:
             self.book.apply(room, room.on_write_done(op_id, ok, reason, now))
+
+
+def _memory(peer: Peer) -> KVMemory:
+    """A decode peer's KV memory: every decode rank's Hello carries it."""
+    assert peer.kv is not None, f"decode peer {peer.key} without its KV memory"
+    return peer.kv
 
 
 def gather_report(ctx: EngineContext) -> Report:
