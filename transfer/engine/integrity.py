@@ -23,7 +23,7 @@ from ...staging.handler import StagingHandler
 from ...staging.kernels import gatherer_class
 from ..layout import KVBuffers, KVLayout
 from ..protocol.actions import Scatter, WriteOp
-from ..protocol.decode_room import DecodeRoom
+from ..protocol.decode_room import DecodeRoom, PageSpan, RingSpan
 from ..protocol.tags import Tag, TagCodec
 from .stats import Stats
 
@@ -76,12 +76,11 @@ class Integrity:
             return None
         if self.corrupt_data and self._rng.random() < self.corrupt_data:
             self._flip(room.room, span)
-        if not self.verify or span[0] != "pages":
+        if not self.verify or not isinstance(span, PageSpan):
             return None  # staged pieces are checked on the scatter thread, before the scatter
-        _, pages, heads, copies, nbytes = span
         b = self.buffers
-        got = gathered_digest(self._gather(), b.k, b.v, pages, self.layout.page_size, heads, b.pools, copies,
-                              nbytes, dst=True)
+        got = gathered_digest(self._gather(), b.k, b.v, span.pages, self.layout.page_size, span.heads, b.pools,
+                              span.copies, span.nbytes, dst=True)
         if got != tag.digest:
             return (f"corrupt data from prefill rank {tag.writer}, chunk {tag.chunk} part {tag.piece}: the landed "
                     f"bytes' digest {got:#018x} is not the sent {tag.digest:#018x}")
@@ -94,18 +93,17 @@ class Integrity:
         view = self.handler.ring_view
         return tuple((view(offset, nbytes), want, writer) for offset, nbytes, want, writer in s.checks)
 
-    def _flip(self, room: int, span: tuple) -> None:
+    def _flip(self, room: int, span: RingSpan | PageSpan) -> None:
         """Flip one byte of what the write landed (the fault `corrupt_data`)."""
         stats = self.stats
         stats.count("faults_injected", "corrupt_data")
         if room not in self.corrupted_rooms:
             self.corrupted_rooms.add(room)
             stats.add("corrupted_rooms")
-        if span[0] == "ring":
-            _, offset, nbytes = span
-            v = self.handler.ring_view(offset + self._rng.randrange(nbytes), 1)
+        if isinstance(span, RingSpan):
+            v = self.handler.ring_view(span.offset + self._rng.randrange(span.nbytes), 1)
         else:
-            _, pages, heads, _, _ = span
+            pages, heads = span.pages, span.heads
             lay = self.layout
             k = self.buffers.k[self._rng.randrange(len(self.buffers.k))]
             token = int(pages[self._rng.randrange(len(pages))]) * lay.page_size

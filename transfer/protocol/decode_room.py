@@ -94,6 +94,34 @@ def plan_room(layout: KVLayout, mapping: HeadMapping, writers: dict[int, WriterO
                     min(o.buffer_bytes for o in writers.values()) if writers else 0)
 
 
+@dataclass(frozen=True, kw_only=True)
+class WriterPart:
+    """One writer's part of a staged piece in the ring: its KV bytes, then its pool copies."""
+
+    writer: int                  # the writer's prefill TP rank
+    offset: int                  # byte offset of the part in the ring
+    kv_bytes: int
+    copies: tuple = ()           # PoolCopy of each state pool item it carries (the last piece only)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RingSpan:
+    """Where a staged write landed: its bytes in the ring."""
+
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class PageSpan:
+    """Where a direct write landed: cache pages, the heads written, pool items, its bytes."""
+
+    pages: np.ndarray
+    heads: tuple[int, int]
+    copies: tuple
+    nbytes: int
+
+
 @dataclass
 class WriterState:
     peer: PeerKey
@@ -306,8 +334,8 @@ class DecodeRoom:
             return "ok", [self._scatter(arrival.piece, now)]
         return "ok", self._check_complete(now)
 
-    def _parts(self, chunk: int, index: int, page_start: int, num_pages: int) -> list[tuple]:
-        """Per writer, in writer order: (rank, ring offset of its part, KV bytes, pool copies)."""
+    def _parts(self, chunk: int, index: int, page_start: int, num_pages: int) -> list[WriterPart]:
+        """Each writer's part of a staged piece, in writer order."""
         region = self.allocs[chunk].regions[index]
         per_head = num_pages * self.plan.head_page_bytes
         writers = sorted(self.writers.items(), key=lambda rw: rw[1].assignment.writer_index)
@@ -315,7 +343,8 @@ class DecodeRoom:
         copies = [self.pool_copies.get(r, ()) if final else () for r, _ in writers]
         kv = [per_head * w.assignment.num_heads for _, w in writers]
         offsets = part_offsets([n + block_bytes(c) for n, c in zip(kv, copies)])
-        return [(r, region.offset + off, n, c) for (r, _), off, n, c in zip(writers, offsets, kv, copies)]
+        return [WriterPart(writer=r, offset=region.offset + off, kv_bytes=n, copies=c)
+                for (r, _), off, n, c in zip(writers, offsets, kv, copies)]
 
     def completes_write(self, tag: Tag) -> bool:
         """Whether the write `tag` belongs to is whole once it lands: always, but for a direct
@@ -325,30 +354,32 @@ class DecodeRoom:
         return self.tracker.group_completes((tag.writer, tag.chunk, tag.page_start, tag.num_pages), tag.group,
                                             tag.groups)
 
-    def landed_span(self, tag: Tag) -> tuple | None:
-        """Where the write of an accepted tag landed: ("ring", offset, nbytes) or ("pages", dst pages,
-        dst heads, pool copies, nbytes); None when the tag is not this room's."""
+    def landed_span(self, tag: Tag) -> RingSpan | PageSpan | None:
+        """Where the write of an accepted tag landed: in the ring (staged) or in cache pages
+        (direct); None when the tag is not this room's."""
         w = self.writers.get(tag.writer)
         if w is None or tag.session != self.session or self.tracker is None or self.state in TERMINAL:
             return None
         if self.plan.staged:
             if tag.chunk not in self.allocs or tag.piece not in self.allocs[tag.chunk].regions:
                 return None
-            part = next(p for p in self._parts(tag.chunk, tag.piece, tag.page_start, tag.num_pages) if p[0] == tag.writer)
-            return ("ring", part[1], part[2] + block_bytes(part[3]))
+            part = next(p for p in self._parts(tag.chunk, tag.piece, tag.page_start, tag.num_pages)
+                        if p.writer == tag.writer)
+            return RingSpan(offset=part.offset, nbytes=part.kv_bytes + block_bytes(part.copies))
         if tag.page_start < 0 or tag.num_pages <= 0 or tag.page_start + tag.num_pages > self.tracker.num_pages:
             return None
         final = tag.page_start + tag.num_pages == self.tracker.num_pages
-        return ("pages", self.dst_pages[tag.page_start:tag.page_start + tag.num_pages], w.assignment.dst_heads,
-                self.pool_copies.get(tag.writer, ()) if final else (), tag.nbytes)
+        return PageSpan(pages=self.dst_pages[tag.page_start:tag.page_start + tag.num_pages],
+                        heads=w.assignment.dst_heads, copies=self.pool_copies.get(tag.writer, ()) if final else (),
+                        nbytes=tag.nbytes)
 
     def _scatter(self, piece: ExpectedPiece, now: float) -> Scatter:
         self.scattering[piece.key] = now
         parts_ = self._parts(piece.chunk, piece.index, piece.page_start, piece.num_pages)
-        parts = tuple(ScatterPart(off, n, self.writers[r].assignment.dst_heads) for r, off, n, _ in parts_)
-        pools = tuple((off + n + c.offset, c) for _, off, n, cs in parts_ for c in cs)
-        checks = tuple((off, n + block_bytes(cs), self.writers[r].digests.get(piece.key, 0), r)
-                       for r, off, n, cs in parts_)
+        parts = tuple(ScatterPart(p.offset, p.kv_bytes, self.writers[p.writer].assignment.dst_heads) for p in parts_)
+        pools = tuple((p.offset + p.kv_bytes + c.offset, c) for p in parts_ for c in p.copies)
+        checks = tuple((p.offset, p.kv_bytes + block_bytes(p.copies), self.writers[p.writer].digests.get(piece.key, 0),
+                        p.writer) for p in parts_)
         dst = self.dst_pages[piece.page_start:piece.page_start + piece.num_pages]
         return Scatter(self.room, piece.key, dst, parts, pools, checks)
 
