@@ -23,9 +23,9 @@ from ..protocol.quiet import Arrival, ExpectedWrites
 from ..protocol.routing import finished_room_answer
 from ..protocol.tags import Tag, TagKind
 from .context import EngineContext
-from .interfaces import EventHandler, MessageHandler
 from .decode_planning import EnginePlanner
 from .events import Abort, InitReceiver, LookupDone, NewReceiver, ScatterDone
+from .interfaces import EventHandler, MessageHandler
 from .peers import Peer, PeerTable
 from .prefill_sources import PrefillSource
 from .rooms import RoomBook
@@ -51,12 +51,13 @@ class DecodeSide:
         self.planner = EnginePlanner(ctx, peers, book, lookup)
         self.eager_rooms: set[int] = set()       # Transferring: writes towards them may come
         self.expected = ExpectedWrites()         # writes announced towards this rank, tags not in
-        self.handlers: dict[type, MessageHandler] = {HelloAck: self.planner.on_HelloAck, MetaAck: self.on_MetaAck,
-                         AllocRequest: self.on_AllocRequest, WriterDone: self.on_WriterDone,
-                         Quiesced: self.on_Quiesced, RoomFailed: self.on_RoomFailed,
-                         WritePosted: self.on_WritePosted}
-        self.events: dict[type, EventHandler] = {NewReceiver: self.new_receiver, InitReceiver: self.init_receiver, Abort: self.abort,
-                       ScatterDone: self.on_scattered, LookupDone: self.planner.on_lookup}
+        self.handlers: dict[type, MessageHandler] = {
+            HelloAck: self.planner.on_HelloAck, MetaAck: self.on_MetaAck, AllocRequest: self.on_AllocRequest,
+            WriterDone: self.on_WriterDone, Quiesced: self.on_Quiesced, RoomFailed: self.on_RoomFailed,
+            WritePosted: self.on_WritePosted}
+        self.events: dict[type, EventHandler] = {
+            NewReceiver: self.new_receiver, InitReceiver: self.init_receiver, Abort: self.abort,
+            ScatterDone: self.on_scattered, LookupDone: self.planner.on_lookup}
 
     def on_hello(self, msg: Hello, now: float) -> None:
         self.ctx.stats.count("dropped_messages", "unexpected")  # decode ranks connect, they are not connected to

@@ -144,8 +144,8 @@ class RoleSide(RoomHooks[R_contra], PeerLossListener, Protocol[R_contra]):
         room ended and was released."""
 
     def quarantined_bytes(self) -> int:
-        """Memory held back from reuse because a write may still touch it (stats()). May be
-        called from the caller's thread through a Call event: on the control thread."""
+        """Memory held back from reuse because a write may still touch it, for stats() (which
+        asks the control thread for it with a Call event)."""
 
     def stuck_rooms(self) -> list[int]:
         """After an internal error not tied to one room: the rooms it may have left stuck

@@ -28,14 +28,13 @@ from typing import Any, Callable, cast
 
 import zmq
 
+from ...bootstrap.wire import Codec
 from ...staging.handler import StagingHandler
 from ...staging.scatter_worker import ScatterWorker
 from ...staging.thread_meter import ThreadMeter
 from ...staging.workers import TransferWorkers
 from ..backends.base import ArrivedTag
-from ..backends.faults import FaultPlan
-from ...bootstrap.wire import Codec
-from ..backends.faults import ControlFaults
+from ..backends.faults import ControlFaults, FaultPlan
 from ..config import EngineConfig
 from ..layout import KVBuffers, KVLayout
 from ..protocol.decode_room import DecodeRoom
@@ -97,7 +96,8 @@ class EngineLoop:
         plan = FaultPlan.from_dict(cfg.faults) if cfg.faults else None
         tags = TagCodec(cfg.token_bytes)
         integrity = Integrity(verify=bool(cfg.verify), layout=layout, buffers=buffers, tags=tags, handler=handler,
-                              stats=stats, corrupt_data=plan.corrupt_data if plan else 0.0, seed=plan.seed if plan else 0)
+                              stats=stats, corrupt_data=plan.corrupt_data if plan else 0.0,
+                              seed=plan.seed if plan else 0)
         self.ctx = c = EngineContext(cfg=cfg, layout=layout, buffers=buffers, me=me, backend=backend,
                                      backend_name=backend_name, identity=identity, handler=handler, stats=stats,
                                      sock=sock, tags=tags, summary=layout.summary(buffers.pool_specs),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import defaultdict
+
 from ...staging.ring import Watermark
 from ..poll import KVPoll
 from ..protocol.actions import Action, PeerKey, Scatter, StatusChanged
@@ -24,8 +25,8 @@ from ..protocol.room_uses import EarlierUses, finished_room_meta
 from ..protocol.routing import hello_verdict
 from ..protocol.tags import Tag
 from .context import EngineContext
-from .interfaces import EventHandler, MessageHandler
 from .events import Abort, InitSender, NewSender, SendChunk
+from .interfaces import EventHandler, MessageHandler
 from .peers import Peer, PeerTable
 from .rooms import RoomBook
 from .write_queue import WriteQueue
@@ -45,11 +46,11 @@ class PrefillSide:
         self.used_sessions: dict[int, EarlierUses] = {}  # finished room -> its uses' sessions (stale for the next)
         self.pending: dict[int, list[tuple]] = defaultdict(list)  # room -> messages that came before its sender
         self.pending_since: dict[int, float] = {}
-        self.handlers: dict[type, MessageHandler] = {RoomMeta: self.on_RoomMeta, AllocGrant: self.on_AllocGrant,
-                         WatermarkUpdate: self.on_WatermarkUpdate, RoomDone: self.on_RoomDone,
-                         RoomFailed: self.on_RoomFailed}
-        self.events: dict[type, EventHandler] = {NewSender: self.new_sender, InitSender: self.init_sender, SendChunk: self.send_chunk,
-                       Abort: self.abort}
+        self.handlers: dict[type, MessageHandler] = {
+            RoomMeta: self.on_RoomMeta, AllocGrant: self.on_AllocGrant, WatermarkUpdate: self.on_WatermarkUpdate,
+            RoomDone: self.on_RoomDone, RoomFailed: self.on_RoomFailed}
+        self.events: dict[type, EventHandler] = {
+            NewSender: self.new_sender, InitSender: self.init_sender, SendChunk: self.send_chunk, Abort: self.abort}
 
     # -- the connection handshake ---------------------------------------------------------------
     def on_hello(self, msg: Hello, now: float) -> None:

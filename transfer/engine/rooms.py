@@ -119,8 +119,9 @@ class RoomBook(Generic[R]):
     def _released(self, room: R) -> None:
         self.rooms.pop(room.room, None)
         self.status.pop(room.room, None)
-        self.finished[room.room] = FinishedRoom(room.state, room.failure_kind or "gone", room.failure or "it succeeded",
-                                                getattr(room, "session", 0))
+        self.finished[room.room] = FinishedRoom(state=room.state, kind=room.failure_kind or "gone",
+                                                reason=room.failure or "it succeeded",
+                                                session=getattr(room, "session", 0))
         side = self._side()
         side.released(room)
         while len(self.finished) > FINISHED_MEMORY:
