@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -45,6 +45,13 @@ class _Write:
     disconnected_at: float | None = None
     on_posted: Callable[[], object] | None = None
     dst_kind: str | None = None   # the peer memory's kind ("DRAM"/"VRAM"), see Backend.post_write
+
+
+class Step(NamedTuple):
+    """What one round of step() did."""
+
+    tags: list[ArrivedTag]     # notifications of writes that landed here
+    progressed: bool           # whether anything happened (a command, a post, a completion, a tag)
 
 
 @dataclass(frozen=True)
@@ -127,8 +134,8 @@ class BackendOwner:
         return InFlight(writes=len(self.pending) + len(self._to_post), expected=self.expecting,
                         draining=len(self.draining))
 
-    def step(self) -> tuple[list[ArrivedTag], bool]:
-        """One round of progress on the owning thread: (arrived tags, whether anything happened)."""
+    def step(self) -> Step:
+        """One round of progress on the owning thread."""
         busy = self._commands()
         busy |= self._post_next()
         busy |= self._poll_writes()
@@ -143,7 +150,7 @@ class BackendOwner:
                 self.backend.progress()
             except Exception:  # noqa: BLE001 - progress errors surface on the writes
                 log.debug("backend progress raised", exc_info=True)
-        return tags, busy or bool(tags)
+        return Step(tags, busy or bool(tags))
 
     def _post_next(self) -> bool:
         """Post the first queued write whose peer has no write of ours in flight."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -21,6 +21,23 @@ from ..timeline import TimelineRecorder
 from .events import Abort, InitReceiver, InitSender, SendChunk
 
 Post = Callable[[Any], None]   # hands an event to the control thread; raises once the manager closed
+
+
+class Snapshot(NamedTuple):
+    """A room's status at one moment, as the caller reads it."""
+
+    state: KVPoll
+    failure: str | None
+    failure_kind: str | None
+    released: bool
+
+
+class Ended(NamedTuple):
+    """A room's state with its totals and when it ended (None: it has not)."""
+
+    state: KVPoll
+    totals: Any                # RoomTotals
+    ended_at: float | None
 
 
 class RoomStatus:
@@ -52,13 +69,13 @@ class RoomStatus:
             if released or state in (KVPoll.Success, KVPoll.Failed):  # all that waiters wait for
                 self._changed.notify_all()
 
-    def ended(self) -> tuple[KVPoll, Any, float | None]:
+    def ended(self) -> Ended:
         with self._lock:
-            return self.state, self.totals, self.ended_at
+            return Ended(self.state, self.totals, self.ended_at)
 
-    def snapshot(self) -> tuple[KVPoll, str | None, str | None, bool]:
+    def snapshot(self) -> Snapshot:
         with self._lock:
-            return self.state, self.failure, self.failure_kind, self.released
+            return Snapshot(self.state, self.failure, self.failure_kind, self.released)
 
     def wait(self, predicate, timeout: float | None) -> bool:
         with self._lock:
@@ -106,21 +123,21 @@ class _Handle:
         return now
 
     def poll(self) -> KVPoll:
-        return self._status.snapshot()[0]
+        return self._status.snapshot().state
 
     @property
     def failure(self) -> str | None:
         """Why the request failed (None unless poll() is Failed)."""
-        return self._status.snapshot()[1]
+        return self._status.snapshot().failure
 
     @property
     def failure_kind(self) -> str | None:
-        return self._status.snapshot()[2]
+        return self._status.snapshot().failure_kind
 
     @property
     def released(self) -> bool:
         """True once no write of this request can still land: its memory may be reused."""
-        return self._status.snapshot()[3]
+        return self._status.snapshot().released
 
     def wait(self, timeout: float | None = None) -> KVPoll:
         """Block until Success or Failed (or the timeout); return the state."""
@@ -151,7 +168,7 @@ class _Handle:
     def clear(self) -> None:
         """Done with this request: the manager forgets it once it is released. Before it ended,
         this aborts it first. Idempotent; harmless after the manager closed."""
-        if self._status.snapshot()[0] not in (KVPoll.Success, KVPoll.Failed):
+        if self._status.snapshot().state not in (KVPoll.Success, KVPoll.Failed):
             try:
                 self.abort()
             except RuntimeError:  # the manager closed: it failed and releases every room itself

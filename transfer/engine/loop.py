@@ -33,7 +33,6 @@ from ...staging.handler import StagingHandler
 from ...staging.scatter_worker import ScatterWorker
 from ...staging.thread_meter import ThreadMeter
 from ...staging.workers import TransferWorkers
-from ..backends.base import ArrivedTag
 from ..backends.faults import ControlFaults, FaultPlan
 from ..config import EngineConfig
 from ..layout import KVBuffers, KVLayout
@@ -43,7 +42,7 @@ from ..protocol.prefill_room import PrefillRoom
 from ..poll import KVPoll
 from ..protocol.quiet import MIN_EAGER_WAIT, Activity, activity, next_wait
 from ..protocol.tags import TagCodec
-from .backend_owner import BackendOwner
+from .backend_owner import BackendOwner, Step
 from .context import EngineContext, NoObserver, Observer, local_geometry
 from .control_socket import ControlSocket
 from .decode_side import DecodeSide, scatter_report
@@ -251,14 +250,14 @@ class EngineLoop:
             log.exception("control thread: handling %s failed", type(arg).__name__)
             self._internal_error(type(arg).__name__, getattr(arg, "room", None), exc)
 
-    def _step(self) -> tuple[list[ArrivedTag], bool]:
+    def _step(self) -> Step:
         """backend.step(), guarded: the loop must go on (deadlines keep firing) when it raises."""
         try:
             return self.ctx.backend.step()
         except Exception as exc:  # noqa: BLE001
             log.exception("control thread: driving the backend failed")
             self._internal_error("backend_step", None, exc)
-            return [], True
+            return Step([], True)
 
     def _internal_error(self, what: str, room_id: Any, exc: Exception) -> None:
         """Count an exception inside the loop and fail the rooms it may have left stuck, kind
