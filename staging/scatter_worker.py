@@ -4,8 +4,6 @@ control thread, and reports each one back so its ring region can be freed."""
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -16,13 +14,14 @@ import torch
 from .gather_scatter import Scatterer
 from .kernels import scatterer_class
 from .digests import digest
+from .job_threads import JobThreads
 from .pool_copies import PoolBytes, scatter_pools
 from .thread_meter import ThreadMeter
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ScatterJob:
     room: int
     key: tuple[int, int]
@@ -37,6 +36,8 @@ Report = Callable[..., None]
 
 
 class ScatterWorker:
+    """One thread on one job queue (job_threads.py)."""
+
     def __init__(self, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None, page_size: int,
                  report: Report, pools: dict | None = None):
         self._k, self._v, self._page_size = list(k), (list(v) if v is not None else None), page_size
@@ -44,45 +45,37 @@ class ScatterWorker:
         self._report = report
         # chosen here, not in the thread: a bad KVSTAGE_STAGING_KERNELS fails the caller
         self._scatterer_class = scatterer_class(self._k[0].device)
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self.meter = ThreadMeter("scatter")
-        self._thread = threading.Thread(target=self._run, name="kvstage-scatter", daemon=True)
-        self._thread.start()
+        self._thread: JobThreads[ScatterJob] = JobThreads([("kvstage-scatter", "scatter")], self._worker)
+        self.meter = self._thread.meters[0]
 
     def submit(self, job: ScatterJob) -> None:
-        self._jobs.put(job)
+        self._thread.submit(job)
 
     def stop(self, timeout: float = 10.0) -> None:
-        self._jobs.put(None)
-        self._thread.join(timeout)
+        self._thread.stop(timeout)
 
-    def _run(self) -> None:
-        self.meter.started()
-        try:
-            self._work()
-        finally:
-            self.meter.stopped()
-
-    def _work(self) -> None:
+    def _worker(self, index: int, meter: ThreadMeter) -> Callable[[ScatterJob], Callable[[], None]]:
         from ..transfer.protocol.kinds import FailureKind  # lazy: keeps staging importable on its own
 
         scatterer = self._scatterer_class()  # Triton kernels on CUDA, torch otherwise (staging/kernels.py)
         device = self._k[0].device
-        while True:
-            job = self._jobs.get()
-            self.meter.wake()
-            if job is None:
-                return
-            room, key = job.room, job.key
+
+        def work(job: ScatterJob) -> Callable[[], None]:
+            room, key, report = job.room, job.key, self._report
             t0 = time.perf_counter()
+            ok: bool
+            reason: str | None
             bad = next((f"writer {w}: the landed bytes' digest {digest(view):#018x} is not the sent "
                         f"{want:#018x}" for view, want, w in job.checks if digest(view) != want), None)
             if bad is not None:  # never scattered: the cache keeps what it had
                 ok, reason, kind = False, f"corrupt data in chunk {key[0]} piece {key[1]}: {bad}", FailureKind.CORRUPT
             else:
                 (ok, reason), kind = self._scatter(scatterer, job, device), FailureKind.SCATTER
-            del job  # drop the ring views before the region is handed back
-            self._report(room, key, ok, reason, time.perf_counter() - t0, kind)
+            seconds = time.perf_counter() - t0
+            # reported once the loop dropped the job and with it the ring views
+            return lambda: report(room, key, ok, reason, seconds, kind)
+
+        return work
 
     def _scatter(self, scatterer: Scatterer, job: ScatterJob, device: torch.device) -> tuple[bool, str | None]:
         try:

@@ -9,7 +9,6 @@ ring region is free), so a worker never blocks on the decode side.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -21,13 +20,14 @@ import torch
 from .buffers import StagingBuffer
 from .kernels import gatherer_class
 from .digests import digest
+from .job_threads import JobThreads
 from .pool_copies import PoolBytes, gather_pools
 from .thread_meter import ThreadMeter
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GatherJob:
     op_id: int
     room: int
@@ -40,7 +40,7 @@ class GatherJob:
     tag: bytes
     dst_kind: str | None = None   # the ring's memory kind as the decode rank advertised it
     pools: tuple = ()             # state pool copies appended after the KV bytes (the last piece)
-    on_posted: Callable[[], None] | None = None   # runs on the backend's owner once it took the write
+    on_posted: Callable[[], object] | None = None   # runs on the backend's owner once it took the write
     seal: Callable[[int], bytes] | None = None   # verify: the tag carrying the gathered bytes' digest
 
 
@@ -51,48 +51,37 @@ Report = Callable[[int, int, bool, str | None, float], None]
 
 
 class TransferWorkers:
+    """One thread per staging buffer, all on one job queue (job_threads.py)."""
+
     def __init__(self, buffers: Sequence[StagingBuffer], k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None,
                  page_size: int, submit: SubmitWrite, report: Report, pools: dict | None = None):
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._buffers = list(buffers)
         self._pools = PoolBytes(pools or {})  # tensors viewed as bytes once, not per request
         self._k, self._v, self._page_size = list(k), (list(v) if v is not None else None), page_size
         self._submit, self._report = submit, report
         # chosen here, not in the threads: a bad KVSTAGE_STAGING_KERNELS fails the caller
         self._gatherer_class = gatherer_class(self._k[0].device)
-        self.meters = [ThreadMeter(f"xfer-{i}") for i in range(len(buffers))]
-        self._threads = [threading.Thread(target=self._run, args=(buf, m), name=f"kvstage-xfer-{i}", daemon=True)
-                         for i, (buf, m) in enumerate(zip(buffers, self.meters))]
-        for t in self._threads:
-            t.start()
+        self._threads: JobThreads[GatherJob] = JobThreads(
+            [(f"kvstage-xfer-{i}", f"xfer-{i}") for i in range(len(self._buffers))], self._worker)
+        self.meters = self._threads.meters
 
     @property
     def count(self) -> int:
-        return len(self._threads)
+        return self._threads.count
 
     def submit(self, job: GatherJob) -> None:
-        self._jobs.put(job)
+        self._threads.submit(job)
 
     def stop(self, timeout: float = 10.0) -> None:
-        for _ in self._threads:
-            self._jobs.put(None)
-        for t in self._threads:
-            t.join(timeout)
+        self._threads.stop(timeout)
 
-    def _run(self, buf: StagingBuffer, meter: ThreadMeter) -> None:
-        meter.started()
-        try:
-            self._work(buf, meter)
-        finally:
-            meter.stopped()
+    def _worker(self, index: int, meter: ThreadMeter) -> Callable[[GatherJob], Callable[[], None]]:
+        """Thread `index`: its buffer, its gatherer (Triton kernels on CUDA, torch otherwise,
+        staging/kernels.py), and how it does one job."""
+        buf, gatherer, device = self._buffers[index], self._gatherer_class(), self._k[0].device
 
-    def _work(self, buf: StagingBuffer, meter: ThreadMeter) -> None:
-        gatherer = self._gatherer_class()  # Triton kernels on CUDA, torch otherwise (staging/kernels.py)
-        device = self._k[0].device
-        while True:
-            job = self._jobs.get()
-            meter.wake()
-            if job is None:
-                return
+        def work(job: GatherJob) -> Callable[[], None]:
+            op_id, room, report = job.op_id, job.room, self._report
             t0 = time.perf_counter()
             try:
                 # a CPU page list: the gatherer validates it on the host and uploads it once
@@ -106,14 +95,14 @@ class TransferWorkers:
                     raise ValueError(f"gathered {n} bytes, the piece has {job.nbytes}")
                 tag = job.tag if job.seal is None else job.seal(digest(buf.tensor[:n]))
             except Exception as exc:  # noqa: BLE001 - a bad piece fails its room, not the worker
-                log.exception("gather for room %s failed", job.room)
-                self._report(job.op_id, job.room, False, f"gather failed: {exc}", time.perf_counter() - t0)
-                continue
+                log.exception("gather for room %s failed", room)
+                failure, gather_s = f"gather failed: {exc}", time.perf_counter() - t0
+                return lambda: report(op_id, room, False, failure, gather_s)
             gather_s = time.perf_counter() - t0
             done = threading.Event()
-            result: list = []
+            result: list[tuple[bool, str | None]] = []
 
-            def on_done(ok: bool, reason: str | None, result=result, done=done) -> None:
+            def on_done(ok: bool, reason: str | None) -> None:
                 result.append((ok, reason))
                 done.set()
 
@@ -123,4 +112,6 @@ class TransferWorkers:
             done.wait()  # the buffer is ours again only when the backend is done with it
             meter.wake()
             ok, reason = result[0]
-            self._report(job.op_id, job.room, ok, reason, gather_s)
+            return lambda: report(op_id, room, ok, reason, gather_s)
+
+        return work

@@ -113,8 +113,8 @@ def test_transfer_worker_submits_the_ring_kind_of_its_job():
     buf = StagingBuffer.host(1 << 16)
     workers = TransferWorkers([buf], k, v, page_size, submit, report)
     try:
-        workers.submit(GatherJob(1, 7, "decode-0", np.array([1]), (0, heads), nbytes, 1 << 20, 3, b"t",
-                                 dst_kind="VRAM"))
+        workers.submit(GatherJob(op_id=1, room=7, peer="decode-0", pages=np.array([1]), heads=(0, heads),
+                                 nbytes=nbytes, dst_addr=1 << 20, dst_device=3, tag=b"t", dst_kind="VRAM"))
         assert finished.wait(10), "the worker never reported"
     finally:
         workers.stop()

@@ -19,11 +19,12 @@ from kvstage.transfer.protocol.tags import TagCodec, TagKind, make_tag
 
 def prefill_parts(rooms: dict, backend=None):
     ctx = SimpleNamespace(role="prefill", stats=Stats(), tags=TagCodec(None), backend=backend)
-    peers = PeerTable(ctx)
+    peers = PeerTable(ctx, listeners=lambda: [side])
     key = PeerKey("other", 0, 77)
-    peers.peers[77] = Peer(key, "decode", 1, "tcp://x:1", Lease(5.0, 0.0), state="connected", backend_name="b")
+    peers.peers[77] = Peer(key=key, role="decode", tp_size=1, endpoint="tcp://x:1", lease=Lease(5.0, 0.0),
+                           state="connected", backend_name="b")
     peers.by_backend["b"] = 77
-    book = RoomBook(ctx, peers)
+    book = RoomBook(ctx, peers, side=lambda: side, writes=lambda: None)
     book.rooms.update(rooms)
     side = PrefillSide(ctx, peers, book, writes=None)
     return ctx, peers, book, side
@@ -96,9 +97,9 @@ class RecordingSocket:
 def decode_router(peer_conn: int):
     ctx = SimpleNamespace(role="decode", me=5, stats=Stats(), sock=RecordingSocket(),
                           handler=SimpleNamespace(unsubscribe=lambda inc: None))
-    peers = PeerTable(ctx)
-    peer = Peer(PeerKey("pf", 0, 77), "prefill", 1, "tcp://p:1", Lease(5.0, 0.0), state="connected",
-                backend_name="b", conn=peer_conn)
+    peers = PeerTable(ctx, listeners=lambda: [])
+    peer = Peer(key=PeerKey("pf", 0, 77), role="prefill", tp_size=1, endpoint="tcp://p:1", lease=Lease(5.0, 0.0),
+                state="connected", backend_name="b", conn=peer_conn)
     peers.add(peer, 0.0)
     liveness = Liveness(ctx, peers, side=None)
     return ctx, peers, peer, FrameRouter(ctx, peers, None, liveness.handlers)
@@ -132,10 +133,9 @@ def test_a_hello_with_a_newer_connection_replaces_the_old_one_and_an_older_one_i
                           layout=SimpleNamespace(tp_size=1, tp_rank=0), backend_name="me",
                           handler=SimpleNamespace(buffers=[], buffer_bytes=0, unsubscribe=lambda inc: None))
     ctx.backend.disconnect = lambda name: None
-    peers = PeerTable(ctx)
-    book = RoomBook(ctx, peers)
+    peers = PeerTable(ctx, listeners=lambda: [side])
+    book = RoomBook(ctx, peers, side=lambda: side, writes=lambda: None)
     side = PrefillSide(ctx, peers, book, writes=None)
-    peers.listeners = [side]
 
     def hello(conn):
         return Hello(src=77, dst=5, engine_id="dec", role="decode", tp_size=1, tp_rank=0, ctrl_endpoint="tcp://d:1",

@@ -22,7 +22,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 ABANDON_AFTER_DISCONNECT = 5.0
 
 
-@dataclass(eq=False)  # identity, not field equality: fields hold numpy arrays
+@dataclass(eq=False, kw_only=True)  # identity, not field equality: fields hold numpy arrays
 class _Write:
     peer: str
     src: np.ndarray
@@ -43,15 +43,31 @@ class _Write:
     on_done: Callable[[bool, str | None], None]
     handle: WriteHandle | None = None
     disconnected_at: float | None = None
-    on_posted: Callable[[], None] | None = None
+    on_posted: Callable[[], object] | None = None
     dst_kind: str | None = None   # the peer memory's kind ("DRAM"/"VRAM"), see Backend.post_write
+
+
+class Step(NamedTuple):
+    """What one round of step() did."""
+
+    tags: list[ArrivedTag]     # notifications of writes that landed here
+    progressed: bool           # whether anything happened (a command, a post, a completion, a tag)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Another thread's call(): fn(backend, *args) on the owner, its result into `fut`."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    fut: Future[Any]
 
 
 class BackendOwner:
     def __init__(self, backend: Backend, wake: Callable[[], None] | None = None):
         self.backend = backend
         self._wake = wake or (lambda: None)
-        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._cmds: queue.SimpleQueue[_Call | _Write] = queue.SimpleQueue()   # from other threads
         self._lock = threading.Lock()
         self._fences: dict[str, float] = {}      # peer -> monotonic time its write lease ends
         self._owner: int | None = threading.get_ident()  # the constructing thread, until adopt()
@@ -80,19 +96,19 @@ class BackendOwner:
         """Run fn(backend, *args) on the owning thread and return its result (or raise)."""
         if self._mine():
             return fn(self.backend, *args)
-        fut: Future = Future()
-        self._cmds.put(("call", fn, args, fut))
+        fut: Future[Any] = Future()
+        self._cmds.put(_Call(fn, args, fut))
         self._wake()
         return fut.result(timeout)
 
     def submit_write(self, peer: str, src: np.ndarray, dst: np.ndarray, tag: bytes,
                      on_done: Callable[[bool, str | None], None],
-                     on_posted: Callable[[], None] | None = None, *, dst_kind: str | None = None) -> None:
+                     on_posted: Callable[[], object] | None = None, *, dst_kind: str | None = None) -> None:
         """Post one write; on_done(ok, reason) runs on the owner exactly once, when the backend no
         longer touches the source memory. on_posted() runs on the owner when the backend took the
         write (a write may wait its turn behind an earlier one to the same peer first). dst_kind is
         the memory kind the peer advertised for `dst` (NIXL describes the remote side with it)."""
-        w = _Write(peer, src, dst, tag, on_done, on_posted=on_posted, dst_kind=dst_kind)
+        w = _Write(peer=peer, src=src, dst=dst, tag=tag, on_done=on_done, on_posted=on_posted, dst_kind=dst_kind)
         if self._closed:
             _finish(w, False, "the backend is closed")
         elif self._mine():
@@ -101,7 +117,7 @@ class BackendOwner:
             # control thread wait for more than one write's worth, so heartbeats keep flowing
             self._to_post.append(w)
         else:
-            self._cmds.put(("write", w))
+            self._cmds.put(w)
             self._wake()
 
     def fence(self, peer: str, until: float | None) -> None:
@@ -118,8 +134,8 @@ class BackendOwner:
         return InFlight(writes=len(self.pending) + len(self._to_post), expected=self.expecting,
                         draining=len(self.draining))
 
-    def step(self) -> tuple[list[ArrivedTag], bool]:
-        """One round of progress on the owning thread: (arrived tags, whether anything happened)."""
+    def step(self) -> Step:
+        """One round of progress on the owning thread."""
         busy = self._commands()
         busy |= self._post_next()
         busy |= self._poll_writes()
@@ -134,7 +150,7 @@ class BackendOwner:
                 self.backend.progress()
             except Exception:  # noqa: BLE001 - progress errors surface on the writes
                 log.debug("backend progress raised", exc_info=True)
-        return tags, busy or bool(tags)
+        return Step(tags, busy or bool(tags))
 
     def _post_next(self) -> bool:
         """Post the first queued write whose peer has no write of ours in flight."""
@@ -179,10 +195,10 @@ class BackendOwner:
                 cmd = self._cmds.get_nowait()
             except queue.Empty:
                 break
-            if cmd[0] == "call":
-                cmd[3].set_exception(RuntimeError("the backend is closed"))
+            if isinstance(cmd, _Call):
+                cmd.fut.set_exception(RuntimeError("the backend is closed"))
             else:
-                _finish(cmd[1], False, "backend shutting down")
+                _finish(cmd, False, "backend shutting down")
 
     def close(self) -> None:
         """abort_writes(), then close the backend (its remaining registrations go with it), even
@@ -204,14 +220,13 @@ class BackendOwner:
             except queue.Empty:
                 return did
             did = True
-            if cmd[0] == "call":
-                _, fn, args, fut = cmd
+            if isinstance(cmd, _Call):
                 try:
-                    fut.set_result(fn(self.backend, *args))
+                    cmd.fut.set_result(cmd.fn(self.backend, *cmd.args))
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller
-                    fut.set_exception(exc)
+                    cmd.fut.set_exception(exc)
             else:
-                self._post(cmd[1])
+                self._post(cmd)
 
     def _post(self, w: _Write) -> None:
         try:
@@ -248,10 +263,11 @@ class BackendOwner:
             # reused the target memory, so this write is never driven again
             self._give_up(w, "the write lease with the peer expired")
             return True
+        handle = _handle(w)
         try:
-            state = self.backend.poll_write(w.handle)
+            state = self.backend.poll_write(handle)
         except Exception as exc:  # noqa: BLE001
-            w.handle.state, w.handle.reason = WriteState.FAILED, f"{type(exc).__name__}: {exc}"
+            handle.state, handle.reason = WriteState.FAILED, f"{type(exc).__name__}: {exc}"
             state = WriteState.FAILED
         if state is WriteState.PENDING:
             if w.disconnected_at is not None and now - w.disconnected_at > ABANDON_AFTER_DISCONNECT:
@@ -260,17 +276,17 @@ class BackendOwner:
             return False
         self.pending.remove(w)
         self._release(w)
-        if state is not WriteState.DONE and w.handle.extra.get("may_touch_memory"):
+        if state is not WriteState.DONE and handle.extra.get("may_touch_memory"):
             self.draining.append(w)  # failed (say the peer was disconnected) but may still land
         else:
-            _finish(w, state is WriteState.DONE, w.handle.reason)
+            _finish(w, state is WriteState.DONE, handle.reason)
         return True
 
     def _give_up(self, w: _Write, reason: str) -> None:
         self.pending.remove(w)
-        w.handle.reason = reason
+        _handle(w).reason = reason
         self._release(w)
-        if w.handle.extra.get("may_touch_memory"):
+        if _handle(w).extra.get("may_touch_memory"):
             self.draining.append(w)
         else:
             _finish(w, False, reason)
@@ -279,17 +295,17 @@ class BackendOwner:
         done = [w for w in self.draining if self._returned(w)]
         for w in done:
             self.draining.remove(w)
-            _finish(w, False, w.handle.reason)
+            _finish(w, False, _handle(w).reason)
         return bool(done)
 
     def _returned(self, w: _Write) -> bool:
         """Whether the library let go of a write it may have touched. A backend that gives no
         `returned` event breaks its contract: the write is kept (memory safety first) until
         abort_writes' bounded wait, and said once."""
-        ev = w.handle.extra.get("returned")
+        ev = _handle(w).extra.get("returned")
         if ev is None:
-            if not w.handle.extra.get("_no_event_logged"):
-                w.handle.extra["_no_event_logged"] = True
+            if not _handle(w).extra.get("_no_event_logged"):
+                _handle(w).extra["_no_event_logged"] = True
                 log.error("backend %s gave no 'returned' event for a write it may still touch; it is kept "
                           "until the backend closes", type(self.backend).__name__)
             return False
@@ -301,9 +317,15 @@ class BackendOwner:
 
     def _release(self, w: _Write) -> None:
         try:
-            self.backend.release_write(w.handle)
+            self.backend.release_write(_handle(w))
         except Exception:  # noqa: BLE001
             log.debug("releasing a write failed", exc_info=True)
+
+
+def _handle(w: _Write) -> WriteHandle:
+    """A posted write's handle (every pending or draining write was posted)."""
+    assert w.handle is not None, "a write that was never posted"
+    return w.handle
 
 
 def _finish(w: _Write, ok: bool, reason: str | None) -> None:

@@ -8,7 +8,7 @@ others, so the parts stay small and only the control thread ever touches them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Protocol, cast
 
 from ...staging.handler import StagingHandler
 from ..config import EngineConfig, Timeouts
@@ -17,14 +17,23 @@ from ..protocol.direct_ranges import CacheGeometry
 from ..protocol.tags import TagCodec
 from .backend_owner import BackendOwner
 from .control_socket import ControlSocket
+from .integrity import Integrity
 from .stats import Stats
 
 FINISHED_MEMORY = 65536    # finished rooms and lost peers remembered, for late messages about them
 
 
-class NoObserver:
+class Observer(Protocol):
     """Where the control thread reports each backend write and each request as they end; the
-    metrics exporter (transfer/metrics) puts its histograms here. Without it: nothing."""
+    metrics exporter (transfer/metrics) puts its histograms here."""
+
+    def write_done(self, path: str, seconds: float) -> None: ...
+
+    def request_done(self, path: str, seconds: float | None, writes: int, descriptors: int | None) -> None: ...
+
+
+class NoObserver:
+    """The Observer without metrics: nothing."""
 
     def write_done(self, path: str, seconds: float) -> None:
         pass
@@ -33,7 +42,7 @@ class NoObserver:
         pass
 
 
-@dataclass
+@dataclass(kw_only=True)
 class EngineContext:
     cfg: EngineConfig
     layout: KVLayout
@@ -49,8 +58,8 @@ class EngineContext:
     summary: LayoutSummary
     geometry: CacheGeometry
     post: Callable[[Any], None]   # hand an event to the control thread (any thread may call it)
-    observer: Any = NoObserver()  # histograms of writes and requests (metrics on), else NoObserver
-    integrity: Any = None         # integrity.Integrity: digests (verify) and the corrupt_data fault
+    integrity: Integrity          # digests (verify) and the corrupt_data fault
+    observer: Observer            # histograms of writes and requests (metrics on), else NoObserver
 
     @property
     def role(self) -> str:
@@ -58,7 +67,7 @@ class EngineContext:
 
     @property
     def t(self) -> Timeouts:
-        return self.cfg.timeouts
+        return cast(Timeouts, self.cfg.timeouts)   # a resolved config has them
 
 
 def local_geometry(layout: KVLayout, buffers: KVBuffers) -> CacheGeometry:

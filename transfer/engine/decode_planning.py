@@ -13,10 +13,11 @@ import itertools
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from ...bootstrap.rendezvous import RankGone
 from ..poll import KVPoll
+from ...bootstrap import RankRecord
 from ..protocol import peering
 from ..protocol.actions import PeerKey
 from ..protocol.decode_room import DecodeRoom, PlanRefused, WriterOffer, plan_room
@@ -35,17 +36,29 @@ log = logging.getLogger("kvstage")
 _CONNECTIONS = itertools.count(1)   # connection numbers: a newer connection to the same rank has a higher one
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
+class Tombstone:
+    """A room that failed before its metadata reached its prefill ranks: sent to them as a
+    RoomFailed once they are reachable (until the metadata timeout)."""
+
+    room: int
+    session: int
+    kind: str
+    reason: str
+    since: float
+
+
+@dataclass(kw_only=True)
 class EngineView:
     """A prefill engine as its rendezvous server described it, for one PrefillSource."""
 
     source: PrefillSource
     engine_id: str = ""                # known at once for a source named by engine id, else after the lookup
     state: str = peering.LookupState.LOOKUP
-    records: list = field(default_factory=list)
+    records: list[RankRecord] = field(default_factory=list)
     error: str = ""
-    rooms: set = field(default_factory=set)          # rooms waiting for their plan
-    tombstones: list = field(default_factory=list)   # rooms that failed before their metadata went out
+    rooms: set[int] = field(default_factory=set)                # rooms waiting for their plan
+    tombstones: list[Tombstone] = field(default_factory=list)   # rooms that failed before their metadata went out
 
     @property
     def name(self) -> str:
@@ -67,10 +80,11 @@ class EnginePlanner:
         stale = view is not None and peering.records_stale((r.incarnation for r in view.records),
                                                            self.peers.gone, self.peers.replaced)
         if peering.needs_lookup(view.state if view is not None else None, stale):
-            view = EngineView(source, view.engine_id if view else source.engine_id,
+            view = EngineView(source=source, engine_id=view.engine_id if view else source.engine_id,
                               rooms=view.rooms if view else set(), tombstones=view.tombstones if view else [])
             self.engines[source.key] = view
             threading.Thread(target=self._do_lookup, args=(source,), name="kvstage-lookup", daemon=True).start()
+        assert view is not None
         return view
 
     def _do_lookup(self, source: PrefillSource) -> None:
@@ -134,6 +148,7 @@ class EnginePlanner:
                 break  # no Hello to the rest: this room cannot be planned
         gate, bad = peering.plan_gate({rank: p.state for rank, p in peers.items()})
         if gate == "rejected":
+            assert bad is not None
             view.rooms.discard(room.room)
             self._tell_rejected(view, room, peers[bad].reason)
             return self.book.apply(room, room.on_plan_failed(
@@ -146,7 +161,7 @@ class EnginePlanner:
                          {w: WriterOffer(peers[w].key, peers[w].staging, peers[w].buffer_bytes) for w in need.writers},
                          {n: peers[n].key for n in need.notices}, staging=bool(cfg.staging),
                          ring_size=ring.size if ring else 0, ring_align=ring.align if ring else 1,
-                         piece_cap=int(cfg.staging_piece_mb * (1 << 20)), epoch=self.ctx.me)
+                         piece_cap=int(cast(float, cfg.staging_piece_mb) * (1 << 20)), epoch=self.ctx.me)
         if isinstance(plan, PlanRefused):
             return self.book.apply(room, room.on_plan_failed(plan.kind, plan.reason, now))
         if cfg.staging and not plan.staged:
@@ -174,7 +189,7 @@ class EnginePlanner:
         view = self.engines.get(self.engine_of.get(room.room, ""))
         if view is not None:
             view.rooms.discard(room.room)
-            view.tombstones.append((room.room, room.session, kind, reason, now))
+            view.tombstones.append(Tombstone(room=room.room, session=room.session, kind=kind, reason=reason, since=now))
             self._flush_tombstones(view, now)
 
     def _flush_tombstones(self, view: EngineView, now: float) -> None:
@@ -187,19 +202,19 @@ class EnginePlanner:
             return
         need = peering.needed_ranks(view.records[0].tp_size, self.ctx.layout)
         keep = []
-        for room_id, session, kind, reason, since in view.tombstones:
-            if now - since > self.ctx.t.metadata:
+        for stone in view.tombstones:
+            if now - stone.since > self.ctx.t.metadata:
                 continue
             waiting = False
             for rank in need.all:
                 peer = self.ensure_peer(view, rank, now)
                 if peer.state == "connected":
-                    self.peers.send(peer.key, RoomFailed(src=self.ctx.me, dst=peer.key.incarnation, room=room_id,
-                                                         session=session, kind=kind, reason=reason))
+                    self.peers.send(peer.key, RoomFailed(src=self.ctx.me, dst=peer.key.incarnation, room=stone.room,
+                                                         session=stone.session, kind=stone.kind, reason=stone.reason))
                 elif peer.state == "connecting":
                     waiting = True
             if waiting:
-                keep.append((room_id, session, kind, reason, since))
+                keep.append(stone)
         view.tombstones = keep
 
     # -- connections ------------------------------------------------------------------------------
@@ -208,8 +223,8 @@ class EnginePlanner:
         peer = self.peers.of_rank(view.engine_id, rank)
         if peer is not None and peering.reuse_peer(peer.key.incarnation, peer.state, rec.incarnation):
             return peer
-        peer = Peer(PeerKey(view.engine_id, rank, rec.incarnation), "prefill", rec.tp_size, rec.ctrl_endpoint,
-                    Lease(self.ctx.t.lease, now), since=now, conn=next(_CONNECTIONS))
+        peer = Peer(key=PeerKey(view.engine_id, rank, rec.incarnation), role="prefill", tp_size=rec.tp_size,
+                    endpoint=rec.ctrl_endpoint, lease=Lease(self.ctx.t.lease, now), since=now, conn=next(_CONNECTIONS))
         self.peers.add(peer, now)
         self.ctx.sock.send(peer.endpoint, self._hello(peer.conn))
         return peer
@@ -222,7 +237,7 @@ class EnginePlanner:
                       token_stride=ctx.layout.token_bytes, mem_kind="VRAM" if b.device.type == "cuda" else "DRAM",
                       device=ctx.geometry.device, pools=pool_memory(b.pools))
         ring = None
-        if ctx.handler.ring is not None:
+        if ctx.handler.ring is not None and ctx.handler.allocator is not None:
             r = ctx.handler.ring
             ring = RingInfo(addr=r.addr, size=ctx.handler.allocator.size, epoch=ctx.me, mem_kind=r.kind,
                             device=r.device)

@@ -13,9 +13,10 @@ import time
 from typing import Callable
 
 from ...bootstrap.rendezvous import RankGone
+from ...staging.ring import RingAllocator
 from ...staging.scatter_worker import ScatterJob, ScatterWorker
 from ..poll import KVPoll
-from ..protocol.actions import Scatter, StatusChanged
+from ..protocol.actions import Action, Scatter, StatusChanged
 from ..protocol.decode_room import DecodeRoom
 from ..protocol.kinds import FailureKind
 from ..protocol.messages import (AllocRequest, Heartbeat, Hello, HelloAck, MetaAck, Quiesced, RoomDone, RoomFailed,
@@ -26,26 +27,39 @@ from ..protocol.tags import Tag, TagKind
 from .context import EngineContext
 from .decode_planning import EnginePlanner
 from .events import Abort, InitReceiver, LookupDone, NewReceiver, ScatterDone
+from .interfaces import EventHandler, MessageHandler
 from .peers import Peer, PeerTable
+from .prefill_sources import PrefillSource
 from .rooms import RoomBook
+
+
+def scatter_report(ctx: EngineContext) -> Callable[..., None]:
+    """How the scatter thread reports a piece, from its thread: its time counted, then a
+    ScatterDone event to the control thread."""
+    def report(room: int, key: tuple[int, int], ok: bool, reason: str | None, seconds: float,
+               kind: str = FailureKind.SCATTER) -> None:
+        ctx.stats.add("scatter_s", seconds)
+        ctx.post(ScatterDone(room=room, key=key, ok=ok, reason=reason, kind=kind))
+    return report
 
 
 class DecodeSide:
     writes_to_peers = False   # only prefill ranks write; a decode rank's leases are liveness only
 
-    def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook, lookup: Callable[[str, float], list]):
-        self.ctx, self.peers, self.book = ctx, peers, book
+    def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook[DecodeRoom],
+                 lookup: Callable[[PrefillSource, float], list], scatterer: ScatterWorker | None):
+        """`scatterer`: the scatter thread of a rank with a staging ring, else None."""
+        self.ctx, self.peers, self.book, self.scatterer = ctx, peers, book, scatterer
         self.planner = EnginePlanner(ctx, peers, book, lookup)
-        self.scatterer: ScatterWorker | None = None
         self.eager_rooms: set[int] = set()       # Transferring: writes towards them may come
         self.expected = ExpectedWrites()         # writes announced towards this rank, tags not in
-        self.handlers = {HelloAck: self.planner.on_HelloAck, MetaAck: self.on_MetaAck,
-                         AllocRequest: self.on_AllocRequest, WriterDone: self.on_WriterDone,
-                         Quiesced: self.on_Quiesced, RoomFailed: self.on_RoomFailed,
-                         WritePosted: self.on_WritePosted}
-        self.events = {NewReceiver: self.new_receiver, InitReceiver: self.init_receiver, Abort: self.abort,
-                       ScatterDone: self.on_scattered, LookupDone: self.planner.on_lookup,
-                       RankGone: self.planner.rank_gone}
+        self.handlers: dict[type, MessageHandler] = {
+            HelloAck: self.planner.on_HelloAck, MetaAck: self.on_MetaAck, AllocRequest: self.on_AllocRequest,
+            WriterDone: self.on_WriterDone, Quiesced: self.on_Quiesced, RoomFailed: self.on_RoomFailed,
+            WritePosted: self.on_WritePosted}
+        self.events: dict[type, EventHandler] = {
+            NewReceiver: self.new_receiver, InitReceiver: self.init_receiver, Abort: self.abort,
+            ScatterDone: self.on_scattered, LookupDone: self.planner.on_lookup, RankGone: self.planner.rank_gone}
 
     def on_hello(self, msg: Hello, now: float) -> None:
         self.ctx.stats.count("dropped_messages", "unexpected")  # decode ranks connect, they are not connected to
@@ -74,8 +88,7 @@ class DecodeSide:
         if room is not None:
             if ev.ok:
                 self._stamp(ev.room, "scattered", now)
-            self.book.apply(room, room.on_scattered(ev.key, ev.ok, ev.reason, self.ctx.handler.allocator, now,
-                                                    ev.kind))
+            self.book.apply(room, room.on_scattered(ev.key, ev.ok, ev.reason, self._ring(), now, ev.kind))
 
     def _stamp(self, room_id: int, phase: str, now: float) -> None:
         status = self.book.status.get(room_id)
@@ -182,16 +195,18 @@ class DecodeSide:
         parts = tuple((view(p.region_offset, p.nbytes), p.dst_heads) for p in s.parts)
         pools = tuple((view(p.ring_offset, p.copy.nbytes), p.copy) for p in s.pools)
         checks = self.ctx.integrity.scatter_checks(s)
-        self.scatterer.submit(ScatterJob(s.room, s.key, s.dst_pages, parts, pools, checks))
+        assert self.scatterer is not None, "a scatter on a rank without a staging ring"
+        self.scatterer.submit(ScatterJob(room=s.room, key=s.key, pages=s.dst_pages, parts=parts, pools=pools,
+                                         checks=checks))
 
-    def scatter_report(self, room: int, key: tuple, ok: bool, reason: str | None, seconds: float,
-                       kind: str = FailureKind.SCATTER) -> None:
-        """From the scatter worker thread."""
-        self.ctx.stats.add("scatter_s", seconds)
-        self.ctx.post(ScatterDone(room, key, ok, reason, kind))
+    def _ring(self) -> RingAllocator:
+        """The staging ring's allocator: there is one wherever a piece was staged."""
+        a = self.ctx.handler.allocator
+        assert a is not None, "a staged piece on a rank without a staging ring"
+        return a
 
     def publish_watermark(self) -> None:
-        a = self.ctx.handler.allocator
+        a = self._ring()
         wm = a.watermark
         self.ctx.stats.set("ring_live_bytes", a.live_bytes)
         for peer in self.peers.connected():
@@ -237,11 +252,11 @@ class DecodeSide:
     def tick(self, now: float) -> None:
         self.planner.plan_deadlines(now)
 
-    def closing(self, room: DecodeRoom, now: float) -> list:
+    def closing(self, room: DecodeRoom, now: float) -> list[Action]:
         return (room.fail(FailureKind.CLOSED, "the kvstage manager is closing", now)
                 + room.abort(self.ctx.handler.allocator, now))
 
-    def room_state(self) -> dict:
+    def room_state(self) -> dict[str, int]:
         views = self.planner.engines.values()
         return {"eager_rooms": len(self.eager_rooms), "expected_rooms": self.expected.rooms(),
                 "room_engines": len(self.planner.engine_of),
@@ -259,7 +274,7 @@ class DecodeSide:
             if room.state is not KVPoll.Failed or room.released or not room.meta_sent:
                 continue
             held += sum(r.nbytes for a in room.allocs.values() for r in a.regions.values())
-            if not room.plan.staged:
+            if room.plan is not None and not room.plan.staged and room.dst_pages is not None:  # both, once meta_sent
                 held += int(room.dst_pages.size) * page
         return held
 

@@ -10,11 +10,16 @@ import os
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
 from ..protocol.kinds import FailureKind
+
+if TYPE_CHECKING:   # annotations only: these modules import this one
+    from .handles import RoomStatus
+    from .loop import EngineLoop
+    from .prefill_sources import PrefillSource
 
 
 class EventQueue:
@@ -62,11 +67,11 @@ class EventQueue:
 
 
 # -- events ---------------------------------------------------------------------------------
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NewSender:
     room: int
     num_pages: int | None     # None: given later by InitSender
-    status: Any
+    status: RoomStatus
     pool_items: dict | None = None
 
 
@@ -84,15 +89,15 @@ class SendChunk:
     last: bool                # decided in the caller's thread (inferred there when not given)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class NewReceiver:
     room: int
     session: int
-    source: Any               # prefill_sources.PrefillSource
-    status: Any
+    source: PrefillSource
+    status: RoomStatus
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class InitReceiver:
     room: int
     pages: np.ndarray
@@ -106,7 +111,7 @@ class Abort:
     room: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WriteDone:
     op_id: int
     room: int
@@ -119,7 +124,7 @@ class Wake:
     """Work is queued for the control thread's backend (a transfer worker posted a write)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ScatterDone:
     room: int
     key: tuple[int, int]
@@ -139,5 +144,5 @@ class LookupDone:
 class Call:
     """Run fn() on the control thread and hand the result to `done` (used by close/stats)."""
 
-    fn: Any
-    done: Any
+    fn: Callable[[EngineLoop], object]
+    done: Callable[[object], None]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from ...staging.page_lists import check_pages
 from ..outcome import KVTransferError, TransferMetrics
@@ -20,6 +20,23 @@ from ..timeline import TimelineRecorder
 from .events import Abort, InitReceiver, InitSender, SendChunk
 
 Post = Callable[[Any], None]   # hands an event to the control thread; raises once the manager closed
+
+
+class Snapshot(NamedTuple):
+    """A room's status at one moment, as the caller reads it."""
+
+    state: KVPoll
+    failure: str | None
+    failure_kind: str | None
+    released: bool
+
+
+class Ended(NamedTuple):
+    """A room's state with its totals and when it ended (None: it has not)."""
+
+    state: KVPoll
+    totals: Any                # RoomTotals
+    ended_at: float | None
 
 
 class RoomStatus:
@@ -51,13 +68,13 @@ class RoomStatus:
             if released or state in (KVPoll.Success, KVPoll.Failed):  # all that waiters wait for
                 self._changed.notify_all()
 
-    def ended(self) -> tuple[KVPoll, Any, float | None]:
+    def ended(self) -> Ended:
         with self._lock:
-            return self.state, self.totals, self.ended_at
+            return Ended(self.state, self.totals, self.ended_at)
 
-    def snapshot(self) -> tuple[KVPoll, str | None, str | None, bool]:
+    def snapshot(self) -> Snapshot:
         with self._lock:
-            return self.state, self.failure, self.failure_kind, self.released
+            return Snapshot(self.state, self.failure, self.failure_kind, self.released)
 
     def wait(self, predicate, timeout: float | None) -> bool:
         with self._lock:
@@ -80,21 +97,21 @@ class _Handle:
         return now
 
     def poll(self) -> KVPoll:
-        return self._status.snapshot()[0]
+        return self._status.snapshot().state
 
     @property
     def failure(self) -> str | None:
         """Why the request failed (None unless poll() is Failed)."""
-        return self._status.snapshot()[1]
+        return self._status.snapshot().failure
 
     @property
     def failure_kind(self) -> str | None:
-        return self._status.snapshot()[2]
+        return self._status.snapshot().failure_kind
 
     @property
     def released(self) -> bool:
         """True once no write of this request can still land: its memory may be reused."""
-        return self._status.snapshot()[3]
+        return self._status.snapshot().released
 
     def wait(self, timeout: float | None = None) -> KVPoll:
         """Block until Success or Failed (or the timeout); return the state."""
@@ -131,7 +148,7 @@ class _Handle:
     def clear(self) -> None:
         """Done with this request: the manager forgets it once it is released. Before it ended,
         this aborts it first. Idempotent; harmless after the manager closed."""
-        if self._status.snapshot()[0] not in (KVPoll.Success, KVPoll.Failed):
+        if self._status.snapshot().state not in (KVPoll.Success, KVPoll.Failed):
             try:
                 self.abort()
             except RuntimeError:  # the manager closed: it failed and releases every room itself
@@ -233,6 +250,6 @@ class KVReceiver(_Handle):
             raise ValueError(f"room {self.room}: init() needs at least one page past the prefix")
         items = check_pool_items(pool_items, self._pools, f"room {self.room} init()")
         started = self._mark_init()
-        self._post(InitReceiver(self.room, arr, prefix_pages, items))
+        self._post(InitReceiver(room=self.room, pages=arr, prefix_pages=prefix_pages, pool_items=items))
         self._inited = True
         self._started = started

@@ -19,24 +19,30 @@ import msgspec
 import torch
 
 from ...staging.digests import gathered_digest
+from ...staging.handler import StagingHandler
 from ...staging.kernels import gatherer_class
+from ..layout import KVBuffers, KVLayout
 from ..protocol.actions import Scatter, WriteOp
-from ..protocol.decode_room import PageSpan, RingSpan
-from ..protocol.tags import Tag
+from ..protocol.decode_room import DecodeRoom, PageSpan, RingSpan
+from ..protocol.tags import Tag, TagCodec
+from .stats import Stats
 
 
 class Integrity:
-    def __init__(self, ctx: Any, corrupt_data: float = 0.0, seed: int = 0):
-        self.ctx = ctx
-        self.verify = bool(ctx.cfg.verify)
+    """Built before the engine context (which carries it): it gets the few parts it reads."""
+
+    def __init__(self, *, verify: bool, layout: KVLayout, buffers: KVBuffers, tags: TagCodec,
+                 handler: StagingHandler, stats: Stats, corrupt_data: float = 0.0, seed: int = 0):
+        self.verify = bool(verify)
+        self.layout, self.buffers, self.tags, self.handler, self.stats = layout, buffers, tags, handler, stats
         self.corrupt_data = corrupt_data
         self._rng = random.Random(seed + 7)
-        self._gatherer = None
+        self._gatherer: Any = None   # staging/kernels.py: a Gatherer, made on first use
         self.corrupted_rooms: set[int] = set()
 
-    def _gather(self):
+    def _gather(self) -> Any:
         if self._gatherer is None:
-            self._gatherer = gatherer_class(self.ctx.buffers.device)()
+            self._gatherer = gatherer_class(self.buffers.device)()
         return self._gatherer
 
     # -- prefill ----------------------------------------------------------------------------------
@@ -46,23 +52,23 @@ class Integrity:
         checks the write once, when its last group landed."""
         tag = op.tag
         if self.verify:
-            b = self.ctx.buffers
-            d = gathered_digest(self._gather(), b.k, b.v, op.src_pages, self.ctx.layout.page_size, op.src_heads,
+            b = self.buffers
+            d = gathered_digest(self._gather(), b.k, b.v, op.src_pages, self.layout.page_size, op.src_heads,
                                 b.pools, op.pools, op.nbytes)
             tag = msgspec.structs.replace(tag, digest=d)
         if groups == 1:
-            return [self.ctx.tags.encode(tag)]
-        return [self.ctx.tags.encode(msgspec.structs.replace(tag, group=i, groups=groups)) for i in range(groups)]
+            return [self.tags.encode(tag)]
+        return [self.tags.encode(msgspec.structs.replace(tag, group=i, groups=groups)) for i in range(groups)]
 
     def sealer(self, tag: Tag) -> Callable[[int], bytes] | None:
         """For a staged piece: how its transfer worker seals the tag once it gathered the bytes."""
         if not self.verify:
             return None
-        codec = self.ctx.tags
+        codec = self.tags
         return lambda d: codec.encode(msgspec.structs.replace(tag, digest=d))
 
     # -- decode -----------------------------------------------------------------------------------
-    def on_landed(self, room: Any, tag: Tag) -> str | None:
+    def on_landed(self, room: DecodeRoom, tag: Tag) -> str | None:
         """A tag arrived for `room`: inject the corrupt_data fault, then (direct, verifying) check
         the landed bytes. Returns why the room must fail as `corrupt`, or None."""
         span = room.landed_span(tag) if (self.corrupt_data or self.verify) else None
@@ -72,8 +78,8 @@ class Integrity:
             self._flip(room.room, span)
         if not self.verify or not isinstance(span, PageSpan):
             return None  # staged pieces are checked on the scatter thread, before the scatter
-        b = self.ctx.buffers
-        got = gathered_digest(self._gather(), b.k, b.v, span.pages, self.ctx.layout.page_size, span.heads, b.pools,
+        b = self.buffers
+        got = gathered_digest(self._gather(), b.k, b.v, span.pages, self.layout.page_size, span.heads, b.pools,
                               span.copies, span.nbytes, dst=True)
         if got != tag.digest:
             return (f"corrupt data from prefill rank {tag.writer}, chunk {tag.chunk} part {tag.piece}: the landed "
@@ -84,22 +90,22 @@ class Integrity:
         """(ring view, digest, writer) of every writer's part of a landed piece, when verifying."""
         if not self.verify:
             return ()
-        view = self.ctx.handler.ring_view
+        view = self.handler.ring_view
         return tuple((view(c.ring_offset, c.nbytes), c.digest, c.writer) for c in s.checks)
 
     def _flip(self, room: int, span: RingSpan | PageSpan) -> None:
         """Flip one byte of what the write landed (the fault `corrupt_data`)."""
-        stats = self.ctx.stats
+        stats = self.stats
         stats.count("faults_injected", "corrupt_data")
         if room not in self.corrupted_rooms:
             self.corrupted_rooms.add(room)
             stats.add("corrupted_rooms")
         if isinstance(span, RingSpan):
-            v = self.ctx.handler.ring_view(span.offset + self._rng.randrange(span.nbytes), 1)
+            v = self.handler.ring_view(span.offset + self._rng.randrange(span.nbytes), 1)
         else:
             pages, heads = span.pages, span.heads
-            lay = self.ctx.layout
-            k = self.ctx.buffers.k[self._rng.randrange(len(self.ctx.buffers.k))]
+            lay = self.layout
+            k = self.buffers.k[self._rng.randrange(len(self.buffers.k))]
             token = int(pages[self._rng.randrange(len(pages))]) * lay.page_size
             v = k[token, heads[0]].view(torch.uint8)[:1]
         v.bitwise_xor_(0xFF)

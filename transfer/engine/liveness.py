@@ -12,14 +12,15 @@ from typing import Any
 
 from ..protocol.messages import Goodbye, Heartbeat
 from .context import EngineContext
+from .interfaces import MessageHandler, RoleSide
 from .peers import Peer, PeerTable
 
 
 class Liveness:
-    def __init__(self, ctx: EngineContext, peers: PeerTable, side: Any):
+    def __init__(self, ctx: EngineContext, peers: PeerTable, side: RoleSide[Any]):
         self.ctx, self.peers, self.side = ctx, peers, side
         self._next_heartbeat = 0.0
-        self.handlers = {Heartbeat: self.on_Heartbeat, Goodbye: self.on_Goodbye}
+        self.handlers: dict[type, MessageHandler] = {Heartbeat: self.on_Heartbeat, Goodbye: self.on_Goodbye}
 
     def on_Heartbeat(self, peer: Peer, msg: Heartbeat, now: float) -> None:
         peer.lease.on_heartbeat(msg.seq, msg.ack, now)

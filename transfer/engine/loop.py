@@ -24,35 +24,40 @@ import math
 import select
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import zmq
 
+from ...bootstrap.wire import Codec
 from ...staging.handler import StagingHandler
 from ...staging.scatter_worker import ScatterWorker
 from ...staging.thread_meter import ThreadMeter
 from ...staging.workers import TransferWorkers
-from ..backends.faults import FaultPlan
+from ..backends.faults import ControlFaults, FaultPlan
 from ..config import EngineConfig
 from ..layout import KVBuffers, KVLayout
+from ..protocol.decode_room import DecodeRoom
 from ..protocol.messages import Goodbye
+from ..protocol.prefill_room import PrefillRoom
 from ..poll import KVPoll
 from ..protocol.kinds import FailureKind
 from ..protocol.quiet import MIN_EAGER_WAIT, Activity, activity, next_wait
 from ..protocol.tags import TagCodec
-from .backend_owner import BackendOwner
-from .context import EngineContext, NoObserver, local_geometry
+from .backend_owner import BackendOwner, Step
+from .context import EngineContext, NoObserver, Observer, local_geometry
 from .control_socket import ControlSocket
-from .decode_side import DecodeSide
+from .decode_side import DecodeSide, scatter_report
 from .events import Call, EventQueue, Wake, WriteDone
 from .integrity import Integrity
+from .interfaces import RoleSide
 from .liveness import Liveness
 from .peers import PeerTable
 from .prefill_side import PrefillSide
+from .prefill_sources import PrefillSource
 from .rooms import RoomBook
 from .routing import FrameRouter
 from .stats import Stats
-from .write_queue import WriteQueue
+from .write_queue import WriteQueue, gather_report
 
 log = logging.getLogger("kvstage")
 
@@ -62,8 +67,8 @@ TICK = 0.1                 # deadlines, retransmissions, heartbeats and leases a
 class EngineLoop:
     def __init__(self, cfg: EngineConfig, layout: KVLayout, buffers: KVBuffers, me: int,
                  backend: BackendOwner, backend_name: str, identity: bytes, handler: StagingHandler,
-                 stats: Stats, lookup: Callable[[str, float], list], codec, ctx: zmq.Context,
-                 control_faults: Any = None, observer: Any = None):
+                 stats: Stats, lookup: Callable[[PrefillSource, float], list], codec: Codec, ctx: zmq.Context,
+                 control_faults: ControlFaults | None = None, observer: Observer | None = None):
         self.events = EventQueue()
         self.workers: TransferWorkers | None = None
         self.scatter: ScatterWorker | None = None
@@ -81,34 +86,48 @@ class EngineLoop:
             raise
         self.thread = threading.Thread(target=self._run, name="kvstage-ctrl", daemon=True)
 
-    def _build(self, cfg, layout, buffers, me, backend, backend_name, identity, handler, stats, lookup, sock,
-               observer) -> None:
-        self.ctx = c = EngineContext(cfg, layout, buffers, me, backend, backend_name, identity, handler, stats, sock,
-                                     TagCodec(cfg.token_bytes), layout.summary(buffers.pool_specs),
-                                     local_geometry(layout, buffers), self.post, observer or NoObserver())
+    def _build(self, cfg: EngineConfig, layout: KVLayout, buffers: KVBuffers, me: int, backend: BackendOwner,
+               backend_name: str, identity: bytes, handler: StagingHandler, stats: Stats,
+               lookup: Callable[[PrefillSource, float], list], sock: ControlSocket, observer: Observer | None) -> None:
+        """Every part gets what it uses in its constructor, built in dependency order. Three pairs
+        call each other (the peer table and its listeners, the room book and the write queue, the
+        book and the role's side): the part built first gets the later one as a `Later`, a
+        function of this method that returns it once construction is over."""
         plan = FaultPlan.from_dict(cfg.faults) if cfg.faults else None
-        c.integrity = Integrity(c, plan.corrupt_data if plan else 0.0, plan.seed if plan else 0)
-        self.peers = PeerTable(c)
-        self.book = RoomBook(c, self.peers)
-        self.writes = WriteQueue(c, self.peers, self.book, None)
+        tags = TagCodec(cfg.token_bytes)
+        integrity = Integrity(verify=bool(cfg.verify), layout=layout, buffers=buffers, tags=tags, handler=handler,
+                              stats=stats, corrupt_data=plan.corrupt_data if plan else 0.0,
+                              seed=plan.seed if plan else 0)
+        self.ctx = c = EngineContext(cfg=cfg, layout=layout, buffers=buffers, me=me, backend=backend,
+                                     backend_name=backend_name, identity=identity, handler=handler, stats=stats,
+                                     sock=sock, tags=tags, summary=layout.summary(buffers.pool_specs),
+                                     geometry=local_geometry(layout, buffers), post=self.post, integrity=integrity,
+                                     observer=observer or NoObserver())
+        if cfg.role == "prefill" and handler.buffers:
+            self.workers = TransferWorkers(handler.buffers, buffers.k, buffers.v, layout.page_size,
+                                           backend.submit_write, gather_report(c), buffers.pools)
+        elif cfg.role != "prefill" and handler.ring is not None:
+            self.scatter = ScatterWorker(buffers.k, buffers.v, layout.page_size, scatter_report(c), buffers.pools)
+        side: RoleSide[Any]
+        self.book: RoomBook[Any]
+        self.peers = peers = PeerTable(c, listeners=lambda: (writes, side))  # staged pieces fail before rooms
         if cfg.role == "prefill":
-            self.side: Any = PrefillSide(c, self.peers, self.book, self.writes)
-            if handler.buffers:
-                self.workers = self.writes.workers = TransferWorkers(
-                    handler.buffers, buffers.k, buffers.v, layout.page_size, backend.submit_write,
-                    self.writes.worker_report, buffers.pools)
+            prefill_book: RoomBook[PrefillRoom] = RoomBook(c, peers, side=lambda: side, writes=lambda: writes)
+            writes = WriteQueue(c, peers, prefill_book, self.workers)
+            side = PrefillSide(c, peers, prefill_book, writes)
+            self.book = prefill_book
         else:
-            self.side = DecodeSide(c, self.peers, self.book, lookup)
-            if handler.ring is not None:
-                self.scatter = self.side.scatterer = ScatterWorker(buffers.k, buffers.v, layout.page_size,
-                                                                   self.side.scatter_report, buffers.pools)
-        self.book.side, self.book.writes = self.side, self.writes
-        self.liveness = Liveness(c, self.peers, self.side)
-        self.peers.listeners = [self.writes, self.side]
-        self.router = FrameRouter(c, self.peers, self.side, {**self.liveness.handlers, **self.side.handlers})
-        self.on_event: dict[type, Callable] = {**self.side.events, WriteDone: self.writes.on_write_done,
-                                               Wake: lambda ev, now: None,  # step() runs after the events
-                                               Call: lambda ev, now: ev.done(ev.fn(self))}
+            decode_book: RoomBook[DecodeRoom] = RoomBook(c, peers, side=lambda: side, writes=lambda: writes)
+            writes = WriteQueue(c, peers, cast("RoomBook[PrefillRoom]", decode_book), None)  # never given a write
+            side = DecodeSide(c, peers, decode_book, lookup, self.scatter)
+            self.book = decode_book
+        self.writes, self.side = writes, side
+        self.liveness = Liveness(c, peers, side)
+        self.router = FrameRouter(c, peers, side, {**self.liveness.handlers, **side.handlers})
+        self.on_event: dict[type, Callable[[Any, float], None]] = {
+            **side.events, WriteDone: writes.on_write_done,
+            Wake: lambda ev, now: None,  # step() runs after the events
+            Call: lambda ev, now: ev.done(ev.fn(self))}
         self._next_tick = 0.0
         self._closing_since: float | None = None
         self._stop = threading.Event()
@@ -122,7 +141,7 @@ class EngineLoop:
         return self.ctx.sock.endpoint
 
     @property
-    def rooms(self) -> dict:
+    def rooms(self) -> dict[int, Any]:
         return self.book.rooms
 
     def meters(self) -> list[ThreadMeter]:
@@ -130,7 +149,7 @@ class EngineLoop:
         return ([self.meter] + (self.workers.meters if self.workers is not None else [])
                 + ([self.scatter.meter] if self.scatter is not None else []))
 
-    def room_state(self) -> dict:
+    def room_state(self) -> dict[str, int]:
         """How much per-room state the control thread holds (all zero once every room ended and
         was released, apart from the bounded memory of finished rooms)."""
         return {"rooms": len(self.book.rooms), "statuses": len(self.book.status),
@@ -225,21 +244,21 @@ class EngineLoop:
                 self._stop.set()
 
     # -- errors ------------------------------------------------------------------------------------
-    def _safely(self, fn: Callable, arg: Any) -> None:
+    def _safely(self, fn: Callable[[Any], None], arg: Any) -> None:
         try:
             fn(arg)
         except Exception as exc:  # noqa: BLE001 - one bad input must never take the rank down
             log.exception("control thread: handling %s failed", type(arg).__name__)
             self._internal_error(type(arg).__name__, getattr(arg, "room", None), exc)
 
-    def _step(self) -> tuple[list, bool]:
+    def _step(self) -> Step:
         """backend.step(), guarded: the loop must go on (deadlines keep firing) when it raises."""
         try:
             return self.ctx.backend.step()
         except Exception as exc:  # noqa: BLE001
             log.exception("control thread: driving the backend failed")
             self._internal_error("backend_step", None, exc)
-            return [], True
+            return Step([], True)
 
     def _internal_error(self, what: str, room_id: Any, exc: Exception) -> None:
         """Count an exception inside the loop and fail the rooms it may have left stuck, kind

@@ -228,7 +228,7 @@ class KVManager:
         items = check_pool_items(pool_items, self.buffers.pools, f"room {room} sender()")
         status = self._claim(room)
         handle = KVSender(self._post, self.num_pages, room, num_pages, status, self._forget, self.buffers.pools)
-        self._post(NewSender(room, num_pages, status, items))
+        self._post(NewSender(room=room, num_pages=num_pages, status=status, pool_items=items))
         return handle
 
     def receiver(self, room: int, prefill_engine: str | None = None, *, bootstrap: str | None = None,
@@ -242,7 +242,7 @@ class KVManager:
         status = self._claim(room)
         handle = KVReceiver(self._post, self.num_pages, room, prefill_engine or source.key, status, self._forget,
                             self.buffers.pools)
-        self._post(NewReceiver(room, next(self._sessions), source, status))
+        self._post(NewReceiver(room=room, session=next(self._sessions), source=source, status=status))
         return handle
 
     def _check(self, role: str, room: int) -> None:
@@ -379,7 +379,7 @@ def check_kernels(cfg: EngineConfig, layout: KVLayout, buffers: KVBuffers) -> No
 
 
 def _live_stats(loop: EngineLoop) -> dict:
-    out = {"rooms_active": len(loop.rooms), "peers_connected": len(loop.peers.connected())}
+    out: dict[str, Any] = {"rooms_active": len(loop.rooms), "peers_connected": len(loop.peers.connected())}
     a = loop.ctx.handler.allocator
     if a is not None:
         out.update(ring_bytes=a.size, ring_live_bytes=a.live_bytes, ring_live_regions=a.live_regions,

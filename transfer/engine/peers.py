@@ -11,18 +11,19 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Sequence
 
 from ..protocol.actions import PeerKey
 from ..protocol.leases import Lease
 from ..protocol.messages import Goodbye, KVMemory, PeerMessage, RingInfo
 from ..protocol.routing import PeerState
 from .context import FINISHED_MEMORY, EngineContext
+from .interfaces import Later, PeerLossListener
 
 log = logging.getLogger("kvstage")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Peer:
     key: PeerKey
     role: str
@@ -41,8 +42,12 @@ class Peer:
 
 
 class PeerTable:
-    def __init__(self, ctx: EngineContext):
+    """`listeners`: who is told when a connection ends, in order (built after the table: they
+    use it)."""
+
+    def __init__(self, ctx: EngineContext, *, listeners: Later[Sequence[PeerLossListener]]):
         self.ctx = ctx
+        self._listeners = listeners
         self.peers: dict[int, Peer] = {}
         self.by_rank: dict[tuple[str, int], int] = {}
         self.by_backend: dict[str, int] = {}
@@ -50,7 +55,6 @@ class PeerTable:
         self.gone_endpoint: dict[int, tuple[str, int]] = {}         # ... where to tell them so, and the connection
         self._told_gone: dict[int, float] = {}
         self.replaced: OrderedDict[int, None] = OrderedDict()       # superseded by a newer one: never again
-        self.listeners: list[Any] = []   # .peer_lost(peer, reason, now, clean), called in order
 
     # -- lookups ------------------------------------------------------------------------------------
     def get(self, incarnation: int) -> Peer | None:
@@ -118,7 +122,7 @@ class PeerTable:
         ctx.handler.unsubscribe(peer.key.incarnation)
         ctx.sock.forget(peer.endpoint)
         ctx.stats.count("peers_lost", "connecting" if was == "connecting" else "connected")
-        for listener in self.listeners:
+        for listener in self._listeners():
             listener.peer_lost(peer, reason, now, clean)
 
     # -- sending ------------------------------------------------------------------------------------

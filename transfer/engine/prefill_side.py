@@ -11,11 +11,10 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import defaultdict
-from typing import Any
 
 from ...staging.ring import Watermark
 from ..poll import KVPoll
-from ..protocol.actions import PeerKey, Scatter
+from ..protocol.actions import Action, PeerKey, Scatter, StatusChanged
 from ..protocol.kinds import FailureKind
 from ..protocol.leases import Lease
 from ..regions import unwritable_peer_kinds
@@ -25,8 +24,10 @@ from ..protocol.pool_parts import writers_mismatch
 from ..protocol.prefill_room import PrefillRoom
 from ..protocol.room_uses import EarlierUses, Parked, RoomUse, use_without_sender
 from ..protocol.routing import PeerState, hello_verdict
+from ..protocol.tags import Tag
 from .context import EngineContext
 from .events import Abort, InitSender, NewSender, SendChunk
+from .interfaces import EventHandler, MessageHandler
 from .peers import Peer, PeerTable
 from .rooms import RoomBook
 from .write_queue import WriteQueue
@@ -40,17 +41,17 @@ MAX_PENDING_ROOMS = 65536
 class PrefillSide:
     writes_to_peers = True   # a peer whose write lease ran out is lost
 
-    def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook, writes: WriteQueue):
+    def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook[PrefillRoom], writes: WriteQueue):
         self.ctx, self.peers, self.book, self.writes = ctx, peers, book, writes
         self.served: dict[int, frozenset] = {}          # room that succeeded -> its (decode incarnation, session)s
         self.used_sessions: dict[int, EarlierUses] = {}  # finished room -> its uses' sessions (stale for the next)
         self.pending: dict[int, list[Parked]] = defaultdict(list)  # room -> messages that came before its sender
         self.pending_since: dict[int, float] = {}
-        self.handlers = {RoomMeta: self.on_RoomMeta, AllocGrant: self.on_AllocGrant,
-                         WatermarkUpdate: self.on_WatermarkUpdate, RoomDone: self.on_RoomDone,
-                         RoomFailed: self.on_RoomFailed}
-        self.events = {NewSender: self.new_sender, InitSender: self.init_sender, SendChunk: self.send_chunk,
-                       Abort: self.abort}
+        self.handlers: dict[type, MessageHandler] = {
+            RoomMeta: self.on_RoomMeta, AllocGrant: self.on_AllocGrant, WatermarkUpdate: self.on_WatermarkUpdate,
+            RoomDone: self.on_RoomDone, RoomFailed: self.on_RoomFailed}
+        self.events: dict[type, EventHandler] = {
+            NewSender: self.new_sender, InitSender: self.init_sender, SendChunk: self.send_chunk, Abort: self.abort}
 
     # -- the connection handshake ---------------------------------------------------------------
     def on_hello(self, msg: Hello, now: float) -> None:
@@ -63,19 +64,21 @@ class PrefillSide:
         old = self.peers.get(msg.src)
         verdict = hello_verdict(old.state if old is not None else None, old.conn if old is not None else 0, msg.conn)
         if verdict == "ack_again":
+            assert old is not None
             return self._send_ack(old, True, "")  # a retried Hello
         if verdict == "stale":
             ctx.stats.count("dropped_messages", "stale_connection")
             return
         if verdict == "replace":  # its side of the old connection is over: so is ours
+            assert old is not None
             self.peers.lost(old, "it connected again (it had declared the connection lost)", now, tell=False)
         if msg.src in self.peers.replaced:
             ctx.stats.count("dropped_messages", "stale_peer")
             return
         if self.peers.came_back(msg.src):
             log.info("decode rank %s reconnects after it was lost", key)
-        peer = Peer(key, "decode", msg.tp_size, msg.ctrl_endpoint, Lease(ctx.t.lease, now), kv=msg.kv,
-                    ring=msg.ring, since=now, conn=msg.conn)
+        peer = Peer(key=key, role="decode", tp_size=msg.tp_size, endpoint=msg.ctrl_endpoint,
+                    lease=Lease(ctx.t.lease, now), kv=msg.kv, ring=msg.ring, since=now, conn=msg.conn)
         self.peers.add(peer, now)
         problems = ctx.summary.mismatches(msg.layout)
         if not problems and ctx.summary.pools:
@@ -103,7 +106,7 @@ class PrefillSide:
         self.peers.connected_via(peer, peer.backend_name)
         ctx.backend.fence(peer.backend_name, peer.lease.fence_base + peer.lease.lease_s)
         peer.staging = bool(msg.staging and msg.ring is not None and ctx.handler.buffers)
-        if peer.staging:
+        if peer.staging and msg.ring is not None:
             ctx.handler.subscribe(key.incarnation, msg.ring.epoch, msg.ring.size)
         elif ctx.cfg.staging:
             log.info("staging off towards decode rank %s: %s", key,
@@ -118,7 +121,7 @@ class PrefillSide:
             staging=bool(ok and peer.staging), buffer_bytes=ctx.handler.buffer_bytes, lease_s=ctx.t.lease,
             conn=peer.conn))
 
-    def on_tag(self, peer: Peer, tag: Any, now: float) -> None:
+    def on_tag(self, peer: Peer, tag: Tag, now: float) -> None:
         """Only decode ranks are written to: a confused or forged peer."""
         self.ctx.stats.count("dropped_tags", "tag_at_prefill_rank")
 
@@ -227,7 +230,7 @@ class PrefillSide:
         self._input(msg.room, Parked(peer.key, msg), now)
 
     # -- hooks: rooms, peers, time, closing -----------------------------------------------------
-    def status_changed(self, room: Any, a: Any) -> None:
+    def status_changed(self, room: PrefillRoom, a: StatusChanged) -> None:
         pass
 
     def released(self, room: PrefillRoom) -> None:
@@ -263,10 +266,10 @@ class PrefillSide:
                 del self.pending_since[room_id]
                 self.ctx.stats.count("dropped_messages", "meta_without_sender")
 
-    def closing(self, room: PrefillRoom, now: float) -> list:
+    def closing(self, room: PrefillRoom, now: float) -> list[Action]:
         return room.fail(FailureKind.CLOSED, "the kvstage manager is closing", now)
 
-    def room_state(self) -> dict:
+    def room_state(self) -> dict[str, int]:
         return {"parked_rooms": len(self.pending)}
 
     def quarantined_bytes(self) -> int:

@@ -11,12 +11,14 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from typing import Any
+from typing import Generic, NamedTuple
 
 from ..poll import KVPoll
-from ..protocol.actions import (DecodePrefix, Dropped, PostWrite, PublishWatermark, Released, Scatter, Send,
-                                StatusChanged)
+from ..protocol.actions import (Action, DecodePrefix, Dropped, PostWrite, PublishWatermark, Released, Scatter,
+                                Send, StatusChanged)
 from .context import FINISHED_MEMORY, EngineContext
+from .handles import RoomStatus
+from .interfaces import R, Later, RoomHooks, WriteSink
 from .peers import PeerTable
 
 log = logging.getLogger("kvstage")
@@ -26,39 +28,48 @@ log = logging.getLogger("kvstage")
 METADATA_STATES = {"prefill": (KVPoll.WaitingForInput, KVPoll.Transferring), "decode": (KVPoll.Transferring,)}
 
 
-class RoomBook:
-    """`side` (the role's half) gets scatter(), publish_watermark(), status_changed(),
-    released() and forget_finished(); `writes` (the write queue) gets post() and
-    cancel_room(). Both are set once by the engine loop."""
+class FinishedRoom(NamedTuple):
+    """How a released room ended, kept for late messages about it (a NamedTuple: read by name,
+    or unpacked in this order)."""
 
-    def __init__(self, ctx: EngineContext, peers: PeerTable):
+    state: KVPoll
+    kind: str            # its failure kind, "gone" when it succeeded
+    reason: str
+    session: int         # the decode room's own session; 0 on a prefill rank
+
+
+class RoomBook(Generic[R]):
+    """The rooms of one role (`R`: PrefillRoom or DecodeRoom). `side` (the role's half, built
+    after the book: it uses it) gets the RoomHooks; `writes` (the write queue, built after the
+    book too) gets post() and cancel_room()."""
+
+    def __init__(self, ctx: EngineContext, peers: PeerTable, *, side: Later[RoomHooks[R]],
+                 writes: Later[WriteSink]):
         self.ctx, self.peers = ctx, peers
-        self.rooms: dict[int, Any] = {}
-        self.status: dict[int, Any] = {}
-        # room -> (state, kind, reason, session: the decode room's own, 0 on a prefill rank)
-        self.finished: OrderedDict[int, tuple[KVPoll, str, str, int]] = OrderedDict()
-        self.side: Any = None
-        self.writes: Any = None
+        self._side, self._writes = side, writes
+        self.rooms: dict[int, R] = {}
+        self.status: dict[int, RoomStatus] = {}
+        self.finished: OrderedDict[int, FinishedRoom] = OrderedDict()
 
-    def get(self, room_id: int) -> Any:
+    def get(self, room_id: int) -> R | None:
         return self.rooms.get(room_id)
 
-    def add(self, room: Any, status: Any) -> None:
+    def add(self, room: R, status: RoomStatus) -> None:
         self.rooms[room.room] = room
         self.status[room.room] = status
         self.finished.pop(room.room, None)
 
-    def apply(self, room: Any, actions: list) -> None:
+    def apply(self, room: R, actions: list[Action]) -> None:
         failed = False
         for a in actions:
             if isinstance(a, Send):
                 self.peers.send(a.peer, a.msg)
             elif isinstance(a, PostWrite):
-                self.writes.post(a.op, time.monotonic())
+                self._writes().post(a.op, time.monotonic())
             elif isinstance(a, Scatter):
-                self.side.scatter(a)
+                self._side().scatter(a)
             elif isinstance(a, PublishWatermark):
-                self.side.publish_watermark()
+                self._side().publish_watermark()
             elif isinstance(a, StatusChanged):
                 self._status_changed(room, a)
                 failed |= a.state is KVPoll.Failed and not a.released
@@ -72,9 +83,9 @@ class RoomBook:
                     status.decode_prefix_pages = a.pages
         if failed:
             # pieces still waiting for ring space are never started (after the room's own messages)
-            self.writes.cancel_room(room.room, time.monotonic())
+            self._writes().cancel_room(room.room, time.monotonic())
 
-    def _status_changed(self, room: Any, a: StatusChanged) -> None:
+    def _status_changed(self, room: R, a: StatusChanged) -> None:
         status = self.status.get(room.room)
         if status is not None:
             ended = a.state in (KVPoll.Success, KVPoll.Failed)
@@ -93,9 +104,9 @@ class RoomBook:
             stats.count("failures_by_kind", a.failure_kind or "unknown")
             stats.count("rooms_failed_by_kind", a.failure_kind or "unknown")
             log.warning("room %s failed (%s): %s", room.room, a.failure_kind, a.failure)
-        self.side.status_changed(room, a)
+        self._side().status_changed(room, a)
 
-    def _observe(self, status: Any) -> None:
+    def _observe(self, status: RoomStatus) -> None:
         """A request succeeded: its duration from init() and what its writes took, for the
         histograms (transfer/metrics)."""
         _, totals, ended_at = status.ended()
@@ -105,15 +116,17 @@ class RoomBook:
         self.ctx.observer.request_done(totals.path, None if init is None else ended_at - init, totals.writes,
                                        status.descriptors if self.ctx.role == "prefill" else None)
 
-    def _released(self, room: Any) -> None:
+    def _released(self, room: R) -> None:
         self.rooms.pop(room.room, None)
         self.status.pop(room.room, None)
-        self.finished[room.room] = (room.state, room.failure_kind or "gone", room.failure or "it succeeded",
-                                   getattr(room, "session", 0))
-        self.side.released(room)
+        self.finished[room.room] = FinishedRoom(state=room.state, kind=room.failure_kind or "gone",
+                                                reason=room.failure or "it succeeded",
+                                                session=getattr(room, "session", 0))
+        side = self._side()
+        side.released(room)
         while len(self.finished) > FINISHED_MEMORY:
             gone, _ = self.finished.popitem(last=False)
-            self.side.forget_finished(gone)
+            side.forget_finished(gone)
 
     def fail(self, room_id: int, kind: str, reason: str, now: float) -> None:
         room = self.rooms.get(room_id)

@@ -9,17 +9,19 @@ wrote it and its tag decoded before the role's side sees it.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, cast
 
 from ...bootstrap.wire import WireError
-from ..protocol.messages import PeerMessage
+from ..protocol.messages import Hello, PeerMessage, RoomFailed
 from ..protocol.routing import route_frame
 from .context import EngineContext
+from .interfaces import MessageHandler, RoleSide
 from .peers import PeerTable
 
 
 class FrameRouter:
-    def __init__(self, ctx: EngineContext, peers: PeerTable, side: Any, handlers: dict[type, Callable]):
+    def __init__(self, ctx: EngineContext, peers: PeerTable, side: RoleSide[Any],
+                 handlers: dict[type, MessageHandler]):
         self.ctx, self.peers, self.side = ctx, peers, side
         self.handlers = handlers
         self._handled = frozenset(t.__name__ for t in handlers)
@@ -28,7 +30,7 @@ class FrameRouter:
         if isinstance(item, WireError):
             self.ctx.stats.count("dropped_messages", item.kind)
             return
-        msg: PeerMessage = item
+        msg = cast(PeerMessage, item)
         peer = self.peers.get(msg.src)
         route = route_frame(type(msg).__name__, role=self.ctx.role, me=self.ctx.me, dst=msg.dst,
                             peer_state=peer.state if peer is not None else None,
@@ -36,17 +38,19 @@ class FrameRouter:
                             handled=self._handled, conn=getattr(msg, "conn", 0),
                             peer_conn=peer.conn if peer is not None else 0)
         if route.action == "hello":
-            return self.side.on_hello(msg, now)
+            return self.side.on_hello(cast(Hello, msg), now)
         if route.action == "tell_gone":
             self.peers.tell_gone(msg.src, now)
         if route.reason:
             self.ctx.stats.count("dropped_messages", route.reason)
+        if peer is None:   # route_frame hears from and delivers to known peers only
+            return
         if route.heard:
             peer.lease.heard(now)
         if route.action == "deliver":
             self.handlers[type(msg)](peer, msg, now)
         elif route.action == "rejected_failure":
-            self.side.on_RoomFailed(peer, msg, now)
+            self.side.on_RoomFailed(peer, cast(RoomFailed, msg), now)
 
     def on_tags(self, tags: list) -> None:
         """Notifications of writes that landed in this rank's memory."""

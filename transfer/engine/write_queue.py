@@ -12,14 +12,17 @@ only from then on (protocol/quiet.py).
 
 from __future__ import annotations
 
+import functools
 import time
+from typing import Callable
 
-from ...staging.workers import GatherJob, TransferWorkers
+from ...staging.workers import GatherJob, Report, TransferWorkers
 from ..poll import KVPoll
 from ..protocol.kinds import FailureKind
 from ..protocol.actions import WriteOp
 from ..protocol.direct_ranges import CacheGeometry, direct_descriptors, pool_descriptor_parts
-from ..protocol.messages import WritePosted
+from ..protocol.messages import KVMemory, WritePosted
+from ..protocol.prefill_room import PrefillRoom
 from ..protocol.write_groups import DescriptorPart, WriteGroup, group_parts
 from ..protocol.write_queue import StagedQueue, WriteDeadlines
 from .context import EngineContext
@@ -29,7 +32,10 @@ from .rooms import RoomBook
 
 
 class WriteQueue:
-    def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook, workers: TransferWorkers | None):
+    """`workers`: the transfer workers of a prefill rank with staging buffers, else None."""
+
+    def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook[PrefillRoom],
+                 workers: TransferWorkers | None):
         self.ctx, self.peers, self.book, self.workers = ctx, peers, book, workers
         self.staged = StagedQueue()
         self.deadlines = WriteDeadlines()
@@ -57,35 +63,37 @@ class WriteQueue:
             at = self._posted(op_id, room, group)
             self.deadlines.restart(op_id, at + ctx.t.write)
 
-        done = AllWritesDone(len(groups), lambda ok, reason: ctx.post(WriteDone(op_id, room, ok, reason)))
+        done = AllWritesDone(len(groups),
+                             lambda ok, reason: ctx.post(WriteDone(op_id=op_id, room=room, ok=ok, reason=reason)))
         for i, (g, tag) in enumerate(zip(groups, ctx.integrity.direct_tags(op, len(groups)))):
-            ctx.backend.submit_write(peer.backend_name, g.src, g.dst, tag, done.one, lambda i=i: posted(i),
+            ctx.backend.submit_write(peer.backend_name, g.src, g.dst, tag, done.one, functools.partial(posted, i),
                                      dst_kind=g.dst_kind)
         ctx.stats.add("bytes_posted", op.nbytes)
 
     def _direct_groups(self, op: WriteOp, peer: Peer) -> list[WriteGroup]:
         """The backend writes of a direct op: its KV ranges and, on the write carrying the last
         page, its pool items, grouped so that no write mixes memory kinds (write_groups.py)."""
-        b = self.ctx.buffers
+        b, kv = self.ctx.buffers, _memory(peer)
+        assert op.dst_pages is not None, "a direct write without destination pages"
         src, dst = direct_descriptors(self.ctx.geometry, self._peer_geometry(peer), op.src_pages, op.dst_pages,
                                       op.src_heads, op.dst_heads)
-        parts = [DescriptorPart("kv", b.kind, peer.kv.mem_kind, False, src, dst)]
+        parts = [DescriptorPart("kv", b.kind, kv.mem_kind, False, src, dst)]
         if op.pools:
-            mems = {m.name: m for m in peer.kv.pools}
-            for name, s, d in pool_descriptor_parts(b.pools, peer.kv.pools, op.pools):
+            mems = {m.name: m for m in kv.pools}
+            for name, s, d in pool_descriptor_parts(b.pools, kv.pools, op.pools):
                 pool, mem = b.pools[name], mems[name]
                 parts.append(DescriptorPart(name, pool.kind, mem.mem_kind, pool.own_writes or mem.own_writes, s, d))
         return group_parts(parts)
 
     def _peer_geometry(self, peer: Peer) -> CacheGeometry:
-        kv = peer.kv
+        kv = _memory(peer)
         return CacheGeometry(tuple(kv.k_addrs) + tuple(kv.v_addrs), self.ctx.layout.page_size, kv.token_stride,
                              self.ctx.layout.head_bytes, kv.device)
 
     def dispatch(self, peer_inc: int, now: float) -> None:
         """Hand every waiting piece whose ring region is free to a transfer worker."""
         ctx = self.ctx
-        peer = self.peers.get(peer_inc)
+        peer = self.peers.get(peer_inc)   # known while it has pieces waiting: a lost peer's are dropped
 
         def room_live(room_id: int) -> bool:
             room = self.book.get(room_id)
@@ -108,12 +116,15 @@ class WriteQueue:
             ctx.stats.staged_write((peer_inc, op.room, op.chunk, op.piece))
             self._count(op, 1)
             self.deadlines.start(op.op_id, op.room, now + ctx.t.write)
-            self.workers.submit(GatherJob(op.op_id, op.room, peer.backend_name, op.src_pages, op.src_heads,
-                                          op.nbytes, peer.ring.addr + op.ring_start % peer.ring.size
-                                          + op.writer_offset, peer.ring.device, ctx.tags.encode(op.tag),
-                                          dst_kind=peer.ring.mem_kind, pools=op.pools,
-                                          on_posted=lambda op_id=op.op_id, room=op.room: self._posted(op_id, room),
-                                          seal=ctx.integrity.sealer(op.tag)))
+            assert self.workers is not None and peer is not None and peer.ring is not None, \
+                "a staged piece without transfer workers here or a ring there"
+            ring = peer.ring
+            self.workers.submit(GatherJob(
+                op_id=op.op_id, room=op.room, peer=peer.backend_name, pages=op.src_pages, heads=op.src_heads,
+                nbytes=op.nbytes, dst_addr=ring.addr + op.ring_start % ring.size + op.writer_offset,
+                dst_device=ring.device, tag=ctx.tags.encode(op.tag), dst_kind=ring.mem_kind, pools=op.pools,
+                on_posted=functools.partial(self._posted, op.op_id, op.room),
+                seal=ctx.integrity.sealer(op.tag)))
 
     def cancel_room(self, room_id: int, now: float) -> None:
         for op in self.staged.cancel_room(room_id):
@@ -173,11 +184,6 @@ class WriteQueue:
                                              session=tag.session, chunk=tag.chunk, piece=tag.piece, group=group))
         self.ctx.stats.add("writes_announced")
 
-    def worker_report(self, op_id: int, room: int, ok: bool, reason: str | None, gather_s: float) -> None:
-        """From a transfer worker thread."""
-        self.ctx.stats.add("gather_s", gather_s)
-        self.ctx.post(WriteDone(op_id, room, ok, reason))
-
     def tick(self, now: float) -> None:
         t = self.ctx.t
         for _, room_id in self.deadlines.expired(now):
@@ -191,12 +197,27 @@ class WriteQueue:
             self.book.apply(room, room.on_write_done(op_id, ok, reason, now))
 
 
+def _memory(peer: Peer) -> KVMemory:
+    """A decode peer's KV memory: every decode rank's Hello carries it."""
+    assert peer.kv is not None, f"decode peer {peer.key} without its KV memory"
+    return peer.kv
+
+
+def gather_report(ctx: EngineContext) -> Report:
+    """How the transfer workers report a staged write, from their threads: its gather time
+    counted, then a WriteDone event to the control thread."""
+    def report(op_id: int, room: int, ok: bool, reason: str | None, gather_s: float) -> None:
+        ctx.stats.add("gather_s", gather_s)
+        ctx.post(WriteDone(op_id=op_id, room=room, ok=ok, reason=reason))
+    return report
+
+
 class AllWritesDone:
     """The completion of a logical write posted as several backend writes: `done(ok, reason)`
     once every one completed, ok only if all were (the first failure's reason). Its `one` is
     each backend write's on_done; they all run on the backend's owning thread, one at a time."""
 
-    def __init__(self, count: int, done):
+    def __init__(self, count: int, done: Callable[[bool, str | None], None]):
         self._left, self._done = count, done
         self._failure: str | None = None
         self._failed = False

@@ -35,9 +35,9 @@ class Send:
     msg: PeerMessage
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class WriteOp:
-    """One backend write request a prefill room wants made."""
+    """One backend write request a prefill room wants made (keyword-only: 15 fields)."""
 
     op_id: int
     room: int

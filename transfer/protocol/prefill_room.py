@@ -219,9 +219,10 @@ class PrefillRoom(RoomBase):
                            writer=self.layout.tp_rank, chunk=grant.chunk, piece=piece.index,
                            page_start=piece.page_start, num_pages=piece.num_pages,
                            nbytes=nbytes, ring_start=piece.start)
-            op = WriteOp(next(self._op_ids), self.room, peer, True, grant.chunk, piece.index,
-                         chunk.pages[lo:lo + piece.num_pages], None, a.src_heads, a.dst_heads,
-                         nbytes, tag, piece.start, offset, pools)
+            op = WriteOp(op_id=next(self._op_ids), room=self.room, peer=peer, staged=True, chunk=grant.chunk,
+                         piece=piece.index, src_pages=chunk.pages[lo:lo + piece.num_pages], dst_pages=None,
+                         src_heads=a.src_heads, dst_heads=a.dst_heads, nbytes=nbytes, tag=tag,
+                         ring_start=piece.start, writer_offset=offset, pools=pools)
             out.append(self._post(flow, op))
         if pos != chunk.page_start + chunk.pages.size:
             return self.fail(FailureKind.PROTOCOL, f"ring allocation for chunk {grant.chunk} from {peer} does not cover it",
@@ -439,8 +440,10 @@ class PrefillRoom(RoomBase):
                            page_start=start, num_pages=int(pages.size), nbytes=nbytes)
             assert flow.dst_pages is not None, "a direct flow has its destination pages from its metadata"
             dst = flow.dst_pages[start:start + pages.size]
-            out.append(self._post(flow, WriteOp(next(self._op_ids), self.room, flow.peer, False, chunk.index, part,
-                                                pages, dst, a.src_heads, a.dst_heads, nbytes, tag, pools=pools)))
+            out.append(self._post(flow, WriteOp(op_id=next(self._op_ids), room=self.room, peer=flow.peer, staged=False,
+                                                chunk=chunk.index, piece=part, src_pages=pages, dst_pages=dst,
+                                                src_heads=a.src_heads, dst_heads=a.dst_heads, nbytes=nbytes, tag=tag,
+                                                pools=pools)))
         return out
 
     def _flow_finished_writing(self, flow: Flow) -> bool:
