@@ -63,11 +63,12 @@ class ConnectorSettings:
     host: str
     backend: str = "nixl"
     staging: bool = True
+    metrics_port: int | None = None      # Prometheus /metrics of TP rank r on metrics_port + r
 
     @classmethod
     def parse(cls, extra: dict | None, default_host: str) -> "ConnectorSettings":
         extra = dict(extra or {})
-        known = {"rendezvous_port", "host", "backend", "staging"}
+        known = {"rendezvous_port", "host", "backend", "staging", "metrics_port"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)} for the kvstage "
@@ -86,7 +87,11 @@ class ConnectorSettings:
         host = extra.get("host") or default_host
         if not isinstance(host, str) or not host:
             raise ValueError(f"kv_connector_extra_config.host must be an address, got {host!r}")
-        return cls(rendezvous_port=port, host=host, backend=backend, staging=staging)
+        metrics = extra.get("metrics_port")
+        if metrics is not None and (isinstance(metrics, bool) or not isinstance(metrics, int)
+                                    or not 0 < metrics < 65536):
+            raise ValueError(f"kv_connector_extra_config.metrics_port must be a port number, got {metrics!r}")
+        return cls(rendezvous_port=port, host=host, backend=backend, staging=staging, metrics_port=metrics)
 
     @property
     def rendezvous(self) -> str:
