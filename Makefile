@@ -38,7 +38,6 @@ VLLM_VENV  := .venv-vllm
 VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_PIP   := $(VLLM_PY) -m pip --disable-pip-version-check
 VLLM_STAMP := $(VLLM_VENV)/.kvstage-installed
-VLLM_SHIMS := tests/vllm_adapter/shims
 
 .PHONY: venv test demo bench apt clean venv-sglang test-sglang venv-vllm test-vllm gpu-check
 
@@ -107,7 +106,7 @@ $(VLLM_STAMP): $(REQS) requirements/vllm.txt | apt
 	touch $(VLLM_STAMP)
 
 test-vllm: apt $(VLLM_STAMP)
-	PYTHONPATH=$(VLLM_SHIMS) $(VLLM_PY) -m pytest tests/vllm_adapter -p no:cacheprovider $(PYTEST_ARGS)
+	$(VLLM_PY) -m pytest tests/vllm_adapter -p no:cacheprovider $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(SGL_VENV) $(VLLM_VENV) .pytest_cache .hypothesis

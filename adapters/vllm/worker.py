@@ -63,6 +63,8 @@ class WorkerSide:
     _sends: dict[str, _Tracked] = field(default_factory=dict)
     _recvs: dict[str, _Tracked] = field(default_factory=dict)
     _load_errors: set[int] = field(default_factory=set)
+    _refused_sends: set[str] = field(default_factory=set)
+    _refused_recvs: set[str] = field(default_factory=set)
     counts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(
         ("succeeded", "failed", "bytes", "seconds", "staged", "direct"), 0))
 
@@ -85,18 +87,28 @@ class WorkerSide:
             raise
 
     def apply(self, orders: StepOrders | None) -> None:
-        """This step's orders from the scheduler."""
+        """This step's orders from the scheduler. Never raises into vLLM: an order kvstage
+        refuses fails its request (reported at the next get_finished, a receive with its blocks
+        as load errors), with the reason in the log."""
         if orders is None or self.manager is None:
             return
-        mgr = self.manager
         for o in orders.sends:
-            h = mgr.sender(o.room, num_pages=len(o.pages))
-            h.send(list(o.pages))
-            self._sends[o.req_id] = _Tracked(h, o.pages)
+            try:
+                h = self.manager.sender(o.room, num_pages=len(o.pages))
+                h.send(list(o.pages))
+                self._sends[o.req_id] = _Tracked(h, o.pages)
+            except (ValueError, RuntimeError) as exc:
+                log.warning("kvstage: request %s: cannot send room %d: %s", o.req_id, o.room, exc)
+                self._refused_sends.add(o.req_id)
         for o in orders.recvs:
-            h = mgr.receiver(o.source.room, bootstrap=o.source.rendezvous, prefill_dp_rank=o.source.dp_rank)
-            h.init(list(o.pages), prefix_pages=o.prefix_pages)
-            self._recvs[o.req_id] = _Tracked(h, o.pages)
+            try:
+                h = self._receiver(o.source)
+                h.init(list(o.pages), prefix_pages=o.prefix_pages)
+                self._recvs[o.req_id] = _Tracked(h, o.pages)
+            except (ValueError, RuntimeError) as exc:
+                log.warning("kvstage: request %s: cannot receive room %d: %s", o.req_id, o.source.room, exc)
+                self._refused_recvs.add(o.req_id)
+                self._load_errors.update(o.pages)
         for o in orders.aborts:
             t = self._recvs.get(o.req_id) or self._sends.get(o.req_id)
             if t is not None:
@@ -105,13 +117,22 @@ class WorkerSide:
             elif o.source is not None:
                 # a decode request that ended before vLLM gave it blocks: reach the prefill side
                 # through a receiver that only aborts, so it frees the request's blocks at once
-                h = mgr.receiver(o.source.room, bootstrap=o.source.rendezvous, prefill_dp_rank=o.source.dp_rank)
+                try:
+                    h = self._receiver(o.source)
+                except (ValueError, RuntimeError) as exc:   # e.g. the room is still active here
+                    log.info("kvstage: request %s: abort of room %d not sent: %s", o.req_id, o.source.room, exc)
+                    continue
                 h.abort()
                 h.clear()
 
+    def _receiver(self, source):
+        return self.manager.receiver(source.room, bootstrap=source.rendezvous, prefill_dp_rank=source.dp_rank)
+
     def finished(self) -> tuple[set[str], set[str]]:
         """(sending ended, receiving ended): requests whose memory kvstage no longer touches."""
-        return self._collect(self._sends), self._collect(self._recvs, load_errors=True)
+        sending, self._refused_sends = self._collect(self._sends) | self._refused_sends, set()
+        recving, self._refused_recvs = self._collect(self._recvs, load_errors=True) | self._refused_recvs, set()
+        return sending, recving
 
     def _collect(self, table: dict[str, _Tracked], load_errors: bool = False) -> set[str]:
         done = set()
