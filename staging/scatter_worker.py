@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
-from .gather_scatter import Scatterer
-from .kernels import scatterer_class
 from .digests import digest
+from .gather_scatter import Scatterer
 from .job_threads import JobThreads
+from .kernels import scatterer_class
 from .pool_copies import PoolBytes, scatter_pools
 from .thread_meter import ThreadMeter
 

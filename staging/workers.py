@@ -11,16 +11,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
 from .buffers import StagingBuffer
-from .kernels import gatherer_class
 from .digests import digest
 from .job_threads import JobThreads
+from .kernels import gatherer_class
 from .pool_copies import PoolBytes, gather_pools
 from .thread_meter import ThreadMeter
 

@@ -9,8 +9,8 @@ are then ONE contiguous run, so a hetero-TP head split writes one descriptor per
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

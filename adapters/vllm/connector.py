@@ -17,9 +17,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                                KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from vllm.v1.request import RequestStatus
 
 from .geometry import ModelGeometry, describe, engine_cache, unsupported_features
@@ -54,7 +52,7 @@ def _default_host() -> str:
 class KvstageConnector(KVConnectorBase_V1):
     """Push from prefill to decode through kvstage (staged for heterogeneous TP)."""
 
-    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config=None):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         kvc = vllm_config.kv_transfer_config
         par = vllm_config.parallel_config
@@ -76,22 +74,22 @@ class KvstageConnector(KVConnectorBase_V1):
             self.plan = SchedulerPlan(is_prefill=self.is_prefill, block_size=self.block_size, identity=ident)
 
     # -- scheduler side -----------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.plan.matched_tokens(request.request_id, request.num_prompt_tokens, request.kv_transfer_params,
                                         num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         self.plan.allocated(request.request_id, request.num_prompt_tokens, request.kv_transfer_params,
                             list(blocks.get_block_ids()[0]), num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return KvstageMetadata(self.plan.take_orders())
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput"):
+    def update_connector_output(self, connector_output: KVConnectorOutput):
         self.plan.sent(connector_output.finished_sending)
         self.plan.received(connector_output.finished_recving)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.plan.finished(request.request_id, request.num_prompt_tokens, request.kv_transfer_params,
                                   list(block_ids), request.status in COMPLETED)
 
@@ -100,8 +98,7 @@ class KvstageConnector(KVConnectorBase_V1):
 
     # -- worker side --------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
-        from vllm.distributed.parallel_state import (get_tensor_model_parallel_rank,
-                                                     get_tensor_model_parallel_world_size)
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
         cfg = self._vllm_config
         model = cfg.model_config
         geo = ModelGeometry(num_layers=len(kv_caches), total_kv_heads=model.get_total_num_kv_heads(),

@@ -66,7 +66,7 @@ class ConnectorSettings:
     metrics_port: int | None = None      # Prometheus /metrics of TP rank r on metrics_port + r
 
     @classmethod
-    def parse(cls, extra: dict | None, default_host: str) -> "ConnectorSettings":
+    def parse(cls, extra: dict | None, default_host: str) -> ConnectorSettings:
         extra = dict(extra or {})
         known = {"rendezvous_port", "host", "backend", "staging", "metrics_port"}
         unknown = sorted(set(extra) - known)

@@ -15,8 +15,17 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass, field
 
-from .params import DP_RANK, ENGINE, RENDEZVOUS, ROOM, TP_SIZE, RemotePrefill, prompt_pages, remote_prefill, \
-    wants_remote_decode
+from .params import (
+    DP_RANK,
+    ENGINE,
+    RENDEZVOUS,
+    ROOM,
+    TP_SIZE,
+    RemotePrefill,
+    prompt_pages,
+    remote_prefill,
+    wants_remote_decode,
+)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstage.adapters.vllm.params import ROOM, RENDEZVOUS, ConnectorSettings, remote_prefill
+from kvstage.adapters.vllm.params import RENDEZVOUS, ROOM, ConnectorSettings, remote_prefill
 from kvstage.adapters.vllm.plan import PrefillIdentity, SchedulerPlan
 
 IDENT = PrefillIdentity(rendezvous="10.0.0.1:18998", dp_rank=0, engine="vllm-prefill@10.0.0.1:18998", tp_size=2)

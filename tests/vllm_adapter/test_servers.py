@@ -11,10 +11,18 @@ import time
 
 import pytest
 import requests
-
 from proxy import pd_complete
-from servers import (Proc, build_tiny_model, complete, env_for, free_port, kvstage_config, server_argv, token_ids,
-                     wait_healthy)
+from servers import (
+    Proc,
+    build_tiny_model,
+    complete,
+    env_for,
+    free_port,
+    kvstage_config,
+    server_argv,
+    token_ids,
+    wait_healthy,
+)
 
 MAX_NEW = 12
 PROMPTS = [list(range(5, 11)), list(range(3, 36)), list(range(40, 97)), [7] * 5 + list(range(100, 170))]

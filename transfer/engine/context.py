@@ -7,8 +7,9 @@ others, so the parts stay small and only the control thread ever touches them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, cast
+from typing import Any, Protocol, cast
 
 from ...staging.handler import StagingHandler
 from ..config import EngineConfig, Timeouts

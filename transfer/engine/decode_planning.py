@@ -12,12 +12,13 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, cast
+from typing import Any, cast
 
+from ...bootstrap import RankRecord
 from ...bootstrap.rendezvous import RankGone
 from ..poll import KVPoll
-from ...bootstrap import RankRecord
 from ..protocol import peering
 from ..protocol.actions import PeerKey
 from ..protocol.decode_room import DecodeRoom, PlanRefused, WriterOffer, plan_room

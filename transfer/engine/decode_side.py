@@ -10,7 +10,7 @@ decode_planning.py.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ...bootstrap.rendezvous import RankGone
 from ...staging.ring import RingAllocator
@@ -19,8 +19,19 @@ from ..poll import KVPoll
 from ..protocol.actions import Action, Scatter, StatusChanged
 from ..protocol.decode_room import DecodeRoom
 from ..protocol.kinds import FailureKind
-from ..protocol.messages import (AllocRequest, Heartbeat, Hello, HelloAck, MetaAck, Quiesced, RoomDone, RoomFailed,
-                                 WatermarkUpdate, WriterDone, WritePosted)
+from ..protocol.messages import (
+    AllocRequest,
+    Heartbeat,
+    Hello,
+    HelloAck,
+    MetaAck,
+    Quiesced,
+    RoomDone,
+    RoomFailed,
+    WatermarkUpdate,
+    WritePosted,
+    WriterDone,
+)
 from ..protocol.quiet import Arrival, ExpectedWrites
 from ..protocol.room_uses import RoomUse, ended_answer
 from ..protocol.tags import Tag, TagKind

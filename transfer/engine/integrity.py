@@ -13,7 +13,8 @@ throughput, measured in docs/benchmarks.md.
 from __future__ import annotations
 
 import random
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import torch

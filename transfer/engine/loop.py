@@ -24,7 +24,8 @@ import math
 import select
 import threading
 import time
-from typing import Any, Callable, cast
+from collections.abc import Callable
+from typing import Any, cast
 
 import zmq
 
@@ -36,11 +37,11 @@ from ...staging.workers import TransferWorkers
 from ..backends.faults import ControlFaults, FaultPlan
 from ..config import EngineConfig
 from ..layout import KVBuffers, KVLayout
+from ..poll import KVPoll
 from ..protocol.decode_room import DecodeRoom
+from ..protocol.kinds import FailureKind
 from ..protocol.messages import Goodbye
 from ..protocol.prefill_room import PrefillRoom
-from ..poll import KVPoll
-from ..protocol.kinds import FailureKind
 from ..protocol.quiet import MIN_EAGER_WAIT, Activity, activity, next_wait
 from ..protocol.tags import TagCodec
 from .backend_owner import BackendOwner, Step

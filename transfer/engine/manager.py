@@ -19,20 +19,19 @@ import zmq
 from ...bootstrap import BootstrapError, RankGone, RankInfo, open_rendezvous
 from ...staging.handler import StagingHandler
 from ...staging.kernels import kernel_choice, requested_kernels
-
 from ..backends import create_backend
 from ..backends.faults import ControlFaults, FaultPlan, FaultyBackend
 from ..config import METRICS_PORT_ENV, EngineConfig
 from ..layout import KVBuffers, KVLayout
 from ..protocol.messages import peer_codec
-from ..regions import buffer_regions, unregistrable
 from ..protocol.tags import TagCodec
+from ..regions import buffer_regions, unregistrable
 from ..state_pools import check_pool_items
 from .backend_owner import BackendOwner
 from .events import Call, NewReceiver, NewSender, Wake
 from .handles import KVReceiver, KVSender, RoomStatus
-from .prefill_sources import SourceResolver, make_source
 from .loop import EngineLoop
+from .prefill_sources import SourceResolver, make_source
 from .stats import Stats, meter_stats
 
 log = logging.getLogger("kvstage")
@@ -86,7 +85,7 @@ class KVManager:
         """First of all, so a port in use or a missing prometheus-client fails at once."""
         if cfg.metrics_port is None:
             return
-        from ..metrics import MetricsExporter   # prometheus-client only when metrics are asked for
+        from ..metrics import MetricsExporter  # prometheus-client only when metrics are asked for
         option = "metrics_port" if self._metrics_option_explicit else METRICS_PORT_ENV
         labels = {"role": cfg.role, "engine": cfg.engine_id, "rank": str(self.layout.tp_rank),
                   "backend": cfg.backend}
@@ -361,7 +360,7 @@ class KVManager:
             return
         self._ctx.destroy(linger=0)
 
-    def __enter__(self) -> "KVManager":
+    def __enter__(self) -> KVManager:
         return self
 
     def __exit__(self, *exc) -> None:

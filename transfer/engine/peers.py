@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from ..protocol.actions import PeerKey
 from ..protocol.leases import Lease

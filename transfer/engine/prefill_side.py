@@ -17,14 +17,24 @@ from ..poll import KVPoll
 from ..protocol.actions import Action, PeerKey, Scatter, StatusChanged
 from ..protocol.kinds import FailureKind
 from ..protocol.leases import Lease
-from ..regions import unwritable_peer_kinds
-from ..protocol.messages import (AllocGrant, Heartbeat, Hello, HelloAck, MetaAck, Quiesced, RoomDone, RoomFailed,
-                                 RoomMeta, WatermarkUpdate)
+from ..protocol.messages import (
+    AllocGrant,
+    Heartbeat,
+    Hello,
+    HelloAck,
+    MetaAck,
+    Quiesced,
+    RoomDone,
+    RoomFailed,
+    RoomMeta,
+    WatermarkUpdate,
+)
 from ..protocol.pool_parts import writers_mismatch
 from ..protocol.prefill_room import PrefillRoom
 from ..protocol.room_uses import EarlierUses, Parked, RoomUse, use_without_sender
 from ..protocol.routing import PeerState, hello_verdict
 from ..protocol.tags import Tag
+from ..regions import unwritable_peer_kinds
 from .context import EngineContext
 from .events import Abort, InitSender, NewSender, SendChunk
 from .interfaces import EventHandler, MessageHandler

@@ -14,11 +14,20 @@ from collections import OrderedDict
 from typing import Generic, NamedTuple
 
 from ..poll import KVPoll
-from ..protocol.actions import (Action, DecodePrefix, Dropped, PostWrite, PublishWatermark, Released, Scatter,
-                                Send, StatusChanged)
+from ..protocol.actions import (
+    Action,
+    DecodePrefix,
+    Dropped,
+    PostWrite,
+    PublishWatermark,
+    Released,
+    Scatter,
+    Send,
+    StatusChanged,
+)
 from .context import FINISHED_MEMORY, EngineContext
 from .handles import RoomStatus
-from .interfaces import R, Later, RoomHooks, WriteSink
+from .interfaces import Later, R, RoomHooks, WriteSink
 from .peers import PeerTable
 
 log = logging.getLogger("kvstage")

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from ...staging.workers import GatherJob, Report, TransferWorkers
 from ..poll import KVPoll
-from ..protocol.kinds import FailureKind
 from ..protocol.actions import WriteOp
 from ..protocol.direct_ranges import CacheGeometry, direct_descriptors, pool_descriptor_parts
+from ..protocol.kinds import FailureKind
 from ..protocol.messages import KVMemory, WritePosted
 from ..protocol.prefill_room import PrefillRoom
 from ..protocol.write_groups import DescriptorPart, WriteGroup, group_parts
