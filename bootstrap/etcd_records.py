@@ -23,6 +23,7 @@ from urllib.parse import quote, unquote
 import msgspec
 
 from .messages import RankEntry, RecordEntry
+from .wire import prebuild_struct_info
 
 RECORD_VERSION = 1
 
@@ -285,3 +286,6 @@ class WatchedRanks:
                 del self._ranks[(eid, rank)]
         self.remember(engine_id, now)
         return gone
+
+
+prebuild_struct_info(globals())  # last: every Struct above is defined (see bootstrap.wire)

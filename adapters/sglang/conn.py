@@ -34,8 +34,7 @@ from sglang.srt.disaggregation.utils import DisaggregationMode
 from sglang.srt.server_args import ServerArgs
 
 from kvstage import EngineConfig, KVManager, KVTransferError
-from kvstage.bootstrap.server import BootstrapServer
-from kvstage.bootstrap.wire import load_token
+from kvstage.bootstrap.in_process import InProcessServer, join_host_port
 
 from . import pools, send_gate
 from .geometry import device_of, kv_layout, unsupported_features
@@ -48,10 +47,6 @@ log = logging.getLogger("kvstage.sglang")
 RENDEZVOUS_ROUTE = "/kvstage/rendezvous"
 BACKEND_ENV = "KVSTAGE_SGLANG_BACKEND"          # nixl (default) or mooncake
 AUX_GATE_S = 5.0                               # how long Success may wait for the aux row's room
-
-
-def _join(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 class KvstageKVManager(CommonKVManager):
@@ -71,7 +66,7 @@ class KvstageKVManager(CommonKVManager):
         self.page_size = args.page_size
         self._rendezvous: dict[str, str] = {}
         self._rendezvous_lock = threading.Lock()
-        self._own_server: _Rendezvous | None = None
+        self._own_server: InProcessServer | None = None
         self.receivers: dict[int, object] = {}      # decode: room -> its kvstage receiver, until clear()
         # a hybrid model's full-attention pool may be MLA although its pool as a whole is not
         mla = bool(is_mla_backend) or bool(getattr(args, "is_hybrid_mla_backend", False))
@@ -92,7 +87,7 @@ class KvstageKVManager(CommonKVManager):
             # theirs (kvstage looks them up there by rendezvous address + DP rank)
             rendezvous, dp_rank = shared_rendezvous(), 0
             if rendezvous is None:
-                self._own_server = _Rendezvous(self.local_ip)
+                self._own_server = InProcessServer(self.local_ip)
                 rendezvous = self._own_server.address
             engine_id = f"sglang-decode@{self.local_ip}:{server_args.port}/dp{self.attn_dp_rank}"
         backend = _backend_name()
@@ -114,7 +109,7 @@ class KvstageKVManager(CommonKVManager):
             host = self.dist_init_addr.rsplit(":", 1)[0].strip("[]")
         else:
             host = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.bootstrap_host, self.bootstrap_host)
-        return _join(host, self.bootstrap_port)
+        return join_host_port(host, self.bootstrap_port)
 
     def rendezvous_for(self, bootstrap_addr: str, wait_s: float = 5.0) -> str:
         """kvstage's rendezvous address of the prefill instance whose SGLang bootstrap server is
@@ -487,25 +482,6 @@ class KvstageKVReceiver(_Handle, CommonKVReceiver):
         self._forget_room()
 
 
-class _Rendezvous:
-    """A kvstage rendezvous server on a daemon thread of this process."""
-
-    def __init__(self, host: str, port: int = 0):
-        self._server = BootstrapServer(host, port, token=load_token())
-        self._server.start()
-        self.port = self._server.port
-        self.address = _join(host.strip("[]"), self.port)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._server.serve, args=(self._stop,), name="kvstage-rendezvous",
-                                        daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._server.close()
-
-
 class KvstageKVBootstrapServer(CommonKVBootstrapServer):
     """SGLang's bootstrap server of a prefill instance, plus kvstage's rendezvous server on a
     free port; `GET /kvstage/rendezvous` tells ranks that port. With KVSTAGE_BOOTSTRAP=etcd://...
@@ -515,7 +491,7 @@ class KvstageKVBootstrapServer(CommonKVBootstrapServer):
         bind = host or "127.0.0.1"
         fleet = shared_rendezvous()
         self._etcd = instance_address(fleet) if fleet is not None else None
-        self._kvstage = _Rendezvous(bind) if fleet is None else None
+        self._kvstage = InProcessServer(bind) if fleet is None else None
         super().__init__(host, port)
 
     def _setup_routes(self):

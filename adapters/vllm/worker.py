@@ -13,34 +13,15 @@ failed receive also reports its blocks as load errors.
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass, field
 
 from kvstage import EngineConfig, KVManager, KVPoll
-from kvstage.bootstrap.server import BootstrapServer
-from kvstage.bootstrap.wire import load_token
+from kvstage.bootstrap.in_process import InProcessServer
 
 from .params import ConnectorSettings
 from .plan import StepOrders
 
 log = logging.getLogger("kvstage.vllm")
-
-
-class Rendezvous:
-    """A kvstage rendezvous server on a daemon thread of this process."""
-
-    def __init__(self, host: str, port: int):
-        self._server = BootstrapServer(host, port, token=load_token())
-        self._server.start()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._server.serve, args=(self._stop,), name="kvstage-rendezvous",
-                                        daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self._server.close()
 
 
 @dataclass
@@ -59,7 +40,7 @@ class WorkerSide:
     tp_rank: int
     engine_id: str
     manager: KVManager | None = None
-    rendezvous: Rendezvous | None = None
+    rendezvous: InProcessServer | None = None
     _sends: dict[str, _Tracked] = field(default_factory=dict)
     _recvs: dict[str, _Tracked] = field(default_factory=dict)
     _load_errors: set[int] = field(default_factory=set)
@@ -72,7 +53,7 @@ class WorkerSide:
         """The rendezvous server (rank 0), then this rank's engine; on failure nothing stays."""
         cfg = self.settings
         if self.tp_rank == 0:
-            self.rendezvous = Rendezvous(cfg.host.strip("[]"), cfg.rendezvous_port)
+            self.rendezvous = InProcessServer(cfg.host.strip("[]"), cfg.rendezvous_port)
         try:
             self.manager = KVManager(EngineConfig(role="prefill" if self.is_prefill else "decode",
                                                   engine_id=self.engine_id, bootstrap=cfg.rendezvous,
