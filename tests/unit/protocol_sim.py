@@ -70,6 +70,12 @@ class PendingWrite:
     waiting: bool  # staged: waiting for the watermark
 
 
+def layouts(g: Geometry, tp: int) -> list[KVLayout]:
+    """Every rank's layout of one side (TP size `tp`)."""
+    return [KVLayout(num_layers=g.layers, total_kv_heads=g.H, head_dim=g.head_dim, dtype=torch.uint8,
+                     page_size=g.page_size, tp_size=tp, tp_rank=r, mla=g.mla) for r in range(tp)]
+
+
 @dataclass(kw_only=True)
 class World:
     g: Geometry
@@ -97,32 +103,7 @@ class World:
         g = self.g
         self.rng = random.Random(self.seed)
         self.timeouts = Timeouts(metadata=50, watermark=50, arrival=5, scatter=5, room=100)
-        self.lp = [
-            KVLayout(
-                num_layers=g.layers,
-                total_kv_heads=g.H,
-                head_dim=g.head_dim,
-                dtype=torch.uint8,
-                page_size=g.page_size,
-                tp_size=g.P,
-                tp_rank=r,
-                mla=g.mla,
-            )
-            for r in range(g.P)
-        ]
-        self.ld = [
-            KVLayout(
-                num_layers=g.layers,
-                total_kv_heads=g.H,
-                head_dim=g.head_dim,
-                dtype=torch.uint8,
-                page_size=g.page_size,
-                tp_size=g.D,
-                tp_rank=r,
-                mla=g.mla,
-            )
-            for r in range(g.D)
-        ]
+        self.lp, self.ld = layouts(g, g.P), layouts(g, g.D)
         self.kp = [PeerKey("prefill", r, 1000 + r) for r in range(g.P)]
         self.kd = [PeerKey("decode", r, 2000 + r) for r in range(g.D)]
         nkv = 1 if g.mla else 2
