@@ -21,7 +21,12 @@ as the sender polls this state, e.g. "Bootstrapping" or "WaitingForInput", inste
 prefix_pages (decode: its first k pages stand for a prefix cache hit: init(rest, prefix_pages=k)),
 prefix_pages_by_rank ({"rank": k}: the same, per decode rank), source (decode: where the room's KV
 comes from, {"bootstrap": "host:port", "dp_rank": r} or {"engine": id}; default: peer_engine),
-pattern_key (both: the bytes' key instead of the room id, so two uses of one room id differ).
+pattern_key (both: the bytes' key instead of the room id, so two uses of one room id differ),
+layer_sends (prefill: each chunk is sent layer-wise, as these [start, stop) layer ranges in this
+order, one send() per step, each with a readiness object whose synchronize() records the thread
+that called it; the record's ready_threads names them), abort_after_sends (prefill: layer-wise
+sends made before abort()).
+Per manager, layer_group and layerwise_min_tokens: EngineConfig's.
 Per manager, dp_rank is the prefill engine's data-parallel rank (EngineConfig.dp_rank).
 Per manager, metrics_port serves Prometheus metrics (EngineConfig.metrics_port; 0: any free port)
 and metrics_file names a file the driver writes {"port": ...} to once the manager is up;
@@ -94,7 +99,8 @@ def build(spec: dict, bootstrap: str) -> tuple[KVManager, KVLayout, KVBuffers, K
                        timeouts=Timeouts.from_env(**spec.get("timeouts", {})),
                        backend_options=spec.get("backend_options", {}), auth_token=spec.get("token"),
                        faults=spec.get("faults"), dp_rank=spec.get("dp_rank", 0),
-                       metrics_port=spec.get("metrics_port"), verify=spec.get("verify"))
+                       metrics_port=spec.get("metrics_port"), verify=spec.get("verify"),
+                       layer_group=spec.get("layer_group"), layerwise_min_tokens=spec.get("layerwise_min_tokens"))
     mgr = KVManager(cfg, layout, buffers)
     return mgr, layout, buffers, KVPattern(layout, seed=spec.get("pattern_seed", 7))
 
@@ -414,6 +420,8 @@ def advance(mgr: KVManager, spec: dict, st: dict) -> bool:
             if st["chunk"] == len(chunks) - 1 and not all(map(os.path.exists, r.get("hold_last_until", []))):
                 return False
             n = chunks[st["chunk"]]
+            if r.get("layer_sends"):
+                return send_layers(h, r, st, n, len(chunks))
             if r.get("infer_last"):
                 h.send(st["pages"][st["sent"]:st["sent"] + n])
             else:
@@ -439,6 +447,39 @@ def advance(mgr: KVManager, spec: dict, st: dict) -> bool:
     return False
 
 
+class ThreadRecorder:
+    """A readiness object (what a CUDA event is to send(ready=...)): records which threads
+    synchronize() ran on, so a test can check that kvstage waits, never the caller."""
+
+    def __init__(self, seen: set):
+        self.seen = seen
+
+    def synchronize(self) -> None:
+        self.seen.add(threading.current_thread().name)
+
+
+def send_layers(h, r: dict, st: dict, n: int, num_chunks: int) -> bool:
+    """One layer-wise send of the current chunk; the chunk is done after its last layer range."""
+    sends = r["layer_sends"]
+    i = st.setdefault("layer_send", 0)
+    stop = r.get("abort_after_sends")
+    if stop is not None and st.setdefault("sends_made", 0) >= stop:
+        h.abort()
+        st["aborted"] = True
+        return True
+    a, b = sends[i]
+    h.send(st["pages"][st["sent"]:st["sent"] + n], layers=range(a, b),
+           ready=ThreadRecorder(st.setdefault("ready_threads", set())))
+    st["sends_made"] = st.get("sends_made", 0) + 1
+    st["layer_send"] = i + 1
+    if st["layer_send"] == len(sends):
+        st["layer_send"] = 0
+        st["sent"] += n
+        st["chunk"] += 1
+        st["next_chunk_at"] = time.perf_counter() + r.get("chunk_delay_s", 0)
+    return True
+
+
 def finish(spec: dict, st: dict, pattern: KVPattern, tensors) -> dict:
     h = st["handle"]
     state = h.poll()
@@ -458,6 +499,8 @@ def finish(spec: dict, st: dict, pattern: KVPattern, tensors) -> dict:
     exc = h.failure_exception() if hasattr(h, "failure_exception") else None
     if exc is not None:
         rec["exception"] = {"type": type(exc).__name__, "kind": exc.kind, "reason": exc.reason}
+    if "ready_threads" in st:
+        rec["ready_threads"] = sorted(st["ready_threads"])
     if st["spec"].get("late_init") == "wait":
         rec["waited_for_input"] = st.get("waited_for_input", False)
         rec["seen_before_init"] = sorted(st.get("seen_before_init", ()))

@@ -26,6 +26,7 @@ class ScatterJob:
     room: int
     key: tuple[int, int]
     pages: np.ndarray                                # destination cache pages of the piece
+    layers: range                                    # the layers the piece holds
     parts: tuple[tuple[torch.Tensor, tuple[int, int]], ...]  # (ring view of a writer's part, dst heads)
     pools: tuple = ()                                # the last piece: (ring view of a pool block, PoolCopy)
     checks: tuple = ()                               # verify: (ring view of a writer's part, its digest, writer)
@@ -81,8 +82,10 @@ class ScatterWorker:
         try:
             # a CPU page list: the scatterer validates it on the host and uploads it once
             pages = torch.from_numpy(np.ascontiguousarray(job.pages, dtype=np.int64))
+            lo, hi = job.layers.start, job.layers.stop
+            k, v = self._k[lo:hi], (self._v[lo:hi] if self._v is not None else None)
             for view, heads in job.parts:
-                scatterer.scatter(view, self._k, self._v, pages, self._page_size, heads)
+                scatterer.scatter(view, k, v, pages, self._page_size, heads)
             scatter_pools(self._pools, job.pools)
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()

@@ -33,6 +33,7 @@ class GatherJob:
     room: int
     peer: str                 # backend name of the decode rank
     pages: np.ndarray         # this rank's cache pages of the piece, in request order
+    layers: range             # the layers to gather (region blocks: K of each, then V)
     heads: tuple[int, int]    # local head range to send
     nbytes: int
     dst_addr: int             # absolute address of this writer's part in the decode ring
@@ -42,12 +43,20 @@ class GatherJob:
     pools: tuple = ()             # state pool copies appended after the KV bytes (the last piece)
     on_posted: Callable[[], object] | None = None   # runs on the backend's owner once it took the write
     seal: Callable[[int], bytes] | None = None   # verify: the tag carrying the gathered bytes' digest
+    ready: tuple = ()         # the caller's readiness objects: synchronize()d before the gather
 
 
 # submit(peer, src, dst, tag, on_done, dst_kind=kind) posts one write on the backend's thread
 SubmitWrite = Callable[..., None]
 # report(op_id, room, ok, reason, gather_seconds)
 Report = Callable[[int, int, bool, str | None, float], None]
+
+
+def wait_ready(ready: tuple) -> None:
+    """Block until the caller's layers are written (a CUDA event, or anything with
+    synchronize()): the worker waits, never the caller's thread."""
+    for r in ready:
+        r.synchronize()
 
 
 class TransferWorkers:
@@ -86,7 +95,10 @@ class TransferWorkers:
             try:
                 # a CPU page list: the gatherer validates it on the host and uploads it once
                 pages = torch.from_numpy(np.ascontiguousarray(job.pages, dtype=np.int64))
-                n = gatherer.gather(self._k, self._v, pages, self._page_size, job.heads, buf.tensor)
+                wait_ready(job.ready)
+                lo, hi = job.layers.start, job.layers.stop
+                v = self._v[lo:hi] if self._v is not None else None
+                n = gatherer.gather(self._k[lo:hi], v, pages, self._page_size, job.heads, buf.tensor)
                 if job.pools:
                     n += gather_pools(self._pools, job.pools, buf.tensor, n)
                 if device.type == "cuda":

@@ -21,6 +21,11 @@ BUFFER_MB_ENV = "KVSTAGE_STAGING_BUFFER_MB"
 PIECE_MB_ENV = "KVSTAGE_STAGING_PIECE_MB"
 TOKEN_ENV = "KVSTAGE_AUTH_TOKEN"
 METRICS_PORT_ENV = "KVSTAGE_METRICS_PORT"
+LAYER_GROUP_ENV = "KVSTAGE_LAYER_GROUP"
+LAYERWISE_MIN_TOKENS_ENV = "KVSTAGE_LAYERWISE_MIN_TOKENS"
+DEFAULT_LAYER_GROUP = 4            # layers per write of a layer-wise send (docs/benchmarks.md, "Layer-wise")
+DEFAULT_LAYERWISE_MIN_TOKENS = 512  # shorter requests go per chunk (ibid.)
+MAX_LAYERS = 1 << 16
 
 MAX_WORKERS = 64
 MAX_MB = 1 << 20  # 1 TiB: any larger staging size is a typo
@@ -117,6 +122,10 @@ class EngineConfig:
     metrics_port: int | None = None          # Prometheus /metrics on host:port (0: any free port); None: env
                                              # KVSTAGE_METRICS_PORT, unset: no metrics (needs prometheus-client)
     verify: bool | None = None               # end-to-end digests of every write; None: read KVSTAGE_VERIFY
+    layer_group: int | None = None           # prefill: layers per write of a layer-wise send (0: every layer
+                                             # at once); env KVSTAGE_LAYER_GROUP, 4
+    layerwise_min_tokens: int | None = None  # prefill: shorter requests are sent per chunk whatever layers
+                                             # send() names; env KVSTAGE_LAYERWISE_MIN_TOKENS, 512
 
     def resolved(self) -> EngineConfig:
         """A copy with every None filled from the environment, validated: a bad value raises
@@ -154,6 +163,9 @@ class EngineConfig:
             staging_buffer_mb=self._mb("staging_buffer_mb", BUFFER_MB_ENV, 64.0),
             ring_mb=self._mb("ring_mb", RING_MB_ENV, 256.0),
             staging_piece_mb=self._mb("staging_piece_mb", PIECE_MB_ENV, 32.0),
+            layer_group=self._natural("layer_group", LAYER_GROUP_ENV, DEFAULT_LAYER_GROUP, MAX_LAYERS),
+            layerwise_min_tokens=self._natural("layerwise_min_tokens", LAYERWISE_MIN_TOKENS_ENV,
+                                               DEFAULT_LAYERWISE_MIN_TOKENS, 1 << 40),
             backend_options=options,
             timeouts=timeouts,
             metrics_port=(from_env(METRICS_PORT_ENV, None, int, check.port) if self.metrics_port is None
@@ -165,6 +177,12 @@ class EngineConfig:
             return check.count(name, value, 1, MAX_WORKERS)
         value = getattr(self, option)
         return from_env(env, default, int, workers) if value is None else workers(option, value)
+
+    def _natural(self, option: str, env: str, default: int, maximum: int) -> int:
+        def natural(name: str, value: object) -> int:
+            return check.count(name, value, 0, maximum)
+        value = getattr(self, option)
+        return from_env(env, default, int, natural) if value is None else natural(option, value)
 
     def _mb(self, option: str, env: str, default: float) -> float:
         def size(name: str, value: object) -> float:

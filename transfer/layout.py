@@ -14,7 +14,7 @@ from .page_format import PageFormat, parse_page_format
 from .state_pools import PoolSpec, StatePool, memory_kind, pool_mismatches
 
 #: Bumped whenever the wire protocol or the staging region layout changes incompatibly.
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 #: Token-major cache layout: per layer [num_pages * page_size, local_heads, head_dim]. Other
 #: page formats (page_format.py) are described in these terms and named in the summary.
 LAYOUT_FORMAT = PageFormat.NHD.value
@@ -112,6 +112,11 @@ class KVLayout:
     @property
     def local_heads(self) -> int:
         return max(1, self.total_kv_heads // self.tp_size)
+
+    @property
+    def layers(self) -> range:
+        """The layers this rank holds and sends (all of the model's)."""
+        return range(self.num_layers)
 
     @property
     def replication(self) -> int:
@@ -255,6 +260,11 @@ class KVBuffers:
     def kind(self) -> str:
         """The KV cache's memory kind, "VRAM" or "DRAM"."""
         return memory_kind(self.device)
+
+    def layer_views(self, layers: range) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """The K (and V) tensors of `layers`: what a layer-wise write reads or fills."""
+        return list(self.k[layers.start:layers.stop]), (
+            list(self.v[layers.start:layers.stop]) if self.v is not None else None)
 
     def tensors(self) -> list[torch.Tensor]:
         """K tensors then V tensors, in layer order."""

@@ -47,11 +47,12 @@ class Case:
     head_dim: int = 16
     pages: int = 512
     pools: dict = field(default_factory=dict)           # state pools (examples/pool_pattern.py spec)
+    label: str = ""                                     # tells apart cases that differ in nothing above
 
     @property
     def name(self) -> str:
         return (f"{self.topo.name}-ps{self.page_size}-{self.dtype}-{'st' if self.staging else 'dr'}-"
-                f"{self.backend}")
+                f"{self.backend}{'-' + self.label if self.label else ''}")
 
     def geometry(self) -> dict:
         return {"layers": self.layers, "heads": self.topo.H, "head_dim": self.head_dim, "dtype": self.dtype,

@@ -32,6 +32,7 @@ from kvstage.transfer.protocol.actions import (
 )
 from kvstage.transfer.protocol.decode_room import DecodeRoom, RoomPlan
 from kvstage.transfer.protocol.head_mapping import compute_assignments
+from kvstage.transfer.protocol.layer_sends import PER_CHUNK, LayerGrouping
 from kvstage.transfer.protocol.messages import (
     AllocGrant,
     AllocRequest,
@@ -98,6 +99,7 @@ class World:
     released_d: set = field(default_factory=set)
     overlaps: int = 0
     completions: list = field(default_factory=list)  # (prefill rank, op) landed, not yet reported
+    grouping: LayerGrouping = PER_CHUNK  # how the prefill rooms turn layer-wise sends into writes
 
     def __post_init__(self):
         g = self.g
@@ -116,6 +118,7 @@ class World:
         self.cd = [
             np.zeros((self.nt, g.pages, g.page_size, l.local_heads, g.head_dim), dtype=np.uint8) for l in self.ld
         ]
+        self.written = [np.zeros(c.shape, dtype=np.int64) for c in self.cd]  # times each decode byte was written
         self.mapping = compute_assignments(g.P, g.D, g.H, g.mla)
         self.rings = [RingAllocator(g.ring_bytes, align=8) for _ in range(g.D)]
         self.ring_mem = [np.zeros(g.ring_bytes, dtype=np.uint8) for _ in range(g.D)]
@@ -147,12 +150,17 @@ class World:
         late_init: bool = False,
         infer_last: bool = False,
         prefix: int | list[int] = 0,
+        layer_sends: list[range] | None = None,
+        shuffle_layers: bool = False,
     ):
         """A request of n pages; each prefill rank sends it in the given chunk sizes.
         late_init: the prefill senders learn n with init(), at a random point before their first
         chunk (before or after the decode side's metadata); infer_last: no chunk says last;
         prefix: the first pages each decode rank already holds (one k for all, or one per rank):
-        its destination pages are the rest, and the prefix pages get a sentinel that must stay."""
+        its destination pages are the rest, and the prefix pages get a sentinel that must stay.
+        layer_sends: each chunk is sent as these layer ranges (layer-wise sending), in this order
+        or, with shuffle_layers, in a random order per chunk (the same on every prefill rank: the
+        ranks of a TP group send the same units in the same order)."""
         g = self.g
         session = room * 7 + 1
         src = [np.array(self.rng.sample(range(g.pages), n)) for _ in range(g.P)]
@@ -166,6 +174,7 @@ class World:
                 self.timeouts,
                 self.op_ids,
                 self.max_ranges,
+                grouping=self.grouping,
             )
             self.status_p[(p, room)] = KVPoll.Bootstrapping
         for d in range(g.D):
@@ -182,13 +191,23 @@ class World:
             self.apply_d(d, r.on_plan(self.plan_for(d), self.now))
             self.apply_d(d, r.init(dst, self.now, prefix_pages=k))
         self.pending_chunks = getattr(self, "pending_chunks", [])
+        orders = []   # the layer sends of each chunk, in one order for every rank (as one forward pass gives)
+        for _ in chunks:
+            sends = list(layer_sends or ())
+            if shuffle_layers:
+                self.rng.shuffle(sends)
+            orders.append(sends)
         for p in range(g.P):
             pos = 0
             if late_init:
                 self.pending_chunks.append((p, room, n, None))  # init(n), in order before the chunks
             for i, c in enumerate(chunks):
                 last = None if infer_last else i == len(chunks) - 1
-                self.pending_chunks.append((p, room, src[p][pos : pos + c], last))
+                if layer_sends is None:
+                    self.pending_chunks.append((p, room, src[p][pos : pos + c], last))
+                else:
+                    for rng in orders[i]:
+                        self.pending_chunks.append((p, room, src[p][pos : pos + c], None, rng))
                 pos += c
 
     # -- action application ----------------------------------------------------------------------
@@ -303,7 +322,8 @@ class World:
     def land(self, w: PendingWrite):
         op, p, d = w.op, w.src_rank, w.op.peer.tp_rank
         g = self.g
-        src = self.cp[p][:, op.src_pages][:, :, :, op.src_heads[0] : op.src_heads[1]]
+        tensors = self.tensors_of(op.layers)
+        src = self.cp[p][tensors][:, op.src_pages][:, :, :, op.src_heads[0] : op.src_heads[1]]
         if op.staged:
             data = np.ascontiguousarray(src).reshape(-1)
             assert data.size == op.nbytes
@@ -316,7 +336,9 @@ class World:
             self.ring_mem[d][off : off + op.nbytes] = data
             self.ring_owner[d][off : off + op.nbytes] = op.ring_start
         else:
-            self.cd[d][:, op.dst_pages, :, op.dst_heads[0] : op.dst_heads[1]] = src
+            for j, t in enumerate(tensors):
+                self.cd[d][t, op.dst_pages, :, op.dst_heads[0] : op.dst_heads[1]] = src[j]
+                self.written[d][t, op.dst_pages, :, op.dst_heads[0] : op.dst_heads[1]] += 1
         if self.hold_completions:
             self.completions.append((p, op))
         else:
@@ -329,13 +351,29 @@ class World:
     def do_scatter(self, d: int, s: Scatter):
         g = self.g
         r = self.rooms_d[(d, s.room)]
+        tensors = self.tensors_of(s.layers)
         for part in s.parts:
             nheads = part.dst_heads[1] - part.dst_heads[0]
             data = self.ring_mem[d][part.region_offset : part.region_offset + part.nbytes]
-            block = data.reshape(self.nt, s.dst_pages.size, g.page_size, nheads, g.head_dim)
-            self.cd[d][:, s.dst_pages, :, part.dst_heads[0] : part.dst_heads[1]] = block
+            block = data.reshape(len(tensors), s.dst_pages.size, g.page_size, nheads, g.head_dim)
+            for j, t in enumerate(tensors):
+                self.cd[d][t, s.dst_pages, :, part.dst_heads[0] : part.dst_heads[1]] = block[j]
+                self.written[d][t, s.dst_pages, :, part.dst_heads[0] : part.dst_heads[1]] += 1
             self.ring_owner[d][part.region_offset : part.region_offset + part.nbytes] = -1
         self.apply_d(d, r.on_scattered(s.key, True, None, self.rings[d], self.now))
+
+    def tensors_of(self, layers: range) -> list[int]:
+        """Cache tensor indices (K layers, then V layers) of `layers`."""
+        return [kv * self.g.layers + layer for kv in range(self.nt // self.g.layers) for layer in layers]
+
+    def written_once(self, room: int) -> bool:
+        """Every destination byte of the room (every page, layer, K/V and head) was written
+        exactly once, and no prefix byte at all."""
+        for d in range(self.g.D):
+            dst, _, held, _ = self.expected[(d, room)]
+            if (self.written[d][:, dst] != 1).any() or (self.written[d][:, held] != 0).any():
+                return False
+        return True
 
     def cancel_failed_writes(self):
         """What the engine shell does: queued writes of a failed room are never started."""
@@ -369,12 +407,12 @@ class World:
             ranks = sorted({c[0] for c in self.pending_chunks})
             p = self.rng.choice(ranks)
             i = next(i for i, c in enumerate(self.pending_chunks) if c[0] == p)
-            _, room, pages, last = self.pending_chunks.pop(i)
+            _, room, pages, last, *layers = self.pending_chunks.pop(i)
             r = self.rooms_p[(p, room)]
             if isinstance(pages, int):
                 self.apply_p(p, r.init(pages, self.now))
             else:
-                self.apply_p(p, r.add_chunk(pages, last, self.now))
+                self.apply_p(p, r.add_chunk(pages, last, self.now, layers=layers[0] if layers else None))
         elif what == "msg":
             src, dst = self.rng.choice(live)
             self.deliver(src, dst)

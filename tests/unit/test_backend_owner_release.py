@@ -110,6 +110,7 @@ def test_manager_stop_loop_stops_workers_even_when_abort_raises():
     mgr.config = SimpleNamespace(timeouts=SimpleNamespace(close=0.1))
     mgr._loop = loop = SimpleNamespace(thread=SimpleNamespace(is_alive=lambda: False, ident=1),   # ran, ended
                                        workers=SimpleNamespace(stop=lambda: stopped.append("workers")),
+                                       waiter=SimpleNamespace(stop=lambda: stopped.append("waiter")),
                                        scatter=SimpleNamespace(stop=lambda: stopped.append("scatter")))
     loop.stop_workers = lambda: EngineLoop.stop_workers(loop)   # the real one, on this loop's parts
 
@@ -120,7 +121,7 @@ def test_manager_stop_loop_stops_workers_even_when_abort_raises():
         mgr._stop_loop()
     except KeyError:
         pass
-    assert stopped == ["workers", "scatter"]
+    assert stopped == ["workers", "waiter", "scatter"]
 
 
 class RefusingAgent:

@@ -43,7 +43,7 @@ def test_digest_is_xxh3_of_the_bytes():
 def test_the_tag_carries_the_digest():
     codec = TagCodec(b"k")
     tag = make_tag(TagKind.STAGED, room=1, session=2, epoch=3, src=4, writer=0, chunk=0, piece=0, page_start=0,
-                   num_pages=1, nbytes=10, ring_start=0)
+                   num_pages=1, nbytes=10, ring_start=0, layers=range(2))
     assert codec.decode(codec.encode(tag)).digest == 0
     import msgspec
     sealed = msgspec.structs.replace(tag, digest=2**64 - 1)

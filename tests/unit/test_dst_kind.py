@@ -114,7 +114,7 @@ def test_transfer_worker_submits_the_ring_kind_of_its_job():
     workers = TransferWorkers([buf], k, v, page_size, submit, report)
     try:
         workers.submit(GatherJob(op_id=1, room=7, peer="decode-0", pages=np.array([1]), heads=(0, heads),
-                                 nbytes=nbytes, dst_addr=1 << 20, dst_device=3, tag=b"t", dst_kind="VRAM"))
+                                 nbytes=nbytes, dst_addr=1 << 20, dst_device=3, tag=b"t", dst_kind="VRAM", layers=range(1)))
         assert finished.wait(10), "the worker never reported"
     finally:
         workers.stop()
@@ -148,15 +148,15 @@ class Stats:
 def _op(staged: bool) -> WriteOp:
     return WriteOp(op_id=1, room=7, peer=PeerKey("decode", 0, 11), staged=staged, chunk=0, piece=0,
                    src_pages=np.array([0]), dst_pages=None if staged else np.array([1]), src_heads=(0, 1),
-                   dst_heads=(0, 1), nbytes=64, tag=b"tag", ring_start=0 if staged else -1)
+                   dst_heads=(0, 1), nbytes=64, tag=b"tag", ring_start=0 if staged else -1, layers=range(1))
 
 
 def _queue(peer) -> WriteQueue:
-    geo = CacheGeometry((1 << 20, 1 << 21), page_size=2, token_stride=16, head_bytes=16)
+    geo = CacheGeometry((1 << 20, 1 << 21), page_size=2, token_stride=16, head_bytes=16, num_kv=2)
     ctx = SimpleNamespace(
         geometry=geo, stats=Stats(), t=SimpleNamespace(write=5.0), backend=RecordingOwner(),
         tags=SimpleNamespace(encode=lambda tag: tag), post=lambda ev: None,
-        layout=SimpleNamespace(page_size=2, head_bytes=16),
+        layout=SimpleNamespace(page_size=2, head_bytes=16, num_kv=2),
         handler=SimpleNamespace(region_free=lambda inc, start, n: True),
         buffers=SimpleNamespace(kind="DRAM", pools={}),
         integrity=SimpleNamespace(direct_tags=lambda op, groups: [op.tag] * groups, sealer=lambda tag: None))

@@ -148,7 +148,7 @@ def test_fallback_reason_names_the_cause():
 def op(op_id: int, room: int, start: int = 0) -> WriteOp:
     return WriteOp(op_id=op_id, room=room, peer=PeerKey("d", 0, 9), staged=True, chunk=0, piece=op_id,
                    src_pages=np.array([0]), dst_pages=None, src_heads=(0, 1), dst_heads=(0, 1), nbytes=8,
-                   tag=None, ring_start=start)
+                   tag=None, ring_start=start, layers=range(1))
 
 
 def test_take_ready_cancels_dead_rooms_dispatches_free_regions_and_keeps_order():

@@ -34,7 +34,7 @@ def test_tag_at_a_prefill_rank_for_an_active_room_has_its_own_drop_reason():
     ctx, peers, book, side = prefill_parts({5: object()})  # room 5 is active here
     router = FrameRouter(ctx, peers, side, {})
     tag = make_tag(TagKind.DIRECT, room=5, session=1, epoch=1, src=77, writer=0, chunk=0, piece=0,
-                   page_start=0, num_pages=1, nbytes=8)
+                   page_start=0, num_pages=1, nbytes=8, layers=range(1))
     router.on_tags([ArrivedTag("b", ctx.tags.encode(tag))])
     assert ctx.stats.snapshot()["dropped_tags"] == {"tag_at_prefill_rank": 1}
 

@@ -240,9 +240,9 @@ def test_the_last_piece_is_split_so_its_pool_blocks_fit_the_ring_and_buffers():
     room.tracker = RoomTracker(10, {0: 100, 1: 100}, {0: 300, 1: 50})   # pages of 200 B, 350 B of pools
     room.plan = RoomPlan(writers=(), staged=True, head_page_bytes=50, max_piece_pages=8, ring_size=1000, buffer_bytes=10_000)
     # the last piece of 8 pages needs 8*200+350 > 1000: at most 3 pages (3*200+350 = 950) go with the pools
-    assert room._fit_pools([(0, 2), (2, 8)]) == [(0, 2), (2, 5), (7, 3)]
-    assert room._fit_pools([(0, 3)]) == [(0, 3)]
+    assert room._fit_pools([(0, 2), (2, 8)], range(1)) == [(0, 2), (2, 5), (7, 3)]
+    assert room._fit_pools([(0, 3)], range(1)) == [(0, 3)]
     room.plan = RoomPlan(writers=(), staged=True, head_page_bytes=50, max_piece_pages=8, ring_size=1000, buffer_bytes=450)
-    assert room._fit_pools([(0, 3)]) == [(0, 2), (2, 1)]    # writer 0: 100 B a page + 300 B of pools
+    assert room._fit_pools([(0, 3)], range(1)) == [(0, 2), (2, 1)]    # writer 0: 100 B a page + 300 B of pools
     room.plan = RoomPlan(writers=(), staged=True, head_page_bytes=50, max_piece_pages=8, ring_size=500, buffer_bytes=10_000)
-    assert room._fit_pools([(0, 3)]) == []                  # 200 + 350 > 500: not even one page
+    assert room._fit_pools([(0, 3)], range(1)) == []                  # 200 + 350 > 500: not even one page

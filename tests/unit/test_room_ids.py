@@ -36,5 +36,5 @@ def test_messages_and_tags_carry_the_whole_range(room):
         assert codec.decode(codec.encode(msg)) == msg
     tags = TagCodec(b"k")
     tag = make_tag(TagKind.DIRECT, room=room, session=3, epoch=1, src=2, writer=0, chunk=0, piece=0,
-                   page_start=0, num_pages=1, nbytes=8)
+                   page_start=0, num_pages=1, nbytes=8, layers=range(1))
     assert tags.decode(tags.encode(tag)).room == room

@@ -1,5 +1,6 @@
-"""The room messages share a base (RoomMessage: room, session) and still encode byte for byte
-as they did when each declared the two fields itself (the bytes below were captured then)."""
+"""The room messages share a base (RoomMessage: room, session) and encode byte for byte as
+captured at wire version 2 (version 1, before layer ranges, had each declare the two fields
+itself and encoded the same but for the version and AllocRequest's layers)."""
 
 import msgspec
 import pytest
@@ -8,22 +9,23 @@ from kvstage.bootstrap.wire import WIRE_VERSION
 from kvstage.transfer.protocol import messages as m
 
 FROZEN = {
-    "RoomMeta": "8ba174a8526f6f6d4d657461a17601a373726301a364737402a4726f6f6d03a773657373696f6e04a96e756d5f706167657305a6737461676564c3a96473745f7061676573c4080101010101010101ac7072656669785f706167657301aa706f6f6c5f6974656d7381a161c4080202020202020202",
-    "MetaAck": "86a174a74d65746141636ba17601a373726301a364737402a4726f6f6d03a773657373696f6e04",
-    "AllocRequest": "89a174ac416c6c6f6352657175657374a17601a373726301a364737402a4726f6f6d03a773657373696f6e04a56368756e6b05aa706167655f737461727406a96e756d5f706167657307",
-    "AllocGrant": "89a174aa416c6c6f634772616e74a17601a373726301a364737402a4726f6f6d03a773657373696f6e04a56368756e6b05a565706f636806a670696563657391950001020304",
-    "WriterDone": "88a174aa577269746572446f6e65a17601a373726301a364737402a4726f6f6d03a773657373696f6e04a677726974657305a66e627974657306",
-    "WritePosted": "89a174ab5772697465506f73746564a17601a373726301a364737402a4726f6f6d03a773657373696f6e04a56368756e6b05a5706965636506a567726f757001",
-    "RoomDone": "86a174a8526f6f6d446f6e65a17601a373726301a364737402a4726f6f6d03a773657373696f6e04",
-    "RoomFailed": "88a174aa526f6f6d4661696c6564a17601a373726301a364737402a4726f6f6d03a773657373696f6e04a46b696e64a761626f72746564a6726561736f6ea3776879",
-    "Quiesced": "86a174a85175696573636564a17601a373726301a364737402a4726f6f6d03a773657373696f6e04",
+    "RoomMeta": "8ba174a8526f6f6d4d657461a17602a373726301a364737402a4726f6f6d03a773657373696f6e04a96e756d5f706167657305a6737461676564c3a96473745f7061676573c4080101010101010101ac7072656669785f706167657301aa706f6f6c5f6974656d7381a161c4080202020202020202",
+    "MetaAck": "86a174a74d65746141636ba17602a373726301a364737402a4726f6f6d03a773657373696f6e04",
+    "AllocRequest": "8ba174ac416c6c6f6352657175657374a17602a373726301a364737402a4726f6f6d03a773657373696f6e04a56368756e6b05aa706167655f737461727406a96e756d5f706167657307ab6c617965725f737461727408aa6e756d5f6c617965727309",
+    "AllocGrant": "89a174aa416c6c6f634772616e74a17602a373726301a364737402a4726f6f6d03a773657373696f6e04a56368756e6b05a565706f636806a670696563657391950001020304",
+    "WriterDone": "88a174aa577269746572446f6e65a17602a373726301a364737402a4726f6f6d03a773657373696f6e04a677726974657305a66e627974657306",
+    "WritePosted": "89a174ab5772697465506f73746564a17602a373726301a364737402a4726f6f6d03a773657373696f6e04a56368756e6b05a5706965636506a567726f757001",
+    "RoomDone": "86a174a8526f6f6d446f6e65a17602a373726301a364737402a4726f6f6d03a773657373696f6e04",
+    "RoomFailed": "88a174aa526f6f6d4661696c6564a17602a373726301a364737402a4726f6f6d03a773657373696f6e04a46b696e64a761626f72746564a6726561736f6ea3776879",
+    "Quiesced": "86a174a85175696573636564a17602a373726301a364737402a4726f6f6d03a773657373696f6e04",
 }
 
 SAMPLES = {
     "RoomMeta": m.RoomMeta(src=1, dst=2, room=3, session=4, num_pages=5, staged=True, dst_pages=b"\x01" * 8,
                            prefix_pages=1, pool_items={"a": b"\x02" * 8}),
     "MetaAck": m.MetaAck(src=1, dst=2, room=3, session=4),
-    "AllocRequest": m.AllocRequest(src=1, dst=2, room=3, session=4, chunk=5, page_start=6, num_pages=7),
+    "AllocRequest": m.AllocRequest(src=1, dst=2, room=3, session=4, chunk=5, page_start=6, num_pages=7,
+                                   layer_start=8, num_layers=9),
     "AllocGrant": m.AllocGrant(src=1, dst=2, room=3, session=4, chunk=5, epoch=6, pieces=[m.Piece(0, 1, 2, 3, 4)]),
     "WriterDone": m.WriterDone(src=1, dst=2, room=3, session=4, writes=5, nbytes=6),
     "WritePosted": m.WritePosted(src=1, dst=2, room=3, session=4, chunk=5, piece=6, group=1),
@@ -44,6 +46,6 @@ def test_room_messages_encode_as_before_and_round_trip(name):
 
 
 def test_every_message_with_a_room_is_a_room_message_and_the_version_is_unchanged():
-    assert WIRE_VERSION == 1
+    assert WIRE_VERSION == 2
     with_room = {t.__name__ for t in m.PEER_MESSAGES if "room" in t.__struct_fields__}
     assert with_room == set(FROZEN) == {t.__name__ for t in m.PEER_MESSAGES if issubclass(t, m.RoomMessage)}

@@ -33,7 +33,7 @@ def samples():
               backend="nixl", backend_identity=b"\x00md", layout=SUMMARY, kv=kv,
               ring=RingInfo(addr=99, size=1 << 20, epoch=5), staging=True),
         RoomMeta(src=1, dst=2, room=42, session=7, num_pages=3, staged=False, dst_pages=encode_pages(np.array([5, 1, 9]))),
-        AllocRequest(src=1, dst=2, room=42, session=7, chunk=0, page_start=0, num_pages=3),
+        AllocRequest(src=1, dst=2, room=42, session=7, chunk=0, page_start=0, num_pages=3, layer_start=0, num_layers=1),
         AllocGrant(src=2, dst=1, room=42, session=7, chunk=0, epoch=5, pieces=[Piece(0, 0, 3, 4096, 1024)]),
         WatermarkUpdate(src=2, dst=1, epoch=5, round=3, tail=256),
     ]
@@ -130,7 +130,7 @@ def test_wrong_shapes_raise_only_wire_error(obj, name):
 
 def test_tag_round_trip_and_auth():
     tag = make_tag(TagKind.STAGED, room=2**64 - 1, session=3, epoch=2**64 - 1, src=9, writer=1, chunk=4,
-                   piece=2, page_start=100, num_pages=8, nbytes=1 << 30, ring_start=12345)
+                   piece=2, page_start=100, num_pages=8, nbytes=1 << 30, ring_start=12345, layers=range(1))
     for token in (None, b"s"):
         c = TagCodec(token)
         assert c.decode(c.encode(tag)) == tag
@@ -160,7 +160,7 @@ def test_tag_garbage_raises_only_wire_error(data):
 def test_tag_truncations():
     c = TagCodec(None)
     data = c.encode(make_tag(TagKind.DIRECT, room=1, session=1, epoch=1, src=1, writer=0, chunk=0, piece=0,
-                             page_start=0, num_pages=1, nbytes=1))
+                             page_start=0, num_pages=1, nbytes=1, layers=range(1)))
     for cut in range(len(data)):
         with pytest.raises(WireError):
             c.decode(data[:cut])

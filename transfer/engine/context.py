@@ -74,4 +74,4 @@ class EngineContext:
 def local_geometry(layout: KVLayout, buffers: KVBuffers) -> CacheGeometry:
     device = (buffers.device.index or 0) if buffers.device.type == "cuda" else 0
     return CacheGeometry(tuple(t.data_ptr() for t in buffers.tensors()), layout.page_size, layout.token_bytes,
-                         layout.head_bytes, device)
+                         layout.head_bytes, device, num_kv=layout.num_kv)

@@ -207,8 +207,8 @@ class DecodeSide:
         pools = tuple((view(p.ring_offset, p.copy.nbytes), p.copy) for p in s.pools)
         checks = self.ctx.integrity.scatter_checks(s)
         assert self.scatterer is not None, "a scatter on a rank without a staging ring"
-        self.scatterer.submit(ScatterJob(room=s.room, key=s.key, pages=s.dst_pages, parts=parts, pools=pools,
-                                         checks=checks))
+        self.scatterer.submit(ScatterJob(room=s.room, key=s.key, pages=s.dst_pages, layers=s.layers, parts=parts,
+                                         pools=pools, checks=checks))
 
     def _ring(self) -> RingAllocator:
         """The staging ring's allocator: there is one wherever a piece was staged."""

@@ -83,11 +83,13 @@ class InitSender:
     pool_items: dict | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class SendChunk:
     room: int
     pages: np.ndarray
     last: bool                # decided in the caller's thread (inferred there when not given)
+    layers: range | None = None           # None: every layer of the rank
+    ready: tuple[object, ...] = ()        # waited on by a kvstage thread before the layers are read
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,6 +120,15 @@ class WriteDone:
     room: int
     ok: bool
     reason: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayersReady:
+    """A direct write's readiness objects were waited on (error: why that failed)."""
+
+    op_id: int
+    room: int
+    error: str | None
 
 
 @dataclass(frozen=True)

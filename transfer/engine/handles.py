@@ -12,10 +12,13 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from ...staging.page_lists import check_pages
 from ..outcome import KVTransferError, TransferMetrics
 from ..poll import KVPoll
-from ..protocol.send_checks import check_chunk, check_page_count
+from ..protocol.layer_sends import SendLedger
+from ..protocol.send_checks import check_page_count
 from ..state_pools import check_pool_items
 from ..timeline import TimelineRecorder
 from .events import Abort, InitReceiver, InitSender, SendChunk
@@ -177,14 +180,17 @@ class KVSender(_Handle):
         status: RoomStatus,
         forget: Callable[[int, RoomStatus], None] | None = None,
         pools: dict | None = None,
+        layers: range | None = None,
     ):
+        """`layers`: the layers this rank holds (None: one layer; the manager passes the
+        layout's)."""
         super().__init__(post, cache_pages, room, "prefill", status, forget)
         self.num_pages = num_pages
         self._pools = pools or {}
+        self._ledger = SendLedger(room=room, stage=layers if layers is not None else range(1))
         if num_pages is not None:
             self._started = self._mark_init()
-        self._sent = 0
-        self._last = False
+            self._ledger.set_page_count(num_pages)
 
     @property
     def decode_prefix_pages(self) -> int | None:
@@ -201,19 +207,31 @@ class KVSender(_Handle):
         started = self._mark_init()
         self._post(InitSender(self.room, num_pages, items))
         self.num_pages = num_pages
+        self._ledger.set_page_count(num_pages)
         self._started = started
 
-    def send(self, pages: Any, last: bool | None = None) -> None:
+    def send(self, pages: Any, last: bool | None = None, *, layers: range | None = None,
+             ready: Any = None) -> None:
         """The next pages of the request (indices into this rank's cache, in request order).
-        `last` left out: the request ends when the pages sent reach its page count; given, it
-        must agree with that count."""
-        check_chunk(self.room, self.num_pages, self._sent, self._last, 0, None)  # before the pages are read
+
+        `layers` (a range): send only these layers of the pages, as soon as the forward pass
+        produced them (layer-wise sending); left out, every layer. Each layer advances through
+        the request's pages on its own, so send each (page, layer) once; a send covers the
+        positions its layers reached, and its pages must be those any other layer's send gave
+        there. `ready`: an object with `synchronize()` (a CUDA event recorded after the layers
+        were written) that kvstage's own thread waits on before reading them, never the
+        caller's. `last` left out: the request ends when every (page, layer) was sent; given, it
+        must agree with that."""
+        self._ledger.check(np.empty(0, dtype=np.int64), layers, None)  # before the pages are read
+        if ready is not None and not callable(getattr(ready, "synchronize", None)):
+            raise ValueError(f"room {self.room}: ready must have a synchronize() method (a CUDA event), got "
+                             f"{type(ready).__name__}")
         arr = check_pages(pages, self._cache_pages, f"room {self.room} send()", unique=False, host_only=True,
                           copy=True)
-        last = check_chunk(self.room, self.num_pages, self._sent, self._last, int(arr.size), last)
-        self._post(SendChunk(self.room, arr, last))
-        self._sent += arr.size
-        self._last = last
+        step = self._ledger.check(arr, layers, last)
+        self._post(SendChunk(room=self.room, pages=arr, last=step.last, layers=layers,
+                             ready=(ready,) if ready is not None else ()))
+        self._ledger.record(step, arr)
 
 
 class KVReceiver(_Handle):

@@ -54,7 +54,8 @@ class Integrity:
         tag = op.tag
         if self.verify:
             b = self.buffers
-            d = gathered_digest(self._gather(), b.k, b.v, op.src_pages, self.layout.page_size, op.src_heads,
+            k, v = b.layer_views(op.layers)
+            d = gathered_digest(self._gather(), k, v, op.src_pages, self.layout.page_size, op.src_heads,
                                 b.pools, op.pools, op.nbytes)
             tag = msgspec.structs.replace(tag, digest=d)
         if groups == 1:
@@ -80,7 +81,8 @@ class Integrity:
         if not self.verify or not isinstance(span, PageSpan):
             return None  # staged pieces are checked on the scatter thread, before the scatter
         b = self.buffers
-        got = gathered_digest(self._gather(), b.k, b.v, span.pages, self.layout.page_size, span.heads, b.pools,
+        k, v = b.layer_views(span.layers)
+        got = gathered_digest(self._gather(), k, v, span.pages, self.layout.page_size, span.heads, b.pools,
                               span.copies, span.nbytes, dst=True)
         if got != tag.digest:
             return (f"corrupt data from prefill rank {tag.writer}, chunk {tag.chunk} part {tag.piece}: the landed "
@@ -106,7 +108,7 @@ class Integrity:
         else:
             pages, heads = span.pages, span.heads
             lay = self.layout
-            k = self.buffers.k[self._rng.randrange(len(self.buffers.k))]
+            k = self.buffers.k[self._rng.choice(span.layers)]
             token = int(pages[self._rng.randrange(len(pages))]) * lay.page_size
             v = k[token, heads[0]].view(torch.uint8)[:1]
         v.bitwise_xor_(0xFF)

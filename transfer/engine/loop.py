@@ -40,6 +40,7 @@ from ..layout import KVBuffers, KVLayout
 from ..poll import KVPoll
 from ..protocol.decode_room import DecodeRoom
 from ..protocol.kinds import FailureKind
+from ..protocol.layer_sends import LayerGrouping
 from ..protocol.messages import Goodbye
 from ..protocol.prefill_room import PrefillRoom
 from ..protocol.quiet import MIN_EAGER_WAIT, Activity, activity, next_wait
@@ -48,13 +49,14 @@ from .backend_owner import BackendOwner, Step
 from .context import EngineContext, NoObserver, Observer, local_geometry
 from .control_socket import ControlSocket
 from .decode_side import DecodeSide, scatter_report
-from .events import Call, EventQueue, Wake, WriteDone
+from .events import Call, EventQueue, LayersReady, Wake, WriteDone
 from .integrity import Integrity
 from .interfaces import RoleSide
 from .liveness import Liveness
 from .peers import PeerTable
 from .prefill_side import PrefillSide
 from .prefill_sources import PrefillSource
+from .ready_waiter import ReadyWaiter
 from .rooms import RoomBook
 from .routing import FrameRouter
 from .stats import Stats
@@ -73,6 +75,7 @@ class EngineLoop:
         self.events = EventQueue()
         self.workers: TransferWorkers | None = None
         self.scatter: ScatterWorker | None = None
+        self.waiter: ReadyWaiter | None = None
         sock: ControlSocket | None = None
         try:
             sock = ControlSocket(ctx, cfg.host, cfg.ctrl_port, codec, control_faults)
@@ -114,8 +117,10 @@ class EngineLoop:
         self.peers = peers = PeerTable(c, listeners=lambda: (writes, side))  # staged pieces fail before rooms
         if cfg.role == "prefill":
             prefill_book: RoomBook[PrefillRoom] = RoomBook(c, peers, side=lambda: side, writes=lambda: writes)
-            writes = WriteQueue(c, peers, prefill_book, self.workers)
-            side = PrefillSide(c, peers, prefill_book, writes)
+            self.waiter = ReadyWaiter(self.post)
+            writes = WriteQueue(c, peers, prefill_book, self.workers, self.waiter)
+            side = PrefillSide(c, peers, prefill_book, writes, LayerGrouping(
+                size=cfg.layer_group or 0, min_tokens=cfg.layerwise_min_tokens or 0))
             self.book = prefill_book
         else:
             decode_book: RoomBook[DecodeRoom] = RoomBook(c, peers, side=lambda: side, writes=lambda: writes)
@@ -126,7 +131,7 @@ class EngineLoop:
         self.liveness = Liveness(c, peers, side)
         self.router = FrameRouter(c, peers, side, {**self.liveness.handlers, **side.handlers})
         self.on_event: dict[type, Callable[[Any, float], None]] = {
-            **side.events, WriteDone: writes.on_write_done,
+            **side.events, WriteDone: writes.on_write_done, LayersReady: writes.layers_ready,
             Wake: lambda ev, now: None,  # step() runs after the events
             Call: lambda ev, now: ev.done(ev.fn(self))}
         self._next_tick = 0.0
@@ -171,6 +176,8 @@ class EngineLoop:
         try:
             if self.workers is not None:
                 self.workers.stop()
+            if self.waiter is not None:
+                self.waiter.stop()
         finally:
             if self.scatter is not None:
                 self.scatter.stop()

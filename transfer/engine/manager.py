@@ -226,7 +226,8 @@ class KVManager:
             raise ValueError("pool_items come with the page count: give both to sender() or to init()")
         items = check_pool_items(pool_items, self.buffers.pools, f"room {room} sender()")
         status = self._claim(room)
-        handle = KVSender(self._post, self.num_pages, room, num_pages, status, self._forget, self.buffers.pools)
+        handle = KVSender(self._post, self.num_pages, room, num_pages, status, self._forget, self.buffers.pools,
+                          layers=self.layout.layers)
         self._post(NewSender(room=room, num_pages=num_pages, status=status, pool_items=items))
         return handle
 

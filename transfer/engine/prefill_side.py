@@ -16,6 +16,7 @@ from ...staging.ring import Watermark
 from ..poll import KVPoll
 from ..protocol.actions import Action, PeerKey, Scatter, StatusChanged
 from ..protocol.kinds import FailureKind
+from ..protocol.layer_sends import PER_CHUNK, LayerGrouping
 from ..protocol.leases import Lease
 from ..protocol.messages import (
     AllocGrant,
@@ -51,8 +52,12 @@ MAX_PENDING_ROOMS = 65536
 class PrefillSide:
     writes_to_peers = True   # a peer whose write lease ran out is lost
 
-    def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook[PrefillRoom], writes: WriteQueue):
+    def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook[PrefillRoom], writes: WriteQueue,
+                 grouping: LayerGrouping = PER_CHUNK):
+        """`grouping`: how layer-wise sends become writes (EngineConfig.layer_group and
+        layerwise_min_tokens)."""
         self.ctx, self.peers, self.book, self.writes = ctx, peers, book, writes
+        self.grouping = grouping
         self.served: dict[int, frozenset] = {}          # room that succeeded -> its (decode incarnation, session)s
         self.used_sessions: dict[int, EarlierUses] = {}  # finished room -> its uses' sessions (stale for the next)
         self.pending: dict[int, list[Parked]] = defaultdict(list)  # room -> messages that came before its sender
@@ -148,7 +153,7 @@ class PrefillSide:
     def new_sender(self, ev: NewSender, now: float) -> None:
         room = PrefillRoom(ev.room, ev.num_pages, self.ctx.layout, self.ctx.me, now, self.ctx.t, _OP_IDS,
                            stale=self.used_sessions.pop(ev.room, EarlierUses()), pools=tuple(self.ctx.summary.pools),
-                           pool_items=ev.pool_items)
+                           pool_items=ev.pool_items, grouping=self.grouping)
         self.book.add(room, ev.status)
         self.served.pop(ev.room, None)
         for item in self.pending.pop(ev.room, []):
@@ -163,7 +168,7 @@ class PrefillSide:
     def send_chunk(self, ev: SendChunk, now: float) -> None:
         room = self.book.get(ev.room)
         if room is not None:
-            self.book.apply(room, room.add_chunk(ev.pages, ev.last, now))
+            self.book.apply(room, room.add_chunk(ev.pages, ev.last, now, layers=ev.layers, ready=ev.ready))
 
     def abort(self, ev: Abort, now: float) -> None:
         room = self.book.get(ev.room)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 from ...staging.workers import GatherJob, Report, TransferWorkers
 from ..poll import KVPoll
@@ -26,8 +27,9 @@ from ..protocol.prefill_room import PrefillRoom
 from ..protocol.write_groups import DescriptorPart, WriteGroup, group_parts
 from ..protocol.write_queue import StagedQueue, WriteDeadlines
 from .context import EngineContext
-from .events import WriteDone
+from .events import LayersReady, WriteDone
 from .peers import Peer, PeerTable
+from .ready_waiter import ReadyJob, ReadyWaiter
 from .rooms import RoomBook
 
 
@@ -35,8 +37,10 @@ class WriteQueue:
     """`workers`: the transfer workers of a prefill rank with staging buffers, else None."""
 
     def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook[PrefillRoom],
-                 workers: TransferWorkers | None):
-        self.ctx, self.peers, self.book, self.workers = ctx, peers, book, workers
+                 workers: TransferWorkers | None, waiter: ReadyWaiter | None = None):
+        """`waiter`: a prefill rank's thread that waits on direct writes' readiness objects."""
+        self.ctx, self.peers, self.book, self.workers, self.waiter = ctx, peers, book, workers, waiter
+        self.not_ready: dict[int, WriteOp] = {}  # direct writes whose layers the waiter is waiting for
         self.staged = StagedQueue()
         self.deadlines = WriteDeadlines()
         self.posted_at: dict[int, float] = {}   # op id -> when the backend took it (until it completes)
@@ -52,6 +56,11 @@ class WriteQueue:
             self.staged.add(op.peer.incarnation, op, now)
             ctx.stats.add("watermark_waits_started")
             return self.dispatch(op.peer.incarnation, now)
+        if op.ready:
+            assert self.waiter is not None, "a prefill rank has a readiness waiter"
+            self.not_ready[op.op_id] = op
+            self.deadlines.start(op.op_id, op.room, now + ctx.t.write)
+            return self.waiter.submit(ReadyJob(op_id=op.op_id, room=op.room, ready=op.ready))
         groups = self._direct_groups(op, peer)
         ctx.stats.add("write_requests", len(groups))
         ctx.stats.add("descriptors", sum(len(g.src) for g in groups))
@@ -75,7 +84,8 @@ class WriteQueue:
         page, its pool items, grouped so that no write mixes memory kinds (write_groups.py)."""
         b, kv = self.ctx.buffers, _memory(peer)
         assert op.dst_pages is not None, "a direct write without destination pages"
-        src, dst = direct_descriptors(self.ctx.geometry, self._peer_geometry(peer), op.src_pages, op.dst_pages,
+        src, dst = direct_descriptors(self.ctx.geometry.of_layers(op.layers),
+                                      self._peer_geometry(peer).of_layers(op.layers), op.src_pages, op.dst_pages,
                                       op.src_heads, op.dst_heads)
         parts = [DescriptorPart("kv", b.kind, kv.mem_kind, False, src, dst)]
         if op.pools:
@@ -88,7 +98,7 @@ class WriteQueue:
     def _peer_geometry(self, peer: Peer) -> CacheGeometry:
         kv = _memory(peer)
         return CacheGeometry(tuple(kv.k_addrs) + tuple(kv.v_addrs), self.ctx.layout.page_size, kv.token_stride,
-                             self.ctx.layout.head_bytes, kv.device)
+                             self.ctx.layout.head_bytes, kv.device, num_kv=self.ctx.layout.num_kv)
 
     def dispatch(self, peer_inc: int, now: float) -> None:
         """Hand every waiting piece whose ring region is free to a transfer worker."""
@@ -120,11 +130,26 @@ class WriteQueue:
                 "a staged piece without transfer workers here or a ring there"
             ring = peer.ring
             self.workers.submit(GatherJob(
-                op_id=op.op_id, room=op.room, peer=peer.backend_name, pages=op.src_pages, heads=op.src_heads,
+                op_id=op.op_id, room=op.room, peer=peer.backend_name, pages=op.src_pages, layers=op.layers,
+                ready=op.ready, heads=op.src_heads,
                 nbytes=op.nbytes, dst_addr=ring.addr + op.ring_start % ring.size + op.writer_offset,
                 dst_device=ring.device, tag=ctx.tags.encode(op.tag), dst_kind=ring.mem_kind, pools=op.pools,
                 on_posted=functools.partial(self._posted, op.op_id, op.room),
                 seal=ctx.integrity.sealer(op.tag)))
+
+    def layers_ready(self, ev: LayersReady, now: float) -> None:
+        """The waiter is done with a direct write's readiness objects: post it, unless its room
+        failed meanwhile (or its deadline passed: it was finished then)."""
+        op = self.not_ready.pop(ev.op_id, None)
+        if op is None:
+            return
+        self.deadlines.done(op.op_id)
+        room = self.book.get(op.room)
+        if ev.error is not None:
+            return self._finish(op.room, op.op_id, False, ev.error, now)
+        if room is None or room.state is KVPoll.Failed:
+            return self._finish(op.room, op.op_id, False, "cancelled: the room failed", now)
+        self.post(replace(op, ready=()), now)
 
     def cancel_room(self, room_id: int, now: float) -> None:
         for op in self.staged.cancel_room(room_id):
@@ -186,7 +211,10 @@ class WriteQueue:
 
     def tick(self, now: float) -> None:
         t = self.ctx.t
-        for _, room_id in self.deadlines.expired(now):
+        for op_id, room_id in self.deadlines.expired(now):
+            waiting = self.not_ready.pop(op_id, None)
+            if waiting is not None:   # nothing was posted: the room may let go of it now
+                self._finish(room_id, op_id, False, f"its layers were not ready within {t.write:g} s", now)
             self.book.fail(room_id, FailureKind.TIMEOUT, f"a write did not complete within {t.write:g} s", now)
         for op in self.staged.expire(now, t.watermark):
             self._finish(op.room, op.op_id, False, f"the decode ring stayed full for {t.watermark:g} s", now)

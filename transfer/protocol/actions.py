@@ -54,6 +54,8 @@ class WriteOp:
     ring_start: int = -1               # staged: linear ring position of the whole region
     writer_offset: int = 0             # staged: this writer's part inside the region
     pools: tuple[PoolCopy, ...] = ()   # state pool copies after the KV bytes: the last page's write
+    layers: range                      # the layers it moves (a layer-wise send: a group of them)
+    ready: tuple[object, ...] = ()     # waited on (synchronize()) before the layers are read
 
     @property
     def num_pages(self) -> int:
@@ -100,6 +102,7 @@ class Scatter:
     key: tuple[int, int]               # (chunk, piece)
     dst_pages: np.ndarray
     parts: tuple[ScatterPart, ...]
+    layers: range                      # the layers the piece holds (region blocks: K of each, then V)
     pools: tuple[PoolPlacement, ...] = ()
     checks: tuple[PartCheck, ...] = ()
 

@@ -69,9 +69,10 @@ class RingSpan:
 
 @dataclass(frozen=True, kw_only=True)
 class PageSpan:
-    """Direct: a write landed in these destination pages and heads (and pool items)."""
+    """Direct: a write landed in these destination pages, layers and heads (and pool items)."""
 
     pages: np.ndarray
+    layers: range
     heads: tuple[int, int]
     copies: tuple[PoolCopy, ...]
     nbytes: int
@@ -111,8 +112,13 @@ class Allocation:
     chunk: int
     page_start: int
     num_pages: int
+    layers: range
     pieces: list[Piece]
     regions: dict[int, Region]                    # piece index -> region, until freed
+
+
+def _layers(tag: Tag) -> range:
+    return range(tag.layer_start, tag.layer_start + tag.num_layers)
 
 
 class DecodeRoom(RoomBase):
@@ -189,7 +195,8 @@ class DecodeRoom(RoomBase):
         self.pool_copies = {r: request_copies(writer_segments(self.pools, p.prefill_tp, p.decode_tp, w.assignment), None,
                                               self.pool_items) for r, w in self.writers.items()} if self.pool_items else {}
         self.tracker = RoomTracker(n, {r: self._plan.writer_page_bytes(w.assignment) for r, w in self.writers.items()},
-                                   {r: block_bytes(c) for r, c in self.pool_copies.items()})
+                                   {r: block_bytes(c) for r, c in self.pool_copies.items()},
+                                   num_layers=self.layout.num_layers)
         self.meta_sent = True
         self._retry_at = now + self.timeouts.heartbeat
         return self._metas(self._all_prefill()) + self._move(RoomEvent.METADATA_OUT, now)
@@ -221,49 +228,53 @@ class DecodeRoom(RoomBase):
             return self._outcome(peer)
         if not self._plan.staged:
             return self.fail(FailureKind.PROTOCOL, f"{peer} asked for ring space in a direct-path room", now)
+        layers = range(req.layer_start, req.layer_start + req.num_layers)
         alloc = self.allocs.get(req.chunk)
         if alloc is not None:
-            if (alloc.page_start, alloc.num_pages) != (req.page_start, req.num_pages):
+            if (alloc.page_start, alloc.num_pages, alloc.layers) != (req.page_start, req.num_pages, layers):
                 return self.fail(FailureKind.PROTOCOL, f"writers disagree on chunk {req.chunk}: pages "
-                                             f"[{alloc.page_start}, +{alloc.num_pages}) vs [{req.page_start}, "
-                                             f"+{req.num_pages}) from {peer}", now)
+                                             f"[{alloc.page_start}, +{alloc.num_pages}) of layers {alloc.layers} vs "
+                                             f"[{req.page_start}, +{req.num_pages}) of layers {layers} from {peer}",
+                                 now)
             return [self._grant(peer, alloc)]
-        if req.num_pages <= 0 or req.page_start < 0 or req.page_start + req.num_pages > self._tracker.num_pages \
-                or self._tracker.overlaps_plan(req.page_start, req.num_pages):
+        t = self._tracker
+        if req.num_pages <= 0 or req.page_start < 0 or req.page_start + req.num_pages > t.num_pages \
+                or not t.layers_ok(layers) or t.overlaps_plan(req.page_start, req.num_pages, layers):
             return self.fail(FailureKind.PROTOCOL, f"chunk {req.chunk} from {peer} covers pages [{req.page_start}, "
-                                         f"+{req.num_pages}) that are outside the room or already planned", now)
-        page_bytes = sum(self._plan.writer_page_bytes(w.assignment) for w in self.writers.values())
+                                         f"+{req.num_pages}) of layers [{layers.start}, {layers.stop}) that are "
+                                         f"outside the room or already planned", now)
+        page_bytes = sum(t.bytes_of(w, 1, layers) for w in self.writers)
         fit = ring.pages_fit_now(page_bytes)
         pieces: list[Piece] = []
         regions: dict[int, Region] = {}
         planned = plan_pieces(req.page_start, req.num_pages, self._plan.max_piece_pages, fit)
-        final = req.page_start + req.num_pages == self._tracker.num_pages
-        extra = sum(self._tracker.final_extra.values()) if final else 0
+        final = t.final(req.page_start, req.num_pages, layers)
+        extra = sum(t.final_extra.values()) if final else 0
         if extra:  # the last piece also holds every writer's pool block: it may need fewer pages
-            planned = self._fit_pools(planned)
+            planned = self._fit_pools(planned, layers)
             if not planned:
                 return self.fail(FailureKind.STAGING, f"the state pool items of this request ({extra} bytes with one page) "
                                             f"do not fit the staging ring ({self._plan.ring_size} bytes) or a prefill "
                                             f"worker buffer ({self._plan.buffer_bytes} bytes)", now)
         for i, (start, count) in enumerate(planned):
-            last = start + count == self._tracker.num_pages
+            last = t.final(start, count, layers)
             region = ring.allocate(count * page_bytes + (extra if last else 0))
             if isinstance(region, TooLarge):  # max_piece_pages makes this impossible
                 raise AssertionError(str(region))
             regions[i] = region
             pieces.append(Piece(i, start, count, region.start, region.nbytes))
-            self._tracker.expect_piece(req.chunk, i, start, count, region.start, list(self.writers))
-        alloc = Allocation(chunk=req.chunk, page_start=req.page_start, num_pages=req.num_pages, pieces=pieces,
-                           regions=regions)
+            t.expect_piece(req.chunk, i, start, count, region.start, list(self.writers), layers)
+        alloc = Allocation(chunk=req.chunk, page_start=req.page_start, num_pages=req.num_pages, layers=layers,
+                           pieces=pieces, regions=regions)
         self.allocs[req.chunk] = alloc
         return [self._grant(peer, alloc)]
 
-    def _fit_pools(self, planned: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    def _fit_pools(self, planned: list[tuple[int, int]], layers: range) -> list[tuple[int, int]]:
         """Split the last piece so its pages and every writer's pool block fit the ring and each
         writer's part its buffer; [] when not even one page does."""
         start, count = planned[-1]
         extra = self._tracker.final_extra
-        wpb = self._tracker.writer_page_bytes
+        wpb = {w: self._tracker.bytes_of(w, 1, layers) for w in self._tracker.writer_page_bytes}
         total = sum(wpb.values())
         fits = [n for n in range(count, 0, -1)
                 if n * total + sum(extra.values()) <= self._plan.ring_size
@@ -297,13 +308,13 @@ class DecodeRoom(RoomBase):
                 return TagVerdict.REJECTED, self.fail(FailureKind.PROTOCOL, f"tag from {peer} is not a staged tag of ring epoch "
                                                          f"{self._plan.ring_epoch}: {tag}", now)
             arrival = self._tracker.arrive_staged(tag.writer, tag.chunk, tag.piece, tag.page_start, tag.num_pages,
-                                                 tag.nbytes, tag.ring_start)
+                                                 tag.nbytes, tag.ring_start, _layers(tag))
         else:
             if tag.kind is not TagKind.DIRECT or tag.epoch != self.me:
                 return TagVerdict.REJECTED, self.fail(FailureKind.PROTOCOL, f"tag from {peer} is not a direct tag for this rank: "
                                                          f"{tag}", now)
             arrival = self._tracker.arrive_direct(tag.writer, tag.chunk, tag.page_start, tag.num_pages, tag.nbytes,
-                                                 tag.group, tag.groups)
+                                                 tag.group, tag.groups, _layers(tag))
         if arrival.outcome is Outcome.DUPLICATE:
             return TagVerdict.DUPLICATE, []
         if arrival.outcome is Outcome.PARTIAL:
@@ -322,10 +333,11 @@ class DecodeRoom(RoomBase):
 
     def _parts(self, chunk: int, index: int, page_start: int, num_pages: int) -> list[WriterPart]:
         """Each writer's part of a piece's ring region, in writer order."""
-        region = self.allocs[chunk].regions[index]
-        per_head = num_pages * self._plan.head_page_bytes
+        alloc = self.allocs[chunk]
+        region = alloc.regions[index]
+        per_head = num_pages * self._plan.head_page_bytes * len(alloc.layers) // self.layout.num_layers
         writers = sorted(self.writers.items(), key=lambda rw: rw[1].assignment.writer_index)
-        final = page_start + num_pages == self._tracker.num_pages
+        final = self._tracker.final(page_start, num_pages, alloc.layers)
         copies = [self.pool_copies.get(r, ()) if final else () for r, _ in writers]
         kv = [per_head * w.assignment.num_heads for _, w in writers]
         offsets = part_offsets([n + block_bytes(c) for n, c in zip(kv, copies)])
@@ -351,10 +363,12 @@ class DecodeRoom(RoomBase):
             part = next(p for p in self._parts(tag.chunk, tag.piece, tag.page_start, tag.num_pages)
                         if p.rank == tag.writer)
             return RingSpan(part.ring_offset, part.nbytes)
-        if tag.page_start < 0 or tag.num_pages <= 0 or tag.page_start + tag.num_pages > self._tracker.num_pages:
+        layers = _layers(tag)
+        if tag.page_start < 0 or tag.num_pages <= 0 or tag.page_start + tag.num_pages > self._tracker.num_pages \
+                or not self._tracker.layers_ok(layers):
             return None
-        final = tag.page_start + tag.num_pages == self._tracker.num_pages
-        return PageSpan(pages=self._dst[tag.page_start:tag.page_start + tag.num_pages],
+        final = self._tracker.final(tag.page_start, tag.num_pages, layers)
+        return PageSpan(pages=self._dst[tag.page_start:tag.page_start + tag.num_pages], layers=layers,
                         heads=w.assignment.dst_heads, copies=self.pool_copies.get(tag.writer, ()) if final else (),
                         nbytes=tag.nbytes)
 
@@ -366,7 +380,8 @@ class DecodeRoom(RoomBase):
         checks = tuple(PartCheck(ring_offset=p.ring_offset, nbytes=p.nbytes,
                                  digest=self.writers[p.rank].digests.get(piece.key, 0), writer=p.rank) for p in parts_)
         dst = self._dst[piece.page_start:piece.page_start + piece.num_pages]
-        return Scatter(room=self.room, key=piece.key, dst_pages=dst, parts=parts, pools=pools, checks=checks)
+        return Scatter(room=self.room, key=piece.key, dst_pages=dst, parts=parts, layers=piece.layers, pools=pools,
+                       checks=checks)
 
     def on_scattered(self, key: tuple[int, int], ok: bool, reason: str | None, ring: RingAllocator,
                      now: float, kind: str = FailureKind.SCATTER) -> list[Action]:

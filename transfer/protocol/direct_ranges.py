@@ -8,7 +8,7 @@ in a token-major cache the heads of one token are the only contiguous bytes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -26,6 +26,18 @@ class CacheGeometry:
     token_stride: int   # bytes per token: local_heads * head_bytes
     head_bytes: int
     device: int = 0
+
+    num_kv: int = 1     # tensors per layer: 2 (K and V) or 1 (MLA latent, or K/V fused)
+
+    def of_layers(self, layers: range) -> CacheGeometry:
+        """The geometry of `layers` only (K of each, then V of each): a layer-wise write."""
+        per, odd = divmod(len(self.bases), self.num_kv)
+        if odd or layers.stop > per:
+            raise ValueError(f"layers {layers} of a cache with {len(self.bases)} tensors, {self.num_kv} per layer")
+        if len(layers) == per:
+            return self
+        keep = [kv * per + i for kv in range(self.num_kv) for i in layers]
+        return replace(self, bases=tuple(self.bases[i] for i in keep))
 
     @property
     def page_stride(self) -> int:

@@ -7,7 +7,7 @@ numbered as the decode side numbers its destination pages (from the prefix on).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -16,11 +16,16 @@ from .head_mapping import Assignment
 from .messages import RoomMeta
 
 
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Chunk:
+    """One write unit: request positions from `page_start` (its `pages` there) x `layers`, and
+    what to wait on before its layers are read (layer_sends.py)."""
+
     index: int
     page_start: int
     pages: np.ndarray
+    layers: range
+    ready: tuple[object, ...] = ()
 
 
 @dataclass(kw_only=True)
@@ -54,5 +59,6 @@ def past_prefix(chunks: list[Chunk], prefix: int, first_index: int) -> list[Chun
         end = chunk.page_start + chunk.pages.size
         if end > prefix:
             skip = max(0, prefix - chunk.page_start)
-            out.append(Chunk(first_index + len(out), chunk.page_start + skip - prefix, chunk.pages[skip:]))
+            out.append(replace(chunk, index=first_index + len(out), page_start=chunk.page_start + skip - prefix,
+                               pages=chunk.pages[skip:]))
     return out

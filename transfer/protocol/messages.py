@@ -123,11 +123,14 @@ class MetaAck(RoomMessage, kw_only=True, frozen=True):
 
 
 class AllocRequest(RoomMessage, kw_only=True, frozen=True):
-    """prefill -> decode (staged): this chunk is ready; where in your ring does it go?"""
+    """prefill -> decode (staged): this chunk (pages x layers) is ready; where in your ring
+    does it go?"""
 
     chunk: int
     page_start: int
     num_pages: int
+    layer_start: int
+    num_layers: int
 
 
 class Piece(msgspec.Struct, frozen=True, array_like=True):

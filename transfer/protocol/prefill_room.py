@@ -33,12 +33,13 @@ from .direct_ranges import direct_nbytes
 from .flows import Chunk, Flow, past_prefix
 from .head_mapping import Assignment, HeadMapping, compute_assignments
 from .kinds import FailureKind, TransferPath
+from .layer_sends import PER_CHUNK, LayerGrouper, LayerGrouping, SendLedger, group_size
 from .lifecycle import PREFILL_TRANSITIONS, RoomEvent
 from .messages import AllocGrant, AllocRequest, Quiesced, RoomFailed, RoomMeta, WriterDone
 from .pool_parts import PoolCopy, block_bytes, counts_mismatch, final_part, request_copies, writer_segments
 from .room_base import RoomBase
 from .room_uses import Bound, EarlierUses, RoomUse, failure_use, meta_use
-from .send_checks import check_chunk, check_page_count
+from .send_checks import check_page_count
 from .tags import TagKind, make_tag
 
 
@@ -49,7 +50,7 @@ class PrefillRoom(RoomBase):
     def __init__(self, room: int, num_pages: int | None, layout: KVLayout, me: int, now: float,
                  timeouts: Timeouts, op_ids: itertools.count[int] | None = None, max_ranges: int = 65536,
                  stale: EarlierUses | None = None, pools: tuple[PoolSpec, ...] = (),
-                 pool_items: dict[str, np.ndarray] | None = None):
+                 pool_items: dict[str, np.ndarray] | None = None, grouping: LayerGrouping = PER_CHUNK):
         """`num_pages` None: the page count comes later, with init() (serving engines create the
         sender when the request arrives, before they know it). `pools`: the state pools' specs;
         `pool_items`: this request's items of them (validated by the caller's handle)."""
@@ -59,11 +60,15 @@ class PrefillRoom(RoomBase):
         self.num_pages = num_pages
         self._op_ids = op_ids or itertools.count(1)
         self.max_ranges = max_ranges  # direct path: descriptors per write at most
+        self.grouping = grouping
+        self.ledger = SendLedger(room=room, stage=layout.layers)   # what the caller sent, per layer
+        self.grouper: LayerGrouper | None = None                    # sends -> write units, once the count is known
+        if num_pages is not None:
+            self._count_known(num_pages)
         self.chunks: list[Chunk] = []       # as given: request page numbers
         self.prefix: int | None = None      # pages the decode side already holds (from its metadata)
         self.sendable: list[Chunk] = []     # the chunks' pages past the prefix, numbered from the prefix
         self._synced = 0                    # chunks already turned into sendable ones
-        self.pages_given = 0
         self.last = False
         self.mapping: HeadMapping | None = None
         self.decode_engine: str | None = None
@@ -80,6 +85,7 @@ class PrefillRoom(RoomBase):
         """The page count, for a sender created without one. Raises ValueError on bad input,
         unchanged. Metadata that came first is checked against it now."""
         self.num_pages = check_page_count(self.room, self.num_pages, num_pages)
+        self._count_known(num_pages)
         self.pool_items = pool_items or {}
         if self.ended:
             return []
@@ -90,17 +96,33 @@ class PrefillRoom(RoomBase):
                     return out
         return self._pump(now)
 
-    def add_chunk(self, pages: np.ndarray, last: bool | None, now: float) -> list[Action]:
-        """The next pages of the request, in order; `last` None: this chunk is the last when it
-        reaches the page count. Raises ValueError on bad input, unchanged."""
-        last = check_chunk(self.room, self.num_pages, self.pages_given, self.last, int(pages.size), last)
-        start = self.pages_given
-        self.pages_given += pages.size
-        self.last = last
+    def _count_known(self, num_pages: int) -> None:
+        self.ledger.set_page_count(num_pages)
+        g = self.grouping
+        self.grouper = LayerGrouper(stage=self.layout.layers, size=group_size(
+            layer_group=g.size, min_tokens=g.min_tokens, num_tokens=num_pages * self.layout.page_size,
+            stage=self.layout.layers))
+
+    @property
+    def pages_given(self) -> int:
+        """Positions every layer was sent."""
+        return self.ledger.sent_everywhere
+
+    def add_chunk(self, pages: np.ndarray, last: bool | None, now: float, layers: range | None = None,
+                  ready: tuple[object, ...] = ()) -> list[Action]:
+        """The next pages of the request for `layers` (None: every layer of this rank), in
+        order; `last` None: the request's input is complete when every (page, layer) was sent.
+        Raises ValueError on bad input, unchanged (layer_sends.py)."""
+        step = self.ledger.check(pages, layers, last)
+        self.ledger.record(step, pages)
+        self.last = step.last
+        assert self.grouper is not None, "the ledger refuses a send before the page count"
+        units = self.grouper.add(step, pages, ready)
         if self.ended:
             return []  # input still accounted for, nothing more is written
-        if pages.size:
-            self.chunks.append(Chunk(len(self.chunks), start, pages))
+        for u in units:
+            self.chunks.append(Chunk(index=len(self.chunks), page_start=u.page_start, pages=u.pages, layers=u.layers,
+                                     ready=u.ready))
         out = self._move(RoomEvent.INPUT, now) if self._all_metas() else []
         return out + self._pump(now)
 
@@ -197,7 +219,7 @@ class PrefillRoom(RoomBase):
         chunk = self.sendable[grant.chunk]
         a = flow.assignment
         assert a is not None, "a notice-only flow asks for no ring space"
-        per_head = self._bytes_per_page(1)
+        per_head = self._bytes_per_page(1, chunk.layers)
         pos = chunk.page_start
         out: list[Action] = []
         for piece in grant.pieces:
@@ -205,7 +227,7 @@ class PrefillRoom(RoomBase):
             nbytes = piece.num_pages * per_head * a.num_heads
             offset = piece.num_pages * per_head * a.dst_heads[0]  # parts follow in head order
             pools: tuple[PoolCopy, ...] = ()
-            if piece.page_start + piece.num_pages == self._pages_to_send and self.pool_items:
+            if self._final(piece.page_start + piece.num_pages, chunk.layers) and self.pool_items:
                 # the last piece: each writer's part ends with its pool block
                 offset, pools = final_part(self.pools, self._mapping, a, piece.num_pages * per_head, self.pool_items,
                                            flow.pool_dst)
@@ -217,12 +239,13 @@ class PrefillRoom(RoomBase):
             pos += piece.num_pages
             tag = make_tag(TagKind.STAGED, room=self.room, session=flow.session, epoch=grant.epoch, src=self.me,
                            writer=self.layout.tp_rank, chunk=grant.chunk, piece=piece.index,
-                           page_start=piece.page_start, num_pages=piece.num_pages,
+                           page_start=piece.page_start, num_pages=piece.num_pages, layers=chunk.layers,
                            nbytes=nbytes, ring_start=piece.start)
             op = WriteOp(op_id=next(self._op_ids), room=self.room, peer=peer, staged=True, chunk=grant.chunk,
                          piece=piece.index, src_pages=chunk.pages[lo:lo + piece.num_pages], dst_pages=None,
                          src_heads=a.src_heads, dst_heads=a.dst_heads, nbytes=nbytes, tag=tag,
-                         ring_start=piece.start, writer_offset=offset, pools=pools)
+                         ring_start=piece.start, writer_offset=offset, pools=pools, layers=chunk.layers,
+                         ready=chunk.ready)
             out.append(self._post(flow, op))
         if pos != chunk.page_start + chunk.pages.size:
             return self.fail(FailureKind.PROTOCOL, f"ring allocation for chunk {grant.chunk} from {peer} does not cover it",
@@ -319,7 +342,8 @@ class PrefillRoom(RoomBase):
     def _alloc_request(self, flow: Flow, chunk: Chunk) -> Send:
         return Send(flow.peer, AllocRequest(src=self.me, dst=flow.peer.incarnation, room=self.room,
                                             session=flow.session, chunk=chunk.index, page_start=chunk.page_start,
-                                            num_pages=int(chunk.pages.size)))
+                                            num_pages=int(chunk.pages.size), layer_start=chunk.layers.start,
+                                            num_layers=len(chunk.layers)))
 
     def _writer_done(self, flow: Flow) -> Send:
         return Send(flow.peer, WriterDone(src=self.me, dst=flow.peer.incarnation, room=self.room,
@@ -385,9 +409,14 @@ class PrefillRoom(RoomBase):
     def _all_metas(self) -> bool:
         return self.mapping is not None and self.expected <= set(self.flows)
 
-    def _bytes_per_page(self, num_heads: int) -> int:
-        return direct_nbytes(self.layout.num_kv * self.layout.num_layers, 1, self.layout.page_size,
-                             num_heads, self.layout.head_bytes)
+    def _bytes_per_page(self, num_heads: int, layers: range) -> int:
+        return direct_nbytes(self.layout.num_kv * len(layers), 1, self.layout.page_size, num_heads,
+                             self.layout.head_bytes)
+
+    def _final(self, page_end: int, layers: range) -> bool:
+        """Whether a write ending at `page_end` over `layers` is the one carrying the request's
+        last page of its last layer, hence the state pool items."""
+        return page_end == self._pages_to_send and layers.stop == self.layout.layers.stop
 
     def _post(self, flow: Flow, op: WriteOp) -> PostWrite:
         self.ops[op.op_id] = op
@@ -423,27 +452,27 @@ class PrefillRoom(RoomBase):
         (each part with its own tag): a write of millions of ranges would hold the backend for
         seconds at a time."""
         whole = self._mapping.prefill_tp == self._mapping.decode_tp or self.layout.mla
-        per_page = self.layout.num_kv * self.layout.num_layers * (1 if whole else self.layout.page_size)
+        per_page = self.layout.num_kv * len(chunk.layers) * (1 if whole else self.layout.page_size)
         step = max(1, self.max_ranges // per_page)
         out: list[Action] = []
         for part, lo in enumerate(range(0, chunk.pages.size, step)):
             pages = chunk.pages[lo:lo + step]
             start = chunk.page_start + lo
-            nbytes = pages.size * self._bytes_per_page(a.num_heads)
+            nbytes = pages.size * self._bytes_per_page(a.num_heads, chunk.layers)
             pools: tuple[PoolCopy, ...] = ()
-            if start + pages.size == self._pages_to_send:  # the write carrying the last page
+            if self._final(start + pages.size, chunk.layers):  # the write carrying the last page
                 pools = request_copies(writer_segments(self.pools, self._mapping.prefill_tp, self._mapping.decode_tp, a),
                                        self.pool_items, flow.pool_dst)
                 nbytes += block_bytes(pools)
             tag = make_tag(TagKind.DIRECT, room=self.room, session=flow.session, epoch=flow.peer.incarnation,
                            src=self.me, writer=self.layout.tp_rank, chunk=chunk.index, piece=part,
-                           page_start=start, num_pages=int(pages.size), nbytes=nbytes)
+                           page_start=start, num_pages=int(pages.size), layers=chunk.layers, nbytes=nbytes)
             assert flow.dst_pages is not None, "a direct flow has its destination pages from its metadata"
             dst = flow.dst_pages[start:start + pages.size]
             out.append(self._post(flow, WriteOp(op_id=next(self._op_ids), room=self.room, peer=flow.peer, staged=False,
                                                 chunk=chunk.index, piece=part, src_pages=pages, dst_pages=dst,
                                                 src_heads=a.src_heads, dst_heads=a.dst_heads, nbytes=nbytes, tag=tag,
-                                                pools=pools)))
+                                                pools=pools, layers=chunk.layers, ready=chunk.ready)))
         return out
 
     def _flow_finished_writing(self, flow: Flow) -> bool:

@@ -1,7 +1,7 @@
 """The notification tag every backend write carries: self-describing, versioned, signed.
 
 A tag says exactly what the write put where (room, ring epoch, chunk, piece, writer, page
-range, byte length, ring position), so the decode side can validate it against what it
+range, layer range, byte length, ring position), so the decode side can validate it against what it
 expects before scattering a single byte. Bytes on the wire: ``b"KS" + msgpack array + mac``,
 the mac (HMAC-SHA256, 16 bytes) keyed by the shared secret, or by the public integrity key
 when none is configured (see bootstrap.wire).
@@ -38,16 +38,18 @@ class Tag(msgspec.Struct, frozen=True, array_like=True):
     num_pages: int
     nbytes: int
     ring_start: int     # linear ring position of the region (staged), -1 (direct)
+    layer_start: int    # the layers the write holds: [layer_start, layer_start + num_layers)
+    num_layers: int
     digest: int = 0     # xxh3-64 of the bytes written, in gather order (EngineConfig(verify=True))
     group: int = 0      # direct: which of the logical write's backend writes this is (one per
     groups: int = 1     # pair of memory kinds; every group's tag is the same but for `group`)
 
 
 def make_tag(kind: TagKind, *, room: int, session: int, epoch: int, src: int, writer: int,
-             chunk: int, piece: int, page_start: int, num_pages: int, nbytes: int,
+             chunk: int, piece: int, page_start: int, num_pages: int, layers: range, nbytes: int,
              ring_start: int = -1) -> Tag:
     return Tag(WIRE_VERSION, kind, room, session, epoch, src, writer, chunk, piece,
-               page_start, num_pages, nbytes, ring_start)
+               page_start, num_pages, nbytes, ring_start, layers.start, len(layers))
 
 
 class TagCodec:

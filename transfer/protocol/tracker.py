@@ -1,11 +1,14 @@
 """Decode side: what a room expects, what has landed, and when it is complete. Pure.
 
-Staged path: the decode rank allocates every piece of a chunk itself, so each arrival must
-match its allocation exactly (page range, byte length, ring position, an expected writer); a
-piece is ready to scatter once all its writers have landed, and the room is complete once
-pieces covering every page have been scattered.
+A room is a grid of (page, layer) cells: a chunk covers a page range of a layer range (all
+layers unless the prefill sends layer-wise, layer_sends.py).
 
-Direct path: writes land in the KV pages themselves; each writer must cover every page of the
+Staged path: the decode rank allocates every piece of a chunk itself, so each arrival must
+match its allocation exactly (page range, layer range, byte length, ring position, an expected
+writer); a piece is ready to scatter once all its writers have landed, and the room is complete
+once pieces covering every cell have been scattered.
+
+Direct path: writes land in the KV pages themselves; each writer must cover every cell of the
 room exactly once with the expected number of bytes.
 
 Arrivals may come in any order; exact duplicates are ignored; anything else that disagrees
@@ -39,12 +42,13 @@ class Arrival:
     piece: ExpectedPiece | None = None
 
 
-@dataclass
+@dataclass(kw_only=True)
 class ExpectedPiece:
     chunk: int
     index: int
     page_start: int
     num_pages: int
+    layers: range
     ring_start: int
     writers: tuple[int, ...]
     landed: set[int] = field(default_factory=set)
@@ -58,59 +62,86 @@ class ExpectedPiece:
 class RoomTracker:
     """Arrival bookkeeping of one room on one decode rank."""
 
-    def __init__(self, num_pages: int, writer_page_bytes: Mapping[int, int], final_extra: Mapping[int, int] = {}):
-        """`writer_page_bytes`: expected writer rank -> bytes it writes per page of the room;
-        `final_extra`: writer rank -> state pool bytes its write of the last page also carries."""
+    def __init__(self, num_pages: int, writer_page_bytes: Mapping[int, int], final_extra: Mapping[int, int] = {},
+                 num_layers: int = 1):
+        """`writer_page_bytes`: expected writer rank -> bytes it writes per page of the room
+        (every layer); `final_extra`: writer rank -> state pool bytes its write of the last
+        page of the last layer also carries."""
         if num_pages <= 0:
             raise ValueError("a room has at least one page")
         if not writer_page_bytes:
             raise ValueError("a room has at least one writer")
+        if num_layers <= 0 or any(b % num_layers for b in writer_page_bytes.values()):
+            raise ValueError(f"a writer's bytes per page are not split evenly over {num_layers} layers")
         self.num_pages = num_pages
+        self.num_layers = num_layers
         self.writer_page_bytes = dict(writer_page_bytes)
         self.final_extra = dict(final_extra)
-        self._covered = {w: np.zeros(num_pages, dtype=bool) for w in self.writer_page_bytes}
-        self._covered_count = dict.fromkeys(self.writer_page_bytes, 0)
+        self._covered = {w: np.zeros((num_pages, num_layers), dtype=bool) for w in self.writer_page_bytes}
+        self._covered_count = dict.fromkeys(self.writer_page_bytes, 0)   # cells
         self._pieces: dict[tuple[int, int], ExpectedPiece] = {}
-        self._planned = np.zeros(num_pages, dtype=bool)   # staged: pages already given a piece
-        self._scattered_pages = 0
+        self._planned = np.zeros((num_pages, num_layers), dtype=bool)   # staged: cells already given a piece
+        self._scattered_cells = 0
         self._direct_seen: set[tuple[int, int, int, int]] = set()
         self._groups: dict[tuple[int, int, int, int], tuple[int, set[int]]] = {}   # split writes in progress
 
     # -- staged path ----------------------------------------------------------------------
-    def overlaps_plan(self, page_start: int, num_pages: int) -> bool:
-        """Would a new chunk over these pages collide with pieces already planned?"""
-        return bool(self._planned[page_start:page_start + num_pages].any())
+    def overlaps_plan(self, page_start: int, num_pages: int, layers: range | None = None) -> bool:
+        """Would a new chunk over these cells collide with pieces already planned?"""
+        lay = self._layers(layers)
+        return bool(self._planned[page_start:page_start + num_pages, lay.start:lay.stop].any())
+
+    def bytes_of(self, writer: int, num_pages: int, layers: range | None = None) -> int:
+        """What `writer` writes for `num_pages` pages of `layers` (None: all), pools aside."""
+        return num_pages * self.writer_page_bytes[writer] * len(self._layers(layers)) // self.num_layers
+
+    def final(self, page_start: int, num_pages: int, layers: range | None = None) -> bool:
+        """Whether these cells hold the room's last page of its last layer (the pools' write)."""
+        return page_start + num_pages == self.num_pages and self._layers(layers).stop == self.num_layers
+
+    def layers_ok(self, layers: range) -> bool:
+        return len(layers) > 0 and 0 <= layers.start and layers.stop <= self.num_layers
+
+    def _layers(self, layers: range | None) -> range:
+        return range(self.num_layers) if layers is None else layers
 
     def expect_piece(self, chunk: int, index: int, page_start: int, num_pages: int,
-                     ring_start: int, writers: Sequence[int]) -> ExpectedPiece:
+                     ring_start: int, writers: Sequence[int], layers: range | None = None) -> ExpectedPiece:
         """Record an allocated piece. Raises ValueError if it cannot belong to this room."""
+        lay = self._layers(layers)
         self._check_range(page_start, num_pages)
-        if self.overlaps_plan(page_start, num_pages):
-            raise ValueError(f"pages [{page_start}, {page_start + num_pages}) are already planned")
+        if not self.layers_ok(lay):
+            raise ValueError(f"layers [{lay.start}, {lay.stop}) outside the room's {self.num_layers} layers")
+        if self.overlaps_plan(page_start, num_pages, lay):
+            raise ValueError(f"pages [{page_start}, {page_start + num_pages}) of layers [{lay.start}, {lay.stop}) "
+                             f"are already planned")
         unknown = set(writers) - set(self.writer_page_bytes)
         if unknown or not writers:
             raise ValueError(f"piece writers {sorted(writers)} are not this room's writers")
-        piece = ExpectedPiece(chunk, index, page_start, num_pages, ring_start, tuple(writers))
+        piece = ExpectedPiece(chunk=chunk, index=index, page_start=page_start, num_pages=num_pages, layers=lay,
+                              ring_start=ring_start, writers=tuple(writers))
         if piece.key in self._pieces:
             raise ValueError(f"piece {piece.key} is already expected")
         self._pieces[piece.key] = piece
-        self._planned[page_start:page_start + num_pages] = True
+        self._planned[page_start:page_start + num_pages, lay.start:lay.stop] = True
         return piece
 
     def arrive_staged(self, writer: int, chunk: int, index: int, page_start: int, num_pages: int,
-                      nbytes: int, ring_start: int) -> Arrival:
+                      nbytes: int, ring_start: int, layers: range | None = None) -> Arrival:
         piece = self._pieces.get((chunk, index))
         if piece is None:
             return Arrival(Outcome.REJECTED, f"no allocation for chunk {chunk} piece {index}")
         if writer not in piece.writers:
             return Arrival(Outcome.REJECTED, f"writer {writer} is not a writer of chunk {chunk} piece {index}")
-        got = (page_start, num_pages, nbytes, ring_start)
-        want = (piece.page_start, piece.num_pages, piece.num_pages * self.writer_page_bytes[writer]
-                + self._extra(writer, piece.page_start, piece.num_pages), piece.ring_start)
+        lay = self._layers(layers)
+        got = (page_start, num_pages, lay.start, len(lay), nbytes, ring_start)
+        want = (piece.page_start, piece.num_pages, piece.layers.start, len(piece.layers),
+                self.bytes_of(writer, piece.num_pages, piece.layers)
+                + self._extra(writer, piece.page_start, piece.num_pages, piece.layers), piece.ring_start)
         if got != want:
             return Arrival(Outcome.REJECTED,
-                           f"chunk {chunk} piece {index} from writer {writer}: (pages start, count, bytes, "
-                           f"ring) {got} does not match the allocation {want}")
+                           f"chunk {chunk} piece {index} from writer {writer}: (pages start, count, layers "
+                           f"start, count, bytes, ring) {got} does not match the allocation {want}")
         if writer in piece.landed:
             return Arrival(Outcome.DUPLICATE, piece=piece)
         piece.landed.add(writer)
@@ -124,14 +155,14 @@ class RoomTracker:
         if len(piece.landed) != len(piece.writers):
             raise ValueError(f"piece {piece.key} scattered before all writers landed")
         piece.scattered = True
-        self._scattered_pages += piece.num_pages
+        self._scattered_cells += piece.num_pages * len(piece.layers)
 
     def pieces(self) -> list[ExpectedPiece]:
         return list(self._pieces.values())
 
     # -- direct path ----------------------------------------------------------------------
     def arrive_direct(self, writer: int, chunk: int, page_start: int, num_pages: int, nbytes: int,
-                      group: int = 0, groups: int = 1) -> Arrival:
+                      group: int = 0, groups: int = 1, layers: range | None = None) -> Arrival:
         """One tagged backend write. A logical write whose memory spans several pairs of kinds
         comes as `groups` backend writes with the same tag but for `group`: it counts (and its
         pages are covered) only once every group landed; until then PARTIAL."""
@@ -144,19 +175,21 @@ class RoomTracker:
             split = self._arrive_group(key, group, groups)
             if split is not None:
                 return split
-        if not self._in_range(page_start, num_pages):
-            return Arrival(Outcome.REJECTED, f"pages [{page_start}, {page_start + num_pages}) outside the "
-                                             f"room's {self.num_pages} pages")
-        want = num_pages * self.writer_page_bytes[writer] + self._extra(writer, page_start, num_pages)
+        lay = self._layers(layers)
+        if not self._in_range(page_start, num_pages) or not self.layers_ok(lay):
+            return Arrival(Outcome.REJECTED, f"pages [{page_start}, {page_start + num_pages}) of layers "
+                                             f"[{lay.start}, {lay.stop}) outside the room's {self.num_pages} "
+                                             f"pages and {self.num_layers} layers")
+        want = self.bytes_of(writer, num_pages, lay) + self._extra(writer, page_start, num_pages, lay)
         if nbytes != want:
-            return Arrival(Outcome.REJECTED, f"writer {writer} sent {nbytes} bytes for {num_pages} pages, "
-                                             f"expected {want}")
-        cov = self._covered[writer]
-        if cov[page_start:page_start + num_pages].any():
+            return Arrival(Outcome.REJECTED, f"writer {writer} sent {nbytes} bytes for {num_pages} pages of "
+                                             f"{len(lay)} layers, expected {want}")
+        cells = self._covered[writer][page_start:page_start + num_pages, lay.start:lay.stop]
+        if cells.any():
             return Arrival(Outcome.REJECTED, f"writer {writer} wrote pages [{page_start}, "
-                                             f"{page_start + num_pages}) twice")
-        cov[page_start:page_start + num_pages] = True
-        self._covered_count[writer] += num_pages
+                                             f"{page_start + num_pages}) of layers [{lay.start}, {lay.stop}) twice")
+        cells[...] = True
+        self._covered_count[writer] += num_pages * len(lay)
         self._direct_seen.add(key)
         self._groups.pop(key, None)
         return Arrival(Outcome.ACCEPTED)
@@ -182,18 +215,20 @@ class RoomTracker:
     @property
     def complete(self) -> bool:
         """Every byte of the room is in place (staged: scattered; direct: landed)."""
-        if self._pieces or self._scattered_pages:
-            return self._scattered_pages == self.num_pages
-        return all(n == self.num_pages for n in self._covered_count.values())
+        cells = self.num_pages * self.num_layers
+        if self._pieces or self._scattered_cells:
+            return self._scattered_cells == cells
+        return all(n == cells for n in self._covered_count.values())
 
     @property
     def pages_done(self) -> int:
+        """Pages' worth of cells in place (a page counts once every layer of it is)."""
         if self._pieces:
-            return self._scattered_pages
-        return min(self._covered_count.values())
+            return self._scattered_cells // self.num_layers
+        return min(self._covered_count.values()) // self.num_layers
 
-    def _extra(self, writer: int, page_start: int, num_pages: int) -> int:
-        return self.final_extra.get(writer, 0) if page_start + num_pages == self.num_pages else 0
+    def _extra(self, writer: int, page_start: int, num_pages: int, layers: range | None = None) -> int:
+        return self.final_extra.get(writer, 0) if self.final(page_start, num_pages, layers) else 0
 
     def _in_range(self, page_start: int, num_pages: int) -> bool:
         return num_pages > 0 and page_start >= 0 and page_start + num_pages <= self.num_pages
