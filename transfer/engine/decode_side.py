@@ -81,7 +81,8 @@ class DecodeSide:
 
     # -- the caller's events --------------------------------------------------------------------
     def new_receiver(self, ev: NewReceiver, now: float) -> None:
-        room = DecodeRoom(ev.room, ev.session, self.ctx.me, self.ctx.layout, now, self.ctx.t, tuple(self.ctx.summary.pools))
+        room = DecodeRoom(room=ev.room, session=ev.session, me=self.ctx.me, layout=self.ctx.layout, now=now,
+                          timeouts=self.ctx.t, pools=tuple(self.ctx.summary.pools))
         self.book.add(room, ev.status)
         self.planner.add_room(room, ev.source, now)
 
