@@ -84,11 +84,12 @@ $(LINT_STAMP): requirements/lint.txt | $(STAMP)
 	touch $(LINT_STAMP)
 
 # mypy finds the package `kvstage` (the repository root) through build/mypy/kvstage, a link to the
-# root (pyproject.toml's [tool.mypy]); strict on transfer/protocol/ and bootstrap/wire.py.
+# root (pyproject.toml's [tool.mypy]); strict on transfer/protocol/ and bootstrap/wire.py, mypy's
+# default checks on transfer/engine/.
 lint: $(STAMP) $(LINT_STAMP)
 	$(VENV)/bin/ruff check .
 	mkdir -p build/mypy && ln -sfn ../.. build/mypy/kvstage
-	$(VENV)/bin/mypy -p kvstage.transfer.protocol -m kvstage.bootstrap.wire
+	$(VENV)/bin/mypy -p kvstage.transfer.protocol -m kvstage.bootstrap.wire -p kvstage.transfer.engine
 
 gpu-check: apt $(STAMP)
 	$(PY) examples/gpu_check.py

@@ -32,6 +32,7 @@ from .etcd_members import Members
 from .etcd_records import (
     EtcdRecord,
     RankGone,
+    Sighting,
     Verdict,
     WatchedRanks,
     decode_record,
@@ -115,7 +116,7 @@ class EtcdRendezvous:
                 except ValueError:
                     rec = None   # a record we cannot read is overwritten for our rank, ignored for others
                 if where is not None and rec is not None:
-                    existing[where[1]] = rec
+                    existing[where.tp_rank] = rec
                 if kv.key == key:
                     mine = kv
             decision = register_verdict(entry, existing, revision)
@@ -152,13 +153,14 @@ class EtcdRendezvous:
             by_rank = {}
             for kv in kvs:
                 where = parse_key(self._ns, kv.key)
-                if where is not None and where[0] == engine_id:
-                    by_rank[where[1]] = kv
+                if where is not None and where.engine_id == engine_id:
+                    by_rank[where.tp_rank] = kv
             read = read_engine(engine_id, {r: kv.value for r, kv in by_rank.items()})
             if not read.complete:
                 return None, read.describe(self.config.display)
-            self._follow(engine_id, {r.rank.tp_rank: (r.rank.incarnation, by_rank[r.rank.tp_rank].mod_revision)
-                                     for r in read.records}, revision)
+            seen = {r.rank.tp_rank: Sighting(r.rank.incarnation, by_rank[r.rank.tp_rank].mod_revision)
+                    for r in read.records}
+            self._follow(engine_id, seen, revision)
             return [RankRecord._from_wire(r.wire()) for r in read.records], ""
         return poll_lookup(engine_id, timeout_s, ask, self._stop, "etcd")
 
@@ -348,7 +350,7 @@ class EtcdRendezvous:
 
     # ---- the watch --------------------------------------------------------------------------
 
-    def _follow(self, engine_id: str, ranks: dict[int, tuple[int, int]], revision: int) -> None:
+    def _follow(self, engine_id: str, ranks: dict[int, Sighting], revision: int) -> None:
         """Remember a looked-up engine's ranks; the first lookup starts the watch after its revision."""
         with self._lock:
             self._watched.remember(engine_id, ranks)
@@ -376,7 +378,7 @@ class EtcdRendezvous:
 
     def _resync(self) -> int:
         revision, kvs = self._range(ranks_prefix(self._ns), "resynchronise the watch")
-        now: dict[str, dict[int, tuple[int, int]]] = {}
+        now: dict[str, dict[int, Sighting]] = {}
         for kv in kvs:
             where = parse_key(self._ns, kv.key)
             try:
@@ -384,7 +386,7 @@ class EtcdRendezvous:
             except ValueError:
                 continue
             if where is not None:
-                now.setdefault(where[0], {})[where[1]] = (inc, kv.mod_revision)
+                now.setdefault(where.engine_id, {})[where.tp_rank] = Sighting(inc, kv.mod_revision)
         gone = []
         with self._lock:
             for engine in self._watched.engines():

@@ -84,15 +84,23 @@ def rank_key(namespace: str, engine_id: str, tp_rank: int) -> str:
     return f"{engine_prefix(namespace, engine_id)}{tp_rank}"
 
 
-def parse_key(namespace: str, key: str) -> tuple[str, int] | None:
-    """(engine_id, tp_rank) of a rank key under the namespace, None for any other key."""
+@dataclass(frozen=True)
+class ParsedKey:
+    """The rank a rank key names."""
+
+    engine_id: str
+    tp_rank: int
+
+
+def parse_key(namespace: str, key: str) -> ParsedKey | None:
+    """The rank of a rank key under the namespace, None for any other key."""
     root = ranks_prefix(namespace)
     if not key.startswith(root):
         return None
     engine, sep, rank = key[len(root):].rpartition("/")
     if not sep or not engine or "/" in engine or not rank.isdigit():
         return None
-    return unquote(engine), int(rank)
+    return ParsedKey(unquote(engine), int(rank))
 
 
 def prefix_end(prefix: str) -> str:
@@ -218,6 +226,14 @@ class RankGone:
     reason: str
 
 
+@dataclass(frozen=True)
+class Sighting:
+    """A rank's incarnation as a read of etcd found it, and its key's mod_revision then."""
+
+    incarnation: int
+    revision: int
+
+
 @dataclass
 class _Seen:
     incarnation: int
@@ -234,33 +250,34 @@ class WatchedRanks:
 
     def __init__(self, namespace: str):
         self.namespace = namespace
-        self._ranks: dict[tuple[str, int], _Seen] = {}
+        self._ranks: dict[ParsedKey, _Seen] = {}
 
     def __len__(self) -> int:
         return len(self._ranks)
 
     def engines(self) -> set[str]:
-        return {e for e, _ in self._ranks}
+        return {k.engine_id for k in self._ranks}
 
-    def remember(self, engine_id: str, ranks: dict[int, tuple[int, int]]) -> None:
-        """A lookup's result: {tp_rank: (incarnation, mod_revision)}; newer knowledge wins."""
-        for rank, (inc, rev) in ranks.items():
-            seen = self._ranks.get((engine_id, rank))
-            if seen is None or rev >= seen.revision:
-                self._ranks[(engine_id, rank)] = _Seen(inc, rev)
+    def remember(self, engine_id: str, ranks: dict[int, Sighting]) -> None:
+        """A lookup's result, by tp_rank; newer knowledge wins."""
+        for rank, got in ranks.items():
+            key = ParsedKey(engine_id, rank)
+            seen = self._ranks.get(key)
+            if seen is None or got.revision >= seen.revision:
+                self._ranks[key] = _Seen(got.incarnation, got.revision)
 
     def on_delete(self, key: str, revision: int, why: str) -> RankGone | None:
         where = parse_key(self.namespace, key)
         seen = self._ranks.get(where) if where else None
-        if seen is None or revision <= seen.revision:
+        if where is None or seen is None or revision <= seen.revision:
             return None
         del self._ranks[where]
-        return RankGone(where[0], where[1], seen.incarnation, why)
+        return RankGone(where.engine_id, where.tp_rank, seen.incarnation, why)
 
     def on_put(self, key: str, value: bytes, revision: int) -> RankGone | None:
         where = parse_key(self.namespace, key)
         seen = self._ranks.get(where) if where else None
-        if seen is None or revision <= seen.revision:
+        if where is None or seen is None or revision <= seen.revision:
             return None
         try:
             inc = decode_record(value).rank.incarnation
@@ -270,20 +287,20 @@ class WatchedRanks:
             seen.revision = revision
             return None
         self._ranks[where] = _Seen(inc, revision)
-        return RankGone(where[0], where[1], seen.incarnation,
+        return RankGone(where.engine_id, where.tp_rank, seen.incarnation,
                         f"its rendezvous record in etcd was taken over by incarnation {inc} (the rank restarted)")
 
-    def resync(self, engine_id: str, now: dict[int, tuple[int, int]], why: str) -> list[RankGone]:
+    def resync(self, engine_id: str, now: dict[int, Sighting], why: str) -> list[RankGone]:
         """After the watch could not resume (history compacted): compare with a fresh read of the
-        engine, {tp_rank: (incarnation, mod_revision)}; whatever is no longer there is gone."""
+        engine, by tp_rank; whatever is no longer there is gone."""
         gone = []
-        for (eid, rank), seen in list(self._ranks.items()):
-            if eid != engine_id:
+        for key, seen in list(self._ranks.items()):
+            if key.engine_id != engine_id:
                 continue
-            cur = now.get(rank)
-            if cur is None or cur[0] != seen.incarnation:
-                gone.append(RankGone(eid, rank, seen.incarnation, why))
-                del self._ranks[(eid, rank)]
+            cur = now.get(key.tp_rank)
+            if cur is None or cur.incarnation != seen.incarnation:
+                gone.append(RankGone(key.engine_id, key.tp_rank, seen.incarnation, why))
+                del self._ranks[key]
         self.remember(engine_id, now)
         return gone
 

@@ -23,7 +23,7 @@ import torch
 
 from kvstage import StatePool
 from kvstage.staging.gather_scatter import Gatherer, Scatterer
-from kvstage.staging.pool_copies import PoolBytes, gather_pools, scatter_pools
+from kvstage.staging.pool_copies import LandedBlock, PoolBytes, gather_pools, scatter_pools
 from kvstage.transfer.protocol.pool_parts import PoolCopy, PoolSegment
 
 
@@ -110,7 +110,8 @@ def measure(
 
     def pool():
         gather_pools(pb_src, copies, buf, kv_bytes)
-        scatter_pools(pb_dst, [(buf[kv_bytes + c.offset : kv_bytes + c.offset + c.nbytes], c) for c in copies])
+        at = kv_bytes
+        scatter_pools(pb_dst, [LandedBlock(buf[at + c.offset : at + c.offset + c.nbytes], c) for c in copies])
 
     def reference():
         per_tensor_ops(src, copies, buf[kv_bytes:], dst)

@@ -13,8 +13,13 @@ is one kernel launch per list on a GPU).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # staging stays importable without the protocol package
+    from ..transfer.protocol.pool_parts import PoolCopy
 
 
 class PoolBytes:
@@ -93,12 +98,21 @@ def gather_pools(pools, copies: Sequence, out: torch.Tensor, offset: int, dst: b
     return pos - offset
 
 
-def scatter_pools(pools, landed: Sequence[tuple[torch.Tensor, object]]) -> None:
-    """Copy each landed block (a uint8 view of the ring) into its destination items."""
+@dataclass(frozen=True)
+class LandedBlock:
+    """One pool copy's bytes as they landed in a staged region."""
+
+    view: torch.Tensor       # uint8 view of the region
+    copy: PoolCopy           # the copy whose bytes these are
+
+
+def scatter_pools(pools, landed: Sequence[LandedBlock]) -> None:
+    """Copy each landed block into its destination items."""
     pb = _as_bytes(pools)
     same: tuple[list, list] = ([], [])      # (destinations, sources) in one kind of memory
     across: tuple[list, list] = ([], [])    # through the bounce buffer
-    for view, c in landed:
+    for block in landed:
+        view, c = block.view, block.copy
         seg = c.segment
         rows, a, b = pb.span(seg, seg.dst_heads)
         items = _item_rows(rows, c.dst_items, a, b, seg)

@@ -15,10 +15,27 @@ from .digests import digest
 from .gather_scatter import Scatterer
 from .job_threads import JobThreads
 from .kernels import scatterer_class
-from .pool_copies import PoolBytes, scatter_pools
+from .pool_copies import LandedBlock, PoolBytes, scatter_pools
 from .thread_meter import ThreadMeter
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LandedPart:
+    """One writer's part of a landed piece: where it lies in the ring and the heads it fills."""
+
+    view: torch.Tensor               # uint8 view of the ring
+    dst_heads: tuple[int, int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PartDigest:
+    """Verify: one writer's part of a landed piece and the digest its tag carries."""
+
+    view: torch.Tensor               # uint8 view of the ring
+    digest: int
+    writer: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -27,9 +44,9 @@ class ScatterJob:
     key: tuple[int, int]
     pages: np.ndarray                                # destination cache pages of the piece
     layers: range                                    # the layers the piece holds
-    parts: tuple[tuple[torch.Tensor, tuple[int, int]], ...]  # (ring view of a writer's part, dst heads)
-    pools: tuple = ()                                # the last piece: (ring view of a pool block, PoolCopy)
-    checks: tuple = ()                               # verify: (ring view of a writer's part, its digest, writer)
+    parts: tuple[LandedPart, ...]
+    pools: tuple[LandedBlock, ...] = ()              # the last piece: its pool blocks
+    checks: tuple[PartDigest, ...] = ()              # when verifying
 
 
 # report(room, key, ok, reason, seconds, failure kind)
@@ -66,8 +83,8 @@ class ScatterWorker:
             t0 = time.perf_counter()
             ok: bool
             reason: str | None
-            bad = next((f"writer {w}: the landed bytes' digest {digest(view):#018x} is not the sent "
-                        f"{want:#018x}" for view, want, w in job.checks if digest(view) != want), None)
+            bad = next((f"writer {c.writer}: the landed bytes' digest {got:#018x} is not the sent {c.digest:#018x}"
+                        for c in job.checks if (got := digest(c.view)) != c.digest), None)
             if bad is not None:  # never scattered: the cache keeps what it had
                 ok, reason, kind = False, f"corrupt data in chunk {key[0]} piece {key[1]}: {bad}", FailureKind.CORRUPT
             else:
@@ -84,8 +101,8 @@ class ScatterWorker:
             pages = torch.from_numpy(np.ascontiguousarray(job.pages, dtype=np.int64))
             lo, hi = job.layers.start, job.layers.stop
             k, v = self._k[lo:hi], (self._v[lo:hi] if self._v is not None else None)
-            for view, heads in job.parts:
-                scatterer.scatter(view, k, v, pages, self._page_size, heads)
+            for part in job.parts:
+                scatterer.scatter(part.view, k, v, pages, self._page_size, part.dst_heads)
             scatter_pools(self._pools, job.pools)
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()

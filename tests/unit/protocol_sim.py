@@ -166,14 +166,14 @@ class World:
         src = [np.array(self.rng.sample(range(g.pages), n)) for _ in range(g.P)]
         for p in range(g.P):
             self.rooms_p[(p, room)] = PrefillRoom(
-                room,
-                None if late_init else n,
-                self.lp[p],
-                self.kp[p].incarnation,
-                self.now,
-                self.timeouts,
-                self.op_ids,
-                self.max_ranges,
+                room=room,
+                num_pages=None if late_init else n,
+                layout=self.lp[p],
+                me=self.kp[p].incarnation,
+                now=self.now,
+                timeouts=self.timeouts,
+                op_ids=self.op_ids,
+                max_ranges=self.max_ranges,
                 grouping=self.grouping,
             )
             self.status_p[(p, room)] = KVPoll.Bootstrapping
@@ -184,7 +184,8 @@ class World:
             held = np.array([free.pop() for _ in range(k)], dtype=np.int64)
             self.cd[d][:, held] = SENTINEL
             dst = np.array([free.pop() for _ in range(n - k)])
-            r = DecodeRoom(room, session, self.kd[d].incarnation, self.ld[d], self.now, self.timeouts)
+            r = DecodeRoom(room=room, session=session, me=self.kd[d].incarnation, layout=self.ld[d], now=self.now,
+                           timeouts=self.timeouts)
             self.rooms_d[(d, room)] = r
             self.status_d[(d, room)] = KVPoll.Bootstrapping
             self.expected[(d, room)] = (dst, src, held, k)

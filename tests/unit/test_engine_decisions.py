@@ -95,11 +95,12 @@ def rec(rank, role="prefill", inc=None):
 
 
 def test_read_lookup():
-    assert peering.read_lookup("e", None, "boom") == ("failed", [], "boom")
-    assert peering.read_lookup("e", [], None)[0:2] == ("failed", [])
-    assert "not a prefill engine" in peering.read_lookup("e", [rec(0, "decode")], None)[2]
-    state, records, err = peering.read_lookup("e", [rec(2), rec(0), rec(1)], None)
-    assert (state, [r.tp_rank for r in records], err) == ("ready", [0, 1, 2], "")
+    assert peering.read_lookup("e", None, "boom") == peering.Lookup(peering.LookupState.FAILED, [], "boom")
+    empty = peering.read_lookup("e", [], None)
+    assert (empty.state, empty.records) == (peering.LookupState.FAILED, [])
+    assert "not a prefill engine" in peering.read_lookup("e", [rec(0, "decode")], None).error
+    found = peering.read_lookup("e", [rec(2), rec(0), rec(1)], None)
+    assert (found.state, [r.tp_rank for r in found.records], found.error) == (peering.LookupState.READY, [0, 1, 2], "")
 
 
 @given(st.sets(st.integers(0, 9)), st.sets(st.integers(0, 9)), st.sets(st.integers(0, 9)))
@@ -127,14 +128,14 @@ def test_reuse_peer():
 @given(st.dictionaries(st.integers(0, 7), st.sampled_from(["connecting", "connected", "rejected"]), min_size=1))
 @settings(max_examples=300, deadline=None)
 def test_plan_gate(states):
-    gate, rank = peering.plan_gate(states)
+    verdict = peering.plan_gate(states)
     rejected = [r for r, s in states.items() if s == "rejected"]
     if rejected:
-        assert (gate, rank) == ("rejected", rejected[0])
+        assert verdict == peering.GateVerdict(peering.Gate.REJECTED, rejected_by=rejected[0])
     elif all(s == "connected" for s in states.values()):
-        assert (gate, rank) == ("go", None)
+        assert verdict == peering.GateVerdict(peering.Gate.GO)
     else:
-        assert (gate, rank) == ("wait", None)
+        assert verdict == peering.GateVerdict(peering.Gate.WAIT)
 
 
 def test_fallback_reason_names_the_cause():

@@ -6,7 +6,9 @@ import pytest
 
 from kvstage.bootstrap.etcd_records import (
     EtcdRecord,
+    ParsedKey,
     RankGone,
+    Sighting,
     Verdict,
     WatchedRanks,
     decode_record,
@@ -36,7 +38,7 @@ def test_keys_escape_engine_ids_and_parse_back():
     assert rank_key(NS, "pf", 3) == "/kvstage/test/ranks/pf/3"
     assert rank_key(NS, "sglang-prefill@10.0.0.1:8998/dp0", 1) == "/kvstage/test/ranks/sglang-prefill%4010.0.0.1%3A8998%2Fdp0/1"
     for eid in ("pf", "a/b", "a%2Fb", "x y", "ü"):
-        assert parse_key(NS, rank_key(NS, eid, 12)) == (eid, 12)
+        assert parse_key(NS, rank_key(NS, eid, 12)) == ParsedKey(eid, 12)
     assert not rank_key(NS, "a/b", 0).startswith(engine_prefix(NS, "a"))     # engine "a" never sees "a/b"
     assert parse_key(NS, "/kvstage/other/ranks/pf/0") is None
     assert parse_key(NS, "/kvstage/test/ranks/pf/x") is None
@@ -94,7 +96,7 @@ def test_a_lookup_is_complete_once_every_rank_of_the_newest_shape_is_there():
 
 def test_the_watch_takes_away_only_looked_up_ranks_newer_than_seen():
     w = WatchedRanks(NS)
-    w.remember("pf", {0: (7, 10), 1: (8, 11)})
+    w.remember("pf", {0: Sighting(7, 10), 1: Sighting(8, 11)})
     assert w.on_delete(rank_key(NS, "other", 0), 20, "why") is None          # never looked up
     assert w.on_delete(rank_key(NS, "pf", 0), 9, "why") is None              # older than the lookup
     assert w.on_delete(rank_key(NS, "pf", 0), 12, "deleted") == RankGone("pf", 0, 7, "deleted")
@@ -103,15 +105,15 @@ def test_the_watch_takes_away_only_looked_up_ranks_newer_than_seen():
     g = w.on_put(rank_key(NS, "pf", 1), encode_record(rec(1, 99)), 15)
     assert (g.engine_id, g.tp_rank, g.incarnation) == ("pf", 1, 8) and "incarnation 99" in g.reason
     assert w.on_put(rank_key(NS, "pf", 1), b"junk", 16) is None
-    w.remember("pf", {1: (98, 12)})                                          # a late lookup: older news
+    w.remember("pf", {1: Sighting(98, 12)})                                  # a late lookup: older news
     assert w.on_delete(rank_key(NS, "pf", 1), 17, "x") == RankGone("pf", 1, 99, "x")
 
 
 def test_resync_after_compaction_reports_what_is_no_longer_there():
     w = WatchedRanks(NS)
-    w.remember("pf", {0: (7, 10), 1: (8, 11)})
-    w.remember("pg", {0: (5, 10)})
-    gone = w.resync("pf", {0: (7, 10), 1: (9, 30)}, "resync")
+    w.remember("pf", {0: Sighting(7, 10), 1: Sighting(8, 11)})
+    w.remember("pg", {0: Sighting(5, 10)})
+    gone = w.resync("pf", {0: Sighting(7, 10), 1: Sighting(9, 30)}, "resync")
     assert gone == [RankGone("pf", 1, 8, "resync")]
     assert w.resync("pg", {}, "resync") == [RankGone("pg", 0, 5, "resync")]
     assert w.engines() == {"pf"} and len(w) == 2

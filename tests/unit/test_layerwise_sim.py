@@ -6,10 +6,10 @@ any group size and length threshold, with prefix hits and MLA."""
 import itertools
 
 import pytest
+from protocol_sim import Geometry, World
 
 from kvstage.transfer.poll import KVPoll
 from kvstage.transfer.protocol.layer_sends import LayerGrouping
-from protocol_sim import Geometry, World
 
 LAYERS = 6
 SENDS = {"per_layer": [range(i, i + 1) for i in range(LAYERS)],

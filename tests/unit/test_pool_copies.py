@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from kvstage import StatePool
-from kvstage.staging.pool_copies import PoolBytes, gather_pools, scatter_pools
+from kvstage.staging.pool_copies import LandedBlock, PoolBytes, gather_pools, scatter_pools
 from kvstage.transfer.protocol.pool_parts import PoolCopy, PoolSegment
 
 ITEMS = 6
@@ -80,7 +80,7 @@ def test_gather_then_scatter_moves_exactly_the_named_items(data):
     assert out[offset : offset + total].numpy().tobytes() == expected_block(src, cs)
     assert bool((out[:offset] == 0xAB).all()) and bool((out[offset + total :] == 0xAB).all())
 
-    scatter_pools(PoolBytes(dst), [(out[offset + c.offset : offset + c.offset + c.nbytes], c) for c in cs])
+    scatter_pools(PoolBytes(dst), [LandedBlock(out[offset + c.offset : offset + c.offset + c.nbytes], c) for c in cs])
     for name, pool in dst.items():
         for i, t in enumerate(pool.tensors):
             want = before[name][i].clone()
@@ -121,7 +121,7 @@ def test_an_item_outside_the_pool_is_refused_before_any_byte_moves(item):
     gather_pools(src, good, out, 0)
     bad_dst = good[:-1] + [PoolCopy(last.segment, last.src_items, np.array([1, item]), last.offset, last.nbytes)]
     with pytest.raises(ValueError, match=f"item {item} is out of range"):
-        scatter_pools(dst, [(out[c.offset : c.offset + c.nbytes], c) for c in bad_dst])
+        scatter_pools(dst, [LandedBlock(out[c.offset : c.offset + c.nbytes], c) for c in bad_dst])
     assert changed(dst, dst_before) == []
 
 
@@ -129,7 +129,7 @@ def test_a_block_of_the_wrong_size_is_refused():
     src = pools(1, 2)
     (c, *_) = copies(src, [0], [1], (0, 1), (0, 1))
     with pytest.raises(ValueError, match="landed block"):
-        scatter_pools(src, [(torch.zeros(c.nbytes + 1, dtype=torch.uint8), c)])
+        scatter_pools(src, [LandedBlock(torch.zeros(c.nbytes + 1, dtype=torch.uint8), c)])
 
 
 class _Ops(TorchDispatchMode):
@@ -157,9 +157,9 @@ def test_a_request_moves_all_its_items_in_one_torch_op():
     cs = copies(src, [3, 1, 4], [0, 2, 5], (1, 3), (2, 4))
     out = torch.zeros(sum(c.nbytes for c in cs), dtype=torch.uint8)
     gather_pools(pb_src, cs, out, 0)  # the first call builds the byte views
-    scatter_pools(pb_dst, [(out[c.offset : c.offset + c.nbytes], c) for c in cs])
+    scatter_pools(pb_dst, [LandedBlock(out[c.offset : c.offset + c.nbytes], c) for c in cs])
     with _Ops() as g:
         gather_pools(pb_src, cs, out, 0)
     with _Ops() as s:
-        scatter_pools(pb_dst, [(out[c.offset : c.offset + c.nbytes], c) for c in cs])
+        scatter_pools(pb_dst, [LandedBlock(out[c.offset : c.offset + c.nbytes], c) for c in cs])
     assert g.ops == ["_foreach_copy_"] and s.ops == ["_foreach_copy_"], (g.ops, s.ops)

@@ -236,7 +236,7 @@ def test_the_last_piece_is_split_so_its_pool_blocks_fit_the_ring_and_buffers():
     from kvstage.transfer.protocol.tracker import RoomTracker
 
     lay = layout(tp=1)
-    room = DecodeRoom(1, 1, 1, lay, 0.0, Timeouts())
+    room = DecodeRoom(room=1, session=1, me=1, layout=lay, now=0.0, timeouts=Timeouts())
     room.tracker = RoomTracker(10, {0: 100, 1: 100}, {0: 300, 1: 50})   # pages of 200 B, 350 B of pools
     room.plan = RoomPlan(writers=(), staged=True, head_page_bytes=50, max_piece_pages=8, ring_size=1000, buffer_bytes=10_000)
     # the last piece of 8 pages needs 8*200+350 > 1000: at most 3 pages (3*200+350 = 950) go with the pools

@@ -5,7 +5,7 @@ import pytest
 
 from kvstage.bootstrap import BootstrapError
 from kvstage.transfer.engine.prefill_sources import PrefillSource, SourceResolver, make_source
-from kvstage.transfer.protocol.peering import engine_for_dp
+from kvstage.transfer.protocol.peering import DpEngine, DpMatch, engine_for_dp
 
 
 def row(engine, dp=0, role="prefill", stale=False):
@@ -14,11 +14,13 @@ def row(engine, dp=0, role="prefill", stale=False):
 
 def test_engine_for_dp():
     rows = [row("a", 0), row("a", 0), row("b", 1), row("c", 1, stale=True), row("d", 2, role="decode")]
-    assert engine_for_dp(rows, 0) == ("found", "a")            # one engine, several ranks
-    assert engine_for_dp(rows, 1) == ("found", "b")            # a stale one does not count
-    assert engine_for_dp(rows, 2)[0] == "none"                 # decode engines do not count
-    assert engine_for_dp(rows + [row("e", 1)], 1) == ("ambiguous", "prefill engines b, e all claim DP rank 1")
-    assert engine_for_dp([{"engine_id": "old", "role": "prefill"}], 0) == ("found", "old")   # no dp_rank: 0
+    assert engine_for_dp(rows, 0) == DpEngine(DpMatch.FOUND, engine_id="a")   # one engine, several ranks
+    assert engine_for_dp(rows, 1) == DpEngine(DpMatch.FOUND, engine_id="b")   # a stale one does not count
+    assert engine_for_dp(rows, 2).match is DpMatch.NONE                       # decode engines do not count
+    assert engine_for_dp(rows + [row("e", 1)], 1) == DpEngine(
+        DpMatch.AMBIGUOUS, reason="prefill engines b, e all claim DP rank 1")
+    no_dp_rank = [{"engine_id": "old", "role": "prefill"}]                    # no dp_rank: 0
+    assert engine_for_dp(no_dp_rank, 0) == DpEngine(DpMatch.FOUND, engine_id="old")
 
 
 def test_make_source_and_keys():

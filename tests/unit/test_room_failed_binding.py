@@ -27,9 +27,8 @@ N = 4
 
 
 def room(stale=frozenset()):
-    return PrefillRoom(
-        7, N, LAYOUT, ME, 0.0, Timeouts(metadata=50), itertools.count(1), stale=EarlierUses().plus(stale)
-    )
+    return PrefillRoom(room=7, num_pages=N, layout=LAYOUT, me=ME, now=0.0, timeouts=Timeouts(metadata=50),
+                       op_ids=itertools.count(1), stale=EarlierUses().plus(stale))
 
 
 def meta(peer, session):

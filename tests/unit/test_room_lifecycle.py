@@ -33,11 +33,12 @@ SESSION = 22
 
 
 def prefill(num_pages=N):
-    return PrefillRoom(7, num_pages, LAYOUT, PREF.incarnation, 0.0, Timeouts(), itertools.count(1))
+    return PrefillRoom(room=7, num_pages=num_pages, layout=LAYOUT, me=PREF.incarnation, now=0.0, timeouts=Timeouts(),
+                       op_ids=itertools.count(1))
 
 
 def decode():
-    return DecodeRoom(7, SESSION, DEC.incarnation, LAYOUT, 0.0, Timeouts())
+    return DecodeRoom(room=7, session=SESSION, me=DEC.incarnation, layout=LAYOUT, now=0.0, timeouts=Timeouts())
 
 
 def plan():

@@ -16,7 +16,7 @@ LAYOUT = KVLayout(num_layers=2, total_kv_heads=2, head_dim=4, dtype=torch.uint8,
 
 
 def room(n):
-    return PrefillRoom(7, n, LAYOUT, 1000, 0.0, Timeouts(), itertools.count(1))
+    return PrefillRoom(room=7, num_pages=n, layout=LAYOUT, me=1000, now=0.0, timeouts=Timeouts(), op_ids=itertools.count(1))
 
 
 CASES = [  # (num_pages, chunks already sent (size, last), this chunk's size, last) -> the refusal

@@ -99,12 +99,12 @@ class EnginePlanner:
         view = self.engines.get(ev.engine_id)   # the source key
         if view is None:
             return
-        state, records, error = peering.read_lookup(view.name, ev.records, ev.error)
-        view.state = state
-        if state == "ready":
-            view.records, view.engine_id = records, records[0].engine_id
+        found = peering.read_lookup(view.name, ev.records, ev.error)
+        view.state = found.state
+        if found.state is peering.LookupState.READY:
+            view.records, view.engine_id = found.records, found.records[0].engine_id
         else:
-            view.error = error
+            view.error = found.error
         self._changed(view, now)
 
     def _views_of(self, engine_id: str) -> list[EngineView]:
@@ -147,14 +147,15 @@ class EnginePlanner:
             peers[rank] = self.ensure_peer(view, rank, now)
             if peers[rank].state == "rejected":
                 break  # no Hello to the rest: this room cannot be planned
-        gate, bad = peering.plan_gate({rank: p.state for rank, p in peers.items()})
-        if gate == "rejected":
+        verdict = peering.plan_gate({rank: p.state for rank, p in peers.items()})
+        if verdict.gate is peering.Gate.REJECTED:
+            bad = verdict.rejected_by
             assert bad is not None
             view.rooms.discard(room.room)
             self._tell_rejected(view, room, peers[bad].reason)
             return self.book.apply(room, room.on_plan_failed(
                 FailureKind.LAYOUT, f"prefill rank {bad} of {view.engine_id}: {peers[bad].reason}", now))
-        if gate == "wait":
+        if verdict.gate is peering.Gate.WAIT:
             return
         view.rooms.discard(room.room)
         ring, cfg = self.ctx.handler.allocator, self.ctx.cfg

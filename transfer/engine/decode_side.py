@@ -13,8 +13,9 @@ import time
 from collections.abc import Callable
 
 from ...bootstrap.rendezvous import RankGone
+from ...staging.pool_copies import LandedBlock
 from ...staging.ring import RingAllocator
-from ...staging.scatter_worker import ScatterJob, ScatterWorker
+from ...staging.scatter_worker import LandedPart, ScatterJob, ScatterWorker
 from ..poll import KVPoll
 from ..protocol.actions import Action, Scatter, StatusChanged
 from ..protocol.decode_room import DecodeRoom
@@ -80,7 +81,8 @@ class DecodeSide:
 
     # -- the caller's events --------------------------------------------------------------------
     def new_receiver(self, ev: NewReceiver, now: float) -> None:
-        room = DecodeRoom(ev.room, ev.session, self.ctx.me, self.ctx.layout, now, self.ctx.t, tuple(self.ctx.summary.pools))
+        room = DecodeRoom(room=ev.room, session=ev.session, me=self.ctx.me, layout=self.ctx.layout, now=now,
+                          timeouts=self.ctx.t, pools=tuple(self.ctx.summary.pools))
         self.book.add(room, ev.status)
         self.planner.add_room(room, ev.source, now)
 
@@ -203,8 +205,8 @@ class DecodeSide:
 
     def scatter(self, s: Scatter) -> None:
         view = self.ctx.handler.ring_view
-        parts = tuple((view(p.region_offset, p.nbytes), p.dst_heads) for p in s.parts)
-        pools = tuple((view(p.ring_offset, p.copy.nbytes), p.copy) for p in s.pools)
+        parts = tuple(LandedPart(view(p.region_offset, p.nbytes), p.dst_heads) for p in s.parts)
+        pools = tuple(LandedBlock(view(p.ring_offset, p.copy.nbytes), p.copy) for p in s.pools)
         checks = self.ctx.integrity.scatter_checks(s)
         assert self.scatterer is not None, "a scatter on a rank without a staging ring"
         self.scatterer.submit(ScatterJob(room=s.room, key=s.key, pages=s.dst_pages, layers=s.layers, parts=parts,

@@ -10,7 +10,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -26,7 +27,8 @@ from .events import Abort, InitReceiver, InitSender, SendChunk
 Post = Callable[[Any], None]   # hands an event to the control thread; raises once the manager closed
 
 
-class Snapshot(NamedTuple):
+@dataclass(frozen=True)
+class Snapshot:
     """A room's status at one moment, as the caller reads it."""
 
     state: KVPoll
@@ -35,7 +37,8 @@ class Snapshot(NamedTuple):
     released: bool
 
 
-class Ended(NamedTuple):
+@dataclass(frozen=True)
+class Ended:
     """A room's state with its totals and when it ended (None: it has not)."""
 
     state: KVPoll
@@ -125,12 +128,13 @@ class _Handle:
     def metrics(self) -> TransferMetrics | None:
         """What the request moved, how long it took and when each phase happened (its timeline);
         None until it ended (Success or Failed)."""
-        state, totals, ended = self._status.ended()
-        if totals is None:
+        end = self._status.ended()
+        totals = end.totals
+        if totals is None or end.ended_at is None:
             return None
-        seconds = ended - self._started if self._started is not None else None
+        seconds = end.ended_at - self._started if self._started is not None else None
         return TransferMetrics(
-            state=state,
+            state=end.state,
             nbytes=totals.nbytes,
             backend_writes=totals.writes,
             path=totals.path,
@@ -140,10 +144,10 @@ class _Handle:
 
     def failure_exception(self) -> KVTransferError | None:
         """The failure as an exception object (kind and reason), None unless poll() is Failed."""
-        state, failure, kind, _ = self._status.snapshot()
-        if state is not KVPoll.Failed:
+        now = self._status.snapshot()
+        if now.state is not KVPoll.Failed:
             return None
-        return KVTransferError(self.room, kind or "failed", failure or "")
+        return KVTransferError(self.room, now.failure_kind or "failed", now.failure or "")
 
     def abort(self) -> None:
         """Fail the request here and at its peers; resources are released once nothing can land."""
@@ -163,8 +167,9 @@ class _Handle:
     close = clear
 
     def __repr__(self) -> str:
-        state, failure, _, _ = self._status.snapshot()
-        return f"<{type(self).__name__} room={self.room} {state.name}{': ' + failure if failure else ''}>"
+        now = self._status.snapshot()
+        failure = now.failure
+        return f"<{type(self).__name__} room={self.room} {now.state.name}{': ' + failure if failure else ''}>"
 
 
 class KVSender(_Handle):

@@ -22,6 +22,7 @@ import torch
 from ...staging.digests import gathered_digest
 from ...staging.handler import StagingHandler
 from ...staging.kernels import gatherer_class
+from ...staging.scatter_worker import PartDigest
 from ..layout import KVBuffers, KVLayout
 from ..protocol.actions import Scatter, WriteOp
 from ..protocol.decode_room import DecodeRoom, PageSpan, RingSpan
@@ -89,12 +90,13 @@ class Integrity:
                     f"bytes' digest {got:#018x} is not the sent {tag.digest:#018x}")
         return None
 
-    def scatter_checks(self, s: Scatter) -> tuple:
-        """(ring view, digest, writer) of every writer's part of a landed piece, when verifying."""
+    def scatter_checks(self, s: Scatter) -> tuple[PartDigest, ...]:
+        """Every writer's part of a landed piece with the digest it must have, when verifying."""
         if not self.verify:
             return ()
         view = self.handler.ring_view
-        return tuple((view(c.ring_offset, c.nbytes), c.digest, c.writer) for c in s.checks)
+        return tuple(PartDigest(view=view(c.ring_offset, c.nbytes), digest=c.digest, writer=c.writer)
+                     for c in s.checks)
 
     def _flip(self, room: int, span: RingSpan | PageSpan) -> None:
         """Flip one byte of what the write landed (the fault `corrupt_data`)."""

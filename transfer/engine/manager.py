@@ -11,7 +11,7 @@ import secrets
 import threading
 import time
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import zmq
@@ -21,7 +21,7 @@ from ...staging.handler import StagingHandler
 from ...staging.kernels import kernel_choice, requested_kernels
 from ..backends import create_backend
 from ..backends.faults import ControlFaults, FaultPlan, FaultyBackend
-from ..config import METRICS_PORT_ENV, EngineConfig
+from ..config import METRICS_PORT_ENV, EngineConfig, Timeouts
 from ..layout import KVBuffers, KVLayout
 from ..protocol.messages import peer_codec
 from ..protocol.tags import TagCodec
@@ -80,6 +80,10 @@ class KVManager:
         log.info("kvstage %s rank %d of %s ready on %s (backend %s, staging %s)", cfg.role, self.layout.tp_rank,
                  cfg.engine_id, self.endpoint, cfg.backend, "on" if cfg.staging else "off")
 
+    @property
+    def _timeouts(self) -> Timeouts:
+        return cast(Timeouts, self.config.timeouts)   # a resolved config has them
+
     # -- start-up, one step each (STARTUP_STEPS); each pushes its own undo ----------------------------
     def _start_metrics(self, cfg: EngineConfig) -> None:
         """First of all, so a port in use or a missing prometheus-client fails at once."""
@@ -109,17 +113,21 @@ class KVManager:
             raise ValueError(problem)
         for region in regions:
             reg = self._backend.call(lambda b, spans=region.spans: b.register(spans))
-            self._stack.callback(lambda reg=reg: self._backend.call(lambda b: b.deregister(reg)))
+            self._stack.callback(self._deregister, reg)
+
+    def _deregister(self, reg: Any) -> None:
+        self._backend.call(lambda b: b.deregister(reg))
 
     def _start_staging(self, cfg: EngineConfig) -> None:
         staged = bool(cfg.staging) and not self.layout.mla
+        workers = cast(int, cfg.staging_workers)             # a resolved config has every size
+        buffer_mb, ring_mb = cast(float, cfg.staging_buffer_mb), cast(float, cfg.ring_mb)
         self._handler = StagingHandler(
-            cfg.role, lambda r: self._backend.call(lambda b: b.register(r)),
-            lambda reg: self._backend.call(lambda b: b.deregister(reg)),
+            cfg.role, lambda r: self._backend.call(lambda b: b.register(r)), self._deregister,
             epoch=self.incarnation, device=self.buffers.device,
-            workers=cfg.staging_workers if staged and cfg.role == "prefill" else 0,
-            buffer_bytes=int(cfg.staging_buffer_mb * (1 << 20)),
-            ring_bytes=int(cfg.ring_mb * (1 << 20)) if staged and cfg.role == "decode" else 0)
+            workers=workers if staged and cfg.role == "prefill" else 0,
+            buffer_bytes=int(buffer_mb * (1 << 20)),
+            ring_bytes=int(ring_mb * (1 << 20)) if staged and cfg.role == "decode" else 0)
         self._handler.open()
         self._stack.callback(self._handler.close)
 
@@ -128,7 +136,8 @@ class KVManager:
         self._stack.callback(self._close_context)
 
     def _start_bootstrap_client(self, cfg: EngineConfig) -> None:
-        self._bootstrap = open_rendezvous(cfg.bootstrap, token=cfg.token_bytes)   # a server, or etcd
+        # a server, or etcd (a resolved config names one)
+        self._bootstrap = open_rendezvous(cast(str, cfg.bootstrap), token=cfg.token_bytes)
         self._stack.callback(self._bootstrap.close)
 
     def _start_sources(self, cfg: EngineConfig) -> None:
@@ -156,11 +165,11 @@ class KVManager:
             ctrl_endpoint=self.endpoint, backend=cfg.backend, backend_identity=self._backend.call(lambda b: b.name),
             layout={k: v for k, v in msgspec.structs.asdict(self.layout.summary()).items() if k != "pools"},
             pools=self._pools(), incarnation=self.incarnation, dp_rank=cfg.dp_rank)
-        self._register(cfg.timeouts.bootstrap)
+        self._register(self._timeouts.bootstrap)
 
     def _start_keepalive(self, cfg: EngineConfig) -> None:
         # stopped by the bootstrap client's close(); close() deregisters first
-        self._bootstrap.start_keepalive(self._info, interval_s=cfg.timeouts.heartbeat)
+        self._bootstrap.start_keepalive(self._info, interval_s=self._timeouts.heartbeat)
 
     def _make_backend(self, cfg: EngineConfig, plan: FaultPlan | None):
         options = dict(cfg.backend_options)
@@ -168,8 +177,8 @@ class KVManager:
             # a Mooncake write cannot be cancelled once inside the engine: bound how long it may
             # make no progress (and so how long memory stays quarantined), and let a big but
             # progressing write run until the write deadline
-            options.setdefault("stall_timeout_s", cfg.timeouts.mooncake_stall())
-            options.setdefault("transfer_timeout_s", cfg.timeouts.write)
+            options.setdefault("stall_timeout_s", self._timeouts.mooncake_stall())
+            options.setdefault("transfer_timeout_s", self._timeouts.write)
         backend = create_backend(cfg.backend, self.name, cfg.host, **options)
         if plan is None:
             return backend
@@ -338,7 +347,7 @@ class KVManager:
         elif loop.thread.is_alive():
             with contextlib.suppress(RuntimeError):   # it died: it is ending by itself
                 loop.post(Call(lambda lp: lp.begin_close(), lambda _: None))
-            loop.thread.join(self.config.timeouts.close + 30)
+            loop.thread.join(self._timeouts.close + 30)
         if loop.thread.is_alive():
             self._loop_stuck = True
             log.error("the kvstage control thread did not stop; leaving the backend to it")

@@ -151,9 +151,10 @@ class PrefillSide:
 
     # -- the caller's events --------------------------------------------------------------------
     def new_sender(self, ev: NewSender, now: float) -> None:
-        room = PrefillRoom(ev.room, ev.num_pages, self.ctx.layout, self.ctx.me, now, self.ctx.t, _OP_IDS,
-                           stale=self.used_sessions.pop(ev.room, EarlierUses()), pools=tuple(self.ctx.summary.pools),
-                           pool_items=ev.pool_items, grouping=self.grouping)
+        room = PrefillRoom(room=ev.room, num_pages=ev.num_pages, layout=self.ctx.layout, me=self.ctx.me, now=now,
+                           timeouts=self.ctx.t, op_ids=_OP_IDS, stale=self.used_sessions.pop(ev.room, EarlierUses()),
+                           pools=tuple(self.ctx.summary.pools), pool_items=ev.pool_items,
+                           grouping=self.grouping)
         self.book.add(room, ev.status)
         self.served.pop(ev.room, None)
         for item in self.pending.pop(ev.room, []):

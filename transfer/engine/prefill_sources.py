@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ...bootstrap import BootstrapError, Rendezvous, open_rendezvous
 from ...bootstrap.rendezvous import check_address, rendezvous_key
-from ..protocol.peering import DpMatch, engine_for_dp
+from ..protocol.peering import DpEngine, DpMatch, engine_for_dp
 
 
 @dataclass(frozen=True)
@@ -86,15 +86,15 @@ class SourceResolver:
         deadline = time.monotonic() + timeout
         while True:
             try:
-                verdict, what = engine_for_dp(client.status()["ranks"], source.dp_rank)
+                found = engine_for_dp(client.status()["ranks"], source.dp_rank)
             except BootstrapError as exc:
                 if exc.permanent or time.monotonic() >= deadline:
                     raise BootstrapError(f"rendezvous server {source.bootstrap}: {exc}", exc.kind) from exc
-                verdict, what = DpMatch.NONE, str(exc)
-            if verdict == "found":
-                return what
-            if verdict == "ambiguous" or time.monotonic() >= deadline:
-                raise BootstrapError(f"rendezvous server {source.bootstrap}: {what}", "lookup")
+                found = DpEngine(DpMatch.NONE, reason=str(exc))
+            if found.match is DpMatch.FOUND:
+                return found.engine_id
+            if found.match is DpMatch.AMBIGUOUS or time.monotonic() >= deadline:
+                raise BootstrapError(f"rendezvous server {source.bootstrap}: {found.reason}", "lookup")
             time.sleep(self._poll_s)
 
     def close(self) -> None:

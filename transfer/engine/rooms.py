@@ -118,11 +118,13 @@ class RoomBook(Generic[R]):
     def _observe(self, status: RoomStatus) -> None:
         """A request succeeded: its duration from init() and what its writes took, for the
         histograms (transfer/metrics)."""
-        _, totals, ended_at = status.ended()
+        end = status.ended()
+        totals = end.totals
         if totals is None or totals.path == "none":
             return
         init = status.timeline.get("init")
-        self.ctx.observer.request_done(totals.path, None if init is None else ended_at - init, totals.writes,
+        seconds = None if init is None or end.ended_at is None else end.ended_at - init
+        self.ctx.observer.request_done(totals.path, seconds, totals.writes,
                                        status.descriptors if self.ctx.role == "prefill" else None)
 
     def _released(self, room: R) -> None:

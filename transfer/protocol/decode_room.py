@@ -125,7 +125,7 @@ class DecodeRoom(RoomBase):
     TRANSITIONS = DECODE_TRANSITIONS
     PEER_SIDE = "prefill"
 
-    def __init__(self, room: int, session: int, me: int, layout: KVLayout, now: float, timeouts: Timeouts,
+    def __init__(self, *, room: int, session: int, me: int, layout: KVLayout, now: float, timeouts: Timeouts,
                  pools: tuple[PoolSpec, ...] = ()):
         super().__init__(room=room, me=me, layout=layout, now=now, timeouts=timeouts, pools=pools)
         self.session = session

@@ -44,13 +44,22 @@ class LookupState(StrKind):
     FAILED = "failed"
 
 
-def read_lookup(engine_id: str, records: list[Any] | None, error: str | None) -> tuple[LookupState, list[Any], str]:
-    """The bootstrap server's answer -> (state, records sorted by rank, error)."""
+@dataclass(frozen=True)
+class Lookup:
+    """What the decode side makes of the bootstrap server's answer about one prefill engine."""
+
+    state: LookupState
+    records: list[Any]       # READY: the engine's rank records sorted by rank; empty otherwise
+    error: str = ""          # FAILED: why
+
+
+def read_lookup(engine_id: str, records: list[Any] | None, error: str | None) -> Lookup:
+    """The bootstrap server's answer (its records, or why the lookup failed) -> a Lookup."""
     if error is not None:
-        return LookupState.FAILED, [], error
+        return Lookup(LookupState.FAILED, [], error)
     if not records or any(r.role != "prefill" for r in records):
-        return LookupState.FAILED, [], f"engine {engine_id} is not a prefill engine"
-    return LookupState.READY, sorted(records, key=lambda r: r.tp_rank), ""
+        return Lookup(LookupState.FAILED, [], f"engine {engine_id} is not a prefill engine")
+    return Lookup(LookupState.READY, sorted(records, key=lambda r: r.tp_rank))
 
 
 def records_stale(incarnations: Iterable[int], gone: Iterable[int] | set[int], replaced: Iterable[int] | set[int]) -> bool:
@@ -77,15 +86,21 @@ class Gate(StrKind):
     REJECTED = "rejected"    # one refused us
 
 
-def plan_gate(states: dict[int, str]) -> tuple[Gate, int | None]:
-    """Given each needed rank's connection state: (REJECTED, rank) when one refused us,
-    (WAIT, None) while any is still connecting, (GO, None) when all are connected."""
+@dataclass(frozen=True)
+class GateVerdict:
+    gate: Gate
+    rejected_by: int | None = None   # REJECTED: the needed rank that refused us
+
+
+def plan_gate(states: dict[int, str]) -> GateVerdict:
+    """Given each needed rank's connection state: REJECTED (with the first rank that refused us),
+    WAIT while any is still connecting, GO when all are connected."""
     for rank, state in states.items():
         if state == PeerState.REJECTED:
-            return Gate.REJECTED, rank
+            return GateVerdict(Gate.REJECTED, rank)
     if any(s != PeerState.CONNECTED for s in states.values()):
-        return Gate.WAIT, None
-    return Gate.GO, None
+        return GateVerdict(Gate.WAIT)
+    return GateVerdict(Gate.GO)
 
 
 def fallback_reason(has_ring: bool, mla: bool, prefill_tp: int, decode_tp: int,
@@ -108,13 +123,20 @@ class DpMatch(StrKind):
     AMBIGUOUS = "ambiguous"  # several: a configuration error, waiting cannot help
 
 
-def engine_for_dp(rows: list[dict[str, Any]], dp_rank: int) -> tuple[DpMatch, str]:
+@dataclass(frozen=True)
+class DpEngine:
+    match: DpMatch
+    engine_id: str = ""      # FOUND: the engine serving the DP rank
+    reason: str = ""         # NONE or AMBIGUOUS: why there is none
+
+
+def engine_for_dp(rows: list[dict[str, Any]], dp_rank: int) -> DpEngine:
     """Which prefill engine serves data-parallel rank `dp_rank` at a rendezvous server, from its
-    status rows: (FOUND, engine id), else (NONE or AMBIGUOUS, why)."""
+    status rows: FOUND with its engine id, else NONE or AMBIGUOUS with why."""
     engines = sorted({r["engine_id"] for r in rows
                       if r.get("role") == "prefill" and r.get("dp_rank", 0) == dp_rank and not r.get("stale")})
     if len(engines) == 1:
-        return DpMatch.FOUND, engines[0]
+        return DpEngine(DpMatch.FOUND, engine_id=engines[0])
     if not engines:
-        return DpMatch.NONE, f"no live prefill engine with DP rank {dp_rank} is registered"
-    return DpMatch.AMBIGUOUS, f"prefill engines {', '.join(engines)} all claim DP rank {dp_rank}"
+        return DpEngine(DpMatch.NONE, reason=f"no live prefill engine with DP rank {dp_rank} is registered")
+    return DpEngine(DpMatch.AMBIGUOUS, reason=f"prefill engines {', '.join(engines)} all claim DP rank {dp_rank}")

@@ -47,7 +47,7 @@ class PrefillRoom(RoomBase):
     TRANSITIONS = PREFILL_TRANSITIONS
     PEER_SIDE = "decode"
 
-    def __init__(self, room: int, num_pages: int | None, layout: KVLayout, me: int, now: float,
+    def __init__(self, *, room: int, num_pages: int | None, layout: KVLayout, me: int, now: float,
                  timeouts: Timeouts, op_ids: itertools.count[int] | None = None, max_ranges: int = 65536,
                  stale: EarlierUses | None = None, pools: tuple[PoolSpec, ...] = (),
                  pool_items: dict[str, np.ndarray] | None = None, grouping: LayerGrouping = PER_CHUNK):

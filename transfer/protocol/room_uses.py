@@ -86,8 +86,10 @@ def meta_use(earlier: EarlierUses, bound: Bound | None, failed_by: tuple[int, in
         return RoomUse.STALE
     if bound is not None and bound.peer == peer and bound.session != session:
         return RoomUse.NEXT
-    if failed_by is not None and failed_by[0] == peer.incarnation and failed_by[1] != session:
-        return RoomUse.NEXT
+    if failed_by is not None:
+        failed_incarnation, failed_session = failed_by
+        if failed_incarnation == peer.incarnation and failed_session != session:
+            return RoomUse.NEXT
     return RoomUse.THIS
 
 

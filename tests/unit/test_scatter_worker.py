@@ -1,0 +1,77 @@
+"""The decode scatter thread on CPU tensors: a landed piece reaches the cache through its named
+parts, and a part whose digest is not the sent one is never scattered."""
+
+import queue
+
+import numpy as np
+import torch
+
+from kvstage.staging.digests import digest
+from kvstage.staging.gather_scatter import Gatherer
+from kvstage.staging.scatter_worker import LandedPart, PartDigest, ScatterJob, ScatterWorker
+from kvstage.transfer.protocol.kinds import FailureKind
+
+PAGE, HEADS, HEAD_BYTES, PAGES = 2, 4, 8, 6
+
+
+def cache(gen=None):
+    shape = (PAGES * PAGE, HEADS, HEAD_BYTES)
+    make = (lambda: torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)) if gen else (
+        lambda: torch.zeros(shape, dtype=torch.uint8))
+    return [make()], [make()]
+
+
+def run(job):
+    """One job through a real ScatterWorker thread; its report as a dict."""
+    dst_k, dst_v = cache()
+    reports: queue.SimpleQueue = queue.SimpleQueue()
+    worker = ScatterWorker(dst_k, dst_v, PAGE, report=lambda *a: reports.put(a))
+    try:
+        worker.submit(job)
+        room, key, ok, reason, _seconds, kind = reports.get(timeout=30)
+    finally:
+        worker.stop()
+    return dict(room=room, key=key, ok=ok, reason=reason, kind=kind), dst_k, dst_v
+
+
+def landed():
+    """Pages [4, 1] x heads [1, 3) of a random cache, gathered as a writer would stage them."""
+    src_k, src_v = cache(torch.Generator().manual_seed(7))
+    ring = torch.empty(1 << 12, dtype=torch.uint8)
+    pages = torch.tensor([4, 1])
+    n = Gatherer().gather(src_k, src_v, pages, PAGE, (1, 3), ring)
+    return src_k, src_v, ring[:n]
+
+
+def expect_rows(src, dst, pages, touched):
+    for p in range(PAGES):
+        rows = slice(p * PAGE, (p + 1) * PAGE)
+        if touched:
+            assert torch.equal(dst[rows, 1:3], src[rows, 1:3]) == (p in pages), p
+        else:
+            assert not dst[rows].any(), p
+    assert not dst[:, 0].any() and not dst[:, 3].any()   # heads outside the part stay as they were
+
+
+def test_a_checked_part_lands_in_its_heads():
+    src_k, src_v, view = landed()
+    job = ScatterJob(room=3, key=(0, 1), pages=np.array([4, 1]), parts=(LandedPart(view, (1, 3)),),
+                     checks=(PartDigest(view=view, digest=digest(view), writer=2),))
+    report, dst_k, dst_v = run(job)
+    assert report == dict(room=3, key=(0, 1), ok=True, reason=None, kind=FailureKind.SCATTER)
+    expect_rows(src_k[0], dst_k[0], {4, 1}, touched=True)
+    expect_rows(src_v[0], dst_v[0], {4, 1}, touched=True)
+
+
+def test_a_part_with_a_wrong_digest_is_not_scattered():
+    _, _, view = landed()
+    sent = digest(view) ^ 1
+    job = ScatterJob(room=3, key=(0, 1), pages=np.array([4, 1]), parts=(LandedPart(view, (1, 3)),),
+                     checks=(PartDigest(view=view, digest=digest(view), writer=0),
+                             PartDigest(view=view, digest=sent, writer=5)))
+    report, dst_k, dst_v = run(job)
+    assert (report["ok"], report["kind"]) == (False, FailureKind.CORRUPT)
+    assert report["reason"] == (f"corrupt data in chunk 0 piece 1: writer 5: the landed bytes' digest "
+                                f"{digest(view):#018x} is not the sent {sent:#018x}")
+    expect_rows(None, dst_k[0], set(), touched=False)
+    expect_rows(None, dst_v[0], set(), touched=False)
