@@ -104,6 +104,10 @@ class RingAllocator:
         """How much of the ring itself is held by live regions (at most its size)."""
         return min(self.live_bytes, self.size)
 
+    def holds(self, start: int) -> bool:
+        """Whether a region starting at linear position `start` is allocated (not freed yet)."""
+        return start in self._live
+
     def is_free(self, region: Region) -> bool:
         return region_is_free(region.start, region.nbytes, self._watermark, self.size)
 

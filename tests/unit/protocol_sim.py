@@ -330,8 +330,10 @@ class World:
             assert data.size == op.nbytes
             off = (op.ring_start % g.ring_bytes) + op.writer_offset
             owners = self.ring_owner[d][off : off + op.nbytes]
-            # a byte may only be overwritten once the piece that owned it was scattered and freed
-            busy = owners[(owners >= 0) & (owners != op.ring_start)]
+            # a byte may only be overwritten once the piece that owned it was freed (scattered, or
+            # given up by a failed room once its writers stopped)
+            held = np.array([o >= 0 and o != op.ring_start and self.rings[d].holds(int(o)) for o in owners], dtype=bool)
+            busy = owners[held]
             if busy.size:
                 self.overlaps += 1
             self.ring_mem[d][off : off + op.nbytes] = data

@@ -55,7 +55,8 @@ def expect_rows(src, dst, pages, touched):
 
 def test_a_checked_part_lands_in_its_heads():
     src_k, src_v, view = landed()
-    job = ScatterJob(room=3, key=(0, 1), pages=np.array([4, 1]), parts=(LandedPart(view, (1, 3)),),
+    job = ScatterJob(room=3, key=(0, 1), pages=np.array([4, 1]), layers=range(1),
+                     parts=(LandedPart(view, (1, 3)),),
                      checks=(PartDigest(view=view, digest=digest(view), writer=2),))
     report, dst_k, dst_v = run(job)
     assert report == dict(room=3, key=(0, 1), ok=True, reason=None, kind=FailureKind.SCATTER)
@@ -66,7 +67,8 @@ def test_a_checked_part_lands_in_its_heads():
 def test_a_part_with_a_wrong_digest_is_not_scattered():
     _, _, view = landed()
     sent = digest(view) ^ 1
-    job = ScatterJob(room=3, key=(0, 1), pages=np.array([4, 1]), parts=(LandedPart(view, (1, 3)),),
+    job = ScatterJob(room=3, key=(0, 1), pages=np.array([4, 1]), layers=range(1),
+                     parts=(LandedPart(view, (1, 3)),),
                      checks=(PartDigest(view=view, digest=digest(view), writer=0),
                              PartDigest(view=view, digest=sent, writer=5)))
     report, dst_k, dst_v = run(job)
@@ -75,3 +77,27 @@ def test_a_part_with_a_wrong_digest_is_not_scattered():
                                 f"{digest(view):#018x} is not the sent {sent:#018x}")
     expect_rows(None, dst_k[0], set(), touched=False)
     expect_rows(None, dst_v[0], set(), touched=False)
+
+
+def test_a_layer_group_lands_in_its_layers_only():
+    """A layer-wise piece holds K of its layers, then V of them: scattered into exactly those."""
+    gen = torch.Generator().manual_seed(3)
+    shape = (PAGES * PAGE, HEADS, HEAD_BYTES)
+    src_k = [torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen) for _ in range(3)]
+    src_v = [torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen) for _ in range(3)]
+    ring = torch.empty(1 << 12, dtype=torch.uint8)
+    n = Gatherer().gather(src_k[1:3], src_v[1:3], torch.tensor([4, 1]), PAGE, (1, 3), ring)
+    dst_k = [torch.zeros(shape, dtype=torch.uint8) for _ in range(3)]
+    dst_v = [torch.zeros(shape, dtype=torch.uint8) for _ in range(3)]
+    reports: queue.SimpleQueue = queue.SimpleQueue()
+    worker = ScatterWorker(dst_k, dst_v, PAGE, report=lambda *a: reports.put(a))
+    try:
+        worker.submit(ScatterJob(room=3, key=(0, 0), pages=np.array([4, 1]), layers=range(1, 3),
+                                 parts=(LandedPart(ring[:n], (1, 3)),)))
+        assert reports.get(timeout=30)[2] is True
+    finally:
+        worker.stop()
+    assert not dst_k[0].any() and not dst_v[0].any()
+    for layer in (1, 2):
+        for src, dst in ((src_k, dst_k), (src_v, dst_v)):
+            expect_rows(src[layer], dst[layer], [4, 1], touched=True)
