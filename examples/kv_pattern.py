@@ -10,6 +10,8 @@ differs from the random block.
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import numpy as np
 import torch
 
@@ -42,11 +44,15 @@ class KVPattern:
     def _expected(self, t: int, keys: torch.Tensor) -> torch.Tensor:
         return (self.base[t][None, :] ^ keys[:, None]).view(torch.uint8)
 
-    def fill(self, tensors: list[torch.Tensor], room: int, pages: np.ndarray) -> None:
-        """Write the request's pattern into cache `pages` (request order) of every tensor."""
+    def fill(self, tensors: list[torch.Tensor], room: int, pages: np.ndarray, first: int = 0,
+             only: Collection[int] | None = None) -> None:
+        """Write the request's pattern into cache `pages` (request order, from request page
+        `first`) of every tensor, or of tensors whose index is in `only`."""
         pages_t = torch.as_tensor(np.asarray(pages, dtype=np.int64))
-        keys = self._keys(room, len(pages))
+        keys = self._keys(room, len(pages), first)
         for t, tensor in enumerate(tensors):
+            if only is not None and t not in only:
+                continue
             view = _paged(tensor, self.layout)
             view[pages_t.to(tensor.device)] = self._expected(t, keys).view(len(pages), *view.shape[1:]).to(tensor.device)
 

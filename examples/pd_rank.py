@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 import faulthandler
+import functools
 import json
 import logging
 import os
@@ -304,10 +305,11 @@ def start_room(mgr: KVManager, spec: dict, r: dict, pages: np.ndarray, pattern: 
                items: dict | None = None, buffers: KVBuffers | None = None) -> dict:
     st = {"room": r["room"], "pages": pages, "spec": r, "t0": time.perf_counter(), "chunk": 0, "sent": 0,
           "aborted": False, "t_done": None, "wall0": time.time(), "pattern": pattern, "tensors": tensors,
-          "rank": spec["rank"], "items": items or {}, "buffers": buffers}
+          "rank": spec["rank"], "items": items or {}, "buffers": buffers, "verify": verifies(spec, r["room"])}
     if spec["role"] == "prefill":
         if verifies(spec, r["room"]):
-            pattern.fill(tensors, r.get("pattern_key", r["room"]), pages)
+            if not r.get("layer_sends"):   # layer-wise: each send's layers are filled once it is ready
+                pattern.fill(tensors, r.get("pattern_key", r["room"]), pages)
             if st["items"]:
                 pool_pattern.fill(buffers.pools, st["items"], r.get("pattern_key", r["room"]), pattern.layout)
         delay = r.get("create_delay_s", 0)
@@ -447,15 +449,20 @@ def advance(mgr: KVManager, spec: dict, st: dict) -> bool:
     return False
 
 
-class ThreadRecorder:
-    """A readiness object (what a CUDA event is to send(ready=...)): records which threads
-    synchronize() ran on, so a test can check that kvstage waits, never the caller."""
+class LayersComputed:
+    """A readiness object (what a CUDA event is to send(ready=...)): the pattern of its layers'
+    pages is written only when synchronize() runs, as a GPU's forward pass would have produced
+    them by then, so a write that read them without waiting carries zeros and fails the check.
+    Records which threads synchronize() ran on (kvstage's, never the caller's)."""
 
-    def __init__(self, seen: set):
-        self.seen = seen
+    def __init__(self, seen: set, fill=None):
+        self.seen, self._fill = seen, fill
 
     def synchronize(self) -> None:
         self.seen.add(threading.current_thread().name)
+        if self._fill is not None:
+            self._fill()
+            self._fill = None
 
 
 def send_layers(h, r: dict, st: dict, n: int, num_chunks: int) -> bool:
@@ -468,8 +475,15 @@ def send_layers(h, r: dict, st: dict, n: int, num_chunks: int) -> bool:
         st["aborted"] = True
         return True
     a, b = sends[i]
-    h.send(st["pages"][st["sent"]:st["sent"] + n], layers=range(a, b),
-           ready=ThreadRecorder(st.setdefault("ready_threads", set())))
+    pages = st["pages"][st["sent"]:st["sent"] + n]
+    fill = None
+    if st["verify"]:
+        layout = st["pattern"].layout
+        tensors = [range(a, b)] + ([range(layout.num_layers + a, layout.num_layers + b)] if layout.num_kv == 2 else [])
+        only = [t for rng in tensors for t in rng]
+        fill = functools.partial(st["pattern"].fill, st["tensors"], r.get("pattern_key", r["room"]), pages,
+                                 st["sent"], only)
+    h.send(pages, layers=range(a, b), ready=LayersComputed(st.setdefault("ready_threads", set()), fill))
     st["sends_made"] = st.get("sends_made", 0) + 1
     st["layer_send"] = i + 1
     if st["layer_send"] == len(sends):

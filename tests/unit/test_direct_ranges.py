@@ -71,3 +71,13 @@ def test_rejects_mismatched_geometry():
         direct_descriptors(a, CacheGeometry((0,), 4, 64, 16), np.array([0]), np.array([0]), (0, 4), (0, 4))
     with pytest.raises(ValueError):
         direct_descriptors(a, a, np.array([0]), np.array([0]), (0, 4), (0, 2))
+
+
+def test_of_layers_keeps_k_then_v_of_those_layers_only():
+    geo = CacheGeometry(tuple(range(100, 106)), 4, 32, 8, num_kv=2)   # K0 K1 K2 V0 V1 V2
+    assert geo.of_layers(range(1, 3)).bases == (101, 102, 104, 105)
+    assert geo.of_layers(range(0, 3)) is geo
+    mla = CacheGeometry((7, 8, 9), 4, 32, 8)
+    assert mla.of_layers(range(2, 3)).bases == (9,)
+    with pytest.raises(ValueError, match="layers range"):
+        geo.of_layers(range(2, 4))
