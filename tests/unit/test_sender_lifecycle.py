@@ -174,3 +174,34 @@ def test_sender_learns_the_decode_prefix_from_the_status():
     assert s.decode_prefix_pages is None
     s._status.decode_prefix_pages = 5             # what the control thread sets on DecodePrefix
     assert s.decode_prefix_pages == 5
+
+
+class Event:
+    def synchronize(self):
+        pass
+
+
+def test_layer_wise_sends_in_the_callers_thread_misuse_raises_and_sends_nothing():
+    posted = []
+    s = KVSender(posted.append, 100, 7, 2, RoomStatus(), layers=range(4))
+    s.send([5, 6], layers=range(0, 2), ready=Event())
+    assert (posted[-1].layers, posted[-1].last, len(posted[-1].ready)) == (range(0, 2), False, 1)
+    bad = [
+        (dict(pages=[7], layers=range(4, 5)), "outside this rank's layers"),
+        (dict(pages=[5], layers=range(0, 1)), r"\(page 5, layers \[0, 1\)\) was already sent"),
+        (dict(pages=[5, 7], layers=range(2, 4)), "page 7 at position 1 differs from page 6"),
+        (dict(pages=[5, 6], layers=range(2, 4), ready=object()), "synchronize"),
+        (dict(pages=[5, 6], layers=range(2, 4), last=False), None),   # allowed: kept open
+    ]
+    for kwargs, match in bad:
+        before = len(posted)
+        if match is None:
+            s.send(**kwargs)
+            assert len(posted) == before + 1 and posted[-1].last is False
+            continue
+        with pytest.raises(ValueError, match=match):
+            s.send(**kwargs)
+        assert len(posted) == before, kwargs
+    s.send([], last=True)   # every (page, layer) was sent: the explicit end
+    with pytest.raises(ValueError, match="after the last chunk"):
+        s.send([8], layers=range(0, 1))

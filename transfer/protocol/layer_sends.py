@@ -103,6 +103,12 @@ class SendLedger:
                              f"each group of layers that moved together")
         n = int(pages.size)
         end = start + n
+        if layers is not None and n:
+            earlier = self._pages[:start]
+            again = np.isin(pages, earlier[earlier >= 0])
+            if again.any():
+                raise ValueError(f"room {room}: (page {int(pages[int(np.argmax(again))])}, layers "
+                                 f"[{rng.start}, {rng.stop})) was already sent")
         if end > self.num_pages:
             which = "" if rng == self.stage else f" for layers [{rng.start}, {rng.stop})"
             raise ValueError(f"room {room}: {end} pages sent{which}, the sender was created for {self.num_pages}")
@@ -112,12 +118,6 @@ class SendLedger:
             at = start + int(np.argmax(differ))
             raise ValueError(f"room {room}: page {int(pages[at - start])} at position {at} differs from page "
                              f"{int(known[at - start])} another layer's send gave there")
-        if layers is not None and n:
-            earlier = self._pages[:start]
-            again = np.isin(pages, earlier[earlier >= 0])
-            if again.any():
-                raise ValueError(f"room {room}: (page {int(pages[int(np.argmax(again))])}, layers "
-                                 f"[{rng.start}, {rng.stop})) was already sent")
         after = self._sent.copy()
         after[lo:hi] = end
         complete = bool((after == self.num_pages).all())
