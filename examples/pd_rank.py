@@ -25,7 +25,10 @@ pattern_key (both: the bytes' key instead of the room id, so two uses of one roo
 layer_sends (prefill: each chunk is sent layer-wise, as these [start, stop) layer ranges in this
 order, one send() per step, each with a readiness object whose synchronize() records the thread
 that called it; the record's ready_threads names them), abort_after_sends (prefill: layer-wise
-sends made before abort()).
+sends made before abort()), pool_items_with_last (prefill: the room's pool items go with its last
+send, not with the page count; the record's last_send_at is when that send was made, in
+time.monotonic() seconds like the timeline's), send_after_metadata (prefill: the first send waits
+until the decode side's metadata is in).
 Per manager, layer_group and layerwise_min_tokens: EngineConfig's.
 Per manager, dp_rank is the prefill engine's data-parallel rank (EngineConfig.dp_rank).
 Per manager, metrics_port serves Prometheus metrics (EngineConfig.metrics_port; 0: any free port)
@@ -364,7 +367,7 @@ def init_receiver(st: dict) -> None:
 def new_sender(mgr: KVManager, r: dict, st: dict):
     late = r.get("late_init")
     st["inited"], st["seen_before_init"] = not late, set()
-    items = st["items"] or None
+    items = None if r.get("pool_items_with_last") else (st["items"] or None)
     if not late:
         return mgr.sender(r["room"], len(st["pages"]), pool_items=items)
     h = mgr.sender(r["room"])
@@ -404,11 +407,12 @@ def advance(mgr: KVManager, spec: dict, st: dict) -> bool:
             if state is not KVPoll.WaitingForInput:
                 st["seen_before_init"].add(state.name)
                 return False
-            h.init(len(st["pages"]), pool_items=st["items"] or None)
+            h.init(len(st["pages"]), pool_items=None if r.get("pool_items_with_last") else (st["items"] or None))
             st["inited"], st["waited_for_input"] = True, True
             return True
         chunks = r.get("chunks") or [len(st["pages"])]
-        if spec.get("bench") and st["chunk"] == 0 and h.poll() is KVPoll.Bootstrapping:
+        if (spec.get("bench") or r.get("send_after_metadata")) and st["chunk"] == 0 \
+                and h.poll() is KVPoll.Bootstrapping:
             return False  # bench: the clock starts once the decode side is there
         if st["chunk"] < len(chunks) and now >= st.get("next_chunk_at", 0):
             if st["chunk"] == 0:
@@ -424,10 +428,14 @@ def advance(mgr: KVManager, spec: dict, st: dict) -> bool:
             n = chunks[st["chunk"]]
             if r.get("layer_sends"):
                 return send_layers(h, r, st, n, len(chunks))
+            final = st["chunk"] == len(chunks) - 1
+            extra = {"pool_items": st["items"]} if final and r.get("pool_items_with_last") else {}
+            if final:
+                st["last_send_at"] = time.monotonic()
             if r.get("infer_last"):
-                h.send(st["pages"][st["sent"]:st["sent"] + n])
+                h.send(st["pages"][st["sent"]:st["sent"] + n], **extra)
             else:
-                h.send(st["pages"][st["sent"]:st["sent"] + n], last=st["chunk"] == len(chunks) - 1)
+                h.send(st["pages"][st["sent"]:st["sent"] + n], last=final, **extra)
             st["sent"] += n
             st["chunk"] += 1
             st["next_chunk_at"] = now + r.get("chunk_delay_s", 0)
@@ -483,7 +491,11 @@ def send_layers(h, r: dict, st: dict, n: int, num_chunks: int) -> bool:
         only = [t for rng in tensors for t in rng]
         fill = functools.partial(st["pattern"].fill, st["tensors"], r.get("pattern_key", r["room"]), pages,
                                  st["sent"], only)
-    h.send(pages, layers=range(a, b), ready=LayersComputed(st.setdefault("ready_threads", set()), fill))
+    final = i == len(sends) - 1 and st["chunk"] == num_chunks - 1
+    extra = {"pool_items": st["items"]} if final and r.get("pool_items_with_last") else {}
+    if final:
+        st["last_send_at"] = time.monotonic()
+    h.send(pages, layers=range(a, b), ready=LayersComputed(st.setdefault("ready_threads", set()), fill), **extra)
     st["sends_made"] = st.get("sends_made", 0) + 1
     st["layer_send"] = i + 1
     if st["layer_send"] == len(sends):
@@ -513,6 +525,8 @@ def finish(spec: dict, st: dict, pattern: KVPattern, tensors) -> dict:
     exc = h.failure_exception() if hasattr(h, "failure_exception") else None
     if exc is not None:
         rec["exception"] = {"type": type(exc).__name__, "kind": exc.kind, "reason": exc.reason}
+    if "last_send_at" in st:
+        rec["last_send_at"] = st["last_send_at"]
     if "ready_threads" in st:
         rec["ready_threads"] = sorted(st["ready_threads"])
     if st["spec"].get("late_init") == "wait":

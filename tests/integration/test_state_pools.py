@@ -187,3 +187,33 @@ def test_a_pool_registered_on_one_side_only_refuses_the_connection():
                     "pool 'aux': registered at the peer only" in rec["failure"]
                     or "pool 'aux': registered here only" in rec["failure"]
                 ), rec
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_pool_items_with_the_last_send_stream_the_kv_chunk_by_chunk(backend):
+    """A serving engine that names a request's state only with its last send (SGLang's hybrid
+    models) still streams: the first write leaves before the last send, the items arrive with
+    it, bit-exact, staged and direct, hetero TP both ways; a request whose decode side expects
+    other items fails on both sides, named, once the last send showed the mismatch."""
+    cases = []
+    for topo, staging in ((Topo(P=2, D=1, H=4), True), (Topo(P=1, D=2, H=4), True), (Topo(P=2, D=2, H=4), False)):
+        rooms = random_rooms(61, 5, 16, base=8100)
+        for r in rooms:
+            r.update(pool_items_with_last=True)
+        rooms[0].update(pages=6, tokens=96, chunks=[2, 2, 2], chunk_delay_s=0.4,   # the last send comes late
+                        send_after_metadata=True)
+        rooms[2]["pool_items_decode"] = {"aux": 2, "mamba": 1}
+        cases.append(pooled(Case(topo=topo, page_size=16, dtype="bfloat16", staging=staging, backend=backend,
+                                 rooms=rooms), {"aux": AUX, "mamba": mamba(8)}, {"aux": 1, "mamba": 1}))
+    results, codes, logs, _ = run_cases(cases, timeout=240)
+    assert not any(codes), codes
+    for c, side, res in each_rank(cases, results):
+        for rec in res["rooms"]:
+            if rec["room"] == c.rooms[2]["room"]:
+                assert rec["state"] == "Failed" and "pool items differ" in rec["failure"], (c.name, rec)
+                continue
+            assert rec["state"] == "Success" and rec["verified"] is (True if side == "decode" else None), (c.name, rec)
+            if side == "prefill" and rec["room"] == c.rooms[0]["room"]:
+                first = rec["metrics"]["timeline"]["first_write"]
+                assert first is not None and first < rec["last_send_at"], (c.name, rec)   # written while streaming

@@ -1,5 +1,5 @@
-"""A sender's input rules, written once (protocol/send_checks.py): the prefill room refuses what
-the caller's handle refuses, in the same words."""
+"""A sender's input rules, written once (protocol/send_checks.py, protocol/layer_sends.py): the
+prefill room refuses what the caller's handle refuses, in the same words."""
 
 import itertools
 
@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from kvstage.transfer.config import Timeouts
+from kvstage.transfer.engine.handles import KVSender, RoomStatus
 from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.protocol.prefill_room import PrefillRoom
-from kvstage.transfer.protocol.send_checks import check_chunk, check_page_count
+from kvstage.transfer.protocol.send_checks import check_late_items, check_page_count
 
 LAYOUT = KVLayout(num_layers=2, total_kv_heads=2, head_dim=4, dtype=torch.uint8, page_size=2, tp_size=1, tp_rank=0, mla=False)
 
@@ -28,21 +29,37 @@ CASES = [  # (num_pages, chunks already sent (size, last), this chunk's size, la
 
 
 @pytest.mark.parametrize("n,before,size,last,match", CASES)
-def test_room_and_rule_refuse_alike(n, before, size, last, match):
-    r, sent, ended = room(n), 0, False
+def test_room_and_handle_refuse_alike(n, before, size, last, match):
+    r, sent = room(n), 0
+    h = KVSender(lambda ev: None, 100, 7, n, RoomStatus(), layers=LAYOUT.layers)
     for s, lst in before:
-        r.add_chunk(np.arange(s), lst, 0.0)
-        ended = check_chunk(7, n, sent, ended, s, lst)
+        r.add_chunk(np.arange(sent, sent + s), lst, 0.0)
+        h.send(np.arange(sent, sent + s), lst)
         sent += s
     with pytest.raises(ValueError, match=match):
-        check_chunk(7, n, sent, ended, size, last)
+        h.send(np.arange(sent, sent + size), last)
     with pytest.raises(ValueError, match=match):
-        r.add_chunk(np.arange(size), last, 1.0)
+        r.add_chunk(np.arange(sent, sent + size), last, 1.0)
     assert r.pages_given == sent    # nothing of a refused chunk is kept
 
 
 def test_last_is_inferred_from_the_count():
-    assert check_chunk(7, 4, 2, False, 2, None) is True and check_chunk(7, 4, 0, False, 2, None) is False
+    r = room(4)
+    r.add_chunk(np.arange(2), None, 0.0)
+    assert not r.last
+    r.add_chunk(np.arange(2, 4), None, 0.0)
+    assert r.last
+
+
+@pytest.mark.parametrize("given, late, last, match", [
+    ({}, {"aux": np.array([1])}, False, "with the last send only"),
+    ({"aux": np.array([1])}, {"aux": np.array([2])}, True, "pool\(s\) aux were given at init\(\) and again"),
+])
+def test_late_pool_items_rules(given, late, last, match):
+    with pytest.raises(ValueError, match=match):
+        check_late_items(7, given, late, last)
+    check_late_items(7, given, {}, last)                                   # nothing late: nothing to check
+    check_late_items(7, {"other": np.array([1])}, late, True)              # another pool's, on the last send
 
 
 @pytest.mark.parametrize("current,n,match", [(4, 4, "init\\(\\) called twice"), (None, 0, "positive int"),

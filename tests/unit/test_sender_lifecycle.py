@@ -205,3 +205,23 @@ def test_layer_wise_sends_in_the_callers_thread_misuse_raises_and_sends_nothing(
     s.send([], last=True)   # every (page, layer) was sent: the explicit end
     with pytest.raises(ValueError, match="after the last chunk"):
         s.send([8], layers=range(0, 1))
+
+
+def test_pool_items_with_the_last_send_only_and_never_twice():
+    from types import SimpleNamespace
+    pools = {"aux": SimpleNamespace(num_items=8), "state": SimpleNamespace(num_items=4)}
+    posted = []
+    s = KVSender(posted.append, 100, 7, None, RoomStatus(), pools=pools)
+    s.init(2, pool_items={"aux": [3]})
+    with pytest.raises(ValueError, match="with the last send only"):
+        s.send([0], pool_items={"state": [1]})
+    with pytest.raises(ValueError, match=r"pool\(s\) aux were given at init\(\) and again"):
+        s.send([0, 1], pool_items={"aux": [4]})
+    with pytest.raises(ValueError, match="outside \\[0, 4\\)"):
+        s.send([0, 1], pool_items={"state": [9]})
+    assert len(posted) == 1   # only init(): nothing of a refused send went out
+    s.send([0, 1], pool_items={"state": [1]})
+    assert posted[-1].last and {k: list(v) for k, v in posted[-1].pool_items.items()} == {"state": [1]}
+    counted = KVSender(posted.append, 100, 8, 1, RoomStatus(), pools=pools, pool_items={"aux": [0]})
+    with pytest.raises(ValueError, match="given at init"):    # sender(room, n, pool_items=...) counts as init
+        counted.send([0], pool_items={"aux": [1]})

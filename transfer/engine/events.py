@@ -90,6 +90,7 @@ class SendChunk:
     last: bool                # decided in the caller's thread (inferred there when not given)
     layers: range | None = None           # None: every layer of the rank
     ready: tuple[object, ...] = ()        # waited on by a kvstage thread before the layers are read
+    pool_items: dict | None = None        # the last send: items of pools init() did not name
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -19,7 +19,7 @@ from ...staging.page_lists import check_pages
 from ..outcome import KVTransferError, TransferMetrics
 from ..poll import KVPoll
 from ..protocol.layer_sends import SendLedger
-from ..protocol.send_checks import check_page_count
+from ..protocol.send_checks import check_late_items, check_page_count
 from ..state_pools import check_pool_items
 from ..timeline import TimelineRecorder
 from .events import Abort, InitReceiver, InitSender, SendChunk
@@ -186,13 +186,15 @@ class KVSender(_Handle):
         forget: Callable[[int, RoomStatus], None] | None = None,
         pools: dict | None = None,
         layers: range | None = None,
+        pool_items: dict | None = None,
     ):
         """`layers`: the layers this rank holds (None: one layer; the manager passes the
-        layout's)."""
+        layout's); `pool_items`: the items given with the page count at creation."""
         super().__init__(post, cache_pages, room, "prefill", status, forget)
         self.num_pages = num_pages
         self._pools = pools or {}
         self._ledger = SendLedger(room=room, stage=layers if layers is not None else range(1))
+        self._init_items: dict = pool_items or {}   # pools named at creation or init()
         if num_pages is not None:
             self._started = self._mark_init()
             self._ledger.set_page_count(num_pages)
@@ -211,12 +213,13 @@ class KVSender(_Handle):
         items = check_pool_items(pool_items, self._pools, f"room {self.room} init()")
         started = self._mark_init()
         self._post(InitSender(self.room, num_pages, items))
+        self._init_items = items
         self.num_pages = num_pages
         self._ledger.set_page_count(num_pages)
         self._started = started
 
     def send(self, pages: Any, last: bool | None = None, *, layers: range | None = None,
-             ready: Any = None) -> None:
+             ready: Any = None, pool_items: dict | None = None) -> None:
         """The next pages of the request (indices into this rank's cache, in request order).
 
         `layers` (a range): send only these layers of the pages, as soon as the forward pass
@@ -226,7 +229,9 @@ class KVSender(_Handle):
         there. `ready`: an object with `synchronize()` (a CUDA event recorded after the layers
         were written) that kvstage's own thread waits on before reading them, never the
         caller's. `last` left out: the request ends when every (page, layer) was sent; given, it
-        must agree with that."""
+        must agree with that. `pool_items`: the request's items of pools init() did not name
+        ({pool name: [item, ...]}), on its last send only (serving engines that name a request's
+        state only once its prefill is done keep streaming the KV chunk by chunk)."""
         self._ledger.check(np.empty(0, dtype=np.int64), layers, None)  # before the pages are read
         if ready is not None and not callable(getattr(ready, "synchronize", None)):
             raise ValueError(f"room {self.room}: ready must have a synchronize() method (a CUDA event), got "
@@ -234,8 +239,10 @@ class KVSender(_Handle):
         arr = check_pages(pages, self._cache_pages, f"room {self.room} send()", unique=False, host_only=True,
                           copy=True)
         step = self._ledger.check(arr, layers, last)
+        items = check_pool_items(pool_items, self._pools, f"room {self.room} send()")
+        check_late_items(self.room, self._init_items, items, step.last)
         self._post(SendChunk(room=self.room, pages=arr, last=step.last, layers=layers,
-                             ready=(ready,) if ready is not None else ()))
+                             ready=(ready,) if ready is not None else (), pool_items=items or None))
         self._ledger.record(step, arr)
 
 

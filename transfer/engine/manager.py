@@ -236,7 +236,7 @@ class KVManager:
         items = check_pool_items(pool_items, self.buffers.pools, f"room {room} sender()")
         status = self._claim(room)
         handle = KVSender(self._post, self.num_pages, room, num_pages, status, self._forget, self.buffers.pools,
-                          layers=self.layout.layers)
+                          layers=self.layout.layers, pool_items=items)
         self._post(NewSender(room=room, num_pages=num_pages, status=status, pool_items=items))
         return handle
 

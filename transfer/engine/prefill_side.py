@@ -169,7 +169,8 @@ class PrefillSide:
     def send_chunk(self, ev: SendChunk, now: float) -> None:
         room = self.book.get(ev.room)
         if room is not None:
-            self.book.apply(room, room.add_chunk(ev.pages, ev.last, now, layers=ev.layers, ready=ev.ready))
+            self.book.apply(room, room.add_chunk(ev.pages, ev.last, now, layers=ev.layers, ready=ev.ready,
+                                                 pool_items=ev.pool_items))
 
     def abort(self, ev: Abort, now: float) -> None:
         room = self.book.get(ev.room)

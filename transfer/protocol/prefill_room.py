@@ -39,7 +39,7 @@ from .messages import AllocGrant, AllocRequest, Quiesced, RoomFailed, RoomMeta, 
 from .pool_parts import PoolCopy, block_bytes, counts_mismatch, final_part, request_copies, writer_segments
 from .room_base import RoomBase
 from .room_uses import Bound, EarlierUses, RoomUse, failure_use, meta_use
-from .send_checks import check_page_count
+from .send_checks import check_late_items, check_page_count
 from .tags import TagKind, make_tag
 
 
@@ -109,13 +109,17 @@ class PrefillRoom(RoomBase):
         return self.ledger.sent_everywhere
 
     def add_chunk(self, pages: np.ndarray, last: bool | None, now: float, layers: range | None = None,
-                  ready: tuple[object, ...] = ()) -> list[Action]:
+                  ready: tuple[object, ...] = (), pool_items: dict[str, np.ndarray] | None = None) -> list[Action]:
         """The next pages of the request for `layers` (None: every layer of this rank), in
         order; `last` None: the request's input is complete when every (page, layer) was sent.
-        Raises ValueError on bad input, unchanged (layer_sends.py)."""
+        `pool_items`: items of pools init() did not name, with the last send only. Raises
+        ValueError on bad input, unchanged (layer_sends.py, check_late_items)."""
         step = self.ledger.check(pages, layers, last)
+        check_late_items(self.room, self.pool_items, pool_items, step.last)
         self.ledger.record(step, pages)
         self.last = step.last
+        if pool_items:
+            self.pool_items = {**self.pool_items, **pool_items}
         assert self.grouper is not None, "the ledger refuses a send before the page count"
         units = self.grouper.add(step, pages, ready)
         if self.ended:
@@ -123,6 +127,12 @@ class PrefillRoom(RoomBase):
         for u in units:
             self.chunks.append(Chunk(index=len(self.chunks), page_start=u.page_start, pages=u.pages, layers=u.layers,
                                      ready=u.ready))
+        if self.last:   # every pool's items are known now: the counts each decode rank expects must match
+            for flow in list(self.flows.values()):
+                if flow.pool_dst is not None and flow.assignment is not None:
+                    mismatch = counts_mismatch(self.pool_items, {k: v.size for k, v in flow.pool_dst.items()})
+                    if mismatch:
+                        return self.fail(FailureKind.POOL, f"decode rank {flow.peer.tp_rank}: {mismatch}", now)
         out = self._move(RoomEvent.INPUT, now) if self._all_metas() else []
         return out + self._pump(now)
 
@@ -195,7 +205,10 @@ class PrefillRoom(RoomBase):
         if meta.num_pages != self.num_pages:
             return self.fail(FailureKind.PROTOCOL, f"decode rank {rank} expects {meta.num_pages} pages, this "
                                          f"prefill rank was given {self.num_pages}", now)
-        mismatch = counts_mismatch(self.pool_items, {k: v.size for k, v in meta.items().items()})
+        theirs = {k: v.size for k, v in meta.items().items()}
+        if not self.last:   # pools whose items come with the last send are checked then
+            theirs = {k: n for k, n in theirs.items() if k in self.pool_items}
+        mismatch = counts_mismatch(self.pool_items, theirs)
         if mismatch and flow.assignment is not None:
             return self.fail(FailureKind.POOL, f"decode rank {rank}: {mismatch}", now)
         flow.pool_dst = meta.items()
@@ -439,6 +452,8 @@ class PrefillRoom(RoomBase):
                 continue
             while flow.issued < len(self.sendable):
                 chunk = self.sendable[flow.issued]
+                if not self.last and self._final(chunk.page_start + chunk.pages.size, chunk.layers):
+                    break   # the write carrying the pool items waits for the last send, which may name them
                 if flow.staged:
                     flow.requested_at[chunk.index] = now
                     out.append(self._alloc_request(flow, chunk))

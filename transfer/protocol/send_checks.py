@@ -2,11 +2,14 @@
 raise in the caller's thread, and the prefill room checks them again on the control thread,
 with the same words.
 
-A sender gets its page count once (at creation or with init()), then chunks in request order;
-the last chunk is the one that reaches the count, or one marked last that must reach it.
+A sender gets its page count once (at creation or with init()), then sends (SendLedger in
+layer_sends.py checks each: pages and layers in request order, the last one the send that
+completes every (page, layer)); items of a pool init() did not name may come with the last send.
 """
 
 from __future__ import annotations
+
+from collections.abc import Mapping
 
 
 def check_page_count(room: int, current: int | None, num_pages: object) -> int:
@@ -18,16 +21,15 @@ def check_page_count(room: int, current: int | None, num_pages: object) -> int:
     return num_pages
 
 
-def check_chunk(room: int, num_pages: int | None, sent: int, ended: bool, size: int, last: bool | None) -> bool:
-    """send(): `size` more pages after `sent`, of `num_pages`; `ended`: the last chunk was
-    sent. Returns whether this chunk is the last (`last` None: when it reaches the count).
-    Raises ValueError."""
-    if num_pages is None:
-        raise ValueError(f"room {room}: send() before init(): the page count is not known yet")
-    if ended:
-        raise ValueError(f"room {room}: send() after the last chunk")
-    if sent + size > num_pages:
-        raise ValueError(f"room {room}: {sent + size} pages sent, the sender was created for {num_pages}")
-    if last and sent + size != num_pages:
-        raise ValueError(f"room {room}: the last chunk ends at page {sent + size} of {num_pages}")
-    return sent + size == num_pages if last is None else bool(last)
+def check_late_items(room: int, given: Mapping[str, object], late: Mapping[str, object] | None, last: bool) -> None:
+    """send(pool_items=...): items of pools init() did not name, on the request's last send
+    only (the write carrying them is the last). Raises ValueError."""
+    if not late:
+        return
+    if not last:
+        raise ValueError(f"room {room}: pool_items come with the last send only (this send leaves pages or layers "
+                         f"unsent)")
+    twice = sorted(set(late) & set(given))
+    if twice:
+        raise ValueError(f"room {room}: items of pool(s) {', '.join(twice)} were given at init() and again with the "
+                         f"last send")
