@@ -245,9 +245,8 @@ class KvstageKVSender(_Handle, CommonKVSender):
         CommonKVSender.__init__(self, mgr, bootstrap_addr, bootstrap_room, req_has_disagg_prefill_dp_rank)
         self._handle, self._error = None, None
         self._prefix_pages, self._first = 0, True
-        # SGLang names a request's state only with its last send; kvstage takes pool items at
-        # init(): with state pools, the request's pages are held until then (see send())
-        self._held: list[np.ndarray] | None = [] if mgr.state.pools else None
+        # SGLang names a request's state only with its last send: the aux row goes with init(),
+        # the state items with kvstage's last send, and the KV streams chunk by chunk meanwhile
         self._sent, self._last_send_at = 0, None
         self._sends = send_gate.RequestSends(mgr.gate, self._send_now, self._abort_handle)
         # with a CUDA cache SGLang may hand the page indices as a pinned host tensor that its
@@ -270,8 +269,7 @@ class KvstageKVSender(_Handle, CommonKVSender):
         if self._handle is None or self.conclude_state is not None:
             return
         self._prefix_pages = self._handle.decode_prefix_pages or 0
-        if self._held is None:
-            self._fail_now(self._init_handle(None))
+        self._fail_now(self._init_handle(None))
 
     def _init_handle(self, state_indices) -> str | None:
         try:
@@ -310,17 +308,10 @@ class KvstageKVSender(_Handle, CommonKVSender):
             # stand-ins for the pages the decode side holds: kvstage skips them, never reads them
             pages = np.concatenate([np.full(self._prefix_pages, pages[0], dtype=np.int64), pages])
         self._first = False
-        if self._held is not None:
-            self._held.append(pages)
-            if sum(p.size for p in self._held) < self.num_kv_indices + self._prefix_pages:
-                self._record_transfer_indices(kv_indices, state_indices)
-                return None
-            pages, self._held = np.concatenate(self._held), None
-            failure = self._init_handle(state_indices)
-            if failure is not None:
-                return failure
+        last = self._sent + pages.size == self.num_kv_indices + self._prefix_pages
         try:
-            self._handle.send(pages)
+            items = self.kv_mgr.state.items(state_indices) if last and self.kv_mgr.state.pools else {}
+            self._handle.send(pages, pool_items=items or None)
         except (ValueError, RuntimeError) as exc:
             return f"send: {exc}"
         self._sent += pages.size

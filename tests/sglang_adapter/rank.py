@@ -227,6 +227,8 @@ def run_prefill(r: Rank, sc, out) -> None:
                         last = c == len(q["chunks"]) - 1
                         s.send(np.asarray(suffix[done:done + n], dtype=np.int32), state if last else None)
                         done += n
+                        if not last and state is not None:   # streamed: a write leaves before the last send
+                            x["streamed"] = wait_first_write(s, time.monotonic() + 20)
                 if q.get("abort") == "prefill-held":   # fail the request while its write is in flight
                     injected = r.mgr.engine._backend.backend.injected
                     while not injected.get("held_write") and time.monotonic() < deadline:
@@ -247,6 +249,17 @@ def run_prefill(r: Rank, sc, out) -> None:
                 x["st"] = "done"
         time.sleep(0.002)
     report(out, reqs, [])
+
+
+def wait_first_write(sender, deadline: float) -> bool:
+    """Whether the request's first backend write was posted (its kvstage timeline says so)
+    before the deadline."""
+    handle = sender._handle
+    while time.monotonic() < deadline and handle.poll().name != "Failed":
+        if handle._status.timeline.timeline().first_write is not None:
+            return True
+        time.sleep(0.005)
+    return False
 
 
 def wait_parallel_info(r: Rank, deadline: float) -> None:

@@ -67,7 +67,8 @@ def test_state_components(tmp_path, model_dir, bootstrap_server, prefill_tp, dec
     pages, or an MLA model's DSA indexer pages (the whole suffix; one prefill rank, as a prefill
     rank that writes nothing under MLA ends its rooms without comparing pool items), move with the request, every
     byte checked on decode at indices other than prefill's; a request whose two sides name
-    different page counts fails on both sides."""
+    different page counts fails on both sides. The KV streams: a request's first write leaves
+    before its last send, which names its state."""
     reqs = requests_for(13, 6, prefix={2: 1}, swa_short={4})
     dsa = kind == "mla-dsa"
     results = run(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, reqs, staging=staging, mla=dsa,
@@ -76,6 +77,9 @@ def test_state_components(tmp_path, model_dir, bootstrap_server, prefill_tp, dec
     for key, rep in results.items():
         rooms = rep["rooms"]
         assert "pool items differ" in rooms[str(reqs[4]["room"])]["error"], (key, rooms[str(reqs[4]["room"])])
+        if key[0] == "prefill":   # the KV streams chunk by chunk; the state goes with the last send
+            multi = [str(q["room"]) for i, q in enumerate(reqs) if i != 4 and len(q["chunks"]) > 1]
+            assert multi and all(rooms[room]["streamed"] is True for room in multi), (key, rooms)
         if key[0] == "decode":
             assert all(rooms[str(q["room"])]["state_bad"] == [] for i, q in enumerate(reqs) if i != 4)
             assert {rooms[str(q["room"])]["path"] for i, q in enumerate(reqs) if i != 4} == {
