@@ -29,8 +29,10 @@ class KVPattern:
         n_tensors = layout.num_kv * layout.num_layers
         every = torch.randint(0, 256, (n_tensors, layout.total_kv_heads, ps, hb), generator=g, dtype=torch.uint8)
         heads = list(layout.heads_of(layout.tp_rank))
-        # this rank's heads side by side, as one page of one tensor is laid out: [ps, heads, hb]
-        self.base = every[:, heads].permute(0, 2, 1, 3).contiguous().view(self.udtype).view(n_tensors, -1)
+        # this rank's tensors (a PP stage's layers only: K of each, then V) and heads side by
+        # side, as one page of one tensor is laid out: [ps, heads, hb]
+        mine = [kv * layout.num_layers + i for kv in range(layout.num_kv) for i in layout.layers]
+        self.base = every[mine][:, heads].permute(0, 2, 1, 3).contiguous().view(self.udtype).view(len(mine), -1)
 
     def _keys(self, room: int, n: int, first: int = 0) -> torch.Tensor:
         i = np.arange(first, first + n, dtype=np.uint64)

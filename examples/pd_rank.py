@@ -25,10 +25,14 @@ pattern_key (both: the bytes' key instead of the room id, so two uses of one roo
 layer_sends (prefill: each chunk is sent layer-wise, as these [start, stop) layer ranges in this
 order, one send() per step, each with a readiness object whose synchronize() records the thread
 that called it; the record's ready_threads names them), abort_after_sends (prefill: layer-wise
-sends made before abort()), pool_items_with_last (prefill: the room's pool items go with its last
-send, not with the page count; the record's last_send_at is when that send was made, in
-time.monotonic() seconds like the timeline's), send_after_metadata (prefill: the first send waits
-until the decode side's metadata is in).
+sends made before abort(); a PP stage sends the part of each range inside its layers),
+pool_items_with_last (prefill: the room's pool items go with its last send, not with the page
+count; the record's last_send_at is when that send was made, in time.monotonic() seconds like
+the timeline's), send_after_metadata (prefill: the first send waits until the decode side's
+metadata is in).
+Per manager, pp (prefill): the engine's pipeline-parallel stages, the model's layers split as
+evenly as they go (the first stages take one more) or as stage_layers lists ([[0, 2], [2, 6]]);
+rank is then the engine rank, pp_rank * tp + tp_rank.
 Per manager, layer_group and layerwise_min_tokens: EngineConfig's.
 Per manager, dp_rank is the prefill engine's data-parallel rank (EngineConfig.dp_rank).
 Per manager, metrics_port serves Prometheus metrics (EngineConfig.metrics_port; 0: any free port)
@@ -75,17 +79,31 @@ PREFIX_MARK = 0x5A5A5A5A   # room ^ this: the pattern of decode pages that hold 
 _ENGINE_OWNED: list = []   # caches handed over by address (from_pointers): owned here, never by kvstage
 
 
+def stage_layers(spec: dict, layers: int, pp: int) -> list[range]:
+    """Each PP stage's layers: spec["stage_layers"], else split as evenly as they go."""
+    if spec.get("stage_layers"):
+        return [range(a, b) for a, b in spec["stage_layers"]]
+    size, extra = divmod(layers, pp)
+    bounds = [0]
+    for s in range(pp):
+        bounds.append(bounds[-1] + size + (s < extra))
+    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
 def build(spec: dict, bootstrap: str) -> tuple[KVManager, KVLayout, KVBuffers, KVPattern]:
     g = spec["geometry"]
+    pp = spec.get("pp", 1)
+    pp_rank, tp_rank = divmod(spec["rank"], spec["tp"])
     layout = KVLayout(num_layers=g["layers"], total_kv_heads=g["heads"], head_dim=g["head_dim"],
                       dtype=DTYPES[g["dtype"]], page_size=g["page_size"], tp_size=spec["tp"],
-                      tp_rank=spec["rank"], mla=g.get("mla", False))
+                      tp_rank=tp_rank, mla=g.get("mla", False), pp_size=pp, pp_rank=pp_rank,
+                      stage=stage_layers(spec, g["layers"], pp)[pp_rank])
     shape = (g["pages"] * layout.page_size, layout.local_heads, layout.head_dim)
     # touched at start-up, as a serving engine's KV cache is (fresh pages fault on first write)
     device = torch.device(spec.get("device", "cpu"))   # "cuda:0": a VRAM cache (examples/gpu_check.py)
-    k = [torch.zeros(shape, dtype=layout.dtype, device=device).zero_() for _ in range(layout.num_layers)]
+    k = [torch.zeros(shape, dtype=layout.dtype, device=device).zero_() for _ in layout.layers]
     v = None if layout.mla else [torch.zeros(shape, dtype=layout.dtype, device=device).zero_()
-                                 for _ in range(layout.num_layers)]
+                                 for _ in layout.layers]
     pools = pool_pattern.make_pools(g["pools"], layout) if g.get("pools") else {}
     buffers = KVBuffers(k, v, pools=pools)
     if spec.get("from_pointers"):  # hand the cache over the way SGLang's KVArgs does: raw addresses
@@ -475,7 +493,9 @@ class LayersComputed:
 
 def send_layers(h, r: dict, st: dict, n: int, num_chunks: int) -> bool:
     """One layer-wise send of the current chunk; the chunk is done after its last layer range."""
-    sends = r["layer_sends"]
+    stage = st["pattern"].layout.layers   # a PP stage sends its part of each range
+    sends = [(max(a, stage.start), min(b, stage.stop)) for a, b in r["layer_sends"]
+             if max(a, stage.start) < min(b, stage.stop)]
     i = st.setdefault("layer_send", 0)
     stop = r.get("abort_after_sends")
     if stop is not None and st.setdefault("sends_made", 0) >= stop:

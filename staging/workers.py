@@ -33,7 +33,8 @@ class GatherJob:
     room: int
     peer: str                 # backend name of the decode rank
     pages: np.ndarray         # this rank's cache pages of the piece, in request order
-    layers: range             # the layers to gather (region blocks: K of each, then V)
+    layers: range             # the layers to gather, as indices of this rank's tensors (a PP stage's
+                              # own: its first layer is 0); region blocks: K of each, then V
     heads: tuple[int, int]    # local head range to send
     nbytes: int
     dst_addr: int             # absolute address of this writer's part in the decode ring

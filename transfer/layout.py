@@ -38,6 +38,24 @@ def _positive_int(name: str, value: object) -> int:
     return value
 
 
+def check_stage(stage: object, num_layers: int, pp_size: int, pp_rank: int) -> range:
+    """A PP stage's layer range (None: every layer) as a non-empty step-1 range inside the
+    model, the first stage starting at layer 0 and the last ending at its last layer. Raises
+    ValueError saying what is wrong."""
+    if stage is None:
+        stage = range(num_layers)
+    if not isinstance(stage, range) or stage.step != 1 or len(stage) == 0:
+        raise ValueError(f"stage must be a non-empty range of layers with step 1, got {stage!r}")
+    if stage.start < 0 or stage.stop > num_layers:
+        raise ValueError(f"stage layers [{stage.start}, {stage.stop}) are outside the model's {num_layers} layers")
+    if pp_rank == 0 and stage.start != 0:
+        raise ValueError(f"PP stage 0 must start at layer 0, its stage is [{stage.start}, {stage.stop})")
+    if pp_rank == pp_size - 1 and stage.stop != num_layers:
+        raise ValueError(f"the last PP stage ({pp_rank} of {pp_size}) must end at layer {num_layers}, its stage is "
+                         f"[{stage.start}, {stage.stop})")
+    return stage
+
+
 class LayoutSummary(msgspec.Struct, frozen=True, kw_only=True):
     """What two peers must agree on to exchange KV (TP size and rank may differ)."""
 
@@ -70,6 +88,12 @@ class KVLayout:
     Local heads per rank are total_kv_heads // tp_size, or 1 when tp_size > total_kv_heads:
     then copies of a head sit on consecutive ranks and rank r holds head r // (tp_size //
     total_kv_heads). MLA has one replicated latent "head" and no V tensor.
+
+    Pipeline parallelism (prefill only): stage `pp_rank` of `pp_size` holds the model's layers
+    `stage` (None: all of them) and its buffers hold only those, in order; `num_layers` stays
+    the model's. The stages of an engine must tile [0, num_layers), which the decode side
+    checks (protocol/peering.py). Elsewhere a rank is `rank` = pp_rank * tp_size + tp_rank of
+    the engine's `ranks` (bootstrap registration, peer keys, tag writers).
     """
 
     num_layers: int
@@ -81,14 +105,20 @@ class KVLayout:
     tp_rank: int
     mla: bool = False
     page_format: PageFormat = PageFormat.NHD
+    pp_size: int = 1
+    pp_rank: int = 0
+    stage: range | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "total_kv_heads", "head_dim", "page_size", "tp_size"):
+        for name in ("num_layers", "total_kv_heads", "head_dim", "page_size", "tp_size", "pp_size"):
             _positive_int(name, getattr(self, name))
-        if isinstance(self.tp_rank, bool) or not isinstance(self.tp_rank, int):
-            raise ValueError(f"tp_rank must be an int, got {self.tp_rank!r}")
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(f"tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
+        for name, size in (("tp_rank", "tp_size"), ("pp_rank", "pp_size")):
+            value, bound = getattr(self, name), getattr(self, size)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an int, got {value!r}")
+            if not 0 <= value < bound:
+                raise ValueError(f"{name} must be in [0, {size}={bound}), got {value}")
+        object.__setattr__(self, "stage", check_stage(self.stage, self.num_layers, self.pp_size, self.pp_rank))
         if self.dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype {self.dtype} is not supported; use one of "
                              f"{', '.join(SUPPORTED_DTYPES.values())}")
@@ -115,8 +145,23 @@ class KVLayout:
 
     @property
     def layers(self) -> range:
-        """The layers this rank holds and sends (all of the model's)."""
-        return range(self.num_layers)
+        """The layers this rank holds and sends: its PP stage's (all of the model's without PP)."""
+        assert self.stage is not None, "set by __post_init__"
+        return self.stage
+
+    def local(self, layers: range) -> range:
+        """Global `layers` of this rank's stage as indices into its buffers."""
+        return range(layers.start - self.layers.start, layers.stop - self.layers.start)
+
+    @property
+    def rank(self) -> int:
+        """This rank's index in its engine (pp_rank * tp_size + tp_rank): its identity to peers."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def ranks(self) -> int:
+        """Ranks of the engine (tp_size * pp_size)."""
+        return self.tp_size * self.pp_size
 
     @property
     def replication(self) -> int:
@@ -181,6 +226,7 @@ class KVBuffers:
     pools: dict[str, StatePool] = field(default_factory=dict)
     num_pages: int = field(default=0, init=False)
     pool_specs: list[PoolSpec] = field(default_factory=list, init=False)
+    first_layer: int = field(default=0, init=False)   # the model layer of k[0] (a PP stage's first)
 
     def validate(self, layout: KVLayout) -> KVBuffers:
         """Check the tensors against `layout`; set num_pages. Raises ValueError naming the layer."""
@@ -194,8 +240,10 @@ class KVBuffers:
         expected_tail = (layout.local_heads, layout.head_dim)
         tokens = device = None
         for name, tensors in groups:
-            if len(tensors) != layout.num_layers:
-                raise ValueError(f"{name} has {len(tensors)} layers, layout has num_layers={layout.num_layers}")
+            if len(tensors) != len(layout.layers):
+                stage = "" if len(layout.layers) == layout.num_layers else \
+                    f" (PP stage {layout.pp_rank}: layers [{layout.layers.start}, {layout.layers.stop}))"
+                raise ValueError(f"{name} has {len(tensors)} layers, layout has {len(layout.layers)}{stage}")
             for i, t in enumerate(tensors):
                 where = f"{name}[{i}]"
                 if not isinstance(t, torch.Tensor):
@@ -228,6 +276,7 @@ class KVBuffers:
                 named.append((f"pool {n!r}[{i}]", t))
         _check_disjoint(named)
         self.num_pages = tokens // layout.page_size
+        self.first_layer = layout.layers.start
         return self
 
     @classmethod
@@ -248,7 +297,7 @@ class KVBuffers:
         pages = check_pointers(layout, data_ptrs, data_lens, item_lens)
         shape = (pages * layout.page_size, layout.local_heads, layout.head_dim)
         views = [tensor_at(p, n, layout.dtype, shape, dev) for p, n in zip(data_ptrs, data_lens)]
-        n = layout.num_layers
+        n = len(layout.layers)
         return cls(views[:n], views[n:] if layout.num_kv == 2 else None).validate(layout)
 
     @property
@@ -262,9 +311,9 @@ class KVBuffers:
         return memory_kind(self.device)
 
     def layer_views(self, layers: range) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """The K (and V) tensors of `layers`: what a layer-wise write reads or fills."""
-        return list(self.k[layers.start:layers.stop]), (
-            list(self.v[layers.start:layers.stop]) if self.v is not None else None)
+        """The K (and V) tensors of model `layers`: what a layer-wise write reads or fills."""
+        lo, hi = layers.start - self.first_layer, layers.stop - self.first_layer
+        return list(self.k[lo:hi]), (list(self.v[lo:hi]) if self.v is not None else None)
 
     def tensors(self) -> list[torch.Tensor]:
         """K tensors then V tensors, in layer order."""

@@ -36,11 +36,11 @@ def tensor_at(ptr: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...],
 def check_pointers(layout, data_ptrs, data_lens, item_lens) -> int:
     """Validate SGLang-style pointer lists against the layout; return the page count. Raises
     ValueError naming the first entry that is wrong."""
-    want = layout.num_layers * layout.num_kv
+    want = len(layout.layers) * layout.num_kv
     kinds = "K then V" if layout.num_kv == 2 else "K (MLA latent)"
     for name, seq in (("data_ptrs", data_ptrs), ("data_lens", data_lens), ("item_lens", item_lens)):
         if not isinstance(seq, (list, tuple)) or len(seq) != want:
-            raise ValueError(f"{name} must list {want} entries ({layout.num_layers} layers, {kinds}), got "
+            raise ValueError(f"{name} must list {want} entries ({len(layout.layers)} layers, {kinds}), got "
                              f"{len(seq) if isinstance(seq, (list, tuple)) else type(seq).__name__}")
         for i, x in enumerate(seq):
             if isinstance(x, bool) or not isinstance(x, int) or x <= 0:

@@ -70,7 +70,8 @@ class KvstageKVManager(CommonKVManager):
         self.receivers: dict[int, object] = {}      # decode: room -> its kvstage receiver, until clear()
         # a hybrid model's full-attention pool may be MLA although its pool as a whole is not
         mla = bool(is_mla_backend) or bool(getattr(args, "is_hybrid_mla_backend", False))
-        layout = kv_layout(args, self.attn_tp_size, self.attn_tp_rank, mla, server_args)
+        layout = kv_layout(args, self.attn_tp_size, self.attn_tp_rank, mla, server_args,
+                           pp_size=self.pp_size if self.is_prefill else 1, pp_rank=self.pp_rank if self.is_prefill else 0)
         device = device_of(server_args, args)
         self.kv_device = torch.device(device)
         self.state = StateMap(args, layout, self.kv_device, self.attn_tp_size)
@@ -97,7 +98,7 @@ class KvstageKVManager(CommonKVManager):
         # prefill: the thread that waits for SGLang's events before a send (send_gate.py)
         self.gate = send_gate.SendGate() if self.is_prefill else None
         log.info("kvstage %s rank %d/%d ready (engine %s, backend %s, staging %s, metrics port %s)",
-                 self.engine.config.role, self.attn_tp_rank, self.attn_tp_size, engine_id, backend,
+                 self.engine.config.role, layout.rank, layout.ranks, engine_id, backend,
                  self.engine.config.staging, self.engine.metrics_port)
         if not self.is_prefill:
             _check_release_timeout(self.enable_deferred_decode_kv_release, self.engine.config.timeouts)

@@ -13,9 +13,13 @@ import torch
 from kvstage import KVLayout
 
 
-def kv_layout(args, attn_tp_size: int, attn_tp_rank: int, mla: bool, server_args=None) -> KVLayout:
+def kv_layout(args, attn_tp_size: int, attn_tp_rank: int, mla: bool, server_args=None, *, pp_size: int = 1,
+              pp_rank: int = 0) -> KVLayout:
     """SGLang's decode side does not fill kv_head_num/total_kv_head_num in KVArgs (its prefill
-    side does): they then come from the model config, local heads as kvstage's layout defines."""
+    side does): they then come from the model config, local heads as kvstage's layout defines.
+    A PP prefill stage's KVArgs list only its layers, the first at `prefill_start_layer` of the
+    model's (the decode side's) KV layers; the model's count comes from the last stage's end or,
+    on the other stages, from the model config."""
     ptrs, items = list(args.kv_data_ptrs), list(args.kv_item_lens)
     page = int(args.page_size)
     if mla:
@@ -30,8 +34,14 @@ def kv_layout(args, attn_tp_size: int, attn_tp_rank: int, mla: bool, server_args
         raise ValueError(f"KV item sizes differ between layers ({sorted(set(items))}); kvstage needs one")
     if items[0] % (page * heads):
         raise ValueError(f"KV item size {items[0]} is not page_size {page} x {heads} heads x head bytes")
-    return KVLayout(num_layers=layers, total_kv_heads=total, head_dim=items[0] // (page * heads), dtype=torch.uint8,
-                    page_size=page, tp_size=attn_tp_size, tp_rank=attn_tp_rank, mla=mla)
+    stage, num_layers = None, layers
+    if pp_size > 1:
+        start = int(getattr(args, "prefill_start_layer", 0) or 0)
+        stage = range(start, start + layers)
+        num_layers = stage.stop if pp_rank == pp_size - 1 else model_layers(server_args)
+    return KVLayout(num_layers=num_layers, total_kv_heads=total, head_dim=items[0] // (page * heads),
+                    dtype=torch.uint8, page_size=page, tp_size=attn_tp_size, tp_rank=attn_tp_rank, mla=mla,
+                    pp_size=pp_size, pp_rank=pp_rank, stage=stage)
 
 
 def model_kv_heads(server_args) -> int:
@@ -39,6 +49,14 @@ def model_kv_heads(server_args) -> int:
         raise ValueError("KVArgs has no total_kv_head_num and no server args to read the model's from")
     from sglang.srt.configs.model_config import ModelConfig
     return int(ModelConfig.from_server_args(server_args).get_total_num_kv_heads())
+
+
+def model_layers(server_args) -> int:
+    """The model's KV layers, as a decode rank (without PP) lists them."""
+    if server_args is None:
+        raise ValueError("a PP stage before the last needs the model's layer count: no server args to read it from")
+    from sglang.srt.configs.model_config import ModelConfig
+    return int(ModelConfig.from_server_args(server_args).num_hidden_layers)
 
 
 def device_of(server_args, args) -> str:
@@ -54,7 +72,12 @@ def unsupported_features(mgr, args) -> list[str]:
     """SGLang features this backend does not handle yet, by name (empty: all fine)."""
     out = []
     if mgr.pp_size > 1:
-        out.append(f"pipeline parallelism (pp_size {mgr.pp_size})")
+        mode = getattr(mgr, "disaggregation_mode", None)
+        if str(getattr(mode, "value", mode)) != "prefill":
+            out.append(f"pipeline parallelism on the decode side (pp_size {mgr.pp_size}; a PP prefill is "
+                       f"supported: run the decode with --pp-size 1)")
+        elif getattr(args, "kv_layer_ids", None) or getattr(args, "state_types", None):
+            out.append(f"pipeline parallelism (pp_size {mgr.pp_size}) with a hybrid KV pool or state components")
     if mgr.attn_cp_size > 1:
         out.append(f"context parallelism (attn_cp_size {mgr.attn_cp_size})")
     if getattr(mgr, "dcp_size", 1) and getattr(mgr, "dcp_size", 1) > 1:

@@ -25,10 +25,15 @@ class Topo:
     D: int
     H: int
     mla: bool = False
+    pp: int = 1          # prefill PP stages (P ranks each)
 
     @property
     def name(self) -> str:
-        return f"P{self.P}D{self.D}H{self.H}{'mla' if self.mla else ''}"
+        return f"P{self.P}{f'x{self.pp}' if self.pp > 1 else ''}D{self.D}H{self.H}{'mla' if self.mla else ''}"
+
+    @property
+    def prefill_ranks(self) -> int:
+        return self.P * self.pp
 
 
 @dataclass(kw_only=True)
@@ -80,6 +85,8 @@ def manager_specs(case: Case, role: str, rank: int, barrier: dict) -> dict:
             "engine": f"{'p' if role == 'prefill' else 'd'}-{case.name}", "backend": case.backend,
             "staging": case.staging, "geometry": case.geometry(), "rooms": case.rooms, "ring_mb": 1,
             "buffer_mb": 1, "workers": 2, "timeouts": dict(TEST_TIMEOUTS), "barrier": barrier, "inflight": 16}
+    if role == "prefill" and t.pp > 1:
+        spec["pp"] = t.pp
     if role == "decode":
         spec["peer_engine"] = f"p-{case.name}"
     spec.update(case.extra)
@@ -93,15 +100,15 @@ def run_cases(cases: list[Case], timeout: float = 240, env: dict | None = None, 
     """Run every case in one cluster; return {case name: {"prefill": [...], "decode": [...]}}
     with each rank's result dict, plus the processes for exit-code checks. `rendezvous`: an
     address the ranks use instead of a bootstrap server of their own (e.g. etcd://)."""
-    nprefill = max(c.topo.P for c in cases)
+    nprefill = max(c.topo.prefill_ranks for c in cases)
     ndecode = max(c.topo.D for c in cases)
-    total = sum(c.topo.P + c.topo.D for c in cases)
+    total = sum(c.topo.prefill_ranks + c.topo.D for c in cases)
     out = {c.name: {"prefill": [], "decode": []} for c in cases}
     t0 = time.monotonic()
     with Cluster(env=env, server_args=server_args, rendezvous=rendezvous) as cl:
         barrier = cl.barrier(total, timeout_s=timeout)
         for r in range(nprefill):
-            specs = [manager_specs(c, "prefill", r, barrier) for c in cases if r < c.topo.P]
+            specs = [manager_specs(c, "prefill", r, barrier) for c in cases if r < c.topo.prefill_ranks]
             cl.launch(specs, f"prefill{r}")
         for r in range(ndecode):
             specs = [manager_specs(c, "decode", r, barrier) for c in cases if r < c.topo.D]

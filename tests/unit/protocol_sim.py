@@ -62,6 +62,11 @@ class Geometry:
     ring_bytes: int = 4096
     buffer_bytes: int = 2048
     staged: bool = True
+    stages: tuple[range, ...] = ()  # a PP prefill: each stage's layers (P ranks each); () is one stage
+
+    @property
+    def pp(self) -> tuple[range, ...]:
+        return self.stages or (range(self.layers),)
 
 
 @dataclass
@@ -71,10 +76,13 @@ class PendingWrite:
     waiting: bool  # staged: waiting for the watermark
 
 
-def layouts(g: Geometry, tp: int) -> list[KVLayout]:
-    """Every rank's layout of one side (TP size `tp`)."""
+def layouts(g: Geometry, tp: int, stages: tuple[range, ...] | None = None) -> list[KVLayout]:
+    """Every rank's layout of one side (TP size `tp`; a PP prefill: each stage's ranks, in rank
+    order s * tp + r)."""
+    stages = stages or (range(g.layers),)
     return [KVLayout(num_layers=g.layers, total_kv_heads=g.H, head_dim=g.head_dim, dtype=torch.uint8,
-                     page_size=g.page_size, tp_size=tp, tp_rank=r, mla=g.mla) for r in range(tp)]
+                     page_size=g.page_size, tp_size=tp, tp_rank=r, mla=g.mla, pp_size=len(stages), pp_rank=s,
+                     stage=stage) for s, stage in enumerate(stages) for r in range(tp)]
 
 
 @dataclass(kw_only=True)
@@ -105,8 +113,9 @@ class World:
         g = self.g
         self.rng = random.Random(self.seed)
         self.timeouts = Timeouts(metadata=50, watermark=50, arrival=5, scatter=5, room=100)
-        self.lp, self.ld = layouts(g, g.P), layouts(g, g.D)
-        self.kp = [PeerKey("prefill", r, 1000 + r) for r in range(g.P)]
+        self.lp, self.ld = layouts(g, g.P, g.pp), layouts(g, g.D)
+        self.np = len(self.lp)   # prefill ranks: P per PP stage
+        self.kp = [PeerKey("prefill", r, 1000 + r) for r in range(self.np)]
         self.kd = [PeerKey("decode", r, 2000 + r) for r in range(g.D)]
         nkv = 1 if g.mla else 2
         self.nt = nkv * g.layers
@@ -124,7 +133,7 @@ class World:
         self.ring_mem = [np.zeros(g.ring_bytes, dtype=np.uint8) for _ in range(g.D)]
         self.ring_owner = [np.full(g.ring_bytes, -1, dtype=np.int64) for _ in range(g.D)]
         self.remote_wm = {
-            (p, d): RemoteWatermark(self.kd[d].incarnation, g.ring_bytes) for p in range(g.P) for d in range(g.D)
+            (p, d): RemoteWatermark(self.kd[d].incarnation, g.ring_bytes) for p in range(self.np) for d in range(g.D)
         }
         self.op_ids = itertools.count(1)
         self.expected = {}  # (decode rank, room) -> (dst pages, src pages per prefill rank, prefix pages, prefix)
@@ -135,12 +144,14 @@ class World:
     def plan_for(self, d: int) -> RoomPlan:
         g = self.g
         writers, notices = self.mapping.prefill_peers_of(d)
-        assigns = tuple((self.kp[p], self.mapping.find(p, d)) for p in writers)
+        pp = range(len(g.pp))
+        assigns = tuple((self.kp[s * g.P + p], self.mapping.find(p, d)) for s in pp for p in writers)
         hpb = self.nt * g.page_size * g.head_dim
         staged = g.staged and g.P != g.D and not g.mla
         mpp = max_piece_pages([hpb * a.num_heads for _, a in assigns], g.buffer_bytes, g.ring_bytes, 8) if staged else 0
-        return RoomPlan(writers=assigns, notices=tuple(self.kp[p] for p in notices), staged=staged, head_page_bytes=hpb,
-                        max_piece_pages=mpp, ring_epoch=self.kd[d].incarnation)
+        return RoomPlan(writers=assigns, notices=tuple(self.kp[s * g.P + p] for s in pp for p in notices),
+                        staged=staged, head_page_bytes=hpb, max_piece_pages=mpp, ring_epoch=self.kd[d].incarnation,
+                        writer_layers={s * g.P + p: g.pp[s] for s in pp for p in writers} if g.stages else {})
 
     def add_room(
         self,
@@ -163,8 +174,8 @@ class World:
         ranks of a TP group send the same units in the same order)."""
         g = self.g
         session = room * 7 + 1
-        src = [np.array(self.rng.sample(range(g.pages), n)) for _ in range(g.P)]
-        for p in range(g.P):
+        src = [np.array(self.rng.sample(range(g.pages), n)) for _ in range(self.np)]
+        for p in range(self.np):
             self.rooms_p[(p, room)] = PrefillRoom(
                 room=room,
                 num_pages=None if late_init else n,
@@ -198,7 +209,8 @@ class World:
             if shuffle_layers:
                 self.rng.shuffle(sends)
             orders.append(sends)
-        for p in range(g.P):
+        for p in range(self.np):
+            stage = self.lp[p].layers
             pos = 0
             if late_init:
                 self.pending_chunks.append((p, room, n, None))  # init(n), in order before the chunks
@@ -207,8 +219,10 @@ class World:
                 if layer_sends is None:
                     self.pending_chunks.append((p, room, src[p][pos : pos + c], last))
                 else:
-                    for rng in orders[i]:
-                        self.pending_chunks.append((p, room, src[p][pos : pos + c], None, rng))
+                    for rng in orders[i]:   # a PP stage sends its part of each send
+                        mine = range(max(rng.start, stage.start), min(rng.stop, stage.stop))
+                        if len(mine):
+                            self.pending_chunks.append((p, room, src[p][pos : pos + c], None, mine))
                 pos += c
 
     # -- action application ----------------------------------------------------------------------
@@ -237,7 +251,7 @@ class World:
                 self.scatters.append((d, a))
             elif isinstance(a, PublishWatermark):
                 wm = self.rings[d].watermark
-                for p in range(self.g.P):
+                for p in range(self.np):
                     self.send(
                         self.kd[d],
                         self.kp[p],
@@ -469,8 +483,10 @@ class World:
             if held.size and not (self.cd[d][:, held] == SENTINEL).all():
                 return False  # a byte landed in a page that holds the prefix
             for a in self.mapping.for_decode(d):
-                got = self.cd[d][:, dst][:, :, :, a.dst_heads[0] : a.dst_heads[1]]
-                want = self.cp[a.prefill_rank][:, src[a.prefill_rank][k:]][:, :, :, a.src_heads[0] : a.src_heads[1]]
-                if not np.array_equal(got, want):
-                    return False
+                for s, stage in enumerate(g.pp):   # each stage's ranks hold its layers
+                    p, t = s * g.P + a.prefill_rank, self.tensors_of(stage)
+                    got = self.cd[d][t][:, dst][:, :, :, a.dst_heads[0] : a.dst_heads[1]]
+                    want = self.cp[p][t][:, src[p][k:]][:, :, :, a.src_heads[0] : a.src_heads[1]]
+                    if not np.array_equal(got, want):
+                        return False
         return True

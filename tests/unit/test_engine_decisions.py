@@ -94,6 +94,51 @@ def rec(rank, role="prefill", inc=None):
     return SimpleNamespace(tp_rank=rank, role=role, incarnation=inc if inc is not None else 100 + rank)
 
 
+def stage_recs(stages, tp=2, num_layers=6):
+    """Rank records of a PP prefill engine whose stage s holds layers stages[s]."""
+    pp = len(stages)
+    return [SimpleNamespace(tp_rank=s * tp + r, tp_size=pp * tp, role="prefill", incarnation=100 + s * tp + r,
+                            layout={"num_layers": num_layers, **({"pp_size": pp, "stage_start": st.start,
+                                                                  "stage_stop": st.stop} if st is not None else {})})
+            for s, st in enumerate(stages) for r in range(tp)]
+
+
+def test_read_stages_and_needed_ranks_of_a_pp_prefill():
+    stages = peering.read_stages("e", stage_recs([range(0, 2), range(2, 6)]), 6)
+    assert stages == peering.PrefillStages(2, (range(0, 2), range(2, 6)))
+    need = peering.needed_ranks(stages.tp_size, layout(1, 0), stages.layers)
+    assert need.writers == [0, 1, 2, 3] and need.notices == []   # (stage, TP rank) -> rank s * 2 + p
+    assert need.layers == {0: range(0, 2), 1: range(0, 2), 2: range(2, 6), 3: range(2, 6)}
+    need = peering.needed_ranks(2, layout(4, 3), stages.layers)   # decode TP 4: one writer per stage
+    assert need.writers == [1, 3] and need.notices == []
+    # an engine without PP (records that name no stage): one stage of every layer
+    plain = peering.read_stages("e", stage_recs([None], tp=4), 6)
+    assert plain == peering.PrefillStages(4, (range(6),))
+
+
+@pytest.mark.parametrize("stages, message", [
+    ([range(0, 2), range(3, 6)], r"\[0, 2\), \[3, 6\) do not tile the model's 6 layers \(stage 1 should start at "
+                                 r"layer 2\)"),
+    ([range(0, 3), range(2, 6)], "do not tile"),
+    ([range(0, 2), range(2, 5)], "end at layer 5, the model has 6"),
+    ([range(1, 3), range(3, 6)], "stage 0 should start at layer 0"),
+])
+def test_read_stages_refuses_stages_that_do_not_tile_the_model(stages, message):
+    with pytest.raises(ValueError, match=message):
+        peering.read_stages("e", stage_recs(stages), 6)
+
+
+def test_read_stages_refuses_ranks_that_disagree():
+    recs = stage_recs([range(0, 2), range(2, 6)])
+    recs[3].layout["stage_start"] = 3
+    with pytest.raises(ValueError, match="ranks of PP stage 1 disagree on its layers"):
+        peering.read_stages("e", recs, 6)
+    recs = stage_recs([range(0, 2), range(2, 6)])
+    recs[0].layout["pp_size"] = 1
+    with pytest.raises(ValueError, match="disagree on the PP size"):
+        peering.read_stages("e", recs, 6)
+
+
 def test_read_lookup():
     assert peering.read_lookup("e", None, "boom") == peering.Lookup(peering.LookupState.FAILED, [], "boom")
     empty = peering.read_lookup("e", [], None)

@@ -66,3 +66,38 @@ def test_groups_decide_the_number_of_writes():
         r = w.rooms_d[(0, 1)]
         assert set(w.status_d.values()) == {KVPoll.Success}
         assert r.writes_in == 2 * want, grouping   # two writers
+
+
+PP_STAGES = {"halves": (range(0, 3), range(3, 6)), "uneven3": (range(0, 1), range(1, 5), range(5, 6))}
+
+
+@pytest.mark.parametrize("P, D", list(itertools.product((1, 2, 4), repeat=2)))
+@pytest.mark.parametrize("stages", sorted(PP_STAGES))
+@pytest.mark.parametrize("sends", ["per_layer", "all", None])
+def test_pp_prefill_every_byte_lands_exactly_once(P, D, stages, sends):
+    """A PP prefill: each stage's P ranks send only their layers (per layer, the whole stage per
+    send, or plain chunks); the decode rank expects writers per (stage, head range) and is
+    complete only once every stage wrote its layers."""
+    for staged, shuffle, prefix in ((True, False, 0), (False, True, 3)):
+        g = Geometry(P=P, D=D, H=4, layers=LAYERS, staged=staged, ring_bytes=8192, buffer_bytes=4096,
+                     stages=PP_STAGES[stages])
+        w = World(g=g, seed=P * 10 + D, grouping=GROUPINGS["g1"])
+        w.add_room(1, 12, [5, 7], layer_sends=SENDS[sends] if sends else None, shuffle_layers=shuffle, prefix=prefix)
+        w.settle()
+        assert set(w.status_p.values()) == set(w.status_d.values()) == {KVPoll.Success}, (staged, w.status_d)
+        assert len(w.status_p) == P * len(g.pp)
+        assert w.check_bytes(1) and w.written_once(1)
+        assert w.overlaps == 0
+
+
+def test_pp_stage_missing_keeps_the_decode_room_waiting():
+    """Only stage 0 sends: its layers land, the room is not complete (the other stage's cells
+    are still due) and it fails at its deadline rather than succeeding."""
+    g = Geometry(P=2, D=1, H=4, layers=LAYERS, staged=False, stages=PP_STAGES["halves"])
+    w = World(g=g, seed=3)
+    w.add_room(1, 12, [12])
+    w.pending_chunks = [c for c in w.pending_chunks if c[0] < 2]   # stage 1 (ranks 2, 3) never sends
+    w.run()
+    r = w.rooms_d[(0, 1)]
+    assert r.state is not KVPoll.Success and r.tracker is not None and not r.tracker.complete
+    assert r.tracker.pages_done == 0

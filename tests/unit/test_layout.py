@@ -197,3 +197,42 @@ def test_a_pool_is_one_region_but_may_live_beside_the_kv_on_another_device():
     assert ok.pools["aux"].kind == "DRAM" and ok.kind == "DRAM" and ok.pools["aux"].own_writes
     with pytest.raises(ValueError, match="own_writes must be a bool"):
         KVBuffers(*kv, pools={"aux": StatePool(tensors=[torch.zeros(4, 3)], own_writes="yes")}).validate(layout)
+
+
+def stage_layout(pp_rank, stage, pp_size=2, num_layers=6):
+    return layout(num_layers=num_layers, pp_size=pp_size, pp_rank=pp_rank, stage=stage)
+
+
+def test_pp_stage_holds_its_layers_and_is_a_rank_of_the_engine():
+    lay = stage_layout(1, range(2, 6))
+    assert lay.layers == range(2, 6) and lay.local(range(3, 5)) == range(1, 3)
+    assert (lay.rank, lay.ranks) == (1 * 4 + 1, 8)
+    assert lay.summary() == layout(num_layers=6).summary()   # peers compare the model, not the stage
+    assert layout().layers == range(2) and (layout().rank, layout().ranks) == (1, 4)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(pp_rank=0, stage=range(1, 3)), "stage 0 must start at layer 0"),
+    (dict(pp_rank=1, stage=range(2, 5)), "last PP stage .* must end at layer 6"),
+    (dict(pp_rank=0, stage=range(0, 7)), "outside the model's 6 layers"),
+    (dict(pp_rank=0, stage=range(0, 0)), "non-empty range"),
+    (dict(pp_rank=0, stage=range(0, 4, 2)), "step 1"),
+    (dict(pp_rank=2, stage=range(2, 6)), "pp_rank must be in"),
+    (dict(pp_rank=0, pp_size=1, stage=range(0, 3)), "must end at layer 6"),
+])
+def test_pp_stage_errors(kw, message):
+    with pytest.raises(ValueError, match=message):
+        stage_layout(**{"pp_size": 2, **kw})
+
+
+def test_pp_stage_buffers_hold_only_its_layers():
+    lay = stage_layout(1, range(2, 6))
+    shape = (3 * lay.page_size, lay.local_heads, lay.head_dim)
+    k = [torch.full(shape, i, dtype=lay.dtype) for i in range(4)]
+    v = [torch.full(shape, 10 + i, dtype=lay.dtype) for i in range(4)]
+    b = KVBuffers(k, v).validate(lay)
+    assert b.first_layer == 2
+    kk, vv = b.layer_views(range(3, 5))   # model layers 3 and 4: the stage's tensors 1 and 2
+    assert [int(t[0, 0, 0]) for t in kk] == [1, 2] and [int(t[0, 0, 0]) for t in vv] == [11, 12]
+    with pytest.raises(ValueError, match=r"k has 6 layers, layout has 4 \(PP stage 1: layers \[2, 6\)\)"):
+        KVBuffers(k + k[:2], v).validate(lay)

@@ -60,6 +60,22 @@ def test_layout_from_kv_args_moves_heads_as_bytes():
     assert (lay.tp_size, lay.tp_rank, lay.page_size, lay.mla) == (4, 3, 16, False)
 
 
+def test_layout_of_a_pp_prefill_stage_holds_its_layers_of_the_model(monkeypatch):
+    """Stage 1 of 2 lists layers [3, 6) of 6 (prefill_start_layer 3): the last stage's end is
+    the model's count; an earlier stage reads it from the model config."""
+    last = kv_layout(kv_args(layers=3, prefill_start_layer=3), attn_tp_size=4, attn_tp_rank=1, mla=False,
+                     pp_size=2, pp_rank=1)
+    assert (last.num_layers, last.layers, last.rank, last.ranks) == (6, range(3, 6), 5, 8)
+    from kvstage.adapters.sglang import geometry
+    monkeypatch.setattr(geometry, "model_layers", lambda server_args: 6)
+    first = kv_layout(kv_args(layers=3, prefill_start_layer=0), attn_tp_size=4, attn_tp_rank=1, mla=False,
+                      pp_size=2, pp_rank=0)
+    assert (first.num_layers, first.layers, first.rank) == (6, range(0, 3), 1)
+    with pytest.raises(ValueError, match="PP stage 0 must start at layer 0"):
+        kv_layout(kv_args(layers=3, prefill_start_layer=1), attn_tp_size=4, attn_tp_rank=1, mla=False,
+                  pp_size=2, pp_rank=0)
+
+
 def test_layout_mla_is_one_latent_per_layer():
     args = SimpleNamespace(kv_data_ptrs=[1, 2, 3], kv_item_lens=[16 * 576 * 2] * 3, page_size=16)
     lay = kv_layout(args, attn_tp_size=2, attn_tp_rank=0, mla=True)
@@ -104,14 +120,17 @@ def plain_mgr(**kw):
     (plain_mgr(server_args=SimpleNamespace(enable_hisparse=True, device="cuda")), {}, "HiSparse"),
     (plain_mgr(), {"kv_data_mem_kinds": ["DRAM", "VRAM"]}, "DRAM memory beside a device KV cache"),
     (plain_mgr(), {"host_kv_data_ptrs": [4096]}, "host KV destinations"),
-    (plain_mgr(pp_size=2), {}, "pipeline parallelism"),
+    (plain_mgr(pp_size=2, disaggregation_mode=SimpleNamespace(value="decode")), {},
+     "pipeline parallelism on the decode side"),
+    (plain_mgr(pp_size=2, disaggregation_mode=SimpleNamespace(value="prefill")), {"kv_layer_ids": [0, 3]},
+     "pipeline parallelism (pp_size 2) with a hybrid KV pool"),
     (plain_mgr(attn_cp_size=2), {}, "context parallelism"),
     (plain_mgr(dcp_size=2), {}, "decode context parallelism"),
     (plain_mgr(kv_shard_size=2), {}, "KV cache sharding"),
     (plain_mgr(defer_decode_allocation=True), {}, "prefill_complete"),
     (plain_mgr(), {"num_draft_entries": 2}, "draft KV"),
     (plain_mgr(), {"kv_layout": "dsv4"}, "KV layout"),
-], ids=["hisparse", "mem-kinds", "host-destinations", "pp", "cp", "dcp", "kv-sharding", "prefill-complete",
+], ids=["hisparse", "mem-kinds", "host-destinations", "decode-pp", "pp-hybrid", "cp", "dcp", "kv-sharding", "prefill-complete",
         "draft", "kv-layout"])
 def test_features_kvstage_does_not_move_are_named_at_start(mgr, args, named):
     problems = unsupported_features(mgr, SimpleNamespace(**args))
@@ -120,6 +139,8 @@ def test_features_kvstage_does_not_move_are_named_at_start(mgr, args, named):
 
 def test_a_plain_gpu_deployment_is_not_refused():
     assert unsupported_features(plain_mgr(), SimpleNamespace(kv_data_mem_kinds=["VRAM"] * 4)) == []
+    pp_prefill = plain_mgr(pp_size=2, disaggregation_mode=SimpleNamespace(value="prefill"))
+    assert unsupported_features(pp_prefill, SimpleNamespace(kv_layer_ids=[])) == []
     cpu = plain_mgr(server_args=SimpleNamespace(enable_hisparse=False, device="cpu"))
     assert unsupported_features(cpu, SimpleNamespace(kv_data_mem_kinds=["DRAM"] * 4)) == []
 

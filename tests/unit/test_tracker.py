@@ -95,3 +95,19 @@ def test_direct_complete_exactly_when_all_landed(n, writers, rnd):
         assert out is (Outcome.DUPLICATE if e in seen else Outcome.ACCEPTED)
         seen.add(e)
     assert t.complete
+
+
+def test_pp_writers_cover_only_their_stage_layers():
+    """Writers 0 and 1 are two PP stages (layers [0, 2) and [2, 4)) of the same heads: each
+    must cover its own layers of every page, never the other's, and the room is complete only
+    when both did."""
+    t = RoomTracker(2, {0: 400, 1: 400}, num_layers=4, writer_layers={0: range(0, 2), 1: range(2, 4)})
+    assert t.writers_of(range(0, 2)) == [0] and t.writers_of(range(2, 3)) == [1] and t.writers_of(range(1, 3)) == []
+    bad = t.arrive_direct(0, 0, 0, 2, 200, layers=range(2, 4))
+    assert bad.outcome is Outcome.REJECTED and "its PP stage holds [0, 2)" in bad.reason
+    assert t.arrive_direct(0, 0, 0, 2, 400, layers=range(0, 2)).outcome is Outcome.ACCEPTED
+    assert not t.complete and t.pages_done == 0
+    assert t.arrive_direct(1, 0, 0, 1, 200, layers=range(2, 4)).outcome is Outcome.ACCEPTED
+    assert not t.complete and t.pages_done == 1
+    assert t.arrive_direct(1, 1, 1, 1, 200, layers=range(2, 4)).outcome is Outcome.ACCEPTED
+    assert t.complete and t.pages_done == 2

@@ -138,7 +138,7 @@ class EnginePlanner:
         if view.state != "ready":
             return
         try:
-            need = peering.needed_ranks(view.records[0].tp_size, self.ctx.layout)
+            need = self._needed(view)
         except ValueError as exc:
             view.rooms.discard(room.room)
             return self.book.apply(room, room.on_plan_failed(FailureKind.LAYOUT, str(exc), now))
@@ -160,7 +160,8 @@ class EnginePlanner:
         view.rooms.discard(room.room)
         ring, cfg = self.ctx.handler.allocator, self.ctx.cfg
         plan = plan_room(self.ctx.layout, need.mapping,
-                         {w: WriterOffer(peers[w].key, peers[w].staging, peers[w].buffer_bytes) for w in need.writers},
+                         {w: WriterOffer(peers[w].key, peers[w].staging, peers[w].buffer_bytes, need.layers[w])
+                          for w in need.writers},
                          {n: peers[n].key for n in need.notices}, staging=bool(cfg.staging),
                          ring_size=ring.size if ring else 0, ring_align=ring.align if ring else 1,
                          piece_cap=int(cast(float, cfg.staging_piece_mb) * (1 << 20)), epoch=self.ctx.me)
@@ -169,6 +170,12 @@ class EnginePlanner:
         if cfg.staging and not plan.staged:
             self._log_fallback(view.engine_id, need.mapping, [peers[w] for w in need.writers])
         self.book.apply(room, room.on_plan(plan, now))
+
+    def _needed(self, view: EngineView) -> peering.NeededRanks:
+        """The engine's ranks this decode rank deals with; ValueError when its TP size cannot
+        share the heads or its PP stages do not tile the model."""
+        stages = peering.read_stages(view.name, view.records, self.ctx.layout.num_layers)
+        return peering.needed_ranks(stages.tp_size, self.ctx.layout, stages.layers)
 
     def _log_fallback(self, engine_id: str, mapping: Any, writers: list[Peer]) -> None:
         why = peering.fallback_reason(self.ctx.handler.allocator is not None, self.ctx.layout.mla,
@@ -202,7 +209,11 @@ class EnginePlanner:
             return
         if view.state != "ready":
             return
-        need = peering.needed_ranks(view.records[0].tp_size, self.ctx.layout)
+        try:
+            need = self._needed(view)
+        except ValueError:
+            view.tombstones.clear()   # its rooms failed planning: nothing of theirs went out
+            return
         keep = []
         for stone in view.tombstones:
             if now - stone.since > self.ctx.t.metadata:

@@ -24,6 +24,7 @@ from ..backends.faults import ControlFaults, FaultPlan, FaultyBackend
 from ..config import METRICS_PORT_ENV, EngineConfig, Timeouts
 from ..layout import KVBuffers, KVLayout
 from ..protocol.messages import peer_codec
+from ..protocol.peering import stage_record
 from ..protocol.tags import TagCodec
 from ..regions import buffer_regions, unregistrable
 from ..state_pools import check_pool_items
@@ -48,6 +49,10 @@ class KVManager:
 
     def __init__(self, config: EngineConfig, layout: KVLayout, buffers: KVBuffers):
         self.config = config.resolved()
+        if self.config.role == "decode" and layout.pp_size > 1:
+            raise ValueError(f"a decode rank with pipeline parallelism (pp_size={layout.pp_size}) is not supported: "
+                             f"its tensors would hold one stage's layers and every prefill stage writes every "
+                             f"decode rank; run the decode engine with pp_size 1 (PP on the prefill is supported)")
         self.layout = layout
         self.buffers = buffers.validate(layout)
         self.num_pages = buffers.num_pages
@@ -64,7 +69,7 @@ class KVManager:
         self._metrics: Any = None
         self._loop_stuck = False
         self.metrics_port: int | None = None   # where /metrics is served (the bound port when 0 was asked)
-        self.name = f"kvstage-{cfg.engine_id}-{cfg.role}{self.layout.tp_rank}-{self.incarnation & 0xFFFFFF:06x}"
+        self.name = f"kvstage-{cfg.engine_id}-{cfg.role}{self.layout.rank}-{self.incarnation & 0xFFFFFF:06x}"
         try:
             for step in STARTUP_STEPS:
                 getattr(self, f"_start_{step}")(cfg)
@@ -77,7 +82,7 @@ class KVManager:
             except Exception:  # noqa: BLE001 - the start-up error is the one the caller needs
                 log.exception("kvstage %s: cleaning up after a failed start raised", self.name)
             raise
-        log.info("kvstage %s rank %d of %s ready on %s (backend %s, staging %s)", cfg.role, self.layout.tp_rank,
+        log.info("kvstage %s rank %d of %s ready on %s (backend %s, staging %s)", cfg.role, self.layout.rank,
                  cfg.engine_id, self.endpoint, cfg.backend, "on" if cfg.staging else "off")
 
     @property
@@ -91,7 +96,7 @@ class KVManager:
             return
         from ..metrics import MetricsExporter  # prometheus-client only when metrics are asked for
         option = "metrics_port" if self._metrics_option_explicit else METRICS_PORT_ENV
-        labels = {"role": cfg.role, "engine": cfg.engine_id, "rank": str(self.layout.tp_rank),
+        labels = {"role": cfg.role, "engine": cfg.engine_id, "rank": str(self.layout.rank),
                   "backend": cfg.backend}
         self._metrics = MetricsExporter(cfg.host, cfg.metrics_port, labels, self.stats, option)
         self._stack.callback(self._metrics.close)
@@ -161,9 +166,10 @@ class KVManager:
 
     def _start_registration(self, cfg: EngineConfig) -> None:
         self._info = RankInfo(
-            engine_id=cfg.engine_id, role=cfg.role, tp_size=self.layout.tp_size, tp_rank=self.layout.tp_rank,
+            engine_id=cfg.engine_id, role=cfg.role, tp_size=self.layout.ranks, tp_rank=self.layout.rank,
             ctrl_endpoint=self.endpoint, backend=cfg.backend, backend_identity=self._backend.call(lambda b: b.name),
-            layout={k: v for k, v in msgspec.structs.asdict(self.layout.summary()).items() if k != "pools"},
+            layout={**{k: v for k, v in msgspec.structs.asdict(self.layout.summary()).items() if k != "pools"},
+                    **stage_record(self.layout)},
             pools=self._pools(), incarnation=self.incarnation, dp_rank=cfg.dp_rank)
         self._register(self._timeouts.bootstrap)
 
@@ -334,7 +340,7 @@ class KVManager:
             except Exception:  # noqa: BLE001 - close() goes on
                 log.exception("closing kvstage %s: stopping the metrics server raised", self.name)
         with contextlib.suppress(Exception):
-            self._bootstrap.deregister(self.config.engine_id, self.layout.tp_rank, self.incarnation)
+            self._bootstrap.deregister(self.config.engine_id, self.layout.rank, self.incarnation)
         try:
             self._stack.close()  # every step runs even if an earlier one raised
         except Exception:  # noqa: BLE001 - close() must not raise once everything is down

@@ -84,7 +84,7 @@ class WriteQueue:
         page, its pool items, grouped so that no write mixes memory kinds (write_groups.py)."""
         b, kv = self.ctx.buffers, _memory(peer)
         assert op.dst_pages is not None, "a direct write without destination pages"
-        src, dst = direct_descriptors(self.ctx.geometry.of_layers(op.layers),
+        src, dst = direct_descriptors(self.ctx.geometry.of_layers(self.ctx.layout.local(op.layers)),
                                       self._peer_geometry(peer).of_layers(op.layers), op.src_pages, op.dst_pages,
                                       op.src_heads, op.dst_heads)
         parts = [DescriptorPart("kv", b.kind, kv.mem_kind, False, src, dst)]
@@ -130,7 +130,8 @@ class WriteQueue:
                 "a staged piece without transfer workers here or a ring there"
             ring = peer.ring
             self.workers.submit(GatherJob(
-                op_id=op.op_id, room=op.room, peer=peer.backend_name, pages=op.src_pages, layers=op.layers,
+                op_id=op.op_id, room=op.room, peer=peer.backend_name, pages=op.src_pages,
+                layers=ctx.layout.local(op.layers),
                 ready=op.ready, heads=op.src_heads,
                 nbytes=op.nbytes, dst_addr=ring.addr + op.ring_start % ring.size + op.writer_offset,
                 dst_device=ring.device, tag=ctx.tags.encode(op.tag), dst_kind=ring.mem_kind, pools=op.pools,

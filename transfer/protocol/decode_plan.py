@@ -3,7 +3,7 @@ once its prefill ranks are connected. Pure."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ...staging.pieces import max_piece_pages
 from ..layout import KVLayout
@@ -26,6 +26,8 @@ class RoomPlan:
     decode_tp: int = 0
     ring_size: int = 0                            # staged: the ring and the smallest writer buffer, which
     buffer_bytes: int = 0                         # the last piece's pool bytes must fit besides its pages
+    writer_layers: dict[int, range] = field(default_factory=dict)   # writer rank -> its PP stage's layers
+                                                                    # (absent: every layer)
 
     def writer_page_bytes(self, a: Assignment) -> int:
         return self.head_page_bytes * a.num_heads
@@ -46,6 +48,7 @@ class WriterOffer:
     key: PeerKey
     staging: bool
     buffer_bytes: int
+    layers: range | None = None     # the layers it holds (its PP stage); None: every layer
 
 
 def _writes(mapping: HeadMapping, prefill_rank: int, decode_rank: int) -> Assignment:
@@ -61,7 +64,8 @@ def plan_room(layout: KVLayout, mapping: HeadMapping, writers: dict[int, WriterO
     (a ring) and at every writer, TP sizes differ and the model is not MLA; direct otherwise.
     Returns the plan, or why not when a single page can never fit."""
     hpb = layout.num_kv * layout.num_layers * layout.page_size * layout.head_bytes
-    assigns = tuple((writers[w].key, _writes(mapping, w, layout.tp_rank)) for w in sorted(writers))
+    # writer w is TP rank w % prefill_tp of its PP stage; every stage splits the heads alike
+    assigns = tuple((writers[w].key, _writes(mapping, w % mapping.prefill_tp, layout.tp_rank)) for w in sorted(writers))
     staged = (staging and ring_size > 0 and not layout.mla and mapping.prefill_tp != mapping.decode_tp
               and all(o.staging for o in writers.values()))
     mpp = 0
@@ -79,4 +83,5 @@ def plan_room(layout: KVLayout, mapping: HeadMapping, writers: dict[int, WriterO
     return RoomPlan(writers=assigns, notices=tuple(notices[n] for n in sorted(notices)), staged=staged,
                     head_page_bytes=hpb, max_piece_pages=mpp, ring_epoch=epoch, prefill_tp=mapping.prefill_tp,
                     decode_tp=mapping.decode_tp, ring_size=ring_size,
-                    buffer_bytes=min(o.buffer_bytes for o in writers.values()) if writers else 0)
+                    buffer_bytes=min(o.buffer_bytes for o in writers.values()) if writers else 0,
+                    writer_layers={w: o.layers for w, o in writers.items() if o.layers is not None})

@@ -192,11 +192,14 @@ class DecodeRoom(RoomBase):
             return []
         n = int(self._dst.size)
         p = self.plan
-        self.pool_copies = {r: request_copies(writer_segments(self.pools, p.prefill_tp, p.decode_tp, w.assignment), None,
-                                              self.pool_items) for r, w in self.writers.items()} if self.pool_items else {}
+        last_stage = [r for r in self.writers if p.writer_layers.get(r, self.layout.layers).stop == self.layout.num_layers]
+        # the pools move with the last layer's writes: a PP prefill's last stage writes them
+        self.pool_copies = {r: request_copies(writer_segments(self.pools, p.prefill_tp, p.decode_tp,
+                                                              self.writers[r].assignment), None, self.pool_items)
+                            for r in last_stage} if self.pool_items else {}
         self.tracker = RoomTracker(n, {r: self._plan.writer_page_bytes(w.assignment) for r, w in self.writers.items()},
                                    {r: block_bytes(c) for r, c in self.pool_copies.items()},
-                                   num_layers=self.layout.num_layers)
+                                   num_layers=self.layout.num_layers, writer_layers=p.writer_layers)
         self.meta_sent = True
         self._retry_at = now + self.timeouts.heartbeat
         return self._metas(self._all_prefill()) + self._move(RoomEvent.METADATA_OUT, now)
@@ -239,19 +242,21 @@ class DecodeRoom(RoomBase):
             return [self._grant(peer, alloc)]
         t = self._tracker
         if req.num_pages <= 0 or req.page_start < 0 or req.page_start + req.num_pages > t.num_pages \
-                or not t.layers_ok(layers) or t.overlaps_plan(req.page_start, req.num_pages, layers):
+                or not t.layers_ok(layers) or t.overlaps_plan(req.page_start, req.num_pages, layers) \
+                or peer.tp_rank not in t.writers_of(layers):
             return self.fail(FailureKind.PROTOCOL, f"chunk {req.chunk} from {peer} covers pages [{req.page_start}, "
                                          f"+{req.num_pages}) of layers [{layers.start}, {layers.stop}) that are "
-                                         f"outside the room or already planned", now)
-        page_bytes = sum(t.bytes_of(w, 1, layers) for w in self.writers)
+                                         f"outside the room or its PP stage, or already planned", now)
+        writers = t.writers_of(layers)   # PP: the ranks of the stage holding these layers
+        page_bytes = sum(t.bytes_of(w, 1, layers) for w in writers)
         fit = ring.pages_fit_now(page_bytes)
         pieces: list[Piece] = []
         regions: dict[int, Region] = {}
         planned = plan_pieces(req.page_start, req.num_pages, self._plan.max_piece_pages, fit)
         final = t.final(req.page_start, req.num_pages, layers)
-        extra = sum(t.final_extra.values()) if final else 0
+        extra = sum(t.final_extra.get(w, 0) for w in writers) if final else 0
         if extra:  # the last piece also holds every writer's pool block: it may need fewer pages
-            planned = self._fit_pools(planned, layers)
+            planned = self._fit_pools(planned, layers, writers)
             if not planned:
                 return self.fail(FailureKind.STAGING, f"the state pool items of this request ({extra} bytes with one page) "
                                             f"do not fit the staging ring ({self._plan.ring_size} bytes) or a prefill "
@@ -263,18 +268,21 @@ class DecodeRoom(RoomBase):
                 raise AssertionError(str(region))
             regions[i] = region
             pieces.append(Piece(i, start, count, region.start, region.nbytes))
-            t.expect_piece(req.chunk, i, start, count, region.start, list(self.writers), layers)
+            t.expect_piece(req.chunk, i, start, count, region.start, writers, layers)
         alloc = Allocation(chunk=req.chunk, page_start=req.page_start, num_pages=req.num_pages, layers=layers,
                            pieces=pieces, regions=regions)
         self.allocs[req.chunk] = alloc
         return [self._grant(peer, alloc)]
 
-    def _fit_pools(self, planned: list[tuple[int, int]], layers: range) -> list[tuple[int, int]]:
+    def _fit_pools(self, planned: list[tuple[int, int]], layers: range,
+                   writers: list[int] | None = None) -> list[tuple[int, int]]:
         """Split the last piece so its pages and every writer's pool block fit the ring and each
-        writer's part its buffer; [] when not even one page does."""
+        writer's part its buffer; [] when not even one page does. `writers`: the piece's (None:
+        every writer of the room)."""
         start, count = planned[-1]
-        extra = self._tracker.final_extra
-        wpb = {w: self._tracker.bytes_of(w, 1, layers) for w in self._tracker.writer_page_bytes}
+        writers = list(self._tracker.writer_page_bytes) if writers is None else writers
+        extra = {w: self._tracker.final_extra.get(w, 0) for w in writers}
+        wpb = {w: self._tracker.bytes_of(w, 1, layers) for w in writers}
         total = sum(wpb.values())
         fits = [n for n in range(count, 0, -1)
                 if n * total + sum(extra.values()) <= self._plan.ring_size
@@ -336,7 +344,9 @@ class DecodeRoom(RoomBase):
         alloc = self.allocs[chunk]
         region = alloc.regions[index]
         per_head = num_pages * self._plan.head_page_bytes * len(alloc.layers) // self.layout.num_layers
-        writers = sorted(self.writers.items(), key=lambda rw: rw[1].assignment.writer_index)
+        held = set(self._tracker.writers_of(alloc.layers))   # PP: the stage's writers only
+        writers = sorted(((r, w) for r, w in self.writers.items() if r in held),
+                         key=lambda rw: rw[1].assignment.writer_index)
         final = self._tracker.final(page_start, num_pages, alloc.layers)
         copies = [self.pool_copies.get(r, ()) if final else () for r, _ in writers]
         kv = [per_head * w.assignment.num_heads for _, w in writers]

@@ -9,7 +9,7 @@ those decisions from plain inputs; the engine's decode side carries them out.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..layout import KVLayout
@@ -22,18 +22,77 @@ from .routing import PeerState
 class NeededRanks:
     writers: list[int]      # prefill ranks that write this decode rank's heads
     notices: list[int]      # prefill ranks that only need to hear about the request
-    mapping: HeadMapping
+    mapping: HeadMapping    # of one PP stage (every stage has the same TP size and head split)
+    layers: dict[int, range] = field(default_factory=dict)   # needed rank -> the layers it holds
 
     @property
     def all(self) -> list[int]:
         return self.writers + self.notices
 
 
-def needed_ranks(prefill_tp: int, layout: KVLayout) -> NeededRanks:
-    """Raises ValueError when the two TP sizes cannot share the heads."""
+def needed_ranks(prefill_tp: int, layout: KVLayout, stages: tuple[range, ...] | None = None) -> NeededRanks:
+    """The prefill ranks a decode rank deals with. `stages`: each PP stage's layers, in stage
+    order (None: one stage of every layer); rank s * prefill_tp + p is TP rank p of stage s,
+    and each stage's ranks write the decode rank's heads for their own layers. Raises
+    ValueError when the two TP sizes cannot share the heads."""
     mapping = compute_assignments(prefill_tp, layout.tp_size, layout.total_kv_heads, layout.mla)
     writers, notices = mapping.prefill_peers_of(layout.tp_rank)
-    return NeededRanks(list(writers), list(notices), mapping)
+    stages = stages if stages is not None else (range(layout.num_layers),)
+    layers = {s * prefill_tp + p: stage for s, stage in enumerate(stages) for p in writers + notices}
+    return NeededRanks([s * prefill_tp + w for s in range(len(stages)) for w in writers],
+                       [s * prefill_tp + n for s in range(len(stages)) for n in notices], mapping, layers)
+
+
+# What a PP prefill rank registers besides its layout summary (bootstrap RankInfo.layout):
+# its engine's PP size and its stage's layers. Its registered tp_size and tp_rank are the
+# engine's rank count and its rank (KVLayout.ranks, KVLayout.rank).
+PP_SIZE, STAGE_START, STAGE_STOP = "pp_size", "stage_start", "stage_stop"
+
+
+def stage_record(layout: KVLayout) -> dict[str, int]:
+    return {PP_SIZE: layout.pp_size, STAGE_START: layout.layers.start, STAGE_STOP: layout.layers.stop}
+
+
+@dataclass(frozen=True)
+class PrefillStages:
+    """A prefill engine's pipeline: the TP size of each stage and each stage's layers."""
+
+    tp_size: int
+    layers: tuple[range, ...]    # by PP rank
+
+
+def read_stages(engine_id: str, records: list[Any], num_layers: int) -> PrefillStages:
+    """The PP stages of a prefill engine from its rank records (sorted by rank, every rank
+    there), checked to tile the model's `num_layers` layers in order. Raises ValueError saying
+    which stage is wrong."""
+    def field_of(rec: Any, name: str, default: int) -> int:
+        return int(rec.layout.get(name, default)) if isinstance(getattr(rec, "layout", None), dict) else default
+
+    ranks = records[0].tp_size
+    pp = field_of(records[0], PP_SIZE, 1)
+    if pp <= 0 or ranks % pp or any(field_of(r, PP_SIZE, 1) != pp for r in records):
+        raise ValueError(f"prefill engine {engine_id}: its ranks disagree on the PP size or {ranks} ranks are not "
+                         f"{pp} stages of equal TP size")
+    tp = ranks // pp
+    stages: list[range] = []
+    for s in range(pp):
+        seen = {range(field_of(r, STAGE_START, 0), field_of(r, STAGE_STOP, num_layers))
+                for r in records[s * tp:(s + 1) * tp]}
+        if len(seen) != 1:
+            raise ValueError(f"prefill engine {engine_id}: the ranks of PP stage {s} disagree on its layers: "
+                             f"{sorted((x.start, x.stop) for x in seen)}")
+        stages.append(seen.pop())
+    at = 0
+    for s, stage in enumerate(stages):
+        if stage.start != at or stage.stop <= stage.start or stage.stop > num_layers:
+            raise ValueError(f"prefill engine {engine_id}: its PP stages' layers "
+                             f"{', '.join(f'[{x.start}, {x.stop})' for x in stages)} do not tile the model's "
+                             f"{num_layers} layers (stage {s} should start at layer {at})")
+        at = stage.stop
+    if at != num_layers:
+        raise ValueError(f"prefill engine {engine_id}: its PP stages' layers end at layer {at}, the model has "
+                         f"{num_layers}")
+    return PrefillStages(tp, tuple(stages))
 
 
 class LookupState(StrKind):

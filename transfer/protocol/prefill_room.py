@@ -225,11 +225,12 @@ class PrefillRoom(RoomBase):
 
     def on_grant(self, peer: PeerKey, grant: AllocGrant, now: float) -> list[Action]:
         flow = self._flow_of(peer, grant.session)
-        if flow is None or self.ended or grant.chunk in flow.granted:
+        index, stage = divmod(grant.chunk, self.layout.pp_size)
+        if flow is None or self.ended or index in flow.granted:
             return []  # a repeated grant (we asked twice): already acted upon
-        if not flow.staged or grant.chunk not in flow.requested_at:
+        if not flow.staged or index not in flow.requested_at or stage != self.layout.pp_rank:
             return self.fail(FailureKind.PROTOCOL, f"unexpected ring allocation for chunk {grant.chunk} from {peer}", now)
-        chunk = self.sendable[grant.chunk]
+        chunk = self.sendable[index]
         a = flow.assignment
         assert a is not None, "a notice-only flow asks for no ring space"
         per_head = self._bytes_per_page(1, chunk.layers)
@@ -251,7 +252,7 @@ class PrefillRoom(RoomBase):
                                              f"match the chunk: {piece}", now)
             pos += piece.num_pages
             tag = make_tag(TagKind.STAGED, room=self.room, session=flow.session, epoch=grant.epoch, src=self.me,
-                           writer=self.layout.tp_rank, chunk=grant.chunk, piece=piece.index,
+                           writer=self.layout.rank, chunk=grant.chunk, piece=piece.index,
                            page_start=piece.page_start, num_pages=piece.num_pages, layers=chunk.layers,
                            nbytes=nbytes, ring_start=piece.start)
             op = WriteOp(op_id=next(self._op_ids), room=self.room, peer=peer, staged=True, chunk=grant.chunk,
@@ -263,7 +264,7 @@ class PrefillRoom(RoomBase):
         if pos != chunk.page_start + chunk.pages.size:
             return self.fail(FailureKind.PROTOCOL, f"ring allocation for chunk {grant.chunk} from {peer} does not cover it",
                              now)
-        flow.granted.add(grant.chunk)
+        flow.granted.add(index)
         return out
 
     def on_write_done(self, op_id: int, ok: bool, reason: str | None, now: float) -> list[Action]:
@@ -354,7 +355,7 @@ class PrefillRoom(RoomBase):
 
     def _alloc_request(self, flow: Flow, chunk: Chunk) -> Send:
         return Send(flow.peer, AllocRequest(src=self.me, dst=flow.peer.incarnation, room=self.room,
-                                            session=flow.session, chunk=chunk.index, page_start=chunk.page_start,
+                                            session=flow.session, chunk=self._wire(chunk), page_start=chunk.page_start,
                                             num_pages=int(chunk.pages.size), layer_start=chunk.layers.start,
                                             num_layers=len(chunk.layers)))
 
@@ -426,10 +427,16 @@ class PrefillRoom(RoomBase):
         return direct_nbytes(self.layout.num_kv * len(layers), 1, self.layout.page_size, num_heads,
                              self.layout.head_bytes)
 
+    def _wire(self, chunk: Chunk) -> int:
+        """A chunk's number on the wire: the PP stages of an engine number their chunks apart
+        (index * pp_size + pp_rank), since one decode room receives them all."""
+        return chunk.index * self.layout.pp_size + self.layout.pp_rank
+
     def _final(self, page_end: int, layers: range) -> bool:
         """Whether a write ending at `page_end` over `layers` is the one carrying the request's
-        last page of its last layer, hence the state pool items."""
-        return page_end == self._pages_to_send and layers.stop == self.layout.layers.stop
+        last page of the model's last layer, hence the state pool items (a PP prefill: only
+        the last stage's)."""
+        return page_end == self._pages_to_send and layers.stop == self.layout.num_layers
 
     def _post(self, flow: Flow, op: WriteOp) -> PostWrite:
         self.ops[op.op_id] = op
@@ -480,12 +487,12 @@ class PrefillRoom(RoomBase):
                                        self.pool_items, flow.pool_dst)
                 nbytes += block_bytes(pools)
             tag = make_tag(TagKind.DIRECT, room=self.room, session=flow.session, epoch=flow.peer.incarnation,
-                           src=self.me, writer=self.layout.tp_rank, chunk=chunk.index, piece=part,
+                           src=self.me, writer=self.layout.rank, chunk=self._wire(chunk), piece=part,
                            page_start=start, num_pages=int(pages.size), layers=chunk.layers, nbytes=nbytes)
             assert flow.dst_pages is not None, "a direct flow has its destination pages from its metadata"
             dst = flow.dst_pages[start:start + pages.size]
             out.append(self._post(flow, WriteOp(op_id=next(self._op_ids), room=self.room, peer=flow.peer, staged=False,
-                                                chunk=chunk.index, piece=part, src_pages=pages, dst_pages=dst,
+                                                chunk=self._wire(chunk), piece=part, src_pages=pages, dst_pages=dst,
                                                 src_heads=a.src_heads, dst_heads=a.dst_heads, nbytes=nbytes, tag=tag,
                                                 pools=pools, layers=chunk.layers, ready=chunk.ready)))
         return out

@@ -63,10 +63,11 @@ class RoomTracker:
     """Arrival bookkeeping of one room on one decode rank."""
 
     def __init__(self, num_pages: int, writer_page_bytes: Mapping[int, int], final_extra: Mapping[int, int] = {},
-                 num_layers: int = 1):
+                 num_layers: int = 1, writer_layers: Mapping[int, range] = {}):
         """`writer_page_bytes`: expected writer rank -> bytes it writes per page of the room
         (every layer); `final_extra`: writer rank -> state pool bytes its write of the last
-        page of the last layer also carries."""
+        page of the last layer also carries; `writer_layers`: writer rank -> the layers it
+        writes, its PP stage's (absent: every layer)."""
         if num_pages <= 0:
             raise ValueError("a room has at least one page")
         if not writer_page_bytes:
@@ -77,6 +78,7 @@ class RoomTracker:
         self.num_layers = num_layers
         self.writer_page_bytes = dict(writer_page_bytes)
         self.final_extra = dict(final_extra)
+        self.writer_layers = {w: writer_layers.get(w, range(num_layers)) for w in self.writer_page_bytes}
         self._covered = {w: np.zeros((num_pages, num_layers), dtype=bool) for w in self.writer_page_bytes}
         self._covered_count = dict.fromkeys(self.writer_page_bytes, 0)   # cells
         self._pieces: dict[tuple[int, int], ExpectedPiece] = {}
@@ -101,6 +103,11 @@ class RoomTracker:
 
     def layers_ok(self, layers: range) -> bool:
         return len(layers) > 0 and 0 <= layers.start and layers.stop <= self.num_layers
+
+    def writers_of(self, layers: range) -> list[int]:
+        """The writers that hold `layers` (PP: one stage's writers), in rank order."""
+        return sorted(w for w, held in self.writer_layers.items()
+                      if held.start <= layers.start and layers.stop <= held.stop)
 
     def _layers(self, layers: range | None) -> range:
         return range(self.num_layers) if layers is None else layers
@@ -180,6 +187,10 @@ class RoomTracker:
             return Arrival(Outcome.REJECTED, f"pages [{page_start}, {page_start + num_pages}) of layers "
                                              f"[{lay.start}, {lay.stop}) outside the room's {self.num_pages} "
                                              f"pages and {self.num_layers} layers")
+        if writer not in self.writers_of(lay):
+            held = self.writer_layers[writer]
+            return Arrival(Outcome.REJECTED, f"writer {writer} wrote layers [{lay.start}, {lay.stop}), its PP stage "
+                                             f"holds [{held.start}, {held.stop})")
         want = self.bytes_of(writer, num_pages, lay) + self._extra(writer, page_start, num_pages, lay)
         if nbytes != want:
             return Arrival(Outcome.REJECTED, f"writer {writer} sent {nbytes} bytes for {num_pages} pages of "
@@ -215,17 +226,16 @@ class RoomTracker:
     @property
     def complete(self) -> bool:
         """Every byte of the room is in place (staged: scattered; direct: landed)."""
-        cells = self.num_pages * self.num_layers
         if self._pieces or self._scattered_cells:
-            return self._scattered_cells == cells
-        return all(n == cells for n in self._covered_count.values())
+            return self._scattered_cells == self.num_pages * self.num_layers
+        return all(n == self.num_pages * len(self.writer_layers[w]) for w, n in self._covered_count.items())
 
     @property
     def pages_done(self) -> int:
         """Pages' worth of cells in place (a page counts once every layer of it is)."""
         if self._pieces:
             return self._scattered_cells // self.num_layers
-        return min(self._covered_count.values()) // self.num_layers
+        return min(n // len(self.writer_layers[w]) for w, n in self._covered_count.items())
 
     def _extra(self, writer: int, page_start: int, num_pages: int, layers: range | None = None) -> int:
         return self.final_extra.get(writer, 0) if self.final(page_start, num_pages, layers) else 0

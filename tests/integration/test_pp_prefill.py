@@ -1,0 +1,76 @@
+"""A prefill with pipeline parallelism (KVLayout pp_size/pp_rank/stage) between real processes
+over real NIXL and Mooncake: each stage's ranks hold and send only their own layers, the decode
+rank (no PP) expects writers per (stage, head range), and every byte lands bit-exact: 2 stages
+-> decode TP 1 (direct), 2 stages x TP 2 -> decode TP 1 (staged and direct), with layer-wise
+sends, state pools (they move with the last stage's last write) and prefix hits. Stages whose
+layers do not tile the model fail the decode side's rooms with a reason that says so."""
+
+from __future__ import annotations
+
+import pytest
+from engine_cases import TEST_TIMEOUTS, Case, Topo, each_rank, problems, random_rooms, run_cases
+
+pytestmark = pytest.mark.integration
+
+LAYERS = 6
+AUX = {"sharding": "replicated", "items": 16, "tensors": [["float32", [5]], ["int32", [3]]]}
+
+
+def pp_case(topo: Topo, staging: bool, backend: str, seed: int, *, layer_sends: list | None = None,
+            pools: bool = False, prefix: bool = False) -> Case:
+    rooms = random_rooms(seed, 6, 4, max_tokens=120, base=7500 + 10 * seed)
+    for i, r in enumerate(rooms):
+        if layer_sends:
+            r["layer_sends"] = layer_sends
+        if prefix and i % 2 and r["pages"] > 1:
+            r["prefix_pages"] = 1
+        if pools:
+            r["pool_items"] = {"aux": 1}
+    case = Case(topo=topo, page_size=4, dtype="bfloat16", staging=staging, backend=backend, rooms=rooms,
+                layers=LAYERS, prefill_extra={"layer_group": 1, "layerwise_min_tokens": 0}, label=f"pp{seed}")
+    if pools:
+        case.pools = {"aux": AUX}
+    return case
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_pp_prefill_moves_bit_exact(backend):
+    per_layer = [[i, i + 1] for i in range(LAYERS)]
+    cases = [
+        pp_case(Topo(P=1, D=1, H=4, pp=2), False, backend, 1, pools=True, prefix=True),
+        pp_case(Topo(P=2, D=1, H=4, pp=2), True, backend, 2, pools=True),
+        pp_case(Topo(P=2, D=1, H=4, pp=2), True, backend, 3, layer_sends=per_layer, prefix=True),
+        pp_case(Topo(P=2, D=1, H=4, pp=2), False, backend, 4, layer_sends=[[3, 6], [0, 3]], pools=True),
+    ]
+    results, codes, logs, _ = run_cases(cases, timeout=300)
+    bad = problems(results, codes, logs)
+    assert not bad, "\n".join(bad[:10])
+    for c in cases:
+        assert len(results[c.name]["prefill"]) == c.topo.P * c.topo.pp
+    for c, side, res in each_rank(cases[:2], results):
+        # whole chunks: one write per (writer, chunk), and every TP rank of BOTH stages writes
+        for r in c.rooms if side == "decode" else ():
+            rec = next(x for x in res["rooms"] if x["room"] == r["room"])
+            sent = len(r["chunks"]) - sum(1 for i in range(len(r["chunks"]))
+                                          if sum(r["chunks"][:i + 1]) <= r.get("prefix_pages", 0))
+            assert rec["metrics"]["backend_writes"] == c.topo.P * c.topo.pp * sent, (c.name, r, rec["metrics"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["nixl"])
+def test_pp_stages_that_do_not_tile_the_model_fail_with_a_reason(backend):
+    case = pp_case(Topo(P=1, D=1, H=4, pp=2), False, backend, 5)
+    case.rooms = case.rooms[:2]
+    case.prefill_extra = {**case.prefill_extra, "stage_layers": [[0, 2], [3, 6]],
+                          "timeouts": {**TEST_TIMEOUTS, "metadata": 3.0}}
+    results, codes, logs, _ = run_cases([case], timeout=200)
+    bad = problems(results, codes, logs, expect_success=False)
+    assert not bad, "\n".join(bad[:10])
+    for c, side, res in each_rank([case], results):
+        for rec in res["rooms"]:
+            assert rec["state"] == "Failed", (side, rec)
+            if side == "decode":
+                assert "do not tile the model's 6 layers" in rec["failure"], rec
+            else:
+                assert "no room metadata" in rec["failure"], rec
