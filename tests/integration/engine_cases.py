@@ -79,6 +79,28 @@ def random_rooms(seed: int, count: int, page_size: int, max_tokens: int = 300, b
     return rooms
 
 
+LAYERED_AUX = {"sharding": "replicated", "items": 16, "tensors": [["float32", [5]], ["int32", [3]]]}
+
+
+def layered_case(topo: Topo, staging: bool, backend: str, *, seed: int, base: int, label: str, layers: int,
+                 layer_sends: list | None = None, group: int = 1, min_tokens: int = 0, pools: bool = False,
+                 prefix: bool = False) -> Case:
+    """Six short rooms of pages of 4 tokens, each sent as `layer_sends` (None: every layer at
+    once), every other one with a 1-page prefix hit (`prefix`), each with an aux row (`pools`);
+    the prefill groups layers by `group` above `min_tokens` tokens."""
+    rooms = random_rooms(seed, 6, 4, max_tokens=120, base=base)
+    for i, r in enumerate(rooms):
+        if layer_sends:
+            r["layer_sends"] = layer_sends
+        if prefix and i % 2 and r["pages"] > 1:
+            r["prefix_pages"] = 1
+        if pools:
+            r["pool_items"] = {"aux": 1}
+    return Case(topo=topo, page_size=4, dtype="bfloat16", staging=staging, backend=backend, rooms=rooms,
+                layers=layers, prefill_extra={"layer_group": group, "layerwise_min_tokens": min_tokens},
+                label=label, pools={"aux": LAYERED_AUX} if pools else {})
+
+
 def manager_specs(case: Case, role: str, rank: int, barrier: dict) -> dict:
     t = case.topo
     spec = {"role": role, "rank": rank, "tp": t.P if role == "prefill" else t.D,

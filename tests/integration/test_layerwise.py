@@ -7,7 +7,7 @@ groups fails both sides and releases everything."""
 from __future__ import annotations
 
 import pytest
-from engine_cases import Case, Topo, each_rank, problems, random_rooms, run_cases
+from engine_cases import Case, Topo, each_rank, layered_case, problems, random_rooms, run_cases
 from records import assert_exact
 
 from kvstage.transfer.protocol.head_mapping import compute_assignments
@@ -18,24 +18,12 @@ LAYERS = 6
 PER_LAYER = [[i, i + 1] for i in range(LAYERS)]
 THREES_BACKWARDS = [[3, 6], [0, 3]]
 ALL = [[0, LAYERS]]
-AUX = {"sharding": "replicated", "items": 16, "tensors": [["float32", [5]], ["int32", [3]]]}
 
 
 def layerwise(topo: Topo, staging: bool, backend: str, sends: list, group: int, seed: int, *, pools: bool = False,
               prefix: bool = False, min_tokens: int = 0) -> Case:
-    rooms = random_rooms(seed, 6, 4, max_tokens=120, base=7000)
-    for i, r in enumerate(rooms):
-        r["layer_sends"] = sends
-        if prefix and i % 2 and r["pages"] > 1:
-            r["prefix_pages"] = 1
-        if pools:
-            r["pool_items"] = {"aux": 1}
-    case = Case(topo=topo, page_size=4, dtype="bfloat16", staging=staging, backend=backend, rooms=rooms,
-                layers=LAYERS, prefill_extra={"layer_group": group, "layerwise_min_tokens": min_tokens},
-                label=f"lw{seed}")
-    if pools:
-        case.pools = {"aux": AUX}
-    return case
+    return layered_case(topo, staging, backend, seed=seed, base=7000, label=f"lw{seed}", layers=LAYERS,
+                        layer_sends=sends, group=group, min_tokens=min_tokens, pools=pools, prefix=prefix)
 
 
 def writes_per_chunk(sends: list, group: int) -> int:

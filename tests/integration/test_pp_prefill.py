@@ -8,29 +8,17 @@ layers do not tile the model fail the decode side's rooms with a reason that say
 from __future__ import annotations
 
 import pytest
-from engine_cases import TEST_TIMEOUTS, Case, Topo, each_rank, problems, random_rooms, run_cases
+from engine_cases import TEST_TIMEOUTS, Case, Topo, each_rank, layered_case, problems, run_cases
 
 pytestmark = pytest.mark.integration
 
 LAYERS = 6
-AUX = {"sharding": "replicated", "items": 16, "tensors": [["float32", [5]], ["int32", [3]]]}
 
 
 def pp_case(topo: Topo, staging: bool, backend: str, seed: int, *, layer_sends: list | None = None,
             pools: bool = False, prefix: bool = False) -> Case:
-    rooms = random_rooms(seed, 6, 4, max_tokens=120, base=7500 + 10 * seed)
-    for i, r in enumerate(rooms):
-        if layer_sends:
-            r["layer_sends"] = layer_sends
-        if prefix and i % 2 and r["pages"] > 1:
-            r["prefix_pages"] = 1
-        if pools:
-            r["pool_items"] = {"aux": 1}
-    case = Case(topo=topo, page_size=4, dtype="bfloat16", staging=staging, backend=backend, rooms=rooms,
-                layers=LAYERS, prefill_extra={"layer_group": 1, "layerwise_min_tokens": 0}, label=f"pp{seed}")
-    if pools:
-        case.pools = {"aux": AUX}
-    return case
+    return layered_case(topo, staging, backend, seed=seed, base=7500 + 10 * seed, label=f"pp{seed}", layers=LAYERS,
+                        layer_sends=layer_sends, pools=pools, prefix=prefix)
 
 
 @pytest.mark.timeout(400)
