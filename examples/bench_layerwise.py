@@ -1,9 +1,9 @@
 """What layer-wise sending buys: a simulated prefill forward pass, its KV sent whole, per chunk
 or layer by layer, alternated in one run, over real NIXL / Mooncake between real processes.
 
-    .venv/bin/python examples/bench_layerwise.py --quick            # 256, 1K, 4K tokens, ~5 min
+    .venv/bin/python examples/bench_layerwise.py --quick            # 256, 1K, 4K tokens, ~9 min
     .venv/bin/python examples/bench_layerwise.py --json docs/bench/layerwise.json \\
-        --plot docs/bench/layerwise.png                              # 256 .. 32K tokens, what docs show
+        --plot docs/bench/layerwise.png --rounds 3                   # 256 .. 32K, docs/benchmarks.md
 
 Each prefill rank (examples/layerwise_rank.py) plays a GPU engine whose CPU runs ahead: at the
 forward start it issues every send() of the request at once, each with a readiness object that
