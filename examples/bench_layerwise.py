@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import os
 import platform
 import statistics
@@ -51,18 +50,6 @@ WARMUP_MAX_TOKENS = 4096
 PATHS = {"staged": (2, 1, True), "direct": (1, 1, False)}   # prefill TP, decode TP, staging
 
 
-def _float(lo: float):
-    def check(text: str) -> float:
-        try:
-            val = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not (math.isfinite(val) and val >= lo):
-            raise argparse.ArgumentTypeError(f"{text!r} must be a finite number >= {lo}")
-        return val
-    return check
-
-
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backends", type=bench._choices(BACKENDS), default="nixl,mooncake")
@@ -76,9 +63,9 @@ def parse(argv=None):
     p.add_argument("--no-sweep", action="store_true", help="skip the threshold sweep")
     p.add_argument("--rounds", type=bench._int(1), default=5, help="timed requests per (length, mode)")
     p.add_argument("--chunk-tokens", type=bench._int(1), default=8192, help="chunked prefill size")
-    p.add_argument("--layer-ms", type=_float(0.0), default=None,
+    p.add_argument("--layer-ms", type=bench._mb, default=None,
                    help="compute ms per layer per chunk, for every length (default: calibrated per chunk size)")
-    p.add_argument("--compute-ratio", type=_float(0.0), default=1.0,
+    p.add_argument("--compute-ratio", type=bench._mb, default=1.0,
                    help="a layer's compute / a layer's measured transfer (calibrated layer time)")
     p.add_argument("--calibration-requests", type=bench._int(1), default=3)
     p.add_argument("--layer-group", type=bench._int(0), default=None, help="EngineConfig.layer_group (default: its)")
