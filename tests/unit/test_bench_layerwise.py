@@ -1,0 +1,105 @@
+"""examples/bench_layerwise.py's pure parts: the simulated forward pass (layer deadlines, the
+readiness object that stands for a CUDA event), chunking, the threshold verdict, and its usage
+errors. The end-to-end smoke run is tests/integration/test_bench_layerwise_smoke.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import bench_layerwise  # noqa: E402
+import layerwise_rank  # noqa: E402
+import layerwise_report  # noqa: E402
+
+
+def test_layers_of_each_chunk_finish_one_after_the_other():
+    plan = layerwise_rank.layer_deadlines(10.0, [0.5, 0.25], 3)
+    assert plan == [[10.5, 11.0, 11.5], [11.75, 12.0, 12.25]]
+
+
+def test_layer_done_never_returns_before_its_deadline():
+    gpu = layerwise_rank.SimulatedGPU()
+    done = layerwise_rank.LayerDone(deadline=time.monotonic() + 0.05, gpu=gpu)
+    done.synchronize()
+    assert done.returned >= done.deadline and done.called < done.deadline
+    assert done.threads == [threading.current_thread().name]
+
+
+def test_stopping_the_gpu_ends_a_wait_with_an_error():
+    """A kvstage thread blocked on a layer is let go when the rank shuts down (nothing hangs)."""
+    gpu = layerwise_rank.SimulatedGPU()
+    done = layerwise_rank.LayerDone(deadline=time.monotonic() + 3600, gpu=gpu)
+    errors: list[BaseException] = []
+
+    def wait() -> None:
+        try:
+            done.synchronize()
+        except RuntimeError as exc:
+            errors.append(exc)
+    t = threading.Thread(target=wait)
+    t.start()
+    gpu.stop()
+    t.join(10)
+    assert not t.is_alive() and len(errors) == 1 and done.returned is None
+
+
+class Recorder:
+    def __init__(self):
+        self.sends = []
+
+    def send(self, pages, last=None, *, layers=None, ready=None):
+        self.sends.append((list(pages), last, layers, ready))
+
+
+@pytest.mark.parametrize("mode, expected", [
+    ("whole", [([0, 1, 2, 3, 4], True, None, (1, 2))]),
+    ("chunk", [([0, 1, 2], False, None, (0, 2)), ([3, 4], True, None, (1, 2))]),
+    ("layer", [([0, 1, 2], None, range(l, l + 1), (0, l)) for l in range(3)]
+     + [([3, 4], None, range(l, l + 1), (1, l)) for l in range(3)]),
+    ("group-2", [([0, 1, 2], None, range(0, 2), (0, 1)), ([0, 1, 2], None, range(2, 3), (0, 2)),
+                 ([3, 4], None, range(0, 2), (1, 1)), ([3, 4], None, range(2, 3), (1, 2))]),
+])
+def test_each_mode_issues_its_sends_gated_by_the_right_layer(mode, expected):
+    h = Recorder()
+    done = [[(c, l) for l in range(3)] for c in range(2)]   # stand-ins: which (chunk, layer) gates a send
+    layerwise_rank.issue_sends(h, mode, list(range(5)), [3, 2], done)
+    assert h.sends == expected
+
+
+def test_chunking_follows_the_chunked_prefill_size():
+    a = SimpleNamespace(page_size=16, chunk_tokens=8192)
+    assert bench_layerwise.chunking(a, 256) == [16]
+    assert bench_layerwise.chunking(a, 8192) == [512]
+    assert bench_layerwise.chunking(a, 20000) == [512, 512, 226]
+
+
+def _rows(ratios: dict[int, float]) -> dict:
+    return {**{(t, "chunk"): {"total_ms": 100.0, "handover_ms": 10.0} for t in ratios},
+            **{(t, "group-4"): {"total_ms": 100.0 * r, "handover_ms": 10.0} for t, r in ratios.items()}}
+
+
+def test_threshold_is_where_layer_wise_pays_from_on():
+    assert layerwise_report.supported_threshold(_rows({256: 1.02, 512: 0.9, 1024: 0.8}), "group-4").startswith("512 ")
+    # a length that pays below one that does not is no threshold
+    assert layerwise_report.supported_threshold(_rows({256: 0.9, 512: 1.0, 1024: 0.8}), "group-4").startswith("1024 ")
+    assert layerwise_report.supported_threshold(_rows({256: 0.9, 512: 0.9}), "group-4").startswith("<= 256")
+    assert layerwise_report.supported_threshold(_rows({256: 1.1, 512: 0.99}), "group-4").startswith("> 512")
+
+
+@pytest.mark.parametrize("args, option", [
+    (["--compute-ratio", "nan"], "--compute-ratio"), (["--layer-ms", "-1"], "--layer-ms"),
+    (["--paths", "equal"], "--paths"),
+])
+def test_bad_argument_is_a_usage_error(args, option):
+    res = subprocess.run([sys.executable, str(EXAMPLES / "bench_layerwise.py"), *args], capture_output=True,
+                         text=True, timeout=60)
+    assert res.returncode == 2 and option in res.stderr, (res.returncode, res.stderr[-2000:])
