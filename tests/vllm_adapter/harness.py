@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -145,8 +146,9 @@ class Engine:
                       block_hasher=self.block_hasher)
         self.scheduler.add_request(req)
 
-    def step(self) -> None:
-        """One engine step: schedule, the workers' forward and connector calls, update."""
+    def step(self) -> bool:
+        """One engine step: schedule, the workers' forward and connector calls, update. True
+        when it computed tokens."""
         so = self.scheduler.schedule()
         writes = []
         for new in so.scheduled_new_reqs:
@@ -172,6 +174,7 @@ class Engine:
                                                              kv_transfer_params=out.kv_transfer_params)
             if eco.scheduler_stats is not None and eco.scheduler_stats.kv_connector_stats:
                 self.stats.append(eco.scheduler_stats.kv_connector_stats)
+        return so.total_num_scheduled_tokens > 0
 
     def _samples(self, req_id: str, so) -> bool:
         """A request samples when this step reaches the end of what it has to compute."""
@@ -181,14 +184,15 @@ class Engine:
     def _next_token(self, req_id: str, so) -> int:
         return 100 + len(self.tokens.get(req_id, ()))
 
-    def run_until(self, done, what: str, deadline_steps: int = 2000) -> None:
-        for _ in range(deadline_steps):
-            if done():
-                return
-            self.step()
-            if not self.scheduler.has_requests():
-                self.pipes[0].poll(0.02)   # idle: the transfers run on kvstage's threads
-        raise TimeoutError(f"{self.name}: {what} not reached in {deadline_steps} steps")
+    def run_until(self, done, what: str, timeout: float = 120) -> None:
+        """Step until done(); a step that scheduled nothing first waits up to 20 ms on rank 0's
+        pipe (the transfers run on kvstage's threads), so an idle engine does not spin."""
+        deadline = time.monotonic() + timeout
+        while not done():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name}: {what} not reached in {timeout} s")
+            if not self.step():
+                self.pipes[0].poll(0.02)
 
     def read(self, rank: int, block_ids: list[int]) -> torch.Tensor:
         self.pipes[rank].send(("read", block_ids))

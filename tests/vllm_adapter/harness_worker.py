@@ -13,6 +13,7 @@ import zlib
 
 import torch
 
+
 def kv_page(req_id: str, page: int, layer: int, total_heads: int, block: int, head_dim: int) -> torch.Tensor:
     """The KV of page `page` of request `req_id` in one layer, all heads: [heads, block, 2 * head_dim]."""
     g = torch.Generator().manual_seed(zlib.crc32(f"{req_id}/{page}/{layer}".encode()))
