@@ -23,6 +23,7 @@ from vllm.v1.request import RequestStatus
 from .geometry import ModelGeometry, describe, engine_cache, unsupported_features
 from .params import ConnectorSettings
 from .plan import PrefillIdentity, SchedulerPlan, StepOrders
+from .stats import KvstageConnectorStats, KvstagePromMetrics, interval
 from .worker import WorkerSide
 
 if TYPE_CHECKING:
@@ -68,6 +69,7 @@ class KvstageConnector(KVConnectorBase_V1):
         self.engine_id = f"vllm-{'prefill' if self.is_prefill else 'decode'}@{self.settings.rendezvous}"
         self.plan: SchedulerPlan | None = None
         self.worker: WorkerSide | None = None
+        self._reported: dict[str, float] = {}     # the worker's counts at its last stats report
         if role == KVConnectorRole.SCHEDULER:
             ident = PrefillIdentity(rendezvous=self.settings.rendezvous, dp_rank=0, engine=self.engine_id,
                                     tp_size=par.tensor_parallel_size)
@@ -137,6 +139,19 @@ class KvstageConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.take_load_errors() if self.worker is not None else set()
+
+    # -- stats (stats.py) ----------------------------------------------------------------------
+    def get_kv_connector_stats(self) -> KvstageConnectorStats | None:
+        """This worker's transfers that ended since the last call (None: none did)."""
+        return interval(self.worker.counts, self._reported) if self.worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KvstageConnectorStats:
+        return KvstageConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KvstagePromMetrics:
+        return KvstagePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self):
         if self.worker is not None:

@@ -95,6 +95,24 @@ def run_pd(pair: Pair, decode_tp: int, path: str):
     while (usage := metric(pair.p_url, "vllm:kv_cache_usage_perc")) > 0:
         assert time.monotonic() < deadline, f"the prefill server still holds {usage:.1%} of its KV cache"
         time.sleep(0.5)
+    # the same counts through vLLM's connector stats: each server's own /metrics and its log
+    n = len(PROMPTS) + 1
+    for url, proc, count in ((pair.p_url, pair.prefill, n), (pair.d_url, pair.decode, n * decode_tp)):
+        wait_for(lambda: metric(url, "vllm:kvstage_transfers_succeeded_total") >= count, f"{proc.name}: vllm stats")
+        assert metric(url, "vllm:kvstage_transfers_succeeded_total") == count
+        assert metric(url, f"vllm:kvstage_{path}_transfers_total") == count
+        assert metric(url, f"vllm:kvstage_{other}_transfers_total") == 0
+        assert metric(url, "vllm:kvstage_transfers_failed_total") == 0
+        assert metric(url, "vllm:kvstage_transfer_bytes_total") > 0
+        wait_for(lambda: "KV Transfer metrics: Num successful transfers=" in proc.tail(10 ** 7),
+                 f"{proc.name}: vLLM's KV transfer log line")
+
+
+def wait_for(cond, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
+        time.sleep(0.5)
 
 
 @pytest.mark.timeout(900)

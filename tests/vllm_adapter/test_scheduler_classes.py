@@ -1,0 +1,134 @@
+"""kvstage's connector between vLLM's real Scheduler and worker-side calls, without servers
+(harness.py): a prefill instance (TP 1) and a decode instance (TP 1: direct, TP 2: staged), each
+a vLLM `Scheduler` with the connector in its role and one process per TP worker over real kvstage
+(NIXL) on CPU caches in vLLM's CPU layout. Checked: the prefill's scheduler holds each request's
+blocks after it finished (delay free) and frees them once kvstage's sends ended; the decode's
+scheduler waits for the KV, then computes one token per request (it did not recompute the
+prompt) and finishes it; every KV byte landed in the decode's blocks; a receive that fails
+reaches vLLM as load errors and vLLM fails the request; kvstage's counters arrive through vLLM's
+connector stats (KVOutputAggregator -> scheduler stats)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import BLOCK, HEAD_DIM, KV_HEADS, LAYERS, Engine, write_model
+from harness_worker import kv_page
+from servers import free_port
+
+PROMPTS = {"a": list(range(3, 36)), "b": list(range(40, 97)), "c": list(range(5, 11)) * 13}
+EXTENDED = PROMPTS["b"][:BLOCK] + list(range(200, 250))     # 82 tokens: 3 pages, the first one "b"'s
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return write_model(tmp_path_factory.mktemp("tiny-llama-config"))
+
+
+def expected(req_id: str, pages: int, rank: int, tp: int) -> torch.Tensor:
+    local = KV_HEADS // tp
+    return torch.stack([torch.stack([kv_page(req_id, p, layer, KV_HEADS, BLOCK, HEAD_DIM)[rank * local:(rank + 1) * local]
+                                     for p in range(pages)]) for layer in range(LAYERS)])
+
+
+def prefill_all(prefill: Engine, prompts: dict[str, list[int]]) -> dict[str, dict]:
+    for req_id, prompt in prompts.items():
+        prefill.add(req_id, prompt, 1, {"do_remote_decode": True})
+    prefill.run_until(lambda: set(prompts) <= set(prefill.finished), "prefill requests finished")
+    params = {}
+    for req_id in prompts:
+        fin = prefill.finished[req_id]
+        assert fin.reason == "length" and len(fin.tokens) == 1, fin
+        params[req_id] = fin.kv_transfer_params
+        assert params[req_id]["do_remote_prefill"] is True and params[req_id]["kvstage_tp_size"] == 1
+    # delay free: the scheduler still holds every request's prompt blocks for kvstage's sends
+    assert prefill.used_blocks() >= sum(-(-len(p) // BLOCK) for p in prompts.values())
+    return params
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("decode_tp,path", [(1, "direct"), (2, "staged")], ids=["P1-D1-direct", "P1-D2-staged"])
+def test_prefill_to_decode(model, decode_tp, path):
+    prefill = Engine("prefill", model, producer=True, tp=1, rendezvous_port=free_port())
+    decode = Engine("decode", model, producer=False, tp=decode_tp, rendezvous_port=free_port())
+    try:
+        params = prefill_all(prefill, PROMPTS)
+        landed = {}
+        for req_id, prompt in PROMPTS.items():
+            decode.add(req_id, prompt, 3, params[req_id])
+
+        def all_landed():
+            prefill.step()    # the prefill's engine keeps stepping: its workers push
+            for r in PROMPTS:
+                if r in decode.first_scheduled and r not in landed:
+                    landed[r] = decode.block_ids(r)   # read below, while the request still holds them
+                    pages = -(-len(PROMPTS[r]) // BLOCK)
+                    for rank in range(decode_tp):
+                        got = decode.read(rank, landed[r][:pages])
+                        assert torch.equal(got, expected(r, pages, rank, decode_tp)), f"{r}: rank {rank} KV differs"
+            return set(PROMPTS) <= set(decode.finished)
+        decode.run_until(all_landed, "decode requests finished")
+        for req_id in PROMPTS:
+            # the KV came from the prefill: the decode computed only the last prompt token itself
+            assert decode.first_scheduled[req_id] == 1, decode.first_scheduled
+            fin = decode.finished[req_id]
+            assert fin.reason == "length" and len(fin.tokens) == 3, fin
+        # the prefill freed the blocks once its sends ended
+        prefill.run_until(lambda: prefill.used_blocks() == 0, "prefill blocks freed")
+
+        # a decode prefix-cache hit: "d" starts with "b"'s first page, which the decode holds
+        # from "b"; the prefill (no prefix cache) computed all of "d", but sends only the pages
+        # past the decode's prefix: the cached page keeps "b"'s KV
+        params = prefill_all(prefill, {"d": EXTENDED})
+        decode.add("d", EXTENDED, 3, params["d"])
+
+        def extended_landed():
+            prefill.step()
+            if "d" in decode.first_scheduled and "d" not in landed:
+                landed["d"] = decode.block_ids("d")
+                for rank in range(decode_tp):
+                    got = decode.read(rank, landed["d"][:3])
+                    want = expected("d", 3, rank, decode_tp)
+                    want[:, 0] = expected("b", 1, rank, decode_tp)[:, 0]
+                    assert torch.equal(got, want), f"d: rank {rank} KV differs"
+            return "d" in decode.finished
+        decode.run_until(extended_landed, "the prefix-hit request finished")
+        assert landed["d"][0] == landed["b"][0] and decode.first_scheduled["d"] == 1
+        prefill.run_until(lambda: prefill.used_blocks() == 0, "prefill blocks freed")
+        n = len(PROMPTS) + 1
+        for eng, tp in ((prefill, 1), (decode, decode_tp)):
+            total = {k: sum(s.get(k, 0) for s in eng.stats) for k in ("succeeded", "failed", path, "bytes")}
+            assert total["succeeded"] == n * tp and total["failed"] == 0, (eng.name, eng.stats)
+            assert total[path] == n * tp and total["bytes"] > 0, (eng.name, eng.stats)
+    finally:
+        decode.close()
+        prefill.close()
+
+
+@pytest.mark.timeout(600)
+def test_failed_receive_fails_the_request(model):
+    """A decode request whose prompt is one page longer than the prefill's: kvstage fails the
+    room on both sides (page counts differ); the decode reports its blocks as load errors and
+    vLLM (kv_load_failure_policy "fail") ends the request with an error; the prefill frees its
+    blocks; each side's stats count the failure."""
+    prefill = Engine("prefill", model, producer=True, tp=1, rendezvous_port=free_port())
+    decode = Engine("decode", model, producer=False, tp=1, rendezvous_port=free_port())
+    try:
+        prompts = {"ok": PROMPTS["a"], "bad": PROMPTS["b"]}
+        params = prefill_all(prefill, prompts)
+        decode.add("ok", prompts["ok"], 2, params["ok"])
+        decode.add("bad", prompts["bad"] + list(range(300, 340)), 2, params["bad"])
+
+        def both_finished():
+            prefill.step()
+            return {"ok", "bad"} <= set(decode.finished)
+        decode.run_until(both_finished, "decode requests finished")
+        assert decode.finished["ok"].reason == "length", decode.finished
+        assert decode.finished["bad"].reason == "error", decode.finished
+        prefill.run_until(lambda: prefill.used_blocks() == 0, "prefill blocks freed")
+        for eng in (prefill, decode):
+            assert sum(s.get("failed", 0) for s in eng.stats) == 1, (eng.name, eng.stats)
+            assert sum(s.get("succeeded", 0) for s in eng.stats) == 1, (eng.name, eng.stats)
+    finally:
+        decode.close()
+        prefill.close()
