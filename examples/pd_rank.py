@@ -506,9 +506,9 @@ def send_layers(h, r: dict, st: dict, n: int, num_chunks: int) -> bool:
     pages = st["pages"][st["sent"]:st["sent"] + n]
     fill = None
     if st["verify"]:
-        layout = st["pattern"].layout
-        tensors = [range(a, b)] + ([range(layout.num_layers + a, layout.num_layers + b)] if layout.num_kv == 2 else [])
-        only = [t for rng in tensors for t in rng]
+        # this rank's tensors: K of each of its (stage's) layers, then V of each
+        held = len(stage)
+        only = [kv * held + layer - stage.start for kv in range(st["pattern"].layout.num_kv) for layer in range(a, b)]
         fill = functools.partial(st["pattern"].fill, st["tensors"], r.get("pattern_key", r["room"]), pages,
                                  st["sent"], only)
     final = i == len(sends) - 1 and st["chunk"] == num_chunks - 1

@@ -127,7 +127,9 @@ def test_etcd_lost_mid_run_running_transfers_go_on_and_new_lookups_fail_at_their
         lost = recs[300]
         assert lost["state"] == "Failed" and lost["kind"] == "bootstrap", lost
         assert "no etcd member answered" in lost["failure"] and "nobody" in lost["failure"], lost["failure"]
-        assert 3.0 <= lost["end"] - lost["start"] <= 3.0 + 10.0, lost   # at its deadline, and no hang
+        # at its deadline, and no hang: the deadline counts from the receiver's creation, a moment
+        # before the record's start (its init()), so the failure may come a hair under 3 s after it
+        assert 3.0 - 0.1 <= lost["end"] - lost["start"] <= 3.0 + 10.0, lost
 
 
 def test_etcd_unreachable_when_a_rank_starts_names_the_endpoints():
