@@ -55,6 +55,19 @@ def test_pools_move_bit_exact_with_the_kv(backend):
         one_write_per_pair_and_chunk(c, results[c.name])
 
 
+def others_exact_when_one_room_mismatches(cases: list[Case], results: dict, index: int):
+    """Room `index` of every case names other pool items on its decode side: it failed on both
+    sides as "pool items differ". Every other room succeeded, bit-exact; each is yielded as
+    (case, side, record) for more checks."""
+    for c, side, res in each_rank(cases, results):
+        for rec in res["rooms"]:
+            if rec["room"] == c.rooms[index]["room"]:
+                assert rec["state"] == "Failed" and "pool items differ" in rec["failure"], (c.name, rec)
+                continue
+            assert rec["state"] == "Success" and rec["verified"] is (True if side == "decode" else None), (c.name, rec)
+            yield c, side, rec
+
+
 def one_write_per_pair_and_chunk(c: Case, sides: dict, extra_on_last: int = 0) -> None:
     """The pool items ride in the writes the KV makes anyway: each decode rank sees one write per
     writer per chunk (these requests fit one staged piece per chunk), plus `extra_on_last` on the
@@ -159,12 +172,7 @@ def test_pool_items_that_disagree_fail_the_request_on_both_sides():
             cases.append(case)
     results, codes, logs, _ = run_cases(cases, timeout=200)
     assert not any(codes), codes
-    for c, side, res in each_rank(cases, results):
-        for rec in res["rooms"]:
-            if rec["room"] == c.rooms[1]["room"]:
-                assert rec["state"] == "Failed" and "pool items differ" in rec["failure"], (c.name, rec)
-            else:
-                assert rec["state"] == "Success" and rec["verified"] is (True if side == "decode" else None)
+    assert list(others_exact_when_one_room_mismatches(cases, results, 1))   # every other room is there, exact
 
 
 @pytest.mark.timeout(300)
@@ -208,12 +216,7 @@ def test_pool_items_with_the_last_send_stream_the_kv_chunk_by_chunk(backend):
                                  rooms=rooms), {"aux": AUX, "mamba": mamba(8)}, {"aux": 1, "mamba": 1}))
     results, codes, logs, _ = run_cases(cases, timeout=240)
     assert not any(codes), codes
-    for c, side, res in each_rank(cases, results):
-        for rec in res["rooms"]:
-            if rec["room"] == c.rooms[2]["room"]:
-                assert rec["state"] == "Failed" and "pool items differ" in rec["failure"], (c.name, rec)
-                continue
-            assert rec["state"] == "Success" and rec["verified"] is (True if side == "decode" else None), (c.name, rec)
-            if side == "prefill" and rec["room"] == c.rooms[0]["room"]:
-                first = rec["metrics"]["timeline"]["first_write"]
-                assert first is not None and first < rec["last_send_at"], (c.name, rec)   # written while streaming
+    for c, side, rec in others_exact_when_one_room_mismatches(cases, results, 2):
+        if side == "prefill" and rec["room"] == c.rooms[0]["room"]:
+            first = rec["metrics"]["timeline"]["first_write"]
+            assert first is not None and first < rec["last_send_at"], (c.name, rec)   # written while streaming
