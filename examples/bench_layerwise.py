@@ -212,6 +212,7 @@ def measure(a, backend: str, path: str, cal: dict, lengths: list[int], modes: tu
                          "last_sync_late_ms": statistics.median(r["last_sync_late_s"] for r in mine) * 1e3,
                          "handover_samples_ms": [r["handover_s"] * 1e3 for r in mine],
                          "total_samples_ms": [r["total_s"] * 1e3 for r in mine],
+                         "syncs": mine[-1]["syncs"],   # (deadline since t0, called - deadline, returned - deadline)
                          "load": [load0, load1]})
     return rows
 

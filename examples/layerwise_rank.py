@@ -162,7 +162,9 @@ def run_prefill(spec: dict, mgr, layout, pattern, tensors, gpu: SimulatedGPU, ou
         out.append({"room": req["room"], "mode": req["mode"], "state": state.name, "failure": h.failure,
                     "t0": t0, "t_last": plan[-1][-1], "issue_s": t_issued - t0, "t_end": time.monotonic(),
                     "last_sync_late_s": None if last.returned is None else last.returned - last.deadline,
-                    "ready_threads": sorted({n for c in done for d in c for n in d.threads})})
+                    "ready_threads": sorted({n for c in done for d in c for n in d.threads}),
+                    "syncs": [(d.deadline - t0, d.called - d.deadline, d.returned - d.deadline)
+                              for c in done for d in c if d.called is not None and d.returned is not None]})
         wait_released(h, timeout)
         h.clear()
 
