@@ -157,16 +157,24 @@ def with_draft(args, layers: int, item: int, kinds: int = 2):
 
 
 @pytest.mark.parametrize("draft_heads,draft_head_bytes,want", [
-    (2, 256, (8, 256)),          # EAGLE / MTP: the target's geometry
-    (1, 256, (4, 256)),          # another head count (1 local head x TP 4), the target's head bytes
-    (2, 96, (8, 96)),            # the target's head count, other head bytes
+    (2, 256, (None, None)),      # EAGLE / MTP: the target's geometry
+    (1, 256, (4, None)),         # another head count (1 local head x TP 4), the target's head bytes
+    (2, 96, (None, 96)),         # the target's head count, other head bytes
 ])
 def test_draft_geometry_from_its_item_sizes(draft_heads, draft_head_bytes, want):
-    """Target: 3 layers, 2 of 8 heads on this rank (TP 4), 256 B heads; draft: 1 layer, K then V."""
+    """Target: 3 layers, 2 of 8 heads on this rank (TP 4), 256 B heads; draft: 1 layer, K then V
+    (None: the target's)."""
+    from kvstage.adapters.sglang.geometry import draft_kv, kv_entries
     args = with_draft(kv_args(), layers=1, item=16 * draft_heads * draft_head_bytes)
-    lay = kv_layout(args, attn_tp_size=4, attn_tp_rank=3, mla=False)
-    assert lay.num_layers == 3 and lay.draft.num_layers == 1      # the target's layers exclude the draft's
-    assert (lay.draft.total_kv_heads, lay.draft.head_dim) == want
+    target, draft = kv_entries(args)
+    assert (len(target.ptrs), len(draft.ptrs)) == (6, 2)
+    got = draft_kv(draft, kv_layout(kv_args(), attn_tp_size=4, attn_tp_rank=3, mla=False))
+    assert (got.num_layers, got.total_kv_heads, got.head_dim) == (1, *want)
+
+
+def test_layout_with_an_eagle_draft():
+    lay = kv_layout(with_draft(kv_args(), layers=1, item=16 * 2 * 256), attn_tp_size=4, attn_tp_rank=3, mla=False)
+    assert (lay.num_layers, lay.draft.num_layers, lay.draft.total_kv_heads, lay.draft.head_dim) == (3, 1, 8, 256)
 
 
 def test_mtp_draft_of_an_mla_model_is_latents():
