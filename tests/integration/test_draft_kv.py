@@ -2,7 +2,7 @@
 Mooncake: bit-exact with the target's pages, staged and direct, hetero TP both ways, MLA,
 layer-wise sends naming the draft entries; a decode holding more draft entries than the prefill
 leaves its extra ones untouched and succeeds; a prefill with more draft entries than the decode
-fails on both sides with kind layout."""
+fails on both sides with kind layout (remote_layout on the prefill: the decode side failed it)."""
 
 from __future__ import annotations
 
@@ -73,6 +73,10 @@ def test_a_prefill_with_more_draft_entries_than_the_decode_fails_both_sides():
         assert len(res["rooms"]) == len(c.rooms), (c.name, side, res["rooms"])
         p, d = c.prefill_extra["geometry"]["draft"], c.decode_extra["geometry"]["draft"]
         for rec in res["rooms"]:
-            assert rec["state"] == "Failed" and rec["kind"] == "layout", (c.name, side, rec)
+            # the prefill ranks refuse the decode rank's Hello; it fails the request (layout) and tells
+            # them, and a prefill rank reports its peer's kind (remote_<kind>)
+            want = "layout" if side == "decode" else "remote_layout"
+            assert rec["state"] == "Failed" and rec["kind"] == want, (c.name, side, rec)
+            assert rec["metrics"]["nbytes"] == 0 and rec["metrics"]["backend_writes"] == 0, rec   # nothing written
             assert f"the prefill has {p} draft KV entr" in rec["failure"], rec
             assert (f"the decode {d} draft KV entr" if d else "the decode no draft KV") in rec["failure"], rec
