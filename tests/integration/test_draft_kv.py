@@ -7,7 +7,7 @@ fails on both sides with kind layout (remote_layout on the prefill: the decode s
 from __future__ import annotations
 
 import pytest
-from engine_cases import TEST_TIMEOUTS, Case, Topo, each_rank, problems, random_rooms, run_cases
+from engine_cases import LAYERED_AUX, TEST_TIMEOUTS, Case, Topo, each_rank, problems, random_rooms, run_cases
 
 pytestmark = pytest.mark.integration
 
@@ -15,17 +15,20 @@ LAYERS = 2
 
 
 def draft_case(topo: Topo, staging: bool, backend: str, *, prefill: int, decode: int, seed: int, label: str,
-               layer_sends: list | None = None, prefix: bool = False) -> Case:
+               layer_sends: list | None = None, prefix: bool = False, pools: bool = False) -> Case:
     """Rooms of pages of 4 tokens over a model of LAYERS layers; the prefill holds `prefill`
-    draft entries, the decode `decode` (0: none)."""
+    draft entries, the decode `decode` (0: none); `pools`: each room has an aux row, which
+    moves with the write of the last page of the last draft entry."""
     rooms = random_rooms(seed, 4, 4, max_tokens=60, base=9000 + 10 * seed)
     for i, r in enumerate(rooms):
         if layer_sends:
             r["layer_sends"] = layer_sends
         if prefix and i % 2 and r["pages"] > 1:
             r["prefix_pages"] = 1
+        if pools:
+            r["pool_items"] = {"aux": 1}
     case = Case(topo=topo, page_size=4, dtype="bfloat16", staging=staging, backend=backend, rooms=rooms,
-                layers=LAYERS, pages=128, label=label)
+                layers=LAYERS, pages=128, label=label, pools={"aux": LAYERED_AUX} if pools else {})
     geo = case.geometry()
     case.prefill_extra = {"geometry": {**geo, "draft": prefill}, "layer_group": 1, "layerwise_min_tokens": 0}
     case.decode_extra = {"geometry": {**geo, "draft": decode}, "prefill_draft": prefill}
@@ -38,10 +41,10 @@ def test_draft_entries_move_bit_exact_and_extra_ones_stay_unwritten(backend):
     entries = LAYERS + 1
     cases = [
         # equal geometry, EAGLE-like (one draft entry) and MTP-like (two)
-        draft_case(Topo(P=2, D=1, H=4), True, backend, prefill=1, decode=1, seed=1, label="st21"),
+        draft_case(Topo(P=2, D=1, H=4), True, backend, prefill=1, decode=1, seed=1, label="st21", pools=True),
         draft_case(Topo(P=1, D=2, H=4), True, backend, prefill=2, decode=2, seed=2, label="st12", prefix=True),
         draft_case(Topo(P=1, D=1, H=4), False, backend, prefill=1, decode=1, seed=3, label="dr11",
-                   layer_sends=[[i, i + 1] for i in range(entries)]),     # the draft entry sent on its own
+                   layer_sends=[[i, i + 1] for i in range(entries)], pools=True),   # the draft entry on its own
         draft_case(Topo(P=1, D=2, H=1, mla=True), False, backend, prefill=1, decode=1, seed=4, label="mla12"),
         # decode-only speculation: more draft entries on the decode than the prefill, or none there
         draft_case(Topo(P=2, D=1, H=4), True, backend, prefill=1, decode=2, seed=5, label="more21"),
