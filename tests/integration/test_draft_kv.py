@@ -15,10 +15,12 @@ LAYERS = 2
 
 
 def draft_case(topo: Topo, staging: bool, backend: str, *, prefill: int, decode: int, seed: int, label: str,
-               layer_sends: list | None = None, prefix: bool = False, pools: bool = False) -> Case:
+               layer_sends: list | None = None, prefix: bool = False, pools: bool = False,
+               from_pointers: bool = False) -> Case:
     """Rooms of pages of 4 tokens over a model of LAYERS layers; the prefill holds `prefill`
     draft entries, the decode `decode` (0: none); `pools`: each room has an aux row, which
-    moves with the write of the last page of the last draft entry."""
+    moves with the write of the last page of the last draft entry; `from_pointers`: both sides
+    hand their caches over as raw addresses in SGLang's order (target K, V, then draft K, V)."""
     rooms = random_rooms(seed, 4, 4, max_tokens=60, base=9000 + 10 * seed)
     for i, r in enumerate(rooms):
         if layer_sends:
@@ -28,7 +30,8 @@ def draft_case(topo: Topo, staging: bool, backend: str, *, prefill: int, decode:
         if pools:
             r["pool_items"] = {"aux": 1}
     case = Case(topo=topo, page_size=4, dtype="bfloat16", staging=staging, backend=backend, rooms=rooms,
-                layers=LAYERS, pages=128, label=label, pools={"aux": LAYERED_AUX} if pools else {})
+                layers=LAYERS, pages=128, label=label, pools={"aux": LAYERED_AUX} if pools else {},
+                extra={"from_pointers": from_pointers})
     geo = case.geometry()
     case.prefill_extra = {"geometry": {**geo, "draft": prefill}, "layer_group": 1, "layerwise_min_tokens": 0}
     case.decode_extra = {"geometry": {**geo, "draft": decode}, "prefill_draft": prefill}
@@ -42,12 +45,14 @@ def test_draft_entries_move_bit_exact_and_extra_ones_stay_unwritten(backend):
     cases = [
         # equal geometry, EAGLE-like (one draft entry) and MTP-like (two)
         draft_case(Topo(P=2, D=1, H=4), True, backend, prefill=1, decode=1, seed=1, label="st21", pools=True),
-        draft_case(Topo(P=1, D=2, H=4), True, backend, prefill=2, decode=2, seed=2, label="st12", prefix=True),
+        draft_case(Topo(P=1, D=2, H=4), True, backend, prefill=2, decode=2, seed=2, label="st12", prefix=True,
+                   from_pointers=True),
         draft_case(Topo(P=1, D=1, H=4), False, backend, prefill=1, decode=1, seed=3, label="dr11",
                    layer_sends=[[i, i + 1] for i in range(entries)], pools=True),   # the draft entry on its own
         draft_case(Topo(P=1, D=2, H=1, mla=True), False, backend, prefill=1, decode=1, seed=4, label="mla12"),
         # decode-only speculation: more draft entries on the decode than the prefill, or none there
-        draft_case(Topo(P=2, D=1, H=4), True, backend, prefill=1, decode=2, seed=5, label="more21"),
+        draft_case(Topo(P=2, D=1, H=4), True, backend, prefill=1, decode=2, seed=5, label="more21",
+                   from_pointers=True),
         draft_case(Topo(P=1, D=1, H=4), False, backend, prefill=0, decode=2, seed=6, label="none11"),
     ]
     results, codes, logs, _ = run_cases(cases, timeout=200)
