@@ -188,6 +188,7 @@ def test_mtp_draft_of_an_mla_model_is_latents():
     (False, dict(layers=1, item=16 * 2 * 256, kinds=1), None, "expected draft K layers then V layers"),
     (False, dict(layers=1, item=16 * 2 * 256 + 16 * 3, kinds=2), None, "fits neither"),
     (True, dict(layers=1, item=16 * 1152, kinds=2), "EAGLE3", "separate draft model"),
+    (False, dict(layers=1, item=16 * 1 * 256, kinds=2), None, "differs from the target's"),   # the core's, for now
 ])
 def test_draft_entries_that_cannot_be_paired_are_refused(mla, draft, algorithm, match):
     base = SimpleNamespace(kv_data_ptrs=[1, 2, 3], kv_item_lens=[16 * 1152] * 3, page_size=16) if mla else kv_args()
