@@ -87,7 +87,8 @@ def draft_kv(draft: Entries, target: KVLayout, algorithm: str | None = None) -> 
     geometry (EAGLE and MTP drafts as a rule). Otherwise the draft keeps the target's head bytes
     with its own head count, split over TP like the target's and not replicated (local heads x
     TP); failing that, the target's head count with its own head bytes. Both sides derive it the
-    same way, and kvstage compares the two drafts' geometry before pairing them."""
+    same way, and kvstage compares the two drafts' geometry before pairing them (its core moves
+    a draft of the target's geometry only so far: KVLayout refuses any other)."""
     items, page = draft.items, target.page_size
     if any(i != items[0] for i in items):
         raise ValueError(f"draft KV item sizes differ between entries ({sorted(set(items))}); kvstage needs one")
