@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _PUBLIC = {
-    "KVLayout": ".transfer.layout", "KVBuffers": ".transfer.layout",
+    "KVLayout": ".transfer.layout", "KVBuffers": ".transfer.layout", "DraftKV": ".transfer.draft_kv",
     "EngineConfig": ".transfer.config", "Timeouts": ".transfer.config",
     "KVManager": ".transfer.engine.manager",
     "KVSender": ".transfer.engine.handles", "KVReceiver": ".transfer.engine.handles",
@@ -27,6 +27,7 @@ __all__ = list(_PUBLIC)
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
     from .transfer import (
+        DraftKV,
         EngineConfig,
         KVBuffers,
         KVLayout,

@@ -29,10 +29,20 @@ class KVPattern:
         n_tensors = layout.num_kv * layout.num_layers
         every = torch.randint(0, 256, (n_tensors, layout.total_kv_heads, ps, hb), generator=g, dtype=torch.uint8)
         heads = list(layout.heads_of(layout.tp_rank))
-        # this rank's tensors (a PP stage's layers only: K of each, then V) and heads side by
-        # side, as one page of one tensor is laid out: [ps, heads, hb]
-        mine = [kv * layout.num_layers + i for kv in range(layout.num_kv) for i in layout.layers]
-        self.base = every[mine][:, heads].permute(0, 2, 1, 3).contiguous().view(self.udtype).view(len(mine), -1)
+
+        def block(kv: int, entry: int) -> torch.Tensor:
+            """(tensor kv of) one entry's random block; a draft entry's does not depend on how
+            many draft entries a side holds (a decode may hold more than the prefill)."""
+            if entry < layout.num_layers:
+                return every[kv * layout.num_layers + entry]
+            d = torch.Generator().manual_seed(seed * 7919 + 1 + entry - layout.num_layers)
+            return torch.randint(0, 256, (layout.num_kv, layout.total_kv_heads, ps, hb), generator=d,
+                                 dtype=torch.uint8)[kv]
+
+        # this rank's tensors (a PP stage's layers only; draft entries after the layers: K of
+        # each, then V) and heads side by side, as one page of one tensor is laid out: [ps, heads, hb]
+        mine = torch.stack([block(kv, i) for kv in range(layout.num_kv) for i in layout.layers])
+        self.base = mine[:, heads].permute(0, 2, 1, 3).contiguous().view(self.udtype).view(len(mine), -1)
 
     def _keys(self, room: int, n: int, first: int = 0) -> torch.Tensor:
         i = np.arange(first, first + n, dtype=np.uint64)
@@ -58,12 +68,15 @@ class KVPattern:
             view = _paged(tensor, self.layout)
             view[pages_t.to(tensor.device)] = self._expected(t, keys).view(len(pages), *view.shape[1:]).to(tensor.device)
 
-    def check(self, tensors: list[torch.Tensor], room: int, pages: np.ndarray, first: int = 0) -> str | None:
+    def check(self, tensors: list[torch.Tensor], room: int, pages: np.ndarray, first: int = 0,
+              only: Collection[int] | None = None) -> str | None:
         """None when cache `pages` hold exactly the pattern of the request's pages `first`,
-        `first` + 1, ..., else what differs."""
+        `first` + 1, ..., in every tensor or those whose index is in `only`, else what differs."""
         pages_t = torch.as_tensor(np.asarray(pages, dtype=np.int64))
         keys = self._keys(room, len(pages), first)
         for t, tensor in enumerate(tensors):
+            if only is not None and t not in only:
+                continue
             view = _paged(tensor, self.layout)
             got = view[pages_t.to(tensor.device)].cpu()   # a CUDA cache (examples/gpu_check.py) is read back
             want = self._expected(t, keys).view(got.shape)

@@ -35,6 +35,10 @@ evenly as they go (the first stages take one more) or as stage_layers lists ([[0
 rank is then the engine rank, pp_rank * tp + tp_rank.
 Per manager, layer_group and layerwise_min_tokens: EngineConfig's.
 Per manager, dp_rank is the prefill engine's data-parallel rank (EngineConfig.dp_rank).
+Geometry draft: draft KV entries (KVLayout.draft, equal geometry) after the layers; a decode rank
+fills its draft entries with the byte UNWRITTEN at start, checks only the entries the prefill has
+(prefill_draft: the prefill's draft count, default its own) and records per room whether its
+other draft entries still hold UNWRITTEN on the room's pages (unwritten_intact).
 Per manager, metrics_port serves Prometheus metrics (EngineConfig.metrics_port; 0: any free port)
 and metrics_file names a file the driver writes {"port": ...} to once the manager is up;
 final_stats names a file it writes {"stats": ..., "rooms": [...]} to once every room ended, and
@@ -70,12 +74,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pool_pattern  # noqa: E402
 from kv_pattern import KVPattern  # noqa: E402
 
-from kvstage.transfer import EngineConfig, KVBuffers, KVLayout, KVManager, KVPoll, Timeouts  # noqa: E402
+from kvstage.transfer import DraftKV, EngineConfig, KVBuffers, KVLayout, KVManager, KVPoll, Timeouts  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "float8_e4m3fn": torch.float8_e4m3fn, "int8": torch.int8, "uint8": torch.uint8}
 DONE = (KVPoll.Success, KVPoll.Failed)
 PREFIX_MARK = 0x5A5A5A5A   # room ^ this: the pattern of decode pages that hold a prefix
+UNWRITTEN = 0xC3           # every byte of a draft entry at start: the decode's entries the prefill lacks keep it
 _ENGINE_OWNED: list = []   # caches handed over by address (from_pointers): owned here, never by kvstage
 
 
@@ -97,18 +102,25 @@ def build(spec: dict, bootstrap: str) -> tuple[KVManager, KVLayout, KVBuffers, K
     layout = KVLayout(num_layers=g["layers"], total_kv_heads=g["heads"], head_dim=g["head_dim"],
                       dtype=DTYPES[g["dtype"]], page_size=g["page_size"], tp_size=spec["tp"],
                       tp_rank=tp_rank, mla=g.get("mla", False), pp_size=pp, pp_rank=pp_rank,
-                      stage=stage_layers(spec, g["layers"], pp)[pp_rank])
+                      stage=stage_layers(spec, g["layers"], pp)[pp_rank],
+                      draft=DraftKV(num_layers=g["draft"]) if g.get("draft") else None)
     shape = (g["pages"] * layout.page_size, layout.local_heads, layout.head_dim)
     # touched at start-up, as a serving engine's KV cache is (fresh pages fault on first write)
     device = torch.device(spec.get("device", "cpu"))   # "cuda:0": a VRAM cache (examples/gpu_check.py)
-    k = [torch.zeros(shape, dtype=layout.dtype, device=device).zero_() for _ in layout.layers]
-    v = None if layout.mla else [torch.zeros(shape, dtype=layout.dtype, device=device).zero_()
-                                 for _ in layout.layers]
+
+    def cache(n: int) -> list[torch.Tensor]:
+        return [torch.zeros(shape, dtype=layout.dtype, device=device).zero_() for _ in range(n)]
+
+    n = len(layout.layers) - layout.draft_layers
+    k, v = cache(n), None if layout.mla else cache(n)
+    dk, dv = cache(layout.draft_layers), None if layout.mla or not layout.draft_layers else cache(layout.draft_layers)
+    for t in dk + (dv or []):
+        t.view(torch.uint8).fill_(UNWRITTEN)
     pools = pool_pattern.make_pools(g["pools"], layout) if g.get("pools") else {}
-    buffers = KVBuffers(k, v, pools=pools)
+    buffers = KVBuffers(k, v, pools=pools, draft_k=dk, draft_v=dv)
     if spec.get("from_pointers"):  # hand the cache over the way SGLang's KVArgs does: raw addresses
-        _ENGINE_OWNED.append((k, v))  # the "serving engine" keeps its memory alive
-        owned = k + (v or [])
+        _ENGINE_OWNED.append((k, v, dk, dv))  # the "serving engine" keeps its memory alive
+        owned = k + (v or []) + dk + (dv or [])   # target K, V, then the draft's K, V
         buffers = KVBuffers.from_pointers(layout, [t.data_ptr() for t in owned],
                                           [t.numel() * t.element_size() for t in owned], [layout.page_bytes] * len(owned),
                                           device=device)
@@ -526,6 +538,14 @@ def send_layers(h, r: dict, st: dict, n: int, num_chunks: int) -> bool:
     return True
 
 
+def draft_entries(spec: dict, layout: KVLayout) -> tuple[list[int], list[int]]:
+    """Indices into buffers.tensors() of the entries the prefill writes, and of the decode's
+    draft entries beyond the prefill's (empty without decode-only speculation)."""
+    sent = layout.num_layers + spec.get("prefill_draft", layout.draft_layers)
+    idx = [(kv * layout.num_entries + e, e < sent) for kv in range(layout.num_kv) for e in range(layout.num_entries)]
+    return [t for t, s in idx if s], [t for t, s in idx if not s]
+
+
 def finish(spec: dict, st: dict, pattern: KVPattern, tensors) -> dict:
     h = st["handle"]
     state = h.poll()
@@ -554,7 +574,14 @@ def finish(spec: dict, st: dict, pattern: KVPattern, tensors) -> dict:
         rec["seen_before_init"] = sorted(st.get("seen_before_init", ()))
     if spec["role"] == "decode" and state is KVPoll.Success and verifies(spec, st["room"]):
         k = prefix_of(st)
-        err = pattern.check(tensors, st["spec"].get("pattern_key", st["room"]), st["pages"][k:], first=k)
+        sent, extra = draft_entries(spec, pattern.layout)
+        if extra:   # decode-only speculation: the entries the prefill lacks were never written (past the prefix)
+            page = pattern.layout.page_size * pattern.layout.token_bytes
+            rows = torch.as_tensor(np.asarray(st["pages"][k:], dtype=np.int64))
+            rec["unwritten_intact"] = all(bool((tensors[t].view(torch.uint8).view(-1, page)[rows] == UNWRITTEN).all())
+                                          for t in extra)
+        err = pattern.check(tensors, st["spec"].get("pattern_key", st["room"]), st["pages"][k:], first=k,
+                            only=sent if extra else None)
         if err is None and st["items"]:
             err = pool_pattern.check(st["buffers"].pools, st["items"], st["spec"].get("pattern_key", st["room"]),
                                      pattern.layout)

@@ -10,6 +10,7 @@ import msgspec
 import torch
 
 from ..bootstrap.wire import prebuild_struct_info
+from .draft_kv import DraftKV, DraftShape, draft_mismatch
 from .page_format import PageFormat, parse_page_format
 from .state_pools import PoolSpec, StatePool, memory_kind, pool_mismatches
 
@@ -68,17 +69,28 @@ class LayoutSummary(msgspec.Struct, frozen=True, kw_only=True):
     layout_format: str = LAYOUT_FORMAT
     protocol_version: int = PROTOCOL_VERSION
     pools: list[PoolSpec] = []      # state pools (aux rows, Mamba states, ...), by name
+    draft_layers: int = 0           # draft KV entries (speculative decoding; 0: none) and their geometry
+    draft_kv_heads: int = 0
+    draft_head_dim: int = 0
 
     def mismatches(self, other: LayoutSummary) -> list[str]:
-        """Human-readable differences, empty when compatible."""
+        """Human-readable differences, empty when compatible. `self` is the prefill's summary
+        (its rank checks each decode rank's Hello): the draft pairing rule is one-sided."""
         out = []
         for name in self.__struct_fields__:
             mine, theirs = getattr(self, name), getattr(other, name)
             if name == "pools":
                 out += pool_mismatches(mine, theirs)
+            elif name.startswith("draft_"):
+                continue
             elif mine != theirs:
                 out.append(f"{name}: {mine!r} here vs {theirs!r} at peer")
-        return out
+        draft = draft_mismatch(self.draft_shape(), other.draft_shape())
+        return out + ([draft] if draft else [])
+
+    def draft_shape(self) -> DraftShape:
+        return DraftShape(num_layers=self.draft_layers, total_kv_heads=self.draft_kv_heads,
+                          head_dim=self.draft_head_dim)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,6 +106,10 @@ class KVLayout:
     the model's. The stages of an engine must tile [0, num_layers), which the decode side
     checks (protocol/peering.py). Elsewhere a rank is `rank` = pp_rank * tp_size + tp_rank of
     the engine's `ranks` (bootstrap registration, peer keys, tag writers).
+
+    `draft` (speculative decoding, draft_kv.py): the draft model's KV entries, held after the
+    target's layers (entry indices [num_layers, num_entries)) and moved like more layers.
+    Not with PP (SGLang keeps the draft on the last stage; unsupported here).
     """
 
     num_layers: int
@@ -108,6 +124,7 @@ class KVLayout:
     pp_size: int = 1
     pp_rank: int = 0
     stage: range | None = None
+    draft: DraftKV | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "total_kv_heads", "head_dim", "page_size", "tp_size", "pp_size"):
@@ -137,6 +154,24 @@ class KVLayout:
             raise ValueError(
                 f"total_kv_heads={self.total_kv_heads} must be divisible by tp_size={self.tp_size}, "
                 f"or tp_size a multiple of total_kv_heads (head replication)")
+        if self.draft is not None:
+            self._check_draft()
+
+    def _check_draft(self) -> None:
+        d = self.draft
+        if not isinstance(d, DraftKV):
+            raise ValueError(f"draft must be a DraftKV or None, got {d!r}")
+        if self.pp_size > 1:
+            raise ValueError(f"draft KV with pipeline parallelism (pp_size={self.pp_size}) is not supported: SGLang "
+                             f"keeps the draft on the last stage, which kvstage does not model; run without PP")
+        heads = d.total_kv_heads if d.total_kv_heads is not None else self.total_kv_heads
+        head_dim = d.head_dim if d.head_dim is not None else self.head_dim
+        d = DraftKV(num_layers=d.num_layers, total_kv_heads=heads, head_dim=head_dim)
+        object.__setattr__(self, "draft", d)
+        if (heads, head_dim) != (self.total_kv_heads, self.head_dim):
+            raise ValueError(f"draft KV of {heads} heads x head_dim {head_dim} differs from the target's "
+                             f"{self.total_kv_heads} x {self.head_dim}: only a draft with the target's geometry is "
+                             f"supported yet")
 
     # -- derived geometry ---------------------------------------------------------------
     @property
@@ -144,10 +179,21 @@ class KVLayout:
         return max(1, self.total_kv_heads // self.tp_size)
 
     @property
+    def draft_layers(self) -> int:
+        """Draft KV entries (0: no draft)."""
+        return self.draft.num_layers if self.draft is not None else 0
+
+    @property
+    def num_entries(self) -> int:
+        """KV entries of the whole cache: the model's layers, then the draft's."""
+        return self.num_layers + self.draft_layers
+
+    @property
     def layers(self) -> range:
-        """The layers this rank holds and sends: its PP stage's (all of the model's without PP)."""
+        """The entries this rank holds and sends: its PP stage's layers (all of the model's
+        without PP), then the draft's (never with PP)."""
         assert self.stage is not None, "set by __post_init__"
-        return self.stage
+        return range(self.stage.start, self.stage.stop + self.draft_layers)
 
     def local(self, layers: range) -> range:
         """Global `layers` of this rank's stage as indices into its buffers."""
@@ -210,7 +256,9 @@ class KVLayout:
         return LayoutSummary(
             dtype=SUPPORTED_DTYPES[self.dtype], head_dim=self.head_dim, page_size=self.page_size,
             num_layers=self.num_layers, total_kv_heads=self.total_kv_heads, mla=self.mla, pools=pools or [],
-            layout_format=self.page_format.value)
+            layout_format=self.page_format.value, draft_layers=self.draft_layers,
+            draft_kv_heads=(self.draft.total_kv_heads or 0) if self.draft is not None else 0,
+            draft_head_dim=(self.draft.head_dim or 0) if self.draft is not None else 0)
 
 
 @dataclass
@@ -219,31 +267,52 @@ class KVBuffers:
 
     `v` is None for MLA. All tensors share dtype, device and token count, and are contiguous.
     `pools`: named state pools moved with each request's last page (see state_pools.py).
+    `draft_k`/`draft_v`: per draft KV entry (KVLayout.draft), like `k`/`v`; the engine handles
+    them as entries after the target's layers (`entry_k`, `entry_v`).
     """
 
     k: Sequence[torch.Tensor]
     v: Sequence[torch.Tensor] | None = None
     pools: dict[str, StatePool] = field(default_factory=dict)
+    draft_k: Sequence[torch.Tensor] = ()
+    draft_v: Sequence[torch.Tensor] | None = None
     num_pages: int = field(default=0, init=False)
     pool_specs: list[PoolSpec] = field(default_factory=list, init=False)
     first_layer: int = field(default=0, init=False)   # the model layer of k[0] (a PP stage's first)
 
-    def validate(self, layout: KVLayout) -> KVBuffers:
-        """Check the tensors against `layout`; set num_pages. Raises ValueError naming the layer."""
+    def _groups(self, layout: KVLayout) -> list[tuple[str, Sequence[torch.Tensor], int]]:
+        """(name, tensors, layers expected) of every KV tensor list, checking which exist."""
         if layout.mla and self.v is not None:
             raise ValueError("v must be None for an MLA layout (the latent lives in k)")
         if not layout.has_v and self.v is not None:
             raise ValueError(f"v must be None for page_format {layout.page_format.value} (K and V fused in k)")
         if layout.has_v and self.v is None:
             raise ValueError("v is None but the layout is not MLA: pass one V tensor per layer")
-        groups = [("k", self.k)] + ([("v", self.v)] if self.v is not None else [])
+        stage = len(layout.layers) - layout.draft_layers
+        groups = [("k", self.k, stage)] + ([("v", self.v, stage)] if self.v is not None else [])
+        if layout.draft is None:
+            if self.draft_k or self.draft_v is not None:
+                raise ValueError("draft_k/draft_v given but the layout has no draft (KVLayout(draft=DraftKV(...)))")
+            return groups
+        if layout.has_v != (self.draft_v is not None):
+            raise ValueError("draft_v must be None for an MLA or K/V-fused layout" if self.draft_v is not None else
+                             "draft_v is None but the layout is not MLA: pass one V tensor per draft entry")
+        groups.append(("draft_k", self.draft_k or (), layout.draft_layers))
+        if self.draft_v is not None:
+            groups.append(("draft_v", self.draft_v, layout.draft_layers))
+        return groups
+
+    def validate(self, layout: KVLayout) -> KVBuffers:
+        """Check the tensors against `layout`; set num_pages. Raises ValueError naming the layer."""
+        groups = self._groups(layout)
         expected_tail = (layout.local_heads, layout.head_dim)
         tokens = device = None
-        for name, tensors in groups:
-            if len(tensors) != len(layout.layers):
-                stage = "" if len(layout.layers) == layout.num_layers else \
-                    f" (PP stage {layout.pp_rank}: layers [{layout.layers.start}, {layout.layers.stop}))"
-                raise ValueError(f"{name} has {len(tensors)} layers, layout has {len(layout.layers)}{stage}")
+        for name, tensors, want in groups:
+            if len(tensors) != want:
+                stage = "" if want == layout.num_layers or name.startswith("draft") else \
+                    f" (PP stage {layout.pp_rank}: layers [{layout.stage.start}, {layout.stage.stop}))"
+                what = "DraftKV.num_layers is" if name.startswith("draft") else "layout has"
+                raise ValueError(f"{name} has {len(tensors)} layers, {what} {want}{stage}")
             for i, t in enumerate(tensors):
                 where = f"{name}[{i}]"
                 if not isinstance(t, torch.Tensor):
@@ -269,7 +338,7 @@ class KVBuffers:
         if not isinstance(self.pools, dict) or not all(isinstance(p, StatePool) for p in self.pools.values()):
             raise ValueError(f"pools must be a dict of StatePool by name, got {self.pools!r}")
         self.pool_specs = [self.pools[n].spec(n, layout) for n in sorted(self.pools)]
-        named = [(f"{name}[{i}]", t) for name, tensors in groups for i, t in enumerate(tensors)]
+        named = [(f"{name}[{i}]", t) for name, tensors, _ in groups for i, t in enumerate(tensors)]
         for n in sorted(self.pools):
             for i, t in enumerate(self.pools[n].tensors):
                 check_memory_device(f"pool {n!r} tensor {i}", t.device)
@@ -297,8 +366,12 @@ class KVBuffers:
         pages = check_pointers(layout, data_ptrs, data_lens, item_lens)
         shape = (pages * layout.page_size, layout.local_heads, layout.head_dim)
         views = [tensor_at(p, n, layout.dtype, shape, dev) for p, n in zip(data_ptrs, data_lens)]
-        n = len(layout.layers)
-        return cls(views[:n], views[n:] if layout.num_kv == 2 else None).validate(layout)
+        n, d = len(layout.layers) - layout.draft_layers, layout.draft_layers
+        if layout.num_kv == 1:   # target entries, then the draft's
+            return cls(views[:n], None, draft_k=views[n:]).validate(layout)
+        # K then V of the target, then K then V of the draft (SGLang appends the draft's buffers)
+        return cls(views[:n], views[n:2 * n], draft_k=views[2 * n:2 * n + d],
+                   draft_v=views[2 * n + d:] if d else None).validate(layout)
 
     @property
     def device(self) -> torch.device:
@@ -310,14 +383,26 @@ class KVBuffers:
         """The KV cache's memory kind, "VRAM" or "DRAM"."""
         return memory_kind(self.device)
 
+    @property
+    def entry_k(self) -> list[torch.Tensor]:
+        """K tensor of every KV entry: the target's layers, then the draft's entries."""
+        return list(self.k) + list(self.draft_k or ())
+
+    @property
+    def entry_v(self) -> list[torch.Tensor] | None:
+        """V tensor of every KV entry, like entry_k (None without V)."""
+        return list(self.v) + list(self.draft_v or ()) if self.v is not None else None
+
     def layer_views(self, layers: range) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """The K (and V) tensors of model `layers`: what a layer-wise write reads or fills."""
+        """The K (and V) tensors of model `layers` (draft entries after the model's layers): what a
+        layer-wise write reads or fills."""
         lo, hi = layers.start - self.first_layer, layers.stop - self.first_layer
-        return list(self.k[lo:hi]), (list(self.v[lo:hi]) if self.v is not None else None)
+        v = self.entry_v
+        return self.entry_k[lo:hi], (v[lo:hi] if v is not None else None)
 
     def tensors(self) -> list[torch.Tensor]:
-        """K tensors then V tensors, in layer order."""
-        return list(self.k) + (list(self.v) if self.v is not None else [])
+        """K tensors then V tensors, in entry order (the target's layers, then the draft's)."""
+        return self.entry_k + (self.entry_v or [])
 
     def pool_tensors(self) -> list[torch.Tensor]:
         """Every state pool tensor, pools by name."""

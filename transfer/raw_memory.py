@@ -38,9 +38,11 @@ def check_pointers(layout, data_ptrs, data_lens, item_lens) -> int:
     ValueError naming the first entry that is wrong."""
     want = len(layout.layers) * layout.num_kv
     kinds = "K then V" if layout.num_kv == 2 else "K (MLA latent)"
+    if layout.draft_layers:
+        kinds += f", the target's {layout.num_layers} then the draft's {layout.draft_layers}"
     for name, seq in (("data_ptrs", data_ptrs), ("data_lens", data_lens), ("item_lens", item_lens)):
         if not isinstance(seq, (list, tuple)) or len(seq) != want:
-            raise ValueError(f"{name} must list {want} entries ({len(layout.layers)} layers, {kinds}), got "
+            raise ValueError(f"{name} must list {want} entries ({len(layout.layers)} entries, {kinds}), got "
                              f"{len(seq) if isinstance(seq, (list, tuple)) else type(seq).__name__}")
         for i, x in enumerate(seq):
             if isinstance(x, bool) or not isinstance(x, int) or x <= 0:

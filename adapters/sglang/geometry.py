@@ -4,13 +4,44 @@ kvstage moves KV heads as bytes: the layout's element is one byte and its head_d
 of one head (SGLang's item size / page size / local heads). Both sides of a transfer derive it
 the same way, so any KV dtype SGLang uses (bf16, fp16, fp32, fp8) moves bit-exact; SGLang itself
 checks that prefill and decode agree on kv_cache_dtype and page size before any transfer.
+
+Speculative decoding: SGLang appends the draft model's KV entries after the target's
+(`num_draft_entries` of them: draft K layers then draft V layers, or one latent per MTP layer of
+an MLA model) and addresses them with the target's page indices. They become the layout's
+`DraftKV` and the buffers' draft_k/draft_v; their geometry comes from their item sizes
+(`draft_kv`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 
-from kvstage import KVLayout
+from kvstage import DraftKV, KVLayout
+
+# draft algorithms whose draft is a model of its own (MHA, heads split over TP); any other draft
+# beside an MLA target is the model's own MTP layers (latents, like the target's)
+SEPARATE_DRAFT_MODELS = ("EAGLE3", "STANDALONE", "DFLASH", "DSPARK")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Entries:
+    """One KV set's pointer lists as KVArgs gives them (K layers then V layers; MLA: latents)."""
+
+    ptrs: list
+    items: list
+
+
+def kv_entries(args) -> tuple[Entries, Entries | None]:
+    """The target's entries and the draft model's (the last `num_draft_entries`; None: none)."""
+    ptrs, items = list(args.kv_data_ptrs), list(args.kv_item_lens)
+    n = int(getattr(args, "num_draft_entries", 0) or 0)
+    if not 0 <= n < len(ptrs):
+        raise ValueError(f"num_draft_entries {n} does not fit the {len(ptrs)} KV entries of KVArgs")
+    cut = len(ptrs) - n
+    target = Entries(ptrs=ptrs[:cut], items=items[:cut])
+    return target, (Entries(ptrs=ptrs[cut:], items=items[cut:]) if n else None)
 
 
 def kv_layout(args, attn_tp_size: int, attn_tp_rank: int, mla: bool, server_args=None, *, pp_size: int = 1,
@@ -20,7 +51,8 @@ def kv_layout(args, attn_tp_size: int, attn_tp_rank: int, mla: bool, server_args
     A PP prefill stage's KVArgs list only its layers, the first at `prefill_start_layer` of the
     model's (the decode side's) KV layers; the model's count comes from the last stage's end or,
     on the other stages, from the model config."""
-    ptrs, items = list(args.kv_data_ptrs), list(args.kv_item_lens)
+    target, draft = kv_entries(args)
+    ptrs, items = target.ptrs, target.items
     page = int(args.page_size)
     if mla:
         layers, heads, total = len(ptrs), 1, 1
@@ -39,9 +71,47 @@ def kv_layout(args, attn_tp_size: int, attn_tp_rank: int, mla: bool, server_args
         start = int(getattr(args, "prefill_start_layer", 0) or 0)
         stage = range(start, start + layers)
         num_layers = stage.stop if pp_rank == pp_size - 1 else model_layers(server_args)
-    return KVLayout(num_layers=num_layers, total_kv_heads=total, head_dim=items[0] // (page * heads),
-                    dtype=torch.uint8, page_size=page, tp_size=attn_tp_size, tp_rank=attn_tp_rank, mla=mla,
-                    pp_size=pp_size, pp_rank=pp_rank, stage=stage)
+    layout = KVLayout(num_layers=num_layers, total_kv_heads=total, head_dim=items[0] // (page * heads),
+                      dtype=torch.uint8, page_size=page, tp_size=attn_tp_size, tp_rank=attn_tp_rank, mla=mla,
+                      pp_size=pp_size, pp_rank=pp_rank, stage=stage)
+    if draft is None:
+        return layout
+    return replace(layout, draft=draft_kv(draft, layout, getattr(server_args, "speculative_algorithm", None)))
+
+
+def draft_kv(draft: Entries, target: KVLayout, algorithm: str | None = None) -> DraftKV:
+    """The draft's geometry from its item sizes (bytes of one page of one layer on this rank).
+
+    Beside an MLA target the draft is the model's own MTP layers: one latent per entry. Beside an
+    MHA target: draft K layers then V layers. A token's bytes equal to the target's: the target's
+    geometry (EAGLE and MTP drafts as a rule). Otherwise the draft keeps the target's head bytes
+    with its own head count, split over TP like the target's and not replicated (local heads x
+    TP); failing that, the target's head count with its own head bytes. Both sides derive it the
+    same way, and kvstage compares the two drafts' geometry before pairing them (its core moves
+    a draft of the target's geometry only so far: KVLayout refuses any other)."""
+    items, page = draft.items, target.page_size
+    if any(i != items[0] for i in items):
+        raise ValueError(f"draft KV item sizes differ between entries ({sorted(set(items))}); kvstage needs one")
+    if items[0] % page:
+        raise ValueError(f"draft KV item size {items[0]} is not a whole number of bytes per token of {page}-token pages")
+    token = items[0] // page
+    if target.mla:
+        if str(algorithm or "").upper() in SEPARATE_DRAFT_MODELS:
+            raise ValueError(f"draft KV of a separate draft model ({algorithm}) beside an MLA target: its heads are "
+                             f"split over TP while the target's latent is replicated, and the draft entries do not say "
+                             f"how (kvstage pairs an MLA target's draft entries as MTP latents)")
+        return DraftKV(num_layers=len(items), head_dim=None if token == target.head_dim else token)
+    if len(items) % 2:
+        raise ValueError(f"{len(items)} draft KV entries beside an MHA target: expected draft K layers then V layers")
+    layers = len(items) // 2
+    if token == target.token_bytes:
+        return DraftKV(num_layers=layers)
+    if token % target.head_bytes == 0:
+        return DraftKV(num_layers=layers, total_kv_heads=token // target.head_bytes * target.tp_size)
+    if token % target.local_heads == 0:
+        return DraftKV(num_layers=layers, head_dim=token // target.local_heads)
+    raise ValueError(f"draft KV of {token} bytes per token fits neither the target's head bytes ({target.head_bytes}) "
+                     f"nor its {target.local_heads} local heads")
 
 
 def model_kv_heads(server_args) -> int:
@@ -78,6 +148,9 @@ def unsupported_features(mgr, args) -> list[str]:
                        f"supported: run the decode with --pp-size 1)")
         elif getattr(args, "kv_layer_ids", None) or getattr(args, "state_types", None):
             out.append(f"pipeline parallelism (pp_size {mgr.pp_size}) with a hybrid KV pool or state components")
+        elif getattr(args, "num_draft_entries", 0):
+            out.append(f"pipeline parallelism (pp_size {mgr.pp_size}) with speculative-decoding draft KV "
+                       f"(num_draft_entries)")
     if mgr.attn_cp_size > 1:
         out.append(f"context parallelism (attn_cp_size {mgr.attn_cp_size})")
     if getattr(mgr, "dcp_size", 1) and getattr(mgr, "dcp_size", 1) > 1:
@@ -86,8 +159,6 @@ def unsupported_features(mgr, args) -> list[str]:
         out.append("KV cache sharding")
     if mgr.defer_decode_allocation:
         out.append("--disaggregation-decode-allocation-policy prefill_complete")
-    if getattr(args, "num_draft_entries", 0):
-        out.append("speculative decoding draft KV (num_draft_entries)")
     state_tp = getattr(mgr, "state_tp_size", mgr.attn_tp_size)
     if getattr(args, "state_types", None) and state_tp != mgr.attn_tp_size:
         out.append(f"state laid out over {state_tp} ranks beside attention TP {mgr.attn_tp_size} (CP-TP group sharing)")

@@ -28,8 +28,9 @@ def has_aux(args) -> bool:
 
 
 def make_buffers(layout, args, device: str, state_pools: dict) -> KVBuffers:
-    """kvstage buffers over SGLang's memory: KV by pointer, the aux rows and the state
-    components (`state_pools`, from state.StateMap) as state pools."""
+    """kvstage buffers over SGLang's memory: KV by pointer (the target's entries, then a draft
+    model's: draft_k/draft_v), the aux rows and the state components (`state_pools`, from
+    state.StateMap) as state pools."""
     kv = KVBuffers.from_pointers(layout, list(args.kv_data_ptrs), list(args.kv_data_lens),
                                  list(args.kv_item_lens), device=device)
     found = dict(state_pools)
@@ -40,7 +41,7 @@ def make_buffers(layout, args, device: str, state_pools: dict) -> KVBuffers:
         found[AUX] = StatePool(tensors=rows, sharding="replicated")
     if not found:
         return kv
-    return KVBuffers(kv.k, kv.v, pools=found).validate(layout)
+    return KVBuffers(kv.k, kv.v, draft_k=kv.draft_k, draft_v=kv.draft_v, pools=found).validate(layout)
 
 
 def aux_device(kv_device: torch.device) -> torch.device:

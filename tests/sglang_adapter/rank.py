@@ -11,6 +11,9 @@ bytes on its own: prefill writes it, decode compares every byte it received, and
 every page no successful request owns still holds the sentinel (no byte in a wrong page). With
 "state" in the scenario the ranks also hold SGLang state components (state_harness.py): Mamba
 slots and SWA window pages, named per request with state_indices on both sides, checked alike.
+With "draft" the ranks also hold a speculative-decoding draft model's KV, appended to KVArgs after
+the target's as SGLang appends it (num_draft_entries), filled and checked like the target's; the
+aux row carries the draft's hidden states and top-k as well.
 
     python rank.py --role prefill --tp 2 --rank 0 --scenario s.json --out r.json
 """
@@ -24,6 +27,7 @@ import signal
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -89,18 +93,30 @@ class Rank:
         self.k = [torch.full((tokens, self.local, self.hd), 0, dtype=torch.bfloat16) for _ in range(self.layers)]
         self.v = [] if self.mla else [torch.full((tokens, self.local, self.hd), 0, dtype=torch.bfloat16)
                                       for _ in range(self.layers)]
-        self.kinds = ((0, self.k),) if self.mla else ((0, self.k), (1, self.v))
-        for t in self.k + self.v:
-            t.view(torch.int16).fill_(SENTINEL)
+        self.sets = [KVSet(base=0, k=self.k, v=self.v, heads=self.heads, hd=self.hd)]
+        # speculative decoding: the draft model's KV, appended after the target's (on decode always;
+        # on prefill unless draft["prefill"] is false: decode-only speculation)
+        draft = sc.get("draft")
+        if draft and (not self.prefill or draft.get("prefill", True)):
+            local = 1 if self.mla else draft["heads"] // self.attn_tp
+            heads = [0] if self.mla else list(range(self.attn_rank * local, (self.attn_rank + 1) * local))
+            make = lambda: [torch.empty((tokens, local, draft["head_dim"]), dtype=torch.bfloat16)
+                            for _ in range(draft["layers"])]
+            self.sets.append(KVSet(base=100, k=make(), v=[] if self.mla else make(), heads=heads,
+                                   hd=draft["head_dim"], written=draft.get("prefill", True)))
+        for kv_set in self.sets:
+            for t in kv_set.k + kv_set.v:
+                t.view(torch.int16).fill_(SENTINEL)
         self.meta = MetadataBuffers(size=32, hidden_size=8, hidden_states_dtype=torch.float32,
                                     max_sampling_mask_tokens=4)
         args = get_kv_class(backend, KVClassType.KVARGS)()
-        bufs = self.k + self.v
+        bufs = [t for kv_set in self.sets for t in kv_set.k + kv_set.v]   # target K, V, then draft K, V
         args.engine_rank, args.pp_rank, args.system_dp_rank = self.attn_rank, 0, 0
         args.kv_data_ptrs = [t.data_ptr() for t in bufs]
         args.kv_data_lens = [t.nbytes for t in bufs]
         args.kv_item_lens = [t[: self.ps].nbytes for t in bufs]
-        args.kv_layer_ids = list(range(self.layers)) * len(self.kinds)
+        args.kv_layer_ids = [self.layers * (s.base > 0) + layer for s in self.sets for _, ts in s.kinds()
+                             for layer in range(len(ts))]
         args.kv_cache_dtype_str = "bfloat16"
         args.page_size = self.ps
         if self.prefill:   # as SGLang's schedulers: only the prefill side fills the head counts
@@ -115,7 +131,8 @@ class Rank:
                                    decode=not self.prefill)
             self.state.kv_args(args)
         args.ib_device, args.gpu_id, args.prefill_start_layer, args.prefill_end_layer = None, 0, 0, None
-        args.num_draft_entries, args.is_hybrid_mla_backend = 0, False
+        args.num_draft_entries = sum(len(s.k) + len(s.v) for s in self.sets[1:])
+        args.is_hybrid_mla_backend = False
         mode = DisaggregationMode.PREFILL if self.prefill else DisaggregationMode.DECODE
         if self.prefill and sc.get("hold"):   # this rank's writes of one room land hold["s"] late
             from functools import partial
@@ -134,32 +151,63 @@ class Rank:
     def fill(self, room: int, pages, first_token: int) -> None:
         for i, page in enumerate(pages):
             tokens = range(first_token + i * self.ps, first_token + (i + 1) * self.ps)
-            for layer in range(self.layers):
-                for kv, bufs in self.kinds:
-                    bufs[layer].view(torch.int16)[page * self.ps:(page + 1) * self.ps] = pattern(
-                        room, layer, kv, self.heads, tokens, self.hd)
+            for s in self.sets:
+                for layer in range(len(s.k)):
+                    for kv, bufs in s.kinds():
+                        bufs[layer].view(torch.int16)[page * self.ps:(page + 1) * self.ps] = pattern(
+                            room, s.base + layer, kv, s.heads, tokens, s.hd)
 
     def check(self, room: int, pages, first_token: int) -> list[str]:
         bad = []
         for i, page in enumerate(pages):
             tokens = range(first_token + i * self.ps, first_token + (i + 1) * self.ps)
-            for layer in range(self.layers):
-                for kv, bufs in self.kinds:
-                    got = bufs[layer].view(torch.int16)[page * self.ps:(page + 1) * self.ps]
-                    if not torch.equal(got, pattern(room, layer, kv, self.heads, tokens, self.hd)):
-                        bad.append(f"room {room} page {page} layer {layer} {'KV'[kv]} differs")
+            for s in self.sets:
+                if not s.written:      # decode-only speculation: nothing of the draft comes
+                    continue
+                for layer in range(len(s.k)):
+                    for kv, bufs in s.kinds():
+                        got = bufs[layer].view(torch.int16)[page * self.ps:(page + 1) * self.ps]
+                        if not torch.equal(got, pattern(room, s.base + layer, kv, s.heads, tokens, s.hd)):
+                            bad.append(f"room {room} page {page} {s.name} layer {layer} {'KV'[kv]} differs")
         return bad
 
     def untouched(self, owned: set) -> list[str]:
         bad = []
-        for page in range(self.num_pages):
-            if page in owned:
-                continue
-            for bufs in (self.k, self.v):
-                for layer, t in enumerate(bufs):
-                    if not bool((t.view(torch.int16)[page * self.ps:(page + 1) * self.ps] == SENTINEL).all()):
-                        bad.append(f"page {page} layer {layer} was written but no successful room owns it")
+        for s in self.sets:
+            for page in range(self.num_pages):
+                if page in owned and s.written:
+                    continue
+                for bufs in (s.k, s.v):
+                    for layer, t in enumerate(bufs):
+                        if not bool((t.view(torch.int16)[page * self.ps:(page + 1) * self.ps] == SENTINEL).all()):
+                            bad.append(f"page {page} {s.name} layer {layer} was written but no successful room owns it")
         return bad
+
+
+@dataclass(kw_only=True)
+class KVSet:
+    """The target's KV (base 0) or the draft model's (base 100: its layers in the pattern);
+    `written`: whether the prefill side has it (not with decode-only speculation)."""
+
+    base: int
+    k: list
+    v: list
+    heads: list
+    hd: int
+    written: bool = True
+
+    @property
+    def name(self) -> str:
+        return "draft" if self.base else "target"
+
+    def kinds(self) -> tuple:
+        return ((0, self.k), (1, self.v)) if self.v else ((0, self.k),)
+
+
+def spec_aux(room: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the prefill puts in a request's aux row for the draft: hidden states, top-k p and ids."""
+    g = torch.Generator().manual_seed(room % (1 << 31))
+    return torch.rand(8, generator=g), torch.rand(16, generator=g), torch.randint(0, 1 << 40, (16,), generator=g)
 
 
 class ForwardDone:
@@ -209,6 +257,9 @@ def run_prefill(r: Rank, sc, out) -> None:
                 r.fill(q["room"], suffix[late:], (k + late) * r.ps)
                 r.meta.output_ids[x["row"]] = aux_ids(q["room"])
                 r.meta.bootstrap_room[x["row"], 0] = q["room"]
+                hidden, topk_p, topk_ids = spec_aux(q["room"])
+                r.meta.output_hidden_states[x["row"]], r.meta.output_topk_p[x["row"]] = hidden, topk_p
+                r.meta.output_topk_index[x["row"]] = topk_ids
                 state = None
                 if r.state is not None:   # SGLang names the state with the last send only
                     w = min(sc["state"]["swa_pages"], len(suffix))
@@ -312,6 +363,10 @@ def run_decode(r: Rank, sc, out) -> None:
                     errors += r.check(q["room"], x["pages"], q["prefix"] * r.ps)
                     x["aux_room"] = int(r.meta.bootstrap_room[x["row"], 0])
                     x["aux_ids_ok"] = bool(torch.equal(r.meta.output_ids[x["row"]], aux_ids(q["room"])))
+                    hidden, topk_p, topk_ids = spec_aux(q["room"])
+                    x["aux_spec_ok"] = bool(torch.equal(r.meta.output_hidden_states[x["row"]], hidden)
+                                            and torch.equal(r.meta.output_topk_p[x["row"]], topk_p)
+                                            and torch.equal(r.meta.output_topk_index[x["row"]], topk_ids))
                     if r.state is not None:
                         owned_slots.add(x["slot"])
                         owned_swa.update(x["swa"])

@@ -86,3 +86,26 @@ def test_state_components(tmp_path, model_dir, bootstrap_server, prefill_tp, dec
                 "staged" if staging else "direct"}
 
 
+EAGLE = {"layers": 1, "heads": 4, "head_dim": 8}     # the target's geometry (4 heads of 8 bf16)
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp,staging,mla,draft", [
+    (2, 1, True, False, EAGLE), (1, 2, False, False, EAGLE),
+    (1, 2, False, True, {"layers": 1, "head_dim": 8}),
+    (1, 1, False, False, dict(EAGLE, prefill=False)),
+], ids=["P2-D1-staged-eagle", "P1-D2-direct-eagle", "P1-D2-mla-mtp", "P1-D1-decode-only"])
+def test_speculative_decoding_draft_kv(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, staging, mla,
+                                       draft):
+    """A draft model's KV (SGLang appends its entries after the target's, num_draft_entries) moves
+    with the target's pages, every byte of both checked on decode: EAGLE-style (the target's
+    geometry) and an MLA model's MTP latent; the aux row carries the draft's hidden states and
+    top-k. Decode-only speculation (the prefill has no draft): the decode's draft pages stay
+    untouched and every request succeeds."""
+    reqs = requests_for(17, 5, prefix={1: 1})
+    results = run(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, reqs, staging=staging, mla=mla,
+                  draft=draft)
+    expect(results, reqs, lambda i: "Success")
+    for rank in range(decode_tp):
+        rooms = results[("decode", rank)]["rooms"]
+        assert all(rooms[str(q["room"])]["aux_spec_ok"] for q in reqs), rooms
+        assert {row["path"] for row in rooms.values()} == {"staged" if staging else "direct"}

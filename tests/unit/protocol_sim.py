@@ -18,6 +18,7 @@ import torch
 from kvstage.staging.pieces import max_piece_pages
 from kvstage.staging.ring import RemoteWatermark, RingAllocator, Watermark
 from kvstage.transfer.config import Timeouts
+from kvstage.transfer.draft_kv import DraftKV
 from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.poll import KVPoll
 from kvstage.transfer.protocol.actions import (
@@ -47,6 +48,7 @@ from kvstage.transfer.protocol.messages import (
 from kvstage.transfer.protocol.prefill_room import PrefillRoom
 
 SENTINEL = 0xA5  # the bytes of decode pages that hold a prefix: no write may touch them
+UNWRITTEN = 0x5A  # the decode's draft entries the prefill does not have: no write may touch them
 
 
 @dataclass(kw_only=True)
@@ -63,10 +65,16 @@ class Geometry:
     buffer_bytes: int = 2048
     staged: bool = True
     stages: tuple[range, ...] = ()  # a PP prefill: each stage's layers (P ranks each); () is one stage
+    draft_p: int = 0   # draft KV entries of the prefill (after its layers; 0: no draft)
+    draft_d: int = 0   # ... of the decode (may be more: decode-only speculation)
 
     @property
     def pp(self) -> tuple[range, ...]:
-        return self.stages or (range(self.layers),)
+        """Each prefill stage's entries (a draft follows the one stage's layers)."""
+        return self.stages or (range(self.layers + self.draft_p),)
+
+    def entries(self, side: str) -> int:
+        return self.layers + (self.draft_p if side == "prefill" else self.draft_d)
 
 
 @dataclass
@@ -76,13 +84,14 @@ class PendingWrite:
     waiting: bool  # staged: waiting for the watermark
 
 
-def layouts(g: Geometry, tp: int, stages: tuple[range, ...] | None = None) -> list[KVLayout]:
+def layouts(g: Geometry, tp: int, stages: tuple[range, ...] | None = None, draft: int = 0) -> list[KVLayout]:
     """Every rank's layout of one side (TP size `tp`; a PP prefill: each stage's ranks, in rank
-    order s * tp + r)."""
+    order s * tp + r; `draft` entries after the layers)."""
     stages = stages or (range(g.layers),)
     return [KVLayout(num_layers=g.layers, total_kv_heads=g.H, head_dim=g.head_dim, dtype=torch.uint8,
                      page_size=g.page_size, tp_size=tp, tp_rank=r, mla=g.mla, pp_size=len(stages), pp_rank=s,
-                     stage=stage) for s, stage in enumerate(stages) for r in range(tp)]
+                     stage=stage, draft=DraftKV(num_layers=draft) if draft else None)
+            for s, stage in enumerate(stages) for r in range(tp)]
 
 
 @dataclass(kw_only=True)
@@ -113,21 +122,25 @@ class World:
         g = self.g
         self.rng = random.Random(self.seed)
         self.timeouts = Timeouts(metadata=50, watermark=50, arrival=5, scatter=5, room=100)
-        self.lp, self.ld = layouts(g, g.P, g.pp), layouts(g, g.D)
+        self.lp = layouts(g, g.P, g.stages or None, g.draft_p)
+        self.ld = layouts(g, g.D, draft=g.draft_d)
         self.np = len(self.lp)   # prefill ranks: P per PP stage
         self.kp = [PeerKey("prefill", r, 1000 + r) for r in range(self.np)]
         self.kd = [PeerKey("decode", r, 2000 + r) for r in range(g.D)]
         nkv = 1 if g.mla else 2
-        self.nt = nkv * g.layers
+        self.nt = nkv * g.entries("prefill")
+        self.ntd = nkv * g.entries("decode")
         nrng = np.random.default_rng(self.seed)
         self.cp = [
             nrng.integers(0, 256, (self.nt, g.pages, g.page_size, l.local_heads, g.head_dim), dtype=np.uint8)
             for l in self.lp
         ]
         self.cd = [
-            np.zeros((self.nt, g.pages, g.page_size, l.local_heads, g.head_dim), dtype=np.uint8) for l in self.ld
+            np.zeros((self.ntd, g.pages, g.page_size, l.local_heads, g.head_dim), dtype=np.uint8) for l in self.ld
         ]
         self.written = [np.zeros(c.shape, dtype=np.int64) for c in self.cd]  # times each decode byte was written
+        for c in self.cd:   # the decode's draft entries the prefill has not
+            c[self.unwritten()] = UNWRITTEN
         self.mapping = compute_assignments(g.P, g.D, g.H, g.mla)
         self.rings = [RingAllocator(g.ring_bytes, align=8) for _ in range(g.D)]
         self.ring_mem = [np.zeros(g.ring_bytes, dtype=np.uint8) for _ in range(g.D)]
@@ -150,7 +163,8 @@ class World:
         staged = g.staged and g.P != g.D and not g.mla
         mpp = max_piece_pages([hpb * a.num_heads for _, a in assigns], g.buffer_bytes, g.ring_bytes, 8) if staged else 0
         return RoomPlan(writers=assigns, notices=tuple(self.kp[s * g.P + p] for s in pp for p in notices),
-                        staged=staged, head_page_bytes=hpb, max_piece_pages=mpp, ring_epoch=self.kd[d].incarnation,
+                        staged=staged, head_page_bytes=hpb, num_layers=g.entries("prefill"), max_piece_pages=mpp,
+                        ring_epoch=self.kd[d].incarnation,
                         writer_layers={s * g.P + p: g.pp[s] for s in pp for p in writers} if g.stages else {})
 
     def add_room(
@@ -193,7 +207,8 @@ class World:
             self.rng.shuffle(free)
             k = prefix[d] if isinstance(prefix, list) else prefix
             held = np.array([free.pop() for _ in range(k)], dtype=np.int64)
-            self.cd[d][:, held] = SENTINEL
+            for t in self.tensors_of(range(g.entries("prefill")), "decode"):   # the entries a room writes
+                self.cd[d][t, held] = SENTINEL
             dst = np.array([free.pop() for _ in range(n - k)])
             r = DecodeRoom(room=room, session=session, me=self.kd[d].incarnation, layout=self.ld[d], now=self.now,
                            timeouts=self.timeouts)
@@ -337,7 +352,7 @@ class World:
     def land(self, w: PendingWrite):
         op, p, d = w.op, w.src_rank, w.op.peer.tp_rank
         g = self.g
-        tensors = self.tensors_of(op.layers)
+        tensors, dst_t = self.tensors_of(op.layers), self.tensors_of(op.layers, "decode")
         src = self.cp[p][tensors][:, op.src_pages][:, :, :, op.src_heads[0] : op.src_heads[1]]
         if op.staged:
             data = np.ascontiguousarray(src).reshape(-1)
@@ -353,7 +368,7 @@ class World:
             self.ring_mem[d][off : off + op.nbytes] = data
             self.ring_owner[d][off : off + op.nbytes] = op.ring_start
         else:
-            for j, t in enumerate(tensors):
+            for j, t in enumerate(dst_t):
                 self.cd[d][t, op.dst_pages, :, op.dst_heads[0] : op.dst_heads[1]] = src[j]
                 self.written[d][t, op.dst_pages, :, op.dst_heads[0] : op.dst_heads[1]] += 1
         if self.hold_completions:
@@ -368,7 +383,7 @@ class World:
     def do_scatter(self, d: int, s: Scatter):
         g = self.g
         r = self.rooms_d[(d, s.room)]
-        tensors = self.tensors_of(s.layers)
+        tensors = self.tensors_of(s.layers, "decode")
         for part in s.parts:
             nheads = part.dst_heads[1] - part.dst_heads[0]
             data = self.ring_mem[d][part.region_offset : part.region_offset + part.nbytes]
@@ -379,16 +394,27 @@ class World:
             self.ring_owner[d][part.region_offset : part.region_offset + part.nbytes] = -1
         self.apply_d(d, r.on_scattered(s.key, True, None, self.rings[d], self.now))
 
-    def tensors_of(self, layers: range) -> list[int]:
-        """Cache tensor indices (K layers, then V layers) of `layers`."""
-        return [kv * self.g.layers + layer for kv in range(self.nt // self.g.layers) for layer in layers]
+    def tensors_of(self, layers: range, side: str = "prefill") -> list[int]:
+        """Cache tensor indices (K entries, then V entries) of `layers` in one side's cache."""
+        per = self.g.entries(side)
+        return [kv * per + layer for kv in range((self.nt if side == "prefill" else self.ntd) // per)
+                for layer in layers]
+
+    def unwritten(self) -> list[int]:
+        """Decode cache tensors of the draft entries the prefill does not have."""
+        return self.tensors_of(range(self.g.entries("prefill"), self.g.entries("decode")), "decode")
 
     def written_once(self, room: int) -> bool:
-        """Every destination byte of the room (every page, layer, K/V and head) was written
-        exactly once, and no prefix byte at all."""
+        """Every destination byte of the room (every page, layer, draft entry, K/V and head) was
+        written exactly once, and no prefix byte nor byte of a draft entry the prefill lacks at
+        all (which still hold their sentinel)."""
+        sent = self.tensors_of(range(self.g.entries("prefill")), "decode")
+        extra = self.unwritten()
         for d in range(self.g.D):
             dst, _, held, _ = self.expected[(d, room)]
-            if (self.written[d][:, dst] != 1).any() or (self.written[d][:, held] != 0).any():
+            if (self.written[d][sent][:, dst] != 1).any() or (self.written[d][:, held] != 0).any():
+                return False
+            if (self.written[d][extra] != 0).any() or (self.cd[d][extra] != UNWRITTEN).any():
                 return False
         return True
 
@@ -480,12 +506,13 @@ class World:
         g = self.g
         for d in range(g.D) if ranks is None else ranks:
             dst, src, held, k = self.expected[(d, room)]
-            if held.size and not (self.cd[d][:, held] == SENTINEL).all():
+            sent = self.tensors_of(range(g.entries("prefill")), "decode")
+            if held.size and not (self.cd[d][sent][:, held] == SENTINEL).all():
                 return False  # a byte landed in a page that holds the prefix
             for a in self.mapping.for_decode(d):
                 for s, stage in enumerate(g.pp):   # each stage's ranks hold its layers
                     p, t = s * g.P + a.prefill_rank, self.tensors_of(stage)
-                    got = self.cd[d][t][:, dst][:, :, :, a.dst_heads[0] : a.dst_heads[1]]
+                    got = self.cd[d][self.tensors_of(stage, "decode")][:, dst][:, :, :, a.dst_heads[0] : a.dst_heads[1]]
                     want = self.cp[p][t][:, src[p][k:]][:, :, :, a.src_heads[0] : a.src_heads[1]]
                     if not np.array_equal(got, want):
                         return False

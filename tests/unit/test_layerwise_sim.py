@@ -101,3 +101,31 @@ def test_pp_stage_missing_keeps_the_decode_room_waiting():
     r = w.rooms_d[(0, 1)]
     assert r.state is not KVPoll.Success and r.tracker is not None and not r.tracker.complete
     assert r.tracker.pages_done == 0
+
+
+DRAFTS = {"equal1": (1, 1), "equal2": (2, 2), "decode_more": (1, 2), "decode_only": (0, 2)}
+
+
+@pytest.mark.parametrize("P, D", list(itertools.product((1, 2, 4), repeat=2)))
+@pytest.mark.parametrize("drafts", sorted(DRAFTS))
+def test_draft_entries_land_exactly_once(P, D, drafts):
+    """Draft KV entries (speculative decoding) after the model's layers: every (page, entry,
+    K/V, head) byte the prefill has is written exactly once and bit-exact, staged and direct,
+    sent with the layers, as entries of their own and in plain chunks; the decode's draft
+    entries beyond the prefill's are never written (their sentinel stays) and the room
+    succeeds."""
+    dp, dd = DRAFTS[drafts]
+    entries = LAYERS + dp
+    for staged, sends, shuffle, mla in ((True, None, False, False),
+                                        (False, [range(i, i + 1) for i in range(entries)], True, False),
+                                        (True, [range(0, LAYERS), range(LAYERS, entries)] if dp else None, False,
+                                         False),
+                                        (False, [range(0, 2), range(2, entries)], True, True)):
+        g = Geometry(P=P, D=D, H=1 if mla else 4, layers=LAYERS, mla=mla, staged=staged, ring_bytes=8192,
+                     buffer_bytes=4096, draft_p=dp, draft_d=dd)
+        w = World(g=g, seed=P * 10 + D, grouping=GROUPINGS["g1"])
+        w.add_room(1, 12, [5, 7], layer_sends=sends, shuffle_layers=shuffle, prefix=3 if not staged else 0)
+        w.settle()
+        assert set(w.status_p.values()) == set(w.status_d.values()) == {KVPoll.Success}, (staged, sends, w.status_d)
+        assert w.check_bytes(1) and w.written_once(1), (staged, sends, mla)
+        assert w.overlaps == 0

@@ -128,10 +128,11 @@ def plain_mgr(**kw):
     (plain_mgr(dcp_size=2), {}, "decode context parallelism"),
     (plain_mgr(kv_shard_size=2), {}, "KV cache sharding"),
     (plain_mgr(defer_decode_allocation=True), {}, "prefill_complete"),
-    (plain_mgr(), {"num_draft_entries": 2}, "draft KV"),
+    (plain_mgr(pp_size=2, disaggregation_mode=SimpleNamespace(value="prefill")), {"num_draft_entries": 2},
+     "pipeline parallelism (pp_size 2) with speculative-decoding draft KV"),
     (plain_mgr(), {"kv_layout": "dsv4"}, "KV layout"),
 ], ids=["hisparse", "mem-kinds", "host-destinations", "decode-pp", "pp-hybrid", "cp", "dcp", "kv-sharding", "prefill-complete",
-        "draft", "kv-layout"])
+        "pp-draft", "kv-layout"])
 def test_features_kvstage_does_not_move_are_named_at_start(mgr, args, named):
     problems = unsupported_features(mgr, SimpleNamespace(**args))
     assert len(problems) == 1 and named in problems[0], problems
@@ -143,6 +144,57 @@ def test_a_plain_gpu_deployment_is_not_refused():
     assert unsupported_features(pp_prefill, SimpleNamespace(kv_layer_ids=[])) == []
     cpu = plain_mgr(server_args=SimpleNamespace(enable_hisparse=False, device="cpu"))
     assert unsupported_features(cpu, SimpleNamespace(kv_data_mem_kinds=["DRAM"] * 4)) == []
+    assert unsupported_features(plain_mgr(), SimpleNamespace(num_draft_entries=2)) == []   # speculative decoding
+
+
+def with_draft(args, layers: int, item: int, kinds: int = 2):
+    """KVArgs with a draft model's entries appended after the target's, as SGLang appends them."""
+    n = kinds * layers
+    args.kv_data_ptrs = list(args.kv_data_ptrs) + [(1 << 20) + 4096 * i for i in range(n)]
+    args.kv_item_lens = list(args.kv_item_lens) + [item] * n
+    args.num_draft_entries = n
+    return args
+
+
+@pytest.mark.parametrize("draft_heads,draft_head_bytes,want", [
+    (2, 256, (None, None)),      # EAGLE / MTP: the target's geometry
+    (1, 256, (4, None)),         # another head count (1 local head x TP 4), the target's head bytes
+    (2, 96, (None, 96)),         # the target's head count, other head bytes
+])
+def test_draft_geometry_from_its_item_sizes(draft_heads, draft_head_bytes, want):
+    """Target: 3 layers, 2 of 8 heads on this rank (TP 4), 256 B heads; draft: 1 layer, K then V
+    (None: the target's)."""
+    from kvstage.adapters.sglang.geometry import draft_kv, kv_entries
+    args = with_draft(kv_args(), layers=1, item=16 * draft_heads * draft_head_bytes)
+    target, draft = kv_entries(args)
+    assert (len(target.ptrs), len(draft.ptrs)) == (6, 2)
+    got = draft_kv(draft, kv_layout(kv_args(), attn_tp_size=4, attn_tp_rank=3, mla=False))
+    assert (got.num_layers, got.total_kv_heads, got.head_dim) == (1, *want)
+
+
+def test_layout_with_an_eagle_draft():
+    lay = kv_layout(with_draft(kv_args(), layers=1, item=16 * 2 * 256), attn_tp_size=4, attn_tp_rank=3, mla=False)
+    assert (lay.num_layers, lay.draft.num_layers, lay.draft.total_kv_heads, lay.draft.head_dim) == (3, 1, 8, 256)
+
+
+def test_mtp_draft_of_an_mla_model_is_latents():
+    args = with_draft(SimpleNamespace(kv_data_ptrs=[1, 2, 3], kv_item_lens=[16 * 1152] * 3, page_size=16),
+                      layers=2, item=16 * 1152, kinds=1)
+    lay = kv_layout(args, attn_tp_size=2, attn_tp_rank=1, mla=True)
+    assert (lay.num_layers, lay.draft.num_layers, lay.draft.head_dim) == (3, 2, 1152)
+
+
+@pytest.mark.parametrize("mla,draft,algorithm,match", [
+    (False, dict(layers=1, item=16 * 2 * 256, kinds=1), None, "expected draft K layers then V layers"),
+    (False, dict(layers=1, item=16 * 2 * 256 + 16 * 3, kinds=2), None, "fits neither"),
+    (True, dict(layers=1, item=16 * 1152, kinds=2), "EAGLE3", "separate draft model"),
+    (False, dict(layers=1, item=16 * 1 * 256, kinds=2), None, "differs from the target's"),   # the core's, for now
+])
+def test_draft_entries_that_cannot_be_paired_are_refused(mla, draft, algorithm, match):
+    base = SimpleNamespace(kv_data_ptrs=[1, 2, 3], kv_item_lens=[16 * 1152] * 3, page_size=16) if mla else kv_args()
+    with pytest.raises(ValueError, match=match):
+        kv_layout(with_draft(base, **draft), attn_tp_size=4, attn_tp_rank=0, mla=mla,
+                  server_args=SimpleNamespace(speculative_algorithm=algorithm))
 
 
 def test_rendezvous_per_prefill_instance_or_one_etcd_for_the_fleet():

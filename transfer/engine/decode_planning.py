@@ -245,8 +245,10 @@ class EnginePlanner:
     def _hello(self, conn: int) -> Hello:
         ctx = self.ctx
         b = ctx.buffers
-        kv = KVMemory(k_addrs=[t.data_ptr() for t in b.k], v_addrs=[t.data_ptr() for t in b.v] if b.v is not None
-                      else [], num_pages=b.num_pages, page_stride=ctx.layout.page_bytes,
+        entry_v = b.entry_v
+        kv = KVMemory(k_addrs=[t.data_ptr() for t in b.entry_k],
+                      v_addrs=[t.data_ptr() for t in entry_v] if entry_v is not None else [],
+                      num_pages=b.num_pages, page_stride=ctx.layout.page_bytes,
                       token_stride=ctx.layout.token_bytes, mem_kind="VRAM" if b.device.type == "cuda" else "DRAM",
                       device=ctx.geometry.device, pools=pool_memory(b.pools))
         ring = None

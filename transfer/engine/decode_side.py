@@ -281,7 +281,7 @@ class DecodeSide:
         quiesced, or a lost writer's quarantine passed): ring regions, and on the direct path the
         destination cache pages."""
         layout = self.ctx.layout
-        page = layout.page_bytes * layout.num_kv * layout.num_layers
+        page = layout.page_bytes * layout.num_kv * layout.num_entries
         held = 0
         for room in self.book.rooms.values():
             if room.state is not KVPoll.Failed or room.released or not room.meta_sent:

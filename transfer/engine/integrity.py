@@ -110,7 +110,7 @@ class Integrity:
         else:
             pages, heads = span.pages, span.heads
             lay = self.layout
-            k = self.buffers.k[self._rng.choice(span.layers) - self.buffers.first_layer]
+            k = self.buffers.entry_k[self._rng.choice(span.layers) - self.buffers.first_layer]
             token = int(pages[self._rng.randrange(len(pages))]) * lay.page_size
             v = k[token, heads[0]].view(torch.uint8)[:1]
         v.bitwise_xor_(0xFF)

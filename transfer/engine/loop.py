@@ -108,10 +108,10 @@ class EngineLoop:
                                      geometry=local_geometry(layout, buffers), post=self.post, integrity=integrity,
                                      observer=observer or NoObserver())
         if cfg.role == "prefill" and handler.buffers:
-            self.workers = TransferWorkers(handler.buffers, buffers.k, buffers.v, layout.page_size,
+            self.workers = TransferWorkers(handler.buffers, buffers.entry_k, buffers.entry_v, layout.page_size,
                                            backend.submit_write, gather_report(c), buffers.pools)
         elif cfg.role != "prefill" and handler.ring is not None:
-            self.scatter = ScatterWorker(buffers.k, buffers.v, layout.page_size, scatter_report(c), buffers.pools)
+            self.scatter = ScatterWorker(buffers.entry_k, buffers.entry_v, layout.page_size, scatter_report(c), buffers.pools)
         side: RoleSide[Any]
         self.book: RoomBook[Any]
         self.peers = peers = PeerTable(c, listeners=lambda: (writes, side))  # staged pieces fail before rooms

@@ -20,6 +20,8 @@ class RoomPlan:
     notices: tuple[PeerKey, ...] = ()             # prefill ranks told about the room, not writing
     staged: bool
     head_page_bytes: int                          # bytes of one head of one page, all layers, K and V
+    num_layers: int = 0                           # KV entries the prefill writes: the model's layers and
+                                                  # its draft entries (<= this rank's; 0: this rank's)
     max_piece_pages: int = 0                      # staged: largest piece (ring and buffers)
     ring_epoch: int = 0
     prefill_tp: int = 0
@@ -63,7 +65,13 @@ def plan_room(layout: KVLayout, mapping: HeadMapping, writers: dict[int, WriterO
     """Decide how a room from this prefill engine moves: the staged path when staging is on here
     (a ring) and at every writer, TP sizes differ and the model is not MLA; direct otherwise.
     Returns the plan, or why not when a single page can never fit."""
-    hpb = layout.num_kv * layout.num_layers * layout.page_size * layout.head_bytes
+    # the entries the prefill holds: its last stage's end (a decode rank may hold more draft
+    # entries than the prefill writes; its extra ones stay untouched)
+    entries = max((o.layers.stop for o in writers.values() if o.layers is not None), default=layout.num_entries)
+    if entries > layout.num_entries:
+        return PlanRefused(FailureKind.LAYOUT, f"the prefill writes {entries} KV entries (layers and draft entries), "
+                           f"this decode rank holds {layout.num_entries}")
+    hpb = layout.num_kv * entries * layout.page_size * layout.head_bytes
     # writer w is TP rank w % prefill_tp of its PP stage; every stage splits the heads alike
     assigns = tuple((writers[w].key, _writes(mapping, w % mapping.prefill_tp, layout.tp_rank)) for w in sorted(writers))
     staged = (staging and ring_size > 0 and not layout.mla and mapping.prefill_tp != mapping.decode_tp
@@ -81,7 +89,7 @@ def plan_room(layout: KVLayout, mapping: HeadMapping, writers: dict[int, WriterO
                                f"can never fit the staging ring ({ring_size} bytes) or a prefill worker buffer "
                                f"({buffers} bytes)")
     return RoomPlan(writers=assigns, notices=tuple(notices[n] for n in sorted(notices)), staged=staged,
-                    head_page_bytes=hpb, max_piece_pages=mpp, ring_epoch=epoch, prefill_tp=mapping.prefill_tp,
+                    head_page_bytes=hpb, num_layers=entries, max_piece_pages=mpp, ring_epoch=epoch, prefill_tp=mapping.prefill_tp,
                     decode_tp=mapping.decode_tp, ring_size=ring_size,
                     buffer_bytes=min(o.buffer_bytes for o in writers.values()) if writers else 0,
                     writer_layers={w: o.layers for w, o in writers.items() if o.layers is not None})

@@ -192,14 +192,15 @@ class DecodeRoom(RoomBase):
             return []
         n = int(self._dst.size)
         p = self.plan
-        last_stage = [r for r in self.writers if p.writer_layers.get(r, self.layout.layers).stop == self.layout.num_layers]
+        entries = p.num_layers or self.layout.num_entries   # the prefill's: a decode's extra draft entries stay unwritten
+        last_stage = [r for r in self.writers if p.writer_layers.get(r, range(entries)).stop == entries]
         # the pools move with the last layer's writes: a PP prefill's last stage writes them
         self.pool_copies = {r: request_copies(writer_segments(self.pools, p.prefill_tp, p.decode_tp,
                                                               self.writers[r].assignment), None, self.pool_items)
                             for r in last_stage} if self.pool_items else {}
         self.tracker = RoomTracker(n, {r: self._plan.writer_page_bytes(w.assignment) for r, w in self.writers.items()},
                                    {r: block_bytes(c) for r, c in self.pool_copies.items()},
-                                   num_layers=self.layout.num_layers, writer_layers=p.writer_layers)
+                                   num_layers=entries, writer_layers=p.writer_layers)
         self.meta_sent = True
         self._retry_at = now + self.timeouts.heartbeat
         return self._metas(self._all_prefill()) + self._move(RoomEvent.METADATA_OUT, now)
@@ -343,7 +344,7 @@ class DecodeRoom(RoomBase):
         """Each writer's part of a piece's ring region, in writer order."""
         alloc = self.allocs[chunk]
         region = alloc.regions[index]
-        per_head = num_pages * self._plan.head_page_bytes * len(alloc.layers) // self.layout.num_layers
+        per_head = num_pages * self._plan.head_page_bytes * len(alloc.layers) // self._tracker.num_layers
         held = set(self._tracker.writers_of(alloc.layers))   # PP: the stage's writers only
         writers = sorted(((r, w) for r, w in self.writers.items() if r in held),
                          key=lambda rw: rw[1].assignment.writer_index)

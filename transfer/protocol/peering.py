@@ -47,15 +47,18 @@ def needed_ranks(prefill_tp: int, layout: KVLayout, stages: tuple[range, ...] | 
 # its engine's PP size and its stage's layers. Its registered tp_size and tp_rank are the
 # engine's rank count and its rank (KVLayout.ranks, KVLayout.rank).
 PP_SIZE, STAGE_START, STAGE_STOP = "pp_size", "stage_start", "stage_stop"
+DRAFT_LAYERS = "draft_layers"   # from its layout summary (LayoutSummary.draft_layers)
 
 
 def stage_record(layout: KVLayout) -> dict[str, int]:
-    return {PP_SIZE: layout.pp_size, STAGE_START: layout.layers.start, STAGE_STOP: layout.layers.stop}
+    assert layout.stage is not None, "set by KVLayout"
+    return {PP_SIZE: layout.pp_size, STAGE_START: layout.stage.start, STAGE_STOP: layout.stage.stop}
 
 
 @dataclass(frozen=True)
 class PrefillStages:
-    """A prefill engine's pipeline: the TP size of each stage and each stage's layers."""
+    """A prefill engine's pipeline: the TP size of each stage and each stage's layers (the
+    last stage's followed by the draft KV entries the engine writes, if any)."""
 
     tp_size: int
     layers: tuple[range, ...]    # by PP rank
@@ -63,8 +66,9 @@ class PrefillStages:
 
 def read_stages(engine_id: str, records: list[Any], num_layers: int) -> PrefillStages:
     """The PP stages of a prefill engine from its rank records (sorted by rank, every rank
-    there), checked to tile the model's `num_layers` layers in order. Raises ValueError saying
-    which stage is wrong."""
+    there), checked to tile the model's `num_layers` layers in order; the last stage's range
+    goes on over the engine's draft KV entries (layout summary `draft_layers`). Raises
+    ValueError saying which stage is wrong."""
     def field_of(rec: Any, name: str, default: int) -> int:
         return int(rec.layout.get(name, default)) if isinstance(getattr(rec, "layout", None), dict) else default
 
@@ -92,6 +96,11 @@ def read_stages(engine_id: str, records: list[Any], num_layers: int) -> PrefillS
     if at != num_layers:
         raise ValueError(f"prefill engine {engine_id}: its PP stages' layers end at layer {at}, the model has "
                          f"{num_layers}")
+    drafts = {field_of(r, DRAFT_LAYERS, 0) for r in records}
+    if len(drafts) != 1 or min(drafts) < 0:
+        raise ValueError(f"prefill engine {engine_id}: its ranks disagree on the draft KV entries: {sorted(drafts)}")
+    draft = drafts.pop()
+    stages[-1] = range(stages[-1].start, stages[-1].stop + draft)
     return PrefillStages(tp, tuple(stages))
 
 

@@ -434,9 +434,9 @@ class PrefillRoom(RoomBase):
 
     def _final(self, page_end: int, layers: range) -> bool:
         """Whether a write ending at `page_end` over `layers` is the one carrying the request's
-        last page of the model's last layer, hence the state pool items (a PP prefill: only
-        the last stage's)."""
-        return page_end == self._pages_to_send and layers.stop == self.layout.num_layers
+        last page of the model's last layer (of its last draft entry, with a draft), hence the
+        state pool items (a PP prefill: only the last stage's)."""
+        return page_end == self._pages_to_send and layers.stop == self.layout.num_entries
 
     def _post(self, flow: Flow, op: WriteOp) -> PostWrite:
         self.ops[op.op_id] = op

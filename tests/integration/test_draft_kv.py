@@ -1,0 +1,90 @@
+"""Draft KV entries (speculative decoding: EAGLE, MTP) between real processes over real NIXL and
+Mooncake: bit-exact with the target's pages, staged and direct, hetero TP both ways, MLA,
+layer-wise sends naming the draft entries; a decode holding more draft entries than the prefill
+leaves its extra ones untouched and succeeds; a prefill with more draft entries than the decode
+fails on both sides with kind layout (remote_layout on the prefill: the decode side failed it)."""
+
+from __future__ import annotations
+
+import pytest
+from engine_cases import LAYERED_AUX, TEST_TIMEOUTS, Case, Topo, each_rank, problems, random_rooms, run_cases
+
+pytestmark = pytest.mark.integration
+
+LAYERS = 2
+
+
+def draft_case(topo: Topo, staging: bool, backend: str, *, prefill: int, decode: int, seed: int, label: str,
+               layer_sends: list | None = None, prefix: bool = False, pools: bool = False,
+               from_pointers: bool = False) -> Case:
+    """Rooms of pages of 4 tokens over a model of LAYERS layers; the prefill holds `prefill`
+    draft entries, the decode `decode` (0: none); `pools`: each room has an aux row, which
+    moves with the write of the last page of the last draft entry; `from_pointers`: both sides
+    hand their caches over as raw addresses in SGLang's order (target K, V, then draft K, V)."""
+    rooms = random_rooms(seed, 4, 4, max_tokens=60, base=9000 + 10 * seed)
+    for i, r in enumerate(rooms):
+        if layer_sends:
+            r["layer_sends"] = layer_sends
+        if prefix and i % 2 and r["pages"] > 1:
+            r["prefix_pages"] = 1
+        if pools:
+            r["pool_items"] = {"aux": 1}
+    case = Case(topo=topo, page_size=4, dtype="bfloat16", staging=staging, backend=backend, rooms=rooms,
+                layers=LAYERS, pages=128, label=label, pools={"aux": LAYERED_AUX} if pools else {},
+                extra={"from_pointers": from_pointers})
+    geo = case.geometry()
+    case.prefill_extra = {"geometry": {**geo, "draft": prefill}, "layer_group": 1, "layerwise_min_tokens": 0}
+    case.decode_extra = {"geometry": {**geo, "draft": decode}, "prefill_draft": prefill}
+    return case
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_draft_entries_move_bit_exact_and_extra_ones_stay_unwritten(backend):
+    entries = LAYERS + 1
+    cases = [
+        # equal geometry, EAGLE-like (one draft entry) and MTP-like (two)
+        draft_case(Topo(P=2, D=1, H=4), True, backend, prefill=1, decode=1, seed=1, label="st21", pools=True),
+        draft_case(Topo(P=1, D=2, H=4), True, backend, prefill=2, decode=2, seed=2, label="st12", prefix=True,
+                   from_pointers=True),
+        draft_case(Topo(P=1, D=1, H=4), False, backend, prefill=1, decode=1, seed=3, label="dr11",
+                   layer_sends=[[i, i + 1] for i in range(entries)], pools=True),   # the draft entry on its own
+        draft_case(Topo(P=1, D=2, H=1, mla=True), False, backend, prefill=1, decode=1, seed=4, label="mla12"),
+        # decode-only speculation: more draft entries on the decode than the prefill, or none there
+        draft_case(Topo(P=2, D=1, H=4), True, backend, prefill=1, decode=2, seed=5, label="more21",
+                   from_pointers=True),
+        draft_case(Topo(P=1, D=1, H=4), False, backend, prefill=0, decode=2, seed=6, label="none11"),
+    ]
+    results, codes, logs, _ = run_cases(cases, timeout=200)
+    bad = problems(results, codes, logs)
+    assert not bad, "\n".join(bad[:10])
+    for c, side, res in each_rank(cases, results):
+        assert len(res["rooms"]) == len(c.rooms), (c.name, side)
+        extra = c.decode_extra["geometry"]["draft"] > c.prefill_extra["geometry"]["draft"]
+        for rec in res["rooms"]:
+            if side == "decode":
+                # the entries beyond the prefill's still hold their start-up bytes on the room's pages
+                assert rec.get("unwritten_intact") is (True if extra else None), (c.name, rec)
+
+
+@pytest.mark.timeout(200)
+def test_a_prefill_with_more_draft_entries_than_the_decode_fails_both_sides():
+    cases = [draft_case(Topo(P=2, D=1, H=4), True, "nixl", prefill=2, decode=1, seed=7, label="bad21"),
+             draft_case(Topo(P=1, D=1, H=4), False, "nixl", prefill=1, decode=0, seed=8, label="bad11")]
+    for c in cases:
+        for extra in (c.prefill_extra, c.decode_extra):
+            extra["timeouts"] = {**TEST_TIMEOUTS, "bootstrap": 30.0}
+        c.prefill_extra["run_timeout_s"] = 60
+    results, codes, logs, _ = run_cases(cases, timeout=90)
+    assert not any(codes), codes
+    for c, side, res in each_rank(cases, results):
+        assert len(res["rooms"]) == len(c.rooms), (c.name, side, res["rooms"])
+        p, d = c.prefill_extra["geometry"]["draft"], c.decode_extra["geometry"]["draft"]
+        for rec in res["rooms"]:
+            # the prefill ranks refuse the decode rank's Hello; it fails the request (layout) and tells
+            # them, and a prefill rank reports its peer's kind (remote_<kind>)
+            want = "layout" if side == "decode" else "remote_layout"
+            assert rec["state"] == "Failed" and rec["kind"] == want, (c.name, side, rec)
+            assert rec["metrics"]["nbytes"] == 0 and rec["metrics"]["backend_writes"] == 0, rec   # nothing written
+            assert f"the prefill has {p} draft KV entr" in rec["failure"], rec
+            assert (f"the decode {d} draft KV entr" if d else "the decode no draft KV") in rec["failure"], rec
