@@ -7,7 +7,7 @@ fails on both sides with kind layout (remote_layout on the prefill: the decode s
 from __future__ import annotations
 
 import pytest
-from engine_cases import LAYERED_AUX, TEST_TIMEOUTS, Case, Topo, each_rank, problems, random_rooms, run_cases
+from engine_cases import TEST_TIMEOUTS, Case, Topo, each_rank, layered_case, problems, run_cases
 
 pytestmark = pytest.mark.integration
 
@@ -17,23 +17,15 @@ LAYERS = 2
 def draft_case(topo: Topo, staging: bool, backend: str, *, prefill: int, decode: int, seed: int, label: str,
                layer_sends: list | None = None, prefix: bool = False, pools: bool = False,
                from_pointers: bool = False) -> Case:
-    """Rooms of pages of 4 tokens over a model of LAYERS layers; the prefill holds `prefill`
+    """engine_cases.layered_case's rooms over a model of LAYERS layers; the prefill holds `prefill`
     draft entries, the decode `decode` (0: none); `pools`: each room has an aux row, which
     moves with the write of the last page of the last draft entry; `from_pointers`: both sides
     hand their caches over as raw addresses in SGLang's order (target K, V, then draft K, V)."""
-    rooms = random_rooms(seed, 4, 4, max_tokens=60, base=9000 + 10 * seed)
-    for i, r in enumerate(rooms):
-        if layer_sends:
-            r["layer_sends"] = layer_sends
-        if prefix and i % 2 and r["pages"] > 1:
-            r["prefix_pages"] = 1
-        if pools:
-            r["pool_items"] = {"aux": 1}
-    case = Case(topo=topo, page_size=4, dtype="bfloat16", staging=staging, backend=backend, rooms=rooms,
-                layers=LAYERS, pages=128, label=label, pools={"aux": LAYERED_AUX} if pools else {},
-                extra={"from_pointers": from_pointers})
+    case = layered_case(topo, staging, backend, seed=seed, base=9000 + 10 * seed, label=label, layers=LAYERS,
+                        layer_sends=layer_sends, prefix=prefix, pools=pools)
+    case.extra = {"from_pointers": from_pointers}
     geo = case.geometry()
-    case.prefill_extra = {"geometry": {**geo, "draft": prefill}, "layer_group": 1, "layerwise_min_tokens": 0}
+    case.prefill_extra["geometry"] = {**geo, "draft": prefill}
     case.decode_extra = {"geometry": {**geo, "draft": decode}, "prefill_draft": prefill}
     return case
 
