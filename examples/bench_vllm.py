@@ -99,13 +99,16 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--connectors", nargs="+", default=["kvstage", "nixl"], choices=["kvstage", "nixl", "nixl-push"])
     ap.add_argument("--json", type=Path, help="write the figures here")
+    ap.add_argument("--logs", type=Path, help="keep the servers' logs in this folder (default: deleted)")
     a = ap.parse_args()
     prompts = [[(7 * i + 3) % 500 + 3 for i in range(n)] for n in a.prompt_tokens]
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         model = build_tiny_model(Path(tmp) / "model")
+        logs = a.logs or Path(tmp)
+        logs.mkdir(parents=True, exist_ok=True)
         for tp in a.decode_tp:
-            pairs = [Pair(name, model, Path(tmp), tp) for name in a.connectors]
+            pairs = [Pair(name, model, logs, tp) for name in a.connectors]
             try:
                 procs = [p for pair in pairs for p in pair.procs]
                 wait_healthy(procs, [u for pair in pairs for u in (pair.p_url, pair.d_url)])

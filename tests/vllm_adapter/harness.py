@@ -40,6 +40,7 @@ LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 32
 NUM_BLOCKS = 24
 MODULE = "kvstage.adapters.vllm.connector"
 STEP_S = 60          # one worker's answer to one step
+READY_S = 240        # a worker's start (imports vLLM and torch; minutes on a loaded 2-core machine)
 
 
 def write_model(path: Path) -> str:
@@ -138,8 +139,9 @@ class Engine:
         self.block_hasher = get_request_block_hasher(BLOCK, hash_fn)
 
     def _answer(self, rank: int, what: str):
-        if not self.pipes[rank].poll(STEP_S):
-            raise TimeoutError(f"{self.name} rank {rank}: no answer to {what} in {STEP_S} s "
+        limit = READY_S if what == "ready" else STEP_S
+        if not self.pipes[rank].poll(limit):
+            raise TimeoutError(f"{self.name} rank {rank}: no answer to {what} in {limit} s "
                                f"(alive: {self.procs[rank].is_alive()})")
         kind, value = self.pipes[rank].recv()
         if kind == "error":
