@@ -152,8 +152,6 @@ def test_failed_receive_fails_the_request(model, layerwise):
     try:
         prompts = {"ok": PROMPTS["a"], "bad": PROMPTS["b"]}
         params = prefill_all(prefill, prompts)
-        sends = [ev for ev in prefill.events(0) if ev[0] == "send"]
-        assert sends and all((ev[2] is not None) == layerwise for ev in sends), sends
         decode.add("ok", prompts["ok"], 2, params["ok"])
         decode.add("bad", prompts["bad"] + list(range(300, 340)), 2, params["bad"])
 
@@ -161,6 +159,10 @@ def test_failed_receive_fails_the_request(model, layerwise):
             prefill.step()
             return {"ok", "bad"} <= set(decode.finished)
         decode.run_until(both_finished, "decode requests finished")
+        # layer-wise: a send per layer; chunk-wise: one send of every layer, after the request finished
+        sends = [ev for ev in prefill.events(0) if ev[0] == "send"]
+        assert len(sends) == (LAYERS if layerwise else 1) * 2, sends
+        assert all((ev[2] is not None) == layerwise for ev in sends), sends
         assert decode.finished["ok"].reason == "length", decode.finished
         assert decode.finished["bad"].reason == "error", decode.finished
         prefill.run_until(lambda: prefill.used_blocks() == 0, "prefill blocks freed")
