@@ -1,16 +1,17 @@
 """PD request latency through real vLLM servers: kvstage's connector against vLLM's NixlConnector.
 
-Per decode TP size (1, 2), one run starts two PD pairs side by side (`python -m
+Per decode TP size (1, 2), one run starts PD pairs side by side (`python -m
 vllm.entrypoints.openai.api_server`, CPU, a tiny random Llama built here): one with the kvstage
-connector, one with vLLM's NixlConnector (`kv_buffer_device: cpu`). Rounds alternate between
-them (kvstage first on even rounds, NIXL first on odd ones); each round sends the same greedy
+connector, one with vLLM's NixlConnector (`kv_buffer_device: cpu`), and with `--connectors ...
+nixl-push` one with vLLM's NixlPushConnector. Rounds alternate the order of the pairs (as given
+on even rounds, reversed on odd ones); each round sends the same greedy
 prompts one at a time through the two-step PD proxy (tests/vllm_adapter/proxy.py) after one
 untimed warm-up request per pair. It prints per connector and decode TP the median and p90
 request latency (client send to full answer), the median decode leg (the decode request, which
 includes the KV transfer: kvstage pushes while it waits, NIXL pulls), kvstage's own transfer
 seconds per request (its Prometheus histogram on the decode ranks), the CPU seconds per request
-of the prefill and decode server process trees, and checks that both connectors answered every
-prompt with the same tokens. Every server is stopped by its PID.
+of the prefill and decode server process trees, and checks that every connector answered every
+prompt with the same tokens as the first one. Every server is stopped by its PID.
 
     .venv-vllm/bin/python examples/bench_vllm.py --rounds 4 --decode-tp 1 2
 """
@@ -62,7 +63,8 @@ class Pair:
             d_kv = kvstage_config("kv_consumer", free_port(), metrics_port=self.dm)
             p_env, d_env = env_for("nobind", **ENV), env_for("nobind", **ENV)
         else:
-            p_kv, d_kv = nixl_config("kv_producer"), nixl_config("kv_consumer")
+            connector = {"nixl": "NixlConnector", "nixl-push": "NixlPushConnector"}[name]
+            p_kv, d_kv = nixl_config("kv_producer", connector), nixl_config("kv_consumer", connector)
             p_env = env_for("nobind", VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))
             d_env = env_for("nobind", VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))
         self.prefill = Proc(f"{name}-prefill", server_argv(model, self.pp, "--served-model-name", "m", kv=p_kv),
@@ -95,14 +97,18 @@ def main() -> None:
     ap.add_argument("--decode-tp", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--prompt-tokens", type=int, nargs="+", default=[64, 256, 600])
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--connectors", nargs="+", default=["kvstage", "nixl"], choices=["kvstage", "nixl", "nixl-push"])
     ap.add_argument("--json", type=Path, help="write the figures here")
+    ap.add_argument("--logs", type=Path, help="keep the servers' logs in this folder (default: deleted)")
     a = ap.parse_args()
     prompts = [[(7 * i + 3) % 500 + 3 for i in range(n)] for n in a.prompt_tokens]
     results = []
     with tempfile.TemporaryDirectory(prefix="bench-vllm-") as tmp:
         model = build_tiny_model(Path(tmp) / "model")
+        logs = a.logs or Path(tmp)
+        logs.mkdir(parents=True, exist_ok=True)
         for tp in a.decode_tp:
-            pairs = [Pair("kvstage", model, Path(tmp), tp), Pair("nixl", model, Path(tmp), tp)]
+            pairs = [Pair(name, model, logs, tp) for name in a.connectors]
             try:
                 procs = [p for pair in pairs for p in pair.procs]
                 wait_healthy(procs, [u for pair in pairs for u in (pair.p_url, pair.d_url)])
@@ -110,7 +116,7 @@ def main() -> None:
                     pair.run(prompts[0], a.max_tokens)        # warm-up, untimed
                 stats = {pair.name: {"lat": [], "decode": [], "cpu_p": 0.0, "cpu_d": 0.0, "n": 0, "out": []}
                          for pair in pairs}
-                t_kv0 = pairs[0].kvstage_transfer_s()
+                t_kv0 = {pair.name: pair.kvstage_transfer_s() for pair in pairs}
                 for r in range(a.rounds):
                     for pair in (pairs if r % 2 == 0 else pairs[::-1]):
                         s = stats[pair.name]
@@ -124,9 +130,11 @@ def main() -> None:
                         s["cpu_p"] += tree_cpu(pair.prefill) - c0[0]
                         s["cpu_d"] += tree_cpu(pair.decode) - c0[1]
                         s["n"] += len(prompts)
-                same = stats["kvstage"]["out"] == stats["nixl"]["out"]
-                kv_transfer = (pairs[0].kvstage_transfer_s() - t_kv0) / max(1, stats["kvstage"]["n"])
-                for name, s in stats.items():
+                first = stats[pairs[0].name]["out"]
+                same = all(s["out"] == first for s in stats.values())
+                for pair in pairs:
+                    name, s = pair.name, stats[pair.name]
+                    kv_transfer = (pair.kvstage_transfer_s() - t_kv0[name]) / max(1, s["n"])
                     lat = sorted(s["lat"])
                     row = {"connector": name, "decode_tp": tp, "requests": s["n"],
                            "latency_p50_ms": 1e3 * statistics.median(lat),

@@ -7,7 +7,10 @@
 
 vLLM builds one instance in its scheduler process (role SCHEDULER: plan.py decides) and one per
 worker (role WORKER: worker.py moves the bytes); `KvstageMetadata` carries each step's orders
-from the first to the second. Anything the connector does not support is refused here, at
+from the first to the second. A worker applies them at the first of save_kv_layer,
+start_load_kv and wait_for_save (vLLM usually starts loads after the forward), sends each layer
+of a prefill step's pages from save_kv_layer, and the layers it was not called for from
+wait_for_save. Anything the connector does not support is refused here, at
 start, naming it.
 """
 
@@ -22,7 +25,7 @@ from vllm.v1.request import RequestStatus
 
 from .geometry import ModelGeometry, describe, engine_cache, unsupported_features
 from .params import ConnectorSettings
-from .plan import PrefillIdentity, SchedulerPlan, StepOrders
+from .plan import PrefillIdentity, Scheduled, SchedulerPlan, StepOrders
 from .stats import KvstageConnectorStats, KvstagePromMetrics, interval
 from .worker import WorkerSide
 
@@ -43,6 +46,19 @@ class KvstageMetadata(KVConnectorMetadata):
 
     def __init__(self, orders: StepOrders):
         self.orders = orders
+
+
+def _cuda_event():
+    """Readiness of the layers the forward just wrote: an event on the current stream, which
+    kvstage's own threads synchronize on before reading them (never vLLM's thread)."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream())
+    return event
+
+
+def _nothing_to_wait():
+    """CPU caches: the forward wrote the layer before save_kv_layer was called."""
+    return None
 
 
 def _default_host() -> str:
@@ -70,10 +86,13 @@ class KvstageConnector(KVConnectorBase_V1):
         self.plan: SchedulerPlan | None = None
         self.worker: WorkerSide | None = None
         self._reported: dict[str, float] = {}     # the worker's counts at its last stats report
+        self._layer_index: dict[str, int] = {}    # vLLM's layer name -> kvstage's layer (register order)
+        self._applied = True                      # this step's orders went to the worker
         if role == KVConnectorRole.SCHEDULER:
             ident = PrefillIdentity(rendezvous=self.settings.rendezvous, dp_rank=0, engine=self.engine_id,
                                     tp_size=par.tensor_parallel_size)
-            self.plan = SchedulerPlan(is_prefill=self.is_prefill, block_size=self.block_size, identity=ident)
+            self.plan = SchedulerPlan(is_prefill=self.is_prefill, block_size=self.block_size, identity=ident,
+                                      layerwise=self.settings.layerwise)
 
     # -- scheduler side -----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -85,7 +104,19 @@ class KvstageConnector(KVConnectorBase_V1):
                             list(blocks.get_block_ids()[0]), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return KvstageMetadata(self.plan.take_orders())
+        plan, manager = self.plan, self._kv_cache_manager
+        if plan.layerwise and manager is not None:
+            so, scheduled = scheduler_output, {}
+            for new in so.scheduled_new_reqs:
+                if plan.streams(new.req_id):
+                    scheduled[new.req_id] = Scheduled(computed=new.num_computed_tokens,
+                                                      count=so.num_scheduled_tokens[new.req_id])
+            cached = so.scheduled_cached_reqs
+            for r, computed in zip(cached.req_ids, cached.num_computed_tokens):
+                if plan.streams(r):
+                    scheduled[r] = Scheduled(computed=computed, count=so.num_scheduled_tokens[r])
+            plan.step(scheduled, lambda r: manager.get_block_ids(r)[0], so.preempted_req_ids or ())
+        return KvstageMetadata(plan.take_orders())
 
     def update_connector_output(self, connector_output: KVConnectorOutput):
         self.plan.sent(connector_output.finished_sending)
@@ -110,31 +141,54 @@ class KvstageConnector(KVConnectorBase_V1):
                             mla=bool(model.use_mla))
         eng, buffers = engine_cache(geo, kv_caches)
         layout = eng.kv_layout()
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}   # engine_cache's order
+        cuda = next(iter(kv_caches.values())).is_cuda
         self.worker = WorkerSide(settings=self.settings, is_prefill=self.is_prefill, tp_rank=geo.tp_rank,
-                                 engine_id=self.engine_id)
+                                 engine_id=self.engine_id, ready=_cuda_event if cuda else _nothing_to_wait)
         self.worker.start(layout, buffers)
         log.info("kvstage %s rank %d/%d ready: engine %s, %s, rendezvous %s, backend %s, staging %s",
                  "prefill" if self.is_prefill else "decode", geo.tp_rank, geo.tp_size, self.engine_id,
                  describe(layout), self.settings.rendezvous, self.settings.backend, self.settings.staging)
 
-    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._applied = False
+
+    def _apply(self) -> None:
+        """This step's orders, once, at the first worker call of the step that can use them."""
+        if self._applied or not self.has_connector_metadata():
+            return
+        self._applied = True
+        meta = self._get_connector_metadata()
         if self.worker is not None and isinstance(meta, KvstageMetadata):
             self.worker.apply(meta.orders)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        self._apply()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        return    # chunk-wise: a request's pages move once its prefill ended (docs/vllm.md)
+        """The forward wrote `layer_name`'s KV of this step: send that layer of the pages it completed."""
+        self._apply()
+        layer = self._layer_index.get(layer_name)
+        if self.worker is not None and layer is not None:
+            self.worker.save_layer(layer)
 
     def wait_for_save(self):
-        return
+        self._apply()
+        if self.worker is not None:
+            self.worker.end_step()
+
+    def clear_connector_metadata(self) -> None:
+        self.wait_for_save()      # idempotent: a step's pages never stay half sent
+        super().clear_connector_metadata()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self.worker is None:
             return None, None
-        sending, recving = self.worker.finished()
+        sending, recving = self.worker.finished(finished_req_ids)
         return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:

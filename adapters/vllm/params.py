@@ -63,12 +63,13 @@ class ConnectorSettings:
     host: str
     backend: str = "nixl"
     staging: bool = True
+    layerwise: bool = True               # prefill: send each layer from save_kv_layer (else per request)
     metrics_port: int | None = None      # Prometheus /metrics of TP rank r on metrics_port + r
 
     @classmethod
     def parse(cls, extra: dict | None, default_host: str) -> ConnectorSettings:
         extra = dict(extra or {})
-        known = {"rendezvous_port", "host", "backend", "staging", "metrics_port"}
+        known = {"rendezvous_port", "host", "backend", "staging", "layerwise", "metrics_port"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(f"kv_connector_extra_config: unknown key(s) {', '.join(unknown)} for the kvstage "
@@ -81,9 +82,10 @@ class ConnectorSettings:
         backend = str(extra.get("backend", os.environ.get("KVSTAGE_VLLM_BACKEND", "nixl"))).strip().lower()
         if backend not in BACKENDS:
             raise ValueError(f"kv_connector_extra_config.backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-        staging = extra.get("staging", True)
-        if not isinstance(staging, bool):
-            raise ValueError(f"kv_connector_extra_config.staging must be true or false, got {staging!r}")
+        staging, layerwise = extra.get("staging", True), extra.get("layerwise", True)
+        for key, flag in (("staging", staging), ("layerwise", layerwise)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"kv_connector_extra_config.{key} must be true or false, got {flag!r}")
         host = extra.get("host") or default_host
         if not isinstance(host, str) or not host:
             raise ValueError(f"kv_connector_extra_config.host must be an address, got {host!r}")
@@ -91,7 +93,8 @@ class ConnectorSettings:
         if metrics is not None and (isinstance(metrics, bool) or not isinstance(metrics, int)
                                     or not 0 < metrics < 65536):
             raise ValueError(f"kv_connector_extra_config.metrics_port must be a port number, got {metrics!r}")
-        return cls(rendezvous_port=port, host=host, backend=backend, staging=staging, metrics_port=metrics)
+        return cls(rendezvous_port=port, host=host, backend=backend, staging=staging, layerwise=layerwise,
+                   metrics_port=metrics)
 
     @property
     def rendezvous(self) -> str:

@@ -1,20 +1,87 @@
 """The vLLM connector's scheduler-side decisions (adapters/vllm/plan.py, params.py), pure: no
 vLLM needed. What the prefill returns to the client, which pages each side moves (the decode's
 local prefix skipped), blocks held until the transfer ends, aborts reaching the other side,
-and bad parameters refused naming the key."""
+layer-wise streaming (which pages each step gives, a room per run of a preempted request), and
+bad parameters refused naming the key."""
 
 from __future__ import annotations
 
 import pytest
 
 from kvstage.adapters.vllm.params import RENDEZVOUS, ROOM, ConnectorSettings, remote_prefill
-from kvstage.adapters.vllm.plan import PrefillIdentity, SchedulerPlan
+from kvstage.adapters.vllm.plan import PrefillIdentity, Scheduled, SchedulerPlan
 
 IDENT = PrefillIdentity(rendezvous="10.0.0.1:18998", dp_rank=0, engine="vllm-prefill@10.0.0.1:18998", tp_size=2)
 
 
-def prefill_plan():
-    return SchedulerPlan(is_prefill=True, block_size=32, identity=IDENT, new_room=iter([7, 8, 9]).__next__)
+def prefill_plan(layerwise=True):
+    return SchedulerPlan(is_prefill=True, block_size=32, identity=IDENT, new_room=iter([7, 8, 9]).__next__,
+                         layerwise=layerwise)
+
+
+BLOCKS = {"a": [4, 9, 2, 11], "b": [6, 1, 3]}
+
+
+def streams(plan, preempted=(), **scheduled):
+    """One step of the listed requests ({req: (computed, count)}): its stream orders as tuples."""
+    plan.step({r: Scheduled(computed=c, count=n) for r, (c, n) in scheduled.items() if plan.streams(r)},
+              lambda r: BLOCKS[r], preempted)
+    orders = plan.take_orders()
+    return ([(o.req_id, o.room, o.num_pages, o.open, o.before, o.pages) for o in orders.streams],
+            [(d.req_id, d.room) for d in orders.drops])
+
+
+def test_prefill_streams_each_page_from_the_step_that_completes_it():
+    plan = prefill_plan()
+    params = {"do_remote_decode": True}
+    plan.allocated("a", 70, params, BLOCKS["a"], 0)
+    assert plan.streams("a")
+    # 20 tokens end inside page 0: the sender opens, no page is complete yet
+    assert streams(plan, a=(0, 20)) == ([("a", 7, 3, True, (), ())], [])
+    assert streams(plan, a=(20, 28)) == ([("a", 7, 3, False, (), (4,))], [])     # tokens 20-48: page 0
+    assert streams(plan, a=(48, 22)) == ([("a", 7, 3, False, (), (9, 2))], [])   # the prompt's end: pages 1, 2
+    assert streams(plan, a=(70, 1)) == ([], [])                                 # decoding: nothing more
+    delay, out = plan.finished("a", 70, params, BLOCKS["a"], completed=True)
+    assert delay is True and out[ROOM] == 7 and out["do_remote_prefill"] is True
+    assert not plan.take_orders() and plan.in_flight == 1      # no chunk-wise SendOrder: it streamed
+    plan.sent({"a"})
+    assert plan.in_flight == 0
+
+
+def test_prefill_prefix_hit_pages_go_at_once_and_preemption_opens_a_new_room():
+    plan = prefill_plan()
+    plan.allocated("b", 70, {"do_remote_decode": True}, BLOCKS["b"], 0)
+    # 64 tokens from the prefill's own prefix cache: pages 0 and 1 every layer at once, page 2 layer-wise
+    assert streams(plan, b=(64, 6)) == ([("b", 7, 3, True, (6, 1), (3,))], [])
+    plan2 = prefill_plan()
+    plan2.allocated("b", 70, {"do_remote_decode": True}, BLOCKS["b"], 0)
+    assert streams(plan2, b=(0, 40)) == ([("b", 7, 3, True, (), (6,))], [])
+    # preempted: its blocks were freed, its room (never published) is dropped; it runs again
+    # from the start in a new room
+    assert streams(plan2, preempted={"b"}) == ([], [("b", 7)])
+    assert streams(plan2, b=(0, 70)) == ([("b", 8, 3, True, (), (6, 1, 3))], [])
+    assert plan2.finished("b", 70, {"do_remote_decode": True}, BLOCKS["b"], completed=True)[1][ROOM] == 8
+
+
+def test_prefill_stream_aborted_mid_prefill_holds_blocks_until_released():
+    plan = prefill_plan()
+    plan.allocated("a", 70, {"do_remote_decode": True}, BLOCKS["a"], 0)
+    streams(plan, a=(0, 40))
+    assert plan.finished("a", 70, {"do_remote_decode": True}, BLOCKS["a"], completed=False) == (True, None)
+    (a,) = plan.take_orders().aborts
+    assert a.req_id == "a" and plan.in_flight == 1
+
+
+def test_prefill_chunk_wise_when_layerwise_is_off_or_not_asked():
+    plan = prefill_plan(layerwise=False)
+    plan.allocated("a", 70, {"do_remote_decode": True}, BLOCKS["a"], 0)
+    assert not plan.streams("a")
+    plan2 = prefill_plan()
+    plan2.allocated("a", 70, None, BLOCKS["a"], 0)                # no remote decode: nothing to stream
+    assert not plan2.streams("a")
+    assert plan.finished("a", 70, {"do_remote_decode": True}, BLOCKS["a"], completed=True)[0] is True
+    (o,) = plan.take_orders().sends
+    assert o.pages == (4, 9, 2)
 
 
 def test_prefill_holds_blocks_and_returns_where_the_kv_is():
@@ -84,5 +151,7 @@ def test_bad_params_and_settings_are_refused_naming_the_key():
         ConnectorSettings.parse({"rendezvous_port": 1, "stagin": True}, "127.0.0.1")
     with pytest.raises(ValueError, match="backend must be one of nixl, mooncake"):
         ConnectorSettings.parse({"rendezvous_port": 1, "backend": "ucx"}, "127.0.0.1")
+    with pytest.raises(ValueError, match="layerwise must be true or false"):
+        ConnectorSettings.parse({"rendezvous_port": 1, "layerwise": "no"}, "127.0.0.1")
     s = ConnectorSettings.parse({"rendezvous_port": 18998}, "::1")
-    assert s.rendezvous == "[::1]:18998"
+    assert s.rendezvous == "[::1]:18998" and s.layerwise is True

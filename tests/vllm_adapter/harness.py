@@ -40,6 +40,7 @@ LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 32
 NUM_BLOCKS = 24
 MODULE = "kvstage.adapters.vllm.connector"
 STEP_S = 60          # one worker's answer to one step
+READY_S = 240        # a worker's start (imports vLLM and torch; minutes on a loaded 2-core machine)
 
 
 def write_model(path: Path) -> str:
@@ -56,19 +57,22 @@ def write_model(path: Path) -> str:
 
 
 def make_config(model: str, *, producer: bool, tp: int, rendezvous_port: int,
-                failure_policy: str = "fail") -> VllmConfig:
+                failure_policy: str = "fail", chunk: int = 2048, layerwise: bool = True) -> VllmConfig:
     """Prefix caching on the decode only: a page a prefill request shares with an earlier one then
     holds this request's own pattern, so a prefill that sent a page the decode already holds
-    would overwrite the decode's copy visibly."""
+    would overwrite the decode's copy visibly. `chunk`: tokens per step (chunked prefill; a
+    chunk may end inside a page)."""
     mc = ModelConfig(model=model, dtype="float32", skip_tokenizer_init=True, max_model_len=1024,
                      enforce_eager=True)
     kv = KVTransferConfig(kv_connector="KvstageConnector", kv_connector_module_path=MODULE,
                           kv_role="kv_producer" if producer else "kv_consumer",
-                          kv_connector_extra_config={"rendezvous_port": rendezvous_port, "host": "127.0.0.1"},
+                          kv_connector_extra_config={"rendezvous_port": rendezvous_port, "host": "127.0.0.1",
+                                                     "layerwise": layerwise},
                           kv_load_failure_policy=failure_policy)
     config = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=not producer),
                         scheduler_config=SchedulerConfig(max_model_len=1024, is_encoder_decoder=False,
-                                                         max_num_batched_tokens=2048, max_num_seqs=16),
+                                                         max_num_batched_tokens=chunk, max_num_seqs=16,
+                                                         enable_chunked_prefill=True),
                         parallel_config=ParallelConfig(tensor_parallel_size=tp), device_config=DeviceConfig("cpu"),
                         kv_transfer_config=kv)
     config.cache_config.num_gpu_blocks = NUM_BLOCKS    # what vLLM's engine sets after profiling
@@ -101,6 +105,9 @@ class Engine:
     tp: int
     rendezvous_port: int
     failure_policy: str = "fail"
+    chunk: int = 2048                                               # tokens per step
+    layerwise: bool = True                                          # the connector's `layerwise`
+    env: dict[str, str] = field(default_factory=dict)               # the workers' environment (kvstage's)
     finished: dict[str, Finished] = field(default_factory=dict)
     tokens: dict[str, list[int]] = field(default_factory=dict)
     first_scheduled: dict[str, int] = field(default_factory=dict)   # tokens in each request's first step
@@ -109,14 +116,15 @@ class Engine:
     def __post_init__(self):
         from harness_worker import serve
         self.config = make_config(self.model, producer=self.producer, tp=self.tp,
-                                  rendezvous_port=self.rendezvous_port, failure_policy=self.failure_policy)
+                                  rendezvous_port=self.rendezvous_port, failure_policy=self.failure_policy,
+                                  chunk=self.chunk, layerwise=self.layerwise)
         ctx = mp.get_context("spawn")
         self.pipes, self.procs = [], []
         for rank in range(self.tp):
             ours, theirs = ctx.Pipe()
             p = ctx.Process(target=serve, name=f"{self.name}-rank{rank}", daemon=True,
                             args=(theirs, self.model, self.producer, self.tp, rank, self.rendezvous_port,
-                                  self.failure_policy))
+                                  self.failure_policy, self.chunk, self.layerwise, self.env))
             p.start()
             self.pipes.append(ours)
             self.procs.append(p)
@@ -131,8 +139,9 @@ class Engine:
         self.block_hasher = get_request_block_hasher(BLOCK, hash_fn)
 
     def _answer(self, rank: int, what: str):
-        if not self.pipes[rank].poll(STEP_S):
-            raise TimeoutError(f"{self.name} rank {rank}: no answer to {what} in {STEP_S} s "
+        limit = READY_S if what == "ready" else STEP_S
+        if not self.pipes[rank].poll(limit):
+            raise TimeoutError(f"{self.name} rank {rank}: no answer to {what} in {limit} s "
                                f"(alive: {self.procs[rank].is_alive()})")
         kind, value = self.pipes[rank].recv()
         if kind == "error":
@@ -150,11 +159,17 @@ class Engine:
         """One engine step: schedule, the workers' forward and connector calls, update. True
         when it computed tokens."""
         so = self.scheduler.schedule()
-        writes = []
         for new in so.scheduled_new_reqs:
             self.first_scheduled.setdefault(new.req_id, so.num_scheduled_tokens[new.req_id])
-            if self.producer:   # the forward writes the prompt's KV into the request's blocks
-                writes.append((new.req_id, list(new.block_ids[0]), new.num_computed_tokens // BLOCK))
+        before = {new.req_id: new.num_computed_tokens for new in so.scheduled_new_reqs}
+        before.update(zip(so.scheduled_cached_reqs.req_ids, so.scheduled_cached_reqs.num_computed_tokens))
+        writes = []
+        if self.producer:   # the forward writes the KV of the prompt tokens this step computes
+            for req_id, lo in before.items():
+                prompt = self.scheduler.requests[req_id].num_prompt_tokens
+                hi = min(lo + so.num_scheduled_tokens[req_id], prompt)
+                if lo < hi:
+                    writes.append((req_id, self.block_ids(req_id), lo, hi, prompt))
         order = list(so.num_scheduled_tokens)
         for rank in range(self.tp):
             self.pipes[rank].send(("step", (so.kv_connector_metadata, set(so.finished_req_ids), writes)))
@@ -177,9 +192,10 @@ class Engine:
         return so.total_num_scheduled_tokens > 0
 
     def _samples(self, req_id: str, so) -> bool:
-        """A request samples when this step reaches the end of what it has to compute."""
+        """A request samples when this step reaches the end of what it has to compute (a chunk
+        of a longer prompt does not); schedule() already counted this step's tokens as computed."""
         req = self.scheduler.requests[req_id]
-        return req.num_computed_tokens + so.num_scheduled_tokens[req_id] >= req.num_tokens
+        return req.num_computed_tokens >= req.num_tokens
 
     def _next_token(self, req_id: str, so) -> int:
         return 100 + len(self.tokens.get(req_id, ()))
@@ -193,6 +209,12 @@ class Engine:
                 raise TimeoutError(f"{self.name}: {what} not reached in {timeout} s")
             if not self.step():
                 self.pipes[0].poll(0.02)
+
+    def events(self, rank: int) -> list[tuple]:
+        """The worker's log since the last call: ("save", layer) before each save_kv_layer,
+        ("send", room, layers, pages) for each KVSender.send, ("wait",) before wait_for_save."""
+        self.pipes[rank].send(("events", None))
+        return self._answer(rank, "events")
 
     def read(self, rank: int, block_ids: list[int]) -> torch.Tensor:
         self.pipes[rank].send(("read", block_ids))

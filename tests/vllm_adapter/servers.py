@@ -124,8 +124,9 @@ def kvstage_config(role: str, rendezvous_port: int, **extra) -> dict:
             "kv_connector_extra_config": {"rendezvous_port": rendezvous_port, "host": "127.0.0.1", **extra}}
 
 
-def nixl_config(role: str) -> dict:
-    return {"kv_connector": "NixlConnector", "kv_role": role, "kv_buffer_device": "cpu",
+def nixl_config(role: str, connector: str = "NixlConnector") -> dict:
+    """vLLM's own NIXL connector on CPU caches: NixlConnector (pull) or NixlPushConnector."""
+    return {"kv_connector": connector, "kv_role": role, "kv_buffer_device": "cpu",
             "kv_connector_extra_config": {"use_host_buffer": False}}
 
 

@@ -3,7 +3,7 @@
 (proxy.py), a tiny random Llama in float32. Greedy output through PD equals the prefill server's
 own answer as a single server, token for token, and kvstage's Prometheus counters on the decode
 ranks show the KV arrived by the expected path (so a decode that recomputed the prompt itself
-would fail). P1 -> D1 is direct; P1 -> D2 (decode TP 2, 1 KV head per rank) is staged."""
+would fail); the prefill's writes show it went layer by layer (one write per layer and rank). P1 -> D1 is direct; P1 -> D2 (decode TP 2, 1 KV head per rank) is staged."""
 
 from __future__ import annotations
 
@@ -28,7 +28,11 @@ MAX_NEW = 12
 PROMPTS = [list(range(5, 11)), list(range(3, 36)), list(range(40, 97)), [7] * 5 + list(range(100, 170))]
 # a decode prefix-cache hit: the decode holds the first pages of PROMPTS[2] after its PD run
 EXTENDED = PROMPTS[2] + list(range(200, 230))
-ENV = {"SGLANG_DISAGG_STAGING_POOL_SIZE_MB": "16", "KVSTAGE_STAGING_BUFFER_MB": "8"}
+ENV = {"SGLANG_DISAGG_STAGING_POOL_SIZE_MB": "16", "KVSTAGE_STAGING_BUFFER_MB": "8",
+       # layer-wise sending (the connector's default) with a write per layer even for these short
+       # prompts (kvstage's defaults group 4 layers and send prompts under 512 tokens per chunk)
+       "KVSTAGE_LAYER_GROUP": "1", "KVSTAGE_LAYERWISE_MIN_TOKENS": "0"}
+LAYERS = 2                  # build_tiny_model's
 # vLLM's CPU workers pin themselves (and so kvstage's threads in them) to their cores, where
 # vLLM's worker loop spins waiting for the next step; with three pinned servers on 2 cores,
 # kvstage's heartbeats starved for over 30 s and the TP 2 decode's rooms failed (peer lost).
@@ -89,6 +93,9 @@ def run_pd(pair: Pair, decode_tp: int, path: str):
     p_url = f"http://127.0.0.1:{pair.pm}"
     assert metric(p_url, "kvstage_requests_total", outcome="success") == len(PROMPTS) + 1
     assert metric(p_url, "kvstage_sent_bytes_total", path=path) > 0
+    # layer-wise: at least one write per layer and decode rank (chunk-wise makes one per rank)
+    writes = metric(p_url, "kvstage_backend_writes_total", path=path)
+    assert writes >= LAYERS * decode_tp * (len(PROMPTS) + 1), f"{writes} backend writes: not layer by layer"
     assert metric(p_url, "kvstage_requests_active") == 0
     # the prefill held each request's blocks until its transfer ended, then freed them all
     deadline = time.monotonic() + 60
