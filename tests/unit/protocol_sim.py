@@ -164,7 +164,8 @@ class World:
         mpp = max_piece_pages([hpb * a.num_heads for _, a in assigns], g.buffer_bytes, g.ring_bytes, 8) if staged else 0
         return RoomPlan(writers=assigns, notices=tuple(self.kp[s * g.P + p] for s in pp for p in notices),
                         staged=staged, head_page_bytes=hpb, num_layers=g.entries("prefill"), max_piece_pages=mpp,
-                        ring_epoch=self.kd[d].incarnation,
+                        ring_epoch=self.kd[d].incarnation, ring_size=g.ring_bytes, buffer_bytes=g.buffer_bytes,
+                        piece_bytes=g.buffer_bytes if staged else 0, ring_align=8,
                         writer_layers={s * g.P + p: g.pp[s] for s in pp for p in writers} if g.stages else {})
 
     def add_room(

@@ -20,9 +20,10 @@ GROUPINGS = {"per_chunk": LayerGrouping(), "g1": LayerGrouping(size=1), "g4": La
              "g2_above_16": LayerGrouping(size=2, min_tokens=16)}   # pages of 2 tokens: rooms of 6 pages fall below
 
 
-def run(P, D, sends, grouping, *, staged=True, mla=False, shuffle=False, prefix=0, seed=0, n=12, chunks=(5, 7)):
+def run(P, D, sends, grouping, *, staged=True, mla=False, shuffle=False, prefix=0, seed=0, n=12, chunks=(5, 7),
+        buffer_bytes=4096):
     g = Geometry(P=P, D=D, H=1 if mla else 4, layers=LAYERS, mla=mla, staged=staged, ring_bytes=8192,
-                 buffer_bytes=4096)
+                 buffer_bytes=buffer_bytes)
     w = World(g=g, seed=seed, grouping=grouping)
     w.add_room(1, n, list(chunks), layer_sends=SENDS[sends], shuffle_layers=shuffle, prefix=prefix)
     w.settle()
@@ -66,6 +67,18 @@ def test_groups_decide_the_number_of_writes():
         r = w.rooms_d[(0, 1)]
         assert set(w.status_d.values()) == {KVPoll.Success}
         assert r.writes_in == 2 * want, grouping   # two writers
+
+
+def test_a_layer_group_piece_holds_as_many_pages_as_the_cap_allows():
+    """A piece's page count follows the layers it carries: with buffers of 2 pages of every
+    layer (384 bytes: 2 heads x 6 layers x K/V x 2 tokens x 4 bytes per page), a chunk of 12
+    pages sent per chunk makes 6 pieces per writer, and sent one layer at a time 6 pieces too
+    (one per layer, 12 pages of one layer each), not 6 per layer."""
+    for grouping, want in (("per_chunk", 6), ("g1", 6)):
+        w = run(2, 1, "per_layer", GROUPINGS[grouping], n=12, chunks=(12,), buffer_bytes=384)
+        assert set(w.status_d.values()) == {KVPoll.Success}
+        assert w.check_bytes(1) and w.written_once(1)
+        assert w.rooms_d[(0, 1)].writes_in == 2 * want, grouping   # two writers
 
 
 PP_STAGES = {"halves": (range(0, 3), range(3, 6)), "uneven3": (range(0, 1), range(1, 5), range(5, 6))}

@@ -22,7 +22,9 @@ class RoomPlan:
     head_page_bytes: int                          # bytes of one head of one page, all layers, K and V
     num_layers: int = 0                           # KV entries the prefill writes: the model's layers and
                                                   # its draft entries (<= this rank's; 0: this rank's)
-    max_piece_pages: int = 0                      # staged: largest piece (ring and buffers)
+    max_piece_pages: int = 0                      # staged: largest piece of every entry (ring and buffers)
+    piece_bytes: int = 0                          # staged: the cap on a writer's part of a piece (0: none
+    ring_align: int = 1                           # beyond max_piece_pages) and the ring's alignment
     ring_epoch: int = 0
     prefill_tp: int = 0
     decode_tp: int = 0
@@ -33,6 +35,16 @@ class RoomPlan:
 
     def writer_page_bytes(self, a: Assignment) -> int:
         return self.head_page_bytes * a.num_heads
+
+    def piece_pages(self, writer_page_bytes: list[int]) -> int:
+        """The most pages of one piece whose writers write `writer_page_bytes` per page: a
+        piece of a few layers (a layer group, a PP stage) holds more pages than one of every
+        entry, so that it is as large as the cap allows: a layer-wise request then makes as
+        few pieces as one sent per chunk, and each backend write stays large."""
+        if not self.piece_bytes:
+            return self.max_piece_pages
+        return (max_piece_pages(writer_page_bytes, self.piece_bytes, self.ring_size, self.ring_align)
+                or max_piece_pages(writer_page_bytes, self.buffer_bytes, self.ring_size, self.ring_align))
 
 
 @dataclass(frozen=True)
@@ -76,20 +88,21 @@ def plan_room(layout: KVLayout, mapping: HeadMapping, writers: dict[int, WriterO
     assigns = tuple((writers[w].key, _writes(mapping, w % mapping.prefill_tp, layout.tp_rank)) for w in sorted(writers))
     staged = (staging and ring_size > 0 and not layout.mla and mapping.prefill_tp != mapping.decode_tp
               and all(o.staging for o in writers.values()))
-    mpp = 0
+    mpp, cap = 0, 0
     if staged:
         parts = [hpb * a.num_heads for _, a in assigns]
         buffers = min(o.buffer_bytes for o in writers.values())
         # pieces no larger than piece_cap keep gather, write and scatter of consecutive pieces
         # overlapping; the cap never makes a page impossible, only the buffers and the ring do
-        mpp = (max_piece_pages(parts, min(buffers, piece_cap), ring_size, ring_align)
-               or max_piece_pages(parts, buffers, ring_size, ring_align))
+        cap = min(buffers, piece_cap)
+        mpp = max_piece_pages(parts, cap, ring_size, ring_align) or max_piece_pages(parts, buffers, ring_size, ring_align)
         if mpp == 0:
             return PlanRefused(FailureKind.STAGING, f"one page ({sum(parts)} bytes in the ring, up to {max(parts)} per writer buffer) "
                                f"can never fit the staging ring ({ring_size} bytes) or a prefill worker buffer "
                                f"({buffers} bytes)")
     return RoomPlan(writers=assigns, notices=tuple(notices[n] for n in sorted(notices)), staged=staged,
-                    head_page_bytes=hpb, num_layers=entries, max_piece_pages=mpp, ring_epoch=epoch, prefill_tp=mapping.prefill_tp,
+                    head_page_bytes=hpb, num_layers=entries, max_piece_pages=mpp, piece_bytes=cap if staged else 0,
+                    ring_align=ring_align, ring_epoch=epoch, prefill_tp=mapping.prefill_tp,
                     decode_tp=mapping.decode_tp, ring_size=ring_size,
                     buffer_bytes=min(o.buffer_bytes for o in writers.values()) if writers else 0,
                     writer_layers={w: o.layers for w, o in writers.items() if o.layers is not None})

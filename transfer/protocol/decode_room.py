@@ -253,7 +253,8 @@ class DecodeRoom(RoomBase):
         fit = ring.pages_fit_now(page_bytes)
         pieces: list[Piece] = []
         regions: dict[int, Region] = {}
-        planned = plan_pieces(req.page_start, req.num_pages, self._plan.max_piece_pages, fit)
+        planned = plan_pieces(req.page_start, req.num_pages,
+                              self._plan.piece_pages([t.bytes_of(w, 1, layers) for w in writers]), fit)
         final = t.final(req.page_start, req.num_pages, layers)
         extra = sum(t.final_extra.get(w, 0) for w in writers) if final else 0
         if extra:  # the last piece also holds every writer's pool block: it may need fewer pages
@@ -265,7 +266,7 @@ class DecodeRoom(RoomBase):
         for i, (start, count) in enumerate(planned):
             last = t.final(start, count, layers)
             region = ring.allocate(count * page_bytes + (extra if last else 0))
-            if isinstance(region, TooLarge):  # max_piece_pages makes this impossible
+            if isinstance(region, TooLarge):  # piece_pages makes this impossible
                 raise AssertionError(str(region))
             regions[i] = region
             pieces.append(Piece(i, start, count, region.start, region.nbytes))
