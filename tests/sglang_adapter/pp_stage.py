@@ -1,4 +1,5 @@
-"""A pipeline-parallel prefill stage in a harness rank (rank.py, scenario "prefill_pp").
+"""A pipeline-parallel prefill stage in a harness rank (rank.py, scenario "prefill_pp"), and
+the process groups of every harness rank (init_groups).
 
 The stage processes of one prefill instance form a real torch.distributed world (gloo, over a
 file store), and SGLang's own parallel_state builds its process groups on it, as a scheduler
@@ -14,14 +15,24 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from types import SimpleNamespace
 
 
-def init_groups(world_size: int, world_rank: int, store_file: str) -> None:
-    """SGLang's WORLD, TP, PP, attention-TP/CP groups over gloo, at the widths the rank published."""
-    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
-    init_distributed_environment(world_size=world_size, rank=world_rank, distributed_init_method=f"file://{store_file}",
-                                 local_rank=world_rank, backend="gloo")
-    initialize_model_parallel(backend="gloo")
+def init_groups(a, pp: int, attn_rank: int, attn_tp: int, store_file: str) -> None:
+    """The process groups SGLang's transfer code reads. Under PP, SGLang's own WORLD, TP, PP and
+    attention-TP/CP groups over gloo, at the widths the rank published (PPConsensusStore needs a
+    real PP group); without, no torch.distributed: the groups as metadata."""
+    from sglang.srt.runtime_context import get_parallel
+    if pp > 1:
+        from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+        init_distributed_environment(world_size=a.tp * pp, rank=a.rank, distributed_init_method=f"file://{store_file}",
+                                     local_rank=a.rank, backend="gloo")
+        initialize_model_parallel(backend="gloo")
+        return
+    group = lambda rank, size: SimpleNamespace(rank_in_group=rank, world_size=size, is_first_rank=rank == 0,
+                                               is_last_rank=rank == size - 1)
+    get_parallel().override_permanently(pp_group=group(0, 1), world_group=group(a.rank, a.tp),
+                                        tp_group=group(a.rank, a.tp), attn_tp_group=group(attn_rank, attn_tp))
 
 
 def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:

@@ -30,7 +30,6 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -66,7 +65,7 @@ class Rank:
             TransferBackend,
             get_kv_class,
         )
-        from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
+        from sglang.srt.runtime_context import SpawnRanks, publish
         from sglang.srt.server_args import ServerArgs
 
         self.a, self.sc = a, sc
@@ -91,14 +90,7 @@ class Rank:
                         device="cpu", host="127.0.0.1", port=sc["http_port"] + (0 if self.prefill else 1),
                         skip_tokenizer_init=True, page_size=self.ps)
         publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=a.rank))
-        if self.pp > 1:   # SGLang's own process groups over gloo: PPConsensusStore needs a real PP group
-            init_groups(a.tp * self.pp, a.rank, sc["gloo"] + "-pp")
-        else:   # no torch.distributed here: the process groups SGLang's transfer code reads, as metadata
-            group = lambda rank, size: SimpleNamespace(rank_in_group=rank, world_size=size, is_first_rank=rank == 0,
-                                                       is_last_rank=rank == size - 1)
-            get_parallel().override_permanently(pp_group=group(0, 1), world_group=group(a.rank, a.tp),
-                                                tp_group=group(a.rank, a.tp),
-                                                attn_tp_group=group(self.attn_rank, self.attn_tp))
+        init_groups(a, self.pp, self.attn_rank, self.attn_tp, sc["gloo"] + "-pp")
         backend = TransferBackend("kvstage")
         tokens = self.num_pages * self.ps
         self.k = [torch.full((tokens, self.local, self.hd), 0, dtype=torch.bfloat16) for _ in range(self.layers)]

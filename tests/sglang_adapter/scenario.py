@@ -1,5 +1,5 @@
 """The scheduler-class harness's driver: starts the rank processes of a scenario (rank.py),
-waits for them, and checks their reports. Used by the test_scheduler_classes*.py files; the
+waits for them, and checks their reports. Used by the scheduler-class tests of this folder; the
 fixtures (a model config, SGLang's bootstrap server) are in conftest.py."""
 
 from __future__ import annotations
