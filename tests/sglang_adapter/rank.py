@@ -13,7 +13,9 @@ every page no successful request owns still holds the sentinel (no byte in a wro
 slots and SWA window pages, named per request with state_indices on both sides, checked alike.
 With "draft" the ranks also hold a speculative-decoding draft model's KV, appended to KVArgs after
 the target's as SGLang appends it (num_draft_entries), filled and checked like the target's; the
-aux row carries the draft's hidden states and top-k as well.
+aux row carries the draft's hidden states and top-k as well. With "prefill_pp" the prefill is
+pipeline-parallel (pp_stage.py): --rank is the world rank (PP rank x TP + TP rank), each stage
+holds its layers only, over SGLang's real process groups.
 
     python rank.py --role prefill --tp 2 --rank 0 --scenario s.json --out r.json
 """
@@ -28,13 +30,13 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from decode_queue import decode_request, init_gloo, make_queue, pages_hold  # noqa: E402
+from pp_stage import init_groups, run_prefill_pp, stage_layers  # noqa: E402
 from state_harness import StateSide  # noqa: E402
 
 SENTINEL = -12345
@@ -63,37 +65,38 @@ class Rank:
             TransferBackend,
             get_kv_class,
         )
-        from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
+        from sglang.srt.runtime_context import SpawnRanks, publish
         from sglang.srt.server_args import ServerArgs
 
         self.a, self.sc = a, sc
         self.prefill = a.role == "prefill"
-        self.ps, self.layers, self.H, self.hd = sc["page_size"], sc["layers"], sc["heads"], sc["head_dim"]
+        self.ps, self.H, self.hd = sc["page_size"], sc["heads"], sc["head_dim"]
+        # PP (prefill only): --rank is the world rank; the stage holds its layers (base: the first)
+        self.pp = int(sc.get("prefill_pp") or 1) if self.prefill else 1
+        tp_rank, self.pp_rank = a.rank % a.tp, a.rank // a.tp
+        self.stage = stage_layers(sc["layers"], self.pp_rank, self.pp)
+        self.layers = len(self.stage)
         self.mla = bool(sc.get("mla"))     # one latent "head", the same on every rank; no V
         # DP attention (scenario "<role>_dp"): tp ranks = dp x attention TP, heads split over attention TP
         self.dp = int(sc.get(f"{a.role}_dp") or 1)
-        self.attn_tp, self.attn_rank, self.dp_rank = a.tp // self.dp, a.rank % (a.tp // self.dp), a.rank // (a.tp // self.dp)
+        self.attn_tp, self.attn_rank, self.dp_rank = a.tp // self.dp, tp_rank % (a.tp // self.dp), tp_rank // (a.tp // self.dp)
         self.local = 1 if self.mla else self.H // self.attn_tp
         self.heads = [0] if self.mla else list(range(self.attn_rank * self.local, (self.attn_rank + 1) * self.local))
         self.num_pages = sc["num_pages"]
-        sa = ServerArgs(model_path=sc["model"], tp_size=a.tp, dp_size=self.dp, enable_dp_attention=self.dp > 1,
+        sa = ServerArgs(model_path=sc["model"], tp_size=a.tp, pp_size=self.pp, dp_size=self.dp,
+                        enable_dp_attention=self.dp > 1,
                         disaggregation_mode=a.role,
                         disaggregation_transfer_backend="kvstage", disaggregation_bootstrap_port=sc["bootstrap_port"],
                         device="cpu", host="127.0.0.1", port=sc["http_port"] + (0 if self.prefill else 1),
                         skip_tokenizer_init=True, page_size=self.ps)
         publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=a.rank))
-        # no torch.distributed here: the process groups SGLang's transfer code reads, as metadata
-        group = lambda rank, size: SimpleNamespace(rank_in_group=rank, world_size=size, is_first_rank=rank == 0,
-                                                   is_last_rank=rank == size - 1)
-        get_parallel().override_permanently(pp_group=group(0, 1), world_group=group(a.rank, a.tp),
-                                            tp_group=group(a.rank, a.tp),
-                                            attn_tp_group=group(self.attn_rank, self.attn_tp))
+        init_groups(a, self.pp, self.attn_rank, self.attn_tp, sc["gloo"] + "-pp")
         backend = TransferBackend("kvstage")
         tokens = self.num_pages * self.ps
         self.k = [torch.full((tokens, self.local, self.hd), 0, dtype=torch.bfloat16) for _ in range(self.layers)]
         self.v = [] if self.mla else [torch.full((tokens, self.local, self.hd), 0, dtype=torch.bfloat16)
                                       for _ in range(self.layers)]
-        self.sets = [KVSet(base=0, k=self.k, v=self.v, heads=self.heads, hd=self.hd)]
+        self.sets = [KVSet(base=self.stage.start, k=self.k, v=self.v, heads=self.heads, hd=self.hd)]
         # speculative decoding: the draft model's KV, appended after the target's (on decode always;
         # on prefill unless draft["prefill"] is false: decode-only speculation)
         draft = sc.get("draft")
@@ -111,12 +114,12 @@ class Rank:
                                     max_sampling_mask_tokens=4)
         args = get_kv_class(backend, KVClassType.KVARGS)()
         bufs = [t for kv_set in self.sets for t in kv_set.k + kv_set.v]   # target K, V, then draft K, V
-        args.engine_rank, args.pp_rank, args.system_dp_rank = self.attn_rank, 0, 0
+        args.engine_rank, args.pp_rank, args.system_dp_rank = self.attn_rank, self.pp_rank, 0
         args.kv_data_ptrs = [t.data_ptr() for t in bufs]
         args.kv_data_lens = [t.nbytes for t in bufs]
         args.kv_item_lens = [t[: self.ps].nbytes for t in bufs]
-        args.kv_layer_ids = [self.layers * (s.base > 0) + layer for s in self.sets for _, ts in s.kinds()
-                             for layer in range(len(ts))]
+        args.kv_layer_ids = [] if self.pp > 1 else [   # SGLang's build_kv_layer_ids: none for a plain pool
+            self.layers * (s.name == "draft") + layer for s in self.sets for _, ts in s.kinds() for layer in range(len(ts))]
         args.kv_cache_dtype_str = "bfloat16"
         args.page_size = self.ps
         if self.prefill:   # as SGLang's schedulers: only the prefill side fills the head counts
@@ -130,7 +133,9 @@ class Rank:
             self.state = StateSide(sc["state"], a.tp, a.rank, self.local * a.tp, self.hd, self.ps, self.num_pages,
                                    decode=not self.prefill)
             self.state.kv_args(args)
-        args.ib_device, args.gpu_id, args.prefill_start_layer, args.prefill_end_layer = None, 0, 0, None
+        args.ib_device, args.gpu_id = None, 0
+        # as PrefillBootstrapQueue: the pool's start_layer, and its end_layer (None on a pool without PP)
+        args.prefill_start_layer, args.prefill_end_layer = self.stage.start, self.stage.stop if self.pp > 1 else None
         args.num_draft_entries = sum(len(s.k) + len(s.v) for s in self.sets[1:])
         args.is_hybrid_mla_backend = False
         mode = DisaggregationMode.PREFILL if self.prefill else DisaggregationMode.DECODE
@@ -186,8 +191,8 @@ class Rank:
 
 @dataclass(kw_only=True)
 class KVSet:
-    """The target's KV (base 0) or the draft model's (base 100: its layers in the pattern);
-    `written`: whether the prefill side has it (not with decode-only speculation)."""
+    """The target's KV (base: its first layer in the pattern, a PP stage's start) or the draft
+    model's (base 100); `written`: whether the prefill side has it (not with decode-only speculation)."""
 
     base: int
     k: list
@@ -198,7 +203,7 @@ class KVSet:
 
     @property
     def name(self) -> str:
-        return "draft" if self.base else "target"
+        return "draft" if self.base >= 100 else "target"
 
     def kinds(self) -> tuple:
         return ((0, self.k), (1, self.v)) if self.v else ((0, self.k),)
@@ -475,7 +480,10 @@ def main() -> int:
     sc = json.load(open(a.scenario))
     try:
         r = Rank(a, sc)
-        (run_prefill if r.prefill else run_decode_queue if sc.get("queue") else run_decode)(r, sc, a.out)
+        if r.pp > 1:
+            run_prefill_pp(r, sc, a.out, aux_row=aux_ids, report=report)
+        else:
+            (run_prefill if r.prefill else run_decode_queue if sc.get("queue") else run_decode)(r, sc, a.out)
         if r.prefill:
             # a prefill server outlives its requests: a rank that is done must stay registered
             # until every decode rank has looked the engine up (the test writes this file then)

@@ -1,5 +1,5 @@
 """The scheduler-class harness's driver: starts the rank processes of a scenario (rank.py),
-waits for them, and checks their reports. Used by the test_scheduler_classes*.py files; the
+waits for them, and checks their reports. Used by the scheduler-class tests of this folder; the
 fixtures (a model config, SGLang's bootstrap server) are in conftest.py."""
 
 from __future__ import annotations
@@ -41,20 +41,22 @@ def requests_for(seed: int, n: int, **overrides) -> list[dict]:
 
 def run(tmp_path, model_dir, port, prefill_tp, decode_tp, reqs, *, backend="nixl", staging=False,
         die_at_room=None, extra_env=None, state=None, mla=False, hold=None, queue=False, prefill_dp=1,
-        decode_dp=1, draft=None) -> dict:
-    sc = {"page_size": 4, "layers": 2, "heads": 4, "head_dim": 8, "num_pages": 64, "model": model_dir,
+        decode_dp=1, draft=None, prefill_pp=1, layers=2) -> dict:
+    """`prefill_pp`: a PP prefill, prefill_tp x prefill_pp processes (world ranks); `layers`: the
+    model's, as in `model_dir`'s config."""
+    sc = {"page_size": 4, "layers": layers, "heads": 4, "head_dim": 8, "num_pages": 64, "model": model_dir,
           "bootstrap_port": port, "http_port": free_port(), "deadline_s": 120, "requests": reqs,
           "die_at_room": die_at_room, "state": state, "mla": mla, "release": str(tmp_path / "release"),
           "hold": hold, "queue": queue, "gloo": str(tmp_path / "gloo"), "prefill_dp": prefill_dp,
-          "decode_dp": decode_dp, "draft": draft}
+          "decode_dp": decode_dp, "draft": draft, "prefill_pp": prefill_pp}
     (tmp_path / "scenario.json").write_text(json.dumps(sc))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SHIMS), os.environ.get("PYTHONPATH", "")]),
                KVSTAGE_SGLANG_BACKEND=backend, SGLANG_DISAGG_STAGING_BUFFER="1" if staging else "0",
                HF_HUB_OFFLINE="1", SGLANG_HOST_IP="127.0.0.1", **(extra_env or {}))
     procs = {}
     try:
-        for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
-            for rank in range(tp):
+        for role, tp, ranks in (("prefill", prefill_tp, prefill_tp * prefill_pp), ("decode", decode_tp, decode_tp)):
+            for rank in range(ranks):
                 out = tmp_path / f"{role}{rank}.json"
                 log = open(tmp_path / f"{role}{rank}.log", "w")
                 procs[(role, rank)] = (subprocess.Popen(

@@ -1,0 +1,108 @@
+"""A pipeline-parallel prefill stage in a harness rank (rank.py, scenario "prefill_pp"), and
+the process groups of every harness rank (init_groups).
+
+The stage processes of one prefill instance form a real torch.distributed world (gloo, over a
+file store), and SGLang's own parallel_state builds its process groups on it, as a scheduler
+process does: so `get_parallel().pp_group` is SGLang's GroupCoordinator, over which SGLang's
+PPConsensusStore (created by CommonKVManager under PP) broadcasts its address, and over which
+SGLang's `poll_and_all_reduce_prefill_pp` passes PP rank 0's bootstrap polls down the stages.
+A stage holds only its layers, split as SGLang splits them (`get_pp_indices`); its KVArgs list
+those layers with `prefill_start_layer` at the first, as SGLang's PrefillBootstrapQueue builds
+them from a pool's start_layer/end_layer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+
+
+def init_groups(a, pp: int, attn_rank: int, attn_tp: int, store_file: str) -> None:
+    """The process groups SGLang's transfer code reads. Under PP, SGLang's own WORLD, TP, PP and
+    attention-TP/CP groups over gloo, at the widths the rank published (PPConsensusStore needs a
+    real PP group); without, no torch.distributed: the groups as metadata."""
+    from sglang.srt.runtime_context import get_parallel
+    if pp > 1:
+        from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+        init_distributed_environment(world_size=a.tp * pp, rank=a.rank, distributed_init_method=f"file://{store_file}",
+                                     local_rank=a.rank, backend="gloo")
+        initialize_model_parallel(backend="gloo")
+        return
+    group = lambda rank, size: SimpleNamespace(rank_in_group=rank, world_size=size, is_first_rank=rank == 0,
+                                               is_last_rank=rank == size - 1)
+    get_parallel().override_permanently(pp_group=group(0, 1), world_group=group(a.rank, a.tp),
+                                        tp_group=group(a.rank, a.tp), attn_tp_group=group(attn_rank, attn_tp))
+
+
+def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
+    """The layers of PP stage `pp_rank`, as SGLang's model loader assigns them."""
+    from sglang.srt.distributed.utils import get_pp_indices
+    start, end = get_pp_indices(num_layers, pp_rank, pp_size)
+    return range(start, end)
+
+
+def run_prefill_pp(r, sc, out, *, aux_row: Callable, report: Callable) -> None:
+    """SGLang's PP prefill: bootstrap by PP rank 0's polls (kvstage's `poll_pp_consensus`),
+    all-reduced over attention TP and passed down the stages (`pop_bootstrapped`); then each
+    stage sends its layers of every page in chunks, and only the last stage writes the aux row
+    (an earlier stage's row stays empty, so the decode's row can only be the last stage's)."""
+    from sglang.srt.disaggregation.utils import poll_and_all_reduce_prefill_pp
+    from sglang.srt.runtime_context import get_parallel
+
+    P, par = r.P, get_parallel()
+    last = par.pp_group.is_last_rank
+    pages = iter(range(1, r.num_pages))
+    reqs = [{"q": q, "s": r.Sender(r.mgr, r.addr, q["room"]), "st": "boot", "row": 1 + i,
+             "pages": [next(pages) for _ in range(q["pages"])]} for i, q in enumerate(sc["requests"])]
+    queue, sync_work = list(reqs), []
+    while queue:   # the polls are PP rank 0's on every stage: all stages leave this loop together
+        polls = poll_and_all_reduce_prefill_pp([x["s"] for x in queue], par.attn_cp_group.cpu_group,
+                                               par.attn_tp_group.cpu_group, par.pp_group, r.pp_rank, r.pp,
+                                               sync_work)
+        for x, poll in zip(queue, polls):
+            if poll == P.WaitingForInput:
+                start_request(r, x, last, aux_row)
+            elif poll == P.Failed:
+                x["st"], x["consensus_failed"] = "sent", True
+        queue = [x for x in queue if x["st"] == "boot"]
+        time.sleep(0.002)
+    for work in sync_work:
+        work.work.wait()
+    deadline = time.monotonic() + sc["deadline_s"]
+    while any(x["st"] != "done" for x in reqs) and time.monotonic() < deadline:
+        for x in reqs:    # each stage's own senders, as SGLang's inflight queue polls them
+            st = x["s"].poll() if x["st"] == "sent" else None
+            if st in (P.Success, P.Failed):
+                x["result"] = "Success" if st == P.Success else "Failed"
+                if st == P.Failed:
+                    try:
+                        x["s"].failure_exception()
+                    except Exception as exc:  # noqa: BLE001 - the harness records what was raised
+                        x["error"] = f"{type(exc).__name__}: {exc}"
+                x["s"].clear()
+                x["bytes"], x["st"] = x["s"].get_transfer_metric().transfer_total_bytes, "done"
+        time.sleep(0.002)
+    report(out, reqs, [])
+
+
+def start_request(r, x, last: bool, aux_row: Callable) -> None:
+    """SGLang's finalize_bootstrap and chunked sends of one request on this stage. A stage past
+    the first may be told WaitingForInput before its own sender heard the decode's prefix: it
+    then sends the prefix pages too (kvstage skips them), in the first chunk."""
+    import numpy as np
+
+    q, s = x["q"], x["s"]
+    k = s.pop_decode_prefix_len() // r.ps
+    x["prefix_seen"] = k
+    suffix = x["pages"][k:]
+    r.fill(q["room"], suffix, k * r.ps)
+    if last:
+        r.meta.output_ids[x["row"]] = aux_row(q["room"])
+        r.meta.bootstrap_room[x["row"], 0] = q["room"]
+    s.init(len(suffix), x["row"])
+    done = 0
+    for n in [q["chunks"][0] + q["prefix"] - k, *q["chunks"][1:]]:
+        s.send(np.asarray(suffix[done:done + n], dtype=np.int32), None)
+        done += n
+    x["st"] = "sent"

@@ -1,0 +1,48 @@
+"""A pipeline-parallel prefill through SGLang's real transfer classes (scheduler-class harness).
+
+The prefill's stage processes form a real gloo world on which SGLang's parallel_state builds its
+process groups, so SGLang's PPConsensusStore (CommonKVManager under PP) and SGLang's PP
+bootstrap consensus (`poll_and_all_reduce_prefill_pp`: PP rank 0's polls, passed down the
+stages) run as in a server (pp_stage.py). The model has 3 layers, split 1 + 2 by SGLang's
+`get_pp_indices`; each stage's KVArgs list only its layers with `prefill_start_layer` at the
+first. The decode (TP 1, no PP) checks every byte of every layer, the aux row (written by the
+last stage only) and that no page outside a successful request was written.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from scenario import expect, requests_for, run
+
+LAYERS = 3
+
+
+@pytest.fixture(scope="module")
+def model_3_layers(model_dir, tmp_path_factory) -> str:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    d = tmp_path_factory.mktemp("model3")
+    (d / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=LAYERS)))
+    return str(d)
+
+
+@pytest.mark.parametrize("tp,staging,backend", [(1, False, "nixl"), (2, True, "nixl"), (2, True, "mooncake")],
+                         ids=["PP2xTP1-D1-direct", "PP2xTP2-D1-staged", "PP2xTP2-D1-mooncake-staged"])
+def test_pp_prefill(tmp_path, model_3_layers, bootstrap_server, tp, staging, backend):
+    reqs = requests_for(19, 5, prefix={1: 1, 3: 1})
+    results = run(tmp_path, model_3_layers, bootstrap_server, tp, 1, reqs, backend=backend, staging=staging,
+                  prefill_pp=2, layers=LAYERS)
+    assert set(results) == {("prefill", rank) for rank in range(2 * tp)} | {("decode", 0)}
+    expect(results, reqs, lambda i: "Success")
+    rooms = results[("decode", 0)]["rooms"]
+    assert {row["path"] for row in rooms.values()} == {"staged" if staging else "direct"}
+    for rank in range(tp):   # PP rank 0 bootstraps on its own polls: it learned each decode prefix
+        seen = results[("prefill", rank)]["rooms"]
+        assert [seen[str(q["room"])]["prefix_seen"] for q in reqs] == [q["prefix"] for q in reqs]
+    page_layer = 2 * 4 * 4 * 8 * 2   # K and V of one page of one layer: 4 tokens x 4 heads x 8 bf16
+    for q in reqs:   # stage 0 (world ranks below tp) wrote its one layer and no aux row
+        sent = [results[("prefill", rank)]["rooms"][str(q["room"])]["bytes"] for rank in range(2 * tp)]
+        assert sum(sent[:tp]) == (q["pages"] - q["prefix"]) * page_layer, (q, sent)
+        assert rooms[str(q["room"])]["bytes"] == sum(sent), (q, sent, rooms[str(q["room"])])
