@@ -13,7 +13,8 @@ every page no successful request owns still holds the sentinel (no byte in a wro
 slots and SWA window pages, named per request with state_indices on both sides, checked alike.
 With "draft" the ranks also hold a speculative-decoding draft model's KV, appended to KVArgs after
 the target's as SGLang appends it (num_draft_entries), filled and checked like the target's; the
-aux row carries the draft's hidden states and top-k as well.
+aux row carries the draft's hidden states and top-k as well. draft["model"]: the draft model's
+directory (its config names its KV heads), set as SGLang's speculative_draft_model_path.
 
     python rank.py --role prefill --tp 2 --rank 0 --scenario s.json --out r.json
 """
@@ -81,6 +82,9 @@ class Rank:
                         disaggregation_transfer_backend="kvstage", disaggregation_bootstrap_port=sc["bootstrap_port"],
                         device="cpu", host="127.0.0.1", port=sc["http_port"] + (0 if self.prefill else 1),
                         skip_tokenizer_init=True, page_size=self.ps)
+        if (sc.get("draft") or {}).get("model"):   # a draft model of its own: SGLang's speculative server args
+            sa.speculative_algorithm, sa.speculative_draft_model_path = "EAGLE", sc["draft"]["model"]
+            sa.speculative_eagle_topk, sa.speculative_num_steps, sa.speculative_num_draft_tokens = 1, 1, 2
         publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=a.rank))
         # no torch.distributed here: the process groups SGLang's transfer code reads, as metadata
         group = lambda rank, size: SimpleNamespace(rank_in_group=rank, world_size=size, is_first_rank=rank == 0,
