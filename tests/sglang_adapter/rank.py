@@ -102,8 +102,10 @@ class Rank:
         # on prefill unless draft["prefill"] is false: decode-only speculation)
         draft = sc.get("draft")
         if draft and (not self.prefill or draft.get("prefill", True)):
-            local = 1 if self.mla else draft["heads"] // self.attn_tp
-            heads = [0] if self.mla else list(range(self.attn_rank * local, (self.attn_rank + 1) * local))
+            # fewer draft heads than attention TP ranks: each is replicated on consecutive ranks
+            local = 1 if self.mla else max(1, draft["heads"] // self.attn_tp)
+            first = self.attn_rank // max(1, self.attn_tp // draft.get("heads", 1)) * local
+            heads = [0] if self.mla else list(range(first, first + local))
             make = lambda: [torch.empty((tokens, local, draft["head_dim"]), dtype=torch.bfloat16)
                             for _ in range(draft["layers"])]
             self.sets.append(KVSet(base=100, k=make(), v=[] if self.mla else make(), heads=heads,

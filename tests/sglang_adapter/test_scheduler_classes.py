@@ -108,16 +108,17 @@ def draft_model_dir(tmp_path, kv_heads: int) -> str:
     (1, 2, False, True, {"layers": 1, "head_dim": 8}),
     (1, 1, False, False, dict(EAGLE, prefill=False)),
     (2, 1, False, False, {"layers": 2, "heads": 2, "head_dim": 8}),
-    (1, 2, True, False, {"layers": 1, "heads": 4, "head_dim": 16}),
+    (1, 2, True, False, {"layers": 1, "heads": 1, "head_dim": 16}),    # replicated on the decode
 ], ids=["P2-D1-staged-eagle", "P1-D2-direct-eagle", "P1-D2-mla-mtp", "P1-D1-decode-only", "P2-D1-direct-2-heads",
-        "P1-D2-staged-head-dim-16"])
+        "P1-D2-staged-1-head-dim-16"])
 def test_speculative_decoding_draft_kv(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, staging, mla,
                                        draft):
     """A draft model's KV (SGLang appends its entries after the target's, num_draft_entries) moves
     with the target's pages, every byte of both checked on decode: EAGLE-style (the target's
     geometry), an MLA model's MTP latent, and a draft model of its own geometry (other heads or
-    head_dim: its head count from its config, speculative_draft_model_path; it moves with each
-    request's last piece); the aux row carries the draft's hidden states and top-k. Decode-only
+    head_dim: its head count from its config, speculative_draft_model_path, which sizes alone
+    cannot replace once the draft's heads are replicated; it moves with each request's last
+    piece); the aux row carries the draft's hidden states and top-k. Decode-only
     speculation (the prefill has no draft): the decode's draft pages stay untouched and every
     request succeeds."""
     if not mla and (draft["heads"], draft["head_dim"]) != (EAGLE["heads"], EAGLE["head_dim"]):
