@@ -36,6 +36,39 @@ def draft_case(topo: Topo, staging: bool, backend: str, *, prefill: int, decode:
     return case
 
 
+def run_clean(cases: list[Case]):
+    """Run the cases, every room a verified success; yield (case, decode-only extra entries?,
+    decode room record) for each decode rank's rooms."""
+    results, codes, logs, _ = run_cases(cases, timeout=200)
+    bad = problems(results, codes, logs)
+    assert not bad, "\n".join(bad[:10])
+    for c, side, res in each_rank(cases, results):
+        assert len(res["rooms"]) == len(c.rooms), (c.name, side)
+        extra = c.decode_extra["geometry"]["draft"] > c.prefill_extra["geometry"]["draft"]
+        if side == "decode":
+            for rec in res["rooms"]:
+                yield c, extra, rec
+
+
+def run_refused(cases: list[Case]):
+    """Run cases whose connection is refused: every room Failed on both sides, kind layout
+    (remote_layout on the prefill: the decode side failed it and told it), nothing written;
+    yield (case, side, room record)."""
+    for c in cases:
+        for extra in (c.prefill_extra, c.decode_extra):
+            extra["timeouts"] = {**TEST_TIMEOUTS, "bootstrap": 30.0}
+        c.prefill_extra["run_timeout_s"] = 60
+    results, codes, logs, _ = run_cases(cases, timeout=90)
+    assert not any(codes), codes
+    for c, side, res in each_rank(cases, results):
+        assert len(res["rooms"]) == len(c.rooms), (c.name, side, res["rooms"])
+        for rec in res["rooms"]:
+            want = "layout" if side == "decode" else "remote_layout"
+            assert rec["state"] == "Failed" and rec["kind"] == want, (c.name, side, rec)
+            assert rec["metrics"]["nbytes"] == 0 and rec["metrics"]["backend_writes"] == 0, rec   # nothing written
+            yield c, side, rec
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", ["nixl", "mooncake"])
 def test_draft_entries_move_bit_exact_and_extra_ones_stay_unwritten(backend):
@@ -53,39 +86,21 @@ def test_draft_entries_move_bit_exact_and_extra_ones_stay_unwritten(backend):
                    from_pointers=True),
         draft_case(Topo(P=1, D=1, H=4), False, backend, prefill=0, decode=2, seed=6, label="none11"),
     ]
-    results, codes, logs, _ = run_cases(cases, timeout=200)
-    bad = problems(results, codes, logs)
-    assert not bad, "\n".join(bad[:10])
-    for c, side, res in each_rank(cases, results):
-        assert len(res["rooms"]) == len(c.rooms), (c.name, side)
-        extra = c.decode_extra["geometry"]["draft"] > c.prefill_extra["geometry"]["draft"]
-        for rec in res["rooms"]:
-            if side == "decode":
-                # the entries beyond the prefill's still hold their start-up bytes on the room's pages
-                assert rec.get("unwritten_intact") is (True if extra else None), (c.name, rec)
+    for c, extra, rec in run_clean(cases):
+        # the entries beyond the prefill's still hold their start-up bytes on the room's pages
+        assert rec.get("unwritten_intact") is (True if extra else None), (c.name, rec)
 
 
 @pytest.mark.timeout(200)
 def test_a_prefill_with_more_draft_entries_than_the_decode_fails_both_sides():
     cases = [draft_case(Topo(P=2, D=1, H=4), True, "nixl", prefill=2, decode=1, seed=7, label="bad21"),
              draft_case(Topo(P=1, D=1, H=4), False, "nixl", prefill=1, decode=0, seed=8, label="bad11")]
-    for c in cases:
-        for extra in (c.prefill_extra, c.decode_extra):
-            extra["timeouts"] = {**TEST_TIMEOUTS, "bootstrap": 30.0}
-        c.prefill_extra["run_timeout_s"] = 60
-    results, codes, logs, _ = run_cases(cases, timeout=90)
-    assert not any(codes), codes
-    for c, side, res in each_rank(cases, results):
-        assert len(res["rooms"]) == len(c.rooms), (c.name, side, res["rooms"])
+    for c, side, rec in run_refused(cases):
+        # the prefill ranks refuse the decode rank's Hello; it fails the request (layout) and tells
+        # them, and a prefill rank reports its peer's kind (remote_<kind>)
         p, d = c.prefill_extra["geometry"]["draft"], c.decode_extra["geometry"]["draft"]
-        for rec in res["rooms"]:
-            # the prefill ranks refuse the decode rank's Hello; it fails the request (layout) and tells
-            # them, and a prefill rank reports its peer's kind (remote_<kind>)
-            want = "layout" if side == "decode" else "remote_layout"
-            assert rec["state"] == "Failed" and rec["kind"] == want, (c.name, side, rec)
-            assert rec["metrics"]["nbytes"] == 0 and rec["metrics"]["backend_writes"] == 0, rec   # nothing written
-            assert f"the prefill has {p} draft KV entr" in rec["failure"], rec
-            assert (f"the decode {d} draft KV entr" if d else "the decode no draft KV") in rec["failure"], rec
+        assert f"the prefill has {p} draft KV entr" in rec["failure"], rec
+        assert (f"the decode {d} draft KV entr" if d else "the decode no draft KV") in rec["failure"], rec
 
 
 OWN = {"draft_heads": 2, "draft_head_dim": 24}      # beside 4 heads of head_dim 16
@@ -107,20 +122,12 @@ def test_a_draft_of_its_own_geometry_moves_bit_exact_with_the_last_piece(backend
         draft_case(Topo(P=2, D=1, H=4), True, backend, prefill=1, decode=2, seed=15, label="ownmore21", own=OWN),
         draft_case(Topo(P=1, D=1, H=4), False, backend, prefill=0, decode=2, seed=16, label="ownnone11", own=OWN),
     ]
-    results, codes, logs, _ = run_cases(cases, timeout=200)
-    bad = problems(results, codes, logs)
-    assert not bad, "\n".join(bad[:10])
-    for c, side, res in each_rank(cases, results):
-        assert len(res["rooms"]) == len(c.rooms), (c.name, side)
-        extra = c.decode_extra["geometry"]["draft"] > c.prefill_extra["geometry"]["draft"]
-        for rec in res["rooms"]:
-            if side != "decode":
-                continue
-            assert rec["verified"] is True, (c.name, rec)       # target and draft, every byte
-            assert rec.get("unwritten_intact") is (True if extra else None), (c.name, rec)
-            assert rec["draft_untouched"] is (c.prefill_extra["geometry"]["draft"] == 0), (c.name, rec)
-            if c.rooms[[r["room"] for r in c.rooms].index(rec["room"])].get("prefix_pages"):
-                assert rec["draft_prefix_intact"] is True and rec["prefix_intact"] is True, (c.name, rec)
+    for c, extra, rec in run_clean(cases):
+        assert rec["verified"] is True, (c.name, rec)       # target and draft, every byte
+        assert rec.get("unwritten_intact") is (True if extra else None), (c.name, rec)
+        assert rec["draft_untouched"] is (c.prefill_extra["geometry"]["draft"] == 0), (c.name, rec)
+        if c.rooms[[r["room"] for r in c.rooms].index(rec["room"])].get("prefix_pages"):
+            assert rec["draft_prefix_intact"] is True and rec["prefix_intact"] is True, (c.name, rec)
 
 
 @pytest.mark.timeout(200)
@@ -133,22 +140,11 @@ def test_a_draft_geometry_that_cannot_pair_fails_both_sides():
         draft_case(Topo(P=4, D=1, H=4), True, "nixl", prefill=1, decode=1, seed=18, label="badwriters41",
                    own={"draft_heads": 2, "draft_head_dim": 8}),
     ]
-    for c in cases:
-        for extra in (c.prefill_extra, c.decode_extra):
-            extra["timeouts"] = {**TEST_TIMEOUTS, "bootstrap": 30.0}
-        c.prefill_extra["run_timeout_s"] = 60
-    results, codes, logs, _ = run_cases(cases, timeout=90)
-    assert not any(codes), codes
     reasons = {"badgeo12": ["draft KV geometry", "2 heads x head_dim 24", "2 heads x head_dim 32"],
                "badwriters41": ["draft KV entry 0 (2 heads) would be written to decode rank 0",
                                 "its KV (4 heads) by [0, 1, 2, 3]"]}
-    for c, side, res in each_rank(cases, results):
-        assert len(res["rooms"]) == len(c.rooms), (c.name, side, res["rooms"])
-        for rec in res["rooms"]:
-            want = "layout" if side == "decode" else "remote_layout"
-            assert rec["state"] == "Failed" and rec["kind"] == want, (c.name, side, rec)
-            assert rec["metrics"]["nbytes"] == 0 and rec["metrics"]["backend_writes"] == 0, rec   # nothing written
-            for part in reasons[c.label]:
-                assert part in rec["failure"], (c.name, side, rec["failure"])
-            if side == "decode":
-                assert rec["draft_untouched"] is True, rec
+    for c, side, rec in run_refused(cases):
+        for part in reasons[c.label]:
+            assert part in rec["failure"], (c.name, side, rec["failure"])
+        if side == "decode":
+            assert rec["draft_untouched"] is True, rec

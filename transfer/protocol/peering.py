@@ -50,8 +50,9 @@ def needed_ranks(prefill_tp: int, layout: KVLayout, stages: tuple[range, ...] | 
 # its engine's PP size and its stage's layers. Its registered tp_size and tp_rank are the
 # engine's rank count and its rank (KVLayout.ranks, KVLayout.rank).
 PP_SIZE, STAGE_START, STAGE_STOP = "pp_size", "stage_start", "stage_stop"
-DRAFT_LAYERS = "draft_layers"   # from its layout summary (LayoutSummary.draft_layers, draft_kv_heads,
-DRAFT_HEADS, DRAFT_HEAD_DIM = "draft_kv_heads", "draft_head_dim"   # draft_head_dim; total_kv_heads, head_dim)
+# From its layout summary: the draft's entries and geometry (LayoutSummary.draft_*), compared
+# with the target's total_kv_heads and head_dim to tell a draft of its own geometry.
+DRAFT_LAYERS, DRAFT_HEADS, DRAFT_HEAD_DIM = "draft_layers", "draft_kv_heads", "draft_head_dim"
 
 
 def stage_record(layout: KVLayout) -> dict[str, int]:
