@@ -35,7 +35,7 @@ evenly as they go (the first stages take one more) or as stage_layers lists ([[0
 rank is then the engine rank, pp_rank * tp + tp_rank.
 Per manager, layer_group and layerwise_min_tokens: EngineConfig's.
 Per manager, dp_rank is the prefill engine's data-parallel rank (EngineConfig.dp_rank).
-Geometry draft: draft KV entries (KVLayout.draft, equal geometry) after the layers; a decode rank
+Geometry draft: draft KV entries (KVLayout.draft) after the layers; a decode rank
 fills its draft entries with the byte UNWRITTEN at start, checks only the entries the prefill has
 (prefill_draft: the prefill's draft count, default its own) and records per room whether its
 other draft entries still hold UNWRITTEN on the room's pages (unwritten_intact). draft_heads and
