@@ -11,6 +11,7 @@ differs from the random block.
 from __future__ import annotations
 
 from collections.abc import Collection
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ from kvstage.transfer.layout import KVLayout
 class KVPattern:
     def __init__(self, layout: KVLayout, seed: int = 0):
         self.layout = layout
+        self.draft: Any = None   # a draft of its own geometry: its pattern (draft_pattern.py), set by its user
         ps, hb = layout.page_size, layout.head_bytes
         # the widest unit that never straddles two heads: keys are applied unit by unit
         self.unit, self.udtype = next((u, d) for u, d in ((8, torch.int64), (4, torch.int32), (2, torch.int16),

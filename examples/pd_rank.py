@@ -35,10 +35,13 @@ evenly as they go (the first stages take one more) or as stage_layers lists ([[0
 rank is then the engine rank, pp_rank * tp + tp_rank.
 Per manager, layer_group and layerwise_min_tokens: EngineConfig's.
 Per manager, dp_rank is the prefill engine's data-parallel rank (EngineConfig.dp_rank).
-Geometry draft: draft KV entries (KVLayout.draft, equal geometry) after the layers; a decode rank
+Geometry draft: draft KV entries (KVLayout.draft) after the layers; a decode rank
 fills its draft entries with the byte UNWRITTEN at start, checks only the entries the prefill has
 (prefill_draft: the prefill's draft count, default its own) and records per room whether its
-other draft entries still hold UNWRITTEN on the room's pages (unwritten_intact).
+other draft entries still hold UNWRITTEN on the room's pages (unwritten_intact). draft_heads and
+draft_head_dim give the draft a geometry of its own (draft_pattern.py checks it); a decode rank then
+also records whether its draft entries are all still UNWRITTEN on the room's pages
+(draft_untouched) and on its prefix pages (draft_prefix_intact).
 Per manager, metrics_port serves Prometheus metrics (EngineConfig.metrics_port; 0: any free port)
 and metrics_file names a file the driver writes {"port": ...} to once the manager is up;
 final_stats names a file it writes {"stats": ..., "rooms": [...]} to once every room ended, and
@@ -72,6 +75,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import pool_pattern  # noqa: E402
+from draft_pattern import DraftPattern  # noqa: E402
 from kv_pattern import KVPattern  # noqa: E402
 
 from kvstage.transfer import DraftKV, EngineConfig, KVBuffers, KVLayout, KVManager, KVPoll, Timeouts  # noqa: E402
@@ -103,17 +107,19 @@ def build(spec: dict, bootstrap: str) -> tuple[KVManager, KVLayout, KVBuffers, K
                       dtype=DTYPES[g["dtype"]], page_size=g["page_size"], tp_size=spec["tp"],
                       tp_rank=tp_rank, mla=g.get("mla", False), pp_size=pp, pp_rank=pp_rank,
                       stage=stage_layers(spec, g["layers"], pp)[pp_rank],
-                      draft=DraftKV(num_layers=g["draft"]) if g.get("draft") else None)
+                      draft=DraftKV(num_layers=g["draft"], total_kv_heads=g.get("draft_heads"),
+                                    head_dim=g.get("draft_head_dim")) if g.get("draft") else None)
     shape = (g["pages"] * layout.page_size, layout.local_heads, layout.head_dim)
     # touched at start-up, as a serving engine's KV cache is (fresh pages fault on first write)
     device = torch.device(spec.get("device", "cpu"))   # "cuda:0": a VRAM cache (examples/gpu_check.py)
 
-    def cache(n: int) -> list[torch.Tensor]:
+    def cache(n: int, shape=shape) -> list[torch.Tensor]:
         return [torch.zeros(shape, dtype=layout.dtype, device=device).zero_() for _ in range(n)]
 
-    n = len(layout.layers) - layout.draft_layers
+    n, d = len(layout.layers) - layout.draft_layers, layout.draft_entries
     k, v = cache(n), None if layout.mla else cache(n)
-    dk, dv = cache(layout.draft_layers), None if layout.mla or not layout.draft_layers else cache(layout.draft_layers)
+    dshape = (shape[0], layout.draft_local_heads, layout.draft.head_dim) if layout.draft else shape
+    dk, dv = cache(d, dshape), None if layout.mla or not d else cache(d, dshape)
     for t in dk + (dv or []):
         t.view(torch.uint8).fill_(UNWRITTEN)
     pools = pool_pattern.make_pools(g["pools"], layout) if g.get("pools") else {}
@@ -122,8 +128,8 @@ def build(spec: dict, bootstrap: str) -> tuple[KVManager, KVLayout, KVBuffers, K
         _ENGINE_OWNED.append((k, v, dk, dv))  # the "serving engine" keeps its memory alive
         owned = k + (v or []) + dk + (dv or [])   # target K, V, then the draft's K, V
         buffers = KVBuffers.from_pointers(layout, [t.data_ptr() for t in owned],
-                                          [t.numel() * t.element_size() for t in owned], [layout.page_bytes] * len(owned),
-                                          device=device)
+                                          [t.numel() * t.element_size() for t in owned],
+                                          [t.numel() * t.element_size() // g["pages"] for t in owned], device=device)
         buffers.pools = pools
     cfg = EngineConfig(role=spec["role"], engine_id=spec["engine"], bootstrap=bootstrap,
                        backend=spec.get("backend", "nixl"), staging=spec.get("staging"),
@@ -136,7 +142,9 @@ def build(spec: dict, bootstrap: str) -> tuple[KVManager, KVLayout, KVBuffers, K
                        metrics_port=spec.get("metrics_port"), verify=spec.get("verify"),
                        layer_group=spec.get("layer_group"), layerwise_min_tokens=spec.get("layerwise_min_tokens"))
     mgr = KVManager(cfg, layout, buffers)
-    return mgr, layout, buffers, KVPattern(layout, seed=spec.get("pattern_seed", 7))
+    pattern = KVPattern(layout, seed=spec.get("pattern_seed", 7))
+    pattern.draft = DraftPattern(layout, seed=spec.get("pattern_seed", 7)) if layout.draft_own_geometry else None
+    return mgr, layout, buffers, pattern
 
 
 class Pages:
@@ -343,6 +351,8 @@ def start_room(mgr: KVManager, spec: dict, r: dict, pages: np.ndarray, pattern: 
         if verifies(spec, r["room"]):
             if not r.get("layer_sends"):   # layer-wise: each send's layers are filled once it is ready
                 pattern.fill(tensors, r.get("pattern_key", r["room"]), pages)
+            if pattern.draft is not None:  # a draft of its own geometry moves with the last piece
+                pattern.draft.fill(buffers, r.get("pattern_key", r["room"]), pages, pattern.layout.draft_entries)
             if st["items"]:
                 pool_pattern.fill(buffers.pools, st["items"], r.get("pattern_key", r["room"]), pattern.layout)
         delay = r.get("create_delay_s", 0)
@@ -572,6 +582,8 @@ def finish(spec: dict, st: dict, pattern: KVPattern, tensors) -> dict:
     if st["spec"].get("late_init") == "wait":
         rec["waited_for_input"] = st.get("waited_for_input", False)
         rec["seen_before_init"] = sorted(st.get("seen_before_init", ()))
+    if spec["role"] == "decode" and pattern.draft is not None:
+        rec.update(pattern.draft.outcome(st["buffers"], st["pages"], prefix_of(st), UNWRITTEN))
     if spec["role"] == "decode" and state is KVPoll.Success and verifies(spec, st["room"]):
         k = prefix_of(st)
         sent, extra = draft_entries(spec, pattern.layout)
@@ -582,6 +594,12 @@ def finish(spec: dict, st: dict, pattern: KVPattern, tensors) -> dict:
                                           for t in extra)
         err = pattern.check(tensors, st["spec"].get("pattern_key", st["room"]), st["pages"][k:], first=k,
                             only=sent if extra else None)
+        if err is None and pattern.draft is not None:
+            n = spec.get("prefill_draft", pattern.layout.draft_entries)
+            err = pattern.draft.check(st["buffers"], st["spec"].get("pattern_key", st["room"]), st["pages"][k:], k, n)
+            if pattern.layout.draft_entries > n:
+                rec["unwritten_intact"] = pattern.draft.untouched(st["buffers"], st["pages"][k:],
+                                                                  range(n, pattern.layout.draft_entries), UNWRITTEN)
         if err is None and st["items"]:
             err = pool_pattern.check(st["buffers"].pools, st["items"], st["spec"].get("pattern_key", st["room"]),
                                      pattern.layout)

@@ -2,15 +2,25 @@
 keeps after the target's under the same page indices, and the rule pairing a prefill's draft
 with a decode's. Pure.
 
-A draft entry moves exactly like one more target layer: entry indices [num_layers,
-num_layers + draft.num_layers) follow the target's layers in the buffers, the sends and the
-writes. A decode rank may hold more draft entries than the prefill (decode-only speculation):
-the prefill writes the entries it has and the decode's extra ones stay untouched.
+A draft of the target's geometry moves exactly like more target layers: entry indices
+[num_layers, num_layers + draft.num_layers) follow the target's layers in the buffers, the
+sends and the writes. A draft of another geometry (its own head count or head_dim) is a second
+KV set with its own head mapping: each entry becomes an engine-internal "heads" state pool
+(`draft_pools`, a reserved name) whose items are the token slots of the pages the request
+moves (`draft_items`), so it rides with the request's last piece like any pool. A decode rank
+may hold more draft entries than the prefill (decode-only speculation): the prefill writes the
+entries it has and the decode's extra ones stay untouched.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .state_pools import DRAFT_POOL_PREFIX, StatePool
 
 
 def _positive_or_none(name: str, value: object) -> None:
@@ -68,3 +78,42 @@ def draft_mismatch(prefill: DraftShape, decode: DraftShape) -> str:
         return (f"draft KV geometry: the prefill has {prefill.describe()}, the decode {decode.describe()}; the draft's "
                 f"total_kv_heads and head_dim must be equal on both sides")
     return ""
+
+
+def draft_pool_name(entry: int) -> str:
+    """The internal pool of draft entry `entry` (a draft of its own geometry)."""
+    return f"{DRAFT_POOL_PREFIX}{entry}"
+
+
+def is_draft_pool(name: str) -> bool:
+    return name.startswith(DRAFT_POOL_PREFIX)
+
+
+def draft_pool_entry(name: str) -> int:
+    """The draft entry an internal pool name stands for."""
+    return int(name[len(DRAFT_POOL_PREFIX):])
+
+
+def draft_pools(heads: int, draft_k: Sequence[torch.Tensor],
+                draft_v: Sequence[torch.Tensor] | None) -> dict[str, StatePool]:
+    """One heads pool per draft entry of its own geometry: its K (and V) tensor, as the caller
+    gives it ([num_pages * page_size, local draft heads, draft head_dim]): dim 0 is the token
+    slot (the pool's item), dim 1 the rank's share of the draft's `heads` global heads."""
+    vs = list(draft_v) if draft_v is not None else [None] * len(draft_k)
+    return {draft_pool_name(i): StatePool(tensors=[k] + ([v] if v is not None else []), sharding="heads",
+                                          heads=heads)
+            for i, (k, v) in enumerate(zip(draft_k, vs))}
+
+
+def draft_items(pages: np.ndarray, page_size: int) -> np.ndarray:
+    """A request's items of every draft pool: the token slots of `pages` (in request order),
+    page p covering slots [p * page_size, (p + 1) * page_size). Head-major page formats
+    describe a page as one token (page_size 1): their items are the pages."""
+    pages = np.asarray(pages, dtype=np.int64)
+    return (pages[:, None] * page_size + np.arange(page_size, dtype=np.int64)[None, :]).reshape(-1)
+
+
+def request_draft_items(names: Sequence[str], pages: np.ndarray, page_size: int) -> dict[str, np.ndarray]:
+    """{draft pool: items} for the draft pools `names` of one request moving `pages`."""
+    items = draft_items(pages, page_size)
+    return {n: items for n in names if is_draft_pool(n)}

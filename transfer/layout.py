@@ -10,7 +10,7 @@ import msgspec
 import torch
 
 from ..bootstrap.wire import prebuild_struct_info
-from .draft_kv import DraftKV, DraftShape, draft_mismatch
+from .draft_kv import DraftKV, DraftShape, draft_mismatch, draft_pools, is_draft_pool
 from .page_format import PageFormat, parse_page_format
 from .state_pools import PoolSpec, StatePool, memory_kind, pool_mismatches
 
@@ -79,8 +79,9 @@ class LayoutSummary(msgspec.Struct, frozen=True, kw_only=True):
         out = []
         for name in self.__struct_fields__:
             mine, theirs = getattr(self, name), getattr(other, name)
-            if name == "pools":
-                out += pool_mismatches(mine, theirs)
+            if name == "pools":   # a draft's own pools are compared as its draft_* fields
+                out += pool_mismatches([p for p in mine if not is_draft_pool(p.name)],
+                                       [p for p in theirs if not is_draft_pool(p.name)])
             elif name.startswith("draft_"):
                 continue
             elif mine != theirs:
@@ -107,9 +108,11 @@ class KVLayout:
     checks (protocol/peering.py). Elsewhere a rank is `rank` = pp_rank * tp_size + tp_rank of
     the engine's `ranks` (bootstrap registration, peer keys, tag writers).
 
-    `draft` (speculative decoding, draft_kv.py): the draft model's KV entries, held after the
-    target's layers (entry indices [num_layers, num_entries)) and moved like more layers.
-    Not with PP (SGLang keeps the draft on the last stage; unsupported here).
+    `draft` (speculative decoding, draft_kv.py): the draft model's KV entries. With the target's
+    geometry they are held after the target's layers (entry indices [num_layers, num_entries))
+    and moved like more layers; with their own (`draft_own_geometry`) they are internal heads
+    pools moved with the request's last piece. Not with PP (SGLang keeps the draft on the last
+    stage; unsupported here).
     """
 
     num_layers: int
@@ -168,10 +171,12 @@ class KVLayout:
         head_dim = d.head_dim if d.head_dim is not None else self.head_dim
         d = DraftKV(num_layers=d.num_layers, total_kv_heads=heads, head_dim=head_dim)
         object.__setattr__(self, "draft", d)
-        if (heads, head_dim) != (self.total_kv_heads, self.head_dim):
-            raise ValueError(f"draft KV of {heads} heads x head_dim {head_dim} differs from the target's "
-                             f"{self.total_kv_heads} x {self.head_dim}: only a draft with the target's geometry is "
-                             f"supported yet")
+        if self.mla and heads != 1:
+            raise ValueError(f"draft KV of {heads} heads beside an MLA target: an MLA draft has one latent head "
+                             f"(DraftKV.total_kv_heads 1), of its own head_dim if it differs")
+        if heads % self.tp_size and self.tp_size % heads:
+            raise ValueError(f"draft KV of {heads} heads cannot be split over tp_size={self.tp_size}: its heads "
+                             f"must divide by the TP size, or the TP size by them (replication)")
 
     # -- derived geometry ---------------------------------------------------------------
     @property
@@ -179,9 +184,27 @@ class KVLayout:
         return max(1, self.total_kv_heads // self.tp_size)
 
     @property
-    def draft_layers(self) -> int:
-        """Draft KV entries (0: no draft)."""
+    def draft_entries(self) -> int:
+        """Draft KV entries, of any geometry (0: no draft)."""
         return self.draft.num_layers if self.draft is not None else 0
+
+    @property
+    def draft_own_geometry(self) -> bool:
+        """Whether the draft's head count or head_dim differs from the target's: its entries are
+        then internal heads pools (draft_kv.py), not more layers."""
+        d = self.draft
+        return d is not None and (d.total_kv_heads, d.head_dim) != (self.total_kv_heads, self.head_dim)
+
+    @property
+    def draft_layers(self) -> int:
+        """Draft KV entries moved as more layers: a draft of the target's geometry (0: none)."""
+        return 0 if self.draft_own_geometry else self.draft_entries
+
+    @property
+    def draft_local_heads(self) -> int:
+        """Draft heads this rank holds (split over TP like the target's, replicated below 1)."""
+        heads = self.draft.total_kv_heads if self.draft is not None else None
+        return max(1, (heads or self.total_kv_heads) // self.tp_size)
 
     @property
     def num_entries(self) -> int:
@@ -256,7 +279,7 @@ class KVLayout:
         return LayoutSummary(
             dtype=SUPPORTED_DTYPES[self.dtype], head_dim=self.head_dim, page_size=self.page_size,
             num_layers=self.num_layers, total_kv_heads=self.total_kv_heads, mla=self.mla, pools=pools or [],
-            layout_format=self.page_format.value, draft_layers=self.draft_layers,
+            layout_format=self.page_format.value, draft_layers=self.draft_entries,
             draft_kv_heads=(self.draft.total_kv_heads or 0) if self.draft is not None else 0,
             draft_head_dim=(self.draft.head_dim or 0) if self.draft is not None else 0)
 
@@ -267,8 +290,10 @@ class KVBuffers:
 
     `v` is None for MLA. All tensors share dtype, device and token count, and are contiguous.
     `pools`: named state pools moved with each request's last page (see state_pools.py).
-    `draft_k`/`draft_v`: per draft KV entry (KVLayout.draft), like `k`/`v`; the engine handles
-    them as entries after the target's layers (`entry_k`, `entry_v`).
+    `draft_k`/`draft_v`: per draft KV entry (KVLayout.draft), like `k`/`v` with the draft's local
+    heads and head_dim; the engine handles them as entries after the target's layers
+    (`entry_k`, `entry_v`), or, for a draft of its own geometry, as internal pools (draft_kv.py)
+    that `validate` adds to `pools`.
     """
 
     k: Sequence[torch.Tensor]
@@ -279,6 +304,7 @@ class KVBuffers:
     num_pages: int = field(default=0, init=False)
     pool_specs: list[PoolSpec] = field(default_factory=list, init=False)
     first_layer: int = field(default=0, init=False)   # the model layer of k[0] (a PP stage's first)
+    draft_as_pools: bool = field(default=False, init=False)   # a draft of its own geometry (draft_kv.py)
 
     def _groups(self, layout: KVLayout) -> list[tuple[str, Sequence[torch.Tensor], int]]:
         """(name, tensors, layers expected) of every KV tensor list, checking which exist."""
@@ -297,17 +323,20 @@ class KVBuffers:
         if layout.has_v != (self.draft_v is not None):
             raise ValueError("draft_v must be None for an MLA or K/V-fused layout" if self.draft_v is not None else
                              "draft_v is None but the layout is not MLA: pass one V tensor per draft entry")
-        groups.append(("draft_k", self.draft_k or (), layout.draft_layers))
+        groups.append(("draft_k", self.draft_k or (), layout.draft_entries))
         if self.draft_v is not None:
-            groups.append(("draft_v", self.draft_v, layout.draft_layers))
+            groups.append(("draft_v", self.draft_v, layout.draft_entries))
         return groups
 
     def validate(self, layout: KVLayout) -> KVBuffers:
         """Check the tensors against `layout`; set num_pages. Raises ValueError naming the layer."""
         groups = self._groups(layout)
-        expected_tail = (layout.local_heads, layout.head_dim)
+        target_tail = (layout.local_heads, layout.head_dim)
+        draft = layout.draft
+        draft_tail = (layout.draft_local_heads, draft.head_dim or layout.head_dim) if draft is not None else target_tail
         tokens = device = None
         for name, tensors, want in groups:
+            expected_tail = draft_tail if name.startswith("draft") else target_tail
             if len(tensors) != want:
                 stage = "" if want == layout.num_layers or name.startswith("draft") else \
                     f" (PP stage {layout.pp_rank}: layers [{layout.stage.start}, {layout.stage.stop}))"
@@ -337,9 +366,18 @@ class KVBuffers:
             raise ValueError("the KV cache holds no pages")
         if not isinstance(self.pools, dict) or not all(isinstance(p, StatePool) for p in self.pools.values()):
             raise ValueError(f"pools must be a dict of StatePool by name, got {self.pools!r}")
+        user = {n: p for n, p in self.pools.items() if not (self.draft_as_pools and is_draft_pool(n))}
+        for n in user:
+            if isinstance(n, str) and is_draft_pool(n):
+                raise ValueError(f"pool name {n!r} is reserved: kvstage names a draft KV of its own geometry so")
+        self.draft_as_pools = layout.draft_own_geometry
+        assert draft is None or draft.total_kv_heads is not None, "KVLayout resolves the draft's heads"
+        own = draft_pools(draft.total_kv_heads, self.draft_k, self.draft_v) \
+            if self.draft_as_pools and draft is not None and draft.total_kv_heads else {}
+        self.pools = {**user, **own}
         self.pool_specs = [self.pools[n].spec(n, layout) for n in sorted(self.pools)]
         named = [(f"{name}[{i}]", t) for name, tensors, _ in groups for i, t in enumerate(tensors)]
-        for n in sorted(self.pools):
+        for n in sorted(user):
             for i, t in enumerate(self.pools[n].tensors):
                 check_memory_device(f"pool {n!r} tensor {i}", t.device)
                 named.append((f"pool {n!r}[{i}]", t))
@@ -364,9 +402,12 @@ class KVBuffers:
             raise ValueError(f"from_pointers(device={device!r}): CUDA is not available in this process, so the "
                              f"pointers cannot be device memory (host memory is device='cpu')")
         pages = check_pointers(layout, data_ptrs, data_lens, item_lens)
-        shape = (pages * layout.page_size, layout.local_heads, layout.head_dim)
-        views = [tensor_at(p, n, layout.dtype, shape, dev) for p, n in zip(data_ptrs, data_lens)]
-        n, d = len(layout.layers) - layout.draft_layers, layout.draft_layers
+        n, d = len(layout.layers) - layout.draft_layers, layout.draft_entries
+        target = (pages * layout.page_size, layout.local_heads, layout.head_dim)
+        draft = (pages * layout.page_size, layout.draft_local_heads, layout.draft.head_dim or layout.head_dim) \
+            if layout.draft is not None else target
+        views = [tensor_at(p, b, layout.dtype, target if i < n * layout.num_kv else draft, dev)
+                 for i, (p, b) in enumerate(zip(data_ptrs, data_lens))]
         if layout.num_kv == 1:   # target entries, then the draft's
             return cls(views[:n], None, draft_k=views[n:]).validate(layout)
         # K then V of the target, then K then V of the draft (SGLang appends the draft's buffers)
@@ -385,13 +426,16 @@ class KVBuffers:
 
     @property
     def entry_k(self) -> list[torch.Tensor]:
-        """K tensor of every KV entry: the target's layers, then the draft's entries."""
-        return list(self.k) + list(self.draft_k or ())
+        """K tensor of every KV entry: the target's layers, then the draft's entries (not those
+        of a draft of its own geometry: they are pools)."""
+        return list(self.k) + ([] if self.draft_as_pools else list(self.draft_k or ()))
 
     @property
     def entry_v(self) -> list[torch.Tensor] | None:
         """V tensor of every KV entry, like entry_k (None without V)."""
-        return list(self.v) + list(self.draft_v or ()) if self.v is not None else None
+        if self.v is None:
+            return None
+        return list(self.v) + ([] if self.draft_as_pools else list(self.draft_v or ()))
 
     def layer_views(self, layers: range) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """The K (and V) tensors of model `layers` (draft entries after the model's layers): what a

@@ -36,20 +36,27 @@ def tensor_at(ptr: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...],
 def check_pointers(layout, data_ptrs, data_lens, item_lens) -> int:
     """Validate SGLang-style pointer lists against the layout; return the page count. Raises
     ValueError naming the first entry that is wrong."""
-    want = len(layout.layers) * layout.num_kv
+    target = len(layout.layers) - layout.draft_layers
+    want = (target + layout.draft_entries) * layout.num_kv
     kinds = "K then V" if layout.num_kv == 2 else "K (MLA latent)"
-    if layout.draft_layers:
-        kinds += f", the target's {layout.num_layers} then the draft's {layout.draft_layers}"
+    if layout.draft_entries:
+        kinds += f", the target's {layout.num_layers} then the draft's {layout.draft_entries}"
+    draft_page = layout.page_size * layout.draft_local_heads * (
+        layout.draft.head_dim if layout.draft is not None and layout.draft.head_dim else layout.head_dim
+    ) * layout.elem_size
     for name, seq in (("data_ptrs", data_ptrs), ("data_lens", data_lens), ("item_lens", item_lens)):
         if not isinstance(seq, (list, tuple)) or len(seq) != want:
-            raise ValueError(f"{name} must list {want} entries ({len(layout.layers)} entries, {kinds}), got "
+            raise ValueError(f"{name} must list {want} entries ({want // layout.num_kv} entries, {kinds}), got "
                              f"{len(seq) if isinstance(seq, (list, tuple)) else type(seq).__name__}")
         for i, x in enumerate(seq):
             if isinstance(x, bool) or not isinstance(x, int) or x <= 0:
                 raise ValueError(f"{name}[{i}] must be a positive int, got {x!r}")
     pages = None
     for i, (ptr, nbytes, item) in enumerate(zip(data_ptrs, data_lens, item_lens)):
-        if item != layout.page_bytes:
+        if i >= target * layout.num_kv and item != draft_page:
+            raise ValueError(f"item_lens[{i}]={item}: one page of one draft entry is {draft_page} bytes on this rank "
+                             f"(page_size {layout.page_size} x {layout.draft_local_heads} draft heads x head_dim)")
+        if i < target * layout.num_kv and item != layout.page_bytes:
             raise ValueError(f"item_lens[{i}]={item}: one page of one layer is {layout.page_bytes} bytes on this "
                              f"rank (page_size {layout.page_size} x {layout.local_heads} heads x {layout.head_bytes} B)")
         if nbytes % item:

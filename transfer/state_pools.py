@@ -26,6 +26,9 @@ import torch
 from ..bootstrap.wire import prebuild_struct_info
 
 SHARDINGS = ("heads", "replicated")
+#: Pool names kvstage keeps for a draft KV of its own geometry (draft_kv.py): the engine names
+#: their items, a caller cannot.
+DRAFT_POOL_PREFIX = "kvstage.draft."
 
 
 class PoolSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -162,8 +165,11 @@ def pool_mismatches(mine: Sequence[PoolSpec], theirs: Sequence[PoolSpec]) -> lis
 
 def check_items(name: str, items: object, pools: dict, side: str) -> np.ndarray:
     """One pool's item indices of a request, as int64; ValueError on bad input."""
+    if isinstance(name, str) and name.startswith(DRAFT_POOL_PREFIX):
+        raise ValueError(f"{side}: pool {name!r} is the draft KV's own: kvstage names its items from the pages sent")
     if name not in pools:
-        raise ValueError(f"{side}: unknown pool {name!r} (registered: {sorted(pools) or 'none'})")
+        raise ValueError(f"{side}: unknown pool {name!r} (registered: "
+                         f"{sorted(n for n in pools if not n.startswith(DRAFT_POOL_PREFIX)) or 'none'})")
     arr = np.asarray(items)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise ValueError(f"{side}: items of pool {name!r} must be a 1-D list of ints, got {items!r}")

@@ -8,8 +8,10 @@ checks that prefill and decode agree on kv_cache_dtype and page size before any 
 Speculative decoding: SGLang appends the draft model's KV entries after the target's
 (`num_draft_entries` of them: draft K layers then draft V layers, or one latent per MTP layer of
 an MLA model) and addresses them with the target's page indices. They become the layout's
-`DraftKV` and the buffers' draft_k/draft_v; their geometry comes from their item sizes
-(`draft_kv`).
+`DraftKV` and the buffers' draft_k/draft_v. Their head count comes from the draft model's config
+(server_args.speculative_draft_model_path, what SGLang sizes the draft's KV pool by), their head
+bytes from their item sizes (`draft_kv`); a draft of another geometry than the target's moves
+with each request's last piece (kvstage's DraftKV).
 """
 
 from __future__ import annotations
@@ -76,19 +78,22 @@ def kv_layout(args, attn_tp_size: int, attn_tp_rank: int, mla: bool, server_args
                       pp_size=pp_size, pp_rank=pp_rank, stage=stage)
     if draft is None:
         return layout
-    return replace(layout, draft=draft_kv(draft, layout, getattr(server_args, "speculative_algorithm", None)))
+    heads = None if mla else draft_model_kv_heads(server_args)
+    return replace(layout, draft=draft_kv(draft, layout, getattr(server_args, "speculative_algorithm", None), heads))
 
 
-def draft_kv(draft: Entries, target: KVLayout, algorithm: str | None = None) -> DraftKV:
-    """The draft's geometry from its item sizes (bytes of one page of one layer on this rank).
+def draft_kv(draft: Entries, target: KVLayout, algorithm: str | None = None, heads: int | None = None) -> DraftKV:
+    """The draft's geometry from its item sizes (bytes of one page of one layer on this rank) and,
+    beside an MHA target, its global KV head count `heads` (the draft model's config).
 
     Beside an MLA target the draft is the model's own MTP layers: one latent per entry. Beside an
-    MHA target: draft K layers then V layers. A token's bytes equal to the target's: the target's
-    geometry (EAGLE and MTP drafts as a rule). Otherwise the draft keeps the target's head bytes
-    with its own head count, split over TP like the target's and not replicated (local heads x
-    TP); failing that, the target's head count with its own head bytes. Both sides derive it the
-    same way, and kvstage compares the two drafts' geometry before pairing them (its core moves
-    a draft of the target's geometry only so far: KVLayout refuses any other)."""
+    MHA target: draft K layers then V layers; with `heads` known, a head's bytes are a token's over
+    this rank's share of them (split over TP like the target's, replicated below one). Without
+    it (no draft model path in the server args) sizes alone decide, which cannot tell every
+    geometry apart: a token's bytes equal to the target's are the target's geometry (EAGLE and
+    MTP drafts as a rule); otherwise the target's head bytes with its own head count (local heads
+    x TP), failing that the target's head count with its own head bytes. Both sides derive it
+    the same way, and kvstage compares the two drafts' geometry before pairing them."""
     items, page = draft.items, target.page_size
     if any(i != items[0] for i in items):
         raise ValueError(f"draft KV item sizes differ between entries ({sorted(set(items))}); kvstage needs one")
@@ -104,6 +109,12 @@ def draft_kv(draft: Entries, target: KVLayout, algorithm: str | None = None) -> 
     if len(items) % 2:
         raise ValueError(f"{len(items)} draft KV entries beside an MHA target: expected draft K layers then V layers")
     layers = len(items) // 2
+    if heads is not None:
+        local = max(1, heads // target.tp_size)
+        if heads <= 0 or (heads % target.tp_size and target.tp_size % heads) or token % local:
+            raise ValueError(f"draft KV of {token} bytes per token does not split into the draft model's {heads} KV "
+                             f"heads over TP {target.tp_size} ({local} on this rank)")
+        return DraftKV(num_layers=layers, total_kv_heads=heads, head_dim=token // local)
     if token == target.token_bytes:
         return DraftKV(num_layers=layers)
     if token % target.head_bytes == 0:
@@ -112,6 +123,21 @@ def draft_kv(draft: Entries, target: KVLayout, algorithm: str | None = None) -> 
         return DraftKV(num_layers=layers, head_dim=token // target.local_heads)
     raise ValueError(f"draft KV of {token} bytes per token fits neither the target's head bytes ({target.head_bytes}) "
                      f"nor its {target.local_heads} local heads")
+
+
+def draft_model_kv_heads(server_args) -> int | None:
+    """The draft model's global KV heads from its config, as SGLang sizes the draft's KV pool; None
+    when the server args name no draft model (sizes alone decide then, see draft_kv)."""
+    path = getattr(server_args, "speculative_draft_model_path", None)
+    if not path:
+        return None
+    from sglang.srt.configs.model_config import ModelConfig
+    try:
+        config = ModelConfig.from_server_args(server_args, model_path=path, is_draft_model=True)
+    except Exception as exc:  # noqa: BLE001 - said with the path; SGLang's own loading would fail alike
+        raise ValueError(f"the draft model's config at {path!r} (speculative_draft_model_path) could not be read "
+                         f"for its KV heads: {exc}") from exc
+    return int(config.get_total_num_kv_heads())
 
 
 def model_kv_heads(server_args) -> int:

@@ -2,7 +2,11 @@
 Mooncake: bit-exact with the target's pages, staged and direct, hetero TP both ways, MLA,
 layer-wise sends naming the draft entries; a decode holding more draft entries than the prefill
 leaves its extra ones untouched and succeeds; a prefill with more draft entries than the decode
-fails on both sides with kind layout (remote_layout on the prefill: the decode side failed it)."""
+fails on both sides with kind layout (remote_layout on the prefill: the decode side failed it).
+A draft of its own geometry (other heads and head_dim than the target's) moves with the last
+piece, every byte checked, staged and direct, hetero TP with replication, a prefix hit,
+decode-only speculation; another draft geometry on the decode, or a draft whose writers are
+not the KV's, fails on both sides with nothing written."""
 
 from __future__ import annotations
 
@@ -16,18 +20,53 @@ LAYERS = 2
 
 def draft_case(topo: Topo, staging: bool, backend: str, *, prefill: int, decode: int, seed: int, label: str,
                layer_sends: list | None = None, prefix: bool = False, pools: bool = False,
-               from_pointers: bool = False) -> Case:
+               from_pointers: bool = False, own: dict | None = None, decode_own: dict | None = None) -> Case:
     """engine_cases.layered_case's rooms over a model of LAYERS layers; the prefill holds `prefill`
     draft entries, the decode `decode` (0: none); `pools`: each room has an aux row, which
     moves with the write of the last page of the last draft entry; `from_pointers`: both sides
-    hand their caches over as raw addresses in SGLang's order (target K, V, then draft K, V)."""
+    hand their caches over as raw addresses in SGLang's order (target K, V, then draft K, V);
+    `own`: the draft's own geometry on both sides ({"draft_heads": ..., "draft_head_dim": ...}),
+    `decode_own`: the decode's when it differs."""
     case = layered_case(topo, staging, backend, seed=seed, base=9000 + 10 * seed, label=label, layers=LAYERS,
                         layer_sends=layer_sends, prefix=prefix, pools=pools)
     case.extra = {"from_pointers": from_pointers}
     geo = case.geometry()
-    case.prefill_extra["geometry"] = {**geo, "draft": prefill}
-    case.decode_extra = {"geometry": {**geo, "draft": decode}, "prefill_draft": prefill}
+    case.prefill_extra["geometry"] = {**geo, "draft": prefill, **(own or {})}
+    case.decode_extra = {"geometry": {**geo, "draft": decode, **(decode_own or own or {})}, "prefill_draft": prefill}
     return case
+
+
+def run_clean(cases: list[Case]):
+    """Run the cases, every room a verified success; yield (case, decode-only extra entries?,
+    decode room record) for each decode rank's rooms."""
+    results, codes, logs, _ = run_cases(cases, timeout=200)
+    bad = problems(results, codes, logs)
+    assert not bad, "\n".join(bad[:10])
+    for c, side, res in each_rank(cases, results):
+        assert len(res["rooms"]) == len(c.rooms), (c.name, side)
+        extra = c.decode_extra["geometry"]["draft"] > c.prefill_extra["geometry"]["draft"]
+        if side == "decode":
+            for rec in res["rooms"]:
+                yield c, extra, rec
+
+
+def run_refused(cases: list[Case]):
+    """Run cases whose connection is refused: every room Failed on both sides, kind layout
+    (remote_layout on the prefill: the decode side failed it and told it), nothing written;
+    yield (case, side, room record)."""
+    for c in cases:
+        for extra in (c.prefill_extra, c.decode_extra):
+            extra["timeouts"] = {**TEST_TIMEOUTS, "bootstrap": 30.0}
+        c.prefill_extra["run_timeout_s"] = 60
+    results, codes, logs, _ = run_cases(cases, timeout=90)
+    assert not any(codes), codes
+    for c, side, res in each_rank(cases, results):
+        assert len(res["rooms"]) == len(c.rooms), (c.name, side, res["rooms"])
+        for rec in res["rooms"]:
+            want = "layout" if side == "decode" else "remote_layout"
+            assert rec["state"] == "Failed" and rec["kind"] == want, (c.name, side, rec)
+            assert rec["metrics"]["nbytes"] == 0 and rec["metrics"]["backend_writes"] == 0, rec   # nothing written
+            yield c, side, rec
 
 
 @pytest.mark.timeout(300)
@@ -47,36 +86,65 @@ def test_draft_entries_move_bit_exact_and_extra_ones_stay_unwritten(backend):
                    from_pointers=True),
         draft_case(Topo(P=1, D=1, H=4), False, backend, prefill=0, decode=2, seed=6, label="none11"),
     ]
-    results, codes, logs, _ = run_cases(cases, timeout=200)
-    bad = problems(results, codes, logs)
-    assert not bad, "\n".join(bad[:10])
-    for c, side, res in each_rank(cases, results):
-        assert len(res["rooms"]) == len(c.rooms), (c.name, side)
-        extra = c.decode_extra["geometry"]["draft"] > c.prefill_extra["geometry"]["draft"]
-        for rec in res["rooms"]:
-            if side == "decode":
-                # the entries beyond the prefill's still hold their start-up bytes on the room's pages
-                assert rec.get("unwritten_intact") is (True if extra else None), (c.name, rec)
+    for c, extra, rec in run_clean(cases):
+        # the entries beyond the prefill's still hold their start-up bytes on the room's pages
+        assert rec.get("unwritten_intact") is (True if extra else None), (c.name, rec)
 
 
 @pytest.mark.timeout(200)
 def test_a_prefill_with_more_draft_entries_than_the_decode_fails_both_sides():
     cases = [draft_case(Topo(P=2, D=1, H=4), True, "nixl", prefill=2, decode=1, seed=7, label="bad21"),
              draft_case(Topo(P=1, D=1, H=4), False, "nixl", prefill=1, decode=0, seed=8, label="bad11")]
-    for c in cases:
-        for extra in (c.prefill_extra, c.decode_extra):
-            extra["timeouts"] = {**TEST_TIMEOUTS, "bootstrap": 30.0}
-        c.prefill_extra["run_timeout_s"] = 60
-    results, codes, logs, _ = run_cases(cases, timeout=90)
-    assert not any(codes), codes
-    for c, side, res in each_rank(cases, results):
-        assert len(res["rooms"]) == len(c.rooms), (c.name, side, res["rooms"])
+    for c, side, rec in run_refused(cases):
+        # the prefill ranks refuse the decode rank's Hello; it fails the request (layout) and tells
+        # them, and a prefill rank reports its peer's kind (remote_<kind>)
         p, d = c.prefill_extra["geometry"]["draft"], c.decode_extra["geometry"]["draft"]
-        for rec in res["rooms"]:
-            # the prefill ranks refuse the decode rank's Hello; it fails the request (layout) and tells
-            # them, and a prefill rank reports its peer's kind (remote_<kind>)
-            want = "layout" if side == "decode" else "remote_layout"
-            assert rec["state"] == "Failed" and rec["kind"] == want, (c.name, side, rec)
-            assert rec["metrics"]["nbytes"] == 0 and rec["metrics"]["backend_writes"] == 0, rec   # nothing written
-            assert f"the prefill has {p} draft KV entr" in rec["failure"], rec
-            assert (f"the decode {d} draft KV entr" if d else "the decode no draft KV") in rec["failure"], rec
+        assert f"the prefill has {p} draft KV entr" in rec["failure"], rec
+        assert (f"the decode {d} draft KV entr" if d else "the decode no draft KV") in rec["failure"], rec
+
+
+OWN = {"draft_heads": 2, "draft_head_dim": 24}      # beside 4 heads of head_dim 16
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_a_draft_of_its_own_geometry_moves_bit_exact_with_the_last_piece(backend):
+    cases = [
+        draft_case(Topo(P=2, D=1, H=4), True, backend, prefill=1, decode=1, seed=11, label="own21", own=OWN,
+                   pools=True),
+        draft_case(Topo(P=1, D=2, H=4), True, backend, prefill=2, decode=2, seed=12, label="own12", own=OWN,
+                   prefix=True, from_pointers=True),
+        draft_case(Topo(P=1, D=1, H=4), False, backend, prefill=1, decode=1, seed=13, label="own11", own=OWN,
+                   layer_sends=[[0, 1], [1, 2]]),               # layer-wise: the draft rides with the last
+        draft_case(Topo(P=2, D=4, H=4), True, backend, prefill=1, decode=1, seed=14, label="own24",
+                   own={"draft_heads": 2, "draft_head_dim": 8}),   # the draft replicated on the decode
+        # decode-only speculation: more draft entries on the decode than the prefill, or none there
+        draft_case(Topo(P=2, D=1, H=4), True, backend, prefill=1, decode=2, seed=15, label="ownmore21", own=OWN),
+        draft_case(Topo(P=1, D=1, H=4), False, backend, prefill=0, decode=2, seed=16, label="ownnone11", own=OWN),
+    ]
+    for c, extra, rec in run_clean(cases):
+        assert rec["verified"] is True, (c.name, rec)       # target and draft, every byte
+        assert rec.get("unwritten_intact") is (True if extra else None), (c.name, rec)
+        assert rec["draft_untouched"] is (c.prefill_extra["geometry"]["draft"] == 0), (c.name, rec)
+        if c.rooms[[r["room"] for r in c.rooms].index(rec["room"])].get("prefix_pages"):
+            assert rec["draft_prefix_intact"] is True and rec["prefix_intact"] is True, (c.name, rec)
+
+
+@pytest.mark.timeout(200)
+def test_a_draft_geometry_that_cannot_pair_fails_both_sides():
+    cases = [
+        # the decode's draft has another head_dim than the prefill's
+        draft_case(Topo(P=1, D=2, H=4), True, "nixl", prefill=1, decode=1, seed=17, label="badgeo12", own=OWN,
+                   decode_own={"draft_heads": 2, "draft_head_dim": 32}),
+        # 2 draft heads over prefill TP 4: the decode rank's draft would be written by other ranks than its KV
+        draft_case(Topo(P=4, D=1, H=4), True, "nixl", prefill=1, decode=1, seed=18, label="badwriters41",
+                   own={"draft_heads": 2, "draft_head_dim": 8}),
+    ]
+    reasons = {"badgeo12": ["draft KV geometry", "2 heads x head_dim 24", "2 heads x head_dim 32"],
+               "badwriters41": ["draft KV entry 0 (2 heads) would be written to decode rank 0",
+                                "its KV (4 heads) by [0, 1, 2, 3]"]}
+    for c, side, rec in run_refused(cases):
+        for part in reasons[c.label]:
+            assert part in rec["failure"], (c.name, side, rec["failure"])
+        if side == "decode":
+            assert rec["draft_untouched"] is True, rec

@@ -13,9 +13,10 @@ every page no successful request owns still holds the sentinel (no byte in a wro
 slots and SWA window pages, named per request with state_indices on both sides, checked alike.
 With "draft" the ranks also hold a speculative-decoding draft model's KV, appended to KVArgs after
 the target's as SGLang appends it (num_draft_entries), filled and checked like the target's; the
-aux row carries the draft's hidden states and top-k as well. With "prefill_pp" the prefill is
-pipeline-parallel (pp_stage.py): --rank is the world rank (PP rank x TP + TP rank), each stage
-holds its layers only, over SGLang's real process groups.
+aux row carries the draft's hidden states and top-k as well. draft["model"]: the draft model's
+directory (its config names its KV heads), set as SGLang's speculative_draft_model_path. With
+"prefill_pp" the prefill is pipeline-parallel (pp_stage.py): --rank is the world rank (PP rank x
+TP + TP rank), each stage holds its layers only, over SGLang's real process groups.
 
     python rank.py --role prefill --tp 2 --rank 0 --scenario s.json --out r.json
 """
@@ -89,6 +90,9 @@ class Rank:
                         disaggregation_transfer_backend="kvstage", disaggregation_bootstrap_port=sc["bootstrap_port"],
                         device="cpu", host="127.0.0.1", port=sc["http_port"] + (0 if self.prefill else 1),
                         skip_tokenizer_init=True, page_size=self.ps)
+        if (sc.get("draft") or {}).get("model"):   # a draft model of its own: SGLang's speculative server args
+            sa.speculative_algorithm, sa.speculative_draft_model_path = "EAGLE", sc["draft"]["model"]
+            sa.speculative_eagle_topk, sa.speculative_num_steps, sa.speculative_num_draft_tokens = 1, 1, 2
         publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=a.rank))
         init_groups(a, self.pp, self.attn_rank, self.attn_tp, sc["gloo"] + "-pp")
         backend = TransferBackend("kvstage")
@@ -101,8 +105,10 @@ class Rank:
         # on prefill unless draft["prefill"] is false: decode-only speculation)
         draft = sc.get("draft")
         if draft and (not self.prefill or draft.get("prefill", True)):
-            local = 1 if self.mla else draft["heads"] // self.attn_tp
-            heads = [0] if self.mla else list(range(self.attn_rank * local, (self.attn_rank + 1) * local))
+            # fewer draft heads than attention TP ranks: each is replicated on consecutive ranks
+            local = 1 if self.mla else max(1, draft["heads"] // self.attn_tp)
+            first = self.attn_rank // max(1, self.attn_tp // draft.get("heads", 1)) * local
+            heads = [0] if self.mla else list(range(first, first + local))
             make = lambda: [torch.empty((tokens, local, draft["head_dim"]), dtype=torch.bfloat16)
                             for _ in range(draft["layers"])]
             self.sets.append(KVSet(base=100, k=make(), v=[] if self.mla else make(), heads=heads,

@@ -10,6 +10,8 @@ that no page outside a successful room was written.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from scenario import expect, requests_for, run
 
@@ -89,18 +91,38 @@ def test_state_components(tmp_path, model_dir, bootstrap_server, prefill_tp, dec
 EAGLE = {"layers": 1, "heads": 4, "head_dim": 8}     # the target's geometry (4 heads of 8 bf16)
 
 
+def draft_model_dir(tmp_path, kv_heads: int) -> str:
+    """A draft model's config (what SGLang sizes the draft's KV pool by: its KV heads)."""
+    d = tmp_path / "draft-model"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": kv_heads, "num_hidden_layers": 1, "vocab_size": 256,
+        "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "bos_token_id": 1,
+        "eos_token_id": 2}))
+    return str(d)
+
+
 @pytest.mark.parametrize("prefill_tp,decode_tp,staging,mla,draft", [
     (2, 1, True, False, EAGLE), (1, 2, False, False, EAGLE),
     (1, 2, False, True, {"layers": 1, "head_dim": 8}),
     (1, 1, False, False, dict(EAGLE, prefill=False)),
-], ids=["P2-D1-staged-eagle", "P1-D2-direct-eagle", "P1-D2-mla-mtp", "P1-D1-decode-only"])
+    (2, 1, False, False, {"layers": 2, "heads": 2, "head_dim": 8}),
+    (1, 2, True, False, {"layers": 1, "heads": 1, "head_dim": 16}),    # replicated on the decode
+], ids=["P2-D1-staged-eagle", "P1-D2-direct-eagle", "P1-D2-mla-mtp", "P1-D1-decode-only", "P2-D1-direct-2-heads",
+        "P1-D2-staged-1-head-dim-16"])
 def test_speculative_decoding_draft_kv(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, staging, mla,
                                        draft):
     """A draft model's KV (SGLang appends its entries after the target's, num_draft_entries) moves
     with the target's pages, every byte of both checked on decode: EAGLE-style (the target's
-    geometry) and an MLA model's MTP latent; the aux row carries the draft's hidden states and
-    top-k. Decode-only speculation (the prefill has no draft): the decode's draft pages stay
-    untouched and every request succeeds."""
+    geometry), an MLA model's MTP latent, and a draft model of its own geometry (other heads or
+    head_dim: its head count from its config, speculative_draft_model_path, which sizes alone
+    cannot replace once the draft's heads are replicated; it moves with each request's last
+    piece); the aux row carries the draft's hidden states and top-k. Decode-only
+    speculation (the prefill has no draft): the decode's draft pages stay untouched and every
+    request succeeds."""
+    if not mla and (draft["heads"], draft["head_dim"]) != (EAGLE["heads"], EAGLE["head_dim"]):
+        draft = dict(draft, model=draft_model_dir(tmp_path, draft["heads"]))
     reqs = requests_for(17, 5, prefix={1: 1})
     results = run(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, reqs, staging=staging, mla=mla,
                   draft=draft)

@@ -54,8 +54,8 @@ def test_entries_follow_the_layers():
 
 @pytest.mark.parametrize("draft, kw, message", [
     (DraftKV(num_layers=1), dict(pp_size=2, pp_rank=1, stage=range(1, 3)), "pipeline parallelism"),
-    (DraftKV(num_layers=1, total_kv_heads=8), {}, "8 heads x head_dim 8 differs from the target's 4 x 8"),
-    (DraftKV(num_layers=1, head_dim=16), {}, "head_dim 16 differs"),
+    (DraftKV(num_layers=1, total_kv_heads=3), {}, "draft KV of 3 heads cannot be split over tp_size=2"),
+    (DraftKV(num_layers=1, total_kv_heads=2), dict(mla=True, total_kv_heads=1), "beside an MLA target"),
     ("one", {}, "draft must be a DraftKV"),
 ])
 def test_layouts_a_draft_cannot_have(draft, kw, message):

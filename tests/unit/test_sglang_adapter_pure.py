@@ -172,6 +172,46 @@ def test_draft_geometry_from_its_item_sizes(draft_heads, draft_head_bytes, want)
     assert (got.num_layers, got.total_kv_heads, got.head_dim) == (1, *want)
 
 
+@pytest.mark.parametrize("heads,item,want", [
+    (8, 16 * 2 * 256, (8, 256)),     # the target's geometry, as the draft model's config says
+    (4, 16 * 1 * 256, (4, 256)),     # 4 heads over TP 4: one on this rank, the target's head bytes
+    (2, 16 * 1 * 96, (2, 96)),       # 2 heads over TP 4: replicated, 96 B heads
+    (8, 16 * 2 * 256 // 2, (8, 128)),  # the target's head count, half its head bytes
+])
+def test_draft_geometry_with_the_draft_model_heads(heads, item, want):
+    """With the draft model's head count (its config), a head's bytes are a token's over this
+    rank's share: geometries item sizes alone cannot tell apart (4 x 256 B vs 8 x 128 B) are exact."""
+    from kvstage.adapters.sglang.geometry import draft_kv, kv_entries
+    _, draft = kv_entries(with_draft(kv_args(), layers=2, item=item))
+    got = draft_kv(draft, kv_layout(kv_args(), attn_tp_size=4, attn_tp_rank=3, mla=False), heads=heads)
+    assert (got.num_layers, got.total_kv_heads, got.head_dim) == (2, *want)
+    with pytest.raises(ValueError, match="does not split into the draft model's 3 KV heads over TP 4"):
+        draft_kv(draft, kv_layout(kv_args(), attn_tp_size=4, attn_tp_rank=3, mla=False), heads=3)
+
+
+def test_draft_heads_come_from_the_draft_model_config(tmp_path):
+    """kv_layout asks the draft model's config (speculative_draft_model_path) for its KV heads; a
+    path that cannot be read is said, with the path."""
+    from kvstage.adapters.sglang import geometry
+    asked = []
+
+    def heads(server_args):
+        asked.append(server_args.speculative_draft_model_path)
+        return 4
+    orig, geometry.draft_model_kv_heads = geometry.draft_model_kv_heads, heads
+    try:
+        sa = SimpleNamespace(speculative_algorithm="EAGLE", speculative_draft_model_path="/models/draft")
+        lay = kv_layout(with_draft(kv_args(), layers=1, item=16 * 2 * 128), attn_tp_size=4, attn_tp_rank=3,
+                        mla=False, server_args=sa)
+    finally:
+        geometry.draft_model_kv_heads = orig
+    assert asked == ["/models/draft"]
+    # 256 B per token of a 16-token page, 1 of the 4 draft heads on this rank: 256 B heads
+    assert (lay.draft.total_kv_heads, lay.draft.head_dim, lay.draft_own_geometry) == (4, 256, True)
+    assert geometry.draft_model_kv_heads(SimpleNamespace(speculative_draft_model_path=None)) is None
+    assert geometry.draft_model_kv_heads(None) is None
+
+
 def test_layout_with_an_eagle_draft():
     lay = kv_layout(with_draft(kv_args(), layers=1, item=16 * 2 * 256), attn_tp_size=4, attn_tp_rank=3, mla=False)
     assert (lay.num_layers, lay.draft.num_layers, lay.draft.total_kv_heads, lay.draft.head_dim) == (3, 1, 8, 256)
@@ -188,7 +228,6 @@ def test_mtp_draft_of_an_mla_model_is_latents():
     (False, dict(layers=1, item=16 * 2 * 256, kinds=1), None, "expected draft K layers then V layers"),
     (False, dict(layers=1, item=16 * 2 * 256 + 16 * 3, kinds=2), None, "fits neither"),
     (True, dict(layers=1, item=16 * 1152, kinds=2), "EAGLE3", "separate draft model"),
-    (False, dict(layers=1, item=16 * 1 * 256, kinds=2), None, "differs from the target's"),   # the core's, for now
 ])
 def test_draft_entries_that_cannot_be_paired_are_refused(mla, draft, algorithm, match):
     base = SimpleNamespace(kv_data_ptrs=[1, 2, 3], kv_item_lens=[16 * 1152] * 3, page_size=16) if mla else kv_args()

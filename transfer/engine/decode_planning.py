@@ -164,7 +164,8 @@ class EnginePlanner:
                           for w in need.writers},
                          {n: peers[n].key for n in need.notices}, staging=bool(cfg.staging),
                          ring_size=ring.size if ring else 0, ring_align=ring.align if ring else 1,
-                         piece_cap=int(cast(float, cfg.staging_piece_mb) * (1 << 20)), epoch=self.ctx.me)
+                         piece_cap=int(cast(float, cfg.staging_piece_mb) * (1 << 20)), epoch=self.ctx.me,
+                         draft_pools=need.draft_pools)
         if isinstance(plan, PlanRefused):
             return self.book.apply(room, room.on_plan_failed(plan.kind, plan.reason, now))
         if cfg.staging and not plan.staged:
@@ -175,7 +176,7 @@ class EnginePlanner:
         """The engine's ranks this decode rank deals with; ValueError when its TP size cannot
         share the heads or its PP stages do not tile the model."""
         stages = peering.read_stages(view.name, view.records, self.ctx.layout.num_layers)
-        return peering.needed_ranks(stages.tp_size, self.ctx.layout, stages.layers)
+        return peering.needed_ranks(stages.tp_size, self.ctx.layout, stages.layers, stages.draft_pools)
 
     def _log_fallback(self, engine_id: str, mapping: Any, writers: list[Peer]) -> None:
         why = peering.fallback_reason(self.ctx.handler.allocator is not None, self.ctx.layout.mla,

@@ -32,6 +32,7 @@ class RoomPlan:
     buffer_bytes: int = 0                         # the last piece's pool bytes must fit besides its pages
     writer_layers: dict[int, range] = field(default_factory=dict)   # writer rank -> its PP stage's layers
                                                                     # (absent: every layer)
+    draft_pools: int = 0          # the prefill's draft entries of their own geometry (pools, draft_kv.py)
 
     def writer_page_bytes(self, a: Assignment) -> int:
         return self.head_page_bytes * a.num_heads
@@ -73,7 +74,7 @@ def _writes(mapping: HeadMapping, prefill_rank: int, decode_rank: int) -> Assign
 
 def plan_room(layout: KVLayout, mapping: HeadMapping, writers: dict[int, WriterOffer],
               notices: dict[int, PeerKey], *, staging: bool, ring_size: int, ring_align: int,
-              piece_cap: int, epoch: int) -> RoomPlan | PlanRefused:
+              piece_cap: int, epoch: int, draft_pools: int = 0) -> RoomPlan | PlanRefused:
     """Decide how a room from this prefill engine moves: the staged path when staging is on here
     (a ring) and at every writer, TP sizes differ and the model is not MLA; direct otherwise.
     Returns the plan, or why not when a single page can never fit."""
@@ -83,6 +84,11 @@ def plan_room(layout: KVLayout, mapping: HeadMapping, writers: dict[int, WriterO
     if entries > layout.num_entries:
         return PlanRefused(FailureKind.LAYOUT, f"the prefill writes {entries} KV entries (layers and draft entries), "
                            f"this decode rank holds {layout.num_entries}")
+    if draft_pools and (not layout.draft_own_geometry or draft_pools > layout.draft_entries):
+        own = f"{layout.draft_entries} of its own geometry" if layout.draft_own_geometry else \
+            f"{layout.draft_layers} of the target's geometry"
+        return PlanRefused(FailureKind.LAYOUT, f"the prefill writes {draft_pools} draft KV entries of their own "
+                           f"geometry, this decode rank holds {own}")
     hpb = layout.num_kv * entries * layout.page_size * layout.head_bytes
     # writer w is TP rank w % prefill_tp of its PP stage; every stage splits the heads alike
     assigns = tuple((writers[w].key, _writes(mapping, w % mapping.prefill_tp, layout.tp_rank)) for w in sorted(writers))
@@ -105,4 +111,5 @@ def plan_room(layout: KVLayout, mapping: HeadMapping, writers: dict[int, WriterO
                     ring_align=ring_align, ring_epoch=epoch, prefill_tp=mapping.prefill_tp,
                     decode_tp=mapping.decode_tp, ring_size=ring_size,
                     buffer_bytes=min(o.buffer_bytes for o in writers.values()) if writers else 0,
-                    writer_layers={w: o.layers for w, o in writers.items() if o.layers is not None})
+                    writer_layers={w: o.layers for w, o in writers.items() if o.layers is not None},
+                    draft_pools=draft_pools)

@@ -26,6 +26,7 @@ import numpy as np
 from ...staging.pieces import plan_pieces
 from ...staging.ring import Region, RingAllocator, TooLarge
 from ..config import Timeouts
+from ..draft_kv import draft_pool_name, request_draft_items
 from ..layout import KVLayout
 from ..poll import KVPoll
 from ..state_pools import PoolSpec
@@ -194,6 +195,9 @@ class DecodeRoom(RoomBase):
         p = self.plan
         entries = p.num_layers or self.layout.num_entries   # the prefill's: a decode's extra draft entries stay unwritten
         last_stage = [r for r in self.writers if p.writer_layers.get(r, range(entries)).stop == entries]
+        if p.draft_pools:   # the prefill's draft entries of their own geometry: pools of the pages' token slots
+            self.pool_items = {**self.pool_items, **request_draft_items(
+                [draft_pool_name(i) for i in range(p.draft_pools)], self._dst, self.layout.page_size)}
         # the pools move with the last layer's writes: a PP prefill's last stage writes them
         self.pool_copies = {r: request_copies(writer_segments(self.pools, p.prefill_tp, p.decode_tp,
                                                               self.writers[r].assignment), None, self.pool_items)

@@ -82,6 +82,12 @@ class SendLedger:
         self._pages = np.full(num_pages, -1, dtype=np.int64)
 
     @property
+    def pages(self) -> np.ndarray:
+        """The request's page at each position (-1: not given yet)."""
+        assert self._pages is not None, "the page count is not known yet"
+        return self._pages
+
+    @property
     def sent_everywhere(self) -> int:
         """Positions every layer reached."""
         return int(self._sent.min())

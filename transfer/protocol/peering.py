@@ -24,13 +24,15 @@ class NeededRanks:
     notices: list[int]      # prefill ranks that only need to hear about the request
     mapping: HeadMapping    # of one PP stage (every stage has the same TP size and head split)
     layers: dict[int, range] = field(default_factory=dict)   # needed rank -> the layers it holds
+    draft_pools: int = 0    # draft entries of its own geometry the engine writes (as pools, draft_kv.py)
 
     @property
     def all(self) -> list[int]:
         return self.writers + self.notices
 
 
-def needed_ranks(prefill_tp: int, layout: KVLayout, stages: tuple[range, ...] | None = None) -> NeededRanks:
+def needed_ranks(prefill_tp: int, layout: KVLayout, stages: tuple[range, ...] | None = None,
+                 draft_pools: int = 0) -> NeededRanks:
     """The prefill ranks a decode rank deals with. `stages`: each PP stage's layers, in stage
     order (None: one stage of every layer); rank s * prefill_tp + p is TP rank p of stage s,
     and each stage's ranks write the decode rank's heads for their own layers. Raises
@@ -40,14 +42,17 @@ def needed_ranks(prefill_tp: int, layout: KVLayout, stages: tuple[range, ...] | 
     stages = stages if stages is not None else (range(layout.num_layers),)
     layers = {s * prefill_tp + p: stage for s, stage in enumerate(stages) for p in writers + notices}
     return NeededRanks([s * prefill_tp + w for s in range(len(stages)) for w in writers],
-                       [s * prefill_tp + n for s in range(len(stages)) for n in notices], mapping, layers)
+                       [s * prefill_tp + n for s in range(len(stages)) for n in notices], mapping, layers,
+                       draft_pools)
 
 
 # What a PP prefill rank registers besides its layout summary (bootstrap RankInfo.layout):
 # its engine's PP size and its stage's layers. Its registered tp_size and tp_rank are the
 # engine's rank count and its rank (KVLayout.ranks, KVLayout.rank).
 PP_SIZE, STAGE_START, STAGE_STOP = "pp_size", "stage_start", "stage_stop"
-DRAFT_LAYERS = "draft_layers"   # from its layout summary (LayoutSummary.draft_layers)
+# From its layout summary: the draft's entries and geometry (LayoutSummary.draft_*), compared
+# with the target's total_kv_heads and head_dim to tell a draft of its own geometry.
+DRAFT_LAYERS, DRAFT_HEADS, DRAFT_HEAD_DIM = "draft_layers", "draft_kv_heads", "draft_head_dim"
 
 
 def stage_record(layout: KVLayout) -> dict[str, int]:
@@ -62,12 +67,14 @@ class PrefillStages:
 
     tp_size: int
     layers: tuple[range, ...]    # by PP rank
+    draft_pools: int = 0         # draft entries of their own geometry, written as pools (draft_kv.py)
 
 
 def read_stages(engine_id: str, records: list[Any], num_layers: int) -> PrefillStages:
     """The PP stages of a prefill engine from its rank records (sorted by rank, every rank
     there), checked to tile the model's `num_layers` layers in order; the last stage's range
-    goes on over the engine's draft KV entries (layout summary `draft_layers`). Raises
+    goes on over the engine's draft KV entries of the target's geometry (layout summary
+    `draft_layers`; a draft of its own geometry is `draft_pools`, moved as pools). Raises
     ValueError saying which stage is wrong."""
     def field_of(rec: Any, name: str, default: int) -> int:
         return int(rec.layout.get(name, default)) if isinstance(getattr(rec, "layout", None), dict) else default
@@ -100,8 +107,12 @@ def read_stages(engine_id: str, records: list[Any], num_layers: int) -> PrefillS
     if len(drafts) != 1 or min(drafts) < 0:
         raise ValueError(f"prefill engine {engine_id}: its ranks disagree on the draft KV entries: {sorted(drafts)}")
     draft = drafts.pop()
-    stages[-1] = range(stages[-1].start, stages[-1].stop + draft)
-    return PrefillStages(tp, tuple(stages))
+    rec = records[-1]
+    own = draft and (field_of(rec, DRAFT_HEADS, 0), field_of(rec, DRAFT_HEAD_DIM, 0)) != (
+        field_of(rec, "total_kv_heads", 0), field_of(rec, "head_dim", 0))
+    if not own:
+        stages[-1] = range(stages[-1].start, stages[-1].stop + draft)
+    return PrefillStages(tp, tuple(stages), draft if own else 0)
 
 
 class LookupState(StrKind):

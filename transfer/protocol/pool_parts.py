@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..draft_kv import draft_pool_entry, is_draft_pool
 from ..state_pools import PoolSpec
 from .head_mapping import Assignment, HeadMapping, compute_assignments
 
@@ -102,10 +103,11 @@ def _block_writers_mismatch(spec: PoolSpec, block: int, kv: HeadMapping, prefill
     for d in range(decode_tp):
         if sorted(kv.writers_of(d)) != sorted(pools.writers_of(d)):
             what = f"{spec.heads} heads" if not spec.blocks else f"a block of {block} of its heads {spec.blocks}"
-            return (f"pool {spec.name!r} ({what}) would be written to decode rank {d} by prefill "
+            name = f"draft KV entry {draft_pool_entry(spec.name)}" if is_draft_pool(spec.name) else f"pool {spec.name!r}"
+            return (f"{name} ({what}) would be written to decode rank {d} by prefill "
                     f"ranks {sorted(pools.writers_of(d))}, its KV ({kv_heads} heads{', MLA' if mla else ''}) "
-                    f"by {sorted(kv.writers_of(d))}: heads pools must have the KV's writers "
-                    f"(prefill TP {prefill_tp}, decode TP {decode_tp})")
+                    f"by {sorted(kv.writers_of(d))}: heads pools (a draft of its own geometry too) must have "
+                    f"the KV's writers (prefill TP {prefill_tp}, decode TP {decode_tp})")
     return ""
 
 

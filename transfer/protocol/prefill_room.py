@@ -25,6 +25,7 @@ import itertools
 import numpy as np
 
 from ..config import Timeouts
+from ..draft_kv import is_draft_pool, request_draft_items
 from ..layout import KVLayout
 from ..poll import KVPoll
 from ..state_pools import PoolSpec
@@ -120,6 +121,7 @@ class PrefillRoom(RoomBase):
         self.last = step.last
         if pool_items:
             self.pool_items = {**self.pool_items, **pool_items}
+        self._add_draft_items()
         assert self.grouper is not None, "the ledger refuses a send before the page count"
         units = self.grouper.add(step, pages, ready)
         if self.ended:
@@ -177,6 +179,7 @@ class PrefillRoom(RoomBase):
         if self.prefix is None:
             self.prefix = meta.prefix_pages
             prefix_news = [DecodePrefix(self.prefix)]
+            self._add_draft_items()
         elif meta.prefix_pages != self.prefix:  # every decode rank is told (this one has its flow now)
             return self.fail(FailureKind.PROTOCOL, f"decode ranks of room {self.room} disagree on the prefix they hold: "
                                          f"{self.prefix} pages, then {meta.prefix_pages} from decode rank "
@@ -437,6 +440,14 @@ class PrefillRoom(RoomBase):
         last page of the model's last layer (of its last draft entry, with a draft), hence the
         state pool items (a PP prefill: only the last stage's)."""
         return page_end == self._pages_to_send and layers.stop == self.layout.num_entries
+
+    def _add_draft_items(self) -> None:
+        """A draft of its own geometry (draft_kv.py): once the request's pages and the decode's
+        prefix are both known, its pools' items are the token slots of every page past the prefix."""
+        names = [p.name for p in self.pools if is_draft_pool(p.name)]
+        if names and self.last and self.prefix is not None and names[0] not in self.pool_items:
+            self.pool_items = {**self.pool_items, **request_draft_items(
+                names, self.ledger.pages[self.prefix:], self.layout.page_size)}
 
     def _post(self, flow: Flow, op: WriteOp) -> PostWrite:
         self.ops[op.op_id] = op
