@@ -207,6 +207,13 @@ class KVLayout:
         return max(1, (heads or self.total_kv_heads) // self.tp_size)
 
     @property
+    def draft_token_shape(self) -> tuple[int, int]:
+        """(draft heads on this rank, draft head_dim): one token of a draft entry's tensors (the
+        target's when there is no draft)."""
+        head_dim = self.draft.head_dim if self.draft is not None else None
+        return self.draft_local_heads, head_dim or self.head_dim
+
+    @property
     def num_entries(self) -> int:
         """KV entries of the whole cache: the model's layers, then the draft's."""
         return self.num_layers + self.draft_layers
@@ -333,7 +340,7 @@ class KVBuffers:
         groups = self._groups(layout)
         target_tail = (layout.local_heads, layout.head_dim)
         draft = layout.draft
-        draft_tail = (layout.draft_local_heads, draft.head_dim or layout.head_dim) if draft is not None else target_tail
+        draft_tail = layout.draft_token_shape
         tokens = device = None
         for name, tensors, want in groups:
             expected_tail = draft_tail if name.startswith("draft") else target_tail
@@ -404,8 +411,7 @@ class KVBuffers:
         pages = check_pointers(layout, data_ptrs, data_lens, item_lens)
         n, d = len(layout.layers) - layout.draft_layers, layout.draft_entries
         target = (pages * layout.page_size, layout.local_heads, layout.head_dim)
-        draft = (pages * layout.page_size, layout.draft_local_heads, layout.draft.head_dim or layout.head_dim) \
-            if layout.draft is not None else target
+        draft = (pages * layout.page_size, *layout.draft_token_shape)
         views = [tensor_at(p, b, layout.dtype, target if i < n * layout.num_kv else draft, dev)
                  for i, (p, b) in enumerate(zip(data_ptrs, data_lens))]
         if layout.num_kv == 1:   # target entries, then the draft's

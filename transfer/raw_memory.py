@@ -41,9 +41,8 @@ def check_pointers(layout, data_ptrs, data_lens, item_lens) -> int:
     kinds = "K then V" if layout.num_kv == 2 else "K (MLA latent)"
     if layout.draft_entries:
         kinds += f", the target's {layout.num_layers} then the draft's {layout.draft_entries}"
-    draft_page = layout.page_size * layout.draft_local_heads * (
-        layout.draft.head_dim if layout.draft is not None and layout.draft.head_dim else layout.head_dim
-    ) * layout.elem_size
+    heads, head_dim = layout.draft_token_shape
+    draft_page = layout.page_size * heads * head_dim * layout.elem_size
     for name, seq in (("data_ptrs", data_ptrs), ("data_lens", data_lens), ("item_lens", item_lens)):
         if not isinstance(seq, (list, tuple)) or len(seq) != want:
             raise ValueError(f"{name} must list {want} entries ({want // layout.num_kv} entries, {kinds}), got "
