@@ -14,7 +14,8 @@ creating the sender), init_delay_s (decode: wait before init()), abort_before_in
 right after creating the receiver), chunk_delay_s (prefill: pause between chunks), hold_last_until
 (prefill: send the last chunk only once these files exist), touch_after_abort (decode: create this
 file, "{rank}" replaced by its rank, once it aborted), start_after_file (both: do not start the
-room, nor any after it, before this file exists), late_init (prefill: create the sender without a
+room, nor any after it, before this file, or each of this list of files, exists), done_file (both:
+create this file, "{role}" and "{rank}" replaced, once the room ended and was released), late_init (prefill: create the sender without a
 page count and give it with init(): "now" right after creating it, "wait" once it polls
 WaitingForInput), infer_last (prefill: send() without last=), abort_at (prefill: abort() as soon
 as the sender polls this state, e.g. "Bootstrapping" or "WaitingForInput", instead of sending),
@@ -202,7 +203,7 @@ def drive(spec: dict, bootstrap: str, result: dict) -> None:
             next_live = time.monotonic() + 0.3
         while rooms and len(active) < r_window(rooms[0], window):
             r = rooms[0]
-            if r.get("start_after_file") and not os.path.exists(r["start_after_file"]):
+            if not all(map(os.path.exists, _files(r.get("start_after_file")))):
                 break
             if r.get("drain_before") and active:
                 break
@@ -228,6 +229,8 @@ def drive(spec: dict, bootstrap: str, result: dict) -> None:
                 items.give(st["items"])
                 del active[room_id]
                 progressed = True
+                if r_done := st["spec"].get("done_file"):
+                    open(r_done.format(role=spec["role"], rank=spec["rank"]), "w").close()
                 if spec.get("progress"):
                     _write_progress(spec["progress"], spec["role"], out)
         if spec.get("started_file") and not os.path.exists(spec["started_file"]) and active and \
@@ -415,6 +418,13 @@ def new_sender(mgr: KVManager, r: dict, st: dict):
         h.init(len(st["pages"]), pool_items=items)
         st["inited"] = True
     return h
+
+
+def _files(named: str | list[str] | None) -> list[str]:
+    """start_after_file: one path or a list of them."""
+    if not named:
+        return []
+    return [named] if isinstance(named, str) else list(named)
 
 
 class _Pending:

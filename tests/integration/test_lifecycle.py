@@ -295,21 +295,32 @@ def test_prefill_instances_at_their_own_rendezvous_servers(backend):
 
 
 @pytest.mark.timeout(300)
-def test_a_reused_room_id_is_untouched_by_its_earlier_use():
-    """Room 42 is used three times, each use starting once the previous one ended on both sides:
-    aborted by the decode side mid-transfer; then prefill first; then decode first (its metadata
-    reaches the prefill rank before the new sender exists, while the id's last use is remembered
-    as finished there). Each use has its own bytes (pattern_key); nothing of an earlier use may
-    fail or touch a later one."""
+def test_a_reused_room_id_is_untouched_by_its_earlier_use(tmp_path):
+    """Room 42 is used four times, each use starting once the previous one ended on both sides
+    (each rank waits for the others' done files, never for a delay): aborted by the decode side
+    before its metadata went out, its failure reaching the prefill rank before the sender exists
+    (the sender fails a lease later, when no other session came); aborted by the decode side
+    mid-transfer; then prefill first; then decode first (its metadata reaches the prefill rank
+    before the new sender exists, while the id's last use is remembered as finished there). Each
+    use has its own bytes (pattern_key); nothing of an earlier use may fail or touch a later one."""
     cases = []
     for backend in ("nixl", "mooncake"):
         for staging in (True, False):
             uses = [
                 {
                     "room": 42,
+                    "pages": 4,
+                    "chunks": [4],
+                    "abort_before_init": True,
+                    "create_delay_s": 1.0,
+                    "pattern_key": 42,
+                },
+                {
+                    "room": 42,
                     "pages": 6,
                     "chunks": [2, 2, 2],
                     "chunk_delay_s": 0.3,
+                    "drain_before": True,
                     "abort_after_s": 0.2,
                     "pattern_key": 1042,
                 },
@@ -330,6 +341,12 @@ def test_a_reused_room_id_is_untouched_by_its_earlier_use():
                     "create_delay_s": 1.5,
                 },
             ]
+            # a use starts once the one before it ended on both sides (README: the reuse contract)
+            ranks = ["prefill-0", "prefill-1", "decode-0"]
+            for i, use in enumerate(uses):
+                use["done_file"] = str(tmp_path / f"{backend}-{staging}-use{i}-{{role}}-{{rank}}")
+                if i:
+                    use["start_after_file"] = [str(tmp_path / f"{backend}-{staging}-use{i - 1}-{r}") for r in ranks]
             cases.append(
                 Case(
                     topo=Topo(P=2, D=1, H=4),
@@ -344,10 +361,12 @@ def test_a_reused_room_id_is_untouched_by_its_earlier_use():
     assert not any(codes), codes
     for c, side, res in each_rank(cases, results):
         states = [(r["room"], r["state"]) for r in res["rooms"]]
-        assert states == [(42, "Failed"), (42, "Success"), (42, "Success")], (c.name, side, res["rooms"])
-        assert "abort" in res["rooms"][0]["failure"]
+        assert states == [(42, "Failed"), (42, "Failed"), (42, "Success"), (42, "Success")], (c.name, side, res["rooms"])
+        assert all("abort" in r["failure"] for r in res["rooms"][:2]), res["rooms"]
+        if side == "prefill":
+            assert "before its room metadata went out" in res["rooms"][0]["failure"], res["rooms"][0]
         if side == "decode":
-            assert [r["verified"] for r in res["rooms"][1:]] == [True, True], (c.name, res["rooms"])
+            assert [r["verified"] for r in res["rooms"][2:]] == [True, True], (c.name, res["rooms"])
 
 
 @pytest.mark.timeout(300)
