@@ -67,7 +67,7 @@ def parse(argv=None):
                    help="compute ms per layer per chunk, for every length (default: calibrated per chunk size)")
     p.add_argument("--compute-ratio", type=bench._mb, default=1.0,
                    help="a layer's compute / a layer's measured transfer (calibrated layer time)")
-    p.add_argument("--calibration-requests", type=bench._int(1), default=3)
+    p.add_argument("--calibration-requests", type=bench._int(1), default=5)
     p.add_argument("--layer-group", type=bench._int(0), default=None, help="EngineConfig.layer_group (default: its)")
     p.add_argument("--min-tokens", type=bench._int(0), default=None,
                    help="EngineConfig.layerwise_min_tokens of the main run (default: its)")
@@ -146,11 +146,13 @@ def cache_pages(a, lengths: list[int]) -> int:
 
 def calibrate(a, backend: str, path: str, lengths: list[int]) -> dict[int, float]:
     """Seconds of one layer's share of a chunk's transfer, per chunk size in tokens: chunks sent
-    whole with no compute, median of the timed requests over the layer count."""
+    whole with no compute, median of the timed requests over the layer count. The sizes take
+    turns request by request, so that a slow spell of the machine does not land on one size's
+    requests only (a calibration too fast for one size lets the transfer fall behind there)."""
     sizes = sorted({min(t, a.chunk_tokens) for t in lengths})
     reqs, room = [], 1
-    for t in sizes:
-        for i in range(a.calibration_requests + 1):
+    for i in range(a.calibration_requests + 1):
+        for t in sizes:
             reqs.append({"room": room, "chunks": chunking(a, t), "mode": "chunk", "layer_s": [0.0], "verify": i == 0,
                          "tokens": t, "warmup": i == 0})
             room += 1
