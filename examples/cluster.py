@@ -6,8 +6,10 @@ real processes: `python -m kvstage.bootstrap` and `examples/pd_rank.py`.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +21,16 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 CRASH_CODES = {-signal.SIGSEGV, -signal.SIGABRT, -signal.SIGBUS, -signal.SIGILL, -signal.SIGFPE}
 ROOT = HERE.parent
+
+
+def scratch_dir(prefix: str) -> str:
+    """A fresh directory for one cluster's specs, results and logs, removed when this process
+    exits (the tests and benchmarks read what they need while it runs); KVSTAGE_KEEP_WORKDIRS=1
+    keeps it, to read the rank logs of a run afterwards."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    if not os.environ.get("KVSTAGE_KEEP_WORKDIRS"):
+        atexit.register(shutil.rmtree, path, True)
+    return path
 
 
 def rank_env(extra: dict | None = None) -> dict:
@@ -113,7 +125,7 @@ class Cluster:
     server_args: list | None = None
     server_host: str = "127.0.0.1"
     server_netns: str | None = None
-    workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="kvstage-"))
+    workdir: str = field(default_factory=lambda: scratch_dir("kvstage-"))
     server: Server | None = None
     procs: list = field(default_factory=list)
     rendezvous: str | None = None

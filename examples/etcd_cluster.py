@@ -16,12 +16,13 @@ import shutil
 import signal
 import socket
 import subprocess
-import tempfile
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from cluster import scratch_dir
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 # fast elections on localhost: heartbeat 50 ms, election 500 ms (etcd's shortest lease TTL follows
@@ -64,7 +65,7 @@ class EtcdCluster:
 
     size: int = 3
     args: list[str] = field(default_factory=list)   # more etcd flags for every member
-    workdir: str = field(default_factory=lambda: tempfile.mkdtemp(prefix="kvstage-etcd-"))
+    workdir: str = field(default_factory=lambda: scratch_dir("kvstage-etcd-"))
     members: list[Member] = field(default_factory=list)
 
     def __post_init__(self):
