@@ -14,10 +14,10 @@ creating the sender), init_delay_s (decode: wait before init()), abort_before_in
 right after creating the receiver), chunk_delay_s (prefill: pause between chunks), hold_last_until
 (prefill: send the last chunk only once these files exist), touch_after_abort (decode: create this
 file, "{rank}" replaced by its rank, once it aborted), start_after_file (both: do not start the
-room, nor any after it, before this file, or each of this list of files, exists), done_file (both:
-create this file, "{role}" and "{rank}" replaced, once the room ended and was released), late_init (prefill: create the sender without a
-page count and give it with init(): "now" right after creating it, "wait" once it polls
-WaitingForInput), infer_last (prefill: send() without last=), abort_at (prefill: abort() as soon
+room, nor any after it, before this file, or each of this list of files, exists), done_file
+(both: create this file, "{role}" and "{rank}" replaced, once the room ended and was released),
+late_init (prefill: create the sender without a page count and give it with init(): "now" right
+after creating it, "wait" once it polls WaitingForInput), infer_last (prefill: send() without last=), abort_at (prefill: abort() as soon
 as the sender polls this state, e.g. "Bootstrapping" or "WaitingForInput", instead of sending),
 prefix_pages (decode: its first k pages stand for a prefix cache hit: init(rest, prefix_pages=k)),
 prefix_pages_by_rank ({"rank": k}: the same, per decode rank), source (decode: where the room's KV
@@ -229,8 +229,8 @@ def drive(spec: dict, bootstrap: str, result: dict) -> None:
                 items.give(st["items"])
                 del active[room_id]
                 progressed = True
-                if r_done := st["spec"].get("done_file"):
-                    open(r_done.format(role=spec["role"], rank=spec["rank"]), "w").close()
+                if done_file := st["spec"].get("done_file"):
+                    open(done_file.format(role=spec["role"], rank=spec["rank"]), "w").close()
                 if spec.get("progress"):
                     _write_progress(spec["progress"], spec["role"], out)
         if spec.get("started_file") and not os.path.exists(spec["started_file"]) and active and \

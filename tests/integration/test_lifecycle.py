@@ -298,11 +298,13 @@ def test_prefill_instances_at_their_own_rendezvous_servers(backend):
 def test_a_reused_room_id_is_untouched_by_its_earlier_use(tmp_path):
     """Room 42 is used four times, each use starting once the previous one ended on both sides
     (each rank waits for the others' done files, never for a delay): aborted by the decode side
-    before its metadata went out, its failure reaching the prefill rank before the sender exists
-    (the sender fails a lease later, when no other session came); aborted by the decode side
-    mid-transfer; then prefill first; then decode first (its metadata reaches the prefill rank
-    before the new sender exists, while the id's last use is remembered as finished there). Each
-    use has its own bytes (pattern_key); nothing of an earlier use may fail or touch a later one."""
+    before its metadata went out, its failure reaching the prefill rank (unless the connection is
+    slow) before the sender exists (which fails a lease later, no other session having come: the
+    next use waits for that, or its metadata would be taken for this use's); aborted by the decode
+    side mid-transfer; then prefill first; then decode first (its metadata reaches the prefill
+    rank before the new sender exists, while the id's last use is remembered as finished there).
+    Each use has its own bytes (pattern_key); nothing of an earlier use may fail or touch a later
+    one."""
     cases = []
     for backend in ("nixl", "mooncake"):
         for staging in (True, False):
@@ -363,8 +365,6 @@ def test_a_reused_room_id_is_untouched_by_its_earlier_use(tmp_path):
         states = [(r["room"], r["state"]) for r in res["rooms"]]
         assert states == [(42, "Failed"), (42, "Failed"), (42, "Success"), (42, "Success")], (c.name, side, res["rooms"])
         assert all("abort" in r["failure"] for r in res["rooms"][:2]), res["rooms"]
-        if side == "prefill":
-            assert "before its room metadata went out" in res["rooms"][0]["failure"], res["rooms"][0]
         if side == "decode":
             assert [r["verified"] for r in res["rooms"][2:]] == [True, True], (c.name, res["rooms"])
 
