@@ -231,18 +231,18 @@ def test_counts_mismatch():
 
 
 def test_the_last_piece_is_split_so_its_pool_blocks_fit_the_ring_and_buffers():
-    from kvstage.transfer.config import Timeouts
-    from kvstage.transfer.protocol.decode_room import DecodeRoom, RoomPlan
+    from kvstage.transfer.protocol.chunk_pieces import fit_pools
+    from kvstage.transfer.protocol.decode_room import RoomPlan
     from kvstage.transfer.protocol.tracker import RoomTracker
 
-    lay = layout(tp=1)
-    room = DecodeRoom(room=1, session=1, me=1, layout=lay, now=0.0, timeouts=Timeouts())
-    room.tracker = RoomTracker(10, {0: 100, 1: 100}, {0: 300, 1: 50})   # pages of 200 B, 350 B of pools
-    room.plan = RoomPlan(writers=(), staged=True, head_page_bytes=50, max_piece_pages=8, ring_size=1000, buffer_bytes=10_000)
+    tracker = RoomTracker(10, {0: 100, 1: 100}, {0: 300, 1: 50})   # pages of 200 B, 350 B of pools
+
+    def fit(planned, **plan):
+        return fit_pools(tracker, RoomPlan(writers=(), staged=True, head_page_bytes=50, max_piece_pages=8, **plan),
+                         planned, range(1), [0, 1])
+
     # the last piece of 8 pages needs 8*200+350 > 1000: at most 3 pages (3*200+350 = 950) go with the pools
-    assert room._fit_pools([(0, 2), (2, 8)], range(1)) == [(0, 2), (2, 5), (7, 3)]
-    assert room._fit_pools([(0, 3)], range(1)) == [(0, 3)]
-    room.plan = RoomPlan(writers=(), staged=True, head_page_bytes=50, max_piece_pages=8, ring_size=1000, buffer_bytes=450)
-    assert room._fit_pools([(0, 3)], range(1)) == [(0, 2), (2, 1)]    # writer 0: 100 B a page + 300 B of pools
-    room.plan = RoomPlan(writers=(), staged=True, head_page_bytes=50, max_piece_pages=8, ring_size=500, buffer_bytes=10_000)
-    assert room._fit_pools([(0, 3)], range(1)) == []                  # 200 + 350 > 500: not even one page
+    assert fit([(0, 2), (2, 8)], ring_size=1000, buffer_bytes=10_000) == [(0, 2), (2, 5), (7, 3)]
+    assert fit([(0, 3)], ring_size=1000, buffer_bytes=10_000) == [(0, 3)]
+    assert fit([(0, 3)], ring_size=1000, buffer_bytes=450) == [(0, 2), (2, 1)]    # writer 0: 100 B a page + 300 B
+    assert fit([(0, 3)], ring_size=500, buffer_bytes=10_000) == []                # 200 + 350 > 500: not one page

@@ -23,14 +23,14 @@ from typing import cast
 
 import numpy as np
 
-from ...staging.pieces import plan_pieces
-from ...staging.ring import Region, RingAllocator, TooLarge
+from ...staging.ring import Region, RingAllocator
 from ..config import Timeouts
 from ..draft_kv import draft_pool_name, request_draft_items
 from ..layout import KVLayout
 from ..poll import KVPoll
 from ..state_pools import PoolSpec
 from .actions import Action, PartCheck, PeerKey, PoolPlacement, PublishWatermark, RoomTotals, Scatter, ScatterPart, Send
+from .chunk_pieces import PiecesRefused, chunk_pieces
 from .decode_plan import PlanRefused, RoomPlan, WriterOffer, plan_room
 from .head_mapping import Assignment
 from .kinds import FailureKind, StrKind, TransferPath, remote_kind
@@ -252,51 +252,18 @@ class DecodeRoom(RoomBase):
             return self.fail(FailureKind.PROTOCOL, f"chunk {req.chunk} from {peer} covers pages [{req.page_start}, "
                                          f"+{req.num_pages}) of layers [{layers.start}, {layers.stop}) that are "
                                          f"outside the room or its PP stage, or already planned", now)
-        writers = t.writers_of(layers)   # PP: the ranks of the stage holding these layers
-        page_bytes = sum(t.bytes_of(w, 1, layers) for w in writers)
-        fit = ring.pages_fit_now(page_bytes)
-        pieces: list[Piece] = []
-        regions: dict[int, Region] = {}
-        planned = plan_pieces(req.page_start, req.num_pages,
-                              self._plan.piece_pages([t.bytes_of(w, 1, layers) for w in writers]), fit)
-        final = t.final(req.page_start, req.num_pages, layers)
-        extra = sum(t.final_extra.get(w, 0) for w in writers) if final else 0
-        if extra:  # the last piece also holds every writer's pool block: it may need fewer pages
-            planned = self._fit_pools(planned, layers, writers)
-            if not planned:
-                return self.fail(FailureKind.STAGING, f"the state pool items of this request ({extra} bytes with one page) "
-                                            f"do not fit the staging ring ({self._plan.ring_size} bytes) or a prefill "
-                                            f"worker buffer ({self._plan.buffer_bytes} bytes)", now)
-        for i, (start, count) in enumerate(planned):
-            last = t.final(start, count, layers)
-            region = ring.allocate(count * page_bytes + (extra if last else 0))
-            if isinstance(region, TooLarge):  # piece_pages makes this impossible
-                raise AssertionError(str(region))
-            regions[i] = region
-            pieces.append(Piece(i, start, count, region.start, region.nbytes))
-            t.expect_piece(req.chunk, i, start, count, region.start, writers, layers)
+        planned = chunk_pieces(t, self._plan, ring, page_start=req.page_start, num_pages=req.num_pages, layers=layers)
+        if isinstance(planned, PiecesRefused):
+            return self.fail(FailureKind.STAGING, planned.reason, now)
+        writers = t.writers_of(layers)
+        pieces = [Piece(i, p.page_start, p.num_pages, p.region.start, p.region.nbytes) for i, p in enumerate(planned)]
+        regions = {i: p.region for i, p in enumerate(planned)}
+        for i, p in enumerate(planned):
+            t.expect_piece(req.chunk, i, p.page_start, p.num_pages, p.region.start, writers, layers)
         alloc = Allocation(chunk=req.chunk, page_start=req.page_start, num_pages=req.num_pages, layers=layers,
                            pieces=pieces, regions=regions)
         self.allocs[req.chunk] = alloc
         return [self._grant(peer, alloc)]
-
-    def _fit_pools(self, planned: list[tuple[int, int]], layers: range,
-                   writers: list[int] | None = None) -> list[tuple[int, int]]:
-        """Split the last piece so its pages and every writer's pool block fit the ring and each
-        writer's part its buffer; [] when not even one page does. `writers`: the piece's (None:
-        every writer of the room)."""
-        start, count = planned[-1]
-        writers = list(self._tracker.writer_page_bytes) if writers is None else writers
-        extra = {w: self._tracker.final_extra.get(w, 0) for w in writers}
-        wpb = {w: self._tracker.bytes_of(w, 1, layers) for w in writers}
-        total = sum(wpb.values())
-        fits = [n for n in range(count, 0, -1)
-                if n * total + sum(extra.values()) <= self._plan.ring_size
-                and all(n * wpb[w] + extra.get(w, 0) <= self._plan.buffer_bytes for w in wpb)]
-        if not fits:
-            return []
-        n = fits[0]
-        return planned[:-1] + ([(start, count - n)] if n < count else []) + [(start + count - n, n)]
 
     def _grant(self, peer: PeerKey, alloc: Allocation) -> Send:
         return Send(peer, AllocGrant(src=self.me, dst=peer.incarnation, room=self.room, session=self.session,
