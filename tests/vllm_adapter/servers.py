@@ -12,10 +12,12 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,12 +58,15 @@ def build_tiny_model(path: Path) -> str:
 
 
 class Proc:
-    """A server process in its own process group, stopped by PID (the group's id)."""
+    """A server process in its own process group, stopped by PID (the group's id). Its ZMQ
+    sockets (vLLM names them ipc://VLLM_RPC_BASE_PATH/<uuid>, in the temp directory by default)
+    go to a directory of its own, removed when it stops: a killed server leaves none behind."""
 
     def __init__(self, name: str, argv: list[str], log: Path, env: dict):
         self.name, self.log = name, log
-        self.proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.rpc_dir = tempfile.mkdtemp(prefix="vllm-rpc-")
+        self.proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                     env={**env, "VLLM_RPC_BASE_PATH": self.rpc_dir}, start_new_session=True)
 
     def tail(self, n: int = 6000) -> str:
         return self.log.read_text(errors="replace")[-n:]
@@ -78,6 +83,7 @@ class Proc:
         except ProcessLookupError:
             pass
         self.proc.wait()
+        shutil.rmtree(self.rpc_dir, ignore_errors=True)
 
 
 def wait_healthy(procs: list[Proc], urls: list[str]) -> None:
