@@ -130,10 +130,14 @@ def test_waiting_and_idle_ranks_do_not_poll(backend, tmp_path):
         dec, pre = c.results["decode"]["stats"], c.results["prefill"]["stats"]
         writes = sum(pre["write_requests_by_path"].values())
         assert pre["writes_announced"] == writes > 0, (c.name, pre)
-        # every tag was read after its announcement woke the decode rank; at most one found by a
-        # tick that fell between a tag and its announcement (dropped announcements: all of them)
-        arrivals = dec["tags_by_arrival"]
-        assert arrivals.get("unannounced", 0) <= 1 and sum(arrivals.values()) == writes, (c.name, arrivals)
+        # announcements drive the decode rank: every one taken before its tag saw its tag land as
+        # expected. A tag may still be read first, by a step woken by anything else (a tick, a
+        # heartbeat, another write's announcement) while its own message is on the wire: how many
+        # races how a loaded machine schedules the two threads, so only "some, not all" is asserted
+        # (dropped announcements: all of them, in the test below)
+        arrivals, announced = dec["tags_by_arrival"], dec["write_announcements"]
+        assert sum(arrivals.values()) == writes, (c.name, arrivals)
+        assert arrivals.get("expected", 0) == announced.get("accepted", 0) > 0, (c.name, arrivals, announced)
 
 
 @pytest.mark.timeout(300)

@@ -8,6 +8,7 @@ from kvstage.transfer.protocol.quiet import (
     MAX_EAGER_WAIT,
     MIN_EAGER_WAIT,
     Activity,
+    Announcement,
     Arrival,
     ExpectedWrites,
     InFlight,
@@ -46,8 +47,8 @@ def test_draining_polls_now_and_then():
 
 def test_expected_writes_count_announced_tags_not_in():
     e = ExpectedWrites()
-    assert e.announce(7, (1, 0, 0)) and e.announce(7, (2, 0, 0)) and e.announce(8, (1, 0, 0))
-    assert not e.announce(7, (1, 0, 0))            # a duplicate announcement
+    assert [e.announce(7, (1, 0, 0)), e.announce(7, (2, 0, 0)), e.announce(8, (1, 0, 0))] == [Announcement.NEW] * 3
+    assert e.announce(7, (1, 0, 0)) is Announcement.REPEATED
     assert e.outstanding == 3
     assert e.landed(7, (1, 0, 0)) is Arrival.EXPECTED
     assert e.landed(7, (1, 0, 0)) is Arrival.REPEATED
@@ -61,7 +62,7 @@ def test_expected_writes_count_announced_tags_not_in():
 def test_a_tag_before_its_announcement_leaves_nothing_outstanding():
     e = ExpectedWrites()
     assert e.landed(3, (1, 2, 0)) is Arrival.UNANNOUNCED
-    assert not e.announce(3, (1, 2, 0))            # the late message of a write already in
+    assert e.announce(3, (1, 2, 0)) is Announcement.AFTER_TAG   # the late message of a write already in
     assert e.outstanding == 0
     e.forget(3)
     assert e.rooms() == 0

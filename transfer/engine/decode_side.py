@@ -135,10 +135,10 @@ class DecodeSide:
         """A writer's backend took a write towards this rank: poll until its tag is in."""
         room = self.book.get(msg.room)
         if room is None or room.session != msg.session or msg.room not in self.eager_rooms:
-            self.ctx.stats.count("write_announcements", "not_waiting")  # say, its tag came first
+            self.ctx.stats.count("write_announcements", "not_waiting")  # say, its tag ended the room
             return
-        self.ctx.stats.count("write_announcements", "accepted")
-        self.expected.announce(msg.room, (peer.key.incarnation, msg.chunk, msg.piece, msg.group))
+        verdict = self.expected.announce(msg.room, (peer.key.incarnation, msg.chunk, msg.piece, msg.group))
+        self.ctx.stats.count("write_announcements", verdict.value)
         self._expecting()
 
     def _expecting(self) -> None:

@@ -11,7 +11,7 @@ write is known to be in flight towards or from it:
 
 Otherwise the thread blocks until a message, an event or the next tick. Tags that land without
 an announcement (the message was lost) are still read by the backend step that runs on every
-tick: a missed wake-up costs at most one tick, and is counted (`tags_unannounced`).
+tick: a missed wake-up costs at most one tick, and is counted (`tags_by_arrival`, unannounced).
 """
 
 from __future__ import annotations
@@ -68,6 +68,12 @@ class Arrival(enum.Enum):
     REPEATED = "repeated"          # the same write's tag again
 
 
+class Announcement(enum.Enum):
+    NEW = "accepted"               # before its tag: the write is now outstanding
+    AFTER_TAG = "after_tag"        # its tag was read first (by a tick's or another write's step)
+    REPEATED = "repeated"          # the same write announced again
+
+
 class ExpectedWrites:
     """Decode side: the writes announced towards this rank whose tags are not in, per room.
 
@@ -86,13 +92,15 @@ class ExpectedWrites:
     def rooms(self) -> int:
         return len(self._announced.keys() | self._landed.keys())
 
-    def announce(self, room: int, write: tuple[int, ...]) -> bool:
-        """True when this makes the write newly outstanding."""
-        if write in self._landed.get(room, ()) or write in self._announced.get(room, ()):
-            return False
+    def announce(self, room: int, write: tuple[int, ...]) -> Announcement:
+        """NEW when this makes the write outstanding (its tag will then land as EXPECTED)."""
+        if write in self._landed.get(room, ()):
+            return Announcement.AFTER_TAG
+        if write in self._announced.get(room, ()):
+            return Announcement.REPEATED
         self._announced.setdefault(room, set()).add(write)
         self._outstanding += 1
-        return True
+        return Announcement.NEW
 
     def landed(self, room: int, write: tuple[int, ...]) -> Arrival:
         landed = self._landed.setdefault(room, set())
