@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -141,7 +141,10 @@ class EnginePlanner:
             need = self._needed(view)
         except ValueError as exc:
             view.rooms.discard(room.room)
-            return self.book.apply(room, room.on_plan_failed(FailureKind.LAYOUT, str(exc), now))
+            self.book.apply(room, room.on_plan_failed(FailureKind.LAYOUT, str(exc), now))
+            # no rank of the engine gets metadata: tell them all why, not only a timeout later
+            self._bury(view, room, FailureKind.LAYOUT, str(exc), now)
+            return
         peers: dict[int, Peer] = {}
         for rank in need.all:
             peers[rank] = self.ensure_peer(view, rank, now)
@@ -196,11 +199,16 @@ class EnginePlanner:
                     reason=f"decode rank {self.ctx.layout.tp_rank} refused: {reason}"))
 
     def tombstone(self, room: DecodeRoom, kind: str, reason: str, now: float) -> None:
+        """A room failed before its metadata went out: its prefill ranks are told (RoomFailed)
+        once connected, so they fail it now rather than at their metadata deadline."""
         view = self.engines.get(self.engine_of.get(room.room, ""))
         if view is not None:
-            view.rooms.discard(room.room)
-            view.tombstones.append(Tombstone(room=room.room, session=room.session, kind=kind, reason=reason, since=now))
-            self._flush_tombstones(view, now)
+            self._bury(view, room, kind, reason, now)
+
+    def _bury(self, view: EngineView, room: DecodeRoom, kind: str, reason: str, now: float) -> None:
+        view.rooms.discard(room.room)
+        view.tombstones.append(Tombstone(room=room.room, session=room.session, kind=kind, reason=reason, since=now))
+        self._flush_tombstones(view, now)
 
     def _flush_tombstones(self, view: EngineView, now: float) -> None:
         if not view.tombstones:
@@ -211,16 +219,15 @@ class EnginePlanner:
         if view.state != "ready":
             return
         try:
-            need = self._needed(view)
-        except ValueError:
-            view.tombstones.clear()   # its rooms failed planning: nothing of theirs went out
-            return
+            ranks: Iterable[int] = self._needed(view).all
+        except ValueError:   # its stages cannot be planned: every rank of it waits for metadata
+            ranks = range(len(view.records))
         keep = []
         for stone in view.tombstones:
             if now - stone.since > self.ctx.t.metadata:
                 continue
             waiting = False
-            for rank in need.all:
+            for rank in ranks:
                 peer = self.ensure_peer(view, rank, now)
                 if peer.state == "connected":
                     self.peers.send(peer.key, RoomFailed(src=self.ctx.me, dst=peer.key.incarnation, room=stone.room,
