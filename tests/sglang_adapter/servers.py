@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,12 +55,15 @@ def build_tiny_model(path: Path) -> str:
 
 
 class Proc:
-    """A server process in its own process group, stopped by PID (the group's id)."""
+    """A server process in its own process group, stopped by PID (the group's id). SGLang names
+    its ZMQ sockets after temporary files it never removes (ipc://$TMPDIR/tmpXXXX): each server
+    gets a temp directory of its own, removed when it stops, so a stopped server leaves none."""
 
     def __init__(self, name: str, argv: list[str], log: Path, env: dict):
         self.name, self.log = name, log
-        self.proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
+        self.tmp_dir = tempfile.mkdtemp(prefix=f"sglang-{name}-")
+        self.proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                                     env={**env, "TMPDIR": self.tmp_dir}, start_new_session=True)
 
     def tail(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
@@ -75,6 +80,7 @@ class Proc:
         except ProcessLookupError:
             pass
         self.proc.wait()
+        shutil.rmtree(self.tmp_dir, ignore_errors=True)
 
 
 def wait_healthy(p: Proc, url: str) -> None:
