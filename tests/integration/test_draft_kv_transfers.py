@@ -5,7 +5,8 @@ leaves its extra ones untouched and succeeds; a prefill with more draft entries 
 fails on both sides with kind layout (remote_layout on the prefill: the decode side failed it).
 A draft of its own geometry (other heads and head_dim than the target's) moves with the last
 piece, every byte checked, staged and direct, hetero TP with replication, a prefix hit,
-decode-only speculation; another draft geometry on the decode, or a draft whose writers are
+decode-only speculation, and under the integrity check (verify=True: the draft's items are in
+each write's digest); another draft geometry on the decode, or a draft whose writers are
 not the KV's, fails on both sides with nothing written."""
 
 from __future__ import annotations
@@ -122,6 +123,8 @@ def test_a_draft_of_its_own_geometry_moves_bit_exact_with_the_last_piece(backend
         draft_case(Topo(P=2, D=1, H=4), True, backend, prefill=1, decode=2, seed=15, label="ownmore21", own=OWN),
         draft_case(Topo(P=1, D=1, H=4), False, backend, prefill=0, decode=2, seed=16, label="ownnone11", own=OWN),
     ]
+    for c in cases[:4]:   # the backend's integrity check too (verify=True), over the draft's pool parts
+        c.extra["verify"] = True
     for c, extra, rec in run_clean(cases):
         assert rec["verified"] is True, (c.name, rec)       # target and draft, every byte
         assert rec.get("unwritten_intact") is (True if extra else None), (c.name, rec)
