@@ -30,6 +30,7 @@ from ..layout import KVLayout
 from ..poll import KVPoll
 from ..state_pools import PoolSpec
 from .actions import Action, DecodePrefix, Dropped, PeerKey, PostWrite, RoomTotals, Send, WriteOp
+from .chunk_writes import ChunkWrites, direct_writes, granted_writes
 from .direct_ranges import direct_nbytes
 from .flows import Chunk, Flow, past_prefix
 from .head_mapping import Assignment, HeadMapping, compute_assignments
@@ -37,11 +38,10 @@ from .kinds import FailureKind, TransferPath
 from .layer_sends import PER_CHUNK, LayerGrouper, LayerGrouping, SendLedger, group_size
 from .lifecycle import PREFILL_TRANSITIONS, RoomEvent
 from .messages import AllocGrant, AllocRequest, Quiesced, RoomFailed, RoomMeta, WriterDone
-from .pool_parts import PoolCopy, block_bytes, counts_mismatch, final_part, request_copies, writer_segments
+from .pool_parts import counts_mismatch, final_part, request_copies, writer_segments
 from .room_base import RoomBase
 from .room_uses import Bound, EarlierUses, RoomUse, failure_use, meta_use
 from .send_checks import check_late_items, check_page_count
-from .tags import TagKind, make_tag
 
 
 class PrefillRoom(RoomBase):
@@ -233,40 +233,15 @@ class PrefillRoom(RoomBase):
             return []  # a repeated grant (we asked twice): already acted upon
         if not flow.staged or index not in flow.requested_at or stage != self.layout.pp_rank:
             return self.fail(FailureKind.PROTOCOL, f"unexpected ring allocation for chunk {grant.chunk} from {peer}", now)
-        chunk = self.sendable[index]
         a = flow.assignment
         assert a is not None, "a notice-only flow asks for no ring space"
-        per_head = self._bytes_per_page(1, chunk.layers)
-        pos = chunk.page_start
-        out: list[Action] = []
-        for piece in grant.pieces:
-            lo = piece.page_start - chunk.page_start
-            nbytes = piece.num_pages * per_head * a.num_heads
-            offset = piece.num_pages * per_head * a.dst_heads[0]  # parts follow in head order
-            pools: tuple[PoolCopy, ...] = ()
-            if self._final(piece.page_start + piece.num_pages, chunk.layers) and self.pool_items:
-                # the last piece: each writer's part ends with its pool block
-                offset, pools = final_part(self.pools, self._mapping, a, piece.num_pages * per_head, self.pool_items,
-                                           flow.pool_dst)
-                nbytes += block_bytes(pools)
-            if (piece.page_start != pos or piece.num_pages <= 0 or lo + piece.num_pages > chunk.pages.size
-                    or offset + nbytes > piece.region_nbytes):
-                return self.fail(FailureKind.PROTOCOL, f"ring allocation for chunk {grant.chunk} from {peer} does not "
-                                             f"match the chunk: {piece}", now)
-            pos += piece.num_pages
-            tag = make_tag(TagKind.STAGED, room=self.room, session=flow.session, epoch=grant.epoch, src=self.me,
-                           writer=self.layout.rank, chunk=grant.chunk, piece=piece.index,
-                           page_start=piece.page_start, num_pages=piece.num_pages, layers=chunk.layers,
-                           nbytes=nbytes, ring_start=piece.start)
-            op = WriteOp(op_id=next(self._op_ids), room=self.room, peer=peer, staged=True, chunk=grant.chunk,
-                         piece=piece.index, src_pages=chunk.pages[lo:lo + piece.num_pages], dst_pages=None,
-                         src_heads=a.src_heads, dst_heads=a.dst_heads, nbytes=nbytes, tag=tag,
-                         ring_start=piece.start, writer_offset=offset, pools=pools, layers=chunk.layers,
-                         ready=chunk.ready)
-            out.append(self._post(flow, op))
-        if pos != chunk.page_start + chunk.pages.size:
-            return self.fail(FailureKind.PROTOCOL, f"ring allocation for chunk {grant.chunk} from {peer} does not cover it",
-                             now)
+        w = self._chunk_writes(flow, a, self.sendable[index])
+        ops = granted_writes(w, grant, op_ids=self._op_ids, last_part=(
+            (lambda kv: final_part(self.pools, self._mapping, a, kv, self.pool_items, flow.pool_dst))
+            if self.pool_items else None))
+        if isinstance(ops, str):
+            return self.fail(FailureKind.PROTOCOL, ops, now)
+        out: list[Action] = [self._post(flow, op) for op in ops]
         flow.granted.add(index)
         return out
 
@@ -480,33 +455,20 @@ class PrefillRoom(RoomBase):
                 flow.issued += 1
         return out + self._check_done(now)
 
+    def _chunk_writes(self, flow: Flow, a: Assignment, chunk: Chunk) -> ChunkWrites:
+        return ChunkWrites(room=self.room, me=self.me, writer=self.layout.rank, peer=flow.peer, session=flow.session,
+                           assignment=a, chunk=chunk, wire=self._wire(chunk),
+                           head_page_bytes=self._bytes_per_page(1, chunk.layers),
+                           pools_at=self._pages_to_send if self._final(self._pages_to_send, chunk.layers) else None)
+
     def _direct_writes(self, flow: Flow, a: Assignment, chunk: Chunk) -> list[Action]:
-        """One write per chunk, split by page range when it would exceed max_ranges descriptors
-        (each part with its own tag): a write of millions of ranges would hold the backend for
-        seconds at a time."""
         whole = self._mapping.prefill_tp == self._mapping.decode_tp or self.layout.mla
-        per_page = self.layout.num_kv * len(chunk.layers) * (1 if whole else self.layout.page_size)
-        step = max(1, self.max_ranges // per_page)
-        out: list[Action] = []
-        for part, lo in enumerate(range(0, chunk.pages.size, step)):
-            pages = chunk.pages[lo:lo + step]
-            start = chunk.page_start + lo
-            nbytes = pages.size * self._bytes_per_page(a.num_heads, chunk.layers)
-            pools: tuple[PoolCopy, ...] = ()
-            if self._final(start + pages.size, chunk.layers):  # the write carrying the last page
-                pools = request_copies(writer_segments(self.pools, self._mapping.prefill_tp, self._mapping.decode_tp, a),
-                                       self.pool_items, flow.pool_dst)
-                nbytes += block_bytes(pools)
-            tag = make_tag(TagKind.DIRECT, room=self.room, session=flow.session, epoch=flow.peer.incarnation,
-                           src=self.me, writer=self.layout.rank, chunk=self._wire(chunk), piece=part,
-                           page_start=start, num_pages=int(pages.size), layers=chunk.layers, nbytes=nbytes)
-            assert flow.dst_pages is not None, "a direct flow has its destination pages from its metadata"
-            dst = flow.dst_pages[start:start + pages.size]
-            out.append(self._post(flow, WriteOp(op_id=next(self._op_ids), room=self.room, peer=flow.peer, staged=False,
-                                                chunk=self._wire(chunk), piece=part, src_pages=pages, dst_pages=dst,
-                                                src_heads=a.src_heads, dst_heads=a.dst_heads, nbytes=nbytes, tag=tag,
-                                                pools=pools, layers=chunk.layers, ready=chunk.ready)))
-        return out
+        assert flow.dst_pages is not None, "a direct flow has its destination pages from its metadata"
+        segments = writer_segments(self.pools, self._mapping.prefill_tp, self._mapping.decode_tp, a)
+        ops = direct_writes(self._chunk_writes(flow, a, chunk), dst_pages=flow.dst_pages, max_ranges=self.max_ranges,
+                            ranges_per_page=self.layout.num_kv * len(chunk.layers) * (1 if whole else self.layout.page_size),
+                            pools=lambda: request_copies(segments, self.pool_items, flow.pool_dst), op_ids=self._op_ids)
+        return [self._post(flow, op) for op in ops]
 
     def _flow_finished_writing(self, flow: Flow) -> bool:
         return (self.last and flow.issued == len(self.sendable) and not flow.inflight

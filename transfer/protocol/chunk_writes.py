@@ -1,0 +1,106 @@
+"""The backend writes a prefill room makes of one chunk towards one decode rank.
+
+Direct: one write per chunk into the decode rank's own pages, split by page range where it would
+exceed `max_ranges` descriptors (a write of millions of ranges would hold the backend for
+seconds at a time), each part with its own tag. Staged: one write per ring piece the decode rank
+granted, this writer's part at its offset inside the piece. The write ending at the request's
+last page of the model's last entry also carries the state pool items (pool_parts.py).
+
+Pure: the room (prefill_room.py) keeps the state, decides when a chunk is written and posts
+the operations these return.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from .actions import PeerKey, WriteOp
+from .flows import Chunk
+from .head_mapping import Assignment
+from .messages import AllocGrant
+from .pool_parts import PoolCopy, block_bytes
+from .tags import Tag, TagKind, make_tag
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkWrites:
+    """What every write of one chunk towards one decode rank shares."""
+
+    room: int
+    me: int                  # this rank's incarnation: the tags' source
+    writer: int              # this rank's global rank
+    peer: PeerKey
+    session: int
+    assignment: Assignment
+    chunk: Chunk
+    wire: int                # the chunk's number on the wire (PP stages number theirs apart)
+    head_page_bytes: int     # one page of the chunk's layers for one head
+    pools_at: int | None     # page end (from the prefix) of the write carrying the pools; None: none of this chunk's
+
+    def _tag(self, kind: TagKind, *, chunk: int, piece: int, page_start: int, num_pages: int, nbytes: int,
+             epoch: int, ring_start: int = -1) -> Tag:
+        return make_tag(kind, room=self.room, session=self.session, epoch=epoch, src=self.me, writer=self.writer,
+                        chunk=chunk, piece=piece, page_start=page_start, num_pages=num_pages,
+                        layers=self.chunk.layers, nbytes=nbytes, ring_start=ring_start)
+
+
+def direct_writes(w: ChunkWrites, *, dst_pages: np.ndarray, ranges_per_page: int, max_ranges: int,
+                  pools: Callable[[], tuple[PoolCopy, ...]], op_ids: Iterator[int]) -> list[WriteOp]:
+    """The chunk's direct writes. `dst_pages`: the decode rank's pages from the prefix on;
+    `ranges_per_page`: descriptors one page of the chunk takes; `pools`: the request's pool
+    copies, asked for only by the write that carries them."""
+    a, chunk = w.assignment, w.chunk
+    step = max(1, max_ranges // ranges_per_page)
+    out: list[WriteOp] = []
+    for part, lo in enumerate(range(0, chunk.pages.size, step)):
+        pages = chunk.pages[lo:lo + step]
+        start = chunk.page_start + lo
+        nbytes = pages.size * w.head_page_bytes * a.num_heads
+        copies: tuple[PoolCopy, ...] = ()
+        if start + pages.size == w.pools_at:
+            copies = pools()
+            nbytes += block_bytes(copies)
+        tag = w._tag(TagKind.DIRECT, chunk=w.wire, piece=part, page_start=start, num_pages=int(pages.size),
+                     nbytes=nbytes, epoch=w.peer.incarnation)
+        out.append(WriteOp(op_id=next(op_ids), room=w.room, peer=w.peer, staged=False, chunk=w.wire, piece=part,
+                           src_pages=pages, dst_pages=dst_pages[start:start + pages.size], src_heads=a.src_heads,
+                           dst_heads=a.dst_heads, nbytes=nbytes, tag=tag, pools=copies, layers=chunk.layers,
+                           ready=chunk.ready))
+    return out
+
+
+def granted_writes(w: ChunkWrites, grant: AllocGrant, *,
+                   last_part: Callable[[int], tuple[int, tuple[PoolCopy, ...]]] | None,
+                   op_ids: Iterator[int]) -> list[WriteOp] | str:
+    """The chunk's staged writes, one per granted piece, or why the grant does not match the
+    chunk. `last_part(kv_bytes)`: this writer's offset and pool copies in the piece carrying the
+    pools (None: the request moves none)."""
+    a, chunk = w.assignment, w.chunk
+    pos = chunk.page_start
+    out: list[WriteOp] = []
+    for piece in grant.pieces:
+        lo = piece.page_start - chunk.page_start
+        kv_head_bytes = piece.num_pages * w.head_page_bytes
+        nbytes = kv_head_bytes * a.num_heads
+        offset = kv_head_bytes * a.dst_heads[0]  # parts follow in head order
+        copies: tuple[PoolCopy, ...] = ()
+        if piece.page_start + piece.num_pages == w.pools_at and last_part is not None:
+            offset, copies = last_part(kv_head_bytes)   # each writer's part ends with its pool block
+            nbytes += block_bytes(copies)
+        if (piece.page_start != pos or piece.num_pages <= 0 or lo + piece.num_pages > chunk.pages.size
+                or offset + nbytes > piece.region_nbytes):
+            return f"ring allocation for chunk {grant.chunk} from {w.peer} does not match the chunk: {piece}"
+        pos += piece.num_pages
+        tag = w._tag(TagKind.STAGED, chunk=grant.chunk, piece=piece.index, page_start=piece.page_start,
+                     num_pages=piece.num_pages, nbytes=nbytes, epoch=grant.epoch, ring_start=piece.start)
+        out.append(WriteOp(op_id=next(op_ids), room=w.room, peer=w.peer, staged=True, chunk=grant.chunk,
+                           piece=piece.index, src_pages=chunk.pages[lo:lo + piece.num_pages], dst_pages=None,
+                           src_heads=a.src_heads, dst_heads=a.dst_heads, nbytes=nbytes, tag=tag,
+                           ring_start=piece.start, writer_offset=offset, pools=copies, layers=chunk.layers,
+                           ready=chunk.ready))
+    if pos != chunk.page_start + chunk.pages.size:
+        return f"ring allocation for chunk {grant.chunk} from {w.peer} does not cover it"
+    return out
