@@ -22,7 +22,8 @@ total = forward start -> decode Success. Paths: staged (hetero TP, prefill TP 2 
 staging on) and direct (equal TP 1 -> 1, staging off). The sweep runs, against per chunk, layer-wise
 from 0 tokens with G layers per write (the caller sends G layers at a time to a room with
 layer_group=1 and layerwise_min_tokens=0: the writes layer_group=G makes), over short lengths:
-where layer-wise starts to pay, and which group size pays most. The first request of each (length,
+where layer-wise starts to pay, and which group size pays most (G = a.b.c: growing groups of a,
+then b, then c layers until the layers end; docs/benchmarks.md says when they pay). The first request of each (length,
 mode) up to 4K tokens is an untimed warm-up, verified byte for byte on the decode rank.
 """
 
@@ -42,12 +43,20 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import bench  # noqa: E402
 import cluster  # noqa: E402
+import layerwise_rank  # noqa: E402
 import layerwise_report  # noqa: E402
 
 MODES = ("whole", "chunk", "layer")   # as examples/layerwise_rank.py sends them
 BACKENDS = ("nixl", "mooncake")
 WARMUP_MAX_TOKENS = 4096
 PATHS = {"staged": (2, 1, True), "direct": (1, 1, False)}   # prefill TP, decode TP, staging
+
+
+def _schedules(text: str) -> list[str]:
+    out = [s.strip() for s in text.split(",") if s.strip()]
+    for s in out:
+        layerwise_rank.schedule_ranges(s, 1)   # ValueError (argparse says it) for a bad one
+    return out
 
 
 def parse(argv=None):
@@ -58,8 +67,9 @@ def parse(argv=None):
                    help="tokens per request")
     p.add_argument("--sweep-lengths", type=bench._ints, default="256,512,1024,4096",
                    help="lengths of the sweep of thresholds and group sizes")
-    p.add_argument("--sweep-groups", type=bench._ints, default="1,2,4,8,16",
-                   help="layers per write in the sweep (each layer-wise from 0 tokens, against per chunk)")
+    p.add_argument("--sweep-groups", type=_schedules, default="1,2,4,8,16,1.2.4.5.6.7",
+                   help="layers per write in the sweep (each layer-wise from 0 tokens, against per chunk); "
+                        "a.b.c: growing groups, a layers, then b, then c until the layers end")
     p.add_argument("--no-sweep", action="store_true", help="skip the threshold sweep")
     p.add_argument("--rounds", type=bench._int(1), default=5, help="timed requests per (length, mode)")
     p.add_argument("--chunk-tokens", type=bench._int(1), default=8192, help="chunked prefill size")
@@ -77,7 +87,7 @@ def parse(argv=None):
     p.add_argument("--plot", default="", help="a PNG of the table (needs matplotlib: requirements/bench.txt)")
     a = p.parse_args(argv)
     if a.quick:
-        a.lengths, a.rounds, a.sweep_lengths, a.sweep_groups = [256, 1024, 4096], min(a.rounds, 3), [256, 512, 1024], [2, 4, 8]
+        a.lengths, a.rounds, a.sweep_lengths, a.sweep_groups = [256, 1024, 4096], min(a.rounds, 3), [256, 512, 1024], ["2", "4", "8"]
     return a
 
 

@@ -12,7 +12,7 @@ waits for a layer. All times are time.monotonic(), one clock for every process o
 
 Spec: {"bootstrap", "result", "manager": a pd_rank.build() spec (role, rank, tp, backend,
 staging, geometry, layer_group, layerwise_min_tokens, ...), "barrier", "sync_dir", "prefill_ranks",
-"requests": [{"room", "chunks": [pages per chunk], "mode": "whole"|"chunk"|"layer"|"group-G",
+"requests": [{"room", "chunks": [pages per chunk], "mode": "whole"|"chunk"|"layer"|"group-G"|"group-a.b.c",
 "layer_s": [compute seconds per layer, per chunk], "verify": bool}]}.
 """
 
@@ -84,6 +84,20 @@ def layer_deadlines(t0: float, layer_s: list[float], layers: int) -> list[list[f
     return out
 
 
+def schedule_ranges(schedule: str, layers: int) -> list[range]:
+    """The layer ranges of a caller's sends: "G", G layers each; "a.b.c", a layers, then b,
+    then c and c again until the layers end (the last send takes what is left)."""
+    sizes = [int(x) for x in schedule.split(".")]
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"a group schedule is positive layer counts separated by '.', got {schedule!r}")
+    out, first = [], 0
+    while first < layers:
+        size = sizes[min(len(out), len(sizes) - 1)]
+        out.append(range(first, min(first + size, layers)))
+        first = out[-1].stop
+    return out
+
+
 def issue_sends(h, mode: str, pages: np.ndarray, chunks: list[int], done: list[list[LayerDone]]) -> None:
     """Every send of the request at once, each gated by its layer's readiness object: whole,
     per chunk, per layer (the room groups them by layer_group), or G layers per send."""
@@ -99,10 +113,8 @@ def issue_sends(h, mode: str, pages: np.ndarray, chunks: list[int], done: list[l
             for layer, ready in enumerate(done[c]):
                 h.send(part, layers=range(layer, layer + 1), ready=ready)
         else:   # "group-G": G layers per send, as a caller grouping layers itself
-            size = int(mode.split("-")[1])
-            for first in range(0, len(done[c]), size):
-                stop = min(first + size, len(done[c]))
-                h.send(part, layers=range(first, stop), ready=done[c][stop - 1])
+            for layers in schedule_ranges(mode.split("-", 1)[1], len(done[c])):
+                h.send(part, layers=layers, ready=done[c][layers.stop - 1])
         start += n
 
 

@@ -87,10 +87,11 @@ def table(a, rows: dict, backend: str, path: str, w) -> None:
 
 
 def sweep_table(a, rows: dict, backend: str, path: str, w) -> None:
-    groups = sorted({int(m.split("-")[1]) for _, m in rows if m.startswith("group-")})
+    groups = sorted({m.split("-", 1)[1] for _, m in rows if m.startswith("group-")},
+                    key=lambda g: (g.count("."), [int(x) for x in g.split(".")]))
     w(f"-- {backend} {path}: per chunk start->Success ms, then per G layers per write: layer-wise/per-chunk "
       f"start->Success (handover)")
-    w(f"   {'tokens':>6} {'chunk ms':>9} | " + " ".join(f"{'G=' + str(g):>13}" for g in groups) + " | best G")
+    w(f"   {'tokens':>6} {'chunk ms':>9} | " + " ".join(f"{'G=' + g:>13}" for g in groups) + " | best G")
     for t in sorted({t for t, _ in rows}):
         ratios = {g: (_ratio(rows, t, "total_ms", f"group-{g}"), _ratio(rows, t, "handover_ms", f"group-{g}"))
                   for g in groups}

@@ -67,12 +67,24 @@ class Recorder:
      + [([3, 4], None, range(l, l + 1), (1, l)) for l in range(3)]),
     ("group-2", [([0, 1, 2], None, range(0, 2), (0, 1)), ([0, 1, 2], None, range(2, 3), (0, 2)),
                  ([3, 4], None, range(0, 2), (1, 1)), ([3, 4], None, range(2, 3), (1, 2))]),
+    ("group-1.2", [([0, 1, 2], None, range(0, 1), (0, 0)), ([0, 1, 2], None, range(1, 3), (0, 2)),
+                   ([3, 4], None, range(0, 1), (1, 0)), ([3, 4], None, range(1, 3), (1, 2))]),
 ])
 def test_each_mode_issues_its_sends_gated_by_the_right_layer(mode, expected):
     h = Recorder()
     done = [[(c, l) for l in range(3)] for c in range(2)]   # stand-ins: which (chunk, layer) gates a send
     layerwise_rank.issue_sends(h, mode, list(range(5)), [3, 2], done)
     assert h.sends == expected
+
+
+def test_a_growing_schedule_repeats_its_last_size_and_the_last_send_takes_the_rest():
+    ranges = layerwise_rank.schedule_ranges("1.2.4.5.6.7", 32)
+    assert [len(r) for r in ranges] == [1, 2, 4, 5, 6, 7, 7]
+    assert ranges[0].start == 0 and all(a.stop == b.start for a, b in zip(ranges, ranges[1:])) and ranges[-1].stop == 32
+    assert [len(r) for r in layerwise_rank.schedule_ranges("4", 10)] == [4, 4, 2]
+    for bad in ("0", "2.0", "a", ""):
+        with pytest.raises(ValueError):
+            layerwise_rank.schedule_ranges(bad, 8)
 
 
 def test_chunking_follows_the_chunked_prefill_size():
