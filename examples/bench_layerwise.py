@@ -23,8 +23,9 @@ staging on) and direct (equal TP 1 -> 1, staging off). The sweep runs, against p
 from 0 tokens with G layers per write (the caller sends G layers at a time to a room with
 layer_group=1 and layerwise_min_tokens=0: the writes layer_group=G makes), over short lengths:
 where layer-wise starts to pay, and which group size pays most (G = a.b.c: growing groups of a,
-then b, then c layers until the layers end; docs/benchmarks.md says when they pay). The first request of each (length,
-mode) up to 4K tokens is an untimed warm-up, verified byte for byte on the decode rank.
+then b, then c layers until the layers end; docs/benchmarks.md says when they pay). The first
+request of each (length, mode) up to 4K tokens is an untimed warm-up, verified byte for byte on
+the decode rank.
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ def test_draining_polls_now_and_then():
 
 def test_expected_writes_count_announced_tags_not_in():
     e = ExpectedWrites()
-    assert [e.announce(7, (1, 0, 0)), e.announce(7, (2, 0, 0)), e.announce(8, (1, 0, 0))] == [Announcement.NEW] * 3
+    assert [e.announce(7, (1, 0, 0)), e.announce(7, (2, 0, 0)), e.announce(8, (1, 0, 0))] == [Announcement.ACCEPTED] * 3
     assert e.announce(7, (1, 0, 0)) is Announcement.REPEATED
     assert e.outstanding == 3
     assert e.landed(7, (1, 0, 0)) is Arrival.EXPECTED

@@ -464,10 +464,12 @@ class PrefillRoom(RoomBase):
     def _direct_writes(self, flow: Flow, a: Assignment, chunk: Chunk) -> list[Action]:
         whole = self._mapping.prefill_tp == self._mapping.decode_tp or self.layout.mla
         assert flow.dst_pages is not None, "a direct flow has its destination pages from its metadata"
-        segments = writer_segments(self.pools, self._mapping.prefill_tp, self._mapping.decode_tp, a)
+        m = self._mapping
         ops = direct_writes(self._chunk_writes(flow, a, chunk), dst_pages=flow.dst_pages, max_ranges=self.max_ranges,
                             ranges_per_page=self.layout.num_kv * len(chunk.layers) * (1 if whole else self.layout.page_size),
-                            pools=lambda: request_copies(segments, self.pool_items, flow.pool_dst), op_ids=self._op_ids)
+                            pools=lambda: request_copies(writer_segments(self.pools, m.prefill_tp, m.decode_tp, a),
+                                                         self.pool_items, flow.pool_dst),
+                            op_ids=self._op_ids)
         return [self._post(flow, op) for op in ops]
 
     def _flow_finished_writing(self, flow: Flow) -> bool:

@@ -69,7 +69,7 @@ class Arrival(enum.Enum):
 
 
 class Announcement(enum.Enum):
-    NEW = "accepted"               # before its tag: the write is now outstanding
+    ACCEPTED = "accepted"          # before its tag: the write is now outstanding
     AFTER_TAG = "after_tag"        # its tag was read first (by a tick's or another write's step)
     REPEATED = "repeated"          # the same write announced again
 
@@ -93,14 +93,14 @@ class ExpectedWrites:
         return len(self._announced.keys() | self._landed.keys())
 
     def announce(self, room: int, write: tuple[int, ...]) -> Announcement:
-        """NEW when this makes the write outstanding (its tag will then land as EXPECTED)."""
+        """ACCEPTED when this makes the write outstanding (its tag will then land as EXPECTED)."""
         if write in self._landed.get(room, ()):
             return Announcement.AFTER_TAG
         if write in self._announced.get(room, ()):
             return Announcement.REPEATED
         self._announced.setdefault(room, set()).add(write)
         self._outstanding += 1
-        return Announcement.NEW
+        return Announcement.ACCEPTED
 
     def landed(self, room: int, write: tuple[int, ...]) -> Arrival:
         landed = self._landed.setdefault(room, set())
