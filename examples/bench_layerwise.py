@@ -16,12 +16,14 @@ layer take about as long, the regime of real GPU servers.
 
 Modes: whole (one send of every page and layer, ready when the forward pass ends), chunk (each
 chunk with all its layers, ready when its last layer is done), layer (each chunk layer by
-layer; the room writes groups of EngineConfig.layer_group layers, and a request shorter than
+layer; the room writes groups of EngineConfig.layer_group layers, or on the direct path, with
+EngineConfig.layer_batching, writes that size themselves, and a request shorter than
 layerwise_min_tokens per chunk). Per request: handover = last layer computed -> decode Success,
 total = forward start -> decode Success. Paths: staged (hetero TP, prefill TP 2 -> decode TP 1,
 staging on) and direct (equal TP 1 -> 1, staging off). The sweep runs, against per chunk, layer-wise
 from 0 tokens with G layers per write (the caller sends G layers at a time to a room with
-layer_group=1 and layerwise_min_tokens=0: the writes layer_group=G makes), over short lengths:
+layer_group=1, layerwise_min_tokens=0 and layer_batching off: the writes layer_group=G makes),
+over short lengths:
 where layer-wise starts to pay, and which group size pays most (G = a.b.c: growing groups of a,
 then b, then c layers until the layers end; docs/benchmarks.md says when they pay). The first
 request of each (length, mode) up to 4K tokens is an untimed warm-up, verified byte for byte on
@@ -82,6 +84,8 @@ def parse(argv=None):
     p.add_argument("--layer-group", type=bench._int(0), default=None, help="EngineConfig.layer_group (default: its)")
     p.add_argument("--min-tokens", type=bench._int(0), default=None,
                    help="EngineConfig.layerwise_min_tokens of the main run (default: its)")
+    p.add_argument("--layer-batching", choices=("on", "off"), default=None,
+                   help="EngineConfig.layer_batching of the main run (default: its, KVSTAGE_LAYER_BATCHING or on)")
     bench.add_model_args(p)
     p.add_argument("--quick", action="store_true", help="lengths 256,1024,4096, 3 rounds")
     p.add_argument("--json", default="")
@@ -99,7 +103,7 @@ def chunking(a, tokens: int) -> list[int]:
 
 
 def run_cluster(a, backend: str, path: str, requests: list[dict], *, pages: int, min_tokens: int | None,
-                layer_group: int | None, timeout: float = 900) -> list[dict]:
+                layer_group: int | None, layer_batching: bool | None = None, timeout: float = 900) -> list[dict]:
     """One bootstrap server, the prefill ranks and a decode rank through `requests`; per
     request the prefill rank 0 record joined with the decode record."""
     P, D, staged = PATHS[path]
@@ -107,6 +111,7 @@ def run_cluster(a, backend: str, path: str, requests: list[dict], *, pages: int,
             "page_size": a.page_size, "pages": pages}
     mgr = {"backend": backend, "staging": staged, "geometry": geom, "ring_mb": a.ring_mb, "buffer_mb": a.buffer_mb,
            "workers": 2, "run_timeout_s": timeout, "layer_group": layer_group, "layerwise_min_tokens": min_tokens,
+           "layer_batching": layer_batching,
            "timeouts": {"room": timeout, "metadata": timeout, "write": 300.0, "watermark": 300.0,
                         "arrival": 60.0, "scatter": 120.0}}
     env = dict(bench.TRANSPORTS[backend][1])
@@ -205,11 +210,13 @@ def plan(a, cal: dict, lengths: list[int], modes: tuple[str, ...], first_room: i
 
 
 def measure(a, backend: str, path: str, cal: dict, lengths: list[int], modes: tuple[str, ...],
-            min_tokens: int | None, layer_group: int | None, label: str) -> list[dict]:
+            min_tokens: int | None, layer_group: int | None, label: str,
+            layer_batching: bool | None = None) -> list[dict]:
     reqs = plan(a, cal, lengths, modes, 1)
     load0 = os.getloadavg()[0]
     recs = {r["room"]: r for r in run_cluster(a, backend, path, reqs, pages=cache_pages(a, lengths),
-                                              min_tokens=min_tokens, layer_group=layer_group)}
+                                              min_tokens=min_tokens, layer_group=layer_group,
+                                              layer_batching=layer_batching)}
     load1 = os.getloadavg()[0]
     rows = []
     for t in lengths:
@@ -248,11 +255,14 @@ def main(argv=None) -> int:
                 res["calibration"][key] = {str(t): s * 1e3 for t, s in cal.items()}
                 say("one layer's transfer, ms: " + ", ".join(f"{t}: {s * 1e3:.3f}" for t, s in cal.items()))
             say("whole / per chunk / layer-wise")
-            res["rows"] += measure(a, backend, path, cal, a.lengths, MODES, a.min_tokens, a.layer_group, "main")
+            batching = None if a.layer_batching is None else a.layer_batching == "on"
+            res["rows"] += measure(a, backend, path, cal, a.lengths, MODES, a.min_tokens, a.layer_group, "main",
+                                   batching)
             if sweep:
-                say("sweep of thresholds and group sizes (layer_group=1, layerwise_min_tokens=0, G layers per send)")
+                say("sweep of thresholds and group sizes (layer_group=1, layerwise_min_tokens=0, layer_batching "
+                    "off, G layers per send)")
                 modes = ("chunk",) + tuple(f"group-{g}" for g in a.sweep_groups)
-                res["rows"] += measure(a, backend, path, cal, sweep, modes, 0, 1, "sweep")
+                res["rows"] += measure(a, backend, path, cal, sweep, modes, 0, 1, "sweep", False)
     res["wall_s"], res["load_end"] = time.time() - t_start, os.getloadavg()
     lines = layerwise_report.report(a, res)
     lines += [""] + layerwise_report.ascii_chart(a, res)

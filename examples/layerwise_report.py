@@ -35,6 +35,13 @@ def _default_group() -> int:
     return DEFAULT_LAYER_GROUP
 
 
+def _batching(a) -> str:
+    if a.layer_batching is not None:
+        return a.layer_batching
+    from kvstage.transfer.config import LAYER_BATCHING_ENV, env_flag
+    return "on" if env_flag(LAYER_BATCHING_ENV, True) else "off"
+
+
 def report(a, res: dict) -> list[str]:
     lines: list[str] = []
     w = lines.append
@@ -43,7 +50,8 @@ def report(a, res: dict) -> list[str]:
     w(f"command: {res['command']}")
     w(f"load average (1 min) at start {res['load_start'][0]:.2f}, at end {res['load_end'][0]:.2f}")
     w(f"model: {a.layers} layers, {a.heads} KV heads x {a.head_dim}, bf16, page {a.page_size}; chunked prefill "
-      f"{a.chunk_tokens} tokens; layer_group {group}, layerwise_min_tokens {_threshold(a)}; {a.rounds} rounds")
+      f"{a.chunk_tokens} tokens; layer_group {group}, layerwise_min_tokens {_threshold(a)}, layer_batching "
+      f"{_batching(a)} (direct); {a.rounds} rounds")
     w("compute per layer per chunk: " + (f"{a.layer_ms} ms (fixed)" if a.layer_ms is not None else
       f"{a.compute_ratio} x one layer's measured transfer of the chunk (calibration below)"))
     for key, cal in res["calibration"].items():

@@ -27,6 +27,8 @@ layer_sends (prefill: each chunk is sent layer-wise, as these [start, stop) laye
 order, one send() per step, each with a readiness object whose synchronize() records the thread
 that called it; the record's ready_threads names them), abort_after_sends (prefill: layer-wise
 sends made before abort(); a PP stage sends the part of each range inside its layers),
+ready_fails_at_send (prefill: the readiness object of this layer-wise send, counted from 0,
+raises in synchronize(): a forward pass that failed),
 pool_items_with_last (prefill: the room's pool items go with its last send, not with the page
 count; the record's last_send_at is when that send was made, in time.monotonic() seconds like
 the timeline's), send_after_metadata (prefill: the first send waits until the decode side's
@@ -34,7 +36,7 @@ metadata is in).
 Per manager, pp (prefill): the engine's pipeline-parallel stages, the model's layers split as
 evenly as they go (the first stages take one more) or as stage_layers lists ([[0, 2], [2, 6]]);
 rank is then the engine rank, pp_rank * tp + tp_rank.
-Per manager, layer_group and layerwise_min_tokens: EngineConfig's.
+Per manager, layer_group, layerwise_min_tokens and layer_batching: EngineConfig's.
 Per manager, dp_rank is the prefill engine's data-parallel rank (EngineConfig.dp_rank).
 Geometry draft: draft KV entries (KVLayout.draft) after the layers; a decode rank
 fills its draft entries with the byte UNWRITTEN at start, checks only the entries the prefill has
@@ -141,7 +143,8 @@ def build(spec: dict, bootstrap: str) -> tuple[KVManager, KVLayout, KVBuffers, K
                        backend_options=spec.get("backend_options", {}), auth_token=spec.get("token"),
                        faults=spec.get("faults"), dp_rank=spec.get("dp_rank", 0),
                        metrics_port=spec.get("metrics_port"), verify=spec.get("verify"),
-                       layer_group=spec.get("layer_group"), layerwise_min_tokens=spec.get("layerwise_min_tokens"))
+                       layer_group=spec.get("layer_group"), layerwise_min_tokens=spec.get("layerwise_min_tokens"),
+                       layer_batching=spec.get("layer_batching"))
     mgr = KVManager(cfg, layout, buffers)
     pattern = KVPattern(layout, seed=spec.get("pattern_seed", 7))
     pattern.draft = DraftPattern(layout, seed=spec.get("pattern_seed", 7)) if layout.draft_own_geometry else None
@@ -513,11 +516,13 @@ class LayersComputed:
     them by then, so a write that read them without waiting carries zeros and fails the check.
     Records which threads synchronize() ran on (kvstage's, never the caller's)."""
 
-    def __init__(self, seen: set, fill=None):
-        self.seen, self._fill = seen, fill
+    def __init__(self, seen: set, fill=None, fails: str | None = None):
+        self.seen, self._fill, self._fails = seen, fill, fails
 
     def synchronize(self) -> None:
         self.seen.add(threading.current_thread().name)
+        if self._fails is not None:   # the forward pass failed: its layers never come
+            raise RuntimeError(self._fails)
         if self._fill is not None:
             self._fill()
             self._fill = None
@@ -547,7 +552,9 @@ def send_layers(h, r: dict, st: dict, n: int, num_chunks: int) -> bool:
     extra = {"pool_items": st["items"]} if final and r.get("pool_items_with_last") else {}
     if final:
         st["last_send_at"] = time.monotonic()
-    h.send(pages, layers=range(a, b), ready=LayersComputed(st.setdefault("ready_threads", set()), fill), **extra)
+    fails = r.get("ready_fails_at_send")
+    fails = f"forward pass of room {r['room']} failed" if fails == st.get("sends_made", 0) else None
+    h.send(pages, layers=range(a, b), ready=LayersComputed(st.setdefault("ready_threads", set()), fill, fails), **extra)
     st["sends_made"] = st.get("sends_made", 0) + 1
     st["layer_send"] = i + 1
     if st["layer_send"] == len(sends):
@@ -580,6 +587,7 @@ def finish(spec: dict, st: dict, pattern: KVPattern, tensors) -> dict:
     m = h.metrics() if hasattr(h, "metrics") else None
     if m is not None:
         rec["metrics"] = {"state": m.state.name, "nbytes": m.nbytes, "backend_writes": m.backend_writes,
+                          "merged_sends": m.merged_sends,
                           "path": m.path, "seconds": m.seconds, "gb_per_s": m.gb_per_s,
                           "timeline": dataclasses.asdict(m.timeline)}
     exc = h.failure_exception() if hasattr(h, "failure_exception") else None

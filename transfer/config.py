@@ -23,6 +23,7 @@ TOKEN_ENV = "KVSTAGE_AUTH_TOKEN"
 METRICS_PORT_ENV = "KVSTAGE_METRICS_PORT"
 LAYER_GROUP_ENV = "KVSTAGE_LAYER_GROUP"
 LAYERWISE_MIN_TOKENS_ENV = "KVSTAGE_LAYERWISE_MIN_TOKENS"
+LAYER_BATCHING_ENV = "KVSTAGE_LAYER_BATCHING"
 DEFAULT_LAYER_GROUP = 4            # layers per write of a layer-wise send (docs/benchmarks.md, "Layer-wise")
 DEFAULT_LAYERWISE_MIN_TOKENS = 512  # shorter requests go per chunk (ibid.)
 MAX_LAYERS = 1 << 16
@@ -126,6 +127,9 @@ class EngineConfig:
                                              # at once); env KVSTAGE_LAYER_GROUP, 4
     layerwise_min_tokens: int | None = None  # prefill: shorter requests are sent per chunk whatever layers
                                              # send() names; env KVSTAGE_LAYERWISE_MIN_TOKENS, 512
+    layer_batching: bool | None = None       # prefill, direct path: layer-wise writes size themselves (one
+                                             # layer while the transfer keeps up, merged behind a write in
+                                             # flight) instead of layer_group; env KVSTAGE_LAYER_BATCHING, on
 
     def resolved(self) -> EngineConfig:
         """A copy with every None filled from the environment, validated: a bad value raises
@@ -156,6 +160,8 @@ class EngineConfig:
             self,
             staging=env_flag(STAGING_ENV) if self.staging is None else check.flag("staging", self.staging),
             verify=env_flag(VERIFY_ENV) if self.verify is None else check.flag("verify", self.verify),
+            layer_batching=(env_flag(LAYER_BATCHING_ENV, True) if self.layer_batching is None
+                            else check.flag("layer_batching", self.layer_batching)),
             auth_token=token,
             bootstrap=bootstrap,
             host=host,

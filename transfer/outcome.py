@@ -29,7 +29,9 @@ class TransferMetrics:
     write per (writer, chunk) direct, per piece staged); `path`: a TransferPath
     (a rank with nothing to write, e.g. it holds only replicas nobody needs); `seconds`: from
     init() (or a sender created with its page count) until the request ended, None if it
-    ended before init(); `timeline`: when each phase happened on this rank (timeline.py)."""
+    ended before init(); `timeline`: when each phase happened on this rank (timeline.py);
+    `merged_sends`: prefill, direct path, layer-wise sends that went out inside an earlier
+    send's write because they were ready while it waited (EngineConfig.layer_batching)."""
 
     state: KVPoll
     nbytes: int
@@ -37,6 +39,7 @@ class TransferMetrics:
     path: TransferPath
     seconds: float | None
     timeline: Timeline = Timeline()
+    merged_sends: int = 0
 
     @property
     def gb_per_s(self) -> float | None:

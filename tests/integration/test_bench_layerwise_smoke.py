@@ -28,8 +28,8 @@ def test_smallest_configuration_runs_end_to_end(backend, tmp_path):
     # request layer-wise (threshold 0), calibrated compute; the sweep with 1 and 4 layers per write
     argv = [sys.executable, str(SCRIPT), "--backends", backend, "--lengths", "64", "--sweep-lengths", "32", "--sweep-groups", "1,4",
             "--rounds", "1", "--calibration-requests", "1", "--chunk-tokens", "32", "--layers", "4", "--heads", "2",
-            "--head-dim", "64", "--layer-group", "2", "--min-tokens", "0", "--ring-mb", "16", "--buffer-mb", "8",
-            "--json", str(out)]
+            "--head-dim", "64", "--layer-group", "2", "--min-tokens", "0", "--layer-batching", "on", "--ring-mb", "16",
+            "--buffer-mb", "8", "--json", str(out)]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         stdout, _ = proc.communicate(timeout=400)
@@ -50,3 +50,4 @@ def test_smallest_configuration_runs_end_to_end(backend, tmp_path):
         assert len(r["handover_samples_ms"]) == 1 and len(r["total_samples_ms"]) == 1
     assert f"== {backend} staged" in stdout and f"== {backend} direct" in stdout
     assert "supported layerwise_min_tokens with G=" in stdout
+    assert "layer_group 2, layerwise_min_tokens 0, layer_batching on (direct)" in stdout

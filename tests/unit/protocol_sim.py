@@ -22,6 +22,7 @@ from kvstage.transfer.draft_kv import DraftKV
 from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.poll import KVPoll
 from kvstage.transfer.protocol.actions import (
+    AwaitUnit,
     DecodePrefix,
     PeerKey,
     PostWrite,
@@ -117,6 +118,10 @@ class World:
     overlaps: int = 0
     completions: list = field(default_factory=list)  # (prefill rank, op) landed, not yet reported
     grouping: LayerGrouping = PER_CHUNK  # how the prefill rooms turn layer-wise sends into writes
+    ready_objects: bool = False  # layer-wise sends carry a readiness object, waited on (AwaitUnit) in random order
+    awaits: list = field(default_factory=list)  # (prefill rank, AwaitUnit) not waited on yet
+    ready_done: set = field(default_factory=set)  # (prefill rank, room, page, layer) whose readiness was waited on
+    unready_reads: int = 0  # direct writes of a batching room that read a layer before it was ready
 
     def __post_init__(self):
         g = self.g
@@ -252,6 +257,8 @@ class World:
                 self.send(self.kp[p], a.peer, a.msg)
             elif isinstance(a, PostWrite):
                 self.writes.append(PendingWrite(p, a.op, a.op.staged))
+            elif isinstance(a, AwaitUnit):
+                self.awaits.append((p, a))
             elif isinstance(a, DecodePrefix):
                 self.prefix_seen.append((p, a.pages))
             elif isinstance(a, (StatusChanged, Released)):
@@ -369,6 +376,9 @@ class World:
             self.ring_mem[d][off : off + op.nbytes] = data
             self.ring_owner[d][off : off + op.nbytes] = op.ring_start
         else:
+            if self.ready_objects and self.rooms_p[(p, op.room)].batcher is not None:
+                self.unready_reads += any((p, op.room, int(page), layer) not in self.ready_done
+                                          for page in op.src_pages for layer in op.layers)
             for j, t in enumerate(dst_t):
                 self.cd[d][t, op.dst_pages, :, op.dst_heads[0] : op.dst_heads[1]] = src[j]
                 self.written[d][t, op.dst_pages, :, op.dst_heads[0] : op.dst_heads[1]] += 1
@@ -443,6 +453,8 @@ class World:
             choices += ["tag"] * 2
         if self.scatters:
             choices.append("scatter")
+        if self.awaits:
+            choices.append("ready")
         if not choices:
             return False
         what = self.rng.choice(choices)
@@ -456,7 +468,13 @@ class World:
             if isinstance(pages, int):
                 self.apply_p(p, r.init(pages, self.now))
             else:
-                self.apply_p(p, r.add_chunk(pages, last, self.now, layers=layers[0] if layers else None))
+                ready = ((room, tuple(pages.tolist()), layers[0]),) if self.ready_objects and layers else ()
+                self.apply_p(p, r.add_chunk(pages, last, self.now, layers=layers[0] if layers else None, ready=ready))
+        elif what == "ready":
+            p, a = self.awaits.pop(self.rng.randrange(len(self.awaits)))
+            for room_, pages_, layers_ in a.ready:
+                self.ready_done.update((p, room_, page, layer) for page in pages_ for layer in layers_)
+            self.apply_p(p, self.rooms_p[(p, a.room)].on_unit_ready(a.seq, None, self.now))
         elif what == "msg":
             src, dst = self.rng.choice(live)
             self.deliver(src, dst)

@@ -42,7 +42,7 @@ def cfg(**kw) -> EngineConfig:
     ("ring_mb", 0), ("ring_mb", -1.0), ("ring_mb", math.nan), ("ring_mb", math.inf), ("ring_mb", True), ("ring_mb", 2.0 * MAX_MB),
     ("staging_buffer_mb", 0), ("staging_buffer_mb", math.nan), ("staging_piece_mb", 0.0),
     ("staging_piece_mb", -math.inf),
-    ("staging", "maybe"), ("staging", 2),
+    ("staging", "maybe"), ("staging", 2), ("layer_batching", "sometimes"), ("layer_batching", 2),
     ("ctrl_port", 70000), ("ctrl_port", -1), ("ctrl_port", 1.5), ("ctrl_port", True),
     ("bootstrap", 8998), ("bootstrap", "localhost"), ("bootstrap", "h:0"), ("bootstrap", "h:70000"),
     ("bootstrap", ":8998"), ("bootstrap", "bad host!:8998"), ("bootstrap", "a..b:1"), ("bootstrap", "-h:1"),
@@ -92,7 +92,7 @@ def test_quarantine_minus_one_or_non_negative(value):
     (WORKERS_ENV, "1.5"), (WORKERS_ENV, "0"), (WORKERS_ENV, "-1"), (WORKERS_ENV, "two"),
     (RING_MB_ENV, "nan"), (RING_MB_ENV, "inf"), (RING_MB_ENV, "0"), (RING_MB_ENV, "-3"), (RING_MB_ENV, "x"),
     (BUFFER_MB_ENV, "NaN"), (PIECE_MB_ENV, "-inf"),
-    (STAGING_ENV, "maybe"), (STAGING_ENV, "2"),
+    (STAGING_ENV, "maybe"), (STAGING_ENV, "2"), ("KVSTAGE_LAYER_BATCHING", "auto"),
     ("KVSTAGE_TIMEOUT_CONNECT", "nan"), ("KVSTAGE_TIMEOUT_CONNECT", "inf"), ("KVSTAGE_TIMEOUT_LEASE", "0"),
     ("KVSTAGE_TIMEOUT_ROOM", "-1"), ("KVSTAGE_TIMEOUT_QUARANTINE", "-2"), ("KVSTAGE_TIMEOUT_QUARANTINE", "nan"),
 ])
@@ -108,6 +108,14 @@ def test_flag_words(monkeypatch, raw, want):
     assert cfg(staging=raw).resolved().staging is want
     monkeypatch.setenv(STAGING_ENV, raw)
     assert cfg().resolved().staging is want
+
+
+def test_layer_batching_is_on_unless_turned_off(monkeypatch):
+    assert cfg().resolved().layer_batching is True
+    assert cfg(layer_batching="off").resolved().layer_batching is False
+    monkeypatch.setenv("KVSTAGE_LAYER_BATCHING", "0")
+    assert cfg().resolved().layer_batching is False
+    assert cfg(layer_batching=True).resolved().layer_batching is True   # the argument wins
 
 
 def test_quarantine_env_zero_is_allowed(monkeypatch):

@@ -17,14 +17,15 @@ SENDS = {"per_layer": [range(i, i + 1) for i in range(LAYERS)],
          "uneven": [range(0, 1), range(1, 5), range(5, 6)],
          "all": [range(0, LAYERS)]}
 GROUPINGS = {"per_chunk": LayerGrouping(), "g1": LayerGrouping(size=1), "g4": LayerGrouping(size=4),
-             "g2_above_16": LayerGrouping(size=2, min_tokens=16)}   # pages of 2 tokens: rooms of 6 pages fall below
+             "g2_above_16": LayerGrouping(size=2, min_tokens=16),   # pages of 2 tokens: rooms of 6 pages fall below
+             "batch": LayerGrouping(size=4, batch=True)}             # writes that size themselves (direct)
 
 
 def run(P, D, sends, grouping, *, staged=True, mla=False, shuffle=False, prefix=0, seed=0, n=12, chunks=(5, 7),
-        buffer_bytes=4096):
+        buffer_bytes=4096, ready_objects=False):
     g = Geometry(P=P, D=D, H=1 if mla else 4, layers=LAYERS, mla=mla, staged=staged, ring_bytes=8192,
                  buffer_bytes=buffer_bytes)
-    w = World(g=g, seed=seed, grouping=grouping)
+    w = World(g=g, seed=seed, grouping=grouping, ready_objects=ready_objects)
     w.add_room(1, n, list(chunks), layer_sends=SENDS[sends], shuffle_layers=shuffle, prefix=prefix)
     w.settle()
     return w
@@ -39,6 +40,22 @@ def test_every_byte_lands_exactly_once(P, D, sends, grouping):
         assert set(w.status_p.values()) == set(w.status_d.values()) == {KVPoll.Success}, (staged, w.status_d)
         assert w.check_bytes(1) and w.written_once(1)
         assert w.overlaps == 0
+
+
+@pytest.mark.parametrize("P, D", list(itertools.product((1, 2, 4), repeat=2)))
+@pytest.mark.parametrize("sends", sorted(SENDS))
+def test_batching_rooms_write_each_byte_once_and_only_once_ready(P, D, sends):
+    """Direct, each send with a readiness object reported back in random order: a batching room
+    writes every byte exactly once, never a layer before it was ready, and merges sends."""
+    merged = 0
+    for seed, prefix in itertools.product(range(3), (0, 3)):
+        w = run(P, D, sends, GROUPINGS["batch"], staged=False, shuffle=True, prefix=prefix, seed=seed,
+                ready_objects=True)
+        assert set(w.status_p.values()) == set(w.status_d.values()) == {KVPoll.Success}, w.status_d
+        assert w.check_bytes(1) and w.written_once(1) and w.unready_reads == 0
+        merged += sum(r.batcher.merged for r in w.rooms_p.values() if r.batcher is not None)
+    if sends == "per_layer":   # shuffled: only layers that follow on in the order sent can merge
+        assert merged > 0
 
 
 @pytest.mark.parametrize("P, D", [(1, 2), (2, 1), (4, 2)])

@@ -22,7 +22,8 @@ from servers import free_port
 PROMPTS = {"a": list(range(3, 36)), "b": list(range(40, 97)), "c": list(range(5, 11)) * 13}
 EXTENDED = PROMPTS["b"][:BLOCK] + list(range(200, 250))     # 82 tokens: 3 pages, the first one "b"'s
 CHUNK = 48                                                  # prefill tokens per step: chunks end inside pages
-LAYERWISE = {"KVSTAGE_LAYER_GROUP": "1", "KVSTAGE_LAYERWISE_MIN_TOKENS": "0"}   # a write per layer
+LAYERWISE = {"KVSTAGE_LAYER_GROUP": "1", "KVSTAGE_LAYERWISE_MIN_TOKENS": "0",   # a write per layer
+             "KVSTAGE_LAYER_BATCHING": "0"}
 
 
 @pytest.fixture(scope="module")

@@ -31,8 +31,9 @@ PROMPTS = [list(range(5, 11)), list(range(3, 36)), list(range(40, 97)), [7] * 5 
 EXTENDED = PROMPTS[2] + list(range(200, 230))
 ENV = {"SGLANG_DISAGG_STAGING_POOL_SIZE_MB": "16", "KVSTAGE_STAGING_BUFFER_MB": "8",
        # layer-wise sending (the connector's default) with a write per layer even for these short
-       # prompts (kvstage's defaults group 4 layers and send prompts under 512 tokens per chunk)
-       "KVSTAGE_LAYER_GROUP": "1", "KVSTAGE_LAYERWISE_MIN_TOKENS": "0"}
+       # prompts (kvstage's defaults group 4 layers, send prompts under 512 tokens per chunk, and
+       # merge the direct path's ready layers while a write is in flight)
+       "KVSTAGE_LAYER_GROUP": "1", "KVSTAGE_LAYERWISE_MIN_TOKENS": "0", "KVSTAGE_LAYER_BATCHING": "0"}
 LAYERS = 2                  # build_tiny_model's
 # vLLM's CPU workers pin themselves (and so kvstage's threads in them) to their cores, where
 # vLLM's worker loop spins waiting for the next step; with three pinned servers on 2 cores,

@@ -132,6 +132,15 @@ class LayersReady:
     error: str | None
 
 
+@dataclass(frozen=True, kw_only=True)
+class UnitReady:
+    """A batching room's held unit: its readiness objects were waited on (error: why that failed)."""
+
+    room: int
+    seq: int
+    error: str | None
+
+
 @dataclass(frozen=True)
 class Wake:
     """Work is queued for the control thread's backend (a transfer worker posted a write)."""

@@ -140,6 +140,7 @@ class _Handle:
             path=totals.path,
             seconds=seconds,
             timeline=self._status.timeline.timeline(),
+            merged_sends=totals.merged,
         )
 
     def failure_exception(self) -> KVTransferError | None:

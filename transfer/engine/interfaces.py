@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from ..poll import KVPoll
-    from ..protocol.actions import Action, RoomTotals, Scatter, StatusChanged, WriteOp
+    from ..protocol.actions import Action, AwaitUnit, RoomTotals, Scatter, StatusChanged, WriteOp
     from ..protocol.messages import Heartbeat, Hello, RoomFailed
     from ..protocol.tags import Tag
     from .peers import Peer
@@ -70,6 +70,10 @@ class WriteSink(Protocol):
 
     def cancel_room(self, room_id: int, now: float) -> None:
         """The room just failed: its pieces still waiting for ring space never start."""
+
+    def await_unit(self, a: AwaitUnit) -> None:
+        """A batching room's AwaitUnit action (write_batching.py): wait for the unit's readiness
+        objects off the control thread; a UnitReady event reports back."""
 
 
 class RoomHooks(Protocol[R_contra]):

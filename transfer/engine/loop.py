@@ -120,7 +120,7 @@ class EngineLoop:
             self.waiter = ReadyWaiter(self.post)
             writes = WriteQueue(c, peers, prefill_book, self.workers, self.waiter)
             side = PrefillSide(c, peers, prefill_book, writes, LayerGrouping(
-                size=cfg.layer_group or 0, min_tokens=cfg.layerwise_min_tokens or 0))
+                size=cfg.layer_group or 0, min_tokens=cfg.layerwise_min_tokens or 0, batch=bool(cfg.layer_batching)))
             self.book = prefill_book
         else:
             decode_book: RoomBook[DecodeRoom] = RoomBook(c, peers, side=lambda: side, writes=lambda: writes)

@@ -37,7 +37,7 @@ from ..protocol.routing import PeerState, hello_verdict
 from ..protocol.tags import Tag
 from ..regions import unwritable_peer_kinds
 from .context import EngineContext
-from .events import Abort, InitSender, NewSender, SendChunk
+from .events import Abort, InitSender, NewSender, SendChunk, UnitReady
 from .interfaces import EventHandler, MessageHandler
 from .peers import Peer, PeerTable
 from .rooms import RoomBook
@@ -66,7 +66,8 @@ class PrefillSide:
             RoomMeta: self.on_RoomMeta, AllocGrant: self.on_AllocGrant, WatermarkUpdate: self.on_WatermarkUpdate,
             RoomDone: self.on_RoomDone, RoomFailed: self.on_RoomFailed}
         self.events: dict[type, EventHandler] = {
-            NewSender: self.new_sender, InitSender: self.init_sender, SendChunk: self.send_chunk, Abort: self.abort}
+            NewSender: self.new_sender, InitSender: self.init_sender, SendChunk: self.send_chunk, Abort: self.abort,
+            UnitReady: self.unit_ready}
 
     # -- the connection handshake ---------------------------------------------------------------
     def on_hello(self, msg: Hello, now: float) -> None:
@@ -171,6 +172,11 @@ class PrefillSide:
         if room is not None:
             self.book.apply(room, room.add_chunk(ev.pages, ev.last, now, layers=ev.layers, ready=ev.ready,
                                                  pool_items=ev.pool_items))
+
+    def unit_ready(self, ev: UnitReady, now: float) -> None:
+        room = self.book.get(ev.room)
+        if room is not None:
+            self.book.apply(room, room.on_unit_ready(ev.seq, ev.error, now))
 
     def abort(self, ev: Abort, now: float) -> None:
         room = self.book.get(ev.room)

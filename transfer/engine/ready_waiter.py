@@ -2,30 +2,32 @@
 the control thread, which posts direct writes and must never block on a GPU.
 
 One thread on a job queue (staging/job_threads.py): it calls `synchronize()` on each object of a
-write, then hands a `LayersReady` event to the control thread, which posts the write (or fails
-it with the exception's text). Staged pieces are waited on by their transfer worker instead.
+job, then hands the job's event to the control thread: `LayersReady` for a write, which is
+posted then (or failed with the exception's text), `UnitReady` for a batching room's held unit
+(write_batching.py). Staged pieces are waited on by their transfer worker instead.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ...staging.job_threads import JobThreads
 from ...staging.thread_meter import ThreadMeter
 from ...staging.workers import wait_ready
-from .events import LayersReady
 
 
 @dataclass(frozen=True, kw_only=True)
 class ReadyJob:
-    op_id: int
-    room: int
+    """Wait for `ready`, then post `event(error)` (error: None, or why waiting failed)."""
+
     ready: tuple[object, ...]
+    event: Callable[[str | None], Any]
 
 
 class ReadyWaiter:
-    def __init__(self, post: Callable[[LayersReady], None]):
+    def __init__(self, post: Callable[[Any], None]):
         self._post = post
         self._thread: JobThreads[ReadyJob] = JobThreads([("kvstage-ready", "ready")], self._worker)
         self.meter = self._thread.meters[0]
@@ -43,13 +45,13 @@ class ReadyWaiter:
                 wait_ready(job.ready)
             except Exception as exc:  # noqa: BLE001 - fails the write (and its room), not the thread
                 error = f"waiting for the layers to be ready failed: {type(exc).__name__}: {exc}"
-            event = LayersReady(op_id=job.op_id, room=job.room, error=error)
+            event = job.event(error)
             return lambda: _post_quietly(self._post, event)
 
         return work
 
 
-def _post_quietly(post: Callable[[LayersReady], None], event: LayersReady) -> None:
+def _post_quietly(post: Callable[[Any], None], event: Any) -> None:
     try:
         post(event)
     except RuntimeError:  # the control thread stopped: it failed and released every room itself

@@ -16,6 +16,7 @@ from typing import Generic, NamedTuple
 from ..poll import KVPoll
 from ..protocol.actions import (
     Action,
+    AwaitUnit,
     DecodePrefix,
     Dropped,
     PostWrite,
@@ -75,6 +76,8 @@ class RoomBook(Generic[R]):
                 self.peers.send(a.peer, a.msg)
             elif isinstance(a, PostWrite):
                 self._writes().post(a.op, time.monotonic())
+            elif isinstance(a, AwaitUnit):
+                self._writes().await_unit(a)
             elif isinstance(a, Scatter):
                 self._side().scatter(a)
             elif isinstance(a, PublishWatermark):

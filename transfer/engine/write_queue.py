@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from ...staging.workers import GatherJob, Report, TransferWorkers
 from ..poll import KVPoll
-from ..protocol.actions import WriteOp
+from ..protocol.actions import AwaitUnit, WriteOp
 from ..protocol.direct_ranges import CacheGeometry, direct_descriptors, pool_descriptor_parts
 from ..protocol.kinds import FailureKind
 from ..protocol.messages import KVMemory, WritePosted
@@ -27,7 +27,7 @@ from ..protocol.prefill_room import PrefillRoom
 from ..protocol.write_groups import DescriptorPart, WriteGroup, group_parts
 from ..protocol.write_queue import StagedQueue, WriteDeadlines
 from .context import EngineContext
-from .events import LayersReady, WriteDone
+from .events import LayersReady, UnitReady, WriteDone
 from .peers import Peer, PeerTable
 from .ready_waiter import ReadyJob, ReadyWaiter
 from .rooms import RoomBook
@@ -60,7 +60,9 @@ class WriteQueue:
             assert self.waiter is not None, "a prefill rank has a readiness waiter"
             self.not_ready[op.op_id] = op
             self.deadlines.start(op.op_id, op.room, now + ctx.t.write)
-            return self.waiter.submit(ReadyJob(op_id=op.op_id, room=op.room, ready=op.ready))
+            op_id, room = op.op_id, op.room
+            return self.waiter.submit(ReadyJob(ready=op.ready, event=lambda error: LayersReady(
+                op_id=op_id, room=room, error=error)))
         groups = self._direct_groups(op, peer)
         ctx.stats.add("write_requests", len(groups))
         ctx.stats.add("descriptors", sum(len(g.src) for g in groups))
@@ -137,6 +139,11 @@ class WriteQueue:
                 dst_device=ring.device, tag=ctx.tags.encode(op.tag), dst_kind=ring.mem_kind, pools=op.pools,
                 on_posted=functools.partial(self._posted, op.op_id, op.room),
                 seal=ctx.integrity.sealer(op.tag)))
+
+    def await_unit(self, a: AwaitUnit) -> None:
+        """A batching room's held unit: wait for its layers off this thread (UnitReady comes back)."""
+        assert self.waiter is not None, "a prefill rank has a readiness waiter"
+        self.waiter.submit(ReadyJob(ready=a.ready, event=lambda error: UnitReady(room=a.room, seq=a.seq, error=error)))
 
     def layers_ready(self, ev: LayersReady, now: float) -> None:
         """The waiter is done with a direct write's readiness objects: post it, unless its room

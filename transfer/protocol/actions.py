@@ -135,6 +135,18 @@ class RoomTotals:
     nbytes: int = 0
     writes: int = 0
     path: TransferPath = TransferPath.NONE
+    merged: int = 0    # prefill, batching: units written inside another unit's write (write_batching.py)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AwaitUnit:
+    """Prefill, a batching room (write_batching.py): wait for `ready` (each object's
+    synchronize()) off the control thread, then report unit `seq` of room `room` ready
+    (PrefillRoom.on_unit_ready)."""
+
+    room: int
+    seq: int
+    ready: tuple[object, ...]
 
 
 @dataclass(frozen=True)
@@ -149,4 +161,5 @@ class Dropped:
     reason: str
 
 
-Action = Send | PostWrite | Scatter | PublishWatermark | StatusChanged | Released | Dropped | DecodePrefix
+Action = (Send | PostWrite | AwaitUnit | Scatter | PublishWatermark | StatusChanged | Released | Dropped
+          | DecodePrefix)

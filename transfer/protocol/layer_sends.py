@@ -26,12 +26,14 @@ __all__ = ["PER_CHUNK", "LayerGrouper", "LayerGrouping", "SendLedger", "SendStep
 
 @dataclass(frozen=True, kw_only=True)
 class LayerGrouping:
-    """How a prefill rank turns layer-wise sends into writes (EngineConfig.layer_group and
-    layerwise_min_tokens): `size` layers per write (0: the whole stage), and the whole stage for
-    a request of fewer than `min_tokens` tokens."""
+    """How a prefill rank turns layer-wise sends into writes (EngineConfig.layer_group,
+    layerwise_min_tokens and layer_batching): `size` layers per write (0: the whole stage), the
+    whole stage for a request of fewer than `min_tokens` tokens, and with `batch`, writes that
+    size themselves on a room writing only direct (write_batching.py)."""
 
     size: int = 0
     min_tokens: int = 0
+    batch: bool = False
 
 
 PER_CHUNK = LayerGrouping()   # every layer of a chunk in one write, as without layer-wise sending

@@ -32,16 +32,18 @@ from ..state_pools import PoolSpec
 from .actions import Action, DecodePrefix, Dropped, PeerKey, PostWrite, RoomTotals, Send, WriteOp
 from .chunk_writes import ChunkWrites, direct_writes, granted_writes
 from .direct_ranges import direct_nbytes
+from .flow_timers import due_again, overdue
 from .flows import Chunk, Flow, past_prefix
 from .head_mapping import Assignment, HeadMapping, compute_assignments
 from .kinds import FailureKind, TransferPath
-from .layer_sends import PER_CHUNK, LayerGrouper, LayerGrouping, SendLedger, group_size
+from .layer_sends import PER_CHUNK, LayerGrouper, LayerGrouping, SendLedger, Unit
 from .lifecycle import PREFILL_TRANSITIONS, RoomEvent
 from .messages import AllocGrant, AllocRequest, Quiesced, RoomFailed, RoomMeta, WriterDone
 from .pool_parts import counts_mismatch, final_part, request_copies, writer_segments
 from .room_base import RoomBase
 from .room_uses import Bound, EarlierUses, RoomUse, failure_use, meta_use
 from .send_checks import check_late_items, check_page_count
+from .write_batching import UnitBatcher, plan_units
 
 
 class PrefillRoom(RoomBase):
@@ -63,9 +65,10 @@ class PrefillRoom(RoomBase):
         self.max_ranges = max_ranges  # direct path: descriptors per write at most
         self.grouping = grouping
         self.ledger = SendLedger(room=room, stage=layout.layers)   # what the caller sent, per layer
-        self.grouper: LayerGrouper | None = None                    # sends -> write units, once the count is known
+        self.grouper: LayerGrouper | None = None                    # sends -> write units, from the first send
+        self.batcher: UnitBatcher | None = None                     # units -> chunks, batching (write_batching.py)
         if num_pages is not None:
-            self._count_known(num_pages)
+            self.ledger.set_page_count(num_pages)
         self.chunks: list[Chunk] = []       # as given: request page numbers
         self.prefix: int | None = None      # pages the decode side already holds (from its metadata)
         self.sendable: list[Chunk] = []     # the chunks' pages past the prefix, numbered from the prefix
@@ -86,7 +89,7 @@ class PrefillRoom(RoomBase):
         """The page count, for a sender created without one. Raises ValueError on bad input,
         unchanged. Metadata that came first is checked against it now."""
         self.num_pages = check_page_count(self.room, self.num_pages, num_pages)
-        self._count_known(num_pages)
+        self.ledger.set_page_count(num_pages)
         self.pool_items = pool_items or {}
         if self.ended:
             return []
@@ -96,13 +99,6 @@ class PrefillRoom(RoomBase):
                 if out:
                     return out
         return self._pump(now)
-
-    def _count_known(self, num_pages: int) -> None:
-        self.ledger.set_page_count(num_pages)
-        g = self.grouping
-        self.grouper = LayerGrouper(stage=self.layout.layers, size=group_size(
-            layer_group=g.size, min_tokens=g.min_tokens, num_tokens=num_pages * self.layout.page_size,
-            stage=self.layout.layers))
 
     @property
     def pages_given(self) -> int:
@@ -122,13 +118,21 @@ class PrefillRoom(RoomBase):
         if pool_items:
             self.pool_items = {**self.pool_items, **pool_items}
         self._add_draft_items()
-        assert self.grouper is not None, "the ledger refuses a send before the page count"
+        if self.grouper is None:   # at the first send, once the path is known (write_batching.py)
+            assert self.num_pages is not None, "the ledger refuses a send before the page count"
+            self.grouper, self.batcher = plan_units(
+                self.grouping, room=self.room, stage=self.layout.layers, num_tokens=self.num_pages * self.layout.page_size,
+                direct_only=self._all_metas() and not any(f.staged for f in self.flows.values()
+                                                          if f.assignment is not None), unit_ids=self._op_ids)
         units = self.grouper.add(step, pages, ready)
         if self.ended:
             return []  # input still accounted for, nothing more is written
+        waits: list[Action] = []
         for u in units:
-            self.chunks.append(Chunk(index=len(self.chunks), page_start=u.page_start, pages=u.pages, layers=u.layers,
-                                     ready=u.ready))
+            if self.batcher is None:
+                self._add_unit(u)
+            elif (wait := self.batcher.add(u, now)) is not None:
+                waits.append(wait)
         if self.last:   # every pool's items are known now: the counts each decode rank expects must match
             for flow in list(self.flows.values()):
                 if flow.pool_dst is not None and flow.assignment is not None:
@@ -136,7 +140,20 @@ class PrefillRoom(RoomBase):
                     if mismatch:
                         return self.fail(FailureKind.POOL, f"decode rank {flow.peer.tp_rank}: {mismatch}", now)
         out = self._move(RoomEvent.INPUT, now) if self._all_metas() else []
-        return out + self._pump(now)
+        return waits + out + self._pump(now)
+
+    def _add_unit(self, u: Unit) -> None:
+        self.chunks.append(Chunk(index=len(self.chunks), page_start=u.page_start, pages=u.pages, layers=u.layers,
+                                 ready=u.ready))
+
+    def on_unit_ready(self, seq: int, error: str | None, now: float) -> list[Action]:
+        """The shell waited for a held unit's readiness objects (AwaitUnit); `error`: why that
+        failed."""
+        if self.ended or self.batcher is None or not self.batcher.unit_ready(seq):
+            return []
+        if error is not None:
+            return self.fail(FailureKind.WRITE, error, now)   # the waiter's text: what synchronize() raised
+        return self._pump(now)
 
     def meta_use(self, peer: PeerKey, session: int) -> RoomUse:
         """Which use of the room id metadata from `peer` with `session` belongs to (room_uses.py)."""
@@ -261,7 +278,7 @@ class PrefillRoom(RoomBase):
             return out + self._maybe_release()
         flow.writes += 1
         flow.nbytes += op.nbytes
-        return self._check_done(now) + self._maybe_release()
+        return self._pump(now) + self._maybe_release()   # a batching room's next write
 
     def on_room_done(self, peer: PeerKey, session: int, now: float) -> list[Action]:
         flow = self._flow_of(peer, session)
@@ -318,18 +335,8 @@ class PrefillRoom(RoomBase):
         return self.on_room_failed(peer, session, kind, f"{reason} (before its room metadata went out)", now)
 
     def _retransmit(self, now: float) -> list[Action]:
-        out: list[Action] = []
-        retry = self.timeouts.heartbeat
-        for flow in self.flows.values():
-            for chunk, first in flow.requested_at.items():
-                if chunk not in flow.granted and now - flow.asked_again.get(chunk, first) >= retry:
-                    flow.asked_again[chunk] = now
-                    out.append(self._alloc_request(flow, self.sendable[chunk]))
-            last_done = flow.done_again_at if flow.done_again_at is not None else flow.done_sent_at
-            if last_done is not None and not flow.confirmed and now - last_done >= retry:
-                flow.done_again_at = now
-                out.append(self._writer_done(flow))
-        return out
+        return [self._writer_done(flow) if chunk is None else self._alloc_request(flow, self.sendable[chunk])
+                for flow, chunk in due_again(self.flows.values(), self.timeouts.heartbeat, now)]
 
     def _alloc_request(self, flow: Flow, chunk: Chunk) -> Send:
         return Send(flow.peer, AllocRequest(src=self.me, dst=flow.peer.incarnation, room=self.room,
@@ -346,20 +353,19 @@ class PrefillRoom(RoomBase):
         if not self._all_metas() and now - self.created > t.metadata:
             who = f"decode rank(s) {sorted(self.expected - set(self.flows))}" if self.mapping else "any decode rank"
             return self.fail(FailureKind.TIMEOUT, f"no room metadata from {who} within {t.metadata:g} s", now)
-        for flow in self.flows.values():
-            for chunk, asked in flow.requested_at.items():
-                if chunk not in flow.granted and now - asked > t.watermark:
-                    return self.fail(FailureKind.TIMEOUT, f"no ring allocation for chunk {chunk} from {flow.peer} within "
-                                                f"{t.watermark:g} s", now)
-            if flow.done_sent_at is not None and not flow.confirmed and now - flow.done_sent_at > t.arrival + t.scatter:
-                return self.fail(FailureKind.TIMEOUT, f"decode rank {flow.peer.tp_rank} did not confirm the room within "
-                                            f"{t.arrival + t.scatter:g} s of the last write", now)
-        return []
+        waiting = self.batcher.oldest_waiting() if self.batcher is not None else None
+        if waiting is not None and now - waiting > t.write:
+            return self.fail(FailureKind.TIMEOUT, f"layers sent were not ready (send(ready=...)) within {t.write:g} s",
+                             now)
+        why = overdue(self.flows.values(), t, now)
+        return self.fail(FailureKind.TIMEOUT, why, now) if why is not None else []
 
     def _told_of_failure(self) -> list[tuple[PeerKey, int]]:
         return [(flow.peer, flow.session) for flow in self.flows.values()]
 
     def _after_failure(self, now: float) -> list[Action]:
+        if self.batcher is not None:
+            self.batcher.clear()   # held units are never written
         return self._maybe_release()
 
     def totals(self) -> RoomTotals:
@@ -367,7 +373,8 @@ class PrefillRoom(RoomBase):
         writing = [f for f in self.flows.values() if f.assignment is not None]
         path = (TransferPath.NONE if not writing
                 else TransferPath.STAGED if any(f.staged for f in writing) else TransferPath.DIRECT)
-        return RoomTotals(sum(f.nbytes for f in writing), sum(f.writes for f in writing), path)
+        return RoomTotals(sum(f.nbytes for f in writing), sum(f.writes for f in writing), path,
+                          self.batcher.merged if self.batcher is not None else 0)
 
     def sessions(self) -> frozenset[tuple[int, int]]:
         """(decode incarnation, session) pairs this use dealt with: stale for the next use of the id."""
@@ -437,6 +444,9 @@ class PrefillRoom(RoomBase):
     def _pump(self, now: float) -> list[Action]:
         if self.ended or not self._all_metas():
             return []  # nothing is written before every decode rank's metadata agreed (pages, prefix)
+        if self.batcher is not None and not self.ops:   # its previous write completed: the next one
+            for u in self.batcher.take():
+                self._add_unit(u)
         self._sync_sendable()
         out: list[Action] = []
         for flow in self.flows.values():
@@ -474,6 +484,7 @@ class PrefillRoom(RoomBase):
 
     def _flow_finished_writing(self, flow: Flow) -> bool:
         return (self.last and flow.issued == len(self.sendable) and not flow.inflight
+                and (self.batcher is None or len(self.batcher) == 0)
                 and (not flow.staged or len(flow.granted) == len(self.sendable)))
 
     def _check_done(self, now: float) -> list[Action]:
