@@ -101,7 +101,7 @@ def merge_units(units: list[Unit]) -> list[Unit]:
     for u in units:
         prev = out[-1] if out else None
         if (prev is not None and prev.page_start == u.page_start and prev.layers.stop == u.layers.start
-                and np.array_equal(prev.pages, u.pages)):
+                and (prev.pages is u.pages or np.array_equal(prev.pages, u.pages))):   # one send's units share it
             out[-1] = Unit(page_start=prev.page_start, pages=prev.pages, layers=range(prev.layers.start, u.layers.stop))
         else:
             out.append(Unit(page_start=u.page_start, pages=u.pages, layers=u.layers))
