@@ -42,7 +42,7 @@ class GatherJob:
     tag: bytes
     dst_kind: str | None = None   # the ring's memory kind as the decode rank advertised it
     pools: tuple = ()             # state pool copies appended after the KV bytes (the last piece)
-    on_posted: Callable[[], object] | None = None   # runs on the backend's owner once it took the write
+    on_posted: Callable[[], object] | None = None   # runs on the backend's owner as it takes the write
     seal: Callable[[int], bytes] | None = None   # verify: the tag carrying the gathered bytes' digest
     ready: tuple = ()         # the caller's readiness objects: synchronize()d before the gather
 

@@ -106,8 +106,9 @@ class BackendOwner:
                      on_done: Callable[[bool, str | None], None],
                      on_posted: Callable[[], object] | None = None, *, dst_kind: str | None = None) -> None:
         """Post one write; on_done(ok, reason) runs on the owner exactly once, when the backend no
-        longer touches the source memory. on_posted() runs on the owner when the backend took the
-        write (a write may wait its turn behind an earlier one to the same peer first). dst_kind is
+        longer touches the source memory. on_posted() runs on the owner just before the backend
+        takes the write (a write may wait its turn behind an earlier one to the same peer first;
+        a post that then fails still ends in on_done(False, ...)). dst_kind is
         the memory kind the peer advertised for `dst` (NIXL describes the remote side with it)."""
         w = _Write(peer=peer, src=src, dst=dst, tag=tag, on_done=on_done, on_posted=on_posted, dst_kind=dst_kind)
         if self._closed:
@@ -230,6 +231,14 @@ class BackendOwner:
                 self._post(cmd)
 
     def _post(self, w: _Write) -> None:
+        # the peer is told first: NIXL over cma completes a write only once the target has
+        # progressed its worker, so a target already polling when the copy ends lets the write
+        # complete as the post returns (docs/backends.md, "A write completes when the target polls")
+        if w.on_posted is not None:
+            try:
+                w.on_posted()
+            except Exception:  # noqa: BLE001
+                log.exception("write posted callback raised")
         try:
             w.handle = self.backend.post_write(w.peer, w.src, w.dst, w.tag, dst_kind=w.dst_kind)
         except BackendError as exc:
@@ -239,11 +248,6 @@ class BackendOwner:
             _finish(w, False, f"{type(exc).__name__}: {exc}")
             return
         self.pending.append(w)
-        if w.on_posted is not None:
-            try:
-                w.on_posted()
-            except Exception:  # noqa: BLE001
-                log.exception("write posted callback raised")
         # a local copy (NIXL over cma) is often complete when the post returns: report it now, so
         # its transfer worker gathers its next piece while the next write is being posted
         self._poll_one(w, time.monotonic(), {})

@@ -5,9 +5,10 @@ A direct write goes to the backend at once. A staged piece waits in the `StagedQ
 protocol/write_queue.py) until the decode rank's watermark frees its ring region, then a
 transfer worker gathers it and issues the one backend write. Completions come back as
 WriteDone events and go to the room's state machine. When the backend takes a write and when it
-completes are stamped on the request's timeline and timed for the per-write histogram. When the
-backend takes a write, the decode rank is told (`WritePosted`): it polls for the write's tag
-only from then on (protocol/quiet.py).
+completes are stamped on the request's timeline and timed for the per-write histogram. Just
+before the backend takes a write, the decode rank is told (`WritePosted`): it polls for the
+write's tag only from then on (protocol/quiet.py), and its polling is what lets a NIXL cma write
+complete (docs/backends.md).
 """
 
 from __future__ import annotations
@@ -196,7 +197,7 @@ class WriteQueue:
             status.descriptors += descriptors
 
     def _posted(self, op_id: int, room: int, group: int = 0) -> float:
-        """On the control thread (the backend's owner), when the backend took the write (each
+        """On the control thread (the backend's owner), as the backend takes the write (each
         backend write of a direct write split by memory kind: `group`)."""
         now = time.monotonic()
         self.posted_at.setdefault(op_id, now)

@@ -6,8 +6,8 @@ write is known to be in flight towards or from it:
 
 - a prefill rank while it has writes posted or queued (NIXL sends a write's notification only
   once the writer sees it complete, so the writer must look);
-- a decode rank while writes were announced to it (`WritePosted`, sent by the writer when the
-  backend took the write) and their tags are not in yet.
+- a decode rank while writes were announced to it (`WritePosted`, sent by the writer just
+  before the backend takes the write) and their tags are not in yet.
 
 Otherwise the thread blocks until a message, an event or the next tick. Tags that land without
 an announcement (the message was lost) are still read by the backend step that runs on every

@@ -1,0 +1,60 @@
+"""BackendOwner tells the peer of a write before the backend takes it: a NIXL cma write
+completes only once the target progresses its worker (docs/backends.md), so the decode rank
+must already be polling when the copy inside the post ends. A fake backend records the order."""
+
+import numpy as np
+import pytest
+
+from kvstage.transfer.backends.base import BackendError, WriteHandle, WriteState
+from kvstage.transfer.engine.backend_owner import BackendOwner
+
+ROW = np.zeros((1, 3), dtype=np.uint64)
+
+
+class RecordingBackend:
+    """post_write completes at once (a local copy) unless told to raise."""
+
+    def __init__(self, log: list, raises: Exception | None = None):
+        self.log, self.raises = log, raises
+
+    def post_write(self, peer, src, dst, tag, dst_kind=None):
+        self.log.append(("post_write", tag))
+        if self.raises is not None:
+            raise self.raises
+        return WriteHandle(peer=peer, nbytes=8, ndesc=1, handle=object(), state=WriteState.DONE)
+
+    def poll_write(self, h):
+        return h.state
+
+    def release_write(self, h):
+        h.handle = None
+
+    def drain_tags(self):
+        return []
+
+    def progress(self):
+        pass
+
+
+def submit(owner: BackendOwner, log: list, tag: bytes) -> None:
+    owner.submit_write("peer", ROW, ROW, tag, lambda ok, reason: log.append(("done", tag, ok, reason)),
+                       lambda: log.append(("announced", tag)))
+
+
+def test_the_peer_is_told_before_the_backend_takes_the_write():
+    log: list = []
+    owner = BackendOwner(RecordingBackend(log))
+    submit(owner, log, b"a")
+    owner.step()
+    assert log == [("announced", b"a"), ("post_write", b"a"), ("done", b"a", True, None)]
+
+
+@pytest.mark.parametrize("error", [BackendError("refused"), RuntimeError("surprise")])
+def test_a_post_that_fails_after_the_announcement_still_ends_the_write(error):
+    log: list = []
+    owner = BackendOwner(RecordingBackend(log, raises=error))
+    submit(owner, log, b"a")
+    owner.step()
+    assert [e[0] for e in log] == ["announced", "post_write", "done"]
+    assert log[-1][2] is False and str(error) in log[-1][3]
+    assert not owner.pending
