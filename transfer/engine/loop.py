@@ -13,8 +13,10 @@ while a write is known to be in flight from or towards this rank (own writes pos
 prefill rank announced with WritePosted whose tags are not in), and otherwise sleeps in the
 poller until a message, an event or the next tick, so a rank whose rooms wait for the other
 side costs the process no wake-ups beyond the ticks. Every round, ticks included, steps the
-backend once: a tag whose announcement was lost is read at the next tick. An exception in any
-handler fails the rooms it concerns (kind "internal") and the loop goes on.
+backend once: a tag whose announcement was lost is read at the next tick. The events a step
+posts itself (a write's completion, found by polling it) are handled in the same round, so a
+room's next write is made without waiting for another round. An exception in any handler fails
+the rooms it concerns (kind "internal") and the loop goes on.
 """
 
 from __future__ import annotations
@@ -218,6 +220,9 @@ class EngineLoop:
                 tags, progressed = self._step()
                 if tags:
                     self._safely(self.router.on_tags, tags)
+                for ev in self.events.drain():   # completions the step found, handled this round
+                    busy = True
+                    self._safely(self._on_event, ev)
                 now = time.monotonic()
                 if now >= self._next_tick:
                     self._next_tick = now + TICK
