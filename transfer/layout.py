@@ -261,7 +261,7 @@ class KVLayout:
 
     @property
     def elem_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     @property
     def head_bytes(self) -> int:

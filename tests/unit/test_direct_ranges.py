@@ -5,7 +5,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstage.transfer.protocol.direct_ranges import CacheGeometry, direct_descriptors, page_runs
+from kvstage.transfer.protocol.direct_ranges import (
+    CacheGeometry,
+    DirectRowsCache,
+    direct_descriptors,
+    page_runs,
+    rows_of,
+    tensor_rows,
+)
 
 
 def test_page_runs():
@@ -81,3 +88,36 @@ def test_of_layers_keeps_k_then_v_of_those_layers_only():
     assert mla.of_layers(range(2, 3)).bases == (9,)
     with pytest.raises(ValueError, match="layers range"):
         geo.of_layers(range(2, 4))
+
+
+@pytest.mark.parametrize("heads", [((0, 4), (0, 4), 4, 4), ((2, 4), (0, 2), 4, 2)])   # whole pages; head slices
+def test_a_layer_wise_write_adds_its_tensors_bases_to_the_rooms_rows(heads):
+    """rows_of(tensor_rows(...)) over a subset of layers is exactly direct_descriptors over it."""
+    sh_range, dh_range, sh, dh = heads
+    hb, layers = 8, 5
+    src = CacheGeometry(tuple(1000 + t * 10_000 for t in range(2 * layers)), 4, sh * hb, hb, num_kv=2)
+    dst = CacheGeometry(tuple(900_000 + t * 10_000 for t in range(2 * layers)), 4, dh * hb, hb, device=3, num_kv=2)
+    sp, dp = np.array([5, 6, 7, 1]), np.array([2, 3, 9, 4])
+    rows = tensor_rows(src, dst, sp, dp, sh_range, dh_range)
+    for part in (range(0, 1), range(1, 4), range(4, 5), range(0, layers)):
+        got = rows_of(rows, src.of_layers(part), dst.of_layers(part))
+        want = direct_descriptors(src.of_layers(part), dst.of_layers(part), sp, dp, sh_range, dh_range)
+        assert all((g == w).all() for g, w in zip(got, want)), part
+
+
+def test_the_rows_cache_serves_only_the_same_page_arrays_heads_and_peer_memory():
+    cache, computed = DirectRowsCache(), []
+    sp, dp, heads, peer = np.array([1, 2]), np.array([3, 4]), ((0, 4), (0, 4)), object()
+
+    def get(room=1, peer_key=7, peer=peer, sp=sp, dp=dp, heads=heads):
+        return cache.get(room, peer_key, peer, sp, dp, heads, lambda: computed.append(1) or len(computed))
+
+    assert get() == 1 and get() == 1                       # one chunk's layer-wise writes: computed once
+    assert get(sp=sp.copy()) == 2                          # equal values, another array: not trusted
+    assert get(dp=np.array([3, 5])) == 3
+    assert get(heads=((0, 2), (2, 4))) == 4
+    assert get(peer=object()) == 5                         # the peer reconnected: new memory
+    assert get(peer_key=8) == 6 and len(cache) == 2        # one entry per (room, decode peer)
+    assert get(room=2) == 7 and len(cache) == 3
+    cache.forget(1)
+    assert len(cache) == 1 and get(room=2) == 7

@@ -162,7 +162,7 @@ class EngineLoop:
         was released, apart from the bounded memory of finished rooms)."""
         return {"rooms": len(self.book.rooms), "statuses": len(self.book.status),
                 "write_deadlines": len(self.writes.deadlines), "staged_waiting": len(self.writes.staged),
-                "writes_posted": len(self.writes.posted_at),
+                "writes_posted": len(self.writes.posted_at), "direct_rows": len(self.writes.kv_rows),
                 **self.side.room_state()}
 
     def start(self) -> None:

@@ -257,6 +257,7 @@ class PrefillSide:
         pass
 
     def released(self, room: PrefillRoom) -> None:
+        self.writes.forget_room(room.room)
         if room.state is KVPoll.Success:
             self.served[room.room] = frozenset((f.peer.incarnation, f.session) for f in room.flows.values())
         self.used_sessions[room.room] = room.stale.plus(room.sessions())

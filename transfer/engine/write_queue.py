@@ -21,7 +21,7 @@ from dataclasses import replace
 from ...staging.workers import GatherJob, Report, TransferWorkers
 from ..poll import KVPoll
 from ..protocol.actions import AwaitUnit, WriteOp
-from ..protocol.direct_ranges import CacheGeometry, direct_descriptors, pool_descriptor_parts
+from ..protocol.direct_ranges import CacheGeometry, DirectRowsCache, pool_descriptor_parts, rows_of, tensor_rows
 from ..protocol.kinds import FailureKind
 from ..protocol.messages import KVMemory, WritePosted
 from ..protocol.prefill_room import PrefillRoom
@@ -45,6 +45,7 @@ class WriteQueue:
         self.staged = StagedQueue()
         self.deadlines = WriteDeadlines()
         self.posted_at: dict[int, float] = {}   # op id -> when the backend took it (until it completes)
+        self.kv_rows = DirectRowsCache()        # per (room, decode peer): its pages' ranges in a tensor
 
     def post(self, op: WriteOp, now: float) -> None:
         ctx = self.ctx
@@ -86,10 +87,13 @@ class WriteQueue:
         """The backend writes of a direct op: its KV ranges and, on the write carrying the last
         page, its pool items, grouped so that no write mixes memory kinds (write_groups.py)."""
         b, kv = self.ctx.buffers, _memory(peer)
-        assert op.dst_pages is not None, "a direct write without destination pages"
-        src, dst = direct_descriptors(self.ctx.geometry.of_layers(self.ctx.layout.local(op.layers)),
-                                      self._peer_geometry(peer).of_layers(op.layers), op.src_pages, op.dst_pages,
-                                      op.src_heads, op.dst_heads)
+        dst_pages = op.dst_pages
+        assert dst_pages is not None, "a direct write without destination pages"
+        src_geo, dst_geo = self.ctx.geometry, self._peer_geometry(peer)
+        rows = self.kv_rows.get(op.room, op.peer.incarnation, kv, op.src_pages, dst_pages,
+                                (op.src_heads, op.dst_heads), lambda: tensor_rows(
+                                    src_geo, dst_geo, op.src_pages, dst_pages, op.src_heads, op.dst_heads))
+        src, dst = rows_of(rows, src_geo.of_layers(self.ctx.layout.local(op.layers)), dst_geo.of_layers(op.layers))
         parts = [DescriptorPart("kv", b.kind, kv.mem_kind, False, src, dst)]
         if op.pools:
             mems = {m.name: m for m in kv.pools}
@@ -159,6 +163,10 @@ class WriteQueue:
         if room is None or room.state is KVPoll.Failed:
             return self._finish(op.room, op.op_id, False, "cancelled: the room failed", now)
         self.post(replace(op, ready=()), now)
+
+    def forget_room(self, room_id: int) -> None:
+        """A released room: nothing of it is kept."""
+        self.kv_rows.forget(room_id)
 
     def cancel_room(self, room_id: int, now: float) -> None:
         for op in self.staged.cancel_room(room_id):

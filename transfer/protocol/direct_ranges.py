@@ -7,7 +7,7 @@ in a token-major cache the heads of one token are the only contiguous bytes.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -63,35 +63,96 @@ def page_runs(src_pages: np.ndarray, dst_pages: np.ndarray) -> tuple[np.ndarray,
     return src[starts], dst[starts], lengths
 
 
+@dataclass(frozen=True, eq=False)
+class TensorRows:
+    """What a direct write's descriptors add to each tensor's base address: per range, its
+    offset inside a tensor on each side and its length. It depends on the pages and heads only,
+    not on the layers, so a room's layer-wise writes of one chunk compute it once
+    (`DirectRowsCache`) and each write only adds its own tensors' bases (`rows_of`)."""
+
+    src_off: np.ndarray   # uint64, one per range
+    dst_off: np.ndarray
+    lengths: np.ndarray
+
+
+def tensor_rows(src: CacheGeometry, dst: CacheGeometry, src_pages: np.ndarray, dst_pages: np.ndarray,
+                src_heads: tuple[int, int], dst_heads: tuple[int, int]) -> TensorRows:
+    """The ranges moving the given heads of the given pages inside one tensor (any tensor: every
+    tensor of a cache has the same shape)."""
+    if src.head_bytes != dst.head_bytes or src.page_size != dst.page_size:
+        raise ValueError("head size or page size differ between the caches")
+    nheads = src_heads[1] - src_heads[0]
+    if nheads != dst_heads[1] - dst_heads[0] or nheads <= 0:
+        raise ValueError(f"head ranges {src_heads} and {dst_heads} differ in size")
+    if nheads == src.local_heads == dst.local_heads:   # whole pages: one range per run of pages
+        s0, d0, n = page_runs(src_pages, dst_pages)
+        return TensorRows(s0.astype(np.uint64) * np.uint64(src.page_stride),
+                          d0.astype(np.uint64) * np.uint64(dst.page_stride),
+                          (n * src.page_stride).astype(np.uint64))
+    offs = np.arange(src.page_size, dtype=np.int64)   # head slices: one range per token
+    s_tok = (np.asarray(src_pages, dtype=np.int64)[:, None] * src.page_size + offs).ravel()
+    d_tok = (np.asarray(dst_pages, dtype=np.int64)[:, None] * dst.page_size + offs).ravel()
+    return TensorRows(s_tok.astype(np.uint64) * np.uint64(src.token_stride) + np.uint64(src_heads[0] * src.head_bytes),
+                      d_tok.astype(np.uint64) * np.uint64(dst.token_stride) + np.uint64(dst_heads[0] * dst.head_bytes),
+                      np.full(s_tok.shape, nheads * src.head_bytes, dtype=np.uint64))
+
+
+def rows_of(rows: TensorRows, src: CacheGeometry, dst: CacheGeometry) -> tuple[np.ndarray, np.ndarray]:
+    """Source and destination N x 3 (address, length, device) arrays: `rows` in every tensor of
+    the two caches, tensor by tensor (K of each layer, then V of each)."""
+    if len(src.bases) != len(dst.bases):
+        raise ValueError("the two caches have different numbers of tensors")
+    src_b = np.asarray(src.bases, dtype=np.uint64)[:, None]
+    dst_b = np.asarray(dst.bases, dtype=np.uint64)[:, None]
+    s_addr = src_b + rows.src_off[None, :]
+    lengths = np.broadcast_to(rows.lengths[None, :], s_addr.shape)
+    return _rows(s_addr, lengths, src.device), _rows(dst_b + rows.dst_off[None, :], lengths, dst.device)
+
+
 def direct_descriptors(src: CacheGeometry, dst: CacheGeometry, src_pages: np.ndarray, dst_pages: np.ndarray,
                        src_heads: tuple[int, int], dst_heads: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
     """Source and destination N x 3 (address, length, device) arrays moving the given heads of
     the given pages, for every tensor (layer, K/V) of the two caches."""
     if len(src.bases) != len(dst.bases):
         raise ValueError("the two caches have different numbers of tensors")
-    if src.head_bytes != dst.head_bytes or src.page_size != dst.page_size:
-        raise ValueError("head size or page size differ between the caches")
-    nheads = src_heads[1] - src_heads[0]
-    if nheads != dst_heads[1] - dst_heads[0] or nheads <= 0:
-        raise ValueError(f"head ranges {src_heads} and {dst_heads} differ in size")
-    src_b = np.asarray(src.bases, dtype=np.uint64)[:, None]
-    dst_b = np.asarray(dst.bases, dtype=np.uint64)[:, None]
-    whole = nheads == src.local_heads == dst.local_heads
-    if whole:
-        s0, d0, n = page_runs(src_pages, dst_pages)
-        s_addr = src_b + (s0.astype(np.uint64) * np.uint64(src.page_stride))[None, :]
-        d_addr = dst_b + (d0.astype(np.uint64) * np.uint64(dst.page_stride))[None, :]
-        lengths = np.broadcast_to((n * src.page_stride).astype(np.uint64)[None, :], s_addr.shape)
-    else:
-        offs = np.arange(src.page_size, dtype=np.int64)
-        s_tok = (np.asarray(src_pages, dtype=np.int64)[:, None] * src.page_size + offs).ravel()
-        d_tok = (np.asarray(dst_pages, dtype=np.int64)[:, None] * dst.page_size + offs).ravel()
-        s_addr = src_b + (s_tok.astype(np.uint64) * np.uint64(src.token_stride)
-                          + np.uint64(src_heads[0] * src.head_bytes))[None, :]
-        d_addr = dst_b + (d_tok.astype(np.uint64) * np.uint64(dst.token_stride)
-                          + np.uint64(dst_heads[0] * dst.head_bytes))[None, :]
-        lengths = np.full(s_addr.shape, nheads * src.head_bytes, dtype=np.uint64)
-    return _rows(s_addr, lengths, src.device), _rows(d_addr, lengths, dst.device)
+    return rows_of(tensor_rows(src, dst, src_pages, dst_pages, src_heads, dst_heads), src, dst)
+
+
+@dataclass(frozen=True, eq=False)
+class _Cached:
+    src_pages: np.ndarray
+    dst_pages: np.ndarray
+    heads: tuple[tuple[int, int], tuple[int, int]]
+    peer: object
+    rows: TensorRows
+
+
+class DirectRowsCache:
+    """The `TensorRows` of each (room, decode peer)'s current pages: a layer-wise room's writes
+    of one chunk share their page arrays, so all but the first skip the per-page work. An entry
+    is used only for the very page arrays (by identity; the entry keeps them alive, so an id is
+    never reused while cached), the same heads and the same peer memory object (a reconnect
+    brings a new one); `forget(room)` drops a room's entries when it is released."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[int, int], _Cached] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, room: int, peer_key: int, peer: object, src_pages: np.ndarray, dst_pages: np.ndarray,
+            heads: tuple[tuple[int, int], tuple[int, int]], compute: Callable[[], TensorRows]) -> TensorRows:
+        hit = self._entries.get((room, peer_key))
+        if (hit is not None and hit.src_pages is src_pages and hit.dst_pages is dst_pages and hit.heads == heads
+                and hit.peer is peer):
+            return hit.rows
+        rows = compute()
+        self._entries[(room, peer_key)] = _Cached(src_pages, dst_pages, heads, peer, rows)
+        return rows
+
+    def forget(self, room: int) -> None:
+        for key in [k for k in self._entries if k[0] == room]:
+            del self._entries[key]
 
 
 def _rows(addr: np.ndarray, lengths: np.ndarray, device: int) -> np.ndarray:
