@@ -105,19 +105,21 @@ def test_a_layer_wise_write_adds_its_tensors_bases_to_the_rooms_rows(heads):
         assert all((g == w).all() for g, w in zip(got, want)), part
 
 
-def test_the_rows_cache_serves_only_the_same_page_arrays_heads_and_peer_memory():
+def test_the_rows_cache_serves_only_equal_pages_the_same_heads_and_peer_memory():
     cache, computed = DirectRowsCache(), []
     sp, dp, heads, peer = np.array([1, 2]), np.array([3, 4]), ((0, 4), (0, 4)), object()
 
     def get(room=1, peer_key=7, peer=peer, sp=sp, dp=dp, heads=heads):
         return cache.get(room, peer_key, peer, sp, dp, heads, lambda: computed.append(1) or len(computed))
 
-    assert get() == 1 and get() == 1                       # one chunk's layer-wise writes: computed once
-    assert get(sp=sp.copy()) == 2                          # equal values, another array: not trusted
+    assert get() == 1 and get(sp=sp.copy()) == 1           # one chunk's layer-wise writes: computed once
+    sp[0] = 9                                              # the caller's array changed after: not served
+    assert get() == 2
     assert get(dp=np.array([3, 5])) == 3
-    assert get(heads=((0, 2), (2, 4))) == 4
-    assert get(peer=object()) == 5                         # the peer reconnected: new memory
-    assert get(peer_key=8) == 6 and len(cache) == 2        # one entry per (room, decode peer)
-    assert get(room=2) == 7 and len(cache) == 3
+    assert get(sp=np.array([9, 2, 5])) == 4
+    assert get(heads=((0, 2), (2, 4))) == 5
+    assert get(peer=object()) == 6                         # the peer reconnected: new memory
+    assert get(peer_key=8) == 7 and len(cache) == 2        # one entry per (room, decode peer)
+    assert get(room=2) == 8 and len(cache) == 3
     cache.forget(1)
-    assert len(cache) == 1 and get(room=2) == 7
+    assert len(cache) == 1 and get(room=2) == 8

@@ -129,10 +129,10 @@ class _Cached:
 
 class DirectRowsCache:
     """The `TensorRows` of each (room, decode peer)'s current pages: a layer-wise room's writes
-    of one chunk share their page arrays, so all but the first skip the per-page work. An entry
-    is used only for the very page arrays (by identity; the entry keeps them alive, so an id is
-    never reused while cached), the same heads and the same peer memory object (a reconnect
-    brings a new one); `forget(room)` drops a room's entries when it is released."""
+    of one chunk move the same pages, so all but the first skip the per-page work. An entry is
+    used only for equal page lists (compared by value against the entry's own copies: the ops'
+    arrays are new objects per write), the same heads and the same peer memory object (a
+    reconnect brings a new one); `forget(room)` drops a room's entries when it is released."""
 
     def __init__(self) -> None:
         self._entries: dict[tuple[int, int], _Cached] = {}
@@ -143,11 +143,11 @@ class DirectRowsCache:
     def get(self, room: int, peer_key: int, peer: object, src_pages: np.ndarray, dst_pages: np.ndarray,
             heads: tuple[tuple[int, int], tuple[int, int]], compute: Callable[[], TensorRows]) -> TensorRows:
         hit = self._entries.get((room, peer_key))
-        if (hit is not None and hit.src_pages is src_pages and hit.dst_pages is dst_pages and hit.heads == heads
-                and hit.peer is peer):
+        if (hit is not None and hit.heads == heads and hit.peer is peer
+                and np.array_equal(hit.src_pages, src_pages) and np.array_equal(hit.dst_pages, dst_pages)):
             return hit.rows
         rows = compute()
-        self._entries[(room, peer_key)] = _Cached(src_pages, dst_pages, heads, peer, rows)
+        self._entries[(room, peer_key)] = _Cached(np.array(src_pages), np.array(dst_pages), heads, peer, rows)
         return rows
 
     def forget(self, room: int) -> None:
