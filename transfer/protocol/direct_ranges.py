@@ -113,8 +113,6 @@ def direct_descriptors(src: CacheGeometry, dst: CacheGeometry, src_pages: np.nda
                        src_heads: tuple[int, int], dst_heads: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
     """Source and destination N x 3 (address, length, device) arrays moving the given heads of
     the given pages, for every tensor (layer, K/V) of the two caches."""
-    if len(src.bases) != len(dst.bases):
-        raise ValueError("the two caches have different numbers of tensors")
     return rows_of(tensor_rows(src, dst, src_pages, dst_pages, src_heads, dst_heads), src, dst)
 
 
