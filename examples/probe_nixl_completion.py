@@ -21,8 +21,9 @@ import numpy as np
 KIB = 1 << 10
 
 
-def target(poll_s: float, nbytes: int, to_writer, stop) -> None:
-    """The decode side: register a buffer, publish it, and poll the agent until stopped."""
+def target(poll_s: float, nbytes: int, to_writer, stop, expected) -> None:
+    """The decode side: register a buffer, publish it, poll the agent until stopped, then until
+    the `expected` tags are in (NIXL has nothing to block on: polling is its API), 10 s at most."""
     from kvstage.transfer.backends import MemRegion, create_backend
 
     backend = create_backend("nixl", name="probe-target")
@@ -32,7 +33,10 @@ def target(poll_s: float, nbytes: int, to_writer, stop) -> None:
     tags = 0
     while not stop.wait(poll_s):
         tags += len(backend.drain_tags())
-    tags += len(backend.drain_tags())
+    deadline = time.monotonic() + 10
+    while tags < expected.value and time.monotonic() < deadline:
+        tags += len(backend.drain_tags())
+        time.sleep(0.001)
     to_writer.put(tags)
     backend.close()
 
@@ -41,9 +45,9 @@ def probe(poll_s: float, ranges: int, range_bytes: int, writes: int) -> dict:
     from kvstage.transfer.backends import MemRegion, WriteState, create_backend
 
     ctx = mp.get_context("spawn")
-    to_writer, stop = ctx.Queue(), ctx.Event()
+    to_writer, stop, expected = ctx.Queue(), ctx.Event(), ctx.Value("i", writes + 3)
     nbytes = ranges * range_bytes
-    proc = ctx.Process(target=target, args=(poll_s, nbytes, to_writer, stop), daemon=True)
+    proc = ctx.Process(target=target, args=(poll_s, nbytes, to_writer, stop, expected), daemon=True)
     proc.start()
     backend = create_backend("nixl", name="probe-writer")
     try:
@@ -55,7 +59,7 @@ def probe(poll_s: float, ranges: int, range_bytes: int, writes: int) -> dict:
         rows = lambda base: np.stack([np.uint64(base) + offsets, np.full(ranges, range_bytes, np.uint64),  # noqa: E731
                                       np.zeros(ranges, np.uint64)], axis=1)
         post_ms, done_ms, polls = [], [], []
-        for i in range(writes + 3):   # the first three warm the connection up
+        for i in range(expected.value):   # the first three warm the connection up
             t0 = time.perf_counter()
             handle = backend.post_write(peer, rows(src.ctypes.data), rows(dst_addr), b"probe-%d" % i)
             t1 = time.perf_counter()
