@@ -56,16 +56,21 @@ def probe(poll_s: float, ranges: int, range_bytes: int, writes: int) -> dict:
         backend.register([MemRegion(addr=src.ctypes.data, length=src.nbytes)])
         peer = backend.connect(identity)
         offsets = np.arange(ranges, dtype=np.uint64) * np.uint64(range_bytes)
-        rows = lambda base: np.stack([np.uint64(base) + offsets, np.full(ranges, range_bytes, np.uint64),  # noqa: E731
-                                      np.zeros(ranges, np.uint64)], axis=1)
+
+        def rows(base: int) -> np.ndarray:
+            return np.stack([np.uint64(base) + offsets, np.full(ranges, range_bytes, np.uint64),
+                             np.zeros(ranges, np.uint64)], axis=1)
+
         post_ms, done_ms, polls = [], [], []
         for i in range(expected.value):   # the first three warm the connection up
             t0 = time.perf_counter()
             handle = backend.post_write(peer, rows(src.ctypes.data), rows(dst_addr), b"probe-%d" % i)
             t1 = time.perf_counter()
-            n = 0
-            while backend.poll_write(handle) is WriteState.PENDING:
+            n, give_up = 0, t1 + 10
+            while backend.poll_write(handle) is WriteState.PENDING:   # the writer's polling, as fast as it goes
                 n += 1
+                if time.perf_counter() > give_up:
+                    raise SystemExit(f"write {i} still pending after 10 s")
             t2 = time.perf_counter()
             if handle.state is not WriteState.DONE:
                 raise SystemExit(f"write {i} failed: {handle.reason}")

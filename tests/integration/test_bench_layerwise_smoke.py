@@ -7,15 +7,10 @@ by a kvstage thread, never by the caller, and the report names every configurati
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
+from example_runs import run_example
 
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "bench_layerwise.py"
 MODES = {"main": {"whole", "chunk", "layer"}, "sweep": {"chunk", "group-1", "group-4"}}
 
 
@@ -26,18 +21,13 @@ def test_smallest_configuration_runs_end_to_end(backend, tmp_path):
     out = tmp_path / "layerwise.json"
     # 64 tokens in chunks of 32 (so whole and per chunk differ), 4 layers in groups of 2, every
     # request layer-wise (threshold 0), calibrated compute; the sweep with 1 and 4 layers per write
-    argv = [sys.executable, str(SCRIPT), "--backends", backend, "--lengths", "64", "--sweep-lengths", "32", "--sweep-groups", "1,4",
+    argv = ["--backends", backend, "--lengths", "64", "--sweep-lengths", "32", "--sweep-groups", "1,4",
             "--rounds", "1", "--calibration-requests", "1", "--chunk-tokens", "32", "--layers", "4", "--heads", "2",
             "--head-dim", "64", "--layer-group", "2", "--min-tokens", "0", "--layer-batching", "on", "--ring-mb", "16",
             "--buffer-mb", "8", "--json", str(out)]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        stdout, _ = proc.communicate(timeout=400)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail("bench_layerwise.py still ran after 400 s")
-    assert proc.returncode == 0, stdout[-4000:]
+    res = run_example("bench_layerwise.py", argv, timeout=400)
+    stdout = res.stdout
+    assert res.returncode == 0, stdout[-4000:]
     res = json.loads(out.read_text())
     assert set(res["calibration"]) == {f"{backend}/staged", f"{backend}/direct"}
     seen = {(r["run"], r["path"], r["tokens"], r["mode"]) for r in res["rows"]}

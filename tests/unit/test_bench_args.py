@@ -3,28 +3,14 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "examples" / "bench.py"
+from example_runs import run_example
 
 
 def run_bench(*args: str, timeout: float = 20.0) -> subprocess.CompletedProcess:
-    """bench.py in its own process group, killed with everything it started on timeout."""
-    proc = subprocess.Popen([sys.executable, str(BENCH), "--json", "", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        pytest.fail(f"bench.py {' '.join(args)} still ran after {timeout} s")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    return run_example("bench.py", ["--json", "", *args], timeout, merge_stderr=False)
 
 
 @pytest.mark.parametrize("args, option", [
