@@ -58,3 +58,31 @@ def test_a_post_that_fails_after_the_announcement_still_ends_the_write(error):
     assert [e[0] for e in log] == ["announced", "post_write", "done"]
     assert log[-1][2] is False and str(error) in log[-1][3]
     assert not owner.pending
+
+
+class PendingBackend(RecordingBackend):
+    """Writes stay pending until the test completes them."""
+
+    def post_write(self, peer, src, dst, tag, dst_kind=None):
+        self.log.append(("post_write", tag))
+        return WriteHandle(peer=peer, nbytes=8, ndesc=1, handle=object(), state=WriteState.PENDING)
+
+
+def test_a_queued_write_is_postable_only_while_its_peer_has_none_in_flight():
+    """The control loop does not sleep while in_flight().postable (transfer/protocol/quiet.py):
+    a write queued behind a completion is posted by the next round at once."""
+    log: list = []
+    owner = BackendOwner(PendingBackend(log))
+    submit(owner, log, b"a")
+    submit(owner, log, b"b")
+    assert owner.in_flight().postable == 2   # both queued, nothing in flight to the peer
+    owner.step()                              # posts "a", still pending
+    f = owner.in_flight()
+    assert (f.writes, f.postable) == (2, 0)   # "b" waits for "a"
+    owner.pending[0].handle.state = WriteState.DONE
+    owner.step()                              # polling finds "a" complete after this step's post
+    assert [e[1] for e in log if e[0] == "post_write"] == [b"a"]
+    assert owner.in_flight().postable == 1
+    owner.step()
+    assert [e[1] for e in log if e[0] == "post_write"] == [b"a", b"b"]
+    assert owner.in_flight().postable == 0

@@ -40,6 +40,12 @@ def test_in_flight_polls_soon_after_progress_and_backs_off_to_the_cap():
     assert next_wait(Activity.WRITES, last=MAX_EAGER_WAIT, progressed=False, now=0.99995, next_tick=1.0) < 1e-4
 
 
+def test_a_postable_write_is_posted_without_a_sleep():
+    for act in (Activity.WRITES, Activity.EXPECTED):
+        assert next_wait(act, last=MAX_EAGER_WAIT, progressed=False, now=0.0, next_tick=1.0, postable=True) == 0.0
+    assert next_wait(Activity.WRITES, last=0.0, progressed=True, now=0.0, next_tick=1.0) == MIN_EAGER_WAIT
+
+
 def test_draining_polls_now_and_then():
     assert next_wait(Activity.DRAINING, last=0.0, progressed=True, now=0.0, next_tick=1.0) == DRAIN_WAIT
     assert next_wait(Activity.DRAINING, last=0.0, progressed=True, now=0.0, next_tick=0.001) == 0.001

@@ -134,7 +134,14 @@ class BackendOwner:
     def in_flight(self) -> InFlight:
         """What the owner must poll for (protocol/quiet.py decides how often)."""
         return InFlight(writes=len(self.pending) + len(self._to_post), expected=self.expecting,
-                        draining=len(self.draining))
+                        draining=len(self.draining), postable=self._postable())
+
+    def _postable(self) -> int:
+        """Queued writes whose peer has no write of ours in flight (`_post_next` takes one)."""
+        if not self._to_post:
+            return 0
+        busy_peers = {w.peer for w in self.pending}
+        return sum(w.peer not in busy_peers for w in self._to_post)
 
     def step(self) -> Step:
         """One round of progress on the owning thread."""

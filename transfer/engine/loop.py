@@ -228,8 +228,10 @@ class EngineLoop:
                     self._next_tick = now + TICK
                     self._safely(lambda _: sock.flush_held(), None)
                     self._safely(self._tick, now)
-                act = activity(backend.in_flight())
-                wait = next_wait(act, last=wait, progressed=busy or progressed, now=now, next_tick=self._next_tick)
+                flight = backend.in_flight()
+                act = activity(flight)
+                wait = next_wait(act, last=wait, progressed=busy or progressed, now=now, next_tick=self._next_tick,
+                                 postable=bool(flight.postable))
         except BaseException as exc:  # noqa: BLE001 - said in the log and to every room, not re-raised
             self._die(exc)
         finally:

@@ -38,6 +38,7 @@ class InFlight:
     writes: int = 0            # posted and not complete, plus queued for posting
     expected: int = 0          # announced towards this rank, tag not in
     draining: int = 0
+    postable: int = 0          # of the queued: those whose peer has no write in flight (posted next round)
 
 
 def activity(f: InFlight) -> Activity:
@@ -50,10 +51,16 @@ def activity(f: InFlight) -> Activity:
     return Activity.QUIET
 
 
-def next_wait(act: Activity, *, last: float, progressed: bool, now: float, next_tick: float) -> float:
+def next_wait(act: Activity, *, last: float, progressed: bool, now: float, next_tick: float,
+              postable: bool = False) -> float:
     """Seconds to block before the next backend step. `last` is the previous wait, `progressed`
-    whether the last round did anything (then the next poll comes soon again)."""
+    whether the last round did anything (then the next poll comes soon again), `postable`
+    whether a queued write can be posted now: then none (a write queued by a completion the
+    round's step found is posted by the next round at once, not after a timer's sleep: a
+    sleep of 20 µs takes about 70 µs on Linux, timer slack included)."""
     until_tick = max(0.0, next_tick - now)
+    if postable:
+        return 0.0
     if act is Activity.QUIET:
         return until_tick
     if act is Activity.DRAINING:
