@@ -105,18 +105,55 @@ def test_a_layer_wise_write_adds_its_tensors_bases_to_the_rooms_rows(heads):
         assert all((g == w).all() for g, w in zip(got, want)), part
 
 
-def test_the_rows_cache_serves_only_equal_pages_the_same_heads_and_peer_memory():
-    cache, computed = DirectRowsCache(), []
+def _cache_geometries(layers=5, sh=4, dh=4, hb=8):
+    src = CacheGeometry(tuple(1000 + t * 10_000 for t in range(2 * layers)), 4, sh * hb, hb, num_kv=2)
+    dst = CacheGeometry(tuple(900_000 + t * 10_000 for t in range(2 * layers)), 4, dh * hb, hb, device=3, num_kv=2)
+    return src, dst
+
+
+@pytest.mark.parametrize("max_rows", [1 << 18, 0])   # every tensor's rows kept; over the cap, TensorRows only
+@pytest.mark.parametrize("heads", [((0, 4), (0, 4), 4, 4), ((2, 4), (0, 2), 4, 2)])   # whole pages; head slices
+def test_the_rows_cache_gives_exactly_the_direct_descriptors_of_each_write(heads, max_rows):
+    sh_range, dh_range, sh, dh = heads
+    src, dst = _cache_geometries(sh=sh, dh=dh)
+    sp, dp = np.array([5, 6, 7, 1]), np.array([2, 3, 9, 4])
+    cache = DirectRowsCache(max_rows=max_rows)
+    for part in (range(0, 1), range(1, 4), range(4, 5), range(0, 5), range(2, 3)):
+        got = cache.descriptors(1, 7, None, src=src, dst=dst, src_pages=sp, dst_pages=dp, heads=(sh_range, dh_range),
+                                src_layers=part, dst_layers=part)
+        want = direct_descriptors(src.of_layers(part), dst.of_layers(part), sp, dp, sh_range, dh_range)
+        assert all(g.shape == w.shape and (g == w).all() for g, w in zip(got, want)), part
+    # a PP stage: its own tensors hold layers [0, 2) locally, the decode rank's are all five
+    stage = CacheGeometry(src.bases[0:2] + src.bases[5:7], 4, sh * 8, 8, num_kv=2)
+    got = cache.descriptors(2, 7, None, src=stage, dst=dst, src_pages=sp, dst_pages=dp, heads=(sh_range, dh_range),
+                            src_layers=range(1, 2), dst_layers=range(3, 4))
+    want = direct_descriptors(stage.of_layers(range(1, 2)), dst.of_layers(range(3, 4)), sp, dp, sh_range, dh_range)
+    assert all((g == w).all() for g, w in zip(got, want))
+    with pytest.raises(ValueError):
+        cache.descriptors(1, 7, None, src=src, dst=dst, src_pages=sp, dst_pages=dp, heads=(sh_range, dh_range),
+                          src_layers=range(4, 6), dst_layers=range(4, 6))
+
+
+def test_the_rows_cache_serves_only_equal_pages_the_same_heads_and_peer_memory(monkeypatch):
+    import kvstage.transfer.protocol.direct_ranges as dr
+
+    computed = []
+    real = dr.tensor_rows
+    monkeypatch.setattr(dr, "tensor_rows", lambda *a: computed.append(1) or real(*a))
+    src, dst = _cache_geometries()
+    cache = DirectRowsCache()
     sp, dp, heads, peer = np.array([1, 2]), np.array([3, 4]), ((0, 4), (0, 4)), object()
 
     def get(room=1, peer_key=7, peer=peer, sp=sp, dp=dp, heads=heads):
-        return cache.get(room, peer_key, peer, sp, dp, heads, lambda: computed.append(1) or len(computed))
+        cache.descriptors(room, peer_key, peer, src=src, dst=dst, src_pages=sp, dst_pages=dp, heads=heads,
+                          src_layers=range(1, 2), dst_layers=range(1, 2))
+        return len(computed)
 
     assert get() == 1 and get(sp=sp.copy()) == 1           # one chunk's layer-wise writes: computed once
     sp[0] = 9                                              # the caller's array changed after: not served
     assert get() == 2
     assert get(dp=np.array([3, 5])) == 3
-    assert get(sp=np.array([9, 2, 5])) == 4
+    assert get(sp=np.array([9, 2, 5]), dp=np.array([3, 5, 6])) == 4
     assert get(heads=((0, 2), (2, 4))) == 5
     assert get(peer=object()) == 6                         # the peer reconnected: new memory
     assert get(peer_key=8) == 7 and len(cache) == 2        # one entry per (room, decode peer)

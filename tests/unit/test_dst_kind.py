@@ -156,7 +156,7 @@ def _queue(peer) -> WriteQueue:
     ctx = SimpleNamespace(
         geometry=geo, stats=Stats(), t=SimpleNamespace(write=5.0), backend=RecordingOwner(),
         tags=SimpleNamespace(encode=lambda tag: tag), post=lambda ev: None,
-        layout=SimpleNamespace(page_size=2, head_bytes=16, num_kv=2, local=lambda layers: layers),
+        layout=SimpleNamespace(page_size=2, head_bytes=16, num_kv=2, layers=range(1), local=lambda layers: layers),
         handler=SimpleNamespace(region_free=lambda inc, start, n: True),
         buffers=SimpleNamespace(kind="DRAM", pools={}),
         integrity=SimpleNamespace(direct_tags=lambda op, groups: [op.tag] * groups, sealer=lambda tag: None))

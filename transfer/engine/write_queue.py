@@ -21,7 +21,7 @@ from dataclasses import replace
 from ...staging.workers import GatherJob, Report, TransferWorkers
 from ..poll import KVPoll
 from ..protocol.actions import AwaitUnit, WriteOp
-from ..protocol.direct_ranges import CacheGeometry, DirectRowsCache, pool_descriptor_parts, rows_of, tensor_rows
+from ..protocol.direct_ranges import CacheGeometry, DirectRowsCache, direct_descriptors, pool_descriptor_parts
 from ..protocol.kinds import FailureKind
 from ..protocol.messages import KVMemory, WritePosted
 from ..protocol.prefill_room import PrefillRoom
@@ -45,7 +45,7 @@ class WriteQueue:
         self.staged = StagedQueue()
         self.deadlines = WriteDeadlines()
         self.posted_at: dict[int, float] = {}   # op id -> when the backend took it (until it completes)
-        self.kv_rows = DirectRowsCache()        # per (room, decode peer): its pages' ranges in a tensor
+        self.kv_rows = DirectRowsCache()        # per (room, decode peer): a layer-wise chunk's rows
 
     def post(self, op: WriteOp, now: float) -> None:
         ctx = self.ctx
@@ -90,10 +90,14 @@ class WriteQueue:
         dst_pages = op.dst_pages
         assert dst_pages is not None, "a direct write without destination pages"
         src_geo, dst_geo = self.ctx.geometry, self._peer_geometry(peer)
-        rows = self.kv_rows.get(op.room, op.peer.incarnation, kv, op.src_pages, dst_pages,
-                                (op.src_heads, op.dst_heads), lambda: tensor_rows(
-                                    src_geo, dst_geo, op.src_pages, dst_pages, op.src_heads, op.dst_heads))
-        src, dst = rows_of(rows, src_geo.of_layers(self.ctx.layout.local(op.layers)), dst_geo.of_layers(op.layers))
+        src_layers = self.ctx.layout.local(op.layers)
+        if op.layers == self.ctx.layout.layers:   # every layer: one write per chunk, nothing to share
+            src, dst = direct_descriptors(src_geo.of_layers(src_layers), dst_geo.of_layers(op.layers),
+                                          op.src_pages, dst_pages, op.src_heads, op.dst_heads)
+        else:   # a layer-wise room's write: the chunk's rows are computed once (DirectRowsCache)
+            src, dst = self.kv_rows.descriptors(
+                op.room, op.peer.incarnation, kv, src=src_geo, dst=dst_geo, src_pages=op.src_pages,
+                dst_pages=dst_pages, heads=(op.src_heads, op.dst_heads), src_layers=src_layers, dst_layers=op.layers)
         parts = [DescriptorPart("kv", b.kind, kv.mem_kind, False, src, dst)]
         if op.pools:
             mems = {m.name: m for m in kv.pools}

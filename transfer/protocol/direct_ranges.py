@@ -7,7 +7,7 @@ in a token-major cache the heads of one token are the only contiguous bytes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -116,6 +116,9 @@ def direct_descriptors(src: CacheGeometry, dst: CacheGeometry, src_pages: np.nda
     return rows_of(tensor_rows(src, dst, src_pages, dst_pages, src_heads, dst_heads), src, dst)
 
 
+MAX_CACHED_ROWS = 1 << 18   # descriptor rows a cache entry keeps per side (x 24 bytes): ~6 MB
+
+
 @dataclass(frozen=True, eq=False)
 class _Cached:
     src_pages: np.ndarray
@@ -123,34 +126,63 @@ class _Cached:
     heads: tuple[tuple[int, int], tuple[int, int]]
     peer: object
     rows: TensorRows
+    src_all: np.ndarray | None   # (num_kv, layers, ranges, 3): every tensor's rows; None over the cap
+    dst_all: np.ndarray | None
 
 
 class DirectRowsCache:
-    """The `TensorRows` of each (room, decode peer)'s current pages: a layer-wise room's writes
-    of one chunk move the same pages, so all but the first skip the per-page work. An entry is
-    used only for equal page lists (compared by value against the entry's own copies: the ops'
-    arrays are new objects per write), the same heads and the same peer memory object (a
-    reconnect brings a new one); `forget(room)` drops a room's entries when it is released."""
+    """A layer-wise room's direct writes of one chunk move the same pages: the first computes
+    the descriptor rows of every tensor of the chunk once, and each write takes its layers'
+    rows by slicing (a write's control path runs right after a copy has evicted the CPU's
+    caches, where every numpy call costs several times its warm time). Kept per (room,
+    decode peer); an entry is used only for equal page lists (compared by value against the
+    entry's own copies: the ops' arrays are new objects per write), the same heads and the same
+    peer memory object (a reconnect brings a new one); `forget(room)` drops a room's entries
+    when it is released. Entries over `max_rows` keep only the `TensorRows`."""
 
-    def __init__(self) -> None:
-        self._entries: dict[tuple[int, int], _Cached] = {}
+    def __init__(self, max_rows: int = MAX_CACHED_ROWS) -> None:
+        self._rooms: dict[int, dict[int, _Cached]] = {}
+        self.max_rows = max_rows
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return sum(len(peers) for peers in self._rooms.values())
 
-    def get(self, room: int, peer_key: int, peer: object, src_pages: np.ndarray, dst_pages: np.ndarray,
-            heads: tuple[tuple[int, int], tuple[int, int]], compute: Callable[[], TensorRows]) -> TensorRows:
-        hit = self._entries.get((room, peer_key))
-        if (hit is not None and hit.heads == heads and hit.peer is peer
+    def descriptors(self, room: int, peer_key: int, peer: object, *, src: CacheGeometry, dst: CacheGeometry,
+                    src_pages: np.ndarray, dst_pages: np.ndarray, heads: tuple[tuple[int, int], tuple[int, int]],
+                    src_layers: range, dst_layers: range) -> tuple[np.ndarray, np.ndarray]:
+        """What `direct_descriptors(src.of_layers(src_layers), dst.of_layers(dst_layers), ...)`
+        returns, from the (room, peer)'s entry when it matches."""
+        peers = self._rooms.setdefault(room, {})
+        hit = peers.get(peer_key)
+        if not (hit is not None and hit.heads == heads and hit.peer is peer
                 and np.array_equal(hit.src_pages, src_pages) and np.array_equal(hit.dst_pages, dst_pages)):
-            return hit.rows
-        rows = compute()
-        self._entries[(room, peer_key)] = _Cached(np.array(src_pages), np.array(dst_pages), heads, peer, rows)
-        return rows
+            rows = tensor_rows(src, dst, src_pages, dst_pages, heads[0], heads[1])
+            keep = rows.lengths.size * max(len(src.bases), len(dst.bases)) <= self.max_rows
+            hit = _Cached(np.array(src_pages), np.array(dst_pages), heads, peer, rows,
+                          _every_tensor(src, rows.src_off, rows.lengths) if keep else None,
+                          _every_tensor(dst, rows.dst_off, rows.lengths) if keep else None)
+            peers[peer_key] = hit
+        if hit.src_all is None or hit.dst_all is None:
+            return rows_of(hit.rows, src.of_layers(src_layers), dst.of_layers(dst_layers))
+        return _layers_of(hit.src_all, src, src_layers), _layers_of(hit.dst_all, dst, dst_layers)
 
     def forget(self, room: int) -> None:
-        for key in [k for k in self._entries if k[0] == room]:
-            del self._entries[key]
+        self._rooms.pop(room, None)
+
+
+def _every_tensor(geo: CacheGeometry, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The rows of every tensor of `geo`, as (num_kv, layers, ranges, 3)."""
+    addr = np.asarray(geo.bases, dtype=np.uint64)[:, None] + offsets[None, :]
+    rows = _rows(addr, np.broadcast_to(lengths[None, :], addr.shape), geo.device)
+    return rows.reshape(geo.num_kv, len(geo.bases) // geo.num_kv, lengths.size, 3)
+
+
+def _layers_of(every: np.ndarray, geo: CacheGeometry, layers: range) -> np.ndarray:
+    """`every`'s rows of `layers` (K of each, then V of each), as `rows_of` orders them."""
+    if layers.stop > every.shape[1] or layers.start < 0 or layers.step != 1:
+        geo.of_layers(layers)   # raises the same error a direct computation would
+        raise ValueError(f"layers {layers} of a cache with {every.shape[1]} layers")
+    return every[:, layers.start:layers.stop].reshape(-1, 3)
 
 
 def _rows(addr: np.ndarray, lengths: np.ndarray, device: int) -> np.ndarray:

@@ -61,5 +61,12 @@ def group_parts(parts: Sequence[DescriptorPart]) -> list[WriteGroup]:
             members[key] = []
         members[key].append(p)
     return [WriteGroup(key[0], key[1], tuple(p.label for p in members[key]),
-                       np.concatenate([p.src for p in members[key]]), np.concatenate([p.dst for p in members[key]]))
+                       *_joined([p.src for p in members[key]], [p.dst for p in members[key]]))
             for key in order]
+
+
+def _joined(src: list[np.ndarray], dst: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """One group's rows; a single part's arrays as they are (most writes: the KV alone)."""
+    if len(src) == 1:
+        return src[0], dst[0]
+    return np.concatenate(src), np.concatenate(dst)
