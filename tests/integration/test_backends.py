@@ -205,6 +205,8 @@ def test_bad_requests_raise_clear_errors(pair):
                             "length mismatch at row 1"),
         "source_unregistered": ({"tag": b64(b"src"), "src": [[SIZE + 4096, 64]], "dst": [[0, 64]]},
                                 "source row 0"),
+        "source_partly_unregistered": ({"tag": b64(b"src2"), "src": [[0, 64], [SIZE + 4096, 64]],
+                                        "dst": [[0, 64], [64, 64]]}, "source row 1"),
         "empty_tag": ({"tag": "", "src": [[0, 64]], "dst": [[0, 64]]}, "tag must not be empty"),
     }
     for name, (w, words) in cases.items():

@@ -259,16 +259,20 @@ class NixlBackend(Backend):
         return handle
 
     def _source_kind(self, src: np.ndarray) -> str:
+        """The kind of registered memory every source row lies in (one pass per kind registered:
+        a write's post runs right after a copy has evicted the caches, see DirectRowsCache)."""
         for kind in MEMORY_KINDS:
-            if len(self._index[kind]) and not len(self._index[kind].outside(src[:1])):
-                outside = self._index[kind].outside(src)
-                if len(outside):
-                    i = int(outside[0])
-                    raise BackendError(
-                        f"source row {i} (addr {int(src[i, 0]):#x}, {int(src[i, 1])} bytes) is not inside"
-                        f" registered {kind} memory ({len(outside)} such rows)"
-                    )
+            if not len(self._index[kind]):
+                continue
+            outside = self._index[kind].outside(src)
+            if not len(outside):
                 return kind
+            if len(outside) < len(src):   # partly in this kind: the rows that are not
+                i = int(outside[0])
+                raise BackendError(
+                    f"source row {i} (addr {int(src[i, 0]):#x}, {int(src[i, 1])} bytes) is not inside"
+                    f" registered {kind} memory ({len(outside)} such rows)"
+                )
         raise BackendError(
             f"source row 0 (addr {int(src[0, 0]):#x}, {int(src[0, 1])} bytes) is not inside registered memory"
         )
