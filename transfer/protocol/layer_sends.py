@@ -111,7 +111,7 @@ class SendLedger:
                              f"each group of layers that moved together")
         n = int(pages.size)
         end = start + n
-        if layers is not None and n:
+        if layers is not None and n and start:   # (no earlier positions: nothing to repeat)
             earlier = self._pages[:start]
             again = np.isin(pages, earlier[earlier >= 0])
             if again.any():
