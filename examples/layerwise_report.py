@@ -79,19 +79,31 @@ def report(a, res: dict) -> list[str]:
 def table(a, rows: dict, backend: str, path: str, w) -> None:
     P = 2 if path == "staged" else 1
     w(f"== {backend} {path} (prefill TP {P} -> decode TP 1): medians, ms")
-    w(f"{'tokens':>7} {'chunks':>6} {'layer':>7} {'forward':>8} | {'handover: whole':>15} {'chunk':>8} {'layer':>8} "
+    w(f"{'tokens':>7} {'chunks':>6} {'layer':>7} {'forward':>8} {'c/t':>5} | {'handover: whole':>15} {'chunk':>8} {'layer':>8} "
       f"{'l/c':>6} | {'start->Success: whole':>21} {'chunk':>8} {'layer':>8} {'l/c':>6}")
     for t in sorted({t for t, _ in rows}):
         g = lambda m, k: rows[(t, m)][k] if (t, m) in rows else float("nan")  # noqa: E731
         any_row = next(r for (tt, _), r in rows.items() if tt == t)
         rh, rt = _ratio(rows, t, "handover_ms"), _ratio(rows, t, "total_ms")
-        w(f"{t:7d} {any_row['chunks']:6d} {any_row['layer_ms']:7.3f} {any_row['forward_ms']:8.1f} | "
+        w(f"{t:7d} {any_row['chunks']:6d} {any_row['layer_ms']:7.3f} {any_row['forward_ms']:8.1f} "
+          f"{regime(any_row['layer_ms'], g('chunk', 'handover_ms'), a.layers):5.2f} | "
           f"{g('whole', 'handover_ms'):15.1f} {g('chunk', 'handover_ms'):8.1f} {g('layer', 'handover_ms'):8.1f} "
           f"{rh if rh is not None else float('nan'):6.2f} | {g('whole', 'total_ms'):21.1f} "
           f"{g('chunk', 'total_ms'):8.1f} {g('layer', 'total_ms'):8.1f} {rt if rt is not None else float('nan'):6.2f}")
+    w("   (c/t: a layer's compute over a layer's transfer as measured in this run, the per-chunk handover over "
+      "the layer count; the goals are set for about 1, and above it the transfer keeps up more easily)")
     issue = max(r["issue_ms"] for r in rows.values())
     w(f"   (the caller issued every send of a request within {issue:.2f} ms of the forward start, never waiting "
       f"for a layer)")
+
+
+def regime(layer_ms: float, chunk_handover_ms: float, layers: int) -> float:
+    """A layer's compute over a layer's transfer as the run measured it (the last chunk's
+    per-chunk handover over the layer count): the calibration sets it to --compute-ratio, but
+    a machine that moves bytes faster or slower later in the run shifts it."""
+    if not chunk_handover_ms > 0:
+        return float("nan")
+    return layer_ms * layers / chunk_handover_ms
 
 
 def sweep_table(a, rows: dict, backend: str, path: str, w) -> None:

@@ -107,6 +107,19 @@ def test_threshold_is_where_layer_wise_pays_from_on():
     assert layerwise_report.supported_threshold(_rows({256: 1.1, 512: 0.99}), "group-4").startswith("> 512")
 
 
+def test_the_table_says_the_regime_the_run_measured():
+    """c/t: the calibrated layer time over the per-chunk handover's share per layer."""
+    assert layerwise_report.regime(1.2, 32.0, 32) == pytest.approx(1.2)
+    assert layerwise_report.regime(1.0, 40.0, 32) == pytest.approx(0.8)
+    row = {"chunks": 1, "layer_ms": 1.25, "forward_ms": 40.0, "issue_ms": 2.0, "handover_ms": 32.0, "total_ms": 70.0}
+    rows = {(1024, m): dict(row) for m in ("whole", "chunk", "layer")}
+    rows[(1024, "layer")]["handover_ms"] = 8.0
+    lines: list[str] = []
+    layerwise_report.table(SimpleNamespace(layers=32), rows, "nixl", "direct", lines.append)
+    line = next(x for x in lines if x.strip().startswith("1024"))
+    assert line.split()[4] == "1.25" and line.split("|")[1].split()[3] == "0.25", line
+
+
 @pytest.mark.parametrize("args, option", [
     (["--compute-ratio", "nan"], "--compute-ratio"), (["--layer-ms", "-1"], "--layer-ms"),
     (["--paths", "equal"], "--paths"),
