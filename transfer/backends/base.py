@@ -15,7 +15,7 @@ import atexit
 import contextlib
 import enum
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -177,6 +177,10 @@ class Backend(abc.ABC):
     #: the memory kinds this build can register and write into (a peer advertising another kind
     #: is refused at connect, naming the region; a local region of another kind at start-up)
     memory_kinds: tuple[str, ...] = MEMORY_KINDS
+    #: whether a posted write completes on the library's own thread, which then calls the
+    #: `on_complete` given to post_write: its owner need not poll it (Mooncake). False: the
+    #: owner's polling drives the write (NIXL: UCX progresses only when asked)
+    signals_completion: bool = False
 
     @property
     @abc.abstractmethod
@@ -217,7 +221,8 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def post_write(
-        self, peer: str, src: np.ndarray, dst: np.ndarray, tag: bytes, *, dst_kind: str | None = None
+        self, peer: str, src: np.ndarray, dst: np.ndarray, tag: bytes, *, dst_kind: str | None = None,
+        on_complete: Callable[[], None] | None = None,
     ) -> WriteHandle:
         """Post ONE write request of many ranges to `peer`, carrying `tag` as its notification.
 
@@ -226,7 +231,9 @@ class Backend(abc.ABC):
         range, unknown peer, length mismatch); failures after posting come back from poll_write.
         The source memory kind is taken from this endpoint's registrations; `dst_kind` ("DRAM" or
         "VRAM") names the kind of the peer's memory, None meaning the same kind as the source
-        (NIXL needs it; Mooncake addresses are raw and ignore it).
+        (NIXL needs it; Mooncake addresses are raw and ignore it). A backend that
+        `signals_completion` calls `on_complete()` once, from its own thread, when the write's
+        state is final (poll_write then returns it); the others ignore it.
         """
 
     @abc.abstractmethod

@@ -109,8 +109,10 @@ class FaultyBackend(Backend):
         self.inner.disconnect(peer)
 
     def post_write(
-        self, peer: str, src: np.ndarray, dst: np.ndarray, tag: bytes, *, dst_kind: str | None = None
+        self, peer: str, src: np.ndarray, dst: np.ndarray, tag: bytes, *, dst_kind: str | None = None,
+        on_complete: Callable[[], None] | None = None,
     ) -> WriteHandle:
+        # signals_completion stays False here: the faults act in poll_write, so the owner polls
         if self._retag is not None and self.plan.corrupt_rooms:
             new = self._retag(tag)
             if new is not None:

@@ -29,10 +29,11 @@ import base64
 import binascii
 import importlib.metadata
 import json
+import logging
 import os
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -61,6 +62,8 @@ for _k, _v in ENV_DEFAULTS.items():
 
 from mooncake.engine import TransferEngine, TransferNotify, TransferOpcode  # noqa: E402
 
+log = logging.getLogger(__name__)
+
 TAG_PREFIX = "kvstage1:"
 IDENTITY_FORMAT = "mooncake/1"
 
@@ -68,10 +71,11 @@ IDENTITY_FORMAT = "mooncake/1"
 class _Job:
     """One write handed to a submit thread. `done` is set once `result`/`error` are final."""
 
-    __slots__ = ("args", "done", "result", "error", "cancelled", "lock", "started")
+    __slots__ = ("args", "done", "result", "error", "cancelled", "lock", "started", "on_complete")
 
-    def __init__(self, args: tuple):
+    def __init__(self, args: tuple, on_complete: Callable[[], None] | None = None):
         self.args = args
+        self.on_complete = on_complete   # called on the submit thread once done is set
         self.done = threading.Event()
         self.lock = threading.Lock()
         self.started = False
@@ -90,6 +94,16 @@ class _Job:
 
 
 MAX_BATCH_ENTRIES = 32768  # below the per-peer queue limits: a larger write runs as several batches
+
+
+def _signal(job: _Job) -> None:
+    """Tell the write's owner it is final; a failing callback (say, the owner's loop has
+    stopped) loses nothing: the owner still finds the write done when it next polls."""
+    if job.on_complete is not None:
+        try:
+            job.on_complete()
+        except Exception:  # noqa: BLE001
+            log.debug("a write's completion callback raised", exc_info=True)
 
 
 class _Submitter:
@@ -136,6 +150,7 @@ class _Submitter:
                 job.error = f"{type(exc).__name__}: {exc}"
             finally:
                 job.done.set()
+                _signal(job)
 
     def stop(self, timeout: float | None) -> bool:
         """Stop the threads after the job they are in; True when all have exited."""
@@ -195,6 +210,7 @@ class MooncakeBackend(Backend):
     """
 
     kind = "mooncake"
+    signals_completion = True   # a write ends on its submit thread, which calls on_complete
     memory_kinds = _build_memory_kinds()
 
     def __init__(
@@ -341,7 +357,8 @@ class MooncakeBackend(Backend):
 
     # ------------------------------------------------------------------ writes
     def post_write(
-        self, peer: str, src: np.ndarray, dst: np.ndarray, tag: bytes, *, dst_kind: str | None = None
+        self, peer: str, src: np.ndarray, dst: np.ndarray, tag: bytes, *, dst_kind: str | None = None,
+        on_complete: Callable[[], None] | None = None,
     ) -> WriteHandle:
         self._check_open()
         if peer not in self._peers:
@@ -368,7 +385,8 @@ class MooncakeBackend(Backend):
                 )
         notify = TransferNotify(self._name, TAG_PREFIX + base64.b64encode(tag).decode("ascii"))
         job = _Job(
-            (peer, src[:, 0].tolist(), dst[:, 0].tolist(), src[:, 1].tolist(), TransferOpcode.Write, notify)
+            (peer, src[:, 0].tolist(), dst[:, 0].tolist(), src[:, 1].tolist(), TransferOpcode.Write, notify),
+            on_complete,
         )
         handle = WriteHandle(peer=peer, nbytes=int(src[:, 1].sum()), ndesc=len(src), handle=job)
         self._inflight[id(handle)] = handle

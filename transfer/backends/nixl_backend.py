@@ -24,7 +24,7 @@ import os
 import secrets
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -225,7 +225,8 @@ class NixlBackend(Backend):
 
     # ------------------------------------------------------------------ writes
     def post_write(
-        self, peer: str, src: np.ndarray, dst: np.ndarray, tag: bytes, *, dst_kind: str | None = None
+        self, peer: str, src: np.ndarray, dst: np.ndarray, tag: bytes, *, dst_kind: str | None = None,
+        on_complete: Callable[[], None] | None = None,
     ) -> WriteHandle:
         self._check_open()
         if peer not in self._peers:

@@ -77,6 +77,9 @@ class BackendOwner:
         self._to_post: collections.deque[_Write] = collections.deque()  # the owner's own, one per step
         self.draining: list[_Write] = []          # given up on, but the library may still touch them
         self.expecting = 0                        # writes announced towards us, tags not in (owner thread only)
+        # a backend that says when a write completes (Mooncake) wakes the owner instead of being
+        # polled: the polling took CPU from its transfer threads (docs/architecture.md)
+        self._signalled = bool(getattr(backend, "signals_completion", False))
 
     # -- ownership -----------------------------------------------------------------------------
     def adopt(self) -> None:
@@ -133,8 +136,9 @@ class BackendOwner:
     # -- the owner --------------------------------------------------------------------------------
     def in_flight(self) -> InFlight:
         """What the owner must poll for (protocol/quiet.py decides how often)."""
-        return InFlight(writes=len(self.pending) + len(self._to_post), expected=self.expecting,
-                        draining=len(self.draining), postable=self._postable())
+        polled = 0 if self._signalled else len(self.pending)
+        return InFlight(writes=polled + len(self._to_post), expected=self.expecting, draining=len(self.draining),
+                        postable=self._postable(), signalled=len(self.pending) - polled)
 
     def _postable(self) -> int:
         """Queued writes whose peer has no write of ours in flight (`_post_next` takes one)."""
@@ -247,7 +251,11 @@ class BackendOwner:
             except Exception:  # noqa: BLE001
                 log.exception("write posted callback raised")
         try:
-            w.handle = self.backend.post_write(w.peer, w.src, w.dst, w.tag, dst_kind=w.dst_kind)
+            if self._signalled:
+                w.handle = self.backend.post_write(w.peer, w.src, w.dst, w.tag, dst_kind=w.dst_kind,
+                                                   on_complete=self._wake)
+            else:
+                w.handle = self.backend.post_write(w.peer, w.src, w.dst, w.tag, dst_kind=w.dst_kind)
         except BackendError as exc:
             _finish(w, False, str(exc))
             return

@@ -5,7 +5,8 @@ threads takes the GIL and a core from the scheduler. So a rank polls its backend
 write is known to be in flight towards or from it:
 
 - a prefill rank while it has writes posted or queued (NIXL sends a write's notification only
-  once the writer sees it complete, so the writer must look);
+  once the writer sees it complete, so the writer must look); a backend that says when a write
+  completes (Mooncake: its submit thread wakes the loop) needs no polling for its posted writes;
 - a decode rank while writes were announced to it (`WritePosted`, sent by the writer just
   before the backend takes the write) and their tags are not in yet.
 
@@ -39,6 +40,7 @@ class InFlight:
     expected: int = 0          # announced towards this rank, tag not in
     draining: int = 0
     postable: int = 0          # of the queued: those whose peer has no write in flight (posted next round)
+    signalled: int = 0         # posted, on a backend that wakes the loop when they complete: not polled
 
 
 def activity(f: InFlight) -> Activity:
