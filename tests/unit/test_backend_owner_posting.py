@@ -86,3 +86,32 @@ def test_a_queued_write_is_postable_only_while_its_peer_has_none_in_flight():
     owner.step()
     assert [e[1] for e in log if e[0] == "post_write"] == [b"a", b"b"]
     assert owner.in_flight().postable == 0
+
+
+class SignallingBackend(RecordingBackend):
+    """Completes a write only when the test says, then calls on_complete as Mooncake's thread would."""
+
+    signals_completion = True
+
+    def post_write(self, peer, src, dst, tag, *, dst_kind=None, on_complete=None):
+        h = WriteHandle(peer=peer, nbytes=8, ndesc=1, handle=object())
+        self.log.append((h, on_complete))
+        return h
+
+
+def test_the_owner_does_not_poll_a_write_whose_backend_signals_it():
+    wakes: list[int] = []
+    posted: list = []
+    owner = BackendOwner(SignallingBackend(posted), wake=lambda: wakes.append(1))
+    done: list[bool] = []
+    owner.submit_write("peer", ROW, ROW, b"t", lambda ok, reason: done.append(ok))
+    owner.step()
+    f = owner.in_flight()
+    assert (f.writes, f.signalled) == (0, 1)      # posted: nothing to poll, the loop may block
+    handle, on_complete = posted[0]
+    assert on_complete is not None and not wakes
+    handle.state = WriteState.DONE
+    on_complete()                                  # from the library's thread: wakes the loop
+    assert wakes == [1]
+    owner.step()
+    assert done == [True] and owner.in_flight().signalled == 0
