@@ -116,7 +116,7 @@ def direct_descriptors(src: CacheGeometry, dst: CacheGeometry, src_pages: np.nda
     return rows_of(tensor_rows(src, dst, src_pages, dst_pages, src_heads, dst_heads), src, dst)
 
 
-MAX_CACHED_ROWS = 1 << 18   # descriptor rows a cache entry keeps per side (x 24 bytes): ~6 MB
+MAX_CACHED_ROWS = 1 << 14   # descriptor rows an entry keeps per side (x 24 bytes, ~0.4 MB): whole pages fit
 
 
 @dataclass(frozen=True, eq=False)
