@@ -31,8 +31,9 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "vllm_adapter"))
 
+from cluster import free_port  # noqa: E402
 from proxy import pd_complete  # noqa: E402
-from servers import Proc, build_tiny_model, env_for, free_port, kvstage_config, nixl_config, server_argv, wait_healthy  # noqa: E402
+from servers import Proc, build_tiny_model, env_for, kvstage_config, nixl_config, server_argv, wait_healthy  # noqa: E402
 from test_servers import metric  # noqa: E402
 
 ENV = {"SGLANG_DISAGG_STAGING_POOL_SIZE_MB": "16", "KVSTAGE_STAGING_BUFFER_MB": "8"}

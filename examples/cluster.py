@@ -9,8 +9,10 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -31,6 +33,35 @@ def scratch_dir(prefix: str) -> str:
     if not os.environ.get("KVSTAGE_KEEP_WORKDIRS"):
         atexit.register(shutil.rmtree, path, True)
     return path
+
+
+_PORT_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LOWEST_PORT = 20000
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on host now, for something that binds it later: below Linux's ephemeral range.
+
+    A port picked by binding port 0 comes from the ephemeral range, and before the later bind
+    anything running (a warm-up manager, UCX and Mooncake listeners, zmq, an etcd member's
+    connections to its peers) may take that very port for a socket of its own. The kernel hands
+    a port below that range to nobody who did not ask for it by number, and such picks are drawn
+    at random here."""
+    try:
+        top = int(_PORT_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        top = 32768   # where Linux's default range starts
+    top = max(top, _LOWEST_PORT + 1000)
+    rnd = random.Random()
+    for _ in range(500):
+        port = rnd.randrange(_LOWEST_PORT, top)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port on {host} in {_LOWEST_PORT}-{top}")
 
 
 def rank_env(extra: dict | None = None) -> dict:

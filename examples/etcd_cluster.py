@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -22,18 +21,13 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster import scratch_dir
+from cluster import free_port, scratch_dir
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 # fast elections on localhost: heartbeat 50 ms, election 500 ms (etcd's shortest lease TTL follows
 # from them: about 1 s)
 TIMING = ["--heartbeat-interval", "50", "--election-timeout", "500"]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _die_with_parent() -> None:

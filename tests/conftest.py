@@ -5,9 +5,19 @@ without an NVIDIA GPU (CI here) the Triton gather/scatter kernels are tested und
 interpreter, so TRITON_INTERPRET=1 is set here, in the root conftest, which pytest loads before
 it collects (imports) any test module; tests/unit/test_triton_kernels.py fails if the kernels
 still came out compiled. An explicit TRITON_INTERPRET (e.g. 0 on a GPU machine) is kept.
+
+examples/ goes on sys.path here too, whatever the order of a module's imports: the tests drive
+the example ranks and clusters (cluster.py, pd_rank.py, pool_pattern.py) as libraries, and the
+adapter tests pick their servers' ports with cluster.free_port.
 """
 
 import os
+import sys
+from pathlib import Path
 
 if "TRITON_INTERPRET" not in os.environ and not os.path.exists("/dev/nvidiactl"):
     os.environ["TRITON_INTERPRET"] = "1"
+
+EXAMPLES = str(Path(__file__).resolve().parent.parent / "examples")
+if EXAMPLES not in sys.path:
+    sys.path.insert(0, EXAMPLES)

@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
+from cluster import free_port
 
 from kvstage.bootstrap import (
     BootstrapAuthError,
@@ -126,10 +127,6 @@ def info(engine="e", rank=0, tp=1, role="prefill", inc=None, **kw) -> RankInfo:
     return RankInfo(**fields)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_cli(*args, timeout=30, token: bytes | None = None) -> subprocess.CompletedProcess:

@@ -12,13 +12,12 @@ socket bound, then a worker that cannot start; a backend refusing a registration
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 
 import pytest
 import torch
-from cluster import start_bootstrap
+from cluster import free_port, start_bootstrap
 from engine_cases import ROOT  # noqa: F401 - sets up sys.path for the examples
 
 from kvstage.transfer import EngineConfig, KVBuffers, KVLayout, KVManager, KVPoll, Timeouts
@@ -42,10 +41,6 @@ def bootstrap():
     assert server.stop() == 0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make(role: str, backend: str, bootstrap: str, ctrl_port: int, metrics_port: int):

@@ -7,21 +7,18 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from cluster import free_port
 
 HERE = Path(__file__).resolve().parent
 SHIMS = HERE / "shims"
 TIMEOUT_S = 240
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def requests_for(seed: int, n: int, **overrides) -> list[dict]:

@@ -9,10 +9,8 @@ wait polls a condition with a deadline.
 from __future__ import annotations
 
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +18,7 @@ import time
 from pathlib import Path
 
 import requests
+from cluster import free_port
 
 HERE = Path(__file__).resolve().parent
 SHIMS = HERE / "shims"
@@ -27,19 +26,6 @@ START_S = 300          # one server start, on a loaded 2-core machine
 REQUEST_S = 120
 
 
-def free_port() -> int:
-    """A free port below Linux's ephemeral range: the servers open many sockets of their own on
-    ephemeral ports, which could take one picked there before its server binds it."""
-    rnd = random.Random()
-    for _ in range(200):
-        port = rnd.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port in 20000-32000")
 
 
 def build_tiny_model(path: Path) -> str:

@@ -53,7 +53,7 @@ def test_last_is_inferred_from_the_count():
 
 @pytest.mark.parametrize("given, late, last, match", [
     ({}, {"aux": np.array([1])}, False, "with the last send only"),
-    ({"aux": np.array([1])}, {"aux": np.array([2])}, True, "pool\(s\) aux were given at init\(\) and again"),
+    ({"aux": np.array([1])}, {"aux": np.array([2])}, True, r"pool\(s\) aux were given at init\(\) and again"),
 ])
 def test_late_pool_items_rules(given, late, last, match):
     with pytest.raises(ValueError, match=match):

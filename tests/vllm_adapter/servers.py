@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,18 +28,6 @@ BLOCK = 32
 KVSTAGE = {"kv_connector": "KvstageConnector", "kv_connector_module_path": "kvstage.adapters.vllm.connector"}
 
 
-def free_port() -> int:
-    """A free port below Linux's ephemeral range (the servers open many ephemeral sockets)."""
-    rnd = random.Random()
-    for _ in range(200):
-        port = rnd.randrange(20000, 32000)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    raise RuntimeError("no free port in 20000-32000")
 
 
 def build_tiny_model(path: Path) -> str:
