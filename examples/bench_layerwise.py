@@ -12,7 +12,10 @@ that layer (layer l of chunk c is done (c * layers + l + 1) * layer time after t
 layer time of a chunk is, unless --layer-ms fixes it, --compute-ratio times one layer's share
 of the chunk's transfer, measured first (calibration: the chunk's KV sent per chunk with no
 compute, median over a few requests, divided by the layer count): compute and transfer of a
-layer take about as long, the regime of real GPU servers.
+layer take about as long, the regime of real GPU servers. The table's c/t says how close a run
+came: where a single-chunk length's c/t is off --compute-ratio by more than --regime-tolerance,
+that backend and path run a second time, the stray lengths at the transfer the first pass
+measured; the first pass stays in the JSON (run "first-pass") and the report names its c/t.
 
 Modes: whole (one send of every page and layer, ready when the forward pass ends), chunk (each
 chunk with all its layers, ready when its last layer is done), layer (each chunk layer by
@@ -81,6 +84,10 @@ def parse(argv=None):
     p.add_argument("--compute-ratio", type=bench._mb, default=1.0,
                    help="a layer's compute / a layer's measured transfer (calibrated layer time)")
     p.add_argument("--calibration-requests", type=bench._int(1), default=5)
+    p.add_argument("--regime-tolerance", type=bench._mb, default=0.15,
+                   help="a second pass, at the transfer the first one measured, where a chunk size's c/t is off "
+                        "--compute-ratio by more than this fraction")
+    p.add_argument("--no-second-pass", action="store_true", help="keep the first pass whatever its c/t")
     p.add_argument("--layer-group", type=bench._int(0), default=None, help="EngineConfig.layer_group (default: its)")
     p.add_argument("--min-tokens", type=bench._int(0), default=None,
                    help="EngineConfig.layerwise_min_tokens of the main run (default: its)")
@@ -241,7 +248,7 @@ def main(argv=None) -> int:
     a = parse(argv)
     res = {"when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "machine": f"{platform.node()}, {os.cpu_count()} CPUs, loopback", "command": " ".join(sys.argv),
-           "args": vars(a), "calibration": {}, "rows": [], "load_start": os.getloadavg()}
+           "args": vars(a), "calibration": {}, "first_calibration": {}, "rows": [], "load_start": os.getloadavg()}
     sweep = [] if a.no_sweep else a.sweep_lengths
     t_start = time.time()
     for backend in a.backends:
@@ -256,8 +263,20 @@ def main(argv=None) -> int:
                 say("one layer's transfer, ms: " + ", ".join(f"{t}: {s * 1e3:.3f}" for t, s in cal.items()))
             say("whole / per chunk / layer-wise")
             batching = None if a.layer_batching is None else a.layer_batching == "on"
-            res["rows"] += measure(a, backend, path, cal, a.lengths, MODES, a.min_tokens, a.layer_group, "main",
-                                   batching)
+            rows = measure(a, backend, path, cal, a.lengths, MODES, a.min_tokens, a.layer_group, "main", batching)
+            better = None if a.layer_ms is not None or a.no_second_pass else layerwise_report.recalibration(
+                a, {(r["tokens"], r["mode"]): r for r in rows}, cal, a.regime_tolerance)
+            if better is not None:
+                say("c/t strayed: a second pass, one layer's transfer as the first measured it, ms: "
+                    + ", ".join(f"{t}: {s * 1e3:.3f}" for t, s in better.items()))
+                for r in rows:
+                    r["run"] = "first-pass"
+                res["first_calibration"][key] = res["calibration"][key]
+                res["calibration"][key] = {str(t): s * 1e3 for t, s in better.items()}
+                cal = better
+                rows += measure(a, backend, path, cal, a.lengths, MODES, a.min_tokens, a.layer_group, "main",
+                                batching)
+            res["rows"] += rows
             if sweep:
                 say("sweep of thresholds and group sizes (layer_group=1, layerwise_min_tokens=0, layer_batching "
                     "off, G layers per send)")

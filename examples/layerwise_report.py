@@ -55,7 +55,16 @@ def report(a, res: dict) -> list[str]:
     w("compute per layer per chunk: " + (f"{a.layer_ms} ms (fixed)" if a.layer_ms is not None else
       f"{a.compute_ratio} x one layer's measured transfer of the chunk (calibration below)"))
     for key, cal in res["calibration"].items():
-        w(f"  calibration {key}: one layer's transfer, ms: " + ", ".join(f"{t}: {v:.3f}" for t, v in cal.items()))
+        first = res.get("first_calibration", {}).get(key)
+        w(f"  calibration {key}: one layer's transfer, ms: " + ", ".join(f"{t}: {v:.3f}" for t, v in cal.items())
+          + (" (from a first pass whose c/t strayed; calibrated: "
+             + ", ".join(f"{t}: {v:.3f}" for t, v in first.items()) + ")" if first else ""))
+        if first:
+            backend, path = key.split("/")
+            rows = _rows(res, "first-pass", backend, path)
+            w(f"  first pass {key}: c/t " + ", ".join(
+                f"{t}: {regime(r['layer_ms'], r['handover_ms'], a.layers):.2f}"
+                for (t, m), r in sorted(rows.items()) if m == "chunk"))
     for backend in a.backends:
         for path in a.paths:
             rows = _rows(res, "main", backend, path)
@@ -105,6 +114,22 @@ def regime(layer_ms: float, chunk_handover_ms: float, layers: int) -> float:
         return float("nan")
     return layer_ms * layers / chunk_handover_ms
 
+
+def recalibration(a, rows: dict, cal: dict[int, float], tolerance: float) -> dict[int, float] | None:
+    """One layer's transfer per chunk size for a second pass, when this pass's c/t strayed from
+    --compute-ratio by more than `tolerance` (a fraction) at some size; else None. Only sizes
+    with a single-chunk row are judged. A stray size takes the transfer this pass measured (its
+    per-chunk handover over the layer count), the others keep their calibration. Why: the
+    calibration runs first, in a cluster of its own, and on this machine it can land 10 to 75 %
+    off the pass it calibrates."""
+    new, strayed = dict(cal), False
+    for size in cal:
+        chunk = rows.get((size, "chunk"))
+        if chunk is None or chunk["chunks"] != 1 or not chunk["handover_ms"] > 0:
+            continue
+        if abs(regime(chunk["layer_ms"], chunk["handover_ms"], a.layers) / a.compute_ratio - 1) > tolerance:
+            new[size], strayed = chunk["handover_ms"] / 1e3 / a.layers, True
+    return new if strayed else None
 
 def sweep_table(a, rows: dict, backend: str, path: str, w) -> None:
     groups = sorted({m.split("-", 1)[1] for _, m in rows if m.startswith("group-")},

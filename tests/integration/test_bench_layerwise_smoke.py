@@ -19,9 +19,11 @@ MODES = {"main": {"whole", "chunk", "layer"}, "sweep": {"chunk", "group-1", "gro
 @pytest.mark.parametrize("backend", ["nixl"])
 def test_smallest_configuration_runs_end_to_end(backend, tmp_path):
     out = tmp_path / "layerwise.json"
-    # 64 tokens in chunks of 32 (so whole and per chunk differ), 4 layers in groups of 2, every
+    # 64 tokens in chunks of 32 (so whole and per chunk differ) and 32 (one chunk, where c/t is
+    # judged: a tolerance no run meets makes the second pass), 4 layers in groups of 2, every
     # request layer-wise (threshold 0), calibrated compute; the sweep with 1 and 4 layers per write
-    argv = ["--backends", backend, "--lengths", "64", "--sweep-lengths", "32", "--sweep-groups", "1,4",
+    argv = ["--backends", backend, "--lengths", "32,64", "--regime-tolerance", "1e-9",
+            "--sweep-lengths", "32", "--sweep-groups", "1,4",
             "--rounds", "1", "--calibration-requests", "1", "--chunk-tokens", "32", "--layers", "4", "--heads", "2",
             "--head-dim", "64", "--layer-group", "2", "--min-tokens", "0", "--layer-batching", "on", "--ring-mb", "16",
             "--buffer-mb", "8", "--json", str(out)]
@@ -32,8 +34,15 @@ def test_smallest_configuration_runs_end_to_end(backend, tmp_path):
     assert set(res["calibration"]) == {f"{backend}/staged", f"{backend}/direct"}
     seen = {(r["run"], r["path"], r["tokens"], r["mode"]) for r in res["rows"]}
     want = {(run, path, tokens, mode) for path in ("staged", "direct")
-            for run, tokens in (("main", 64), ("sweep", 32)) for mode in MODES[run]}
+            for run, tokens in (("main", 32), ("main", 64), ("first-pass", 32), ("first-pass", 64), ("sweep", 32))
+            for mode in MODES["sweep" if run == "sweep" else "main"]}
     assert seen == want
+    for key in res["calibration"]:   # the second pass runs 32 tokens at the transfer the first measured
+        first = next(r for r in res["rows"] if r["run"] == "first-pass" and r["tokens"] == 32 and r["mode"] == "chunk"
+                     and f"{r['backend']}/{r['path']}" == key)
+        assert res["calibration"][key]["32"] == pytest.approx(first["handover_ms"] / 4), key
+        assert res["first_calibration"][key]["32"] != res["calibration"][key]["32"], key
+        assert f"first pass {key}: c/t 32: " in stdout
     for r in res["rows"]:
         assert r["ready_threads"], r
         assert all(name.startswith("kvstage-") for name in r["ready_threads"]), r   # never the caller's thread

@@ -120,6 +120,31 @@ def test_the_table_says_the_regime_the_run_measured():
     assert line.split()[4] == "1.25" and line.split("|")[1].split()[3] == "0.25", line
 
 
+def _chunk_rows(handover_ms: dict[int, float], layer_ms: dict[int, float], chunks: int = 1) -> dict:
+    return {(t, "chunk"): {"chunks": chunks, "layer_ms": layer_ms[t], "handover_ms": h} for t, h in handover_ms.items()}
+
+
+def test_a_second_pass_takes_the_transfer_the_first_measured_where_c_t_strayed():
+    """1024's layer time (2 ms) over its measured transfer (32 ms / 32 layers) is c/t 2: that
+    size gets 1 ms, the measured transfer; 512 is 10 % off, inside 15 %, and keeps its own."""
+    a = SimpleNamespace(layers=32, compute_ratio=1.0)
+    cal = {512: 0.00055, 1024: 0.002}
+    rows = _chunk_rows({512: 16.0, 1024: 32.0}, {512: 0.55, 1024: 2.0})
+    assert layerwise_report.recalibration(a, rows, cal, 0.15) == {512: 0.00055, 1024: pytest.approx(0.001)}
+    # the calibration is one layer's transfer: the compute ratio is applied later, not here
+    a2 = SimpleNamespace(layers=32, compute_ratio=2.0)
+    assert layerwise_report.recalibration(a2, rows, cal, 0.15) == {512: pytest.approx(0.0005), 1024: 0.002}
+
+
+def test_no_second_pass_inside_the_tolerance_or_without_a_single_chunk_row():
+    a = SimpleNamespace(layers=32, compute_ratio=1.0)
+    cal = {512: 0.0005, 1024: 0.001}
+    assert layerwise_report.recalibration(a, _chunk_rows({512: 18.0, 1024: 28.0}, {512: 0.5, 1024: 1.0}), cal,
+                                          0.15) is None
+    # a c/t of 0.5 judged by a multi-chunk row, or no row at all: not judged
+    assert layerwise_report.recalibration(a, _chunk_rows({1024: 64.0}, {1024: 1.0}, chunks=2), cal, 0.15) is None
+    assert layerwise_report.recalibration(a, {}, cal, 0.15) is None
+
 @pytest.mark.parametrize("args, option", [
     (["--compute-ratio", "nan"], "--compute-ratio"), (["--layer-ms", "-1"], "--layer-ms"),
     (["--paths", "equal"], "--paths"),
