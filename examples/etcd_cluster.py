@@ -29,7 +29,6 @@ ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 TIMING = ["--heartbeat-interval", "50", "--election-timeout", "500"]
 
 
-
 def _die_with_parent() -> None:
     libc = ctypes.CDLL("libc.so.6", use_errno=True)
     libc.prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG

@@ -131,6 +131,7 @@ def recalibration(a, rows: dict, cal: dict[int, float], tolerance: float) -> dic
             new[size], strayed = chunk["handover_ms"] / 1e3 / a.layers, True
     return new if strayed else None
 
+
 def sweep_table(a, rows: dict, backend: str, path: str, w) -> None:
     groups = sorted({m.split("-", 1)[1] for _, m in rows if m.startswith("group-")},
                     key=lambda g: (g.count("."), [int(x) for x in g.split(".")]))

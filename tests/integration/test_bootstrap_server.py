@@ -127,8 +127,6 @@ def info(engine="e", rank=0, tp=1, role="prefill", inc=None, **kw) -> RankInfo:
     return RankInfo(**fields)
 
 
-
-
 def run_cli(*args, timeout=30, token: bytes | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
     env["PYTHONPATH"] = str(REPO)

@@ -12,9 +12,9 @@ import time
 
 import pytest
 import torch
-from cluster import Cluster, rank_spec
+from cluster import Cluster, free_port, rank_spec
 from engine_cases import Case, Topo, each_rank, problems, random_rooms, run_cases
-from etcd_cluster import EtcdCluster, free_port
+from etcd_cluster import EtcdCluster
 from live_stats import wait_for_stat
 from records import assert_exact
 

@@ -11,8 +11,9 @@ import sys
 import time
 
 import pytest
+from cluster import free_port
 from engine_cases import ROOT  # noqa: F401 - sets up sys.path for the examples
-from etcd_cluster import EtcdCluster, free_port
+from etcd_cluster import EtcdCluster
 
 from kvstage.bootstrap import BootstrapAuthError, BootstrapError, BootstrapTimeout, RankInfo
 from kvstage.bootstrap.etcd_client import EtcdRendezvous

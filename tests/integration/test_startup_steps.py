@@ -41,8 +41,6 @@ def bootstrap():
     assert server.stop() == 0
 
 
-
-
 def make(role: str, backend: str, bootstrap: str, ctrl_port: int, metrics_port: int):
     layout = KVLayout(num_layers=2, total_kv_heads=2, head_dim=8, dtype=torch.float32, page_size=4,
                       tp_size=1, tp_rank=0)

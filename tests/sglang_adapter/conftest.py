@@ -16,7 +16,7 @@ if not collect_ignore_glob:
     import time
 
     import pytest
-    from scenario import free_port
+    from cluster import free_port
 
     @pytest.fixture(scope="module")
     def model_dir(tmp_path_factory) -> str:

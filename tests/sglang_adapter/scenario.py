@@ -19,8 +19,6 @@ SHIMS = HERE / "shims"
 TIMEOUT_S = 240
 
 
-
-
 def requests_for(seed: int, n: int, **overrides) -> list[dict]:
     rnd = random.Random(seed)
     out = []

@@ -26,8 +26,6 @@ START_S = 300          # one server start, on a loaded 2-core machine
 REQUEST_S = 120
 
 
-
-
 def build_tiny_model(path: Path) -> str:
     """A 2-layer random Llama (2 KV heads, vocabulary 512) saved with transformers."""
     import torch

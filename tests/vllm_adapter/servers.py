@@ -28,8 +28,6 @@ BLOCK = 32
 KVSTAGE = {"kv_connector": "KvstageConnector", "kv_connector_module_path": "kvstage.adapters.vllm.connector"}
 
 
-
-
 def build_tiny_model(path: Path) -> str:
     """A 2-layer random Llama (4 heads, 2 KV heads of 32, vocabulary 512), float32, with a
     tokenizer-free config: the servers run with --skip-tokenizer-init and take token ids."""

@@ -12,13 +12,13 @@ import time
 
 import pytest
 import requests
+from cluster import free_port
 from proxy import pd_complete
 from servers import (
     Proc,
     build_tiny_model,
     complete,
     env_for,
-    free_port,
     kvstage_config,
     server_argv,
     token_ids,
