@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields, replace
 
 from . import config_values as check
 from .config_values import from_env
+from .deprecation import accepts_old_positional
 
 STAGING_ENV = "SGLANG_DISAGG_STAGING_BUFFER"
 VERIFY_ENV = "KVSTAGE_VERIFY"
@@ -36,6 +37,8 @@ def env_flag(name: str, default: bool = False) -> bool:
     return from_env(name, default, str, check.flag)
 
 
+@accepts_old_positional("bootstrap", "connect", "metadata", "watermark", "write", "arrival", "scatter", "room",
+                        "heartbeat", "lease", "close", "quarantine")
 @dataclass(frozen=True, kw_only=True)
 class Timeouts:
     """Deadlines in seconds. Each can be set by env KVSTAGE_TIMEOUT_<NAME> (e.g. _CONNECT)."""
@@ -97,6 +100,9 @@ def _quarantine(name: str, value: object) -> float:
     return value
 
 
+@accepts_old_positional("role", "engine_id", "bootstrap", "backend", "staging", "host", "auth_token", "ctrl_port",
+                        "staging_workers", "staging_buffer_mb", "ring_mb", "staging_piece_mb", "timeouts",
+                        "backend_options", "faults", "dp_rank", "metrics_port", "verify")
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """How one rank process embeds kvstage (README, "Embedding it"; docs/configuration.md)."""

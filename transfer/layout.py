@@ -10,6 +10,7 @@ import msgspec
 import torch
 
 from ..bootstrap.wire import prebuild_struct_info
+from .deprecation import accepts_old_positional
 from .draft_kv import DraftKV, DraftShape, draft_mismatch, draft_pools, is_draft_pool
 from .page_format import PageFormat, parse_page_format
 from .state_pools import PoolSpec, StatePool, memory_kind, pool_mismatches
@@ -94,6 +95,7 @@ class LayoutSummary(msgspec.Struct, frozen=True, kw_only=True):
                           head_dim=self.draft_head_dim)
 
 
+@accepts_old_positional("num_layers", "total_kv_heads", "head_dim", "dtype", "page_size", "tp_size", "tp_rank", "mla")
 @dataclass(frozen=True, kw_only=True)
 class KVLayout:
     """Geometry of one rank's paged KV cache.

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 import msgspec
 import numpy as np
@@ -51,11 +51,15 @@ class PoolSpec(msgspec.Struct, frozen=True, kw_only=True):
         return math.prod(self.rows[tensor]) * torch.empty((), dtype=getattr(torch, self.dtypes[tensor])).element_size()
 
 
-@dataclass(kw_only=True)
+@dataclass
 class StatePool:
-    """A named pool's tensors as this rank holds them (see the module docstring)."""
+    """A named pool's tensors as this rank holds them (see the module docstring).
+
+    `StatePool(tensors, sharding=..., ...)`: the tensors are the one positional argument (as the
+    README and docs/api.md show it); every option is keyword-only."""
 
     tensors: Sequence[torch.Tensor]
+    _: KW_ONLY
     sharding: str = "replicated"
     heads: int | None = None
     blocks: Sequence[int] | None = None   # heads pools: global sub-block sizes along dim 1 (module docstring)
