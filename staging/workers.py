@@ -49,8 +49,9 @@ class GatherJob:
 
 # submit(peer, src, dst, tag, on_done, dst_kind=kind) posts one write on the backend's thread
 SubmitWrite = Callable[..., None]
-# report(op_id, room, ok, reason, gather_seconds)
-Report = Callable[[int, int, bool, str | None, float], None]
+# report(op_id, room, ok, reason, gather_seconds, tag): tag is the signed tag the write carried
+# (b"" when the gather failed and nothing was written)
+Report = Callable[[int, int, bool, str | None, float, bytes], None]
 
 
 def wait_ready(ready: tuple) -> None:
@@ -110,7 +111,7 @@ class TransferWorkers:
             except Exception as exc:  # noqa: BLE001 - a bad piece fails its room, not the worker
                 log.exception("gather for room %s failed", room)
                 failure, gather_s = f"gather failed: {exc}", time.perf_counter() - t0
-                return lambda: report(op_id, room, False, failure, gather_s)
+                return lambda: report(op_id, room, False, failure, gather_s, b"")
             gather_s = time.perf_counter() - t0
             done = threading.Event()
             result: list[tuple[bool, str | None]] = []
@@ -125,6 +126,6 @@ class TransferWorkers:
             done.wait()  # the buffer is ours again only when the backend is done with it
             meter.wake()
             ok, reason = result[0]
-            return lambda: report(op_id, room, ok, reason, gather_s)
+            return lambda: report(op_id, room, ok, reason, gather_s, tag)
 
         return work

@@ -99,15 +99,15 @@ def test_transfer_worker_submits_the_ring_kind_of_its_job():
     v = [k[0] + 1000]
     nbytes = 2 * page_size * heads * head_dim * 4  # one page of K and of V
     submitted: list[tuple[str, str | None]] = []
-    reports: list[tuple[bool, str | None]] = []
+    reports: list[tuple[bool, str | None, bytes]] = []
     finished = threading.Event()
 
     def submit(peer, src, dst, tag, on_done, on_posted=None, *, dst_kind=None):
         submitted.append((peer, dst_kind))
         on_done(True, None)
 
-    def report(op_id, room, ok, reason, gather_s):
-        reports.append((ok, reason))
+    def report(op_id, room, ok, reason, gather_s, tag):
+        reports.append((ok, reason, tag))
         finished.set()
 
     buf = StagingBuffer.host(1 << 16)
@@ -119,7 +119,7 @@ def test_transfer_worker_submits_the_ring_kind_of_its_job():
     finally:
         workers.stop()
         buf.close()
-    assert reports == [(True, None)]
+    assert reports == [(True, None, b"t")]   # the tag it wrote, for WriterDone to repeat
     assert submitted == [("decode-0", "VRAM")]
 
 

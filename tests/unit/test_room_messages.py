@@ -1,5 +1,5 @@
 """The room messages share a base (RoomMessage: room, session) and encode byte for byte as
-captured at wire version 2 (version 1, before layer ranges, had each declare the two fields
+captured at wire version 2 (TagsAgain as it was added) (version 1, before layer ranges, had each declare the two fields
 itself and encoded the same but for the version and AllocRequest's layers)."""
 
 import msgspec
@@ -18,9 +18,12 @@ FROZEN = {
     "RoomDone": "86a174a8526f6f6d446f6e65a17602a373726301a364737402a4726f6f6d03a773657373696f6e04",
     "RoomFailed": "88a174aa526f6f6d4661696c6564a17602a373726301a364737402a4726f6f6d03a773657373696f6e04a46b696e64a761626f72746564a6726561736f6ea3776879",
     "Quiesced": "86a174a85175696573636564a17602a373726301a364737402a4726f6f6d03a773657373696f6e04",
+    # added at wire version 2 (a peer of an earlier build drops it as a message it does not know)
+    "TagsAgain": "87a174a954616773416761696ea17602a373726301a364737402a4726f6f6d03a773657373696f6e04a47461677391c4034b5331",
 }
 
 SAMPLES = {
+    "TagsAgain": m.TagsAgain(src=1, dst=2, room=3, session=4, tags=[b"KS1"]),
     "RoomMeta": m.RoomMeta(src=1, dst=2, room=3, session=4, num_pages=5, staged=True, dst_pages=b"\x01" * 8,
                            prefix_pages=1, pool_items={"a": b"\x02" * 8}),
     "MetaAck": m.MetaAck(src=1, dst=2, room=3, session=4),

@@ -22,6 +22,7 @@ from .base import ArrivedTag, Backend, MemRegion, Registration, WriteHandle, Wri
 @dataclass(kw_only=True)
 class FaultPlan:
     drop_tags: float = 0.0          # probability an arrived notification is lost
+    drop_every_tag: int = 0         # every Nth arrived notification is lost (1: all of them)
     dup_tags: float = 0.0           # probability it is delivered twice
     reorder_tags: float = 0.0       # probability it is held back and delivered later, shuffled
     corrupt_tags: float = 0.0       # probability a byte of it is flipped
@@ -83,6 +84,7 @@ class FaultyBackend(Backend):
         self.memory_kinds = inner.memory_kinds
         self._rng = random.Random(plan.seed)
         self._held = _Holder(self._rng, plan.hold_s)
+        self._arrived = 0   # notifications drained from the real backend, for drop_every_tag
         self._failed: set[int] = set()
         self.injected: dict[str, int] = {}
 
@@ -176,7 +178,8 @@ class FaultyBackend(Backend):
         p, rng = self.plan, self._rng
         out: list[ArrivedTag] = []
         for t in self.inner.drain_tags():
-            if rng.random() < p.drop_tags:
+            self._arrived += 1
+            if rng.random() < p.drop_tags or (p.drop_every_tag > 0 and self._arrived % p.drop_every_tag == 0):
                 self._count("dropped_tag")
                 continue
             if rng.random() < p.corrupt_tags:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from ...bootstrap.rendezvous import RankGone
+from ...bootstrap.wire import WireError
 from ...staging.pool_copies import LandedBlock
 from ...staging.ring import RingAllocator
 from ...staging.scatter_worker import LandedPart, ScatterJob, ScatterWorker
@@ -29,6 +30,7 @@ from ..protocol.messages import (
     Quiesced,
     RoomDone,
     RoomFailed,
+    TagsAgain,
     WatermarkUpdate,
     WritePosted,
     WriterDone,
@@ -68,7 +70,7 @@ class DecodeSide:
         self.handlers: dict[type, MessageHandler] = {
             HelloAck: self.planner.on_HelloAck, MetaAck: self.on_MetaAck, AllocRequest: self.on_AllocRequest,
             WriterDone: self.on_WriterDone, Quiesced: self.on_Quiesced, RoomFailed: self.on_RoomFailed,
-            WritePosted: self.on_WritePosted}
+            WritePosted: self.on_WritePosted, TagsAgain: self.on_TagsAgain}
         self.events: dict[type, EventHandler] = {
             NewReceiver: self.new_receiver, InitReceiver: self.init_receiver, Abort: self.abort,
             ScatterDone: self.on_scattered, LookupDone: self.planner.on_lookup, RankGone: self.planner.rank_gone}
@@ -130,6 +132,32 @@ class DecodeSide:
             self.book.apply(room, room.on_writer_done(peer.key, msg, now))
         else:
             self._answer_finished(peer, msg.room, msg.session)
+
+    def on_TagsAgain(self, peer: Peer, msg: TagsAgain, now: float) -> None:
+        """A writer repeats the tags of its completed writes (messages.TagsAgain)."""
+        if self.book.get(msg.room) is None:
+            return self._answer_finished(peer, msg.room, msg.session)
+        for raw in msg.tags:
+            self._tag_again(peer, msg, raw, now)
+
+    def _tag_again(self, peer: Peer, msg: TagsAgain, raw: bytes, now: float) -> None:
+        """One repeated tag: its write completed, so its bytes are in place. Applied as if its
+        notification arrived, unless that notification already did (each tag counts once,
+        whichever path brought it: `stats()["tags_again"]`)."""
+        try:
+            tag = self.ctx.tags.decode(raw)
+        except WireError as exc:
+            self.ctx.stats.count("dropped_tags", exc.kind)
+            return
+        room = self.book.get(msg.room)
+        if room is None or tag.room != msg.room or tag.session != msg.session:
+            self.ctx.stats.count("tags_again", "other_room")
+            return
+        if room.holds_tag(peer.key, tag):
+            self.ctx.stats.count("tags_again", "already_in")
+            return
+        self.ctx.stats.count("tags_again", "recovered")
+        self.on_tag(peer, tag, now)
 
     def on_WritePosted(self, peer: Peer, msg: WritePosted, now: float) -> None:
         """A writer's backend took a write towards this rank: poll until its tag is in."""

@@ -121,6 +121,7 @@ class WriteDone:
     room: int
     ok: bool
     reason: str | None
+    tags: tuple[bytes, ...] = ()    # the signed tags of its backend writes (WriterDone repeats them)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -76,9 +76,10 @@ class WriteQueue:
             at = self._posted(op_id, room, group)
             self.deadlines.restart(op_id, at + ctx.t.write)
 
-        done = AllWritesDone(len(groups),
-                             lambda ok, reason: ctx.post(WriteDone(op_id=op_id, room=room, ok=ok, reason=reason)))
-        for i, (g, tag) in enumerate(zip(groups, ctx.integrity.direct_tags(op, len(groups)))):
+        tags = tuple(ctx.integrity.direct_tags(op, len(groups)))
+        done = AllWritesDone(len(groups), lambda ok, reason: ctx.post(
+            WriteDone(op_id=op_id, room=room, ok=ok, reason=reason, tags=tags)))
+        for i, (g, tag) in enumerate(zip(groups, tags)):
             ctx.backend.submit_write(peer.backend_name, g.src, g.dst, tag, done.one, functools.partial(posted, i),
                                      dst_kind=g.dst_kind)
         ctx.stats.add("bytes_posted", op.nbytes)
@@ -196,7 +197,7 @@ class WriteQueue:
                 status.timeline.stamp("last_write", now)
         elif not ev.ok:
             self.ctx.stats.count("write_failures", "failed")
-        self._finish(ev.room, ev.op_id, ev.ok, ev.reason, now)
+        self._finish(ev.room, ev.op_id, ev.ok, ev.reason, now, ev.tags)
 
     def _count(self, op: WriteOp, descriptors: int, writes: int = 1) -> None:
         """The backend writes of `op` (one, or one per pair of memory kinds) with `descriptors`
@@ -240,10 +241,11 @@ class WriteQueue:
         for op in self.staged.expire(now, t.watermark):
             self._finish(op.room, op.op_id, False, f"the decode ring stayed full for {t.watermark:g} s", now)
 
-    def _finish(self, room_id: int, op_id: int, ok: bool, reason: str | None, now: float) -> None:
+    def _finish(self, room_id: int, op_id: int, ok: bool, reason: str | None, now: float,
+                tags: tuple[bytes, ...] = ()) -> None:
         room = self.book.get(room_id)
         if room is not None:
-            self.book.apply(room, room.on_write_done(op_id, ok, reason, now))
+            self.book.apply(room, room.on_write_done(op_id, ok, reason, now, tags))
 
 
 def _memory(peer: Peer) -> KVMemory:
@@ -255,9 +257,9 @@ def _memory(peer: Peer) -> KVMemory:
 def gather_report(ctx: EngineContext) -> Report:
     """How the transfer workers report a staged write, from their threads: its gather time
     counted, then a WriteDone event to the control thread."""
-    def report(op_id: int, room: int, ok: bool, reason: str | None, gather_s: float) -> None:
+    def report(op_id: int, room: int, ok: bool, reason: str | None, gather_s: float, tag: bytes) -> None:
         ctx.stats.add("gather_s", gather_s)
-        ctx.post(WriteDone(op_id=op_id, room=room, ok=ok, reason=reason))
+        ctx.post(WriteDone(op_id=op_id, room=room, ok=ok, reason=reason, tags=(tag,) if tag else ()))
     return report
 
 

@@ -181,6 +181,16 @@ STATS_METRICS = (
         always=("expected", "unannounced"),
     ),
     Metric(
+        name="kvstage_tags_again_total",
+        kind="counter",
+        help="decode: write tags a writer's WriterDone repeated: recovered (its notification was "
+        "lost or not read yet), already_in, other_room",
+        source="tags_again",
+        label="outcome",
+        roles=("decode",),
+        always=("recovered", "already_in"),
+    ),
+    Metric(
         name="kvstage_requests_active",
         kind="gauge",
         help="requests the control thread holds now",

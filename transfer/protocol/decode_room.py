@@ -327,6 +327,12 @@ class DecodeRoom(RoomBase):
         return [WriterPart(rank=r, ring_offset=region.offset + off, kv_bytes=n, copies=c)
                 for (r, _), off, n, c in zip(writers, offsets, kv, copies)]
 
+    def holds_tag(self, peer: PeerKey, tag: Tag) -> bool:
+        """Whether the whole write `tag` names already landed from `peer` (its tag came before):
+        another copy of it (WriterDone repeats every tag) changes nothing."""
+        w = self._writer(peer)
+        return w is not None and tag.session == self.session and (tag.chunk, tag.piece) in w.tags
+
     def completes_write(self, tag: Tag) -> bool:
         """Whether the write `tag` belongs to is whole once it lands: always, but for a direct
         write split by memory kind, whose bytes are only all in place with its last group."""

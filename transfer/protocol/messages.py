@@ -167,6 +167,17 @@ class WriterDone(RoomMessage, kw_only=True, frozen=True):
     nbytes: int
 
 
+class TagsAgain(RoomMessage, kw_only=True, frozen=True):
+    """prefill -> decode: the signed tags of this writer's writes for the room that completed, as
+    their backend notifications carried them. A write its backend reported complete has put its
+    bytes in place, so the decode rank takes a tag from here as from a notification, each only
+    once: a lost notification (Mooncake only logs a notify that fails) costs a heartbeat, not the
+    request. Sent only while the decode rank has not confirmed the room and no write of the
+    writer completed for a heartbeat (prefill_room.PrefillRoom._tags_again)."""
+
+    tags: list[bytes]
+
+
 class WritePosted(RoomMessage, kw_only=True, frozen=True):
     """prefill -> decode: the backend took my write of this chunk and piece; its tag follows.
     The decode rank polls its backend only while such writes are announced and their tags are
@@ -218,7 +229,7 @@ class Goodbye(PeerMessage, kw_only=True, frozen=True):
 
 PEER_MESSAGES: tuple[type[PeerMessage], ...] = (
     Hello, HelloAck, RoomMeta, MetaAck, AllocRequest, AllocGrant, WatermarkUpdate,
-    WriterDone, RoomDone, RoomFailed, Quiesced, Heartbeat, Goodbye, WritePosted)
+    WriterDone, RoomDone, RoomFailed, Quiesced, Heartbeat, Goodbye, WritePosted, TagsAgain)
 
 
 def peer_codec(token: bytes | None, max_frame: int | None = None) -> Codec[PeerMessage]:

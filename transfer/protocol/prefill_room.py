@@ -38,7 +38,7 @@ from .head_mapping import Assignment, HeadMapping, compute_assignments
 from .kinds import FailureKind, TransferPath
 from .layer_sends import PER_CHUNK, LayerGrouper, LayerGrouping, SendLedger, Unit
 from .lifecycle import PREFILL_TRANSITIONS, RoomEvent
-from .messages import AllocGrant, AllocRequest, Quiesced, RoomFailed, RoomMeta, WriterDone
+from .messages import AllocGrant, AllocRequest, Quiesced, RoomFailed, RoomMeta, TagsAgain, WriterDone
 from .pool_parts import counts_mismatch, final_part, request_copies, writer_segments
 from .room_base import RoomBase
 from .room_uses import Bound, EarlierUses, RoomUse, failure_use, meta_use
@@ -262,7 +262,10 @@ class PrefillRoom(RoomBase):
         flow.granted.add(index)
         return out
 
-    def on_write_done(self, op_id: int, ok: bool, reason: str | None, now: float) -> list[Action]:
+    def on_write_done(self, op_id: int, ok: bool, reason: str | None, now: float,
+                      tags: tuple[bytes, ...] = ()) -> list[Action]:
+        """A write ended. `tags`: the signed tags its backend writes carried (TagsAgain repeats
+        them, in case a notification was lost)."""
         op = self.ops.pop(op_id, None)
         if op is None:
             return []
@@ -278,6 +281,8 @@ class PrefillRoom(RoomBase):
             return out + self._maybe_release()
         flow.writes += 1
         flow.nbytes += op.nbytes
+        flow.landed_tags.extend(tags)
+        flow.landed_at = now
         return self._pump(now) + self._maybe_release()   # a batching room's next write
 
     def on_room_done(self, peer: PeerKey, session: int, now: float) -> list[Action]:
@@ -336,7 +341,23 @@ class PrefillRoom(RoomBase):
 
     def _retransmit(self, now: float) -> list[Action]:
         return [self._writer_done(flow) if chunk is None else self._alloc_request(flow, self.sendable[chunk])
-                for flow, chunk in due_again(self.flows.values(), self.timeouts.heartbeat, now)]
+                for flow, chunk in due_again(self.flows.values(), self.timeouts.heartbeat, now)] + self._tags_again(now)
+
+    def _tags_again(self, now: float) -> list[Action]:
+        """The tags of a flow's completed writes once more (TagsAgain), at most once a heartbeat,
+        while its decode rank has not confirmed the room and none of its writes completed for a
+        heartbeat: a lost notification then stalls the room (or, staged, the ring) for a
+        heartbeat. A flow that keeps completing writes, or that was confirmed, sends none."""
+        beat = self.timeouts.heartbeat
+        out: list[Action] = []
+        for flow in self.flows.values():
+            if (flow.confirmed or not flow.landed_tags or now - flow.landed_at < beat
+                    or now - flow.tags_again_at < beat):
+                continue
+            flow.tags_again_at = now
+            out.append(Send(flow.peer, TagsAgain(src=self.me, dst=flow.peer.incarnation, room=self.room,
+                                                 session=flow.session, tags=list(flow.landed_tags))))
+        return out
 
     def _alloc_request(self, flow: Flow, chunk: Chunk) -> Send:
         return Send(flow.peer, AllocRequest(src=self.me, dst=flow.peer.incarnation, room=self.room,
