@@ -3,7 +3,7 @@ or layer by layer, alternated in one run, over real NIXL / Mooncake between real
 
     .venv/bin/python examples/bench_layerwise.py --quick            # 256, 1K, 4K tokens, ~9 min
     .venv/bin/python examples/bench_layerwise.py --json docs/bench/layerwise.json \\
-        --plot docs/bench/layerwise.png --rounds 3                   # 256 .. 32K, docs/benchmarks.md
+        --plot docs/bench/layerwise.png --rounds 3                   # 256 .. 32K, docs/journal/benchmarks-2026-11.md
 
 Each prefill rank (examples/layerwise_rank.py) plays a GPU engine whose CPU runs ahead: at the
 forward start it issues every send() of the request at once, each with a readiness object that
@@ -28,7 +28,7 @@ from 0 tokens with G layers per write (the caller sends G layers at a time to a 
 layer_group=1, layerwise_min_tokens=0 and layer_batching off: the writes layer_group=G makes),
 over short lengths:
 where layer-wise starts to pay, and which group size pays most (G = a.b.c: growing groups of a,
-then b, then c layers until the layers end; docs/benchmarks.md says when they pay). The first
+then b, then c layers until the layers end; docs/journal/benchmarks-2026-11.md says when they pay). The first
 request of each (length, mode) up to 4K tokens is an untimed warm-up, verified byte for byte on
 the decode rank.
 """

@@ -141,7 +141,7 @@ class HostMemory:
         if self._mm is None:
             # private, and asked for transparent huge pages before the first touch below faults
             # the pages in: NIXL's shared-memory copy (cma) pins pages one by one, so 2 MiB pages
-            # make it faster (docs/benchmarks.md); shared anonymous memory would need shmem THP
+            # make it faster (docs/journal/benchmarks-2026-11.md); shared anonymous memory would need shmem THP
             size = _round_up(nbytes, BASE_PAGE_SIZE)
             self._mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)
             if hasattr(mmap, "MADV_HUGEPAGE"):

@@ -6,7 +6,7 @@ copies then only index those views, which takes no torch op, and move every bloc
 Every torch op releases the GIL and must win it back from the rank's other threads (the control
 thread polls the backend while a transfer is on); the first version's ~9 ops per tensor took about
 twice as long alone and 2.6x as long beside a polling thread (examples/bench_pool_copies.py,
-docs/benchmarks.md "State pools"). The same code runs on either device (`torch._foreach_copy_`
+docs/journal/benchmarks-2026-11.md "State pools"). The same code runs on either device (`torch._foreach_copy_`
 is one kernel launch per list on a GPU).
 """
 

@@ -25,7 +25,7 @@ METRICS_PORT_ENV = "KVSTAGE_METRICS_PORT"
 LAYER_GROUP_ENV = "KVSTAGE_LAYER_GROUP"
 LAYERWISE_MIN_TOKENS_ENV = "KVSTAGE_LAYERWISE_MIN_TOKENS"
 LAYER_BATCHING_ENV = "KVSTAGE_LAYER_BATCHING"
-DEFAULT_LAYER_GROUP = 4            # layers per write of a layer-wise send (docs/benchmarks.md, "Layer-wise")
+DEFAULT_LAYER_GROUP = 4            # layers per write of a layer-wise send (docs/journal/benchmarks-2026-11.md)
 DEFAULT_LAYERWISE_MIN_TOKENS = 512  # shorter requests go per chunk (ibid.)
 MAX_LAYERS = 1 << 16
 

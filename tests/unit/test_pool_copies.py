@@ -150,7 +150,7 @@ class _Ops(TorchDispatchMode):
 
 def test_a_request_moves_all_its_items_in_one_torch_op():
     """Every torch op releases the GIL and must win it back from the rank's polling control
-    thread: a few ops per tensor made the pool copies 1.7-2.6x slower (docs/benchmarks.md, "State
+    thread: a few ops per tensor made the pool copies 1.7-2.6x slower (docs/journal/benchmarks-2026-11.md, "State
     pools"). Indexing the cached byte views is not an op; the copy is one."""
     src, dst = pools(1, 4), pools(2, 4)
     pb_src, pb_dst = PoolBytes(src), PoolBytes(dst)

@@ -7,7 +7,7 @@ they are scattered (on the scatter thread); a direct write's pages and items rig
 arrives, before the room may succeed. A mismatch fails the room with kind `corrupt` on both
 sides and is counted; it is never reported as Success. Both peers must agree on the setting
 (checked at Hello). Digesting happens on the control thread for direct writes: verify costs
-throughput, measured in docs/benchmarks.md.
+throughput, measured in docs/journal/benchmarks-2026-11.md.
 """
 
 from __future__ import annotations

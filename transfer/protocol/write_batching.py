@@ -7,7 +7,7 @@ forward pass. A batching room instead holds its write units (one layer each) unt
 are ready, and starts its next write only once the previous one completed: that write takes every
 ready unit waiting, merged. While the transfer keeps up, each layer goes alone as soon as it is
 computed; once it falls behind, the writes grow by as many layers as were computed meanwhile:
-the growing schedule the model in docs/benchmarks.md ("Writes that size themselves") asks for,
+the growing schedule the model in docs/journal/benchmarks-2026-11.md ("Writes that size themselves") asks for,
 at the growth this machine's own costs set.
 
 A unit waits for its readiness objects (what the caller gave send(ready=...)) off the control
