@@ -282,12 +282,12 @@ def drive_latency(mgr: KVManager, spec: dict, buffers: KVBuffers, pattern: KVPat
     out = result["rooms"] = []
     handles = []
     if spec["role"] == "prefill":
-        pages = np.arange(len(spec["rooms"]), dtype=np.int64) % spec["geometry"]["pages"]
         for i, r in enumerate(spec["rooms"]):
+            pages = np.arange(i, i + r["pages"], dtype=np.int64) % spec["geometry"]["pages"]
             if verifies(spec, r["room"]):
-                pattern.fill(tensors, r["room"], pages[i:i + 1])
+                pattern.fill(tensors, r["room"], pages)
             h = mgr.sender(r["room"], r["pages"])
-            h.send(pages[i:i + r["pages"]], last=True)
+            h.send(pages, last=True)
             handles.append((r, h))
         for r, h in handles:
             h.wait(spec.get("run_timeout_s", 120))
