@@ -92,6 +92,18 @@ def pairs(hops: Sequence[HopRecord]) -> list[tuple[int, int]]:
     return out
 
 
+def spans(hops: Sequence[HopRecord]) -> list[tuple[HopRecord, HopRecord]]:
+    """Each gather and scatter as (its start, its end): the next end on the same thread."""
+    ends = {Hop.GATHER_START: Hop.GATHER_END, Hop.SCATTER_START: Hop.SCATTER_END}
+    out = []
+    for i, a in enumerate(hops):
+        if a.kind in ends:
+            b = next((b for b in hops[i + 1:] if b.kind is ends[a.kind] and lane(b) == lane(a)), None)
+            if b is not None:
+                out.append((a, b))
+    return out
+
+
 def _wakes(s: HopRecord, r: HopRecord) -> bool:
     """A transfer worker wakes on its write's completion; a caller on the room's outcome."""
     if r.detail == "its write done":
@@ -130,8 +142,8 @@ COLORS = {Hop.HANDLE_CALL: "#000000", Hop.EVENT_QUEUED: "#8172b3", Hop.EVENT_TAK
           Hop.GATHER_END: "#937860", Hop.SCATTER_START: "#da8bc3", Hop.SCATTER_END: "#da8bc3",
           Hop.WAITER_WOKEN: "#ccb974", Hop.STATUS: "#8c8c8c"}
 MARKERS = {Hop.EVENT_QUEUED: ">", Hop.EVENT_TAKEN: "o", Hop.SOCKET_SEND: ">", Hop.SOCKET_RECV: "o",
-           Hop.BACKEND_POST: ">", Hop.BACKEND_TAG: "o", Hop.GATHER_START: "[", Hop.GATHER_END: "]",
-           Hop.SCATTER_START: "[", Hop.SCATTER_END: "]", Hop.HANDLE_CALL: "*", Hop.WAITER_WOKEN: "o",
+           Hop.BACKEND_POST: ">", Hop.BACKEND_TAG: "o", Hop.GATHER_START: "|", Hop.GATHER_END: "|",
+           Hop.SCATTER_START: "|", Hop.SCATTER_END: "|", Hop.HANDLE_CALL: "*", Hop.WAITER_WOKEN: "o",
            Hop.BACKEND_DONE: "s", Hop.STATUS: "d"}
 
 
@@ -148,9 +160,11 @@ def plot(requests: Sequence[tuple[str, Sequence[HopRecord]]], path: str, plt) ->
             a, b = hops[i], hops[j]
             ax.annotate("", xy=(ms(b, t0), y[lane(b)]), xytext=(ms(a, t0), y[lane(a)]),
                         arrowprops={"arrowstyle": "->", "color": "#999999", "lw": 0.7, "shrinkA": 2, "shrinkB": 2})
+        for a, b in spans(hops):   # a gather or a scatter: a bar from its start to its end
+            ax.hlines(y[lane(a)], ms(a, t0), ms(b, t0), color=COLORS[a.kind], lw=7, alpha=0.45)
         for r in hops:
-            ax.plot(ms(r, t0), y[lane(r)], MARKERS.get(r.kind, "o"), color=COLORS[r.kind], ms=6,
-                    label=r.kind.value if r.kind not in seen else None)
+            ax.plot(ms(r, t0), y[lane(r)], marker=MARKERS.get(r.kind, "o"), linestyle="none", color=COLORS[r.kind],
+                    ms=6, label=r.kind.value if r.kind not in seen else None)
             seen.add(r.kind)
         ax.set_yticks(range(len(lanes)), [f"{p} {t}" for p, t in lanes], fontsize=8)
         ax.set_ylim(-0.6, len(lanes) - 0.4)

@@ -4,15 +4,17 @@
     .venv/bin/python examples/trace_request.py --path direct --backend mooncake
     .venv/bin/python examples/trace_request.py --save docs/bench/trace-one-page
 
-Starts a bootstrap server, one prefill rank and one decode rank (prefill TP 1 -> decode TP
-`--decode-tp`, 2 by default as in examples/bench.py: the staged path needs the TP sizes to differ) as processes of their own, with the hop trace on
-(KVSTAGE_TRACE, hop_trace.py). As in examples/bench.py's one-page latency, the prefill side
+Starts a bootstrap server, a prefill rank and the decode ranks (prefill TP 1 -> decode TP
+`--decode-tp`: 2 staged, as examples/bench.py's staged runs, since the staged path needs the TP
+sizes to differ; 1 direct, as its one-page latency) as processes of their own, with the hop trace
+on (KVSTAGE_TRACE, hop_trace.py). As in examples/bench.py's one-page latency, the prefill side
 sends every request at once and the decode side runs them one at a time, init() until wait()
-returns: `--warmup` one-page requests, then the traced ones: a one-page request and a
-multi-piece request (`--pages` pages, cut into pieces of `--piece-mb` on the staged path). The
-ranks write their trace files when they close; they are merged into one timeline (one clock:
-CLOCK_MONOTONIC of this host), and each traced request's hops are printed from the decode
-caller's init() on, counted, and drawn (`--save PREFIX`: PREFIX.txt and PREFIX.png; docs/trace.md).
+returns (the decode ranks init() each request together, as one step of a TP engine would):
+`--warmup` one-page requests, then the traced ones: a one-page request and a multi-piece request
+(`--pages` pages, cut into pieces of `--piece-mb` on the staged path). The ranks write their
+trace files when they close; they are merged into one timeline (one clock: CLOCK_MONOTONIC of
+this host), and each traced request's hops are printed from the decode caller's init() on,
+counted, and drawn (`--save PREFIX`: PREFIX.txt and PREFIX.png; docs/trace.md).
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--path", choices=("staged", "direct"), default="staged")
     p.add_argument("--backend", choices=("nixl", "mooncake"), default="nixl")
-    p.add_argument("--decode-tp", type=int, default=2, help="decode ranks (prefill TP is 1; the staged path needs them to differ)")
+    p.add_argument("--decode-tp", type=int, default=None,
+                   help="decode ranks, prefill TP being 1 (default: 2 staged, which needs the TP sizes to differ; "
+                        "1 direct, as bench.py's one-page latency)")
     p.add_argument("--warmup", type=int, default=5, help="untraced one-page requests first")
     p.add_argument("--pages", type=int, default=8, help="pages of the multi-piece request")
     p.add_argument("--piece-mb", type=float, default=0.5, help="staging piece size (MiB)")
@@ -50,7 +54,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--save", default=None, help="write PREFIX.txt (what is printed) and PREFIX.png")
     p.add_argument("--trace-dir", default=None, help="where the ranks write their trace files (default: a temp dir)")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.decode_tp is None:
+        a.decode_tp = 2 if a.path == "staged" else 1
+    return a
 
 
 def run(a: argparse.Namespace, trace_dir: str) -> dict[str, int]:
@@ -66,6 +73,9 @@ def run(a: argparse.Namespace, trace_dir: str) -> dict[str, int]:
               "bench": {"mode": "latency", "verify": list(traced.values())}}
     with Cluster(env={ENV: trace_dir}) as cl:
         common["barrier"] = cl.barrier(1 + a.decode_tp, timeout_s=a.timeout)
+        meet = Path(cl.workdir, "meet")   # the decode ranks init() each request together
+        meet.mkdir()
+        common["bench"]["meet"] = {"dir": str(meet), "count": a.decode_tp, "timeout_s": a.timeout}
         procs = [cl.launch([{**common, "role": "prefill", "engine": "pf", "rank": 0, "tp": 1}], "p0")]
         procs += [cl.launch([{**common, "role": "decode", "engine": "dc", "peer_engine": "pf", "rank": r,
                              "tp": a.decode_tp}], f"d{r}") for r in range(a.decode_tp)]
