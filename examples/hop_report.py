@@ -58,6 +58,14 @@ def request_hops(records: Sequence[HopRecord], room: int) -> tuple[list[HopRecor
     return mine[:origin], mine[origin:]
 
 
+def decode_woken(hops: Sequence[HopRecord]) -> int | None:
+    """Index of the hop that ends the request's latency: the last decode caller's wait() returning
+    (init() -> Success, as examples/bench.py's one-page latency measures it); None if none did."""
+    ends = [i for i, r in enumerate(hops)
+            if r.kind is Hop.WAITER_WOKEN and r.detail == "wait() returned" and r.process.startswith("decode")]
+    return ends[-1] if ends else None
+
+
 def counts(hops: Sequence[HopRecord]) -> Counts:
     by_kind: dict[str, int] = {}
     for r in hops:
@@ -126,14 +134,20 @@ def timeline_lines(hops: Sequence[HopRecord], origin_ns: int) -> list[str]:
     return lines
 
 
-def summary_line(name: str, c: Counts, span_ms: float) -> str:
-    return (f"{name}: {c.hops} hops in {span_ms:.3f} ms; {c.wakes} wake-ups (a thread taking what another handed "
-            f"it); {c.lane_switches} switches of thread, {c.process_switches} of them between processes; "
-            f"{c.threads} threads")
-
-
-def kinds_line(c: Counts) -> str:
-    return "  by kind: " + ", ".join(f"{k} {n}" for k, n in sorted(c.by_kind.items(), key=lambda kv: -kv[1]))
+def summary_lines(name: str, hops: Sequence[HopRecord]) -> list[str]:
+    """The request's counts: up to the decode caller's wake-up (its latency), and all of its hops."""
+    end = decode_woken(hops)
+    out = []
+    if end is not None:
+        c = counts(hops[:end + 1])
+        out.append(f"{name}: init() -> wait() returned on the decode side in {ms(hops[end], hops[0].t_ns):.3f} ms: "
+                   f"{c.hops} hops, {c.wakes} wake-ups (a thread taking what another handed it), "
+                   f"{c.lane_switches} switches of thread ({c.process_switches} between processes), {c.threads} threads")
+    c = counts(hops)
+    out.append(f"  all its hops, to the last one at {ms(hops[-1], hops[0].t_ns):.3f} ms: {c.hops} hops, "
+               f"{c.wakes} wake-ups, {c.lane_switches} switches of thread ({c.process_switches} between processes)")
+    out.append("  by kind: " + ", ".join(f"{k} {n}" for k, n in sorted(c.by_kind.items(), key=lambda kv: -kv[1])))
+    return out
 
 
 COLORS = {Hop.HANDLE_CALL: "#000000", Hop.EVENT_QUEUED: "#8172b3", Hop.EVENT_TAKEN: "#4c72b0",

@@ -115,9 +115,7 @@ def report(a: argparse.Namespace, records, traced: dict[str, int]) -> tuple[list
             lines.append(f"   before init(), the prefill side (ready long before, as in bench.py's latency): "
                          f"{len(before)} hops, e.g. " + ", ".join(f"{r.kind.value} {r.detail}" for r in before[:4]))
         lines += hop_report.timeline_lines(hops, t0)
-        c = hop_report.counts(hops)
-        span = (hops[-1].t_ns - t0) / 1e6
-        summaries += [hop_report.summary_line(name, c, span), hop_report.kinds_line(c)]
+        summaries += hop_report.summary_lines(name, hops)
         drawn.append((title, hops))
     lines += ["", "== counts"] + summaries
     return lines, drawn

@@ -116,3 +116,13 @@ def test_the_printed_timeline_has_a_line_per_hop_in_ms_since_the_origin():
     lines = hop_report.timeline_lines(hops, origin_ns=0)
     assert len(lines) == 1 + len(hops)
     assert lines[-1].split()[:5] == ["0.000", "0.000", "decode0", "drv", "waiter_woken"]
+
+
+def test_the_latency_ends_where_the_last_decode_caller_woke():
+    hops = one_handoff_each() + [rec(10, "prefill0", "drv", Hop.WAITER_WOKEN, detail="wait() returned"),
+                                 rec(11, "prefill0", "ctrl", Hop.SOCKET_RECV, detail="RoomDone")]
+    assert hop_report.decode_woken(hops) == 9
+    lines = hop_report.summary_lines("one page", hops)
+    assert lines[0].startswith("one page: init() -> wait() returned on the decode side in 0.000 ms: 10 hops, 4 wake-ups")
+    assert "12 hops, 6 wake-ups" in lines[1]
+    assert hop_report.decode_woken(hops[:9]) is None
