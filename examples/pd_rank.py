@@ -282,12 +282,12 @@ def drive_latency(mgr: KVManager, spec: dict, buffers: KVBuffers, pattern: KVPat
     out = result["rooms"] = []
     handles = []
     if spec["role"] == "prefill":
-        pages = np.arange(len(spec["rooms"]), dtype=np.int64) % spec["geometry"]["pages"]
         for i, r in enumerate(spec["rooms"]):
+            pages = np.arange(i, i + r["pages"], dtype=np.int64) % spec["geometry"]["pages"]
             if verifies(spec, r["room"]):
-                pattern.fill(tensors, r["room"], pages[i:i + 1])
+                pattern.fill(tensors, r["room"], pages)
             h = mgr.sender(r["room"], r["pages"])
-            h.send(pages[i:i + r["pages"]], last=True)
+            h.send(pages, last=True)
             handles.append((r, h))
         for r, h in handles:
             h.wait(spec.get("run_timeout_s", 120))
@@ -298,6 +298,8 @@ def drive_latency(mgr: KVManager, spec: dict, buffers: KVBuffers, pattern: KVPat
             h = mgr.receiver(r["room"], spec["peer_engine"])
             dst = np.arange(i % 64 * r["pages"], i % 64 * r["pages"] + r["pages"], dtype=np.int64)
             time.sleep(spec["bench"].get("gap_s", 0.002))  # let the control plane settle between requests
+            if spec["bench"].get("meet"):
+                meet(spec["bench"]["meet"], r["room"], spec["rank"])
             t0 = time.perf_counter()
             h.init(dst)
             state = h.wait(spec.get("run_timeout_s", 120))
@@ -311,6 +313,18 @@ def drive_latency(mgr: KVManager, spec: dict, buffers: KVBuffers, pattern: KVPat
     result["stats"] = mgr.stats()
     barrier(spec.get("barrier"), f"{spec['engine']}-{spec['rank']}")
     mgr.close()
+
+
+def meet(m: dict, room: int, rank: int) -> None:
+    """Latency mode: the decode ranks of one engine init() a room together, as one scheduler step
+    of a TP engine would ({"dir": ..., "count": decode ranks}); each waits for the others' mark."""
+    open(os.path.join(m["dir"], f"{room}-{rank}"), "w").close()
+    deadline = time.monotonic() + m.get("timeout_s", 60)
+    while time.monotonic() < deadline:
+        if sum(f.startswith(f"{room}-") for f in os.listdir(m["dir"])) >= m["count"]:
+            return
+        time.sleep(0.0002)
+    raise TimeoutError(f"room {room}: the other decode ranks never came to init() it")
 
 
 def barrier(b: dict | None, name: str) -> None:

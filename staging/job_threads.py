@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
+from ..hop_trace import TRACE, Hop
 from .thread_meter import ThreadMeter
 
 J = TypeVar("J")
@@ -28,7 +29,9 @@ class JobThreads(Generic[J]):
     """`names`: (thread name, meter name) per thread; `make_work(i, meter)` runs first on thread
     i and returns that thread's `work`."""
 
-    def __init__(self, names: Sequence[tuple[str, str]], make_work: Callable[[int, ThreadMeter], Work[J]]):
+    def __init__(self, names: Sequence[tuple[str, str]], make_work: Callable[[int, ThreadMeter], Work[J]],
+                 queue_name: str = "jobs"):
+        self.queue_name = queue_name   # in the hop trace (hop_trace.py)
         self._jobs: queue.SimpleQueue[J | None] = queue.SimpleQueue()
         self._make_work = make_work
         self.meters = [ThreadMeter(meter) for _, meter in names]
@@ -42,6 +45,8 @@ class JobThreads(Generic[J]):
         return len(self._threads)
 
     def submit(self, job: J) -> None:
+        if TRACE.on:
+            TRACE.hop(Hop.EVENT_QUEUED, getattr(job, "room", None), f"{self.queue_name} {type(job).__name__}")
         self._jobs.put(job)
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -59,6 +64,8 @@ class JobThreads(Generic[J]):
                 meter.wake()
                 if job is None:
                     return
+                if TRACE.on:
+                    TRACE.hop(Hop.EVENT_TAKEN, getattr(job, "room", None), f"{self.queue_name} {type(job).__name__}")
                 report = work(job)
                 del job   # nothing of the job outlives its work: then its outcome is told
                 report()

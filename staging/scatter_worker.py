@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..hop_trace import TRACE, Hop
 from .digests import digest
 from .gather_scatter import Scatterer
 from .job_threads import JobThreads
@@ -63,7 +64,7 @@ class ScatterWorker:
         self._report = report
         # chosen here, not in the thread: a bad KVSTAGE_STAGING_KERNELS fails the caller
         self._scatterer_class = scatterer_class(self._k[0].device)
-        self._thread: JobThreads[ScatterJob] = JobThreads([("kvstage-scatter", "scatter")], self._worker)
+        self._thread: JobThreads[ScatterJob] = JobThreads([("kvstage-scatter", "scatter")], self._worker, "scatter")
         self.meter = self._thread.meters[0]
 
     def submit(self, job: ScatterJob) -> None:
@@ -81,6 +82,8 @@ class ScatterWorker:
         def work(job: ScatterJob) -> Callable[[], None]:
             room, key, report = job.room, job.key, self._report
             t0 = time.perf_counter()
+            if TRACE.on:
+                TRACE.hop(Hop.SCATTER_START, room, f"chunk {key[0]} piece {key[1]}, {len(job.pages)} pages")
             ok: bool
             reason: str | None
             bad = next((f"writer {c.writer}: the landed bytes' digest {got:#018x} is not the sent {c.digest:#018x}"
@@ -90,6 +93,8 @@ class ScatterWorker:
             else:
                 (ok, reason), kind = self._scatter(scatterer, job, device), FailureKind.SCATTER
             seconds = time.perf_counter() - t0
+            if TRACE.on:
+                TRACE.hop(Hop.SCATTER_END, room, "ok" if ok else f"failed: {reason}")
             # reported once the loop dropped the job and with it the ring views
             return lambda: report(room, key, ok, reason, seconds, kind)
 

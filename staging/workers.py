@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..hop_trace import TRACE, Hop
 from .buffers import StagingBuffer
 from .digests import digest
 from .job_threads import JobThreads
@@ -73,7 +74,7 @@ class TransferWorkers:
         # chosen here, not in the threads: a bad KVSTAGE_STAGING_KERNELS fails the caller
         self._gatherer_class = gatherer_class(self._k[0].device)
         self._threads: JobThreads[GatherJob] = JobThreads(
-            [(f"kvstage-xfer-{i}", f"xfer-{i}") for i in range(len(self._buffers))], self._worker)
+            [(f"kvstage-xfer-{i}", f"xfer-{i}") for i in range(len(self._buffers))], self._worker, "xfer")
         self.meters = self._threads.meters
 
     @property
@@ -94,6 +95,8 @@ class TransferWorkers:
         def work(job: GatherJob) -> Callable[[], None]:
             op_id, room, report = job.op_id, job.room, self._report
             t0 = time.perf_counter()
+            if TRACE.on:
+                TRACE.hop(Hop.GATHER_START, room, f"{len(job.pages)} pages, {job.nbytes} bytes")
             try:
                 # a CPU page list: the gatherer validates it on the host and uploads it once
                 pages = torch.from_numpy(np.ascontiguousarray(job.pages, dtype=np.int64))
@@ -113,6 +116,8 @@ class TransferWorkers:
                 failure, gather_s = f"gather failed: {exc}", time.perf_counter() - t0
                 return lambda: report(op_id, room, False, failure, gather_s, b"")
             gather_s = time.perf_counter() - t0
+            if TRACE.on:
+                TRACE.hop(Hop.GATHER_END, room)
             done = threading.Event()
             result: list[tuple[bool, str | None]] = []
 
@@ -122,9 +127,11 @@ class TransferWorkers:
 
             src = np.array([[buf.addr, job.nbytes, buf.device]], dtype=np.uint64)
             dst = np.array([[job.dst_addr, job.nbytes, job.dst_device]], dtype=np.uint64)
-            self._submit(job.peer, src, dst, tag, on_done, job.on_posted, dst_kind=job.dst_kind)
+            self._submit(job.peer, src, dst, tag, on_done, job.on_posted, dst_kind=job.dst_kind, room=room)
             done.wait()  # the buffer is ours again only when the backend is done with it
             meter.wake()
+            if TRACE.on:
+                TRACE.hop(Hop.WAITER_WOKEN, room, "its write done")
             ok, reason = result[0]
             return lambda: report(op_id, room, ok, reason, gather_s, tag)
 

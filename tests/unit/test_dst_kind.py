@@ -102,7 +102,7 @@ def test_transfer_worker_submits_the_ring_kind_of_its_job():
     reports: list[tuple[bool, str | None, bytes]] = []
     finished = threading.Event()
 
-    def submit(peer, src, dst, tag, on_done, on_posted=None, *, dst_kind=None):
+    def submit(peer, src, dst, tag, on_done, on_posted=None, *, dst_kind=None, room=None):
         submitted.append((peer, dst_kind))
         on_done(True, None)
 
@@ -130,7 +130,7 @@ class RecordingOwner:
     def __init__(self):
         self.kinds: list[str | None] = []
 
-    def submit_write(self, peer, src, dst, tag, on_done, on_posted=None, *, dst_kind=None):
+    def submit_write(self, peer, src, dst, tag, on_done, on_posted=None, *, dst_kind=None, room=None):
         self.kinds.append(dst_kind)
 
 

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ...hop_trace import TRACE, Hop
 from ..backends.base import ArrivedTag, Backend, BackendError, WriteHandle, WriteState
 from ..protocol.quiet import InFlight
 
@@ -46,6 +47,7 @@ class _Write:
     disconnected_at: float | None = None
     on_posted: Callable[[], object] | None = None
     dst_kind: str | None = None   # the peer memory's kind ("DRAM"/"VRAM"), see Backend.post_write
+    room: int | None = None       # the request it belongs to (for the hop trace only)
 
 
 class Step(NamedTuple):
@@ -107,13 +109,16 @@ class BackendOwner:
 
     def submit_write(self, peer: str, src: np.ndarray, dst: np.ndarray, tag: bytes,
                      on_done: Callable[[bool, str | None], None],
-                     on_posted: Callable[[], object] | None = None, *, dst_kind: str | None = None) -> None:
+                     on_posted: Callable[[], object] | None = None, *, dst_kind: str | None = None,
+                     room: int | None = None) -> None:
         """Post one write; on_done(ok, reason) runs on the owner exactly once, when the backend no
         longer touches the source memory. on_posted() runs on the owner just before the backend
         takes the write (a write may wait its turn behind an earlier one to the same peer first;
         a post that then fails still ends in on_done(False, ...)). dst_kind is
-        the memory kind the peer advertised for `dst` (NIXL describes the remote side with it)."""
-        w = _Write(peer=peer, src=src, dst=dst, tag=tag, on_done=on_done, on_posted=on_posted, dst_kind=dst_kind)
+        the memory kind the peer advertised for `dst` (NIXL describes the remote side with it);
+        `room` names the write's request in the hop trace (hop_trace.py)."""
+        w = _Write(peer=peer, src=src, dst=dst, tag=tag, on_done=on_done, on_posted=on_posted, dst_kind=dst_kind,
+                   room=room)
         if self._closed:
             _finish(w, False, "the backend is closed")
         elif self._mine():
@@ -122,6 +127,8 @@ class BackendOwner:
             # control thread wait for more than one write's worth, so heartbeats keep flowing
             self._to_post.append(w)
         else:
+            if TRACE.on:
+                TRACE.hop(Hop.EVENT_QUEUED, room, "backend write")
             self._cmds.put(w)
             self._wake()
 
@@ -239,6 +246,8 @@ class BackendOwner:
                 except BaseException as exc:  # noqa: BLE001 - handed to the caller
                     cmd.fut.set_exception(exc)
             else:
+                if TRACE.on:
+                    TRACE.hop(Hop.EVENT_TAKEN, cmd.room, "backend write")
                 self._post(cmd)
 
     def _post(self, w: _Write) -> None:
@@ -250,6 +259,8 @@ class BackendOwner:
                 w.on_posted()
             except Exception:  # noqa: BLE001
                 log.exception("write posted callback raised")
+        if TRACE.on:
+            TRACE.hop(Hop.BACKEND_POST, w.room, f"{int(w.src[:, 1].sum())} bytes in {len(w.src)} ranges")
         try:
             if self._signalled:
                 w.handle = self.backend.post_write(w.peer, w.src, w.dst, w.tag, dst_kind=w.dst_kind,
@@ -349,6 +360,8 @@ def _handle(w: _Write) -> WriteHandle:
 
 
 def _finish(w: _Write, ok: bool, reason: str | None) -> None:
+    if TRACE.on:
+        TRACE.hop(Hop.BACKEND_DONE, w.room, "ok" if ok else f"failed: {reason}")
     try:
         w.on_done(ok, None if ok else (reason or "write failed"))
     except Exception:  # noqa: BLE001

@@ -11,6 +11,7 @@ import logging
 import zmq
 
 from ...bootstrap.wire import Codec, WireError
+from ...hop_trace import TRACE, Hop
 
 log = logging.getLogger(__name__)
 
@@ -48,12 +49,18 @@ class ControlSocket:
             except zmq.Again:
                 break
             try:
-                out.append(self.codec.decode(parts[1:]))
+                msg = self.codec.decode(parts[1:])
             except WireError as exc:
                 out.append(exc)
+                continue
+            if TRACE.on:
+                TRACE.hop(Hop.SOCKET_RECV, getattr(msg, "room", None), type(msg).__name__)
+            out.append(msg)
         return out
 
     def send(self, endpoint: str, msg: object) -> bool:
+        if TRACE.on:
+            TRACE.hop(Hop.SOCKET_SEND, getattr(msg, "room", None), type(msg).__name__)
         frames = self.codec.encode(msg)
         if self.faults is None:
             return self._send_frames(endpoint, frames)

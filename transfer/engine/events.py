@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ...hop_trace import TRACE, Hop
 from ..protocol.kinds import FailureKind
 
 if TYPE_CHECKING:   # annotations only: these modules import this one
@@ -36,6 +37,8 @@ class EventQueue:
         return self._r
 
     def put(self, event: Any) -> None:
+        if TRACE.on:
+            TRACE.hop(Hop.EVENT_QUEUED, getattr(event, "room", None), f"ctrl {type(event).__name__}")
         self._q.put(event)
         with self._closing:
             if self._w < 0:

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from ...hop_trace import TRACE, Hop
 from ...staging.page_lists import check_pages
 from ..outcome import KVTransferError, TransferMetrics
 from ..poll import KVPoll
@@ -123,6 +124,8 @@ class _Handle:
     def wait(self, timeout: float | None = None) -> KVPoll:
         """Block until Success or Failed (or the timeout); return the state."""
         self._status.wait(lambda s: s.state in (KVPoll.Success, KVPoll.Failed), timeout)
+        if TRACE.on:
+            TRACE.hop(Hop.WAITER_WOKEN, self.room, "wait() returned")
         return self.poll()
 
     def metrics(self) -> TransferMetrics | None:
@@ -210,6 +213,8 @@ class KVSender(_Handle):
         """The request's page count on this rank, for a sender created without one, and its
         items of the state pools ({pool name: [item, ...]}, moved with the last page). Allowed in
         any state: before the decode side's metadata arrived, the request waits for it."""
+        if TRACE.on:
+            TRACE.hop(Hop.HANDLE_CALL, self.room, "sender init()")
         check_page_count(self.room, self.num_pages, num_pages)
         items = check_pool_items(pool_items, self._pools, f"room {self.room} init()")
         started = self._mark_init()
@@ -233,6 +238,8 @@ class KVSender(_Handle):
         must agree with that. `pool_items`: the request's items of pools init() did not name
         ({pool name: [item, ...]}), on its last send only (serving engines that name a request's
         state only once its prefill is done keep streaming the KV chunk by chunk)."""
+        if TRACE.on:
+            TRACE.hop(Hop.HANDLE_CALL, self.room, "send()")
         self._ledger.check(np.empty(0, dtype=np.int64), layers, None)  # before the pages are read
         if ready is not None and not callable(getattr(ready, "synchronize", None)):
             raise ValueError(f"room {self.room}: ready must have a synchronize() method (a CUDA event), got "
@@ -272,6 +279,8 @@ class KVReceiver(_Handle):
         and nothing is written to the pages holding them. `pool_items`: this rank's items of
         the state pools for the request ({pool name: [item, ...]}, as many per pool as the
         prefill side names); they are in place, bit-exact, when the request succeeds."""
+        if TRACE.on:
+            TRACE.hop(Hop.HANDLE_CALL, self.room, "receiver init()")
         if self._inited:
             raise ValueError(f"room {self.room}: init() called twice")
         if isinstance(prefix_pages, bool) or not isinstance(prefix_pages, int) or prefix_pages < 0:

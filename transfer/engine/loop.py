@@ -32,6 +32,7 @@ from typing import Any, cast
 import zmq
 
 from ...bootstrap.wire import Codec
+from ...hop_trace import TRACE, Hop
 from ...staging.handler import StagingHandler
 from ...staging.scatter_worker import ScatterWorker
 from ...staging.thread_meter import ThreadMeter
@@ -243,6 +244,8 @@ class EngineLoop:
         self.router.on_frame(item, time.monotonic())
 
     def _on_event(self, ev: Any) -> None:
+        if TRACE.on:
+            TRACE.hop(Hop.EVENT_TAKEN, getattr(ev, "room", None), f"ctrl {type(ev).__name__}")
         handler = self.on_event.get(type(ev))
         if handler is None:
             self.ctx.stats.count("dropped_events", type(ev).__name__)  # an event for the other role

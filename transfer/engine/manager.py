@@ -17,6 +17,7 @@ import msgspec
 import zmq
 
 from ...bootstrap import BootstrapError, RankGone, RankInfo, open_rendezvous
+from ...hop_trace import TRACE
 from ...staging.handler import StagingHandler
 from ...staging.kernels import kernel_choice, requested_kernels
 from ..backends import create_backend
@@ -70,6 +71,7 @@ class KVManager:
         self._loop_stuck = False
         self.metrics_port: int | None = None   # where /metrics is served (the bound port when 0 was asked)
         self.name = f"kvstage-{cfg.engine_id}-{cfg.role}{self.layout.rank}-{self.incarnation & 0xFFFFFF:06x}"
+        TRACE.name_process(f"{cfg.role}{self.layout.rank}")   # KVSTAGE_TRACE (hop_trace.py); else nothing
         try:
             for step in STARTUP_STEPS:
                 getattr(self, f"_start_{step}")(cfg)
@@ -345,6 +347,10 @@ class KVManager:
             self._stack.close()  # every step runs even if an earlier one raised
         except Exception:  # noqa: BLE001 - close() must not raise once everything is down
             log.exception("closing kvstage %s: a step raised", self.name)
+        try:
+            TRACE.dump()   # KVSTAGE_TRACE: this process's hops so far (hop_trace.py); off, nothing
+        except OSError:
+            log.exception("closing kvstage %s: writing the hop trace failed", self.name)
 
     def _stop_loop(self) -> None:
         loop = self._loop

@@ -29,7 +29,7 @@ class ReadyJob:
 class ReadyWaiter:
     def __init__(self, post: Callable[[Any], None]):
         self._post = post
-        self._thread: JobThreads[ReadyJob] = JobThreads([("kvstage-ready", "ready")], self._worker)
+        self._thread: JobThreads[ReadyJob] = JobThreads([("kvstage-ready", "ready")], self._worker, "ready")
         self.meter = self._thread.meters[0]
 
     def submit(self, job: ReadyJob) -> None:

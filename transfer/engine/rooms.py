@@ -13,6 +13,7 @@ import time
 from collections import OrderedDict
 from typing import Generic, NamedTuple
 
+from ...hop_trace import TRACE, Hop
 from ..poll import KVPoll
 from ..protocol.actions import (
     Action,
@@ -99,6 +100,8 @@ class RoomBook(Generic[R]):
 
     def _status_changed(self, room: R, a: StatusChanged) -> None:
         status = self.status.get(room.room)
+        if TRACE.on:
+            TRACE.hop(Hop.STATUS, room.room, a.state.name + (" (released)" if a.released else ""))
         if status is not None:
             ended = a.state in (KVPoll.Success, KVPoll.Failed)
             if a.state in METADATA_STATES[self.ctx.role]:

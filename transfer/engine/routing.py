@@ -12,6 +12,7 @@ import time
 from typing import Any, cast
 
 from ...bootstrap.wire import WireError
+from ...hop_trace import TRACE, Hop
 from ..protocol.messages import Hello, PeerMessage, RoomFailed
 from ..protocol.routing import route_frame
 from .context import EngineContext
@@ -65,4 +66,6 @@ class FrameRouter:
             except WireError as exc:
                 self.ctx.stats.count("dropped_tags", exc.kind)
                 continue
+            if TRACE.on:
+                TRACE.hop(Hop.BACKEND_TAG, tag.room, f"chunk {tag.chunk} piece {tag.piece}")
             self.side.on_tag(peer, tag, now)

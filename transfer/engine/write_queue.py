@@ -81,7 +81,7 @@ class WriteQueue:
             WriteDone(op_id=op_id, room=room, ok=ok, reason=reason, tags=tags)))
         for i, (g, tag) in enumerate(zip(groups, tags)):
             ctx.backend.submit_write(peer.backend_name, g.src, g.dst, tag, done.one, functools.partial(posted, i),
-                                     dst_kind=g.dst_kind)
+                                     dst_kind=g.dst_kind, room=room)
         ctx.stats.add("bytes_posted", op.nbytes)
 
     def _direct_groups(self, op: WriteOp, peer: Peer) -> list[WriteGroup]:

@@ -1,0 +1,82 @@
+"""The hop trace between real processes (examples/trace_request.py's core): a staged one-page
+request, prefill TP 1 -> decode TP 2 over NIXL, traced on both sides, in causal order."""
+
+import hop_report
+import pytest
+import trace_request
+
+from kvstage.hop_trace import Hop
+
+pytestmark = pytest.mark.integration
+
+ROOM_HOPS = {Hop.HANDLE_CALL, Hop.BACKEND_POST, Hop.BACKEND_DONE, Hop.BACKEND_TAG, Hop.GATHER_START,
+             Hop.GATHER_END, Hop.SCATTER_START, Hop.SCATTER_END, Hop.WAITER_WOKEN, Hop.STATUS}
+
+
+def first(hops, kind, process_prefix, detail=None):
+    """Index of the first hop of `kind` on a process whose name starts with `process_prefix`."""
+    for i, r in enumerate(hops):
+        if r.kind is kind and r.process.startswith(process_prefix) and (detail is None or r.detail == detail):
+            return i
+    raise AssertionError(f"no {kind.value} {detail or ''} on {process_prefix}: "
+                         + "; ".join(f"{r.process} {r.kind.value} {r.detail}" for r in hops))
+
+
+@pytest.mark.timeout(300)
+def test_a_one_page_request_is_traced_on_both_sides_in_causal_order(tmp_path):
+    a = trace_request.parse(["--warmup", "1", "--pages", "4", "--timeout", "120"])
+    traced = trace_request.run(a, str(tmp_path))
+    records = hop_report.load_dir(tmp_path)
+    assert {r.process for r in records} == {"prefill0", "decode0", "decode1"}
+    rooms = {r.room for r in records if r.room is not None}
+    assert rooms == {1, *traced.values()}
+    # every hop that belongs to a request names it, whichever thread made it
+    assert not [r for r in records if r.kind in ROOM_HOPS and r.room is None]
+
+    room = traced[trace_request.ONE_PAGE]
+    before, hops = hop_report.request_hops(records, room)
+    assert all(r.room == room for r in before + hops)
+    assert hops[0].kind is Hop.HANDLE_CALL and hops[0].process.startswith("decode")
+    assert [r.t_ns for r in hops] == sorted(r.t_ns for r in hops)
+    # the prefill side was ready before: its send() came before the decode side's init()
+    assert any(r.kind is Hop.HANDLE_CALL and r.detail == "send()" and r.process == "prefill0" for r in before)
+
+    order = [
+        first(hops, Hop.SOCKET_SEND, "decode", "RoomMeta"),
+        first(hops, Hop.SOCKET_RECV, "prefill", "RoomMeta"),
+        first(hops, Hop.SOCKET_SEND, "prefill", "AllocRequest"),
+        first(hops, Hop.SOCKET_RECV, "decode", "AllocRequest"),
+        first(hops, Hop.SOCKET_SEND, "decode", "AllocGrant"),
+        first(hops, Hop.SOCKET_RECV, "prefill", "AllocGrant"),
+        first(hops, Hop.EVENT_QUEUED, "prefill", "xfer GatherJob"),
+        first(hops, Hop.EVENT_TAKEN, "prefill", "xfer GatherJob"),
+        first(hops, Hop.GATHER_START, "prefill"),
+        first(hops, Hop.GATHER_END, "prefill"),
+        first(hops, Hop.EVENT_QUEUED, "prefill", "backend write"),
+        first(hops, Hop.EVENT_TAKEN, "prefill", "backend write"),
+        first(hops, Hop.BACKEND_POST, "prefill"),
+        first(hops, Hop.BACKEND_TAG, "decode"),
+        first(hops, Hop.SCATTER_START, "decode"),
+        first(hops, Hop.SCATTER_END, "decode"),
+        first(hops, Hop.EVENT_TAKEN, "decode", "ctrl ScatterDone"),
+        first(hops, Hop.SOCKET_SEND, "decode", "RoomDone"),
+        first(hops, Hop.SOCKET_RECV, "prefill", "RoomDone"),
+    ]
+    assert order == sorted(order), [hops[i].kind.value + " " + hops[i].detail for i in order]
+    # each decode rank: its tag, then its scatter, then Success, then its caller wakes
+    for d in ("decode0", "decode1"):
+        mine = [r for r in hops if r.process == d]
+        assert [r.kind for r in mine if r.kind in (Hop.BACKEND_TAG, Hop.SCATTER_END, Hop.WAITER_WOKEN)] == \
+            [Hop.BACKEND_TAG, Hop.SCATTER_END, Hop.WAITER_WOKEN]
+        assert [r.detail for r in mine if r.kind is Hop.STATUS][-2:] == ["Success", "Success (released)"]
+    # one write per decode rank: posted, completed, its worker woken
+    assert sum(r.kind is Hop.BACKEND_POST for r in hops) == 2
+    assert sum(r.kind is Hop.BACKEND_DONE for r in hops) == 2
+    assert [r.detail for r in hops if r.kind is Hop.WAITER_WOKEN and r.process == "prefill0"][-1] == "wait() returned"
+
+    c = hop_report.counts(hops)
+    assert c.hops == len(hops) and c.process_switches >= 4 and c.wakes >= 10
+    # the multi-piece request: 4 pages of 256 KiB per decode rank in 0.5 MiB pieces: 2 writes each
+    _, multi = hop_report.request_hops(records, traced[trace_request.MULTI])
+    assert sum(r.kind is Hop.BACKEND_POST for r in multi) == 4
+    assert sum(r.kind is Hop.SCATTER_END for r in multi) == 4
