@@ -24,7 +24,8 @@ HANDOFFS = {
 @dataclass(frozen=True)
 class Counts:
     hops: int              # hops of the request from its origin on
-    wakes: int             # of them, a thread taking what another handed it (hop_trace.WAKES)
+    wakes: int             # of them, a thread taking what another handed it (hop_trace.WAKES); an event a
+                           # thread queued for itself and took in the same round wakes nobody
     lane_switches: int     # consecutive hops on different (process, thread)
     process_switches: int  # of them, across processes
     threads: int           # distinct (process, thread) lanes it touched
@@ -71,7 +72,9 @@ def counts(hops: Sequence[HopRecord]) -> Counts:
     for r in hops:
         by_kind[r.kind.value] = by_kind.get(r.kind.value, 0) + 1
     switches = [(a, b) for a, b in zip(hops, hops[1:]) if lane(a) != lane(b)]
-    return Counts(hops=len(hops), wakes=sum(r.kind in WAKES for r in hops), lane_switches=len(switches),
+    own = {j for i, j in pairs(hops) if lane(hops[i]) == lane(hops[j])}   # taken by the thread that queued it
+    wakes = sum(r.kind in WAKES and k not in own for k, r in enumerate(hops))
+    return Counts(hops=len(hops), wakes=wakes, lane_switches=len(switches),
                   process_switches=sum(a.process != b.process for a, b in switches),
                   threads=len({lane(r) for r in hops}), by_kind=by_kind)
 

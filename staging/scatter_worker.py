@@ -1,5 +1,10 @@
 """Decode scatter thread: copies landed ring pieces into the paged KV cache, off the
-control thread, and reports each one back so its ring region can be freed."""
+control thread, and reports each one back so its ring region can be freed.
+
+A piece of at most `inline_max_bytes` is scattered by the thread that read its tag instead
+(`run_here`, the control thread): copying it costs less than handing it to the scatter thread
+and waking the control thread again with its outcome (docs/trace.md counts those hops). Both
+run the same work and report the same way."""
 
 from __future__ import annotations
 
@@ -49,6 +54,11 @@ class ScatterJob:
     pools: tuple[LandedBlock, ...] = ()              # the last piece: its pool blocks
     checks: tuple[PartDigest, ...] = ()              # when verifying
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes the job copies into the cache."""
+        return sum(p.view.numel() for p in self.parts) + sum(b.view.numel() for b in self.pools)
+
 
 # report(room, key, ok, reason, seconds, failure kind)
 Report = Callable[..., None]
@@ -58,8 +68,11 @@ class ScatterWorker:
     """One thread on one job queue (job_threads.py)."""
 
     def __init__(self, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None, page_size: int,
-                 report: Report, pools: dict | None = None):
+                 report: Report, pools: dict | None = None, inline_max_bytes: int = 0):
+        """`inline_max_bytes`: the largest job `run_here` takes (0: every job goes to the thread)."""
         self._k, self._v, self._page_size = list(k), (list(v) if v is not None else None), page_size
+        self.inline_max_bytes = inline_max_bytes
+        self._here: Callable[[ScatterJob], Callable[[], None]] | None = None   # run_here's work, made on first use
         self._pools = PoolBytes(pools or {})  # tensors viewed as bytes once, not per request
         self._report = report
         # chosen here, not in the thread: a bad KVSTAGE_STAGING_KERNELS fails the caller
@@ -69,6 +82,19 @@ class ScatterWorker:
 
     def submit(self, job: ScatterJob) -> None:
         self._thread.submit(job)
+
+    def takes_here(self, job: ScatterJob) -> bool:
+        """Whether `job` is small enough for `run_here`."""
+        return job.nbytes <= self.inline_max_bytes
+
+    def run_here(self, job: ScatterJob) -> None:
+        """Scatter `job` on the calling thread, then report it as the scatter thread would. Always
+        called from one thread (the control thread): its scatterer, made on the first call, is
+        that thread's own. The report is an event the control thread takes in a later round,
+        when nothing of the job (its ring views) is held any more."""
+        if self._here is None:
+            self._here = self._worker(-1, self.meter)
+        self._here(job)()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._thread.stop(timeout)

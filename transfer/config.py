@@ -25,6 +25,8 @@ METRICS_PORT_ENV = "KVSTAGE_METRICS_PORT"
 LAYER_GROUP_ENV = "KVSTAGE_LAYER_GROUP"
 LAYERWISE_MIN_TOKENS_ENV = "KVSTAGE_LAYERWISE_MIN_TOKENS"
 LAYER_BATCHING_ENV = "KVSTAGE_LAYER_BATCHING"
+INLINE_SCATTER_KB_ENV = "KVSTAGE_INLINE_SCATTER_KB"
+DEFAULT_INLINE_SCATTER_KB = 256    # decode: pieces up to this size are scattered on the control thread
 DEFAULT_LAYER_GROUP = 4            # layers per write of a layer-wise send (docs/journal/benchmarks-2026-11.md)
 DEFAULT_LAYERWISE_MIN_TOKENS = 512  # shorter requests go per chunk (ibid.)
 MAX_LAYERS = 1 << 16
@@ -136,6 +138,9 @@ class EngineConfig:
     layer_batching: bool | None = None       # prefill, direct path: layer-wise writes size themselves (one
                                              # layer while the transfer keeps up, merged behind a write in
                                              # flight) instead of layer_group; env KVSTAGE_LAYER_BATCHING, on
+    inline_scatter_kb: int | None = None     # decode, staged: a landed piece of at most this many KiB is
+                                             # scattered by the control thread that read its tag, not handed
+                                             # to the scatter thread (0: never); env KVSTAGE_INLINE_SCATTER_KB, 256
 
     def resolved(self) -> EngineConfig:
         """A copy with every None filled from the environment, validated: a bad value raises
@@ -178,6 +183,8 @@ class EngineConfig:
             layer_group=self._natural("layer_group", LAYER_GROUP_ENV, DEFAULT_LAYER_GROUP, MAX_LAYERS),
             layerwise_min_tokens=self._natural("layerwise_min_tokens", LAYERWISE_MIN_TOKENS_ENV,
                                                DEFAULT_LAYERWISE_MIN_TOKENS, 1 << 40),
+            inline_scatter_kb=self._natural("inline_scatter_kb", INLINE_SCATTER_KB_ENV, DEFAULT_INLINE_SCATTER_KB,
+                                            MAX_MB << 10),
             backend_options=options,
             timeouts=timeouts,
             metrics_port=(from_env(METRICS_PORT_ENV, None, int, check.port) if self.metrics_port is None

@@ -1,6 +1,7 @@
 """The staged path between real processes: a ring far smaller than a chunk, many rooms sharing
 one ring, notifications reordered and duplicated by a fault-injecting wrapper around the real
-backend, exactly one write per piece, and a tag that lies about its allocation."""
+backend, exactly one write per piece, and a tag that lies about its allocation. Large pieces go
+to the scatter thread, small ones are scattered by the control thread (both are checked)."""
 
 import pytest
 from engine_cases import Case, Topo, problems, random_rooms, run_cases
@@ -45,6 +46,8 @@ def test_ring_far_smaller_than_a_chunk(backend):
         assert 0 < st["ring_high_water_bytes"] <= st["ring_bytes"]
         assert st["ring_live_bytes"] == 0 and st["ring_live_regions"] == 0
         assert st["bytes_received"] == 3 * 2 * chunk_bytes
+        # 1 MiB pieces, past the inline limit (256 KiB): every one went to the scatter thread
+        assert st["scatters"] == {"thread": 2 * 12 * 3}, st["scatters"]
     for st in prefill_stats(results, case):
         # each writer sends half of its decode rank's chunk; a piece holds at most 4 pages here
         assert st["staged_writes"] >= 3 * 2 * 12
@@ -78,6 +81,8 @@ def test_32_rooms_share_one_ring_with_reordered_and_duplicated_tags(backend):
     assert dec["tags_received"] == writes, "every write landed exactly once"
     assert dec["dropped_tags"].get("duplicate", 0) > 0, "duplicates were injected and ignored"
     assert dec["rooms"] == {"success": 32}
+    # pieces of a few KiB: scattered by the control thread that read their tags
+    assert dec["scatters"].get("inline", 0) > 0 and "thread" not in dec["scatters"], dec["scatters"]
 
 
 @pytest.mark.timeout(300)

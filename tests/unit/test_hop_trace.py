@@ -99,6 +99,18 @@ def test_counts_hops_wakeups_and_switches():
     assert c.by_kind["socket_send"] == 2 and sum(c.by_kind.values()) == 10
 
 
+def test_an_event_a_thread_queued_for_itself_wakes_nobody():
+    """A small piece scattered by the control thread reports through its own event queue: that
+    hand-off is counted as hops, not as a wake-up."""
+    hops = [rec(1, "decode0", "ctrl", Hop.BACKEND_TAG),
+            rec(2, "decode0", "ctrl", Hop.EVENT_QUEUED, detail="ctrl ScatterDone"),
+            rec(3, "decode0", "ctrl", Hop.EVENT_TAKEN, detail="ctrl ScatterDone"),
+            rec(4, "decode0", "scatter", Hop.EVENT_QUEUED, detail="ctrl ScatterDone"),
+            rec(5, "decode0", "ctrl", Hop.EVENT_TAKEN, detail="ctrl ScatterDone")]
+    c = hop_report.counts(hops)
+    assert (c.hops, c.wakes) == (5, 2)   # the tag read, and the event the scatter thread handed over
+
+
 def test_pairs_match_each_receiving_hop_to_what_handed_it_over():
     assert hop_report.pairs(one_handoff_each()) == [(1, 2), (3, 5), (6, 7), (8, 9)]
 

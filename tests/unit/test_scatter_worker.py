@@ -1,9 +1,11 @@
 """The decode scatter thread on CPU tensors: a landed piece reaches the cache through its named
-parts, and a part whose digest is not the sent one is never scattered."""
+parts, and a part whose digest is not the sent one is never scattered. A small piece runs on the
+calling thread instead (`run_here`) with the same outcome; a larger one is not taken there."""
 
 import queue
 
 import numpy as np
+import pytest
 import torch
 
 from kvstage.staging.digests import digest
@@ -21,14 +23,20 @@ def cache(gen=None):
     return [make()], [make()]
 
 
-def run(job):
-    """One job through a real ScatterWorker thread; its report as a dict."""
+def run(job, here=False):
+    """One job through a real ScatterWorker, on its thread or (`here`) on this one; its report
+    as a dict."""
     dst_k, dst_v = cache()
     reports: queue.SimpleQueue = queue.SimpleQueue()
-    worker = ScatterWorker(dst_k, dst_v, PAGE, report=lambda *a: reports.put(a))
+    worker = ScatterWorker(dst_k, dst_v, PAGE, report=lambda *a: reports.put(a), inline_max_bytes=1 << 20)
     try:
-        worker.submit(job)
-        room, key, ok, reason, _seconds, kind = reports.get(timeout=30)
+        if here:
+            assert worker.takes_here(job)
+            worker.run_here(job)
+            room, key, ok, reason, _seconds, kind = reports.get_nowait()   # reported before run_here returned
+        else:
+            worker.submit(job)
+            room, key, ok, reason, _seconds, kind = reports.get(timeout=30)
     finally:
         worker.stop()
     return dict(room=room, key=key, ok=ok, reason=reason, kind=kind), dst_k, dst_v
@@ -53,25 +61,27 @@ def expect_rows(src, dst, pages, touched):
     assert not dst[:, 0].any() and not dst[:, 3].any()   # heads outside the part stay as they were
 
 
-def test_a_checked_part_lands_in_its_heads():
+@pytest.mark.parametrize("here", [False, True], ids=["thread", "here"])
+def test_a_checked_part_lands_in_its_heads(here):
     src_k, src_v, view = landed()
     job = ScatterJob(room=3, key=(0, 1), pages=np.array([4, 1]), layers=range(1),
                      parts=(LandedPart(view, (1, 3)),),
                      checks=(PartDigest(view=view, digest=digest(view), writer=2),))
-    report, dst_k, dst_v = run(job)
+    report, dst_k, dst_v = run(job, here)
     assert report == dict(room=3, key=(0, 1), ok=True, reason=None, kind=FailureKind.SCATTER)
     expect_rows(src_k[0], dst_k[0], {4, 1}, touched=True)
     expect_rows(src_v[0], dst_v[0], {4, 1}, touched=True)
 
 
-def test_a_part_with_a_wrong_digest_is_not_scattered():
+@pytest.mark.parametrize("here", [False, True], ids=["thread", "here"])
+def test_a_part_with_a_wrong_digest_is_not_scattered(here):
     _, _, view = landed()
     sent = digest(view) ^ 1
     job = ScatterJob(room=3, key=(0, 1), pages=np.array([4, 1]), layers=range(1),
                      parts=(LandedPart(view, (1, 3)),),
                      checks=(PartDigest(view=view, digest=digest(view), writer=0),
                              PartDigest(view=view, digest=sent, writer=5)))
-    report, dst_k, dst_v = run(job)
+    report, dst_k, dst_v = run(job, here)
     assert (report["ok"], report["kind"]) == (False, FailureKind.CORRUPT)
     assert report["reason"] == (f"corrupt data in chunk 0 piece 1: writer 5: the landed bytes' digest "
                                 f"{digest(view):#018x} is not the sent {sent:#018x}")
@@ -101,3 +111,16 @@ def test_a_layer_group_lands_in_its_layers_only():
     for layer in (1, 2):
         for src, dst in ((src_k, dst_k), (src_v, dst_v)):
             expect_rows(src[layer], dst[layer], [4, 1], touched=True)
+
+
+def test_only_a_piece_up_to_the_limit_is_taken_here():
+    _, _, view = landed()
+    job = ScatterJob(room=3, key=(0, 1), pages=np.array([4, 1]), layers=range(1), parts=(LandedPart(view, (1, 3)),))
+    assert job.nbytes == view.numel() > 0
+    dst_k, dst_v = cache()
+    for limit, taken in ((0, False), (job.nbytes - 1, False), (job.nbytes, True)):
+        worker = ScatterWorker(dst_k, dst_v, PAGE, report=lambda *a: None, inline_max_bytes=limit)
+        try:
+            assert worker.takes_here(job) is taken, limit
+        finally:
+            worker.stop()

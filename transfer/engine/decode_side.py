@@ -237,8 +237,15 @@ class DecodeSide:
         pools = tuple(LandedBlock(view(p.ring_offset, p.copy.nbytes), p.copy) for p in s.pools)
         checks = self.ctx.integrity.scatter_checks(s)
         assert self.scatterer is not None, "a scatter on a rank without a staging ring"
-        self.scatterer.submit(ScatterJob(room=s.room, key=s.key, pages=s.dst_pages, layers=s.layers, parts=parts,
-                                         pools=pools, checks=checks))
+        job = ScatterJob(room=s.room, key=s.key, pages=s.dst_pages, layers=s.layers, parts=parts, pools=pools,
+                         checks=checks)
+        del parts, pools, checks   # the job holds the ring views, and nothing else once it is done
+        if self.scatterer.takes_here(job):   # a small piece: no hand-off to the scatter thread and back
+            self.ctx.stats.count("scatters", "inline")
+            self.scatterer.run_here(job)     # its ScatterDone comes back through the event queue
+        else:
+            self.ctx.stats.count("scatters", "thread")
+            self.scatterer.submit(job)
 
     def _ring(self) -> RingAllocator:
         """The staging ring's allocator: there is one wherever a piece was staged."""

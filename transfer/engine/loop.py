@@ -114,7 +114,8 @@ class EngineLoop:
             self.workers = TransferWorkers(handler.buffers, buffers.entry_k, buffers.entry_v, layout.page_size,
                                            backend.submit_write, gather_report(c), buffers.pools)
         elif cfg.role != "prefill" and handler.ring is not None:
-            self.scatter = ScatterWorker(buffers.entry_k, buffers.entry_v, layout.page_size, scatter_report(c), buffers.pools)
+            self.scatter = ScatterWorker(buffers.entry_k, buffers.entry_v, layout.page_size, scatter_report(c),
+                                         buffers.pools, inline_max_bytes=cast(int, cfg.inline_scatter_kb) << 10)
         side: RoleSide[Any]
         self.book: RoomBook[Any]
         self.peers = peers = PeerTable(c, listeners=lambda: (writes, side))  # staged pieces fail before rooms
