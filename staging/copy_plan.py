@@ -15,7 +15,7 @@ side is read. Validation lives here too, so both implementations raise the same 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -167,7 +167,7 @@ class PreparedCache:
         self._sliced: dict[tuple[int, int], list[torch.Tensor]] = {}
         #: data an implementation derives from this cache (the Triton address table), kept and
         #: dropped with this entry
-        self.extras: dict[str, object] = {}
+        self.extras: dict[Hashable, object] = {}
 
     def valid(self) -> bool:
         """Every tensor still at the address it was validated at (map: no Python frame per tensor)."""

@@ -159,7 +159,7 @@ class Gatherer(_TorchCopier):
     reshaped in place at the same address (resize_, as_strided_) is not re-validated.
     """
 
-    def gather(self, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None, pages: torch.Tensor,
+    def gather(self, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None, pages: Any,
                page_size: int, heads: tuple[int, int], out: torch.Tensor, *, room: Any = None) -> int:
         """Write the region of `pages` x `heads` of cache (k, v) into `out[:nbytes]`; return nbytes.
 
@@ -180,7 +180,7 @@ class Scatterer(_TorchCopier):
     """
 
     def scatter(self, src: torch.Tensor, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None,
-                pages: torch.Tensor, page_size: int, heads: tuple[int, int], *, room: Any = None) -> int:
+                pages: Any, page_size: int, heads: tuple[int, int], *, room: Any = None) -> int:
         """Copy the region in `src[:nbytes]` into `pages` x `heads` of cache (k, v); return nbytes.
 
         `heads` is the range [h0, h1) of the DESTINATION cache's local heads; `pages` are

@@ -146,7 +146,7 @@ class PlanCache:
         with self._lock:
             bucket = self._rooms.get(room)
             hit = bucket.get(key) if bucket is not None else None
-            if hit is not None:
+            if bucket is not None and hit is not None:
                 self.hits += 1
                 bucket.move_to_end(key)
                 self._rooms.move_to_end(room)
