@@ -77,15 +77,18 @@ def _upload(host: np.ndarray, device: torch.device) -> torch.Tensor:
 
 class PageIndex:
     """One validated page list as plans need it: its host copy (owned, never the caller's
-    memory), its runs for a given limit on runs, and its index tensor per device."""
+    memory), its runs for a given limit on runs, and its index tensor per device. `part(at, n)`:
+    the list's slice [at, at + n), whose index is a view of this one's (no upload of its own)."""
 
-    __slots__ = ("host", "n", "_runs", "_index", "nbytes")
+    __slots__ = ("host", "n", "_runs", "_index", "nbytes", "_parent", "_at", "_parts")
 
-    def __init__(self, host: np.ndarray) -> None:
+    def __init__(self, host: np.ndarray, parent: PageIndex | None = None, at: int = 0) -> None:
         self.host = host
         self.n = int(host.shape[0])
         self._runs: dict[int, tuple[PageRun, ...] | None] = {}
         self._index: dict[torch.device, torch.Tensor] = {}
+        self._parent, self._at = parent, at
+        self._parts: dict[tuple[int, int], PageIndex] = {}
         #: counted against PlanCache.max_bytes: the host copy and one device copy of it
         self.nbytes = 2 * host.nbytes
 
@@ -101,8 +104,47 @@ class PageIndex:
     def index(self, device: torch.device) -> torch.Tensor:
         t = self._index.get(device)
         if t is None:
-            t = self._index[device] = _upload(self.host, device)
+            if self._parent is not None:
+                t = self._parent.index(device)[self._at:self._at + self.n]
+            else:
+                t = _upload(self.host, device)
+            self._index[device] = t
         return t
+
+    def part(self, at: int, n: int) -> PageIndex:
+        key = (at, n)
+        got = self._parts.get(key)
+        if got is None:
+            got = self._parts[key] = PageIndex(self.host[at:at + n], self, at)
+        return got
+
+
+class _WholeList:
+    """A room's whole page list (the array its pieces are slices of), validated once."""
+
+    __slots__ = ("index", "unique", "nbytes")
+
+    def __init__(self, host: np.ndarray) -> None:
+        self.index = PageIndex(host)
+        self.unique = bool(np.unique(host).size == host.size)
+        self.nbytes = self.index.nbytes
+
+
+def slice_of(pages: Any) -> tuple[np.ndarray, int] | None:
+    """(the array that owns `pages`' memory, the offset of `pages` in it) when `pages` is a
+    contiguous 1-D integer slice of a contiguous 1-D array (a piece of a room's page list: the
+    protocol cuts pieces out of the room's array), else None."""
+    if not isinstance(pages, np.ndarray):
+        return None
+    base = pages.base
+    if (not isinstance(base, np.ndarray) or base.ndim != 1 or pages.ndim != 1 or pages.size == 0
+            or base.dtype != pages.dtype or pages.dtype.kind not in "iu"
+            or not base.flags.c_contiguous or not pages.flags.c_contiguous):
+        return None
+    at, rem = divmod(pages.__array_interface__["data"][0] - base.__array_interface__["data"][0], pages.itemsize)
+    if rem or at < 0 or at + pages.size > base.size:
+        return None
+    return base, at
 
 
 def value_key(pages: Any) -> tuple[str, bytes] | None:
@@ -132,27 +174,64 @@ class PlanCache:
             raise ValueError("a PlanCache keeps at least one list of one room")
         self.max_rooms, self.per_room, self.max_bytes = max_rooms, per_room, max_bytes
         self._lock = threading.Lock()
-        self._rooms: OrderedDict[Hashable, OrderedDict[tuple, PageIndex]] = OrderedDict()
+        self._rooms: OrderedDict[Hashable, OrderedDict[tuple, PageIndex | _WholeList]] = OrderedDict()
         self._bytes = 0
         self.hits = self.misses = 0
 
     def pages(self, room: Hashable, pages: Any, limit: int, what: str, *, unique: bool) -> PageIndex:
         """`pages` validated (`check_pages`: the same errors) for a cache of `limit` pages, from
-        `room`'s entry for an equal list, else validated now and kept under `room`."""
+        what `room` keeps: the whole list `pages` is a slice of, or an equal list; else validated
+        now and kept under `room`."""
+        piece = slice_of(pages)
+        if piece is not None:
+            got = self._piece(room, piece[0], piece[1], pages, limit, what, unique)
+            if got is not None:
+                return got
         vk = value_key(pages)
         if vk is None:
             return PageIndex(check_pages(pages, limit, what, unique=unique, copy=True))
         key = (*vk, limit, unique)
+        hit = self._get(room, key)
+        if isinstance(hit, PageIndex):
+            return hit
+        entry = PageIndex(check_pages(pages, limit, what, unique=unique, copy=True))
+        self._put(room, key, entry)
+        return entry
+
+    def _piece(self, room: Hashable, base: np.ndarray, at: int, pages: np.ndarray, limit: int, what: str,
+               unique: bool) -> PageIndex | None:
+        """`pages` as the slice [at, at + n) of the room's whole list `base`, validated and indexed
+        once for the whole list; None when that list does not validate (the piece then is, on its
+        own), repeats a page for a destination, or no longer holds these values."""
+        key = ("whole", id(base), base.dtype.str, base.size, limit)
+        n = pages.size
+        whole = self._get(room, key)
+        if not isinstance(whole, _WholeList) or not np.array_equal(whole.index.host[at:at + n], pages):
+            # first seen, or the values changed (the array was written to, or is a new one at the
+            # address of a freed one): the whole list again, by value
+            try:
+                whole = _WholeList(check_pages(base, limit, what, unique=False, copy=True))
+            except ValueError:
+                return None
+            self._put(room, key, whole)
+        if unique and not whole.unique:
+            return None
+        with self._lock:
+            return whole.index.part(at, n)
+
+    def _get(self, room: Hashable, key: tuple) -> PageIndex | _WholeList | None:
         with self._lock:
             bucket = self._rooms.get(room)
             hit = bucket.get(key) if bucket is not None else None
-            if bucket is not None and hit is not None:
-                self.hits += 1
-                bucket.move_to_end(key)
-                self._rooms.move_to_end(room)
-                return hit
-            self.misses += 1
-        entry = PageIndex(check_pages(pages, limit, what, unique=unique, copy=True))
+            if bucket is None or hit is None:
+                self.misses += 1
+                return None
+            self.hits += 1
+            bucket.move_to_end(key)
+            self._rooms.move_to_end(room)
+            return hit
+
+    def _put(self, room: Hashable, key: tuple, entry: PageIndex | _WholeList) -> None:
         with self._lock:
             bucket = self._rooms.get(room)
             if bucket is None:
@@ -167,7 +246,6 @@ class PlanCache:
                 self._bytes -= bucket.popitem(last=False)[1].nbytes
             while len(self._rooms) > self.max_rooms or (self._bytes > self.max_bytes and len(self._rooms) > 1):
                 self._drop(next(iter(self._rooms)))
-        return entry
 
     def _drop(self, room: Hashable) -> None:
         bucket = self._rooms.pop(room, None)

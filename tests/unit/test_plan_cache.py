@@ -186,3 +186,61 @@ def test_the_scatter_thread_keeps_a_rooms_list_until_the_room_is_released():
         assert not worker.plans.rooms()
     finally:
         worker.stop()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_pieces_of_a_rooms_list_share_one_validated_and_indexed_list(impl):
+    """The protocol cuts a room's pieces out of the room's page array: the whole array is
+    validated and indexed once, each piece's index is a view of it, and the bytes are a fresh
+    plan's."""
+    gcls, scls = IMPLS[impl]
+    k, v = make_cache(12)
+    plans = PlanCache()
+    g, s = gcls(plans), scls(plans)
+    room_pages = np.array([9, 3, 4, 5, 0, 11, 7, 2])
+    pieces = [room_pages[0:3], room_pages[3:6], room_pages[6:8]]
+    indexes = []
+    for piece in pieces:
+        out = region(piece.size)
+        g.gather(k, v, piece, PS, (1, 3), out, room=4)
+        assert torch.equal(out, fresh_gather(k, v, piece.tolist()))
+        indexes.append(g.plan(Direction.GATHER, k, v, piece, PS, (1, 3), out, room=4).pages)
+        want_k, want_v = make_cache(13)
+        got_k, got_v = make_cache(13)
+        Scatterer().scatter(out, list(want_k), list(want_v), piece.copy(), PS, (0, 2))
+        s.scatter(out, got_k, got_v, piece, PS, (0, 2), room=4)
+        assert raw(got_k) == raw(want_k) and raw(got_v) == raw(want_v)
+    assert len(plans) == 1   # one entry: the room's whole list
+    if impl == "triton":     # index tensors: views of one
+        storages = {t.untyped_storage().data_ptr() for t in indexes}
+        assert len(storages) == 1 and [t.tolist() for t in indexes] == [p.tolist() for p in pieces]
+
+
+def test_a_rooms_list_written_to_is_validated_again():
+    k, v = make_cache(14)
+    g = tk.TritonGatherer()
+    room_pages = np.array([1, 2, 3, 4, 5, 6])
+    out = region(3)
+    g.gather(k, v, room_pages[3:], PS, (1, 3), out, room=1)
+    room_pages[3:] = [11, 0, 0]
+    g.gather(k, v, room_pages[3:], PS, (1, 3), out, room=1)
+    assert torch.equal(out, fresh_gather(k, v, [11, 0, 0]))
+    room_pages[0] = 99   # out of range, outside the piece: the piece alone is still valid
+    g.gather(k, v, room_pages[3:], PS, (1, 3), out, room=1)
+    assert torch.equal(out, fresh_gather(k, v, [11, 0, 0]))
+    with pytest.raises(ValueError, match="^gather: page index 99 is out of range for a cache of 12 pages$"):
+        g.gather(k, v, room_pages[:3], PS, (1, 3), out, room=1)
+
+
+def test_a_piece_is_checked_for_repeats_on_its_own_where_the_whole_list_has_some():
+    k, v = make_cache(15)
+    s = tk.TritonScatterer()
+    room_pages = np.array([1, 2, 1, 3])   # a gather list may repeat a page: the scatter rules apply per piece
+    src = region(2)
+    want_k, want_v = make_cache(16)
+    Scatterer().scatter(src, list(want_k), list(want_v), [2, 1], PS, (1, 3))
+    got_k, got_v = make_cache(16)
+    s.scatter(src, got_k, got_v, room_pages[1:3], PS, (1, 3), room=2)
+    assert raw(got_k) == raw(want_k) and raw(got_v) == raw(want_v)
+    with pytest.raises(ValueError, match="destination pages must be distinct"):
+        s.scatter(region(3), got_k, got_v, room_pages[0:3], PS, (1, 3), room=2)
