@@ -28,7 +28,8 @@ exercises the script, its figures are NOT GPU figures.
 as above with the kernel launch itself replaced by a no-op (`KernelLaunch.__call__`), on the real
 case geometries (caches allocated, never filled or copied: nothing is verified). It reports the
 median and mean time per call over `--iters` calls after `--warmup`, and the first call (which
-builds the plan). It measures whichever kvstage is imported, so the same script times two
+builds the plan); and the same for calls that each take a piece never seen before (the PIECES
+slices of a fresh copy of the chunk's page array in turn, as the protocol cuts pieces). It measures whichever kvstage is imported, so the same script times two
 checkouts (PYTHONPATH). On a GPU the host work per call adds to the launch (16-28 us on the H100
 run of 2026-11-27) and must stay below the kernel's own time for the GPU not to wait.
 """
@@ -267,15 +268,44 @@ def launches_off(tk):
         tk.KernelLaunch.__call__ = launch
 
 
+#: --host-only "piece" ops: a chunk's page array cut into this many pieces, each gathered once
+PIECES = 4
+
+
 def host_case(tk, case: Case, tokens: int, args) -> dict:
-    """Host microseconds per gather/scatter call with the kernel launch off (`--host-only`)."""
+    """Host microseconds per gather/scatter call with the kernel launch off (`--host-only`).
+
+    gather, scatter: the same page list on every call (a piece gathered for several decode ranks,
+    or for several layer groups). gather_piece, scatter_piece: every call a piece never seen before,
+    as the protocol cuts them: the PIECES slices of a fresh copy of the chunk's page array in turn."""
+    import numpy as np
+
     b = make_buffers(case, tokens, torch.device("cpu"), fill=False)
     g, s = tk.TritonGatherer(), tk.TritonScatterer()
+    calls = 1 + args.warmup + args.iters
+    m = max(1, b.n // PIECES)
+
+    def pieces(pages: torch.Tensor):
+        out = []
+        while len(out) < calls:
+            chunk = np.array(pages.numpy(), dtype=np.int64)   # a new array: the pages of a new chunk
+            out += [chunk[i * m:(i + 1) * m] for i in range(PIECES)]
+        return iter(out)
+
+    src_pieces, dst_pieces = pieces(b.src_pages), pieces(b.dst_pages)
+    piece_region = b.region[: b.nbytes // b.n * m]
     ops = {
         "gather": lambda: g.gather(b.src_k, b.src_v, b.src_pages, case.page_size, case.gather, b.region),
         "scatter": lambda: s.scatter(b.region, b.dst_k, b.dst_v, b.dst_pages, case.page_size, case.scatter),
+        "gather_piece": lambda: g.gather(
+            b.src_k, b.src_v, next(src_pieces), case.page_size, case.gather, piece_region
+        ),
+        "scatter_piece": lambda: s.scatter(
+            piece_region, b.dst_k, b.dst_v, next(dst_pieces), case.page_size, case.scatter
+        ),
     }
-    rec = {**asdict(case), "pages": b.n, "tokens_asked": tokens, "tokens": b.tokens, "bytes": b.nbytes}
+    rec = {**asdict(case), "pages": b.n, "piece_pages": m, "tokens_asked": tokens, "tokens": b.tokens,
+           "bytes": b.nbytes}
     with launches_off(tk):
         for name, fn in ops.items():
             t0 = time.perf_counter()
@@ -356,15 +386,22 @@ def host_only(args) -> list[dict]:
     tk = _kernels(True)
     print(f"host work per call, kernel launch off (CPU, {os.cpu_count()} cores); torch {torch.__version__}; "
           f"{args.warmup} warm-up + {args.iters} calls per op; median (mean) us per call, first call")
-    print(f"{'case':18s} {'tokens':>6s} {'pages':>5s} {'gather us':>18s} {'first':>8s} {'scatter us':>18s} {'first':>8s}")
+    print(
+        f"{'case':18s} {'tokens':>6s} {'pages':>5s} {'gather us':>18s} {'first':>8s} {'scatter us':>18s} "
+        f"{'first':>8s} | {'new piece: gather':>18s} {'scatter':>18s}"
+    )
     results = []
     for tokens in args.tokens:
         for case in args.case_list:
             r = host_case(tk, case, tokens, args)
             results.append(r)
-            print(f"{r['name']:18s} {r['tokens']:6d} {r['pages']:5d} {r['gather_host_us']:8.1f} "
-                  f"({r['gather_host_mean_us']:7.1f}) {r['gather_first_us']:8.1f} {r['scatter_host_us']:8.1f} "
-                  f"({r['scatter_host_mean_us']:7.1f}) {r['scatter_first_us']:8.1f}")
+            print(
+                f"{r['name']:18s} {r['tokens']:6d} {r['pages']:5d} {r['gather_host_us']:8.1f} "
+                f"({r['gather_host_mean_us']:7.1f}) {r['gather_first_us']:8.1f} {r['scatter_host_us']:8.1f} "
+                f"({r['scatter_host_mean_us']:7.1f}) {r['scatter_first_us']:8.1f} | "
+                f"{r['gather_piece_host_us']:8.1f} ({r['gather_piece_host_mean_us']:7.1f}) "
+                f"{r['scatter_piece_host_us']:8.1f} ({r['scatter_piece_host_mean_us']:7.1f})"
+            )
     return results
 
 

@@ -152,7 +152,8 @@ def test_host_only_times_the_calls_with_the_launch_off(tmp_path):
     assert {c["name"] for c in doc["cases"]} == set(SMOKE)
     for c in doc["cases"]:
         assert c["bytes"] == EXPECTED_BYTES[(c["name"], 16)]
-        for op in ("gather", "scatter"):
+        assert c["piece_pages"] == 1   # 4 pages cut in 4 pieces
+        for op in ("gather", "scatter", "gather_piece", "scatter_piece"):
             assert c[f"{op}_host_us"] > 0 and c[f"{op}_host_mean_us"] > 0 and c[f"{op}_first_us"] > 0
 
 
