@@ -120,20 +120,39 @@ class PageIndex:
 
 
 class _WholeList:
-    """A room's whole page list (the array its pieces are slices of), validated once."""
+    """A room's whole page list (the array its pieces are slices of), validated once; whether it
+    repeats a page is worked out on the first scatter that asks (a gather never does)."""
 
-    __slots__ = ("index", "unique", "nbytes")
+    __slots__ = ("index", "_unique", "nbytes", "addr")
 
-    def __init__(self, host: np.ndarray) -> None:
+    def __init__(self, host: np.ndarray, addr: int) -> None:
         self.index = PageIndex(host)
-        self.unique = bool(np.unique(host).size == host.size)
+        self._unique: bool | None = None
         self.nbytes = self.index.nbytes
+        self.addr = addr     # where the caller's array starts: a piece's offset in it
+
+    @property
+    def unique(self) -> bool:
+        if self._unique is None:
+            self._unique = bool(np.unique(self.index.host).size == self.index.n)
+        return self._unique
+
+    def holds(self, at: int, pages: np.ndarray) -> bool:
+        """Whether [at, at + n) of the list holds `pages`' values (bytes compared when both are int64)."""
+        mine = self.index.host[at:at + pages.size]
+        if pages.dtype == np.int64:
+            return mine.tobytes() == pages.tobytes()
+        return bool(np.array_equal(mine, pages))
 
 
-def slice_of(pages: Any) -> tuple[np.ndarray, int] | None:
-    """(the array that owns `pages`' memory, the offset of `pages` in it) when `pages` is a
-    contiguous 1-D integer slice of a contiguous 1-D array (a piece of a room's page list: the
-    protocol cuts pieces out of the room's array), else None."""
+def _addr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def slice_of(pages: Any) -> np.ndarray | None:
+    """The array that owns `pages`' memory when `pages` is a contiguous 1-D integer slice of a
+    contiguous 1-D array (a piece of a room's page list: the protocol cuts pieces out of the
+    room's array), else None."""
     if not isinstance(pages, np.ndarray):
         return None
     base = pages.base
@@ -141,10 +160,7 @@ def slice_of(pages: Any) -> tuple[np.ndarray, int] | None:
             or base.dtype != pages.dtype or pages.dtype.kind not in "iu"
             or not base.flags.c_contiguous or not pages.flags.c_contiguous):
         return None
-    at, rem = divmod(pages.__array_interface__["data"][0] - base.__array_interface__["data"][0], pages.itemsize)
-    if rem or at < 0 or at + pages.size > base.size:
-        return None
-    return base, at
+    return base
 
 
 def value_key(pages: Any) -> tuple[str, bytes] | None:
@@ -182,9 +198,9 @@ class PlanCache:
         """`pages` validated (`check_pages`: the same errors) for a cache of `limit` pages, from
         what `room` keeps: the whole list `pages` is a slice of, or an equal list; else validated
         now and kept under `room`."""
-        piece = slice_of(pages)
-        if piece is not None:
-            got = self._piece(room, piece[0], piece[1], pages, limit, what, unique)
+        base = slice_of(pages)
+        if base is not None:
+            got = self._piece(room, base, pages, limit, what, unique)
             if got is not None:
                 return got
         vk = value_key(pages)
@@ -198,26 +214,31 @@ class PlanCache:
         self._put(room, key, entry)
         return entry
 
-    def _piece(self, room: Hashable, base: np.ndarray, at: int, pages: np.ndarray, limit: int, what: str,
+    def _piece(self, room: Hashable, base: np.ndarray, pages: np.ndarray, limit: int, what: str,
                unique: bool) -> PageIndex | None:
-        """`pages` as the slice [at, at + n) of the room's whole list `base`, validated and indexed
-        once for the whole list; None when that list does not validate (the piece then is, on its
-        own), repeats a page for a destination, or no longer holds these values."""
+        """`pages` as a slice of the room's whole list `base`, validated and indexed once for the
+        whole list; None when that list does not validate (the piece then is, on its own),
+        repeats a page for a destination, or `pages` does not lie inside it."""
         key = ("whole", id(base), base.dtype.str, base.size, limit)
-        n = pages.size
         whole = self._get(room, key)
-        if not isinstance(whole, _WholeList) or not np.array_equal(whole.index.host[at:at + n], pages):
+        if isinstance(whole, _WholeList):
+            at, rem = divmod(_addr(pages) - whole.addr, pages.itemsize)
+        if not isinstance(whole, _WholeList) or rem or not 0 <= at <= base.size - pages.size \
+                or not whole.holds(at, pages):
             # first seen, or the values changed (the array was written to, or is a new one at the
             # address of a freed one): the whole list again, by value
             try:
-                whole = _WholeList(check_pages(base, limit, what, unique=False, copy=True))
+                whole = _WholeList(check_pages(base, limit, what, unique=False, copy=True), _addr(base))
             except ValueError:
                 return None
             self._put(room, key, whole)
+            at, rem = divmod(_addr(pages) - whole.addr, pages.itemsize)
+            if rem or not 0 <= at <= base.size - pages.size:
+                return None
         if unique and not whole.unique:
             return None
         with self._lock:
-            return whole.index.part(at, n)
+            return whole.index.part(at, pages.size)
 
     def _get(self, room: Hashable, key: tuple) -> PageIndex | _WholeList | None:
         with self._lock:

@@ -244,3 +244,16 @@ def test_a_piece_is_checked_for_repeats_on_its_own_where_the_whole_list_has_some
     assert raw(got_k) == raw(want_k) and raw(got_v) == raw(want_v)
     with pytest.raises(ValueError, match="destination pages must be distinct"):
         s.scatter(region(3), got_k, got_v, room_pages[0:3], PS, (1, 3), room=2)
+
+
+def test_pieces_of_an_int32_list_are_compared_by_value():
+    k, v = make_cache(17)
+    plans = PlanCache()
+    g = tk.TritonGatherer(plans)
+    room_pages = np.array([6, 1, 8, 2], dtype=np.int32)
+    for _ in range(2):
+        for lo in (0, 2):
+            out = region(2)
+            g.gather(k, v, room_pages[lo:lo + 2], PS, (1, 3), out, room=3)
+            assert torch.equal(out, fresh_gather(k, v, room_pages[lo:lo + 2].tolist()))
+    assert len(plans) == 1 and plans.hits == 3   # one whole list, built once
