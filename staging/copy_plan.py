@@ -9,8 +9,9 @@ region (layout: docs/staging_kernels.md, "The region layout")::
     region heads    <->  cache heads [h0, h1)
 
 So the plan is the validated cache (`PreparedCache`, memoised by a `Planner`), the head range,
-the page list (as consecutive runs or as an index tensor) and the region; `Direction` says which
-side is read. Validation lives here too, so both implementations raise the same errors.
+the page list (as consecutive runs or as an index tensor, validated and indexed once per room and
+list: `plan_cache.PlanCache`) and the region; `Direction` says which side is read. Validation
+lives here too, so both implementations raise the same errors.
 """
 
 from __future__ import annotations

@@ -14,6 +14,12 @@ dtype and bytes), never by identity, so a new or changed list never reuses a sta
 entry can only be shared by calls that would have built the same one. What it was validated
 against (the cache's page count, whether repeats are allowed) is part of the key.
 
+Most pieces are gathered once, though, and each is a slice of a larger array: the protocol cuts
+a chunk's pieces out of the chunk's page array, and the decode rank its pieces out of the room's.
+Such a slice is served from that whole array, validated and indexed (uploaded) once for all its
+pieces; a piece's index is a view of it. The array's identity only finds the entry: the piece's
+values are compared with the kept copy on every call, so an array written to is taken again.
+
 Bounded: at most `max_rooms` rooms (least recently used dropped first), `per_room` lists per
 room, and `max_bytes` of host and device index memory in all. `forget(room)` drops a room's
 lists when the room is released (TransferWorkers / ScatterWorker.forget_room, called from the
