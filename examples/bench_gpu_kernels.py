@@ -2,6 +2,7 @@
 
     .venv/bin/python examples/bench_gpu_kernels.py --json docs/bench/gpu_kernels.json
     .venv/bin/python examples/bench_gpu_kernels.py --smoke     # CPU, Triton interpreter (CI)
+    .venv/bin/python examples/bench_gpu_kernels.py --host-only # CPU: host work per call, no kernel run
 
 Why: on a GPU the staged path's gather and scatter should cost little next to the network write;
 the goal is that each moves a chunk at >= 0.7x the speed of `dst.copy_(src)` of the same number
@@ -15,12 +16,22 @@ cache. Before timing, every case is checked bit-exact against the torch referenc
 
 Timed (torch.cuda.Event around `--iters` calls after `--warmup`; GB/s = region bytes / time):
   gather, scatter      TritonGatherer.gather / TritonScatterer.scatter as a transfer worker calls
-                       them, CPU page lists: validation, the page index upload and its stream
-                       sync included
+                       them: host page lists, the layers as tuples, the same list on every call
+                       (a piece's list is validated and uploaded on its first call and kept,
+                       staging/plan_cache.py; the first call is not timed)
   bare gather/scatter  the same kernels launched directly with prepared arguments: the kernels alone
   copy                 dst.copy_(src), region-sized contiguous uint8 buffers
 `--smoke` runs tiny cases on the CPU under Triton's interpreter with time.perf_counter: it
 exercises the script, its figures are NOT GPU figures.
+
+`--host-only` measures, on the CPU, what each gather/scatter call costs the host: the call exactly
+as above with the kernel launch itself replaced by a no-op (`KernelLaunch.__call__`), on the real
+case geometries (caches allocated, never filled or copied: nothing is verified). It reports the
+median and mean time per call over `--iters` calls after `--warmup`, and the first call (which
+builds the plan); and the same for calls that each take a piece never seen before (the PIECES
+slices of a fresh copy of the chunk's page array in turn, as the protocol cuts pieces). It measures whichever kvstage is imported, so the same script times two
+checkouts (PYTHONPATH). On a GPU the host work per call adds to the launch (16-28 us on the H100
+run of 2026-11-27) and must stay below the kernel's own time for the GPU not to wait.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ import contextlib
 import datetime
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -105,8 +117,9 @@ SMOKE_CASES = [
 ]
 
 
-def make_buffers(case: Case, tokens: int, device: torch.device, seed: int = 0) -> SimpleNamespace:
-    """Random-byte caches (any bit pattern, NaNs included), random page lists, one region."""
+def make_buffers(case: Case, tokens: int, device: torch.device, seed: int = 0, fill: bool = True) -> SimpleNamespace:
+    """Random-byte caches (any bit pattern, NaNs included; `fill` False: left as allocated), random
+    page lists, one region. K and V are tuples of layers, as the transfer workers hold them."""
     n = -(-tokens // case.page_size)
     rows, dt = POOL * n * case.page_size, getattr(torch, case.dtype)
     es = torch.empty(0, dtype=dt).element_size()
@@ -115,11 +128,13 @@ def make_buffers(case: Case, tokens: int, device: torch.device, seed: int = 0) -
 
     def cache(heads):
         def one():
+            if not fill:
+                return torch.empty((rows, heads, case.head_dim * es), dtype=torch.uint8, device=device).view(dt)
             return torch.randint(
                 0, 256, (rows, heads, case.head_dim * es), dtype=torch.uint8, device=device, generator=gen
             ).view(dt)
 
-        return [one() for _ in range(case.layers)], [one() for _ in range(case.layers)] if case.has_v else None
+        return tuple(one() for _ in range(case.layers)), tuple(one() for _ in range(case.layers)) if case.has_v else None
 
     hh = case.gather[1] - case.gather[0]
     nbytes = region_nbytes(case.layers, case.has_v, n * case.page_size, hh, case.head_dim, es)
@@ -157,7 +172,7 @@ def verify(case: Case, b: SimpleNamespace, gatherer, scatterer) -> list[str]:
     if not torch.equal(b.region, ref):
         bad = int((b.region != ref).sum())
         problems.append(f"gather: {bad} of {b.nbytes} bytes differ from the torch reference")
-    want_k, want_v = [t.clone() for t in b.dst_k], [t.clone() for t in b.dst_v] if case.has_v else None
+    want_k, want_v = tuple(t.clone() for t in b.dst_k), tuple(t.clone() for t in b.dst_v) if case.has_v else None
     Scatterer().scatter(ref, want_k, want_v, b.dst_pages, case.page_size, case.scatter)
     scatterer.scatter(ref, b.dst_k, b.dst_v, b.dst_pages, case.page_size, case.scatter)
     for i, (got, want) in enumerate(zip(_tensors(b.dst_k, b.dst_v), _tensors(want_k, want_v))):
@@ -242,6 +257,72 @@ def run_case(tk, case: Case, tokens: int, device: torch.device, args) -> dict:
     return rec
 
 
+@contextlib.contextmanager
+def launches_off(tk):
+    """Every Triton launch a no-op: what is left of a gather/scatter call is its host work."""
+    launch = tk.KernelLaunch.__call__
+    tk.KernelLaunch.__call__ = lambda self: None
+    try:
+        yield
+    finally:
+        tk.KernelLaunch.__call__ = launch
+
+
+#: --host-only "piece" ops: a chunk's page array cut into this many pieces, each gathered once
+PIECES = 4
+
+
+def host_case(tk, case: Case, tokens: int, args) -> dict:
+    """Host microseconds per gather/scatter call with the kernel launch off (`--host-only`).
+
+    gather, scatter: the same page list on every call (a piece gathered for several decode ranks,
+    or for several layer groups). gather_piece, scatter_piece: every call a piece never seen before,
+    as the protocol cuts them: the PIECES slices of a fresh copy of the chunk's page array in turn."""
+    import numpy as np
+
+    b = make_buffers(case, tokens, torch.device("cpu"), fill=False)
+    g, s = tk.TritonGatherer(), tk.TritonScatterer()
+    calls = 1 + args.warmup + args.iters
+    m = max(1, b.n // PIECES)
+
+    def pieces(pages: torch.Tensor):
+        out = []
+        while len(out) < calls:
+            chunk = np.array(pages.numpy(), dtype=np.int64)   # a new array: the pages of a new chunk
+            out += [chunk[i * m:(i + 1) * m] for i in range(PIECES)]
+        return iter(out)
+
+    src_pieces, dst_pieces = pieces(b.src_pages), pieces(b.dst_pages)
+    piece_region = b.region[: b.nbytes // b.n * m]
+    ops = {
+        "gather": lambda: g.gather(b.src_k, b.src_v, b.src_pages, case.page_size, case.gather, b.region),
+        "scatter": lambda: s.scatter(b.region, b.dst_k, b.dst_v, b.dst_pages, case.page_size, case.scatter),
+        "gather_piece": lambda: g.gather(
+            b.src_k, b.src_v, next(src_pieces), case.page_size, case.gather, piece_region
+        ),
+        "scatter_piece": lambda: s.scatter(
+            piece_region, b.dst_k, b.dst_v, next(dst_pieces), case.page_size, case.scatter
+        ),
+    }
+    rec = {**asdict(case), "pages": b.n, "piece_pages": m, "tokens_asked": tokens, "tokens": b.tokens,
+           "bytes": b.nbytes}
+    with launches_off(tk):
+        for name, fn in ops.items():
+            t0 = time.perf_counter()
+            fn()
+            rec[f"{name}_first_us"] = (time.perf_counter() - t0) * 1e6
+            for _ in range(args.warmup):
+                fn()
+            times = []
+            for _ in range(args.iters):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            rec[f"{name}_host_us"] = statistics.median(times) * 1e6
+            rec[f"{name}_host_mean_us"] = statistics.fmean(times) * 1e6
+    return rec
+
+
 def _positive(text: str) -> int:
     try:
         val = int(text)
@@ -279,19 +360,49 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument(
         "--smoke", action="store_true", help="tiny cases on the CPU under TRITON_INTERPRET=1 (CI): not GPU figures"
     )
+    ap.add_argument(
+        "--host-only",
+        action="store_true",
+        help="CPU: host microseconds per gather/scatter call, kernel launch off (with --smoke: the tiny cases)",
+    )
     args = ap.parse_args(argv)
-    args.device = args.device or torch.device("cpu" if args.smoke else "cuda")
+    cpu = args.smoke or args.host_only
+    args.device = args.device or torch.device("cpu" if cpu else "cuda")
     args.tokens = args.tokens or [16 if args.smoke else 2048]
-    args.iters = args.iters or (3 if args.smoke else 50)
-    args.warmup = args.warmup or (1 if args.smoke else 5)
-    if args.smoke and args.device.type != "cpu":
-        ap.error("--smoke runs on the CPU under Triton's interpreter: leave out --device or pass cpu")
+    args.iters = args.iters or (3 if args.smoke else 500 if args.host_only else 50)
+    args.warmup = args.warmup or (1 if args.smoke else 20 if args.host_only else 5)
+    if cpu and args.device.type != "cpu":
+        ap.error("--smoke and --host-only run on the CPU under Triton's interpreter: leave out --device or pass cpu")
     known = {c.name: c for c in (SMOKE_CASES if args.smoke else CASES)}
     names = args.cases.split(",") if args.cases else list(known)
     if any(n not in known for n in names):
         ap.error(f"--cases: unknown {sorted(set(names) - set(known))}; known: {', '.join(known)}")
     args.case_list = [known[n] for n in names]
     return args
+
+
+def host_only(args) -> list[dict]:
+    """`--host-only`: the table of host microseconds per call."""
+    tk = _kernels(True)
+    print(f"host work per call, kernel launch off (CPU, {os.cpu_count()} cores); torch {torch.__version__}; "
+          f"{args.warmup} warm-up + {args.iters} calls per op; median (mean) us per call, first call")
+    print(
+        f"{'case':18s} {'tokens':>6s} {'pages':>5s} {'gather us':>18s} {'first':>8s} {'scatter us':>18s} "
+        f"{'first':>8s} | {'new piece: gather':>18s} {'scatter':>18s}"
+    )
+    results = []
+    for tokens in args.tokens:
+        for case in args.case_list:
+            r = host_case(tk, case, tokens, args)
+            results.append(r)
+            print(
+                f"{r['name']:18s} {r['tokens']:6d} {r['pages']:5d} {r['gather_host_us']:8.1f} "
+                f"({r['gather_host_mean_us']:7.1f}) {r['gather_first_us']:8.1f} {r['scatter_host_us']:8.1f} "
+                f"({r['scatter_host_mean_us']:7.1f}) {r['scatter_first_us']:8.1f} | "
+                f"{r['gather_piece_host_us']:8.1f} ({r['gather_piece_host_mean_us']:7.1f}) "
+                f"{r['scatter_piece_host_us']:8.1f} ({r['scatter_piece_host_mean_us']:7.1f})"
+            )
+    return results
 
 
 def _kernels(smoke: bool):
@@ -318,6 +429,17 @@ def _kernels(smoke: bool):
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    if args.host_only:
+        results = host_only(args)
+        if args.json:
+            meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
+                    "argv": sys.argv[1:] if argv is None else list(argv), "host_only": True,
+                    "timer": "time.perf_counter", "torch": torch.__version__, "iters": args.iters,
+                    "warmup": args.warmup, "cores": os.cpu_count()}
+            with open(args.json, "w") as f:
+                json.dump({"meta": meta, "cases": results}, f, indent=1)
+            print(f"wrote {args.json}")
+        return results
     if not args.smoke and (args.device.type != "cuda" or (args.device.index or 0) >= torch.cuda.device_count()):
         sys.stderr.write(
             f"bench_gpu_kernels.py needs a CUDA GPU: device {args.device}, {torch.cuda.device_count()} "

@@ -9,13 +9,14 @@ region (layout: docs/staging_kernels.md, "The region layout")::
     region heads    <->  cache heads [h0, h1)
 
 So the plan is the validated cache (`PreparedCache`, memoised by a `Planner`), the head range,
-the page list (as consecutive runs or as an index tensor) and the region; `Direction` says which
-side is read. Validation lives here too, so both implementations raise the same errors.
+the page list (as consecutive runs or as an index tensor, validated and indexed once per room and
+list: `plan_cache.PlanCache`) and the region; `Direction` says which side is read. Validation
+lives here too, so both implementations raise the same errors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -24,10 +25,12 @@ import numpy as np
 import torch
 
 from .copy_units import Unit, unit_for
-from .page_lists import check_pages
+from .plan_cache import PageRun, PlanCache
 
-__all__ = ["CheckedCache", "CopyPlan", "Direction", "PageRun", "Planner", "PreparedCache", "check_heads", "check_int",
-           "check_region", "region_nbytes"]
+__all__ = ["CheckedCache", "CopyPlan", "Direction", "PageRun", "Planner", "PlanCache", "PreparedCache", "check_heads",
+           "check_int", "check_region", "region_nbytes"]
+
+_data_ptr = torch.Tensor.data_ptr
 
 
 class Direction(Enum):
@@ -155,6 +158,8 @@ class PreparedCache:
         self.ptrs = tuple(t.data_ptr() for t in cache.tensors)
         self.unit: Unit = unit_for(cache.row_bytes, cache.tensors)
         self.r = cache.row_bytes // self.unit.nbytes     # words per head row
+        #: region bytes per token and head: K/V x layers x head row (region_nbytes without the checks)
+        self.token_head_bytes = len(cache.tensors) * cache.row_bytes
         P, H, word = cache.num_pages, cache.num_heads, self.unit.dtype
         #: per tensor: [num_pages, page_size, heads, r]
         self.pages = [t.view(torch.uint8).view(word).view(P, page_size, H, self.r) for t in cache.tensors]
@@ -163,25 +168,17 @@ class PreparedCache:
         self._sliced: dict[tuple[int, int], list[torch.Tensor]] = {}
         #: data an implementation derives from this cache (the Triton address table), kept and
         #: dropped with this entry
-        self.extras: dict[str, object] = {}
+        self.extras: dict[Hashable, object] = {}
 
     def valid(self) -> bool:
-        return all(t.data_ptr() == p for t, p in zip(self.cache.tensors, self.ptrs, strict=True))
+        """Every tensor still at the address it was validated at (map: no Python frame per tensor)."""
+        return tuple(map(_data_ptr, self.cache.tensors)) == self.ptrs
 
     def sliced(self, h0: int, h1: int) -> list[torch.Tensor]:
         views = self._sliced.get((h0, h1))
         if views is None:
             views = self._sliced[(h0, h1)] = [pv[:, :, h0:h1] for pv in self.pages]
         return views
-
-
-@dataclass(frozen=True, slots=True)
-class PageRun:
-    """Consecutive cache pages [page, page + length) at list positions [position, + length)."""
-
-    position: int
-    page: int
-    length: int
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -223,40 +220,40 @@ class CopyPlan:
         return self.n * self.prep.page_size
 
 
-def _page_runs(pages: np.ndarray, max_runs: int) -> tuple[PageRun, ...] | None:
-    """The list as runs of consecutive pages, or None when it has more than `max_runs`."""
-    if max_runs <= 0:
-        return None
-    breaks = np.flatnonzero(np.diff(pages) != 1) + 1
-    if breaks.shape[0] + 1 > max_runs:
-        return None
-    starts = [0, *breaks.tolist()]
-    ends = [*breaks.tolist(), int(pages.shape[0])]
-    return tuple(PageRun(s, int(pages[s]), e - s) for s, e in zip(starts, ends, strict=True))
-
-
 _MEMO_ENTRIES = 4
 
 
 class Planner:
-    """Makes CopyPlans; remembers the last few caches it validated (`forget()` drops them).
+    """Makes CopyPlans; remembers the last few caches it validated (`forget()` drops them) and,
+    in its `PlanCache`, the page lists of each room (`forget_room(room)` drops a room's).
 
-    The base of every gatherer and scatterer. NOT thread-safe: one per thread.
+    The base of every gatherer and scatterer. NOT thread-safe: one per thread (several may share
+    one PlanCache: `plans=`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, plans: PlanCache | None = None) -> None:
         self._memo: dict[tuple[object, ...], PreparedCache] = {}
+        self._own_plans = plans is None
+        self.plans = PlanCache() if plans is None else plans
+        # the last call's (k, v, page_size) when k (and v) are tuples: the same tuple objects hold
+        # the same tensors, so the next call with them skips building and hashing the memo key
+        self._last: tuple[Any, Any, int, PreparedCache] | None = None
 
     def _prepare(self, k: Any, v: Any, page_size: Any, what: str) -> PreparedCache:
+        last = self._last
+        if (last is not None and k is last[0] and v is last[1] and type(page_size) is int
+                and page_size == last[2] and last[3].valid()):
+            return last[3]
         page_size = _check_structure(k, v, page_size, what)
         key = (page_size, len(k), v is not None, *map(id, k), *(map(id, v) if v is not None else ()))
         prep = self._memo.get(key)
-        if prep is not None and prep.valid():
-            return prep
-        prep = PreparedCache(_describe_cache(k, v, page_size, what), page_size)
-        if len(self._memo) >= _MEMO_ENTRIES:
-            self._memo.clear()
-        self._memo[key] = prep
+        if prep is None or not prep.valid():
+            prep = PreparedCache(_describe_cache(k, v, page_size, what), page_size)
+            if len(self._memo) >= _MEMO_ENTRIES:
+                self._memo.clear()
+            self._memo[key] = prep
+        immutable = type(k) is tuple and (v is None or type(v) is tuple)
+        self._last = (k, v, page_size, prep) if immutable else None
         return prep
 
     def _max_runs(self, direction: Direction, prep: PreparedCache, whole: bool) -> int:
@@ -264,29 +261,33 @@ class Planner:
         return 0
 
     def plan(self, direction: Direction, k: Any, v: Any, pages: Any, page_size: Any, heads: Any,
-             region: Any) -> CopyPlan:
-        """Validate one call (ValueError/TypeError naming what is wrong) and work out its copy."""
+             region: Any, room: Any = None) -> CopyPlan:
+        """Validate one call (ValueError/TypeError naming what is wrong) and work out its copy.
+
+        The page list is validated, indexed and (for a cache on a device) uploaded once per room
+        and list value (`PlanCache`); `room` None is one more room (calls that name none)."""
         what = direction.value
         prep = self._prepare(k, v, page_size, what)
         cache = prep.cache
         h0, h1 = check_heads(heads, cache.num_heads, what)
-        host = check_pages(pages, cache.num_pages, what, unique=direction is Direction.SCATTER)
-        n = int(host.shape[0])
+        index = self.plans.pages(room, pages, cache.num_pages, what, unique=direction is Direction.SCATTER)
+        n = index.n
         plan_pages: tuple[PageRun, ...] | torch.Tensor = ()
         if n:
-            runs = _page_runs(host, self._max_runs(direction, prep, h1 - h0 == cache.num_heads))
-            if runs is not None:
-                plan_pages = runs
-            else:
-                plan_pages = torch.from_numpy(np.ascontiguousarray(host))
-                if plan_pages.device != cache.device:
-                    plan_pages = plan_pages.to(cache.device)
-        nbytes = region_nbytes(cache.num_layers, cache.has_v, n * prep.page_size, h1 - h0, cache.head_dim,
-                               cache.elem_size)
+            runs = index.runs(self._max_runs(direction, prep, h1 - h0 == cache.num_heads))
+            plan_pages = runs if runs is not None else index.index(cache.device)
+        nbytes = prep.token_head_bytes * n * prep.page_size * (h1 - h0)
         check_region(region, cache.device, nbytes, direction.region_name, what)
         return CopyPlan(direction=direction, prep=prep, h0=h0, h1=h1, n=n, pages=plan_pages, region=region,
                         nbytes=nbytes)
 
+    def forget_room(self, room: Any) -> None:
+        """Drop the page lists kept for `room` (it was released)."""
+        self.plans.forget(room)
+
     def forget(self) -> None:
-        """Drop the references this object holds to KV caches."""
+        """Drop the references this object holds to KV caches (and its own page lists)."""
         self._memo.clear()
+        self._last = None
+        if self._own_plans:
+            self.plans.clear()

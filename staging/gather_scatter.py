@@ -55,13 +55,14 @@ releases the GIL during the copies.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-from .copy_plan import CopyPlan, Direction, Planner, PreparedCache, region_nbytes
+from .copy_plan import CopyPlan, Direction, PlanCache, Planner, PreparedCache, region_nbytes
 from .copy_units import alignment
 
-__all__ = ["Gatherer", "Scatterer", "region_nbytes"]
+__all__ = ["Gatherer", "Scatterer", "PlanCache", "region_nbytes"]
 
 #: Plain slice copies replace the index kernels for page lists made of few runs of consecutive
 #: pages: scatter for up to two runs, gather for ONE run (bench_gather.py: with more runs, one
@@ -81,8 +82,8 @@ def _gather_slices_win(whole: bool, page_size: int, page_bytes: int) -> bool:
 class _TorchCopier(Planner):
     """Runs a CopyPlan with torch copies, in either direction; owns the reusable scratch buffer."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, plans: PlanCache | None = None) -> None:
+        super().__init__(plans)
         self._temp: torch.Tensor | None = None
 
     @property
@@ -158,15 +159,16 @@ class Gatherer(_TorchCopier):
     reshaped in place at the same address (resize_, as_strided_) is not re-validated.
     """
 
-    def gather(self, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None, pages: torch.Tensor,
-               page_size: int, heads: tuple[int, int], out: torch.Tensor) -> int:
+    def gather(self, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None, pages: Any,
+               page_size: int, heads: tuple[int, int], out: torch.Tensor, *, room: Any = None) -> int:
         """Write the region of `pages` x `heads` of cache (k, v) into `out[:nbytes]`; return nbytes.
 
         `out` is a 1-D uint8 tensor on the cache's device (e.g. a StagingBuffer region); `heads`
         is the range [h0, h1) of this cache's local heads; `pages` may repeat a page. Raises
-        ValueError naming what is wrong.
+        ValueError naming what is wrong. `room`: the page list is validated and indexed once per
+        room and list (`PlanCache`; `forget_room(room)` drops them).
         """
-        return self._copy(self.plan(Direction.GATHER, k, v, pages, page_size, heads, out))
+        return self._copy(self.plan(Direction.GATHER, k, v, pages, page_size, heads, out, room))
 
 
 class Scatterer(_TorchCopier):
@@ -178,10 +180,10 @@ class Scatterer(_TorchCopier):
     """
 
     def scatter(self, src: torch.Tensor, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None,
-                pages: torch.Tensor, page_size: int, heads: tuple[int, int]) -> int:
+                pages: Any, page_size: int, heads: tuple[int, int], *, room: Any = None) -> int:
         """Copy the region in `src[:nbytes]` into `pages` x `heads` of cache (k, v); return nbytes.
 
         `heads` is the range [h0, h1) of the DESTINATION cache's local heads; `pages` are
-        destination page indices in request order and must be distinct.
+        destination page indices in request order and must be distinct. `room`: as for gather.
         """
-        return self._copy(self.plan(Direction.SCATTER, k, v, pages, page_size, heads, src))
+        return self._copy(self.plan(Direction.SCATTER, k, v, pages, page_size, heads, src, room))

@@ -21,8 +21,10 @@ from .digests import digest
 from .gather_scatter import Scatterer
 from .job_threads import JobThreads
 from .kernels import scatterer_class
+from .plan_cache import PlanCache
 from .pool_copies import LandedBlock, PoolBytes, scatter_pools
 from .thread_meter import ThreadMeter
+from .workers import LayerSlices
 
 log = logging.getLogger(__name__)
 
@@ -70,13 +72,16 @@ class ScatterWorker:
     def __init__(self, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None, page_size: int,
                  report: Report, pools: dict | None = None, inline_max_bytes: int = 0):
         """`inline_max_bytes`: the largest job `run_here` takes (0: every job goes to the thread)."""
-        self._k, self._v, self._page_size = list(k), (list(v) if v is not None else None), page_size
+        self._k, self._v, self._page_size = tuple(k), (tuple(v) if v is not None else None), page_size
         self.inline_max_bytes = inline_max_bytes
         self._here: Callable[[ScatterJob], Callable[[], None]] | None = None   # run_here's work, made on first use
         self._pools = PoolBytes(pools or {})  # tensors viewed as bytes once, not per request
         self._report = report
         # chosen here, not in the thread: a bad KVSTAGE_STAGING_KERNELS fails the caller
         self._scatterer_class = scatterer_class(self._k[0].device)
+        # the page lists of each room, validated and indexed once (plan_cache.py); thread-safe: the
+        # scatter thread and run_here (the control thread) share it
+        self.plans = PlanCache()
         self._thread: JobThreads[ScatterJob] = JobThreads([("kvstage-scatter", "scatter")], self._worker, "scatter")
         self.meter = self._thread.meters[0]
 
@@ -99,11 +104,16 @@ class ScatterWorker:
     def stop(self, timeout: float = 10.0) -> None:
         self._thread.stop(timeout)
 
+    def forget_room(self, room: int) -> None:
+        """A released room: drop the page lists kept for it (any thread)."""
+        self.plans.forget(room)
+
     def _worker(self, index: int, meter: ThreadMeter) -> Callable[[ScatterJob], Callable[[], None]]:
         from ..transfer.protocol.kinds import FailureKind  # lazy: keeps staging importable on its own
 
-        scatterer = self._scatterer_class()  # Triton kernels on CUDA, torch otherwise (staging/kernels.py)
+        scatterer = self._scatterer_class(self.plans)  # Triton kernels on CUDA, torch otherwise (staging/kernels.py)
         device = self._k[0].device
+        layers = LayerSlices(self._k, self._v)
 
         def work(job: ScatterJob) -> Callable[[], None]:
             room, key, report = job.room, job.key, self._report
@@ -117,7 +127,7 @@ class ScatterWorker:
             if bad is not None:  # never scattered: the cache keeps what it had
                 ok, reason, kind = False, f"corrupt data in chunk {key[0]} piece {key[1]}: {bad}", FailureKind.CORRUPT
             else:
-                (ok, reason), kind = self._scatter(scatterer, job, device), FailureKind.SCATTER
+                (ok, reason), kind = self._scatter(scatterer, layers, job, device), FailureKind.SCATTER
             seconds = time.perf_counter() - t0
             if TRACE.on:
                 TRACE.hop(Hop.SCATTER_END, room, "ok" if ok else f"failed: {reason}")
@@ -126,14 +136,14 @@ class ScatterWorker:
 
         return work
 
-    def _scatter(self, scatterer: Scatterer, job: ScatterJob, device: torch.device) -> tuple[bool, str | None]:
+    def _scatter(self, scatterer: Scatterer, layers: LayerSlices, job: ScatterJob,
+                 device: torch.device) -> tuple[bool, str | None]:
         try:
-            # a CPU page list: the scatterer validates it on the host and uploads it once
-            pages = torch.from_numpy(np.ascontiguousarray(job.pages, dtype=np.int64))
-            lo, hi = job.layers.start, job.layers.stop
-            k, v = self._k[lo:hi], (self._v[lo:hi] if self._v is not None else None)
+            k, v = layers.of(job.layers)
+            # a host page list: validated, indexed and uploaded once per room and list (PlanCache),
+            # not once per writer's part
             for part in job.parts:
-                scatterer.scatter(part.view, k, v, pages, self._page_size, part.dst_heads)
+                scatterer.scatter(part.view, k, v, job.pages, self._page_size, part.dst_heads, room=job.room)
             scatter_pools(self._pools, job.pools)
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()

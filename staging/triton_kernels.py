@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 from .copy_plan import CopyPlan, Direction, Planner
-from .copy_units import alignment, unit_for
+from .copy_units import Unit, alignment, unit_for
 
 __all__ = ["KernelLaunch", "TritonGatherer", "TritonScatterer", "copy_rows_kernel", "interpreted", "kernel_launch",
            "tile_shape"]
@@ -111,26 +111,40 @@ class KernelLaunch:
                                     BLOCK_W=self.block_w, num_warps=_NUM_WARPS)
 
 
+def _geometry(plan: CopyPlan, unit: Unit) -> tuple[torch.Tensor, int, int, int, int]:
+    """(address table, row_words, span, BLOCK_R, BLOCK_W) of the plan's cache and head range in
+    `unit` words: worked out once per cache, head range and word, kept with the memoised cache."""
+    prep = plan.prep
+    key = ("triton_geometry", plan.h0, plan.h1, unit.nbytes)
+    geo = prep.extras.get(key)
+    if geo is None:
+        cache = prep.cache
+        table = prep.extras.get("triton_table")
+        if not isinstance(table, torch.Tensor):  # data_ptr of every tensor, region order (all K layers, then all V)
+            table = prep.extras["triton_table"] = torch.tensor(
+                [t.data_ptr() for t in cache.tensors], dtype=torch.int64, device=cache.device)
+        row_words = cache.row_bytes // unit.nbytes
+        span = (plan.h1 - plan.h0) * row_words
+        geo = prep.extras[key] = (table, row_words, span, *tile_shape(span))
+    return geo  # type: ignore[return-value]
+
+
 def kernel_launch(plan: CopyPlan) -> KernelLaunch:
     """The launch that carries out `plan` (a non-empty one). The word is the plan's cache word,
     narrowed when the region is less aligned (there is no scratch copy here)."""
     if not isinstance(plan.pages, torch.Tensor) or plan.n == 0:
         raise ValueError("a kernel launch needs a page index of at least one page (a plan without runs)")
-    prep, cache = plan.prep, plan.prep.cache
+    prep = plan.prep
     unit = prep.unit
     if alignment(plan.region) < unit.nbytes:
-        unit = unit_for(cache.row_bytes, (*cache.tensors, plan.region))
-    table = prep.extras.get("triton_table")
-    if not isinstance(table, torch.Tensor):  # data_ptr of every tensor, region order (all K layers, then all V)
-        table = prep.extras["triton_table"] = torch.tensor(
-            [t.data_ptr() for t in cache.tensors], dtype=torch.int64, device=cache.device)
-    row_words = cache.row_bytes // unit.nbytes
-    span = (plan.h1 - plan.h0) * row_words
-    block_r, block_w = tile_shape(span)
-    return KernelLaunch(grid=(triton.cdiv(plan.rows, block_r), plan.blocks), table=table,
-                        region=plan.region[:plan.nbytes].view(unit.dtype), index=plan.pages, rows=plan.rows,
-                        items_per_index=prep.page_size, heads=cache.num_heads, h0=plan.h0, span=span,
-                        row_words=row_words, gather=plan.gather, block_r=block_r, block_w=block_w)
+        unit = unit_for(prep.cache.row_bytes, (*prep.cache.tensors, plan.region))
+    table, row_words, span, block_r, block_w = _geometry(plan, unit)
+    rows = plan.n * prep.page_size
+    return KernelLaunch(grid=(-(-rows // block_r), len(prep.cache.tensors)), table=table,
+                        region=plan.region[:plan.nbytes].view(unit.dtype), index=plan.pages, rows=rows,
+                        items_per_index=prep.page_size, heads=prep.cache.num_heads, h0=plan.h0, span=span,
+                        row_words=row_words, gather=plan.direction is Direction.GATHER, block_r=block_r,
+                        block_w=block_w)
 
 
 def _on(device: torch.device) -> AbstractContextManager[Any]:
@@ -148,7 +162,7 @@ class _TritonCopier(Planner):
         if plan.nbytes == 0:
             return 0
         launch = kernel_launch(plan)
-        with torch.no_grad(), _on(plan.prep.cache.device):
+        with _on(plan.prep.cache.device):   # a Triton launch records nothing for autograd: no no_grad
             launch()
         return plan.nbytes
 
@@ -157,16 +171,16 @@ class TritonGatherer(_TritonCopier):
     """`Gatherer` with one fused launch per region. One per worker thread: NOT thread-safe."""
 
     def gather(self, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None, pages: Any, page_size: int,
-               heads: tuple[int, int], out: torch.Tensor) -> int:
+               heads: tuple[int, int], out: torch.Tensor, *, room: Any = None) -> int:
         """Same arguments, checks, result and return value as `Gatherer.gather`. Queued on the
         current stream: synchronize before handing `out` to a backend."""
-        return self._copy(self.plan(Direction.GATHER, k, v, pages, page_size, heads, out))
+        return self._copy(self.plan(Direction.GATHER, k, v, pages, page_size, heads, out, room))
 
 
 class TritonScatterer(_TritonCopier):
     """`Scatterer` with one fused launch per region; writes only the destination head range."""
 
     def scatter(self, src: torch.Tensor, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None, pages: Any,
-                page_size: int, heads: tuple[int, int]) -> int:
+                page_size: int, heads: tuple[int, int], *, room: Any = None) -> int:
         """Same arguments, checks, result and return value as `Scatterer.scatter`."""
-        return self._copy(self.plan(Direction.SCATTER, k, v, pages, page_size, heads, src))
+        return self._copy(self.plan(Direction.SCATTER, k, v, pages, page_size, heads, src, room))

@@ -22,6 +22,7 @@ from .buffers import StagingBuffer
 from .digests import digest
 from .job_threads import JobThreads
 from .kernels import gatherer_class
+from .plan_cache import PlanCache
 from .pool_copies import PoolBytes, gather_pools
 from .thread_meter import ThreadMeter
 
@@ -62,6 +63,26 @@ def wait_ready(ready: tuple) -> None:
         r.synchronize()
 
 
+class LayerSlices:
+    """The (k, v) tuples of a layer range, sliced once per range: the same tuple objects on every
+    call let the gatherer/scatterer recognise its validated cache without re-keying it."""
+
+    def __init__(self, k: tuple[torch.Tensor, ...], v: tuple[torch.Tensor, ...] | None) -> None:
+        self._k, self._v = k, v
+        self._slices: dict[tuple[int, int], tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...] | None]] = {}
+
+    def of(self, layers: range) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...] | None]:
+        key = (layers.start, layers.stop)
+        kv = self._slices.get(key)
+        if kv is None:
+            lo, hi = key
+            kv = self._k[lo:hi], (self._v[lo:hi] if self._v is not None else None)
+            if len(self._slices) >= 256:   # bounded: a rank has few layer ranges
+                self._slices.clear()
+            self._slices[key] = kv
+        return kv
+
+
 class TransferWorkers:
     """One thread per staging buffer, all on one job queue (job_threads.py)."""
 
@@ -69,10 +90,12 @@ class TransferWorkers:
                  page_size: int, submit: SubmitWrite, report: Report, pools: dict | None = None):
         self._buffers = list(buffers)
         self._pools = PoolBytes(pools or {})  # tensors viewed as bytes once, not per request
-        self._k, self._v, self._page_size = list(k), (list(v) if v is not None else None), page_size
+        self._k, self._v, self._page_size = tuple(k), (tuple(v) if v is not None else None), page_size
         self._submit, self._report = submit, report
         # chosen here, not in the threads: a bad KVSTAGE_STAGING_KERNELS fails the caller
         self._gatherer_class = gatherer_class(self._k[0].device)
+        # the page lists of each room, validated and indexed once for every worker (plan_cache.py)
+        self.plans = PlanCache()
         self._threads: JobThreads[GatherJob] = JobThreads(
             [(f"kvstage-xfer-{i}", f"xfer-{i}") for i in range(len(self._buffers))], self._worker, "xfer")
         self.meters = self._threads.meters
@@ -87,10 +110,15 @@ class TransferWorkers:
     def stop(self, timeout: float = 10.0) -> None:
         self._threads.stop(timeout)
 
+    def forget_room(self, room: int) -> None:
+        """A released room: drop the page lists kept for it (any thread)."""
+        self.plans.forget(room)
+
     def _worker(self, index: int, meter: ThreadMeter) -> Callable[[GatherJob], Callable[[], None]]:
         """Thread `index`: its buffer, its gatherer (Triton kernels on CUDA, torch otherwise,
         staging/kernels.py), and how it does one job."""
-        buf, gatherer, device = self._buffers[index], self._gatherer_class(), self._k[0].device
+        buf, gatherer, device = self._buffers[index], self._gatherer_class(self.plans), self._k[0].device
+        layers = LayerSlices(self._k, self._v)
 
         def work(job: GatherJob) -> Callable[[], None]:
             op_id, room, report = job.op_id, job.room, self._report
@@ -98,12 +126,10 @@ class TransferWorkers:
             if TRACE.on:
                 TRACE.hop(Hop.GATHER_START, room, f"{len(job.pages)} pages, {job.nbytes} bytes")
             try:
-                # a CPU page list: the gatherer validates it on the host and uploads it once
-                pages = torch.from_numpy(np.ascontiguousarray(job.pages, dtype=np.int64))
                 wait_ready(job.ready)
-                lo, hi = job.layers.start, job.layers.stop
-                v = self._v[lo:hi] if self._v is not None else None
-                n = gatherer.gather(self._k[lo:hi], v, pages, self._page_size, job.heads, buf.tensor)
+                k, v = layers.of(job.layers)
+                # a host page list: validated, indexed and uploaded once per room and list (PlanCache)
+                n = gatherer.gather(k, v, job.pages, self._page_size, job.heads, buf.tensor, room=room)
                 if job.pools:
                     n += gather_pools(self._pools, job.pools, buf.tensor, n)
                 if device.type == "cuda":

@@ -129,8 +129,42 @@ def test_without_cuda_it_exits_2_saying_a_gpu_is_needed(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("argv", [["--tokens", "0"], ["--tokens", "2048,x"], ["--iters", "0"], ["--warmup", "1.5"],
-                                  ["--device", "nonsense"], ["--smoke", "--device", "cuda"], ["--cases", "nope"]])
+                                  ["--device", "nonsense"], ["--smoke", "--device", "cuda"], ["--cases", "nope"],
+                                  ["--host-only", "--device", "cuda"]])
 def test_bad_arguments_are_usage_errors(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         bench.parse_args(argv)
     assert exc.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_host_only_times_the_calls_with_the_launch_off(tmp_path):
+    """--host-only: host microseconds per call on the CPU; no kernel runs, so nothing is written
+    into the region (figures aside: no timed asserts)."""
+    out = tmp_path / "host.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    argv = [sys.executable, str(SCRIPT), "--host-only", "--smoke", "--tokens", "16", "--iters", "2", "--warmup", "1",
+            "--json", str(out)]
+    res = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "kernel launch off" in res.stdout
+    doc = json.loads(out.read_text())
+    assert doc["meta"]["host_only"] is True and doc["meta"]["iters"] == 2
+    assert {c["name"] for c in doc["cases"]} == set(SMOKE)
+    for c in doc["cases"]:
+        assert c["bytes"] == EXPECTED_BYTES[(c["name"], 16)]
+        assert c["piece_pages"] == 1   # 4 pages cut in 4 pieces
+        for op in ("gather", "scatter", "gather_piece", "scatter_piece"):
+            assert c[f"{op}_host_us"] > 0 and c[f"{op}_host_mean_us"] > 0 and c[f"{op}_first_us"] > 0
+
+
+def test_launches_off_runs_no_kernel_and_restores_the_launch():
+    b = buffers("mla-ps4")
+    launch = tk.KernelLaunch.__call__
+    g = tk.TritonGatherer()
+    b.region.fill_(0x5A)
+    with bench.launches_off(tk):
+        assert g.gather(b.src_k, b.src_v, b.src_pages, 4, (0, 1), b.region) == b.nbytes
+    assert bool((b.region == 0x5A).all())      # planned, not copied
+    assert tk.KernelLaunch.__call__ is launch
+    g.gather(b.src_k, b.src_v, b.src_pages, 4, (0, 1), b.region)
+    assert not bool((b.region == 0x5A).all())

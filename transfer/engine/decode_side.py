@@ -275,6 +275,8 @@ class DecodeSide:
     def released(self, room: DecodeRoom) -> None:
         self.planner.engine_of.pop(room.room, None)
         self._not_eager(room.room)
+        if self.scatterer is not None:   # the page lists its scatters validated and indexed once
+            self.scatterer.forget_room(room.room)
 
     def _not_eager(self, room_id: int) -> None:
         self.eager_rooms.discard(room_id)

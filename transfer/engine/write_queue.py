@@ -170,8 +170,10 @@ class WriteQueue:
         self.post(replace(op, ready=()), now)
 
     def forget_room(self, room_id: int) -> None:
-        """A released room: nothing of it is kept."""
+        """A released room: nothing of it is kept (its direct rows, its staged pieces' page lists)."""
         self.kv_rows.forget(room_id)
+        if self.workers is not None:
+            self.workers.forget_room(room_id)
 
     def cancel_room(self, room_id: int, now: float) -> None:
         for op in self.staged.cancel_room(room_id):
