@@ -301,10 +301,12 @@ def test_a_reused_room_id_is_untouched_by_its_earlier_use(tmp_path):
     before its metadata went out, its failure reaching the prefill rank (unless the connection is
     slow) before the sender exists (which fails a lease later, no other session having come: the
     next use waits for that, or its metadata would be taken for this use's); aborted by the decode
-    side mid-transfer; then prefill first; then decode first (its metadata reaches the prefill
-    rank before the new sender exists, while the id's last use is remembered as finished there).
-    Each use has its own bytes (pattern_key); nothing of an earlier use may fail or touch a later
-    one."""
+    side mid-transfer (its last chunk waits for the abort, so no load can let the use finish
+    first; the abort then races that last write); then prefill first; then decode first (its
+    metadata reaches the prefill rank before the new sender exists, while the id's last use is
+    remembered as finished there). Each use has its own bytes (pattern_key); nothing of an
+    earlier use may fail or touch a later one. A sender left waiting for metadata fails at its
+    own deadline (40 s), inside the driver's time, naming it."""
     cases = []
     for backend in ("nixl", "mooncake"):
         for staging in (True, False):
@@ -324,6 +326,8 @@ def test_a_reused_room_id_is_untouched_by_its_earlier_use(tmp_path):
                     "chunk_delay_s": 0.3,
                     "drain_before": True,
                     "abort_after_s": 0.2,
+                    "touch_after_abort": str(tmp_path / f"{backend}-{staging}-use1-aborted-{{rank}}"),
+                    "hold_last_until": [str(tmp_path / f"{backend}-{staging}-use1-aborted-0")],
                     "pattern_key": 1042,
                 },
                 {
@@ -357,6 +361,7 @@ def test_a_reused_room_id_is_untouched_by_its_earlier_use(tmp_path):
                     staging=staging,
                     backend=backend,
                     rooms=uses,
+                    extra={"timeouts": {**TEST_TIMEOUTS, "metadata": 40.0}},
                 )
             )
     results, codes, logs, _ = run_cases(cases, timeout=200)

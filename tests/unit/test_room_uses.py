@@ -58,8 +58,16 @@ TABLE = [
      RoomUse.NEXT),
     ("a failure before its sender exists", use_without_sender(failed(DEC, 5), ended=False, earlier=NONE, served=()),
      RoomUse.NEXT),
-    ("a failure for an ended id", use_without_sender(failed(DEC, 101), ended=True, earlier=OLD, served=()),
+    ("the ended use's failure again", use_without_sender(failed(DEC, 100), ended=True, earlier=OLD, served=()),
      RoomUse.OVER),
+    ("a failure two uses back", use_without_sender(failed(DEC, 90), ended=True, earlier=OLD, served=()),
+     RoomUse.OVER),
+    ("a newer session's failure for an ended id: the coming sender's", use_without_sender(
+        failed(DEC, 101), ended=True, earlier=OLD, served=()), RoomUse.NEXT),
+    ("a failure from a rank the ended uses never heard from", use_without_sender(
+        failed(OTHER_ENGINE, 101), ended=True, earlier=OLD, served=()), RoomUse.OVER),
+    ("a failure for an ended id with no remembered uses", use_without_sender(
+        failed(DEC, 101), ended=True, earlier=NONE, served=()), RoomUse.OVER),
     ("metadata the ended use served, again", use_without_sender(meta(DEC, 100), ended=True, earlier=OLD,
                                                                 served=frozenset({(7, 100)})), RoomUse.SERVED),
     ("the ended use's own session, not served (it failed)", use_without_sender(meta(DEC, 100), ended=True,

@@ -192,7 +192,8 @@ class PrefillSide:
         me = self.ctx.me
         if not item.is_meta:
             # nothing of ours for this room is in flight to that peer (finished, or never started):
-            # say so, in case an earlier Quiesced was lost
+            # say so, in case an earlier Quiesced was lost; a failure parked below fails the
+            # coming sender before it writes anything, so this holds for it too
             self.peers.send(key, Quiesced(src=me, dst=key.incarnation, room=room_id, session=msg.session))
         use = use_without_sender(item, ended=room_id in self.book.finished,
                                  earlier=self.used_sessions.get(room_id, EarlierUses()),

@@ -9,7 +9,7 @@ dealt with tells every earlier use's message apart, however many uses back it wa
 Every decision returns a RoomUse; the rooms and the engine's sides only act on it:
 - prefill, a sender exists: `meta_use` (metadata) and `failure_use` (a RoomFailed);
 - prefill, no sender: `use_without_sender` (park it, drop it, or tell the decode side the room
-  is over here);
+  is over here; `finished_meta_use` and `finished_failure_use` once the id's last use ended);
 - decode, the room ended here: `ended_answer` (what to answer a writer that still asks).
 """
 
@@ -119,15 +119,25 @@ def finished_meta_use(earlier: EarlierUses, served: frozenset[tuple[int, int]] |
     return RoomUse.OVER
 
 
+def finished_failure_use(earlier: EarlierUses, incarnation: int, session: int) -> RoomUse:
+    """A RoomFailed for a room id whose last use ended here: NEXT when it names a newer session
+    of a decode incarnation the earlier uses dealt with (a new use's decode room failed, maybe
+    right after its metadata, parked here too: the coming sender must fail before it writes
+    anything), OVER otherwise (it may be the ended use's, which has nothing in flight)."""
+    if earlier.knows(incarnation) and not earlier.covers(incarnation, session):
+        return RoomUse.NEXT
+    return RoomUse.OVER
+
+
 def use_without_sender(item: Parked, *, ended: bool, earlier: EarlierUses,
                        served: frozenset[tuple[int, int]] | tuple[()]) -> RoomUse:
     """A room message for an id with no sender: NEXT (park it until the sender is created)
-    unless the id's last use `ended` here; then a failure is OVER (that use has nothing in
-    flight), and metadata is decided by `finished_meta_use`."""
+    unless the id's last use `ended` here; then a failure is decided by `finished_failure_use`
+    and metadata by `finished_meta_use`."""
     if not ended:
         return RoomUse.NEXT
     if not item.is_meta:
-        return RoomUse.OVER
+        return finished_failure_use(earlier, item.peer.incarnation, item.msg.session)
     return finished_meta_use(earlier, served, item.peer.incarnation, item.msg.session)
 
 
