@@ -70,6 +70,7 @@ RANK_FIELDS = {"staging": True, "geometry": GEOM, "ring_mb": 2, "buffer_mb": 1, 
                "run_timeout_s": 120}
 STARVED_FIELDS = {"staging": True, "geometry": GEOM, "ring_mb": 2, "buffer_mb": 1, "inflight": 8, "gil_hog": True,
                   "run_timeout_s": 300}   # no "timeouts": the production ones (Timeouts())
+LATENESS = ("ctrl_tick_late_max_s", "ctrl_round_max_s", "backend_step_max_s", "heard_gap_max_s", "silence_max_s")  # stats(), max
 MODE = {"fields": RANK_FIELDS, "lease": TIMEOUTS["lease"], "aborts": True}
 
 BURNER = ("import os\nppid = os.getppid()\nwhile os.getppid() == ppid:\n    for _ in range(1_000_000):\n        pass\n")
@@ -98,6 +99,13 @@ def spec(role, rank, tp, rooms, backend, **kw):
     if role == "decode" and CHECKS.get("corrupt_data"):
         extra["faults"] = {"corrupt_data": CHECKS["corrupt_data"], "seed": rank + len(rooms)}
     return rank_spec(role, rank, tp, rooms, backend, **(MODE["fields"] | extra | kw))
+
+
+def declared_lost(log: str) -> list[str]:
+    """The log lines of a rank declaring a peer lost on its own (peers.py's warning), not those
+    of a peer that said goodbye (it closed, or it was told it had been declared lost)."""
+    return [ln.split(" WARNING ", 1)[-1] for ln in log.splitlines()
+            if " peer " in ln and " lost: " in ln and "it said goodbye" not in ln]
 
 
 def epoch(rng: random.Random, backend: str, first: int, fault: str, tally: dict) -> None:
@@ -133,6 +141,11 @@ def epoch(rng: random.Random, backend: str, first: int, fault: str, tally: dict)
             cl.restart_server(down_s=1.0)
         procs = cl.wait(MODE["fields"]["run_timeout_s"] + 120)
         for p in procs:
+            for line in declared_lost(p.log(tail=10**7)):
+                tally["peers_lost"] += 1
+                tally["loss_reasons"][line.split(" lost: ", 1)[1].split(" (", 1)[0]] += 1
+                if fault == "none":
+                    tally["problems"].append(f"epoch {first} {fault}: {os.path.basename(p.log_path)}: {line}")
             if p.proc.returncode not in (0, -9):
                 tally["hangs"] += 1
                 tally["problems"].append(f"epoch {first} {fault}: {p.log_path} exited {p.proc.returncode}")
@@ -140,11 +153,7 @@ def epoch(rng: random.Random, backend: str, first: int, fault: str, tally: dict)
                 stats = res.get("stats", {})
                 if res["role"] == "decode":
                     tally["corrupted_rooms"] += stats.get("corrupted_rooms", 0)
-                lost = sum(stats.get("peers_lost", {}).values())
-                tally["peers_lost"] += lost
-                if lost and fault == "none":
-                    tally["problems"].append(f"epoch {first} {fault}: {res['name']} declared {lost} peer(s) lost")
-                for key in ("ctrl_late_max_s", "heard_gap_max_s"):
+                for key in LATENESS:
                     if key in stats:
                         tally[key] = max(tally.get(key, 0.0), stats[key])
                 if res.get("error"):
@@ -200,7 +209,7 @@ def main(argv=None) -> int:
     if not set(faults) <= set(FAULTS):
         p.error(f"--faults: unknown {sorted(set(faults) - set(FAULTS))}")
     if a.starve:
-        from kvstage.transfer import Timeouts   # the ranks' own (env KVSTAGE_TIMEOUT_LEASE included)
+        from kvstage.transfer import Timeouts  # the ranks' own (env KVSTAGE_TIMEOUT_LEASE included)
         MODE.update(fields=STARVED_FIELDS, lease=Timeouts.from_env().lease)
     MODE["aborts"] = not a.no_aborts
     burners = start_burners(4 * (os.cpu_count() or 1)) if a.starve else []
@@ -216,7 +225,7 @@ def soak(a: argparse.Namespace, faults: list[str], burners: list) -> int:
     rng = random.Random(a.seed)
     tally = {"epochs": 0, "rooms_completed": 0, "rooms_failed": 0, "bytes_verified": 0, "corruptions": 0,
              "hangs": 0, "failed_by_kind": collections.Counter(), "faults": collections.Counter(), "problems": [],
-             "corrupted_rooms": 0, "peers_lost": 0, "failed_untouched": 0, "untrue_reasons": 0}
+             "corrupted_rooms": 0, "peers_lost": 0, "loss_reasons": collections.Counter(), "failed_untouched": 0, "untrue_reasons": 0}
     end = time.monotonic() + a.minutes * 60
     t0 = time.time()
     room = 1
@@ -235,10 +244,12 @@ def soak(a: argparse.Namespace, faults: list[str], burners: list) -> int:
     if a.starve:
         print(f"  starved: a GIL hog in every rank process, {len(burners)} CPU burners on {os.cpu_count()} cores, "
               f"production deadlines (lease {MODE['lease']:g} s)")
-    print(f"  peers declared lost {tally['peers_lost']}, failed that no fault touched {tally['failed_untouched']}, "
+    print(f"  peers declared lost {tally['peers_lost']} {dict(tally['loss_reasons'])}, failed that no fault touched {tally['failed_untouched']}, "
           f"aborted rooms failed for another reason {tally['untrue_reasons']}, "
-          f"control loop late by up to {tally.get('ctrl_late_max_s', float('nan')):.2f} s, "
-          f"longest silence heard {tally.get('heard_gap_max_s', float('nan')):.2f} s")
+          f"control loop, max over ranks: tick late {tally.get('ctrl_tick_late_max_s', 0):.3f} s, "
+          f"round {tally.get('ctrl_round_max_s', 0):.3f} s, backend step {tally.get('backend_step_max_s', 0):.3f} s, "
+          f"since a peer was last heard {tally.get('heard_gap_max_s', 0):.3f} s "
+          f"(its silence as judged: {tally.get('silence_max_s', 0):.3f} s)")
     print(f"  rooms completed (bit-exact) {tally['rooms_completed']}, rooms failed {tally['rooms_failed']} "
           f"{dict(tally['failed_by_kind'])}")
     print(f"  bytes verified {tally['bytes_verified']:,} ({tally['bytes_verified'] / 2**30:.2f} GiB), "
@@ -254,6 +265,7 @@ def soak(a: argparse.Namespace, faults: list[str], burners: list) -> int:
         with open(a.json, "w") as f:
             json.dump({**tally, "failed_by_kind": dict(tally["failed_by_kind"]), "faults": dict(tally["faults"]),
                        "minutes": a.minutes, "backend": a.backend, "seed": a.seed, "verify": a.verify,
+                       "loss_reasons": dict(tally["loss_reasons"]),
                        "corrupt_data": a.corrupt_data, "starve": a.starve, "burners": len(burners),
                        "cpu_count": os.cpu_count(), "lease": MODE["lease"], "faults_drawn_from": faults,
                        "aborts": MODE["aborts"], "argv": sys.argv[1:]}, f, indent=1)

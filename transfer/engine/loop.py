@@ -50,7 +50,7 @@ from ..protocol.quiet import MIN_EAGER_WAIT, Activity, activity, next_wait
 from ..protocol.tags import TagCodec
 from .backend_owner import BackendOwner, Step
 from .context import EngineContext, NoObserver, Observer, local_geometry
-from .control_socket import ControlSocket
+from .control_socket import MAX_BATCH, ControlSocket
 from .decode_side import DecodeSide, scatter_report
 from .events import Call, EventQueue, LayersReady, Wake, WriteDone
 from .integrity import Integrity
@@ -68,6 +68,29 @@ from .write_queue import WriteQueue, gather_report
 log = logging.getLogger("kvstage")
 
 TICK = 0.1                 # deadlines, retransmissions, heartbeats and leases are all seconds-scale
+
+
+class Lateness:
+    """The longest delays the control thread has seen (stats(): ctrl_tick_late_max_s, how late a
+    tick ran; ctrl_round_max_s, the longest round from wake-up to its end; backend_step_max_s,
+    the longest backend step inside one). Kept in plain floats by the control thread and handed
+    to Stats once a tick, so a round pays two clock reads and no lock."""
+
+    def __init__(self) -> None:
+        self.round_max = self.step_max = 0.0
+
+    def step(self, seconds: float) -> None:
+        if seconds > self.step_max:
+            self.step_max = seconds
+
+    def round(self, seconds: float) -> None:
+        if seconds > self.round_max:
+            self.round_max = seconds
+
+    def tick(self, late: float, stats: Stats) -> None:
+        stats.maximum("ctrl_tick_late_max_s", round(max(late, 0.0), 4))
+        stats.maximum("ctrl_round_max_s", round(self.round_max, 4))
+        stats.maximum("backend_step_max_s", round(self.step_max, 4))
 
 
 class EngineLoop:
@@ -138,11 +161,13 @@ class EngineLoop:
             Wake: lambda ev, now: None,  # step() runs after the events
             Call: lambda ev, now: ev.done(ev.fn(self))}
         self._next_tick = 0.0
+        self.looked = time.monotonic()          # the start of the last complete read of the socket
         self._closing_since: float | None = None
         self._stop = threading.Event()
         self.died: str | None = None            # why the control thread stopped on an error
         self._death_lock = threading.Lock()     # post() against _die(): no event slips past both
         self.meter = ThreadMeter("ctrl")             # wake-ups = rounds of the loop
+        self._starved = Lateness()                   # how late the loop ran, for stats()
         self.steps: dict[str, int] = {a.value: 0 for a in Activity}  # backend steps, by what was in flight
 
     @property
@@ -209,23 +234,32 @@ class EngineLoop:
                     poller.poll(math.ceil(wait * 1000))   # whole ms: rounded down, it would spin to the tick
                 else:  # the zmq fd is edge-triggered: valid to wait on once drained, as it is here
                     select.select([zfd, self.events.fd], [], [], wait)
+                woke = time.monotonic()
                 self.meter.wake()
                 busy = False
-                for item in sock.recv_batch():
+                looking = time.monotonic()
+                items = sock.recv_batch()
+                if len(items) < MAX_BATCH:   # read to the end: nothing that came before `looking` waits
+                    self.looked = looking
+                for item in items:
                     busy = True
                     self._safely(self._on_frame, item)
                 for ev in self.events.drain():
                     busy = True
                     self._safely(self._on_event, ev)
                 self.steps[act.value] += 1
+                stepped = time.monotonic()
                 tags, progressed = self._step()
+                self._starved.step(time.monotonic() - stepped)
                 if tags:
                     self._safely(self.router.on_tags, tags)
                 for ev in self.events.drain():   # completions the step found, handled this round
                     busy = True
                     self._safely(self._on_event, ev)
                 now = time.monotonic()
+                self._starved.round(now - woke)
                 if now >= self._next_tick:
+                    self._starved.tick(now - self._next_tick if self._next_tick else 0.0, self.ctx.stats)
                     self._next_tick = now + TICK
                     self._safely(lambda _: sock.flush_held(), None)
                     self._safely(self._tick, now)
@@ -256,7 +290,7 @@ class EngineLoop:
         self.side.tick_rooms(now)
         self.writes.tick(now)
         self.side.tick(now)
-        self.liveness.tick(now)
+        self.liveness.tick(now, self.looked)
         if self._closing_since is not None:
             if not self.book.rooms or now - self._closing_since > self.ctx.t.close:
                 self._stop.set()
