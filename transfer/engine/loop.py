@@ -15,7 +15,10 @@ poller until a message, an event or the next tick, so a rank whose rooms wait fo
 side costs the process no wake-ups beyond the ticks. Every round, ticks included, steps the
 backend once: a tag whose announcement was lost is read at the next tick. The events a step
 posts itself (a write's completion, found by polling it) are handled in the same round, so a
-room's next write is made without waiting for another round. An exception in any handler fails
+room's next write is made without waiting for another round. A tick reads the socket once more
+before it judges the leases, and a peer's silence counts only up to the last read that got to
+the end (protocol/leases.py): a loop held up by the GIL or a long call does not take its own
+lateness for the peer's. An exception in any handler fails
 the rooms it concerns (kind "internal") and the loop goes on.
 """
 
@@ -236,14 +239,7 @@ class EngineLoop:
                     select.select([zfd, self.events.fd], [], [], wait)
                 woke = time.monotonic()
                 self.meter.wake()
-                busy = False
-                looking = time.monotonic()
-                items = sock.recv_batch()
-                if len(items) < MAX_BATCH:   # read to the end: nothing that came before `looking` waits
-                    self.looked = looking
-                for item in items:
-                    busy = True
-                    self._safely(self._on_frame, item)
+                busy = self._read_socket()
                 for ev in self.events.drain():
                     busy = True
                     self._safely(self._on_event, ev)
@@ -260,6 +256,8 @@ class EngineLoop:
                 self._starved.round(now - woke)
                 if now >= self._next_tick:
                     self._starved.tick(now - self._next_tick if self._next_tick else 0.0, self.ctx.stats)
+                    busy |= self._read_socket()     # leases are judged on everything that came in
+                    now = time.monotonic()
                     self._next_tick = now + TICK
                     self._safely(lambda _: sock.flush_held(), None)
                     self._safely(self._tick, now)
@@ -273,6 +271,18 @@ class EngineLoop:
             self.meter.stopped()
             self._teardown()
             backend.release_ownership()
+
+    def _read_socket(self) -> bool:
+        """Handle what waits on the socket; `looked` is when the last read that got to the end
+        began (nothing that came before it still waits: protocol/leases.py judges silence up to
+        it). Whether there was anything."""
+        looking = time.monotonic()
+        items = self.ctx.sock.recv_batch()
+        if len(items) < MAX_BATCH:
+            self.looked = looking
+        for item in items:
+            self._safely(self._on_frame, item)
+        return bool(items)
 
     def _on_frame(self, item: object) -> None:
         self.router.on_frame(item, time.monotonic())
