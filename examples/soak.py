@@ -145,6 +145,7 @@ def epoch(rng: random.Random, backend: str, first: int, fault: str, tally: dict)
                 tally["peers_lost"] += 1
                 tally["loss_reasons"][line.split(" lost: ", 1)[1].split(" (", 1)[0]] += 1
                 if fault == "none":
+                    tally["lost_untouched"] += 1
                     tally["problems"].append(f"epoch {first} {fault}: {os.path.basename(p.log_path)}: {line}")
             if p.proc.returncode not in (0, -9):
                 tally["hangs"] += 1
@@ -225,7 +226,7 @@ def soak(a: argparse.Namespace, faults: list[str], burners: list) -> int:
     rng = random.Random(a.seed)
     tally = {"epochs": 0, "rooms_completed": 0, "rooms_failed": 0, "bytes_verified": 0, "corruptions": 0,
              "hangs": 0, "failed_by_kind": collections.Counter(), "faults": collections.Counter(), "problems": [],
-             "corrupted_rooms": 0, "peers_lost": 0, "loss_reasons": collections.Counter(), "failed_untouched": 0, "untrue_reasons": 0}
+             "corrupted_rooms": 0, "peers_lost": 0, "lost_untouched": 0, "loss_reasons": collections.Counter(), "failed_untouched": 0, "untrue_reasons": 0}
     end = time.monotonic() + a.minutes * 60
     t0 = time.time()
     room = 1
@@ -244,7 +245,8 @@ def soak(a: argparse.Namespace, faults: list[str], burners: list) -> int:
     if a.starve:
         print(f"  starved: a GIL hog in every rank process, {len(burners)} CPU burners on {os.cpu_count()} cores, "
               f"production deadlines (lease {MODE['lease']:g} s)")
-    print(f"  peers declared lost {tally['peers_lost']} {dict(tally['loss_reasons'])}, failed that no fault touched {tally['failed_untouched']}, "
+    print(f"  peers declared lost {tally['peers_lost']} {dict(tally['loss_reasons'])} "
+          f"({tally['lost_untouched']} in epochs without a fault), failed that no fault touched {tally['failed_untouched']}, "
           f"aborted rooms failed for another reason {tally['untrue_reasons']}, "
           f"control loop, max over ranks: tick late {tally.get('ctrl_tick_late_max_s', 0):.3f} s, "
           f"round {tally.get('ctrl_round_max_s', 0):.3f} s, backend step {tally.get('backend_step_max_s', 0):.3f} s, "
@@ -270,7 +272,7 @@ def soak(a: argparse.Namespace, faults: list[str], burners: list) -> int:
                        "cpu_count": os.cpu_count(), "lease": MODE["lease"], "faults_drawn_from": faults,
                        "aborts": MODE["aborts"], "argv": sys.argv[1:]}, f, indent=1)
     ok = tally["corruptions"] == 0 and tally["hangs"] == 0 and tally["failed_untouched"] == 0 \
-        and tally["untrue_reasons"] == 0
+        and tally["untrue_reasons"] == 0 and tally["lost_untouched"] == 0
     return 0 if ok else 1
 
 

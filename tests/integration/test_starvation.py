@@ -28,4 +28,4 @@ def test_starved_soak_fails_nothing(backend, tmp_path):
     assert tally["rooms_failed"] == 0, (tally["failed_by_kind"], tally["problems"])
     assert tally["failed_untouched"] == 0 and tally["untrue_reasons"] == 0, tally["problems"]
     assert tally["corruptions"] == 0 and tally["hangs"] == 0, tally["problems"]
-    assert tally["peers_lost"] == 0, tally["problems"]
+    assert tally["peers_lost"] == 0 and tally["lost_untouched"] == 0, tally["problems"]
