@@ -104,8 +104,8 @@ def spec(role, rank, tp, rooms, backend, **kw):
 def declared_lost(log: str) -> list[str]:
     """The log lines of a rank declaring a peer lost on its own (peers.py's warning), not those
     of a peer that said goodbye (it closed, or it was told it had been declared lost)."""
-    return [ln.split(" WARNING ", 1)[-1] for ln in log.splitlines()
-            if " peer " in ln and " lost: " in ln and "it said goodbye" not in ln]
+    msgs = [ln.split(" WARNING ", 1)[1] for ln in log.splitlines() if " WARNING " in ln]
+    return [m for m in msgs if m.startswith("peer ") and " lost: " in m and "it said goodbye" not in m]
 
 
 def epoch(rng: random.Random, backend: str, first: int, fault: str, tally: dict) -> None:
