@@ -13,8 +13,8 @@ loop, a long call, a busy CPU) is not silence of the peer, and we could not have
 late local loop so extends each peer's lease by its own lateness, `now - looked`; a peer that is
 gone or frozen is still declared lost at the first round after its lease ran out. The write
 fence gets no such extension: while we were held up we sent no heartbeats either, so the peer
-may rightly have declared us lost, and only its acknowledgement of a heartbeat sent after the
-hold-up (a new fence base) makes writing safe again.
+may rightly have declared us lost and reused the memory; the fence still runs out `lease` after
+the send time of the last heartbeat the peer acknowledged, however late we were.
 """
 
 from __future__ import annotations
