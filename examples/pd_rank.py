@@ -55,6 +55,9 @@ clear_handles drops every handle with clear() once its room ended, live_stats na
 a file the driver rewrites with the manager's stats about three times a second (a test waits on it), and
 progress a file it rewrites after every room that ends: {"done": rooms ended, "ok": of them, clean
 successes (decode: verified bit-exact)}.
+Per manager, gil_hog: true starts, once per process and before any manager, a thread that always
+wants the GIL (gil_hog() below): the stand-in for a serving engine's scheduler loop, whose Python
+holds the GIL most of the time (examples/soak.py --starve).
 """
 
 from __future__ import annotations
@@ -640,6 +643,23 @@ def finish(spec: dict, st: dict, pattern: KVPattern, tensors) -> dict:
     return rec
 
 
+_HOG_STOP = threading.Event()
+
+
+def gil_hog() -> None:
+    """A tight pure-Python loop with no sleep and no I/O: it holds the GIL except when the
+    interpreter makes it drop it, every sys.getswitchinterval() (5 ms by default) while another
+    thread waits for it. Every other Python thread of the process (kvstage's control thread
+    included) gets the GIL only at those switches, after waiting up to one interval each time it
+    comes back from a call that released it; on a machine whose cores are all busy the hog may
+    also be descheduled while it holds the GIL, and then nobody runs Python."""
+    n = 0
+    stop = _HOG_STOP
+    while not stop.is_set():   # is_set() reads a flag: no system call, the GIL stays held
+        for _ in range(10_000):
+            n += 1
+
+
 def main() -> int:
     faulthandler.enable()  # a crash in native code (NIXL, UCX, Mooncake) leaves every thread's stack in the log
     spec = json.load(open(sys.argv[1]))
@@ -647,6 +667,8 @@ def main() -> int:
                         format="%(asctime)s %(process)d %(threadName)s %(name)s %(levelname)s %(message)s")
     results = [{"name": m.get("name", f"{m['engine']}/{m['rank']}"), "role": m["role"]} for m in spec["managers"]]
     threads = []
+    if any(m.get("gil_hog") for m in spec["managers"]):   # before any manager starts its threads
+        threading.Thread(target=gil_hog, name="gil-hog", daemon=True).start()
     for m, res in zip(spec["managers"], results):
         def run(m=m, res=res):
             try:
@@ -659,6 +681,7 @@ def main() -> int:
         t.start()
     for t in threads:
         t.join()
+    _HOG_STOP.set()
     _write_json(spec["result"], results)
     return 0
 

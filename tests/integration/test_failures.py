@@ -66,6 +66,9 @@ def assert_clean_exit(procs):
 
 
 def assert_failed_fast(recs: dict, room_ids, since: float, limit: float, words=()):
+    took = [recs[room]["end"] - since for room in room_ids if room in recs and recs[room].get("end")]
+    if took:  # the detection time, for the record (pytest -s shows it; docs/operations.md quotes it)
+        print(f"\n[detection] {len(took)} rooms failed {min(took):.2f}-{max(took):.2f} s after the fault")
     for room in room_ids:
         r = recs[room]
         assert r["state"] == "Failed", r

@@ -40,3 +40,55 @@ def test_writer_fence_always_ends_before_the_reader_declares_it_lost(steps):
         for t in (now, now + 0.5, now + 1.5):
             if not reader.alive(t):
                 assert not writer.may_write(t)
+
+
+def test_our_own_lateness_is_not_the_peers_silence():
+    """Heard at 1, then our control thread was held up (the GIL, a long call) from 2 to 15: the
+    peer's heartbeats of 2..15 wait in our socket, so its silence counts only up to our last
+    complete read of it (`looked`), not up to now."""
+    w = Lease(10, now=0)
+    w.heard(1)
+    assert not w.alive(15)                          # the old judgement: silent for 14 s
+    assert w.alive(15, looked=2) and w.silence(15, looked=2) == 1
+    assert w.alive(11, looked=11) and not w.alive(15, looked=11.5)   # looked in time: no excuse
+    assert w.silence(5, looked=9) == 4              # `looked` never counts past now
+    w.heard(15.01)                                  # the next round reads the waiting heartbeats
+    assert w.alive(20, looked=20)
+
+
+def test_a_frozen_peer_is_still_lost_at_the_first_look_past_its_lease():
+    """A peer that stops (killed, SIGSTOPped) is declared lost at the first tick after its lease,
+    while our loop keeps reading its socket; however late a look, it cannot save a silent peer."""
+    w = Lease(10, now=0)
+    w.heard(3)                                      # its last heartbeat
+    looks = [3 + 0.1 * i for i in range(1, 200)]    # our rounds, every 0.1 s
+    lost_at = next(t for t in looks if not w.alive(t, looked=t))
+    assert 13 < lost_at <= 13.1 + 1e-9
+    assert not w.alive(30, looked=13.2)             # late now, but we looked past the lease: lost
+
+
+@given(st.lists(st.tuples(st.floats(0, 3), st.floats(0, 2), st.booleans(), st.floats(0, 1)), min_size=1,
+                max_size=80))
+@settings(max_examples=300, deadline=None)
+def test_the_fence_holds_when_the_reader_judges_silence_up_to_its_last_look(steps):
+    """The writer-fence property above, with a reader whose loop looks at its socket late (up to
+    `late` before each judgement): excusing the reader's own lateness only ever delays its
+    verdict, so the writer's fence still stops the writer first."""
+    L = 4.0
+    now = 0.0
+    writer, reader = Lease(L, now), Lease(L, now)
+    in_flight = []
+    for gap, delay, lost, late in steps:
+        now += gap
+        for m in sorted([m for m in in_flight if m[0] <= now]):
+            in_flight.remove(m)
+            (reader if m[1] else writer).on_heartbeat(m[2], m[3], m[0])
+        s, a = writer.next_heartbeat(now)
+        if not lost:
+            in_flight.append((now + delay, True, s, a))
+        s, a = reader.next_heartbeat(now)
+        if not lost:
+            in_flight.append((now + delay, False, s, a))
+        for t in (now, now + 0.5, now + 1.5):
+            if not reader.alive(t, looked=t - late):
+                assert not writer.may_write(t)

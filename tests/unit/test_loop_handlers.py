@@ -154,3 +154,22 @@ def test_a_hello_with_a_newer_connection_replaces_the_old_one_and_an_older_one_i
     assert ctx.stats.snapshot()["dropped_messages"] == {"stale_connection": 1}
     acks = [m for _, m in ctx.sock.sent if type(m).__name__ == "HelloAck"]
     assert [(a.ok, a.conn) for a in acks] == [(True, 1), (True, 1), (True, 2)]
+
+
+# -- leases judged on what the control thread could have heard (issue 49) ------------------------
+def test_a_held_up_control_thread_does_not_take_its_lateness_for_the_peers_silence():
+    sent = []
+    ctx = SimpleNamespace(role="decode", me=1, stats=Stats(), t=SimpleNamespace(lease=5.0, heartbeat=1.0, connect=3.0),
+                          handler=SimpleNamespace(allocator=None, unsubscribe=lambda inc: None),
+                          sock=SimpleNamespace(send=lambda ep, msg: sent.append(msg) or True, forget=lambda ep: None))
+    peers = PeerTable(ctx, listeners=lambda: [])
+    peer = Peer(key=PeerKey("pf", 0, 77), role="prefill", tp_size=1, endpoint="tcp://p:1", lease=Lease(5.0, 0.0),
+                state="connected")
+    peers.peers[77] = peer
+    liveness = Liveness(ctx, peers, SimpleNamespace(writes_to_peers=False))
+    liveness.tick(12.0, looked=0.5)       # held up from 0.5 to 12 s: the peer's heartbeats may be waiting
+    assert peer.state == "connected"
+    assert ctx.stats.snapshot()["heard_gap_max_s"] == 12.0 and ctx.stats.snapshot()["silence_max_s"] == 0.5
+    liveness.tick(12.1, looked=12.05)     # the socket read to the end: nothing from the peer in 12 s
+    assert peer.state == "lost" and "lease expired" in peer.reason
+    assert any(isinstance(m, Goodbye) for m in sent)

@@ -29,13 +29,17 @@ class Liveness:
     def on_Goodbye(self, peer: Peer, msg: Goodbye, now: float) -> None:
         self.peers.lost(peer, f"it said goodbye: {msg.reason or 'closing'}", now, tell=False, clean=msg.clean)
 
-    def tick(self, now: float) -> None:
+    def tick(self, now: float, looked: float | None = None) -> None:
+        """`looked`: when the control thread last read its socket to the end (leases.py: a
+        peer's silence counts up to then, so our own lateness is not taken for the peer's)."""
         t = self.ctx.t
         for peer in list(self.peers.peers.values()):
-            if peer.state == "connecting" and now - peer.since > t.connect:
+            if peer.state == "connecting" and min(now, looked if looked is not None else now) - peer.since > t.connect:
                 self.side.connect_failed(peer, now)
             elif peer.state == "connected":
-                if not peer.lease.alive(now):
+                self.ctx.stats.maximum("heard_gap_max_s", round(now - peer.lease.last_heard, 4))  # up to now
+                self.ctx.stats.maximum("silence_max_s", round(peer.lease.silence(now, looked), 4))  # as judged
+                if not peer.lease.alive(now, looked):
                     self.peers.lost(peer, f"silent for {t.lease:g} s (lease expired)", now)
                 elif self.side.writes_to_peers and not peer.lease.may_write(now):
                     self.peers.lost(peer, "its acknowledgements stopped (write lease expired)", now)

@@ -15,7 +15,10 @@ poller until a message, an event or the next tick, so a rank whose rooms wait fo
 side costs the process no wake-ups beyond the ticks. Every round, ticks included, steps the
 backend once: a tag whose announcement was lost is read at the next tick. The events a step
 posts itself (a write's completion, found by polling it) are handled in the same round, so a
-room's next write is made without waiting for another round. An exception in any handler fails
+room's next write is made without waiting for another round. A tick reads the socket once more
+before it judges the leases, and a peer's silence counts only up to the last read that got to
+the end (protocol/leases.py): a loop held up by the GIL or a long call does not take its own
+lateness for the peer's. An exception in any handler fails
 the rooms it concerns (kind "internal") and the loop goes on.
 """
 
@@ -50,7 +53,7 @@ from ..protocol.quiet import MIN_EAGER_WAIT, Activity, activity, next_wait
 from ..protocol.tags import TagCodec
 from .backend_owner import BackendOwner, Step
 from .context import EngineContext, NoObserver, Observer, local_geometry
-from .control_socket import ControlSocket
+from .control_socket import MAX_BATCH, ControlSocket
 from .decode_side import DecodeSide, scatter_report
 from .events import Call, EventQueue, LayersReady, Wake, WriteDone
 from .integrity import Integrity
@@ -68,6 +71,29 @@ from .write_queue import WriteQueue, gather_report
 log = logging.getLogger("kvstage")
 
 TICK = 0.1                 # deadlines, retransmissions, heartbeats and leases are all seconds-scale
+
+
+class Lateness:
+    """The longest delays the control thread has seen (stats(): ctrl_tick_late_max_s, how late a
+    tick ran; ctrl_round_max_s, the longest round from wake-up to its end; backend_step_max_s,
+    the longest backend step inside one). Kept in plain floats by the control thread and handed
+    to Stats once a tick, so a round pays two clock reads and no lock."""
+
+    def __init__(self) -> None:
+        self.round_max = self.step_max = 0.0
+
+    def step(self, seconds: float) -> None:
+        if seconds > self.step_max:
+            self.step_max = seconds
+
+    def round(self, seconds: float) -> None:
+        if seconds > self.round_max:
+            self.round_max = seconds
+
+    def tick(self, late: float, stats: Stats) -> None:
+        stats.maximum("ctrl_tick_late_max_s", round(max(late, 0.0), 4))
+        stats.maximum("ctrl_round_max_s", round(self.round_max, 4))
+        stats.maximum("backend_step_max_s", round(self.step_max, 4))
 
 
 class EngineLoop:
@@ -139,11 +165,13 @@ class EngineLoop:
             Wake: lambda ev, now: None,  # step() runs after the events
             Call: lambda ev, now: ev.done(ev.fn(self))}
         self._next_tick = 0.0
+        self.looked = time.monotonic()          # the start of the last complete read of the socket
         self._closing_since: float | None = None
         self._stop = threading.Event()
         self.died: str | None = None            # why the control thread stopped on an error
         self._death_lock = threading.Lock()     # post() against _die(): no event slips past both
         self.meter = ThreadMeter("ctrl")             # wake-ups = rounds of the loop
+        self._starved = Lateness()                   # how late the loop ran, for stats()
         self.steps: dict[str, int] = {a.value: 0 for a in Activity}  # backend steps, by what was in flight
 
     @property
@@ -210,23 +238,27 @@ class EngineLoop:
                     poller.poll(math.ceil(wait * 1000))   # whole ms: rounded down, it would spin to the tick
                 else:  # the zmq fd is edge-triggered: valid to wait on once drained, as it is here
                     select.select([zfd, self.events.fd], [], [], wait)
+                woke = time.monotonic()
                 self.meter.wake()
-                busy = False
-                for item in sock.recv_batch():
-                    busy = True
-                    self._safely(self._on_frame, item)
+                busy = self._read_socket()
                 for ev in self.events.drain():
                     busy = True
                     self._safely(self._on_event, ev)
                 self.steps[act.value] += 1
+                stepped = time.monotonic()
                 tags, progressed = self._step()
+                self._starved.step(time.monotonic() - stepped)
                 if tags:
                     self._safely(self.router.on_tags, tags)
                 for ev in self.events.drain():   # completions the step found, handled this round
                     busy = True
                     self._safely(self._on_event, ev)
                 now = time.monotonic()
+                self._starved.round(now - woke)
                 if now >= self._next_tick:
+                    self._starved.tick(now - self._next_tick if self._next_tick else 0.0, self.ctx.stats)
+                    busy |= self._read_socket()     # leases are judged on everything that came in
+                    now = time.monotonic()
                     self._next_tick = now + TICK
                     self._safely(lambda _: sock.flush_held(), None)
                     self._safely(self._tick, now)
@@ -240,6 +272,18 @@ class EngineLoop:
             self.meter.stopped()
             self._teardown()
             backend.release_ownership()
+
+    def _read_socket(self) -> bool:
+        """Handle what waits on the socket; `looked` is when the last read that got to the end
+        began (nothing that came before it still waits: protocol/leases.py judges silence up to
+        it). Whether there was anything."""
+        looking = time.monotonic()
+        items = self.ctx.sock.recv_batch()
+        if len(items) < MAX_BATCH:
+            self.looked = looking
+        for item in items:
+            self._safely(self._on_frame, item)
+        return bool(items)
 
     def _on_frame(self, item: object) -> None:
         self.router.on_frame(item, time.monotonic())
@@ -257,7 +301,7 @@ class EngineLoop:
         self.side.tick_rooms(now)
         self.writes.tick(now)
         self.side.tick(now)
-        self.liveness.tick(now)
+        self.liveness.tick(now, self.looked)
         if self._closing_since is not None:
             if not self.book.rooms or now - self._closing_since > self.ctx.t.close:
                 self._stop.set()

@@ -5,6 +5,16 @@ is alive while we heard anything from it within `lease` seconds. A writer may on
 peer while ``send_time(highest acked heartbeat) + lease`` lies ahead: the peer received that
 heartbeat at or after we sent it, so it will not declare us lost (and reuse memory we might
 still write) before our own fence has stopped us.
+
+Silence is judged up to the last time we read everything the peer had sent (`looked`, the start
+of the control thread's last complete read of its socket), not up to `now`: a heartbeat that
+waits in our socket because our own thread was held up (the GIL held by the serving engine's
+loop, a long call, a busy CPU) is not silence of the peer, and we could not have heard it. A
+late local loop so extends each peer's lease by its own lateness, `now - looked`; a peer that is
+gone or frozen is still declared lost at the first round after its lease ran out. The write
+fence gets no such extension: while we were held up we sent no heartbeats either, so the peer
+may rightly have declared us lost and reused the memory; the fence still runs out `lease` after
+the send time of the last heartbeat the peer acknowledged, however late we were.
 """
 
 from __future__ import annotations
@@ -45,8 +55,14 @@ class Lease:
             for old in [s for s in self._sent if s < ack]:
                 del self._sent[old]
 
-    def alive(self, now: float) -> bool:
-        return now - self.last_heard <= self.lease_s
+    def silence(self, now: float, looked: float | None = None) -> float:
+        """How long the peer has been silent as far as we could have heard it: up to `looked`
+        (the last complete read of our socket, None: `now`), never past `now`."""
+        upto = now if looked is None else min(now, looked)
+        return max(0.0, upto - self.last_heard)
+
+    def alive(self, now: float, looked: float | None = None) -> bool:
+        return self.silence(now, looked) <= self.lease_s
 
     def may_write(self, now: float) -> bool:
         return now < self.fence_base + self.lease_s
