@@ -3,7 +3,8 @@ beside a thread that always wants the GIL (the scheduler loop's stand-in), the m
 oversubscribed by CPU burners, and the deadlines are the production ones. No fault and no abort:
 every request must succeed bit-exact, none may hang, and no rank may declare a peer lost.
 
-One short epoch of examples/soak.py --starve (docs/soak.md has a longer run and its figures).
+One short epoch of examples/soak.py --starve over Mooncake, whose engine the CI failure of issue
+49 ran (about a minute; docs/soak.md has runs of both backends and their figures).
 """
 
 import json
@@ -16,7 +17,7 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+@pytest.mark.parametrize("backend", ["mooncake"])
 def test_starved_soak_fails_nothing(backend, tmp_path):
     out = tmp_path / "starved.json"
     run = run_example("soak.py", ["--starve", "--faults", "none", "--no-aborts", "--epochs", "1", "--minutes", "5",
