@@ -35,10 +35,10 @@ def again(actions) -> list[TagsAgain]:
 
 
 def test_a_stalled_unconfirmed_flow_repeats_its_tags_once_a_heartbeat():
-    r = transferring()
-    ops = [a.op for a in r.add_chunk(np.arange(2), False, 0.1) if isinstance(a, PostWrite)]
+    r = transferring(pages=2)
+    ops = [a.op for a in r.add_chunk(np.arange(2), True, 0.1) if isinstance(a, PostWrite)]
     assert len(ops) == 1
-    r.on_write_done(ops[0].op_id, True, None, 0.2, tags=(b"tag-0",))
+    r.on_write_done(ops[0].op_id, True, None, 0.2, tags=(b"tag-0",))   # WriterDone goes out: unconfirmed
     assert again(r.tick(0.2 + BEAT / 2)) == []               # a write completed within the heartbeat
     sent = again(r.tick(0.2 + BEAT))
     assert [(m.room, m.session, m.tags) for m in sent] == [(7, SESSION, [b"tag-0"])]
@@ -53,6 +53,20 @@ def test_every_completed_tag_is_repeated_and_none_of_a_failed_write():
     second = [a.op for a in r.add_chunk(np.arange(2, 4), True, 0.3) if isinstance(a, PostWrite)]
     r.on_write_done(second[0].op_id, True, None, 0.4, tags=(b"b",))
     assert [m.tags for m in again(r.tick(0.5 + BEAT))] == [[b"a0", b"a1", b"b"]]
+
+
+def test_a_flow_waiting_for_its_next_chunk_with_nothing_in_flight_sends_none():
+    """Between two chunks of a chunked prefill the decode rank waits for nothing of this writer:
+    no message wakes it every heartbeat (the quiet engine)."""
+    r = transferring()
+    ops = [a.op for a in r.add_chunk(np.arange(2), False, 0.1) if isinstance(a, PostWrite)]
+    r.on_write_done(ops[0].op_id, True, None, 0.2, tags=(b"tag-0",))
+    assert again(r.tick(0.2 + 5 * BEAT)) == []
+    second = [a.op for a in r.add_chunk(np.arange(2, 4), True, 6.0) if isinstance(a, PostWrite)]
+    assert again(r.tick(6.0 + BEAT / 2)) == [], "a write in flight that started a moment ago"
+    assert [m.tags for m in again(r.tick(6.0 + 4 * BEAT))] == [[b"tag-0"]], "its write has not completed in 4 s"
+    r.on_write_done(second[0].op_id, True, None, 11.0, tags=(b"tag-1",))
+    assert [m.tags for m in again(r.tick(11.0 + 2 * BEAT))] == [[b"tag-0", b"tag-1"]]
 
 
 def test_a_confirmed_flow_or_one_without_completed_writes_sends_none():

@@ -48,7 +48,7 @@ class Flow:
     writes: int = 0
     nbytes: int = 0
     landed_tags: list[bytes] = field(default_factory=list)       # the signed tags of the writes completed
-    landed_at: float = 0.0                                        # when the last of them completed
+    active_at: float = 0.0                                        # when a write of it was last posted or completed
     tags_again_at: float = 0.0                                    # TagsAgain last sent
     done_sent_at: float | None = None
     confirmed: bool = False

@@ -172,8 +172,9 @@ class TagsAgain(RoomMessage, kw_only=True, frozen=True):
     their backend notifications carried them. A write its backend reported complete has put its
     bytes in place, so the decode rank takes a tag from here as from a notification, each only
     once: a lost notification (Mooncake only logs a notify that fails) costs a heartbeat, not the
-    request. Sent only while the decode rank has not confirmed the room and no write of the
-    writer completed for a heartbeat (prefill_room.PrefillRoom._tags_again)."""
+    request. Sent only while the decode rank may be waiting for one of those tags: the room is
+    unconfirmed, the writer finished writing or still has writes to complete, and none was
+    posted or completed for a heartbeat (prefill_room.PrefillRoom._tags_again)."""
 
     tags: list[bytes]
 

@@ -260,6 +260,7 @@ class PrefillRoom(RoomBase):
             return self.fail(FailureKind.PROTOCOL, ops, now)
         out: list[Action] = [self._post(flow, op) for op in ops]
         flow.granted.add(index)
+        flow.active_at = now
         return out
 
     def on_write_done(self, op_id: int, ok: bool, reason: str | None, now: float,
@@ -282,7 +283,7 @@ class PrefillRoom(RoomBase):
         flow.writes += 1
         flow.nbytes += op.nbytes
         flow.landed_tags.extend(tags)
-        flow.landed_at = now
+        flow.active_at = now
         return self._pump(now) + self._maybe_release()   # a batching room's next write
 
     def on_room_done(self, peer: PeerKey, session: int, now: float) -> list[Action]:
@@ -345,14 +346,17 @@ class PrefillRoom(RoomBase):
 
     def _tags_again(self, now: float) -> list[Action]:
         """The tags of a flow's completed writes once more (TagsAgain), at most once a heartbeat,
-        while its decode rank has not confirmed the room and none of its writes completed for a
-        heartbeat: a lost notification then stalls the room (or, staged, the ring) for a
-        heartbeat. A flow that keeps completing writes, or that was confirmed, sends none."""
+        while its decode rank may be waiting for one of them: the room is unconfirmed, the flow
+        finished writing (WriterDone sent) or has writes still to complete (staged: perhaps
+        waiting for ring space a lost tag holds), and none of its writes was posted or completed
+        for a heartbeat. A lost notification then stalls the room (or, staged, the ring) for a
+        heartbeat. A flow that keeps completing writes, was confirmed, or waits for its next
+        chunk with nothing in flight (the decode rank waits for nothing of it) sends none."""
         beat = self.timeouts.heartbeat
         out: list[Action] = []
         for flow in self.flows.values():
-            if (flow.confirmed or not flow.landed_tags or now - flow.landed_at < beat
-                    or now - flow.tags_again_at < beat):
+            if (flow.confirmed or not flow.landed_tags or (flow.done_sent_at is None and not flow.inflight)
+                    or now - flow.active_at < beat or now - flow.tags_again_at < beat):
                 continue
             flow.tags_again_at = now
             out.append(Send(flow.peer, TagsAgain(src=self.me, dst=flow.peer.incarnation, room=self.room,
@@ -483,6 +487,7 @@ class PrefillRoom(RoomBase):
                     out.append(self._alloc_request(flow, chunk))
                 else:
                     out += self._direct_writes(flow, a, chunk)
+                    flow.active_at = now
                 flow.issued += 1
         return out + self._check_done(now)
 
