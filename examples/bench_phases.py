@@ -15,6 +15,8 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from figure_legend import legend_below
+
 from kvstage.transfer.timeline import PHASES, Timeline
 
 PATHS = ("staged", "direct")
@@ -105,14 +107,7 @@ def plot(rows: list[dict], out_dir: str, plt) -> list[str]:
                          fontsize=9)
             ax.set_xlabel("ms (median of each phase)", fontsize=8)
             ax.grid(True, axis="x", alpha=0.3)
-        handles, labels = [], []
-        for ax in axes[:, 0]:
-            for h, lab in zip(*ax.get_legend_handles_labels()):
-                if lab not in labels:
-                    handles.append(h)
-                    labels.append(lab)
-        fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=7, frameon=False)
-        fig.tight_layout(rect=(0, 0.12, 1, 1))
+        legend_below(fig, axes, ncol=2, bottom=0.12)
         path = str(Path(out_dir) / f"phases_{transport}.png")
         fig.savefig(path, dpi=110)
         plt.close(fig)

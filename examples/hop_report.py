@@ -10,6 +10,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from figure_legend import legend_below
+
 from kvstage.hop_trace import WAKES, Hop, HopRecord, load
 
 # A receiving hop and the hop that handed it over: (receiving kind, sending kinds, same process?)
@@ -189,14 +191,7 @@ def plot(requests: Sequence[tuple[str, Sequence[HopRecord]]], path: str, plt) ->
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("ms since the decode caller's init()", fontsize=8)
         ax.grid(True, axis="x", alpha=0.3)
-    handles, labels = [], []
-    for ax in axes[:, 0]:
-        for h, lab in zip(*ax.get_legend_handles_labels()):
-            if lab not in labels:
-                handles.append(h)
-                labels.append(lab)
-    fig.legend(handles, labels, loc="lower center", ncol=7, fontsize=7, frameon=False)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    legend_below(fig, axes, ncol=7, bottom=0.06)
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
