@@ -22,11 +22,20 @@ def test_alive_and_fence_basics():
 def test_writer_fence_always_ends_before_the_reader_declares_it_lost(steps):
     """Two peers exchanging heartbeats with random delays and losses: whenever the reader
     considers the writer lost, the writer's own fence has already stopped it."""
-    L = 4.0
+    for now, writer, reader, _ in exchange([(*step, 0.0) for step in steps]):
+        for t in (now, now + 0.5, now + 1.5):
+            if not reader.alive(t):
+                assert not writer.may_write(t)
+
+
+def exchange(steps):
+    """Two peers (a writer and a reader, lease 4 s) heartbeating each other: per step (gap,
+    delay, lost, late), the clock moves by `gap`, what arrived by then is applied, and each sends
+    a heartbeat that arrives `delay` later unless `lost`. Yields (now, writer, reader, late)."""
     now = 0.0
-    writer, reader = Lease(L, now), Lease(L, now)
+    writer, reader = Lease(4.0, now), Lease(4.0, now)
     in_flight = []  # (arrival time, to_reader, seq, ack)
-    for gap, delay, lost in steps:
+    for gap, delay, lost, late in steps:
         now += gap
         for m in sorted([m for m in in_flight if m[0] <= now]):
             in_flight.remove(m)
@@ -37,9 +46,7 @@ def test_writer_fence_always_ends_before_the_reader_declares_it_lost(steps):
         s, a = reader.next_heartbeat(now)
         if not lost:
             in_flight.append((now + delay, False, s, a))
-        for t in (now, now + 0.5, now + 1.5):
-            if not reader.alive(t):
-                assert not writer.may_write(t)
+        yield now, writer, reader, late
 
 
 def test_our_own_lateness_is_not_the_peers_silence():
@@ -74,21 +81,7 @@ def test_the_fence_holds_when_the_reader_judges_silence_up_to_its_last_look(step
     """The writer-fence property above, with a reader whose loop looks at its socket late (up to
     `late` before each judgement): excusing the reader's own lateness only ever delays its
     verdict, so the writer's fence still stops the writer first."""
-    L = 4.0
-    now = 0.0
-    writer, reader = Lease(L, now), Lease(L, now)
-    in_flight = []
-    for gap, delay, lost, late in steps:
-        now += gap
-        for m in sorted([m for m in in_flight if m[0] <= now]):
-            in_flight.remove(m)
-            (reader if m[1] else writer).on_heartbeat(m[2], m[3], m[0])
-        s, a = writer.next_heartbeat(now)
-        if not lost:
-            in_flight.append((now + delay, True, s, a))
-        s, a = reader.next_heartbeat(now)
-        if not lost:
-            in_flight.append((now + delay, False, s, a))
+    for now, writer, reader, late in exchange(steps):
         for t in (now, now + 0.5, now + 1.5):
             if not reader.alive(t, looked=t - late):
                 assert not writer.may_write(t)
