@@ -12,6 +12,7 @@ the sender must fail when it is created, before it posts a single write.
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from kvstage.transfer.config import Timeouts
@@ -99,31 +100,22 @@ def first_use_ended(side, peer):
     assert status.state is KVPoll.Failed and status.released and ROOM in side.book.finished
 
 
-def test_a_failure_racing_the_sender_of_a_reused_id_fails_it_before_any_write():
+@pytest.mark.parametrize("failure_first", [False, True], ids=["metadata-first", "failure-first"])
+def test_a_failure_racing_the_sender_of_a_reused_id_fails_it_before_any_write(failure_first):
+    """Use 1 (session 2): its metadata and its abort both come before the caller creates the
+    sender, in either order (messages of one decode rank may be reordered or held back)."""
     side, writes, sock = prefill_rank()
     peer = side.peers.get(DEC.incarnation)
     first_use_ended(side, peer)
-    # use 1 (session 2): its metadata and its abort both come before the caller creates the sender
-    side.on_RoomMeta(peer, meta(2), 1.0)
-    side.on_RoomFailed(peer, failed(2), 1.2)
+    arrivals = [lambda t: side.on_RoomMeta(peer, meta(2), t), lambda t: side.on_RoomFailed(peer, failed(2), t)]
+    for arrive, t in zip(arrivals[::-1] if failure_first else arrivals, (1.0, 1.2)):
+        arrive(t)
     assert any(isinstance(m, Quiesced) and m.session == 2 for m in sock.sent)   # the decode side frees its pages
     status = new_sender(side, 1.5)
     side.send_chunk(SendChunk(room=ROOM, pages=np.arange(N), last=True), 1.6)
     assert writes.posted == []   # nothing may land in pages the decode side freed on that Quiesced
     assert status.state is KVPoll.Failed and status.failure_kind == "remote_aborted", status.failure
     assert status.released and side.used_sessions[ROOM].covers(DEC.incarnation, 2)   # bound to this use
-
-
-def test_a_failure_racing_the_sender_before_its_metadata_still_fails_it():
-    # the same, the failure first (messages of one decode rank may be reordered or held back)
-    side, writes, sock = prefill_rank()
-    peer = side.peers.get(DEC.incarnation)
-    first_use_ended(side, peer)
-    side.on_RoomFailed(peer, failed(2), 1.0)
-    side.on_RoomMeta(peer, meta(2), 1.2)
-    status = new_sender(side, 1.5)
-    side.send_chunk(SendChunk(room=ROOM, pages=np.arange(N), last=True), 1.6)
-    assert writes.posted == [] and status.state is KVPoll.Failed, status.failure
 
 
 def test_the_finished_uses_own_failure_again_is_answered_and_dropped():
