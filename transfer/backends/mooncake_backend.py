@@ -10,10 +10,18 @@ Behaviour (measured facts in docs/backends.md):
   Python binding releases the GIL and guards its segment cache with a mutex; concurrent use is
   exercised by the integration tests). Everything else is called by the single owning thread.
 - Identity: a small JSON document ``{"kvstage": "mooncake/1", "name": "host:port", "regions":
-  [[addr, length], ...]}``. The name is ``f"{host}:{engine.get_rpc_port()}"``, the address
-  Mooncake dials; ``regions`` lets the writer reject ranges outside the peer's registered memory
-  with a BackendError before posting (Mooncake itself rejects them too, as a failed write). A
-  bare ``b"host:port"`` identity also works (no local range check then).
+  [[addr, length], ...], "instance": "<random hex>"}``. The name is
+  ``f"{host}:{engine.get_rpc_port()}"``, the address Mooncake dials; ``regions`` lets the writer
+  reject ranges outside the peer's registered memory with a BackendError before posting (Mooncake
+  itself rejects them too, as a failed write); ``instance`` is drawn once per engine. A bare
+  ``b"host:port"`` identity also works (no local range check, no instance check then).
+- Mooncake keeps the segment descriptor of every address it wrote to for the life of the engine
+  (its Python binding has no call that refreshes or drops it). A peer restarted on the same
+  ``host:port`` is another engine with another data port and other memory, which the cached
+  descriptor does not describe: every write to it would fail. ``connect`` refuses such a peer
+  (another ``instance`` at an address this engine wrote to) with a BackendError saying so,
+  instead of letting its writes fail one by one (docs/operations.md, "A peer restarted on the
+  same address").
 - Tags are arbitrary bytes: sent as ``msg = "kvstage1:" + base64(tag)`` with ``name`` = this
   endpoint's name; ``drain_tags`` ignores notifies without that prefix (counted in
   ``ignored_notifies``).
@@ -32,6 +40,7 @@ import json
 import logging
 import os
 import queue
+import secrets
 import threading
 from collections.abc import Callable, Sequence
 
@@ -163,8 +172,10 @@ class _Submitter:
         return not any(t.is_alive() for t in self._threads)
 
 
-def _parse_identity(identity: bytes) -> tuple[str, RangeIndex | None]:
+def _parse_identity(identity: bytes) -> tuple[str, RangeIndex | None, str | None]:
+    """(name, its registered ranges or None, its engine's instance or None)."""
     raw = bytes(identity)
+    instance: str | None = None
     if raw.startswith(b"{"):
         try:
             doc = json.loads(raw.decode("utf-8"))
@@ -172,6 +183,7 @@ def _parse_identity(identity: bytes) -> tuple[str, RangeIndex | None]:
                 raise ValueError(f"unknown identity format {doc.get('kvstage')!r}")
             name = str(doc["name"])
             regions = [(int(a), int(n)) for a, n in doc.get("regions", [])]
+            instance = str(doc["instance"]) if doc.get("instance") is not None else None
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
             raise BackendError(f"malformed Mooncake identity: {exc}") from exc
         index: RangeIndex | None = RangeIndex(regions)
@@ -184,7 +196,7 @@ def _parse_identity(identity: bytes) -> tuple[str, RangeIndex | None]:
     host, _, port = name.rpartition(":")
     if not host or not port.isdigit():
         raise BackendError(f"malformed Mooncake identity: peer name {name!r} is not 'host:port'")
-    return name, index
+    return name, index, instance
 
 
 def _build_memory_kinds() -> tuple[str, ...]:
@@ -248,9 +260,12 @@ class MooncakeBackend(Backend):
         if ret != 0:
             raise BackendError(f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol!r}) returned {ret}")
         self._name = f"{host}:{self._engine.get_rpc_port()}"
+        self._instance = secrets.token_hex(8)   # tells this engine from a later one on the same address
         self._regs: dict[int, Registration] = {}
         self._index = RangeIndex()
         self._peers: dict[str, RangeIndex | None] = {}
+        self._peer_instance: dict[str, str | None] = {}   # connected peers' engine instances
+        self._written: dict[str, str | None] = {}   # every address written to -> the instance it was then
         self._submitters: dict[str, _Submitter] = {}
         self._retired: list[_Submitter] = []  # stopped by disconnect(); joined by close()
         self._inflight: dict[int, WriteHandle] = {}
@@ -266,7 +281,7 @@ class MooncakeBackend(Backend):
     def identity(self) -> bytes:
         self._check_open()
         regions = [[r.addr, r.length] for reg in self._regs.values() for r in reg.regions]
-        doc = {"kvstage": IDENTITY_FORMAT, "name": self._name, "regions": regions}
+        doc = {"kvstage": IDENTITY_FORMAT, "name": self._name, "regions": regions, "instance": self._instance}
         return json.dumps(doc, separators=(",", ":")).encode("utf-8")
 
     def register(self, regions: Sequence[MemRegion]) -> Registration:
@@ -330,9 +345,21 @@ class MooncakeBackend(Backend):
 
     # ------------------------------------------------------------------ peers
     def connect(self, peer_identity: bytes) -> str:
+        """Know a peer; return its name. A BackendError for a peer that is another engine on an
+        address this engine already wrote to (a rank restarted on the same host and RPC port):
+        Mooncake would keep writing to the earlier engine's descriptor."""
         self._check_open()
-        name, index = _parse_identity(peer_identity)
+        name, index, instance = _parse_identity(peer_identity)
+        earlier = self._written.get(name)
+        if instance is not None and earlier is not None and earlier != instance:
+            raise BackendError(
+                f"the Mooncake peer at {name} is a new engine (a rank restarted on the same host and RPC port) "
+                f"where this engine wrote to an earlier one: Mooncake keeps the earlier engine's segment "
+                f"descriptor for that address for the life of this process (no call refreshes it), so every "
+                f"write would go to the old engine's data port and fail; restart that rank so that it draws "
+                f"another RPC port (MC_MIN_RPC_PORT..MC_MAX_RPC_PORT), or restart this one")
         self._peers[name] = index
+        self._peer_instance[name] = instance
         if name not in self._submitters:
             self._submitters[name] = _Submitter(self._engine, name, self._threads_per_peer)
         return name
@@ -350,6 +377,7 @@ class MooncakeBackend(Backend):
             if h.peer == peer and h.handle is not None:
                 h.handle.cancel()
         del self._peers[peer]
+        self._peer_instance.pop(peer, None)   # what it was written as stays in _written
         sub = self._submitters.pop(peer, None)
         if sub is not None:
             sub.stop(timeout=0)  # the threads exit after the call they are in
@@ -390,6 +418,7 @@ class MooncakeBackend(Backend):
         )
         handle = WriteHandle(peer=peer, nbytes=int(src[:, 1].sum()), ndesc=len(src), handle=job)
         self._inflight[id(handle)] = handle
+        self._written.setdefault(peer, self._peer_instance.get(peer))   # Mooncake caches the peer from now on
         self._submitters[peer].submit(job)
         return handle
 
