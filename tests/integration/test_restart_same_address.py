@@ -142,15 +142,16 @@ def test_decode_rank_restarted_on_the_same_address(backend, staging, tmp_path):
 def test_prefill_rank_restarted_on_the_same_address(backend, staging, tmp_path):
     started, release, go = (str(tmp_path / n) for n in ("started", "release", "go"))
     ctrl = free_port()
-    env = mooncake_env(backend)
     with Cluster() as cl:
         early, late = rooms(100, 4, True), gated(rooms(200, 4, False), go)
         for r in early:
             r["hold_last_until"] = [release]
-        victim = cl.launch([spec("prefill", 0, 1, early, backend, staging, ctrl_port=ctrl, started_file=started)],
-                           "p-victim", env=env)
         live = tmp_path / "decode-live.json"
         decode = cl.launch([spec("decode", 0, 1, early + late, backend, staging, live_stats=str(live))], "d0")
+        registered(cl.addr, "dc", decode, set())   # its backend is up: it drew its own Mooncake ports
+        env = mooncake_env(backend)                  # the victim's two are drawn among the others
+        victim = cl.launch([spec("prefill", 0, 1, early, backend, staging, ctrl_port=ctrl, started_file=started)],
+                           "p-victim", env=env)
         wait_file(started)
         wait_for_stat(live, "bytes_received")
         old = registered(cl.addr, "pf", victim, set())
