@@ -103,8 +103,10 @@ def gated(room_list: list, go: str) -> list:
     return [{**r, "start_after_file": go} for r in room_list]
 
 
-# One backend and path per role keeps the file inside its CI time; a Mooncake decode rank on its
-# old RPC port is the refusal at the end of this file (that restart takes a minute to arrange).
+# One backend and path per role keeps the file inside its CI time. A Mooncake decode rank on its
+# old RPC port takes a minute to arrange (the survivor's connections hold the port): the writer's
+# side of it is the two-engine test at the end of this file; with whole processes, run by hand
+# (docs/operations.md, "A peer restarted on the same address").
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize(("backend", "staging"), [("nixl", True)], ids=["nixl-staged"])
 def test_decode_rank_restarted_on_the_same_address(backend, staging, tmp_path):
