@@ -139,7 +139,8 @@ def build(spec: dict, bootstrap: str) -> tuple[KVManager, KVLayout, KVBuffers, K
         buffers.pools = pools
     cfg = EngineConfig(role=spec["role"], engine_id=spec["engine"], bootstrap=bootstrap,
                        backend=spec.get("backend", "nixl"), staging=spec.get("staging"),
-                       host=spec.get("host", "127.0.0.1"), staging_workers=spec.get("workers"),
+                       host=spec.get("host", "127.0.0.1"), ctrl_port=spec.get("ctrl_port"),
+                       staging_workers=spec.get("workers"),
                        staging_buffer_mb=spec.get("buffer_mb"), ring_mb=spec.get("ring_mb"),
                        staging_piece_mb=spec.get("piece_mb"),
                        timeouts=Timeouts.from_env(**spec.get("timeouts", {})),

@@ -22,6 +22,7 @@ BUFFER_MB_ENV = "KVSTAGE_STAGING_BUFFER_MB"
 PIECE_MB_ENV = "KVSTAGE_STAGING_PIECE_MB"
 TOKEN_ENV = "KVSTAGE_AUTH_TOKEN"
 METRICS_PORT_ENV = "KVSTAGE_METRICS_PORT"
+CTRL_PORT_ENV = "KVSTAGE_CTRL_PORT"
 LAYER_GROUP_ENV = "KVSTAGE_LAYER_GROUP"
 LAYERWISE_MIN_TOKENS_ENV = "KVSTAGE_LAYERWISE_MIN_TOKENS"
 LAYER_BATCHING_ENV = "KVSTAGE_LAYER_BATCHING"
@@ -117,7 +118,9 @@ class EngineConfig:
     staging: bool | None = None              # None: read SGLANG_DISAGG_STAGING_BUFFER
     host: str = "127.0.0.1"                  # address this rank binds and advertises
     auth_token: str | None = None            # None: read KVSTAGE_AUTH_TOKEN
-    ctrl_port: int = 0                       # control-plane port; 0 picks a free one
+    ctrl_port: int | None = None             # control-plane port (0 picks a free one); None: env
+                                             # KVSTAGE_CTRL_PORT, unset: 0. A fixed port lets a restarted
+                                             # rank come back on its old address (docs/operations.md)
     staging_workers: int | None = None       # prefill transfer workers; env KVSTAGE_STAGING_WORKERS, 2
     staging_buffer_mb: float | None = None   # per-worker buffer; env KVSTAGE_STAGING_BUFFER_MB, 64
     ring_mb: float | None = None             # decode ring; env SGLANG_DISAGG_STAGING_POOL_SIZE_MB, 256
@@ -153,7 +156,8 @@ class EngineConfig:
             raise ValueError(f"backend must be 'nixl' or 'mooncake', got {self.backend!r}")
         bootstrap = check.rendezvous("bootstrap", self.bootstrap)
         host = check.host("host", self.host).strip("[]")   # an IPv6 literal is kept without brackets
-        check.port("ctrl_port", self.ctrl_port)
+        ctrl_port = (from_env(CTRL_PORT_ENV, 0, int, check.port) if self.ctrl_port is None
+                     else check.port("ctrl_port", self.ctrl_port))
         if isinstance(self.dp_rank, bool) or not isinstance(self.dp_rank, int) or not 0 <= self.dp_rank <= 1024:
             raise ValueError(f"dp_rank must be an int in 0..1024, got {self.dp_rank!r}")
         token = self.auth_token if self.auth_token is not None else (os.environ.get(TOKEN_ENV) or None)
@@ -176,6 +180,7 @@ class EngineConfig:
             auth_token=token,
             bootstrap=bootstrap,
             host=host,
+            ctrl_port=ctrl_port,
             staging_workers=self._count("staging_workers", WORKERS_ENV, 2),
             staging_buffer_mb=self._mb("staging_buffer_mb", BUFFER_MB_ENV, 64.0),
             ring_mb=self._mb("ring_mb", RING_MB_ENV, 256.0),

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvstage.transfer.config import (
     BUFFER_MB_ENV,
+    CTRL_PORT_ENV,
     PIECE_MB_ENV,
     RING_MB_ENV,
     STAGING_ENV,
@@ -20,7 +21,7 @@ from kvstage.transfer.config import (
 )
 
 MAX_MB = 1 << 20
-ENVS = (STAGING_ENV, RING_MB_ENV, WORKERS_ENV, BUFFER_MB_ENV, PIECE_MB_ENV)
+ENVS = (STAGING_ENV, RING_MB_ENV, WORKERS_ENV, BUFFER_MB_ENV, PIECE_MB_ENV, CTRL_PORT_ENV)
 
 
 @pytest.fixture(autouse=True)
@@ -162,6 +163,16 @@ def test_ctrl_port_kept_or_refused(p):
         assert "ctrl_port" in str(exc) and not 0 <= p <= 65535
     else:
         assert got == p and 0 <= p <= 65535
+
+
+def test_ctrl_port_from_the_environment_unless_given(monkeypatch):
+    assert cfg().resolved().ctrl_port == 0                  # unset: a free port
+    monkeypatch.setenv(CTRL_PORT_ENV, "24123")              # a restarted rank comes back on it
+    assert cfg().resolved().ctrl_port == 24123
+    assert cfg(ctrl_port=0).resolved().ctrl_port == 0       # the argument wins
+    monkeypatch.setenv(CTRL_PORT_ENV, "70000")
+    with pytest.raises(ValueError, match=CTRL_PORT_ENV):
+        cfg().resolved()
 
 
 def test_kv_manager_validates_before_starting_anything():

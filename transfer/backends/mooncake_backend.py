@@ -10,10 +10,21 @@ Behaviour (measured facts in docs/backends.md):
   Python binding releases the GIL and guards its segment cache with a mutex; concurrent use is
   exercised by the integration tests). Everything else is called by the single owning thread.
 - Identity: a small JSON document ``{"kvstage": "mooncake/1", "name": "host:port", "regions":
-  [[addr, length], ...]}``. The name is ``f"{host}:{engine.get_rpc_port()}"``, the address
-  Mooncake dials; ``regions`` lets the writer reject ranges outside the peer's registered memory
-  with a BackendError before posting (Mooncake itself rejects them too, as a failed write). A
-  bare ``b"host:port"`` identity also works (no local range check then).
+  [[addr, length], ...], "instance": "<random hex>"}``. The name is
+  ``f"{host}:{engine.get_rpc_port()}"``, the address Mooncake dials; ``regions`` lets the writer
+  reject ranges outside the peer's registered memory with a BackendError before posting (Mooncake
+  itself rejects them too, as a failed write); ``instance`` is drawn once per engine. A bare
+  ``b"host:port"`` identity also works (no local range check, no instance check then).
+- Mooncake keeps the segment descriptor of every segment name it wrote to for the life of the
+  engine (its Python binding has no call that refreshes or drops it). A peer restarted on the
+  same ``host:port`` is another engine with another data port and other memory, which the cached
+  descriptor does not describe: every write to it under that name would fail. So each segment
+  name written to remembers the engine instance it was written as, and a peer that is another
+  instance at such a name is written to under another spelling of the same IPv4 address (octets
+  in octal with more leading zeros: ``0177.00.00.01`` for ``127.0.0.1``), which Mooncake resolves
+  to the same address and looks up afresh. A host that is not an IPv4 address has no such
+  spellings: ``connect`` refuses that peer with a BackendError saying why (docs/operations.md,
+  "A peer restarted on the same address").
 - Tags are arbitrary bytes: sent as ``msg = "kvstage1:" + base64(tag)`` with ``name`` = this
   endpoint's name; ``drain_tags`` ignores notifies without that prefix (counted in
   ``ignored_notifies``).
@@ -32,6 +43,7 @@ import json
 import logging
 import os
 import queue
+import secrets
 import threading
 from collections.abc import Callable, Sequence
 
@@ -163,8 +175,10 @@ class _Submitter:
         return not any(t.is_alive() for t in self._threads)
 
 
-def _parse_identity(identity: bytes) -> tuple[str, RangeIndex | None]:
+def _parse_identity(identity: bytes) -> tuple[str, RangeIndex | None, str | None]:
+    """(name, its registered ranges or None, its engine's instance or None)."""
     raw = bytes(identity)
+    instance: str | None = None
     if raw.startswith(b"{"):
         try:
             doc = json.loads(raw.decode("utf-8"))
@@ -172,6 +186,7 @@ def _parse_identity(identity: bytes) -> tuple[str, RangeIndex | None]:
                 raise ValueError(f"unknown identity format {doc.get('kvstage')!r}")
             name = str(doc["name"])
             regions = [(int(a), int(n)) for a, n in doc.get("regions", [])]
+            instance = str(doc["instance"]) if doc.get("instance") is not None else None
         except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
             raise BackendError(f"malformed Mooncake identity: {exc}") from exc
         index: RangeIndex | None = RangeIndex(regions)
@@ -184,7 +199,21 @@ def _parse_identity(identity: bytes) -> tuple[str, RangeIndex | None]:
     host, _, port = name.rpartition(":")
     if not host or not port.isdigit():
         raise BackendError(f"malformed Mooncake identity: peer name {name!r} is not 'host:port'")
-    return name, index
+    return name, index, instance
+
+
+def respell(name: str, generation: int) -> str | None:
+    """`name` ("host:port") for generation 0; for generation g >= 1 the same IPv4 address with
+    every octet in octal behind g more leading zeros ("0177.00.00.01:port" for "127.0.0.1:port"
+    at 1), a different string Mooncake resolves to the same address; None when the host is not
+    a dotted IPv4 address (it has no such spellings)."""
+    if generation == 0:
+        return name
+    host, _, port = name.rpartition(":")
+    octets = host.split(".")
+    if len(octets) != 4 or not all(o.isdigit() and int(o) < 256 for o in octets):
+        return None
+    return ".".join("0" * generation + format(int(o), "o") for o in octets) + ":" + port
 
 
 def _build_memory_kinds() -> tuple[str, ...]:
@@ -248,9 +277,13 @@ class MooncakeBackend(Backend):
         if ret != 0:
             raise BackendError(f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol!r}) returned {ret}")
         self._name = f"{host}:{self._engine.get_rpc_port()}"
+        self._instance = secrets.token_hex(8)   # tells this engine from a later one on the same address
         self._regs: dict[int, Registration] = {}
         self._index = RangeIndex()
         self._peers: dict[str, RangeIndex | None] = {}
+        self._peer_instance: dict[str, str | None] = {}   # connected peers' engine instances
+        self._route: dict[str, str] = {}              # connected peer -> the segment name its writes use
+        self._cached: dict[str, str | None] = {}      # segment names written to -> the instance then
         self._submitters: dict[str, _Submitter] = {}
         self._retired: list[_Submitter] = []  # stopped by disconnect(); joined by close()
         self._inflight: dict[int, WriteHandle] = {}
@@ -266,7 +299,7 @@ class MooncakeBackend(Backend):
     def identity(self) -> bytes:
         self._check_open()
         regions = [[r.addr, r.length] for reg in self._regs.values() for r in reg.regions]
-        doc = {"kvstage": IDENTITY_FORMAT, "name": self._name, "regions": regions}
+        doc = {"kvstage": IDENTITY_FORMAT, "name": self._name, "regions": regions, "instance": self._instance}
         return json.dumps(doc, separators=(",", ":")).encode("utf-8")
 
     def register(self, regions: Sequence[MemRegion]) -> Registration:
@@ -330,12 +363,37 @@ class MooncakeBackend(Backend):
 
     # ------------------------------------------------------------------ peers
     def connect(self, peer_identity: bytes) -> str:
+        """Know a peer; return its name. A peer that is another engine on an address this engine
+        already wrote to (a rank restarted on the same host and RPC port) is written to under
+        another spelling of the address; BackendError where the host has none (not IPv4)."""
         self._check_open()
-        name, index = _parse_identity(peer_identity)
+        name, index, instance = _parse_identity(peer_identity)
+        route = self._segment_name(name, instance)
         self._peers[name] = index
+        self._peer_instance[name] = instance
+        self._route[name] = route
         if name not in self._submitters:
             self._submitters[name] = _Submitter(self._engine, name, self._threads_per_peer)
         return name
+
+    def _segment_name(self, name: str, instance: str | None) -> str:
+        """The first spelling of `name` that Mooncake has not cached for another engine: one it
+        never wrote to, or one it wrote to as this very `instance` (the peer came back)."""
+        if instance is None:   # a bare identity: nothing to tell engines apart by
+            return name
+        for generation in range(len(self._cached) + 1):   # each spelling tried is in _cached but the last
+            spelling = respell(name, generation)
+            if spelling is None:
+                raise BackendError(
+                    f"the Mooncake peer at {name} is a new engine (a rank restarted on the same host and RPC "
+                    f"port) where this engine wrote to an earlier one: Mooncake keeps the earlier engine's "
+                    f"segment descriptor for that name for the life of this process (no call refreshes it), "
+                    f"and a host that is not an IPv4 address has no other spelling to reach the new engine "
+                    f"by; restart that rank so that it draws another RPC port (MC_MIN_RPC_PORT.."
+                    f"MC_MAX_RPC_PORT), or restart this one")
+            if self._cached.get(spelling, instance) == instance:
+                return spelling
+        raise AssertionError("unreachable: a spelling past every cached one is free")
 
     def disconnect(self, peer: str) -> None:
         """Forget a peer; idempotent.
@@ -350,6 +408,8 @@ class MooncakeBackend(Backend):
             if h.peer == peer and h.handle is not None:
                 h.handle.cancel()
         del self._peers[peer]
+        self._peer_instance.pop(peer, None)   # what Mooncake cached stays in _cached
+        self._route.pop(peer, None)
         sub = self._submitters.pop(peer, None)
         if sub is not None:
             sub.stop(timeout=0)  # the threads exit after the call they are in
@@ -385,11 +445,13 @@ class MooncakeBackend(Backend):
                 )
         notify = TransferNotify(self._name, TAG_PREFIX + base64.b64encode(tag).decode("ascii"))
         job = _Job(
-            (peer, src[:, 0].tolist(), dst[:, 0].tolist(), src[:, 1].tolist(), TransferOpcode.Write, notify),
+            (self._route[peer], src[:, 0].tolist(), dst[:, 0].tolist(), src[:, 1].tolist(), TransferOpcode.Write,
+             notify),
             on_complete,
         )
         handle = WriteHandle(peer=peer, nbytes=int(src[:, 1].sum()), ndesc=len(src), handle=job)
         self._inflight[id(handle)] = handle
+        self._cached.setdefault(self._route[peer], self._peer_instance.get(peer))   # Mooncake's cache from now on
         self._submitters[peer].submit(job)
         return handle
 

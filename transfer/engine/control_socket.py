@@ -35,7 +35,7 @@ class ControlSocket:
             self.router.close(0)
             raise OSError(exc.errno, f"cannot bind the kvstage control port {host}:{port} ({exc.strerror}): "
                                      "is the port in use, or the host not an address of this machine? "
-                                     "(EngineConfig.host, EngineConfig.ctrl_port)") from None
+                                     "(EngineConfig.host, EngineConfig.ctrl_port or KVSTAGE_CTRL_PORT)") from None
         self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._dealers: dict[str, zmq.Socket] = {}
         self.dropped_sends = 0

@@ -107,7 +107,7 @@ class EngineLoop:
         self.waiter: ReadyWaiter | None = None
         sock: ControlSocket | None = None
         try:
-            sock = ControlSocket(ctx, cfg.host, cfg.ctrl_port, codec, control_faults)
+            sock = ControlSocket(ctx, cfg.host, cast(int, cfg.ctrl_port), codec, control_faults)  # resolved: set
             self._build(cfg, layout, buffers, me, backend, backend_name, identity, handler, stats, lookup, sock,
                         observer)
         except BaseException:
