@@ -247,7 +247,8 @@ def drive(spec: dict, bootstrap: str, result: dict) -> None:
             time.sleep(0.0005)
     for room_id, st in active.items():  # ran out of time
         out.append({"room": room_id, "state": st["handle"].poll().name, "failure": "driver timeout: "
-                    + str(st["handle"].failure), "kind": "driver_timeout", "latency_s": None, "verified": False})
+                    + str(st["handle"].failure), "kind": "driver_timeout", "latency_s": None, "verified": False,
+                    "age_s": time.perf_counter() - st["t0"]})
     result["wall_s"] = time.perf_counter() - t_start
     result["stats"] = mgr.stats()
     if (spec.get("faults") or {}).get("corrupt_data"):   # which rooms the fault flipped a byte of (tests)

@@ -68,8 +68,10 @@ def make_rooms(rng: random.Random, first: int, n: int, slow: bool) -> list[dict]
 
 RANK_FIELDS = {"staging": True, "geometry": GEOM, "ring_mb": 2, "buffer_mb": 1, "inflight": 8, "timeouts": TIMEOUTS,
                "run_timeout_s": 120}
+# no "timeouts": the production ones (Timeouts()). The driver's deadline outlasts every one of
+# them (the decode room's 600 s included), so a room still alive at it outlived its own deadline.
 STARVED_FIELDS = {"staging": True, "geometry": GEOM, "ring_mb": 2, "buffer_mb": 1, "inflight": 8, "gil_hog": True,
-                  "run_timeout_s": 300}   # no "timeouts": the production ones (Timeouts())
+                  "run_timeout_s": 900}
 LATENESS = ("ctrl_tick_late_max_s", "ctrl_round_max_s", "backend_step_max_s", "heard_gap_max_s", "silence_max_s")  # stats(), max
 MODE = {"fields": RANK_FIELDS, "lease": TIMEOUTS["lease"], "aborts": True}
 
@@ -162,7 +164,9 @@ def epoch(rng: random.Random, backend: str, first: int, fault: str, tally: dict)
                 for r in res.get("rooms", []):
                     if r.get("kind") == "driver_timeout":
                         tally["hangs"] += 1
-                        tally["problems"].append(f"epoch {first} {fault}: {res['name']} room {r['room']} hung")
+                        tally["problems"].append(f"epoch {first} {fault}: {res['name']} room {r['room']} hung: "
+                                                 f"{r['state']} {r.get('age_s', 0):.0f} s after it started "
+                                                 f"({r.get('failure')}), log {os.path.dirname(p.log_path)}")
                     if res["role"] != "decode":
                         continue
                     if r["state"] == "Success":
