@@ -1,0 +1,147 @@
+"""kvstage as SGLang's HiCache L3 backend, loaded by SGLang's own factory ("dynamic" backend) and
+driven with SGLang's real host pools on CPU, over a loop-mounted ext4 image (O_DIRECT)."""
+
+import pytest
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, PoolName, PoolTransfer
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+from sglang.srt.mem_cache.storage import StorageBackendFactory
+
+from kvstage.storage.file_store import PageKey
+
+PAGE = 64
+
+
+@pytest.fixture(scope="module")
+def ext4(tmp_path_factory):
+    from loop_ext4 import loop_ext4
+    with loop_ext4(tmp_path_factory.mktemp("ext4"), size_mb=96) as mnt:
+        yield mnt
+
+
+def host_pool(layout):
+    kv = MHATokenToKVPool(1024, PAGE, torch.bfloat16, 2, 64, 2, "cpu", False, start_layer=0, end_layer=1)
+    return MHATokenToKVPoolHost(kv.get_device_pool_infos()[0].buffer_info, 2, 0, PAGE, layout, pin_memory=False,
+                                device_capacity_tokens=kv.size, start_layer=0, end_layer=1,
+                                write_back_staging=kv.hicache_write_back_staging)
+
+
+def backend(path, pool, model="m", **extra):
+    config = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                  is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                                  model_name=model, extra_config={
+                                      "backend_name": "kvstage", "module_path": "kvstage.adapters.sglang.storage",
+                                      "class_name": "KvstageHiCacheStorage", "interface_v1": 1,
+                                      "kvstage_path": str(path), "kvstage_direct": "on", **extra})
+    b = StorageBackendFactory.create_backend("dynamic", config, pool)
+    b.register_mem_pool_host(pool)
+    return b
+
+
+def fill(pool, idx, seed):
+    g = torch.Generator().manual_seed(seed)
+    for s in range(0, idx.numel(), PAGE):
+        page = pool.get_dummy_flat_data_page()
+        page.copy_(torch.randn(page.shape, generator=g).to(page.dtype))
+        pool.set_from_flat_data_page(int(idx[s]), page)
+
+
+def pages_of(pool, idx):
+    return [pool.get_data_page(int(idx[s]), flat=True).clone() for s in range(0, idx.numel(), PAGE)]
+
+
+@pytest.mark.parametrize("layout", ["page_first", "layer_first"])
+def test_batch_round_trip_through_sglang_factory(ext4, layout):
+    pool = host_pool(layout)
+    b = backend(ext4 / layout, pool)
+    assert type(b).__name__ == "KvstageHiCacheStorage"
+    src = pool.alloc(8 * PAGE)
+    fill(pool, src, seed=3)
+    keys = [f"{layout}-{i}" for i in range(8)]
+    assert b.batch_set_v1(keys, src) == [True] * 8
+    assert b.store.stats.writes == 1                  # one O_DIRECT write for the batch
+    assert b.batch_exists(keys + ["absent"]) == 8
+    dst = pool.alloc(8 * PAGE)
+    assert b.batch_get_v1(keys, dst) == [True] * 8
+    assert b.store.stats.reads == 1
+    for a, c in zip(pages_of(pool, src), pages_of(pool, dst)):
+        assert torch.equal(a, c)
+    # another model on the same directory: a miss, never its bytes
+    assert backend(ext4 / layout, host_pool(layout), model="other").batch_exists(keys) == 0
+    b.close()
+
+
+def test_corrupt_page_is_a_miss_and_server_side_errors_are_misses(ext4):
+    pool = host_pool("page_first")
+    b = backend(ext4 / "corrupt", pool)
+    src = pool.alloc(4 * PAGE)
+    fill(pool, src, seed=4)
+    keys = [f"c{i}" for i in range(4)]
+    b.batch_set_v1(keys, src)
+    (path,) = list(b.store.dir.glob("*.kvb"))
+    with open(path, "r+b") as f:                      # one byte of page 1
+        f.seek(b._anchor.page_bytes + 5)
+        x = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([x[0] ^ 1]))
+    dst = pool.alloc(4 * PAGE)
+    before = pages_of(pool, dst)
+    assert b.batch_get_v1(keys, dst) == [True, False, True, True]
+    assert torch.equal(pages_of(pool, dst)[1], before[1])     # the bad page's bytes never landed
+    assert b.stats()["pages_corrupt"] == 1
+    assert b.batch_get_v1(keys, dst[:PAGE]) == [False] * 4    # too few indices: a miss, not an exception
+    assert "host indices" in b.stats()["last_error"]
+    b.close()
+
+
+def test_prefetch_shrinks_to_the_free_host_memory(ext4):
+    pool = host_pool("page_first")
+    b = backend(ext4 / "budget", pool, kvstage_prefetch_reserve=0.25)
+    src = pool.alloc(16 * PAGE)
+    fill(pool, src, seed=5)
+    keys = [f"p{i}" for i in range(16)]
+    assert b.batch_set_v1(keys, src) == [True] * 16
+    pool.free(src)
+    assert b.batch_exists(keys) == 16
+    spare = (pool.available_size() - int(pool.size * 0.25)) // PAGE
+    held = pool.alloc((spare - 5) * PAGE)           # 5 pages spare beyond the L2 reserve
+    assert held is not None
+    assert b.batch_exists(keys) == 5
+    s = b.stats()
+    assert (s["prefetch_shrunk"], s["prefetch_pages_requested"], s["prefetch_pages_granted"]) == (1, 32, 21)
+    b.close()
+
+
+def test_hybrid_pools_share_one_batch_and_are_evicted_together(ext4):
+    kv, state = host_pool("page_first"), host_pool("layer_first")
+    page_file = 16 * 65536 + 4096      # 8 KV + 8 state pages (2 layers x K,V x 64 tokens x 2 heads x 64 x bf16), footer
+    b = backend(ext4 / "hybrid", kv, kvstage_capacity_gb=(2 * page_file) / (1 << 30))
+    b.register_mem_host_pool_v2(state, PoolName.MAMBA)
+    ki, si = kv.alloc(8 * PAGE), state.alloc(8 * PAGE)
+    fill(kv, ki, seed=6), fill(state, si, seed=7)
+    first = [f"x{i}" for i in range(8)]
+    res = b.batch_set_v2([PoolTransfer(name=PoolName.KV, host_indices=ki, keys=first),
+                          PoolTransfer(name=PoolName.MAMBA, host_indices=si, keys=first)])
+    assert res == {PoolName.KV: [True] * 8, PoolName.MAMBA: [True] * 8}
+    assert b.store.stats.writes == 1                 # both kinds in one batch file
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy
+    hit = b.batch_exists_v2(first, [PoolTransfer(name=PoolName.MAMBA, keys=first[-1:],
+                                                 hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+    assert hit.kv_hit_pages == 8
+    kd, sd = kv.alloc(8 * PAGE), state.alloc(8 * PAGE)
+    got = b.batch_get_v2([PoolTransfer(name=PoolName.KV, host_indices=kd, keys=first),
+                          PoolTransfer(name=PoolName.MAMBA, host_indices=sd, keys=first)])
+    assert got == {PoolName.KV: [True] * 8, PoolName.MAMBA: [True] * 8}
+    assert all(torch.equal(a, c) for a, c in zip(pages_of(state, si), pages_of(state, sd)))
+    # two more batches: the first one goes, its KV pages and its states together
+    for n in range(2):
+        more = [f"y{n}-{i}" for i in range(8)]
+        b.batch_set_v2([PoolTransfer(name=PoolName.KV, host_indices=ki, keys=more),
+                        PoolTransfer(name=PoolName.MAMBA, host_indices=si, keys=more)])
+    assert b.store.stats.batches_evicted >= 1
+    kinds = {p.kind for p in b._pools.values()}
+    assert len(kinds) == 2
+    assert not any(b.store.contains(PageKey(k, key)) for k in kinds for key in first)
+    assert all(b.store.contains(PageKey(k, f"y1-{i}")) for k in kinds for i in range(8))
+    b.close()
