@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import xxhash
@@ -55,7 +56,7 @@ from .batch_file import (
     round_up,
 )
 
-__all__ = ["DirectFileStore", "DirectMode", "PageKey", "StoreError", "StoreStats"]
+__all__ = ["DirectFileStore", "DirectMode", "PageKey", "PageStore", "StoreError", "StoreStats"]
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,28 @@ class StoreStats:
         d = {k: v for k, v in self.__dict__.items() if k != "extra"}
         d.update(self.extra)
         return d
+
+
+class PageStore(Protocol):
+    """What a store offers the SGLang backend (DirectFileStore, MooncakePageStore)."""
+
+    namespace: str
+    stats: StoreStats
+    staging_bytes: int
+
+    def present(self, pks: Sequence[PageKey]) -> list[bool]: ...
+
+    def contains(self, pk: PageKey) -> bool: ...
+
+    def put(self, pks: Sequence[PageKey], sizes: Sequence[int],
+            fill: Callable[[int, torch.Tensor], None]) -> list[bool]: ...
+
+    def get(self, pks: Sequence[PageKey], sizes: Sequence[int],
+            drain: Callable[[int, torch.Tensor], None]) -> list[bool]: ...
+
+    def clear(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def _namespace_dir(namespace: str) -> str:

@@ -13,7 +13,10 @@ calls (a `PoolTransfer` per pool): every pool's pages of one call go into ONE ba
 kind per pool ("kv", "mamba", "indexer"...), so a request's KV and states are stored, found and
 evicted together.
 
-Extra config keys (all optional but the path): ``kvstage_path`` (or KVSTAGE_STORAGE_DIR),
+The store: ``kvstage_store`` "file" (default: local files, below) or "mooncake" (Mooncake Store,
+shared by a fleet: ``kvstage_mooncake_master`` host:port, ``kvstage_mooncake_metadata`` its
+metadata URL, ``kvstage_mooncake_segment_gb`` (1), ``kvstage_mooncake_protocol`` ("tcp")).
+File store keys (all optional but the path): ``kvstage_path`` (or KVSTAGE_STORAGE_DIR),
 ``kvstage_capacity_gb`` (default: 90% of the free space), ``kvstage_direct`` ("auto", "on",
 "off"), ``kvstage_staging_mb`` (default: one SGLang batch of pages, at most 1/8 of the available
 memory), ``kvstage_prefetch_reserve`` (the fraction of the L2 pool a prefetch leaves free, 0.25).
@@ -41,7 +44,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from ...storage.file_store import DirectFileStore, DirectMode, PageKey
+from ...storage.file_store import DirectFileStore, DirectMode, PageKey, PageStore
 from ...storage.prefetch import PrefetchBudget, PrefetchMetrics
 
 __all__ = ["KvstageHiCacheStorage", "namespace_for"]
@@ -140,9 +143,17 @@ class KvstageHiCacheStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None) -> None:
         extra = dict(storage_config.extra_config or {})
         self.config = storage_config
+        self.extra = extra
+        self.kind = str(extra.get("kvstage_store", "file"))
+        if self.kind not in ("file", "mooncake"):
+            raise ValueError(f"kvstage_store must be 'file' or 'mooncake', got {self.kind!r}")
         self.root = extra.get("kvstage_path") or os.environ.get(PATH_ENV)
-        if not self.root:
+        if self.kind == "file" and not self.root:
             raise ValueError(f"kvstage storage needs a directory: extra config 'kvstage_path' or {PATH_ENV}")
+        if self.kind == "mooncake":
+            missing = [k for k in ("kvstage_mooncake_master", "kvstage_mooncake_metadata") if k not in extra]
+            if missing:
+                raise ValueError(f"kvstage_store 'mooncake' needs extra config {missing}")
         cap = extra.get("kvstage_capacity_gb")
         self.capacity_bytes = int(float(cap) * (1 << 30)) if cap is not None else None
         self.direct = DirectMode(str(extra.get("kvstage_direct", "auto")))
@@ -152,7 +163,7 @@ class KvstageHiCacheStorage(HiCacheStorage):
         self.namespace = namespace_for(storage_config)
         self.prefetch_metrics = PrefetchMetrics()
         self._pools: dict[str, _Pool] = {}
-        self._store: DirectFileStore | None = None
+        self._store: PageStore | None = None
         self._open_lock = threading.Lock()
         self._anchor: _Pool | None = None
         self._counts = {"prefetch_pgs": [], "backup_pgs": []}
@@ -168,7 +179,7 @@ class KvstageHiCacheStorage(HiCacheStorage):
         self._pools[str(host_pool_name)] = _Pool.of(str(host_pool_name), host_pool)
 
     @property
-    def store(self) -> DirectFileStore:
+    def store(self) -> PageStore:
         """Opened on first use, when every pool (and so the largest page) is known."""
         if self._store is None:
             with self._open_lock:
@@ -180,8 +191,17 @@ class KvstageHiCacheStorage(HiCacheStorage):
                     if size < want:
                         log.warning("kvstage storage: staging buffers of %d MiB, not %d: 1/8 of the free memory",
                                     size >> 20, want >> 20)
-                    self._store = DirectFileStore(root=self.root, namespace=self.namespace, staging_bytes=size,
-                                                  capacity_bytes=self.capacity_bytes, direct=self.direct)
+                    if self.kind == "mooncake":
+                        from ...storage.mooncake_store import MooncakePageStore
+                        self._store = MooncakePageStore(
+                            namespace=self.namespace, master=self.extra["kvstage_mooncake_master"],
+                            metadata=self.extra["kvstage_mooncake_metadata"], staging_bytes=size,
+                            segment_bytes=int(float(self.extra.get("kvstage_mooncake_segment_gb", 1)) * (1 << 30)),
+                            local_hostname=self.extra.get("kvstage_mooncake_hostname", "127.0.0.1"),
+                            protocol=self.extra.get("kvstage_mooncake_protocol", "tcp"))
+                    else:
+                        self._store = DirectFileStore(root=self.root, namespace=self.namespace, staging_bytes=size,
+                                                      capacity_bytes=self.capacity_bytes, direct=self.direct)
         return self._store
 
     def _pool(self, name) -> _Pool:

@@ -145,3 +145,20 @@ def test_hybrid_pools_share_one_batch_and_are_evicted_together(ext4):
     assert not any(b.store.contains(PageKey(k, key)) for k in kinds for key in first)
     assert all(b.store.contains(PageKey(k, f"y1-{i}")) for k in kinds for i in range(8))
     b.close()
+
+
+def test_mooncake_store_behind_the_same_backend(tmp_path):
+    from mooncake_master import mooncake_master
+    pool = host_pool("page_first")
+    with mooncake_master(tmp_path) as (master, metadata):
+        b = backend(tmp_path, pool, kvstage_store="mooncake", kvstage_mooncake_master=master,
+                    kvstage_mooncake_metadata=metadata, kvstage_mooncake_segment_gb=0.0625, kvstage_staging_mb=4)
+        src, dst = pool.alloc(8 * PAGE), pool.alloc(8 * PAGE)
+        fill(pool, src, seed=8)
+        keys = [f"mc{i}" for i in range(8)]
+        assert b.batch_set_v1(keys, src) == [True] * 8
+        assert b.store.stats.writes == 1                  # one batch_put_from
+        assert b.batch_exists(keys + ["absent"]) == 8
+        assert b.batch_get_v1(keys, dst) == [True] * 8
+        assert all(torch.equal(a, c) for a, c in zip(pages_of(pool, src), pages_of(pool, dst)))
+        b.close()
