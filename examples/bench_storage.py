@@ -9,6 +9,9 @@
   durable (its files fsynced at the end, as kvstage's O_DIRECT write is when it returns),
   "write-nosync" without; its reads are cold (each file fsynced and dropped from the page cache
   with POSIX_FADV_DONTNEED first).
+- with --mooncake, Mooncake Store (a mooncake_master started here for each, tcp): kvstage's store behind
+  the same backend (kvstage_store=mooncake) against SGLang's own mooncake backend (zero copy
+  from its registered host pool), both through batch_set_v1 / batch_get_v1.
 - dd: one O_DIRECT write of the same bytes from an aligned buffer, one O_DIRECT read: the disk's
   bound, without any host-pool copy.
 
@@ -20,6 +23,7 @@ Run in the SGLang venv:  PYTHONPATH=tests/sglang_adapter/shims:.. .venv-sglang/b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -68,6 +72,8 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--layout", default="page_first", choices=["page_first", "layer_first"])
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--mooncake", action="store_true",
+                    help="also Mooncake Store (a local mooncake_master): kvstage's store against SGLang's mooncake backend")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
 
@@ -143,6 +149,42 @@ def main() -> int:
         return {"write": t1 - t0, "read": t2 - t1}
 
     contenders = {"kvstage": kvstage_rw, "sglang-file": sglang_file_rw, "dd": dd_rw}
+    stack = contextlib.ExitStack()
+    if args.mooncake:
+        from mooncake_master import mooncake_master
+        # one master each: with both clients on one master, a store's objects may land in the
+        # other client's segment and cross TCP, which would time placement, not the stores
+        (root / "mc-kvstage").mkdir()
+        (root / "mc-sglang").mkdir()
+        master, metadata = stack.enter_context(mooncake_master(root / "mc-kvstage"))
+        master2, metadata2 = stack.enter_context(mooncake_master(root / "mc-sglang"))
+        seg = (args.rounds + 2) * total + (256 << 20)
+        mk = StorageBackendFactory.create_backend("dynamic", config(str(root), {
+            "backend_name": "kvstage", "module_path": "kvstage.adapters.sglang.storage",
+            "class_name": "KvstageHiCacheStorage", "interface_v1": 1, "kvstage_store": "mooncake",
+            "kvstage_mooncake_master": master, "kvstage_mooncake_metadata": metadata,
+            "kvstage_mooncake_segment_gb": seg / (1 << 30),
+            "kvstage_staging_mb": (n + 2) * page_bytes / (1 << 20) + 1}), pool)
+        mk.register_mem_pool_host(pool)
+        sm = StorageBackendFactory.create_backend("mooncake", config(str(root), {
+            "master_server_address": master2, "metadata_server": metadata2, "global_segment_size": seg,
+            "protocol": "tcp", "local_hostname": "127.0.0.1", "check_server": False}), pool)
+        sm.register_mem_pool_host(pool)
+
+        def v1_rw(backend, tag):
+            def rw(r):
+                keys = [f"{tag}{r}-{i}" for i in range(n)]
+                t0 = time.perf_counter()
+                ok = backend.batch_set_v1(keys, src)
+                t1 = time.perf_counter()
+                got = backend.batch_get_v1(keys, dst)
+                t2 = time.perf_counter()
+                assert all(ok) and all(got), f"{tag}: pages lost ({sum(ok)} stored, {sum(got)} read)"
+                return {"write": t1 - t0, "read": t2 - t1}
+            return rw
+
+        contenders["kvstage-mooncake"] = v1_rw(mk, "km")
+        contenders["sglang-mooncake"] = v1_rw(sm, "sm")
     names = list(contenders)
     times: dict[str, dict[str, list[float]]] = {c: {} for c in names}
     load0 = os.getloadavg()
@@ -169,9 +211,14 @@ def main() -> int:
         ratios[f"{op} kvstage/sglang-file"] = gbps["kvstage"][op] / gbps["sglang-file"][op]
         ratios[f"{op} kvstage/dd"] = gbps["kvstage"][op] / gbps["dd"][op]
     ratios["write kvstage/sglang-file-nosync"] = gbps["kvstage"]["write"] / gbps["sglang-file"]["write-nosync"]
+    if args.mooncake:
+        for op in ("write", "read"):
+            ratios[f"{op} kvstage-mooncake/sglang-mooncake"] = (gbps["kvstage-mooncake"][op]
+                                                                 / gbps["sglang-mooncake"][op])
     print()
     for k, v in ratios.items():
-        goal = 3.0 if "sglang-file" in k and "nosync" not in k else 0.7 if "dd" in k else None
+        goal = (3.0 if "sglang-file" in k and "nosync" not in k else 0.7 if "dd" in k
+                else 1.0 if "mooncake" in k else None)
         verdict = "" if goal is None else f"  (goal >= {goal}x: {'PASS' if v >= goal else 'MISS'})"
         print(f"{k:<36} {v:5.2f}x{verdict}")
     print(f"# kvstage store stats: {ks.stats()}")
@@ -182,6 +229,10 @@ def main() -> int:
                                                "ratios": ratios}, indent=1))
         print(f"wrote {args.json}")
     ks.close()
+    if args.mooncake:
+        mk.close()
+        sm.close()
+    stack.close()
     shutil.rmtree(root, ignore_errors=True)
     return 0
 

@@ -5,10 +5,13 @@ Same contract as `DirectFileStore` (`PageStore`): put/get/present by `PageKey`, 
 a store that is unreachable or full (pages not stored, misses; `stats.last_error` says why), and
 never handing back bytes that do not match their digest.
 
-- A batch is gathered into a staging buffer registered with Mooncake (`HostMemory`), each page
-  followed by a 16-byte trailer (magic, format version, xxh3-64 of the page), and stored by ONE
-  `batch_put_from` (zero copy from the buffer); a read is ONE `batch_get_into` into the read
-  buffer, each page checked against its trailer before it is handed on.
+- Each object is a page followed by a 16-byte trailer (magic, format version, xxh3-64 of the
+  page). `put`/`get` gather a batch into a staging buffer registered with Mooncake (`HostMemory`)
+  and store it by ONE `batch_put_from`, read by ONE `batch_get_into`, each page checked against
+  its trailer before it is handed on. `put_pieces`/`get_pieces` do the same with no copy at all,
+  straight from and into registered memory given as (address, size) pieces per page (SGLang's
+  host pool), by ONE `batch_put_from_multi_buffers` / `batch_get_into_multi_buffers`; the same
+  objects, so either path reads what the other wrote.
 - Object keys are ``kvstage/<namespace digest>/<kind>/<key>``: another namespace finds nothing.
 - Eviction is Mooncake's, per object: unlike the file store, the pages of one batch are not
   evicted together (a request's KV and states may part; a missing state is a miss by SGLang's
@@ -17,6 +20,7 @@ never handing back bytes that do not match their digest.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import struct
@@ -37,6 +41,14 @@ log = logging.getLogger(__name__)
 _TRAILER = struct.Struct("<4sIQ")   # magic, version, xxh3-64
 MAGIC = b"KVSM"
 VERSION = 1
+
+
+def _digest(pieces: Sequence[tuple[int, int]]) -> int:
+    """xxh3-64 of a page's pieces, read in place."""
+    h = xxhash.xxh3_64()
+    for addr, n in pieces:
+        h.update((ctypes.c_char * n).from_address(addr))
+    return h.intdigest()
 
 
 class MooncakePageStore:
@@ -133,17 +145,7 @@ class MooncakePageStore:
                 except Exception as exc:
                     res = [-1] * len(batch)
                     self.stats.last_error = f"batch_put_from failed: {exc}"
-            self.stats.writes += 1
-            failed = [rc for rc in res if rc != 0]
-            if failed:
-                self.stats.pages_not_stored += len(failed)
-                self.stats.last_error = self.stats.last_error or f"Mooncake Store refused {len(failed)} pages (rc {failed[0]})"
-                log.warning("kvstage storage: %s", self.stats.last_error)
-            for i, rc in zip(batch, res):
-                ok[i] = rc == 0
-                if rc == 0:
-                    self.stats.pages_written += 1
-                    self.stats.bytes_written += sizes[i]
+            self._count_puts(batch, res, [sizes[i] for i in batch], ok)
         done = {pks[i] for i, x in enumerate(ok) if x}
         return [pk in done for pk in pks]
 
@@ -180,6 +182,95 @@ class MooncakePageStore:
         self.stats.pages_read += n_ok
         self.stats.pages_missed += len(ok) - n_ok
         return ok
+
+    # ---- zero copy: pages as (address, size) pieces of memory registered with `register` ----
+
+    def register(self, addr: int, nbytes: int) -> None:
+        """Register memory (SGLang's host pool) that `put_pieces` and `get_pieces` address."""
+        rc = self._store.register_buffer(addr, nbytes)
+        if rc != 0:
+            raise StoreError(f"Mooncake Store register_buffer of {nbytes} bytes at {addr:#x} failed (rc {rc})")
+
+    def put_pieces(self, pks: Sequence[PageKey], pieces: Sequence[Sequence[tuple[int, int]]]) -> list[bool]:
+        """Store each page from its pieces in place (registered memory) with its trailer: one
+        `batch_put_from_multi_buffers` per batch, the same objects `put` stores."""
+        there = self.present(pks)
+        ok = list(there)
+        self.stats.pages_skipped_present += sum(there)
+        todo, seen = [], set()
+        for i, pk in enumerate(pks):
+            if not there[i] and pk not in seen:
+                seen.add(pk)
+                todo.append(i)
+        per = self.staging_bytes // _TRAILER.size
+        for start in range(0, len(todo), per):
+            batch = todo[start:start + per]
+            with self._wlock:
+                buf = self._wbuf.tensor
+                for j, i in enumerate(batch):
+                    tr = _TRAILER.pack(MAGIC, VERSION, _digest(pieces[i]))
+                    buf[j * _TRAILER.size:(j + 1) * _TRAILER.size].copy_(torch.frombuffer(bytearray(tr), dtype=torch.uint8))
+                try:
+                    res = self._store.batch_put_from_multi_buffers(
+                        [self._key(pks[i]) for i in batch],
+                        [[p for p, _ in pieces[i]] + [self._wbuf.addr + j * _TRAILER.size] for j, i in enumerate(batch)],
+                        [[n for _, n in pieces[i]] + [_TRAILER.size] for i in batch])
+                except Exception as exc:
+                    res = [-1] * len(batch)
+                    self.stats.last_error = f"batch_put_from_multi_buffers failed: {exc}"
+            self._count_puts(batch, res, [sum(n for _, n in pieces[i]) for i in batch], ok)
+        done = {pks[i] for i, x in enumerate(ok) if x}
+        return [pk in done for pk in pks]
+
+    def get_pieces(self, pks: Sequence[PageKey], pieces: Sequence[Sequence[tuple[int, int]]]) -> list[bool]:
+        """Read each page straight into its pieces (registered memory), then check it against its
+        trailer: a page that does not match is a miss (False). Its pieces then hold bytes that
+        must not be used: SGLang frees the host pages of a miss without reading them."""
+        ok = [False] * len(pks)
+        per = self.staging_bytes // _TRAILER.size
+        for start in range(0, len(pks), per):
+            batch = list(range(start, min(len(pks), start + per)))
+            with self._rlock:
+                buf = self._rbuf.tensor
+                sizes = [sum(n for _, n in pieces[i]) for i in batch]
+                try:
+                    got = self._store.batch_get_into_multi_buffers(
+                        [self._key(pks[i]) for i in batch],
+                        [[p for p, _ in pieces[i]] + [self._rbuf.addr + j * _TRAILER.size] for j, i in enumerate(batch)],
+                        [[n for _, n in pieces[i]] + [_TRAILER.size] for i in batch])
+                except Exception as exc:
+                    got = [-1] * len(batch)
+                    self.stats.last_error = f"batch_get_into_multi_buffers failed: {exc}"
+                self.stats.reads += 1
+                for j, (i, n, size) in enumerate(zip(batch, got, sizes)):
+                    if n != size + _TRAILER.size:
+                        continue
+                    magic, version, digest = _TRAILER.unpack(
+                        bytes(buf[j * _TRAILER.size:(j + 1) * _TRAILER.size].numpy()))
+                    if magic != MAGIC or version != VERSION or _digest(pieces[i]) != digest:
+                        self.stats.pages_corrupt += 1
+                        self.stats.last_error = f"page {pks[i].key!r} failed its digest: a miss"
+                        log.warning("kvstage storage: %s", self.stats.last_error)
+                        continue
+                    ok[i] = True
+                    self.stats.bytes_read += size
+        n_ok = sum(ok)
+        self.stats.pages_read += n_ok
+        self.stats.pages_missed += len(ok) - n_ok
+        return ok
+
+    def _count_puts(self, batch, res, sizes, ok) -> None:
+        self.stats.writes += 1
+        failed = [rc for rc in res if rc != 0]
+        if failed:
+            self.stats.pages_not_stored += len(failed)
+            self.stats.last_error = f"Mooncake Store refused {len(failed)} pages (rc {failed[0]})"
+            log.warning("kvstage storage: %s", self.stats.last_error)
+        for i, rc, n in zip(batch, res, sizes):
+            ok[i] = rc == 0
+            if rc == 0:
+                self.stats.pages_written += 1
+                self.stats.bytes_written += n
 
     def clear(self) -> None:
         """Mooncake Store is shared: this removes nothing (SGLang's clear is per server)."""

@@ -166,6 +166,7 @@ class KvstageHiCacheStorage(HiCacheStorage):
         self._store: PageStore | None = None
         self._open_lock = threading.Lock()
         self._anchor: _Pool | None = None
+        self._registered: set[str] = set()
         self._counts = {"prefetch_pgs": [], "backup_pgs": []}
 
     # ---- pools and the store -------------------------------------------------------------
@@ -283,6 +284,9 @@ class KvstageHiCacheStorage(HiCacheStorage):
         return [PageKey(pool.kind, k) for k in keys], [pool.page_bytes] * n, out, inn
 
     def _io(self, parts: list[tuple[_Pool, list[str], torch.Tensor]], write: bool) -> list[list[bool]]:
+        store = self.store
+        if hasattr(store, "put_pieces") and all(p.pointers for p, _, _ in parts):
+            return self._io_in_place(store, parts, write)
         pks, sizes, outs, ins, bounds = [], [], [], [], []
         for pool, keys, idx in parts:
             k, s, o, i = self._items(pool, keys, idx)
@@ -295,6 +299,22 @@ class KvstageHiCacheStorage(HiCacheStorage):
             ok = self.store.put(pks, sizes, lambda j, dst: outs[j](dst))
         else:
             ok = self.store.get(pks, sizes, lambda j, src: ins[j](src))
+        return [ok[a:b] for a, b in bounds]
+
+    def _io_in_place(self, store, parts, write: bool) -> list[list[bool]]:
+        """Mooncake Store, MHA/MLA pools: pages go from and to the host pool in place."""
+        pks, pieces, bounds = [], [], []
+        for pool, keys, idx in parts:
+            if idx is None or idx.numel() < len(keys) * pool.page_size:
+                raise ValueError(f"{pool.name}: {len(keys)} pages need {len(keys) * pool.page_size} host indices")
+            if pool.name not in self._registered:
+                buf = pool.pool.kv_buffer
+                store.register(buf.data_ptr(), buf.numel() * buf.element_size())
+                self._registered.add(pool.name)
+            bounds.append((len(pks), len(pks) + len(keys)))
+            pks += [PageKey(pool.kind, k) for k in keys]
+            pieces += pool.pieces(idx, len(keys)) if keys else []
+        ok = store.put_pieces(pks, pieces) if write else store.get_pieces(pks, pieces)
         return [ok[a:b] for a, b in bounds]
 
     def _safe(self, what: str, n: list[int], fn) -> list[list[bool]]:

@@ -161,4 +161,16 @@ def test_mooncake_store_behind_the_same_backend(tmp_path):
         assert b.batch_exists(keys + ["absent"]) == 8
         assert b.batch_get_v1(keys, dst) == [True] * 8
         assert all(torch.equal(a, c) for a, c in zip(pages_of(pool, src), pages_of(pool, dst)))
+        # written in place from the pool, read back by the staged path: the same objects
+        kind = b._anchor.kind
+        flat = {}
+        assert b.store.get([PageKey(kind, k) for k in keys], [b._anchor.page_bytes] * 8,
+                           lambda i, page: flat.__setitem__(i, page.clone())) == [True] * 8
+        assert torch.equal(flat[2].view(pool.dtype), pool.get_data_page(int(src[2 * PAGE]), flat=True))
+        # an object whose page does not match its trailer: a miss on the in-place read
+        raw = bytearray(b.store._store.get(b.store._key(PageKey(kind, keys[0]))))
+        raw[7] ^= 0x40
+        assert b.store._store.put(b.store._key(PageKey(kind, "bad")), bytes(raw)) == 0
+        assert b.batch_get_v1([keys[1], "bad"], dst) == [True, False]
+        assert b.stats()["pages_corrupt"] == 1
         b.close()

@@ -1,4 +1,4 @@
-"""A real Mooncake Store master for the storage tests: the Mooncake package's mooncake_master
+"""A real Mooncake Store master for the storage tests and examples/bench_storage.py: the Mooncake package's mooncake_master
 with its HTTP metadata server, on free ports, stopped by its PID."""
 
 from __future__ import annotations
