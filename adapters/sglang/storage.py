@@ -173,11 +173,16 @@ class KvstageHiCacheStorage(HiCacheStorage):
 
     def register_mem_pool_host(self, mem_pool_host) -> None:
         super().register_mem_pool_host(mem_pool_host)
-        self._anchor = self._pools[str(PoolName.KV)] = _Pool.of(str(PoolName.KV), mem_pool_host)
+        # hybrid models hand over a pool group (entries per pool): its anchor entry is the KV pool
+        entry = getattr(mem_pool_host, "anchor_entry", None)
+        kv_pool = entry.host_pool if entry is not None else mem_pool_host
+        self._anchor = self._pools[str(PoolName.KV)] = _Pool.of(str(PoolName.KV), kv_pool)
 
     def register_mem_host_pool_v2(self, host_pool, host_pool_name) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
-        self._pools[str(host_pool_name)] = _Pool.of(str(host_pool_name), host_pool)
+        pool = self._pools[str(host_pool_name)] = _Pool.of(str(host_pool_name), host_pool)
+        if str(host_pool_name) == str(PoolName.KV):
+            self._anchor = pool
 
     @property
     def store(self) -> PageStore:

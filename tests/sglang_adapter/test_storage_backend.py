@@ -116,8 +116,12 @@ def test_prefetch_shrinks_to_the_free_host_memory(ext4):
 def test_hybrid_pools_share_one_batch_and_are_evicted_together(ext4):
     kv, state = host_pool("page_first"), host_pool("layer_first")
     page_file = 16 * 65536 + 4096      # 8 KV + 8 state pages (2 layers x K,V x 64 tokens x 2 heads x 64 x bf16), footer
-    b = backend(ext4 / "hybrid", kv, kvstage_capacity_gb=(2 * page_file) / (1 << 30))
-    b.register_mem_host_pool_v2(state, PoolName.MAMBA)
+    from sglang.srt.mem_cache.pool_host.group import HostPoolGroup, PoolEntry
+    group = HostPoolGroup([PoolEntry(PoolName.KV, kv, None, lambda i: i, is_primary_index_anchor=True),
+                           PoolEntry(PoolName.MAMBA, state, None, lambda i: i)])
+    b = backend(ext4 / "hybrid", group, kvstage_capacity_gb=(2 * page_file) / (1 << 30))   # as SGLang does:
+    b.register_mem_host_pool_v2(kv, PoolName.KV)                                            # the group, then
+    b.register_mem_host_pool_v2(state, PoolName.MAMBA)                                      # each pool
     ki, si = kv.alloc(8 * PAGE), state.alloc(8 * PAGE)
     fill(kv, ki, seed=6), fill(state, si, seed=7)
     first = [f"x{i}" for i in range(8)]
