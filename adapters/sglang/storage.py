@@ -167,6 +167,7 @@ class KvstageHiCacheStorage(HiCacheStorage):
         self._open_lock = threading.Lock()
         self._anchor: _Pool | None = None
         self._registered: set[str] = set()
+        self._last_grant: tuple[str | None, int] = (None, 0)   # last key granted, pages granted to its prefix
         self._counts = {"prefetch_pgs": [], "backup_pgs": []}
 
     # ---- pools and the store -------------------------------------------------------------
@@ -215,14 +216,17 @@ class KvstageHiCacheStorage(HiCacheStorage):
 
     # ---- exists and the prefetch budget ----------------------------------------------------
 
-    def _grant(self, hits: int) -> int:
-        """Shrink a prefetch of `hits` pages to what the L2 pool has free beyond its reserve."""
+    def _grant(self, hits: int, already: int = 0) -> int:
+        """Shrink a prefetch of `hits` pages to what the L2 pool has free beyond its reserve,
+        less the `already` pages granted to earlier batches of the same prefix (SGLang asks in
+        batches of 128 and allocates only after the last answer)."""
         host = getattr(self, "mem_pool_host", None)
         if host is None or hits == 0:
             return hits
         budget = PrefetchBudget(pool_tokens=host.size, page_size=self._anchor.page_size,
                                 reserve_fraction=self.reserve_fraction)
-        grant = budget.grant(hits, int(host.available_size()))
+        free = max(0, int(host.available_size()) - already * self._anchor.page_size)
+        grant = budget.grant(hits, free)
         self.prefetch_metrics.add(grant)
         if grant.granted < hits:
             log.info("kvstage storage: prefetch of %d pages shrunk to %d (%d tokens free, %d kept for L2)",
@@ -235,7 +239,13 @@ class KvstageHiCacheStorage(HiCacheStorage):
     def batch_exists(self, keys: list[str], extra_info=None) -> int:
         present = self.store.present([PageKey(self._anchor.kind, k) for k in keys])
         hits = present.index(False) if False in present else len(present)
-        return self._grant(hits)
+        prefix = getattr(extra_info, "prefix_keys", None)
+        last_key, already = self._last_grant
+        if not (prefix and last_key is not None and prefix[-1] == last_key):
+            already = 0        # not the next batch of the prefix granted last
+        granted = self._grant(hits, already)
+        self._last_grant = (keys[granted - 1] if granted else None, already + granted)
+        return granted
 
     def batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None = None,
                         extra_info=None) -> PoolTransferResult:

@@ -110,6 +110,12 @@ def test_prefetch_shrinks_to_the_free_host_memory(ext4):
     assert b.batch_exists(keys) == 5
     s = b.stats()
     assert (s["prefetch_shrunk"], s["prefetch_pages_requested"], s["prefetch_pages_granted"]) == (1, 32, 21)
+    # SGLang asks batch by batch (prefix_keys: the hashes before the batch) and allocates after
+    # the last answer: the second batch gets what the first one left
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageExtraInfo
+    assert b.batch_exists(keys[:3], HiCacheStorageExtraInfo(prefix_keys=[])) == 3
+    assert b.batch_exists(keys[3:8], HiCacheStorageExtraInfo(prefix_keys=keys[:3])) == 2
+    assert b.batch_exists(keys[3:8], HiCacheStorageExtraInfo(prefix_keys=["elsewhere"])) == 5
     b.close()
 
 
