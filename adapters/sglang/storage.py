@@ -185,6 +185,11 @@ class KvstageHiCacheStorage(HiCacheStorage):
         if str(host_pool_name) == str(PoolName.KV):
             self._anchor = pool
 
+    def on_host_pools_registered(self) -> None:
+        """SGLang's attach is over: open the store now, so that a store that cannot be opened
+        (no directory, unreachable master) fails the attach with its reason, not a request."""
+        self.store  # noqa: B018
+
     @property
     def store(self) -> PageStore:
         """Opened on first use, when every pool (and so the largest page) is known."""
@@ -234,9 +239,20 @@ class KvstageHiCacheStorage(HiCacheStorage):
         return grant.granted
 
     def exists(self, key: str) -> bool:
-        return self.store.contains(PageKey(self._anchor.kind, key))
+        try:
+            return self.store.contains(PageKey(self._anchor.kind, key))
+        except Exception as exc:   # the server keeps serving: a store that fails is a miss
+            log.error("kvstage storage: exists failed: %s", exc)
+            return False
 
     def batch_exists(self, keys: list[str], extra_info=None) -> int:
+        try:
+            return self._batch_exists(keys, extra_info)
+        except Exception as exc:
+            log.error("kvstage storage: batch_exists failed: %s", exc, exc_info=True)
+            return 0
+
+    def _batch_exists(self, keys: list[str], extra_info) -> int:
         present = self.store.present([PageKey(self._anchor.kind, k) for k in keys])
         hits = present.index(False) if False in present else len(present)
         prefix = getattr(extra_info, "prefix_keys", None)
@@ -251,6 +267,13 @@ class KvstageHiCacheStorage(HiCacheStorage):
                         extra_info=None) -> PoolTransferResult:
         """Longest KV prefix whose every extra pool is there too, by each pool's hit policy (as
         SGLang's file backend decides), then shrunk to the prefetch budget."""
+        try:
+            return self._batch_exists_v2(keys, pool_transfers)
+        except Exception as exc:   # the server keeps serving: a store that fails is a miss
+            log.error("kvstage storage: batch_exists_v2 failed: %s", exc, exc_info=True)
+            return PoolTransferResult.empty()
+
+    def _batch_exists_v2(self, keys: list[str], pool_transfers: list[PoolTransfer] | None) -> PoolTransferResult:
         store = self.store
         kv = store.present([PageKey(self._anchor.kind, k) for k in keys])
         kv_pages = kv.index(False) if False in kv else len(kv)

@@ -184,3 +184,13 @@ def test_mooncake_store_behind_the_same_backend(tmp_path):
         assert b.batch_get_v1([keys[1], "bad"], dst) == [True, False]
         assert b.stats()["pages_corrupt"] == 1
         b.close()
+
+
+def test_a_store_that_cannot_be_opened_fails_the_attach_with_its_reason(tmp_path):
+    from kvstage.storage.file_store import StoreError
+    (tmp_path / "a-file").write_text("not a directory")
+    b = backend(tmp_path / "a-file" / "kv", host_pool("page_first"))
+    with pytest.raises(StoreError, match="cannot be made"):
+        b.on_host_pools_registered()          # SGLang calls it at attach: the attach fails, named
+    assert b.batch_exists(["k"]) == 0          # a data call never raises: a miss
+    assert not b.exists("k")
