@@ -18,8 +18,9 @@ PIP    := $(PY) -m pip --disable-pip-version-check
 STAMP  := $(VENV)/.kvstage-installed
 REQS   := requirements/torch.txt requirements/nixl.txt requirements/base.txt pyproject.toml
 # Debian packages the Mooncake engine links against, iproute2 for the multi-host tests, and
-# etcd-server (3.4) for the etcd rendezvous' tests and benchmark (docs/bootstrap.md).
-APT_PACKAGES := libibverbs1 libnuma1 iproute2 etcd-server
+# etcd-server (3.4) for the etcd rendezvous' tests and benchmark (docs/bootstrap.md), e2fsprogs
+# (mkfs.ext4) for the storage tests' loop-mounted ext4 image (docs/storage.md).
+APT_PACKAGES := libibverbs1 libnuma1 iproute2 etcd-server e2fsprogs
 
 PYTEST_ARGS ?=
 DEMO_ARGS ?=
