@@ -202,3 +202,26 @@ def test_credit_messages_round_trip_on_the_wire():
                 CreditReturn(src=1, dst=2, epoch=3, credit=4, writes=[CreditWrite(1, 2, 3, 4)]),
                 CreditAck(src=1, dst=2, epoch=3, credit=4)):
         assert codec.decode(codec.encode(msg)) == msg
+
+
+def test_why_pieces_of_several_writers_keep_the_grant_path():
+    """Two prefill ranks that both write a part of pieces X and Y (heterogeneous TP), each from
+    its own credit, in different orders, in a ring of one part per rank: rank 0 holds X's part,
+    rank 1 holds Y's, each waits for the other's part of its piece, and neither has space for it.
+    No credit can be issued and a grant would be reserved behind both: a wait cycle. A grant
+    reserves every part of a piece at once, so pieces of several writers stay on that path."""
+    led = ledger(ring=2 * KIB, ranks=2)
+    purses = [CreditPurse(epoch=7, ring_size=2 * KIB) for _ in range(2)]
+    led.add_demand(0, room=1, session=1, nbytes=2 * KIB)   # X and Y: one part each of either rank
+    led.add_demand(1, room=1, session=1, nbytes=2 * KIB)
+    for i in led.issue():
+        assert purses[i.peer].on_grant(credit=i.credit, epoch=7, start=i.start, nbytes=i.nbytes) is GrantVerdict.OK
+    x0 = purses[0].take(KIB, room=1, session=1)   # rank 0 gathered X first
+    y1 = purses[1].take(KIB, room=1, session=1)   # rank 1 gathered Y first
+    assert led.claim(0, x0.start, KIB, 1, 1).verdict is ClaimVerdict.OK
+    assert led.claim(1, y1.start, KIB, 1, 1).verdict is ClaimVerdict.OK
+    # neither piece is whole, so neither part can be scattered and released
+    assert purses[0].take(KIB, room=1, session=1) is None and purses[1].take(KIB, room=1, session=1) is None
+    assert led.issue() == [] and not led.ring.fits_now(KIB)
+    grant = led.ring.allocate(KIB)   # the fallback's region: behind both credits, not writable
+    assert not led.ring.is_free(grant)
