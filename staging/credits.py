@@ -14,7 +14,9 @@ The rules, decided here and in credit_ledger.py (decode) and credit_purse.py (pr
 - **Sizing** (`credit_target`): credits go where requests are. A rank with no staged request
   towards the decode rank gets no credit; one with requests gets what its requests still have
   to write, at least one piece (`floor`), at most a fair share of the ring among the ranks that
-  have requests (`cap`), so 64 connected prefill ranks of which 2 are busy split the ring in 2.
+  have requests (`cap`), so 64 connected prefill ranks of which 2 are busy split the ring
+  between those 2. A rank that gives a credit back unused gets none until another room of it
+  starts (what it has left goes the grant path or waits for its data).
 - **Issue only from free space**: a credit is handed out only where it can be written at once
   (`RingAllocator.fits_now`), never reserved ahead of the watermark: a credit never waits for
   another region to be freed, so holding one can never be part of a wait cycle.
@@ -23,7 +25,8 @@ The rules, decided here and in credit_ledger.py (decode) and credit_purse.py (pr
 - **Single-writer pieces only**: a piece whose region several prefill ranks fill (heterogeneous
   TP, prefill TP > decode TP) keeps the grant path: writers that take their parts out of their
   own credits, in their own orders, can each hold a part of a piece the other still has to
-  write while their credits and the ring are full (a wait cycle no credit size rules out).
+  write while their credits and the ring are full: a wait cycle
+  (tests/unit/test_credit_rules.py builds one).
   A grant allocates all parts of a piece at once and has no such cycle.
 - **Fallback**: a write that does not fit its rank's credits goes the grant path
   (AllocRequest / AllocGrant) exactly as without credits.
