@@ -133,6 +133,11 @@ class RingAllocator:
             pages -= 1
         return pages
 
+    def fits_now(self, nbytes: int) -> bool:
+        """Whether a region of `nbytes` allocated now would be free at once (written without
+        waiting for the watermark)."""
+        return self._fits_now(nbytes)
+
     def _fits_now(self, nbytes: int) -> bool:
         nbytes = align_up(nbytes, self.align)
         if nbytes > self.size:

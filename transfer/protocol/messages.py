@@ -160,6 +160,45 @@ class WatermarkUpdate(PeerMessage, kw_only=True, frozen=True):
     tail: int
 
 
+class CreditGrant(PeerMessage, kw_only=True, frozen=True):
+    """decode -> prefill (staged, credits): a standing share of my ring, [start, start + nbytes)
+    in linear ring positions of `epoch`, yours to cut single-writer staged writes from without
+    asking (staging/credits.py). The ring's watermark rides along: the region is free under it.
+    Re-sent until a write used it or it came back; a repeated grant changes nothing."""
+
+    epoch: int
+    credit: int         # the credit's number: grows with every credit given to one rank
+    start: int
+    nbytes: int
+    wm_round: int
+    wm_tail: int
+
+
+class CreditWrite(msgspec.Struct, frozen=True, array_like=True):
+    """One write a prefill rank made into a credit, as its CreditReturn names it."""
+
+    room: int
+    session: int
+    start: int
+    nbytes: int
+
+
+class CreditReturn(PeerMessage, kw_only=True, frozen=True):
+    """prefill -> decode (credits): I take nothing more from this credit and none of my writes
+    into it is in flight; these completed. Re-sent until CreditAck."""
+
+    epoch: int
+    credit: int
+    writes: list[CreditWrite]
+
+
+class CreditAck(PeerMessage, kw_only=True, frozen=True):
+    """decode -> prefill (credits): your CreditReturn arrived."""
+
+    epoch: int
+    credit: int
+
+
 class WriterDone(RoomMessage, kw_only=True, frozen=True):
     """prefill -> decode: all my writes for the room completed locally (tags should follow)."""
 
@@ -230,7 +269,8 @@ class Goodbye(PeerMessage, kw_only=True, frozen=True):
 
 PEER_MESSAGES: tuple[type[PeerMessage], ...] = (
     Hello, HelloAck, RoomMeta, MetaAck, AllocRequest, AllocGrant, WatermarkUpdate,
-    WriterDone, RoomDone, RoomFailed, Quiesced, Heartbeat, Goodbye, WritePosted, TagsAgain)
+    WriterDone, RoomDone, RoomFailed, Quiesced, Heartbeat, Goodbye, WritePosted, TagsAgain,
+    CreditGrant, CreditReturn, CreditAck)   # the credit messages are new: the others' bytes are unchanged
 
 
 def peer_codec(token: bytes | None, max_frame: int | None = None) -> Codec[PeerMessage]:
