@@ -30,6 +30,7 @@ from ..protocol.tags import TagCodec
 from ..regions import buffer_regions, unregistrable
 from ..state_pools import check_pool_items
 from .backend_owner import BackendOwner
+from .calibration import Calibration, calibrate
 from .events import Call, NewReceiver, NewSender, Wake
 from .handles import KVReceiver, KVSender, RoomStatus
 from .loop import EngineLoop
@@ -54,6 +55,9 @@ class KVManager:
             raise ValueError(f"a decode rank with pipeline parallelism (pp_size={layout.pp_size}) is not supported: "
                              f"its tensors would hold one stage's layers and every prefill stage writes every "
                              f"decode rank; run the decode engine with pp_size 1 (PP on the prefill is supported)")
+        if self.config.path == "staged" and layout.mla:
+            raise ValueError("path='staged' (EngineConfig.path / KVSTAGE_PATH) cannot be used with an MLA model: "
+                             "its latent is replicated and moves as whole pages on the direct path")
         self.layout = layout
         self.buffers = buffers.validate(layout)
         self.num_pages = buffers.num_pages
@@ -126,7 +130,7 @@ class KVManager:
         self._backend.call(lambda b: b.deregister(reg))
 
     def _start_staging(self, cfg: EngineConfig) -> None:
-        staged = bool(cfg.staging) and not self.layout.mla
+        staged = bool(cfg.staging) and not self.layout.mla and cfg.path != "direct"   # forced direct: no ring, no buffers
         workers = cast(int, cfg.staging_workers)             # a resolved config has every size
         buffer_mb, ring_mb = cast(float, cfg.staging_buffer_mb), cast(float, cfg.ring_mb)
         self._handler = StagingHandler(
@@ -137,6 +141,24 @@ class KVManager:
             ring_bytes=int(ring_mb * (1 << 20)) if staged and cfg.role == "decode" else 0)
         self._handler.open()
         self._stack.callback(self._handler.close)
+        self._calibration = self._calibrate(cfg, staged)
+
+    def _calibrate(self, cfg: EngineConfig, staged: bool) -> Calibration | None:
+        """The path costs (calibration.py), measured when the choice needs them: staging on and
+        the path not forced. None otherwise (the rank plans by the fixed rule)."""
+        if not (staged and cfg.calibrate and cfg.path == "auto"):
+            return None
+        device = self.buffers.device
+        options = {k: v for k, v in self._make_backend_options(cfg).items() if k != "agent_name"}
+        cal = calibrate(backend_kind=cfg.backend, call=self._backend.call,
+                        make_probe=lambda: create_backend(cfg.backend, f"{self.name}-probe", cfg.host, **options),
+                        device=device, mem_kind="VRAM" if device.type == "cuda" else "DRAM",
+                        row_bytes=self.layout.page_size * self.layout.token_bytes,
+                        writes=cfg.role == "prefill")
+        log.info("kvstage %s: path costs measured in %.0f ms: %s, scatter %s B/s", self.name, cal.seconds * 1e3,
+                 cal.writer, f"{cal.scatter_bytes_per_s:.3g}" if cal.scatter_bytes_per_s else None)
+        self._stats.set("calibration_s", cal.seconds)
+        return cal
 
     def _start_control_context(self, cfg: EngineConfig) -> None:
         self._ctx = zmq.Context()
@@ -159,7 +181,8 @@ class KVManager:
                                 self._backend.call(lambda b: b.name), self._backend.call(lambda b: b.identity()),
                                 self._handler, self._stats, self._sources.lookup,
                                 peer_codec(cfg.token_bytes), self._ctx, ControlFaults(plan) if plan else None,
-                                observer=self._metrics.observer if self._metrics is not None else None)
+                                observer=self._metrics.observer if self._metrics is not None else None,
+                                calibration=self._calibration)
         self._stack.callback(self._stop_loop)
         self.endpoint = self._loop.endpoint
 
@@ -179,7 +202,7 @@ class KVManager:
         # stopped by the bootstrap client's close(); close() deregisters first
         self._bootstrap.start_keepalive(self._info, interval_s=self._timeouts.heartbeat)
 
-    def _make_backend(self, cfg: EngineConfig, plan: FaultPlan | None):
+    def _make_backend_options(self, cfg: EngineConfig) -> dict:
         options = dict(cfg.backend_options)
         if cfg.backend == "mooncake":
             # a Mooncake write cannot be cancelled once inside the engine: bound how long it may
@@ -187,7 +210,10 @@ class KVManager:
             # progressing write run until the write deadline
             options.setdefault("stall_timeout_s", self._timeouts.mooncake_stall())
             options.setdefault("transfer_timeout_s", self._timeouts.write)
-        backend = create_backend(cfg.backend, self.name, cfg.host, **options)
+        return options
+
+    def _make_backend(self, cfg: EngineConfig, plan: FaultPlan | None):
+        backend = create_backend(cfg.backend, self.name, cfg.host, **self._make_backend_options(cfg))
         if plan is None:
             return backend
         log.warning("kvstage rank %s runs with injected faults: %s", self.name, plan)
