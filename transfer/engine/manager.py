@@ -20,6 +20,7 @@ from ...bootstrap import BootstrapError, RankGone, RankInfo, open_rendezvous
 from ...hop_trace import TRACE
 from ...staging.handler import StagingHandler
 from ...staging.kernels import kernel_choice, requested_kernels
+from ...staging.warmup import warm_kernels
 from ..backends import create_backend
 from ..backends.faults import ControlFaults, FaultPlan, FaultyBackend
 from ..config import METRICS_PORT_ENV, EngineConfig, Timeouts
@@ -142,6 +143,24 @@ class KVManager:
         self._handler.open()
         self._stack.callback(self._handler.close)
         self._calibration = self._calibrate(cfg, staged)
+        if staged:
+            self._warm_kernels(cfg)
+
+    def _warm_kernels(self, cfg: EngineConfig) -> None:
+        """Every gather/scatter kernel this layout can use, built (or loaded from Triton's cache)
+        now rather than in the first staged request (staging/warmup.py); nothing on CPU."""
+        b, lay = self.buffers, self.layout
+        try:
+            launches, seconds = warm_kernels(role=cfg.role, k=b.entry_k, v=b.entry_v, page_size=lay.page_size,
+                                             local_heads=lay.local_heads, num_pages=b.num_pages,
+                                             region_bytes=lay.num_kv * len(b.entry_k) * lay.page_size * lay.token_bytes)
+        except Exception as exc:  # noqa: BLE001 - the first request then compiles, as before
+            log.warning("kvstage %s: building the staging kernels at start failed (%s: %s); the first staged "
+                        "request builds them", self.name, type(exc).__name__, exc)
+            return
+        if launches:
+            log.info("kvstage %s: %d kernel variants ready in %.2f s", self.name, launches, seconds)
+            self._stats.set("kernel_warmup_s", seconds)
 
     def _calibrate(self, cfg: EngineConfig, staged: bool) -> Calibration | None:
         """The path costs (calibration.py), measured when the choice needs them: staging on and
