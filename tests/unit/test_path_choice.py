@@ -98,6 +98,22 @@ def test_without_costs_the_fixed_rule_decides(tp_differ):
         assert (c.verdict, c.reason, c.staged_s, c.direct_s) == (expect, PathReason.FIXED_RULE, None, None)
 
 
+@pytest.mark.parametrize("tp_differ", [False, True])
+def test_a_close_call_keeps_the_fixed_rules_path(tp_differ):
+    """Staged predicted 1.1x faster than direct: kept only where the fixed rule stages anyway."""
+    shape = RequestShape(nbytes=64 * MiB, writers=1, direct_ranges=1000, direct_writes=1, pieces=1)
+    cost = WriteCost(backend="nixl", mem_kind="DRAM", per_write_s=0.0, per_range_s=0.0, per_byte_s=1e-10)
+    staged = staged_seconds(shape, cost, 1e12, 1e12)
+    close = msgspec.structs.replace(cost, per_range_s=(staged * 1.1 - 64 * MiB * 1e-10) / 1000)
+    c = choose(shape, WriterCosts(writes=[close], gather_bytes_per_s=1e12), 1e12, "DRAM", tp_differ=tp_differ)
+    assert c.direct_s == pytest.approx(1.1 * c.staged_s, rel=1e-3)
+    assert c.verdict is (PathVerdict.STAGED if tp_differ else PathVerdict.DIRECT)
+    wide = choose_path(mode=PathMode.AUTO, can_stage=True, tp_differ=tp_differ, shape=shape,
+                       writers=[WriterCosts(writes=[close], gather_bytes_per_s=1e12)], mem_kind="DRAM",
+                       scatter_bytes_per_s=1e12, margin=1.0)
+    assert wide.verdict is PathVerdict.STAGED
+
+
 def test_the_slowest_writer_counts_and_pieces_overlap():
     slow = WriterCosts(writes=[msgspec.structs.replace(CPU_WRITE, per_range_s=50e-6)], gather_bytes_per_s=4e9)
     shape = equal_tp(2048, 16, contiguous=False)

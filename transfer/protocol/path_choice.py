@@ -17,8 +17,9 @@ stage for every further piece.
 
 Invariants: a forced path is never overridden; staged is chosen only where the ranks can stage
 (`can_stage`); without costs from every writer and a scatter rate here, the fixed rule decides
-(staged iff the TP sizes differ), as before the model existed; predicted times are None exactly
-when no prediction was made.
+(staged iff the TP sizes differ), as before the model existed; with costs, the fixed rule's path
+is left only for one predicted `MARGIN` times faster; predicted times are None exactly when no
+prediction was made.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ from ...bootstrap.wire import prebuild_struct_info
 from .kinds import StrKind
 
 PATH_ENV = "KVSTAGE_PATH"
+# the fixed rule's path is kept unless the other one is predicted this many times faster: the
+# costs are measured once, in a fraction of a second, and a close call is not worth a flip
+MARGIN = 1.25
 
 
 class PathMode(StrKind):
@@ -141,7 +145,8 @@ def fixed_rule(can_stage: bool, tp_differ: bool) -> PathChoice:
 
 
 def choose_path(*, mode: PathMode, can_stage: bool, tp_differ: bool, shape: RequestShape,
-                writers: list[WriterCosts | None], mem_kind: str, scatter_bytes_per_s: float | None) -> PathChoice:
+                writers: list[WriterCosts | None], mem_kind: str, scatter_bytes_per_s: float | None,
+                margin: float = MARGIN) -> PathChoice:
     """The path of one room. `writers`: each writer's costs (None: it measured none);
     `mem_kind`: this decode rank's KV memory kind, whose write costs count. A forced STAGED
     with `can_stage` false is the caller's error (checked at start or refused at plan time):
@@ -160,7 +165,10 @@ def choose_path(*, mode: PathMode, can_stage: bool, tp_differ: bool, shape: Requ
     staged = max(staged_seconds(shape, c, wc.gather_bytes_per_s, scatter_bytes_per_s)
                  for c, wc in zip(costs, writers, strict=True) if c is not None and wc is not None)
     direct = max(direct_seconds(shape, c) for c in costs if c is not None)
-    verdict = PathVerdict.STAGED if staged < direct else PathVerdict.DIRECT
+    if tp_differ:   # the fixed rule stages: direct must be clearly faster
+        verdict = PathVerdict.DIRECT if direct * margin < staged else PathVerdict.STAGED
+    else:
+        verdict = PathVerdict.STAGED if staged * margin < direct else PathVerdict.DIRECT
     return PathChoice(verdict, PathReason.PREDICTED, staged_s=staged, direct_s=direct)
 
 
