@@ -16,7 +16,7 @@ def _case(topo: Topo, backend: str, path: str, seed: int) -> Case:
     if backend == "mooncake":
         extra["timeouts"] = MOONCAKE_TIMEOUTS
     return Case(topo=topo, page_size=16, dtype="bfloat16", staging=True, backend=backend, extra=extra,
-                rooms=random_rooms(seed, 8, 16), label=f"{path}-{backend}")
+                rooms=random_rooms(seed, 4, 16), label=f"{path}-{backend}")
 
 
 @pytest.mark.timeout(400)
@@ -37,7 +37,9 @@ def test_equal_tp_staged_and_the_measured_choice_are_bit_exact():
                 assert st["scatters"], case.name          # whole pages went through the ring
             else:
                 # measured at start: every request predicted, its predicted and actual time summed
-                assert st["path_reasons"] == {"predicted": rooms}, (case.name, st["path_reasons"])
+                warned = [line for text in logs.values() for line in text.splitlines()
+                          if "measuring the path costs failed" in line]
+                assert st["path_reasons"] == {"predicted": rooms}, (case.name, st["path_reasons"], warned)
                 assert set(st["path_predicted_s"]) == set(st["path_actual_s"]) == set(st["path_choices"])
                 assert all(v > 0 for v in st["path_predicted_s"].values())
         for res in results[case.name]["prefill"]:
