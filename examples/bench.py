@@ -8,9 +8,12 @@
 For each transport (NIXL with UCX's default transports, NIXL with UCX_TLS=tcp, Mooncake tcp):
   raw      the backend alone: the request's bytes as ONE write between two processes (the ceiling)
   staged   kvstage, heterogeneous TP (prefill TP 1 -> decode TP 2: each decode rank gets half the
-           heads), SGLANG_DISAGG_STAGING_BUFFER on: one write per rank pair per chunk
+           heads), SGLANG_DISAGG_STAGING_BUFFER on and the staged path forced (KVSTAGE_PATH=staged):
+           one write per rank pair per chunk
   direct   kvstage, the same requests with staging off: one descriptor per (layer, K/V, token)
-  equal    kvstage, equal TP (1 -> 1), pages contiguous on both sides, direct path
+  equal    kvstage, equal TP (1 -> 1), pages contiguous on both sides, staging on and the path
+           chosen per request from the costs each rank measured at start (KVSTAGE_PATH=auto,
+           docs/path_choice.md); the table says which path each length took
 over request lengths (1 request in flight), over rooms in flight (short requests), and the
 latency of a one-page request (P1 -> D1, init() on the decode side until Success), and where the
 time of a one-page and a 2048-token request goes, phase by phase, staged and direct
@@ -21,6 +24,10 @@ Transfer time of a request: from the prefill's first send() (its data and the de
 metadata already there) until the prefill sees Success (every byte landed and, staged, was
 scattered, and the decode side confirmed). The first request of each length is verified
 byte for byte; the others are not re-checked (checking costs more than moving here).
+
+--device cuda: every rank's KV cache (and staging ring and buffers) in VRAM of GPU 0, one process
+per rank, the same table; the raw one-write row stays on host memory (bench_backend.py registers
+DRAM). Without a CUDA device it prints NOT RUN and exits 2.
 """
 
 from __future__ import annotations
@@ -127,6 +134,8 @@ def parse(argv=None):
                    help="tokens of the requests whose phases are plotted (default: one page, 2048)")
     p.add_argument("--phase-requests", type=_int(1), default=5, help="timed requests per phase length")
     p.add_argument("--quick", action="store_true", help="lengths 256..4096, fewer requests")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the KV caches live: host memory, or VRAM of GPU 0 (one process per rank)")
     p.add_argument("--json", default="docs/bench/results.json")
     p.add_argument("--plots", default="docs/bench")
     a = p.parse_args(argv)
@@ -197,6 +206,7 @@ def run_ranks(a, transport: str, P: int, D: int, staged: bool, rooms: list[dict]
     kind, env = TRANSPORTS[transport]
     bench = {"mode": "throughput", "verify": verify if verify is not None else []}
     common = {"backend": kind, "staging": staged, "geometry": geom, "rooms": rooms, "ring_mb": a.ring_mb,
+              "device": rank_device(a), "path": "staged" if staged else "direct",
               "buffer_mb": a.buffer_mb, "workers": 2, "inflight": 1, "run_timeout_s": timeout, "bench": bench,
               "contiguous": contiguous, "timeouts": {"room": timeout, "metadata": timeout, "write": 300.0,
                                                      "watermark": 300.0, "arrival": 60.0, "scatter": 120.0}}
@@ -222,6 +232,22 @@ def run_ranks(a, transport: str, P: int, D: int, staged: bool, rooms: list[dict]
         return [p.result()[0] for p in pre], [d.result()[0] for d in dec]
 
 
+def rank_device(a) -> str:
+    """The torch device of every rank's KV cache (pd_rank.py's spec["device"])."""
+    return "cuda:0" if getattr(a, "device", "cpu") == "cuda" else "cpu"
+
+
+def cuda_missing(a) -> str | None:
+    """Why --device cuda cannot run here (None: it can, or the run is on CPU)."""
+    if a.device != "cuda":
+        return None
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    return None if torch.cuda.is_available() else "no CUDA device on this machine"
+
+
 def per_request_seconds(recs: list[dict]) -> list[float]:
     return [r["end"] - r["t_send"] for r in recs]
 
@@ -230,7 +256,8 @@ def length_sweep(a, transport: str, path: str) -> list[dict]:
     """One request in flight at a time, for every length."""
     kind, _ = TRANSPORTS[transport]
     P, D, staged, contiguous = {"staged": (1, 2, True, False), "direct": (1, 2, False, False),
-                                "equal": (1, 1, False, True)}[path]
+                                "equal": (1, 1, True, True)}[path]
+    extra = {"path": "auto"} if path == "equal" else None   # equal TP: the measured choice
     lengths = list(a.lengths)
     if path == "direct":  # one descriptor per (layer, K/V, token) per decode rank
         lengths = [t for t in lengths if a.layers * 2 * t <= MAX_DIRECT_DESCRIPTORS[transport]]
@@ -246,7 +273,8 @@ def length_sweep(a, transport: str, path: str) -> list[dict]:
             meta[room_id] = t if rep else -t
             room_id += 1
     verify = [next(r for r, tt in meta.items() if tt == t) for t in lengths]
-    recs = run_kvstage(a, transport, P, D, staged, rooms, geometry(a, max(lengths)), contiguous, verify=verify)
+    recs = run_kvstage(a, transport, P, D, staged, rooms, geometry(a, max(lengths)), contiguous, verify=verify,
+                       extra=extra)
     out = []
     for t in lengths:
         secs = per_request_seconds([r for r in recs if meta[r["room"]] == t])
@@ -255,8 +283,11 @@ def length_sweep(a, transport: str, path: str) -> list[dict]:
         out.append({"transport": transport, "path": path, "tokens": t, "bytes": nbytes, "seconds": s,
                     "gbps": nbytes / s / 1e9, "samples": secs})
     st = recs[0]["stats"]["prefill"][0]
+    dec = recs[0]["stats"]["decode"][0]
     for row in out:
         row["writes_total"], row["descriptors_total"] = st.get("write_requests"), st.get("descriptors")
+        # which path the requests took (decode stats): one path for the whole run shows as its name
+        row["chosen"] = "/".join(sorted(dec.get("path_choices", {}))) or ("staged" if staged else "direct")
     return out
 
 
@@ -296,6 +327,7 @@ def latency(a, transport: str, layers: int | None = None) -> dict:
     geom = {"layers": layers, "heads": a.heads, "head_dim": a.head_dim, "dtype": "bfloat16",
             "page_size": a.page_size, "pages": max(n, 64) + 8}
     common = {"backend": kind, "staging": False, "geometry": geom, "rooms": rooms, "run_timeout_s": 300,
+              "device": rank_device(a),
               "bench": {"mode": "latency", "verify": [1, n]}}
     with Cluster(env=env) as cl:
         common["barrier"] = cl.barrier(2, timeout_s=300)
@@ -319,7 +351,8 @@ def report(a, res: dict) -> list[str]:
     w = lines.append
     w(f"kvstage benchmark {res['when']} on {res['machine']}")
     w(f"geometry: {a.layers} layers, {a.heads} KV heads x {a.head_dim}, bf16, page {a.page_size}: "
-      f"{token_bytes(a) // 1024} KiB of KV per token; heterogeneous TP = prefill TP 1 -> decode TP 2")
+      f"{token_bytes(a) // 1024} KiB of KV per token; heterogeneous TP = prefill TP 1 -> decode TP 2; "
+      f"KV caches on {'GPU 0 (VRAM)' if a.device == 'cuda' else 'host memory'}")
     for tr in a.transports:
         w("")
         if not any(r["transport"] == tr for r in res["lengths"]):
@@ -353,7 +386,7 @@ def report(a, res: dict) -> list[str]:
 def length_table(a, res: dict, tr: str, w) -> None:
     w(f"== {tr}: effective KV throughput, one request in flight (GB/s; x = ratio)")
     w(f"{'tokens':>7} {'MiB':>7} {'raw 1-write':>12} {'staged':>8} {'direct':>8} {'equal TP':>9} "
-      f"{'staged/direct':>14} {'staged/raw':>11} {'equal/raw':>10}")
+      f"{'staged/direct':>14} {'staged/raw':>11} {'equal/raw':>10}  equal TP took")
     rows = {(r["path"], r["tokens"]): r for r in res["lengths"] if r["transport"] == tr}
     for t in a.lengths:
         nbytes = -(-t // a.page_size) * a.page_size * token_bytes(a)
@@ -363,7 +396,8 @@ def length_table(a, res: dict, tr: str, w) -> None:
         f = lambda x: f"{x:8.2f}" if x else "       -"  # noqa: E731
         ratio = lambda x, y: f"{x / y:9.1f}x" if x and y else "        -"  # noqa: E731
         w(f"{t:7d} {nbytes / MiB:7.0f} {f(rawg):>12} {f(g('staged'))} {f(g('direct'))} {f(g('equal')):>9} "
-          f"{ratio(g('staged'), g('direct')):>14} {ratio(g('staged'), rawg):>11} {ratio(g('equal'), rawg):>10}")
+          f"{ratio(g('staged'), g('direct')):>14} {ratio(g('staged'), rawg):>11} {ratio(g('equal'), rawg):>10}"
+          f"  {rows.get(('equal', t), {}).get('chosen', '-')}")
 
 
 def targets(a, res: dict) -> list[str]:
@@ -462,6 +496,10 @@ def plots(a, res: dict) -> list[str]:
 
 def main(argv=None) -> int:
     a = parse(argv)
+    missing = cuda_missing(a)
+    if missing:
+        print(f"bench: NOT RUN: --device cuda: {missing} (nothing was measured)")
+        return 2
     res = {"when": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
            "machine": f"{platform.node()}, {os.cpu_count()} CPUs, loopback", "command": " ".join(sys.argv),
            "args": vars(a), "raw": {}, "lengths": [], "inflight": [], "latency": {}, "phases": []}

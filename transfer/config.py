@@ -27,6 +27,8 @@ LAYER_GROUP_ENV = "KVSTAGE_LAYER_GROUP"
 LAYERWISE_MIN_TOKENS_ENV = "KVSTAGE_LAYERWISE_MIN_TOKENS"
 LAYER_BATCHING_ENV = "KVSTAGE_LAYER_BATCHING"
 INLINE_SCATTER_KB_ENV = "KVSTAGE_INLINE_SCATTER_KB"
+PATH_ENV = "KVSTAGE_PATH"             # auto | staged | direct (protocol/path_choice.py)
+CALIBRATE_ENV = "KVSTAGE_CALIBRATE"   # measure the path costs at start (on by default)
 DEFAULT_INLINE_SCATTER_KB = 256    # decode: pieces up to this size are scattered on the control thread
 DEFAULT_LAYER_GROUP = 4            # layers per write of a layer-wise send (docs/journal/benchmarks-2026-11.md)
 DEFAULT_LAYERWISE_MIN_TOKENS = 512  # shorter requests go per chunk (ibid.)
@@ -144,6 +146,11 @@ class EngineConfig:
     inline_scatter_kb: int | None = None     # decode, staged: a landed piece of at most this many KiB is
                                              # scattered by the control thread that read its tag, not handed
                                              # to the scatter thread (0: never); env KVSTAGE_INLINE_SCATTER_KB, 256
+    path: str | None = None                  # decode: "auto" (the cheaper predicted path per request),
+                                             # "staged" or "direct" (forced); prefill: "direct" offers no
+                                             # staging; env KVSTAGE_PATH, auto (docs/path_choice.md)
+    calibrate: bool | None = None            # measure write, gather and scatter costs at start for the
+                                             # "auto" choice (off: the fixed rule); env KVSTAGE_CALIBRATE, on
 
     def resolved(self) -> EngineConfig:
         """A copy with every None filled from the environment, validated: a bad value raises
@@ -171,9 +178,14 @@ class EngineConfig:
         timeouts = Timeouts.from_env() if self.timeouts is None else self.timeouts
         if not isinstance(timeouts, Timeouts):
             raise ValueError(f"timeouts must be a Timeouts instance or None, got {timeouts!r}")
+        staging = env_flag(STAGING_ENV) if self.staging is None else check.flag("staging", self.staging)
+        path = self._path(staging)
         return replace(
             self,
-            staging=env_flag(STAGING_ENV) if self.staging is None else check.flag("staging", self.staging),
+            staging=staging,
+            path=path,
+            calibrate=(env_flag(CALIBRATE_ENV, True) if self.calibrate is None
+                       else check.flag("calibrate", self.calibrate)),
             verify=env_flag(VERIFY_ENV) if self.verify is None else check.flag("verify", self.verify),
             layer_batching=(env_flag(LAYER_BATCHING_ENV, True) if self.layer_batching is None
                             else check.flag("layer_batching", self.layer_batching)),
@@ -195,6 +207,19 @@ class EngineConfig:
             metrics_port=(from_env(METRICS_PORT_ENV, None, int, check.port) if self.metrics_port is None
                           else check.port("metrics_port", self.metrics_port)),
         )
+
+    def _path(self, staging: bool) -> str:
+        """auto, staged or direct; "staged" needs staging on (the decode side's ring, the prefill
+        side's buffers): a ValueError naming both options otherwise."""
+        explicit = self.path is not None
+        value = self.path if explicit else os.environ.get(PATH_ENV, "auto").strip().lower() or "auto"
+        option = "path" if explicit else PATH_ENV
+        if value not in ("auto", "staged", "direct"):
+            raise ValueError(f"{option}={value!r} must be 'auto', 'staged' or 'direct'")
+        if value == "staged" and not staging:
+            raise ValueError(f"{option}='staged' needs staging on ({STAGING_ENV} / EngineConfig.staging): "
+                             f"without it this rank has no {'staging ring' if self.role == 'decode' else 'staging buffers'}")
+        return value
 
     def _count(self, option: str, env: str, default: int) -> int:
         def workers(name: str, value: object) -> int:

@@ -31,7 +31,10 @@ class TransferMetrics:
     init() (or a sender created with its page count) until the request ended, None if it
     ended before init(); `timeline`: when each phase happened on this rank (timeline.py);
     `merged_sends`: prefill, direct path, layer-wise sends that went out inside an earlier
-    send's write because they were ready while it waited (EngineConfig.layer_batching)."""
+    send's write because they were ready while it waited (EngineConfig.layer_batching);
+    `predicted_s` and `path_reason`: decode, the time the path choice predicted for the path
+    taken (None: no prediction, e.g. a forced path or no measured costs) and why it took it
+    (protocol/path_choice.PathReason; "" on the prefill side)."""
 
     state: KVPoll
     nbytes: int
@@ -40,6 +43,8 @@ class TransferMetrics:
     seconds: float | None
     timeline: Timeline = Timeline()
     merged_sends: int = 0
+    predicted_s: float | None = None
+    path_reason: str = ""
 
     @property
     def gb_per_s(self) -> float | None:

@@ -106,7 +106,10 @@ def manager_specs(case: Case, role: str, rank: int, barrier: dict) -> dict:
     spec = {"role": role, "rank": rank, "tp": t.P if role == "prefill" else t.D,
             "engine": f"{'p' if role == 'prefill' else 'd'}-{case.name}", "backend": case.backend,
             "staging": case.staging, "geometry": case.geometry(), "rooms": case.rooms, "ring_mb": 1,
-            "buffer_mb": 1, "workers": 2, "timeouts": dict(TEST_TIMEOUTS), "barrier": barrier, "inflight": 16}
+            "buffer_mb": 1, "workers": 2, "timeouts": dict(TEST_TIMEOUTS), "barrier": barrier, "inflight": 16,
+            # the fixed rule (staged iff TP sizes differ) unless a case asks for the measured
+            # choice: the cases check the path they expect (test_path_choice.py checks the choice)
+            "calibrate": False}
     if role == "prefill" and t.pp > 1:
         spec["pp"] = t.pp
     if role == "decode":

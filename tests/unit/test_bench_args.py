@@ -23,3 +23,38 @@ def run_bench(*args: str, timeout: float = 20.0) -> subprocess.CompletedProcess:
 def test_bad_argument_is_a_usage_error(args, option):
     res = run_bench("--transports", "nixl", *args)
     assert res.returncode == 2 and option in res.stderr, (res.returncode, res.stderr[-2000:])
+
+
+def test_device_takes_cpu_or_cuda_only():
+    res = run_bench("--transports", "nixl", "--device", "tpu")
+    assert res.returncode == 2 and "--device" in res.stderr, res.stderr[-2000:]
+
+
+def test_device_cuda_without_a_gpu_is_not_run(monkeypatch):
+    """--device cuda on a machine without CUDA measures nothing: NOT RUN, exit 2 (CI has no GPU;
+    on a GPU machine the same call would start the benchmark, so this only runs without one)."""
+    import bench
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert bench.parse(["--device", "cuda"]).device == "cuda" and bench.parse([]).device == "cpu"
+    assert bench.main(["--device", "cuda", "--json", ""]) == 2
+
+
+def test_gpu_check_without_a_gpu_says_not_run(monkeypatch, capsys):
+    import gpu_check
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main([]) == 2
+    assert "gpu-check: NOT RUN" in capsys.readouterr().out
+    cmd = gpu_check.bench_command("python", "out/gpu.json")
+    assert cmd[1:4] == ["examples/bench.py", "--device", "cuda"] and "out/gpu.json" in cmd
+    assert bench_parses(cmd[2:])
+
+
+def bench_parses(argv: list[str]) -> bool:
+    import bench
+
+    a = bench.parse(argv)
+    return a.device == "cuda" and a.lengths == [2048] and a.transports == ["nixl"]

@@ -17,6 +17,7 @@ from ..layout import KVBuffers, KVLayout, LayoutSummary
 from ..protocol.direct_ranges import CacheGeometry
 from ..protocol.tags import TagCodec
 from .backend_owner import BackendOwner
+from .calibration import Calibration
 from .control_socket import ControlSocket
 from .integrity import Integrity
 from .stats import Stats
@@ -61,6 +62,7 @@ class EngineContext:
     post: Callable[[Any], None]   # hand an event to the control thread (any thread may call it)
     integrity: Integrity          # digests (verify) and the corrupt_data fault
     observer: Observer            # histograms of writes and requests (metrics on), else NoObserver
+    calibration: Calibration | None = None   # the path costs measured at start (None: not measured)
 
     @property
     def role(self) -> str:

@@ -21,10 +21,12 @@ from ...bootstrap.rendezvous import RankGone
 from ..poll import KVPoll
 from ..protocol import peering
 from ..protocol.actions import PeerKey
+from ..protocol.decode_plan import PathInputs
 from ..protocol.decode_room import DecodeRoom, PlanRefused, WriterOffer, plan_room
 from ..protocol.kinds import FailureKind
 from ..protocol.leases import Lease
 from ..protocol.messages import Hello, HelloAck, KVMemory, PoolMemory, RingInfo, RoomFailed, WatermarkUpdate
+from ..protocol.path_choice import PathMode, WriterCosts
 from ..protocol.routing import PeerState
 from .context import EngineContext
 from .events import LookupDone
@@ -73,6 +75,7 @@ class EnginePlanner:
         self.engines: dict[str, EngineView] = {}      # source key -> view
         self.engine_of: dict[int, str] = {}          # room -> source key
         self._fallback_logged: set[tuple[str, str]] = set()
+        self._costs: dict[int, WriterCosts | None] = {}   # prefill incarnation -> the costs its HelloAck sent
 
     # -- engines ----------------------------------------------------------------------------------
     def engine(self, source: PrefillSource, now: float) -> EngineView:
@@ -168,12 +171,21 @@ class EnginePlanner:
                          {n: peers[n].key for n in need.notices}, staging=bool(cfg.staging),
                          ring_size=ring.size if ring else 0, ring_align=ring.align if ring else 1,
                          piece_cap=int(cast(float, cfg.staging_piece_mb) * (1 << 20)), epoch=self.ctx.me,
-                         draft_pools=need.draft_pools)
+                         draft_pools=need.draft_pools, path=self._path_inputs([peers[w] for w in need.writers]))
         if isinstance(plan, PlanRefused):
             return self.book.apply(room, room.on_plan_failed(plan.kind, plan.reason, now))
-        if cfg.staging and not plan.staged:
+        if cfg.staging and not plan.can_stage:
             self._log_fallback(view.engine_id, need.mapping, [peers[w] for w in need.writers])
         self.book.apply(room, room.on_plan(plan, now))
+
+    def _path_inputs(self, writers: list[Peer]) -> PathInputs:
+        """What the path choice of a room weighs (protocol/path_choice.py): the configured mode,
+        the writers' measured costs, this rank's KV memory kind and scatter rate."""
+        cal = self.ctx.calibration
+        return PathInputs(mode=PathMode(self.ctx.cfg.path or "auto"),
+                          writers=tuple(self._costs.get(p.key.incarnation) for p in writers),
+                          mem_kind="VRAM" if self.ctx.buffers.device.type == "cuda" else "DRAM",
+                          scatter_bytes_per_s=cal.scatter_bytes_per_s if cal is not None else None)
 
     def _needed(self, view: EngineView) -> peering.NeededRanks:
         """The engine's ranks this decode rank deals with; ValueError when its TP size cannot
@@ -282,6 +294,7 @@ class EnginePlanner:
             return self.changed(peer.key.engine_id, now)
         self.peers.connected_via(peer, msg.backend_name)
         peer.staging, peer.buffer_bytes = msg.staging, msg.buffer_bytes
+        self._costs[peer.key.incarnation] = msg.costs
         if self.peers.came_back(peer.key.incarnation):
             log.info("prefill rank %s reconnected after it was lost", peer.key)
         allocator = self.ctx.handler.allocator

@@ -144,6 +144,8 @@ class _Handle:
             seconds=seconds,
             timeline=self._status.timeline.timeline(),
             merged_sends=totals.merged,
+            predicted_s=getattr(totals, "predicted_s", None),
+            path_reason=getattr(totals, "path_reason", ""),
         )
 
     def failure_exception(self) -> KVTransferError | None:

@@ -52,6 +52,7 @@ from ..protocol.prefill_room import PrefillRoom
 from ..protocol.quiet import MIN_EAGER_WAIT, Activity, activity, next_wait
 from ..protocol.tags import TagCodec
 from .backend_owner import BackendOwner, Step
+from .calibration import Calibration
 from .context import EngineContext, NoObserver, Observer, local_geometry
 from .control_socket import MAX_BATCH, ControlSocket
 from .decode_side import DecodeSide, scatter_report
@@ -100,7 +101,8 @@ class EngineLoop:
     def __init__(self, cfg: EngineConfig, layout: KVLayout, buffers: KVBuffers, me: int,
                  backend: BackendOwner, backend_name: str, identity: bytes, handler: StagingHandler,
                  stats: Stats, lookup: Callable[[PrefillSource, float], list], codec: Codec, ctx: zmq.Context,
-                 control_faults: ControlFaults | None = None, observer: Observer | None = None):
+                 control_faults: ControlFaults | None = None, observer: Observer | None = None,
+                 calibration: Calibration | None = None):
         self.events = EventQueue()
         self.workers: TransferWorkers | None = None
         self.scatter: ScatterWorker | None = None
@@ -109,7 +111,7 @@ class EngineLoop:
         try:
             sock = ControlSocket(ctx, cfg.host, cast(int, cfg.ctrl_port), codec, control_faults)  # resolved: set
             self._build(cfg, layout, buffers, me, backend, backend_name, identity, handler, stats, lookup, sock,
-                        observer)
+                        observer, calibration)
         except BaseException:
             # nothing may outlive a failed construction: an open socket blocks Context.term()
             self.stop_workers()
@@ -121,7 +123,8 @@ class EngineLoop:
 
     def _build(self, cfg: EngineConfig, layout: KVLayout, buffers: KVBuffers, me: int, backend: BackendOwner,
                backend_name: str, identity: bytes, handler: StagingHandler, stats: Stats,
-               lookup: Callable[[PrefillSource, float], list], sock: ControlSocket, observer: Observer | None) -> None:
+               lookup: Callable[[PrefillSource, float], list], sock: ControlSocket, observer: Observer | None,
+               calibration: Calibration | None = None) -> None:
         """Every part gets what it uses in its constructor, built in dependency order. Three pairs
         call each other (the peer table and its listeners, the room book and the write queue, the
         book and the role's side): the part built first gets the later one as a `Later`, a
@@ -135,7 +138,7 @@ class EngineLoop:
                                      backend_name=backend_name, identity=identity, handler=handler, stats=stats,
                                      sock=sock, tags=tags, summary=layout.summary(buffers.pool_specs),
                                      geometry=local_geometry(layout, buffers), post=self.post, integrity=integrity,
-                                     observer=observer or NoObserver())
+                                     observer=observer or NoObserver(), calibration=calibration)
         if cfg.role == "prefill" and handler.buffers:
             self.workers = TransferWorkers(handler.buffers, buffers.entry_k, buffers.entry_v, layout.page_size,
                                            backend.submit_write, gather_report(c), buffers.pools)

@@ -20,6 +20,7 @@ from ...bootstrap import BootstrapError, RankGone, RankInfo, open_rendezvous
 from ...hop_trace import TRACE
 from ...staging.handler import StagingHandler
 from ...staging.kernels import kernel_choice, requested_kernels
+from ...staging.warmup import warm_kernels
 from ..backends import create_backend
 from ..backends.faults import ControlFaults, FaultPlan, FaultyBackend
 from ..config import METRICS_PORT_ENV, EngineConfig, Timeouts
@@ -30,6 +31,7 @@ from ..protocol.tags import TagCodec
 from ..regions import buffer_regions, unregistrable
 from ..state_pools import check_pool_items
 from .backend_owner import BackendOwner
+from .calibration import Calibration, calibrate
 from .events import Call, NewReceiver, NewSender, Wake
 from .handles import KVReceiver, KVSender, RoomStatus
 from .loop import EngineLoop
@@ -54,6 +56,9 @@ class KVManager:
             raise ValueError(f"a decode rank with pipeline parallelism (pp_size={layout.pp_size}) is not supported: "
                              f"its tensors would hold one stage's layers and every prefill stage writes every "
                              f"decode rank; run the decode engine with pp_size 1 (PP on the prefill is supported)")
+        if self.config.path == "staged" and layout.mla:
+            raise ValueError("path='staged' (EngineConfig.path / KVSTAGE_PATH) cannot be used with an MLA model: "
+                             "its latent is replicated and moves as whole pages on the direct path")
         self.layout = layout
         self.buffers = buffers.validate(layout)
         self.num_pages = buffers.num_pages
@@ -126,7 +131,7 @@ class KVManager:
         self._backend.call(lambda b: b.deregister(reg))
 
     def _start_staging(self, cfg: EngineConfig) -> None:
-        staged = bool(cfg.staging) and not self.layout.mla
+        staged = bool(cfg.staging) and not self.layout.mla and cfg.path != "direct"   # forced direct: no ring, no buffers
         workers = cast(int, cfg.staging_workers)             # a resolved config has every size
         buffer_mb, ring_mb = cast(float, cfg.staging_buffer_mb), cast(float, cfg.ring_mb)
         self._handler = StagingHandler(
@@ -137,6 +142,42 @@ class KVManager:
             ring_bytes=int(ring_mb * (1 << 20)) if staged and cfg.role == "decode" else 0)
         self._handler.open()
         self._stack.callback(self._handler.close)
+        self._calibration = self._calibrate(cfg, staged)
+        if staged:
+            self._warm_kernels(cfg)
+
+    def _warm_kernels(self, cfg: EngineConfig) -> None:
+        """Every gather/scatter kernel this layout can use, built (or loaded from Triton's cache)
+        now rather than in the first staged request (staging/warmup.py); nothing on CPU."""
+        b, lay = self.buffers, self.layout
+        try:
+            launches, seconds = warm_kernels(role=cfg.role, k=b.entry_k, v=b.entry_v, page_size=lay.page_size,
+                                             local_heads=lay.local_heads, num_pages=b.num_pages,
+                                             region_bytes=lay.num_kv * len(b.entry_k) * lay.page_size * lay.token_bytes)
+        except Exception as exc:  # noqa: BLE001 - the first request then compiles, as before
+            log.warning("kvstage %s: building the staging kernels at start failed (%s: %s); the first staged "
+                        "request builds them", self.name, type(exc).__name__, exc)
+            return
+        if launches:
+            log.info("kvstage %s: %d kernel variants ready in %.2f s", self.name, launches, seconds)
+            self._stats.set("kernel_warmup_s", seconds)
+
+    def _calibrate(self, cfg: EngineConfig, staged: bool) -> Calibration | None:
+        """The path costs (calibration.py), measured when the choice needs them: staging on and
+        the path not forced. None otherwise (the rank plans by the fixed rule)."""
+        if not (staged and cfg.calibrate and cfg.path == "auto"):
+            return None
+        device = self.buffers.device
+        options = {k: v for k, v in self._make_backend_options(cfg).items() if k != "agent_name"}
+        cal = calibrate(backend_kind=cfg.backend, call=self._backend.call,
+                        make_probe=lambda: create_backend(cfg.backend, f"{self.name}-probe", cfg.host, **options),
+                        device=device, mem_kind="VRAM" if device.type == "cuda" else "DRAM",
+                        row_bytes=self.layout.page_size * self.layout.token_bytes,
+                        writes=cfg.role == "prefill")
+        log.info("kvstage %s: path costs measured in %.0f ms: %s, scatter %s B/s", self.name, cal.seconds * 1e3,
+                 cal.writer, f"{cal.scatter_bytes_per_s:.3g}" if cal.scatter_bytes_per_s else None)
+        self._stats.set("calibration_s", cal.seconds)
+        return cal
 
     def _start_control_context(self, cfg: EngineConfig) -> None:
         self._ctx = zmq.Context()
@@ -159,7 +200,8 @@ class KVManager:
                                 self._backend.call(lambda b: b.name), self._backend.call(lambda b: b.identity()),
                                 self._handler, self._stats, self._sources.lookup,
                                 peer_codec(cfg.token_bytes), self._ctx, ControlFaults(plan) if plan else None,
-                                observer=self._metrics.observer if self._metrics is not None else None)
+                                observer=self._metrics.observer if self._metrics is not None else None,
+                                calibration=self._calibration)
         self._stack.callback(self._stop_loop)
         self.endpoint = self._loop.endpoint
 
@@ -179,7 +221,7 @@ class KVManager:
         # stopped by the bootstrap client's close(); close() deregisters first
         self._bootstrap.start_keepalive(self._info, interval_s=self._timeouts.heartbeat)
 
-    def _make_backend(self, cfg: EngineConfig, plan: FaultPlan | None):
+    def _make_backend_options(self, cfg: EngineConfig) -> dict:
         options = dict(cfg.backend_options)
         if cfg.backend == "mooncake":
             # a Mooncake write cannot be cancelled once inside the engine: bound how long it may
@@ -187,7 +229,10 @@ class KVManager:
             # progressing write run until the write deadline
             options.setdefault("stall_timeout_s", self._timeouts.mooncake_stall())
             options.setdefault("transfer_timeout_s", self._timeouts.write)
-        backend = create_backend(cfg.backend, self.name, cfg.host, **options)
+        return options
+
+    def _make_backend(self, cfg: EngineConfig, plan: FaultPlan | None):
+        backend = create_backend(cfg.backend, self.name, cfg.host, **self._make_backend_options(cfg))
         if plan is None:
             return backend
         log.warning("kvstage rank %s runs with injected faults: %s", self.name, plan)

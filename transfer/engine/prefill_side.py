@@ -135,7 +135,7 @@ class PrefillSide:
             src=ctx.me, dst=peer.key.incarnation, ok=ok, reason=reason, engine_id=ctx.cfg.engine_id,
             tp_size=ctx.layout.tp_size, tp_rank=ctx.layout.tp_rank, backend_name=ctx.backend_name,
             staging=bool(ok and peer.staging), buffer_bytes=ctx.handler.buffer_bytes, lease_s=ctx.t.lease,
-            conn=peer.conn))
+            conn=peer.conn, costs=ctx.calibration.writer if ok and peer.staging and ctx.calibration else None))
 
     def on_tag(self, peer: Peer, tag: Tag, now: float) -> None:
         """Only decode ranks are written to: a confused or forged peer."""

@@ -130,6 +130,13 @@ class RoomBook(Generic[R]):
             return
         init = status.timeline.get("init")
         seconds = None if init is None or end.ended_at is None else end.ended_at - init
+        if totals.path_reason:   # decode: which path the choice took, and its predicted and actual time
+            stats = self.ctx.stats
+            stats.count("path_choices", str(totals.path))
+            stats.count("path_reasons", totals.path_reason)
+            if totals.predicted_s is not None and seconds is not None:
+                stats.sum_in("path_predicted_s", str(totals.path), totals.predicted_s)
+                stats.sum_in("path_actual_s", str(totals.path), seconds)
         self.ctx.observer.request_done(totals.path, seconds, totals.writes,
                                        status.descriptors if self.ctx.role == "prefill" else None)
 

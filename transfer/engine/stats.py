@@ -33,6 +33,11 @@ class Stats:
         with self._lock:
             self._groups[group][kind] += value
 
+    def sum_in(self, group: str, kind: str, value: float) -> None:
+        """Add seconds (or any float) to a named sum inside a group (predicted times by path)."""
+        with self._lock:
+            self._groups[group][kind] += value  # type: ignore[assignment]
+
     def staged_write(self, key: tuple) -> None:
         """Record one staged write request for (peer, room, chunk, piece): the histogram of
         writes per piece shows whether every piece took exactly one write."""

@@ -136,6 +136,8 @@ class RoomTotals:
     writes: int = 0
     path: TransferPath = TransferPath.NONE
     merged: int = 0    # prefill, batching: units written inside another unit's write (write_batching.py)
+    predicted_s: float | None = None   # decode: the path choice's predicted time of the path taken
+    path_reason: str = ""              # decode: why that path (path_choice.PathReason; "": not chosen)
 
 
 @dataclass(frozen=True, kw_only=True)

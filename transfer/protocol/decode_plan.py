@@ -3,13 +3,28 @@ once its prefill ranks are connected. Pure."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+import numpy as np
 
 from ...staging.pieces import max_piece_pages
 from ..layout import KVLayout
 from .actions import PeerKey
 from .head_mapping import Assignment, HeadMapping
 from .kinds import FailureKind
+from .path_choice import PATH_ENV, PathChoice, PathMode, RequestShape, WriterCosts, choose_path, fixed_rule
+
+
+@dataclass(frozen=True, kw_only=True)
+class PathInputs:
+    """What the path choice of a room needs besides its pages (path_choice.choose_path):
+    the configured mode, each writer's measured costs (None: it measured none), this decode
+    rank's KV memory kind and scatter rate (None: not measured)."""
+
+    mode: PathMode
+    writers: tuple[WriterCosts | None, ...] = ()
+    mem_kind: str = "DRAM"
+    scatter_bytes_per_s: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +48,35 @@ class RoomPlan:
     writer_layers: dict[int, range] = field(default_factory=dict)   # writer rank -> its PP stage's layers
                                                                     # (absent: every layer)
     draft_pools: int = 0          # the prefill's draft entries of their own geometry (pools, draft_kv.py)
+    can_stage: bool = False       # the staged path is possible (ring, writers' buffers, not MLA): piece
+                                  # sizes are set, so for_pages may choose it for any TP sizes
+    path: PathInputs | None = None   # the costs the choice per request weighs (None: `staged` as planned)
+    choice: PathChoice | None = None  # the path this room's request took and why (for_pages)
+
+    def for_pages(self, dst_pages: np.ndarray, page_size: int, num_kv: int) -> RoomPlan:
+        """This plan for a request of these destination pages: staged or direct by the lower
+        predicted time (path_choice.choose_path), the plan unchanged when it has no PathInputs.
+        The direct path's ranges are counted from the destination pages' runs (the prefill's
+        own page order is not known here: its runs can only split them further)."""
+        if self.path is None:
+            return self
+        n = int(dst_pages.size)
+        whole = self.prefill_tp == self.decode_tp
+        per_page = num_kv * self.num_layers
+        if whole:
+            d = np.asarray(dst_pages, dtype=np.int64)
+            runs = int(np.count_nonzero(np.diff(d) != 1)) + 1 if n else 0
+            ranges = runs * per_page * len(self.writers)
+        else:
+            ranges = n * per_page * page_size * len(self.writers)
+        parts = [self.writer_page_bytes(a) for _, a in self.writers]
+        mpp = self.piece_pages(parts) if self.can_stage else 0
+        shape = RequestShape(nbytes=n * sum(parts), writers=max(1, len(self.writers)), direct_ranges=ranges,
+                             direct_writes=1, pieces=-(-n // mpp) if mpp else 1)
+        choice = choose_path(mode=self.path.mode, can_stage=self.can_stage, tp_differ=not whole, shape=shape,
+                             writers=list(self.path.writers), mem_kind=self.path.mem_kind,
+                             scatter_bytes_per_s=self.path.scatter_bytes_per_s)
+        return replace(self, staged=choice.staged, choice=choice)
 
     def writer_page_bytes(self, a: Assignment) -> int:
         return self.head_page_bytes * a.num_heads
@@ -74,9 +118,13 @@ def _writes(mapping: HeadMapping, prefill_rank: int, decode_rank: int) -> Assign
 
 def plan_room(layout: KVLayout, mapping: HeadMapping, writers: dict[int, WriterOffer],
               notices: dict[int, PeerKey], *, staging: bool, ring_size: int, ring_align: int,
-              piece_cap: int, epoch: int, draft_pools: int = 0) -> RoomPlan | PlanRefused:
-    """Decide how a room from this prefill engine moves: the staged path when staging is on here
-    (a ring) and at every writer, TP sizes differ and the model is not MLA; direct otherwise.
+              piece_cap: int, epoch: int, draft_pools: int = 0,
+              path: PathInputs | None = None) -> RoomPlan | PlanRefused:
+    """Decide how a room from this prefill engine moves. Without `path` (the fixed rule): the
+    staged path when staging is on here (a ring) and at every writer, TP sizes differ and the
+    model is not MLA; direct otherwise. With `path`: staged is possible whenever staging is on
+    here and at every writer and the model is not MLA, equal TP included (whole pages), and
+    RoomPlan.for_pages picks per request; a forced staged path these ranks cannot use is refused.
     Returns the plan, or why not when a single page can never fit."""
     # the entries the prefill holds: its last stage's end (a decode rank may hold more draft
     # entries than the prefill writes; its extra ones stay untouched)
@@ -92,24 +140,33 @@ def plan_room(layout: KVLayout, mapping: HeadMapping, writers: dict[int, WriterO
     hpb = layout.num_kv * entries * layout.page_size * layout.head_bytes
     # writer w is TP rank w % prefill_tp of its PP stage; every stage splits the heads alike
     assigns = tuple((writers[w].key, _writes(mapping, w % mapping.prefill_tp, layout.tp_rank)) for w in sorted(writers))
-    staged = (staging and ring_size > 0 and not layout.mla and mapping.prefill_tp != mapping.decode_tp
-              and all(o.staging for o in writers.values()))
+    can_stage = staging and ring_size > 0 and not layout.mla and all(o.staging for o in writers.values())
+    tp_differ = mapping.prefill_tp != mapping.decode_tp
+    if path is not None and path.mode is PathMode.STAGED and not can_stage:
+        return PlanRefused(FailureKind.LAYOUT, f"{PATH_ENV}=staged (EngineConfig.path) but this room cannot be staged: "
+                           + ("the model is MLA" if layout.mla else "no staging ring here" if not (staging and ring_size)
+                              else "staging is off at prefill rank(s) "
+                              + ", ".join(str(w) for w, o in sorted(writers.items()) if not o.staging)))
+    staged = fixed_rule(can_stage, tp_differ).staged if path is None or path.mode is PathMode.AUTO else \
+        path.mode is PathMode.STAGED
     mpp, cap = 0, 0
-    if staged:
+    if staged or (path is not None and can_stage):
         parts = [hpb * a.num_heads for _, a in assigns]
         buffers = min(o.buffer_bytes for o in writers.values())
         # pieces no larger than piece_cap keep gather, write and scatter of consecutive pieces
         # overlapping; the cap never makes a page impossible, only the buffers and the ring do
         cap = min(buffers, piece_cap)
         mpp = max_piece_pages(parts, cap, ring_size, ring_align) or max_piece_pages(parts, buffers, ring_size, ring_align)
-        if mpp == 0:
+        if mpp == 0 and path is not None and path.mode is PathMode.AUTO:
+            staged = False   # the direct path still moves it
+        elif mpp == 0:
             return PlanRefused(FailureKind.STAGING, f"one page ({sum(parts)} bytes in the ring, up to {max(parts)} per writer buffer) "
                                f"can never fit the staging ring ({ring_size} bytes) or a prefill worker buffer "
                                f"({buffers} bytes)")
     return RoomPlan(writers=assigns, notices=tuple(notices[n] for n in sorted(notices)), staged=staged,
-                    head_page_bytes=hpb, num_layers=entries, max_piece_pages=mpp, piece_bytes=cap if staged else 0,
+                    head_page_bytes=hpb, num_layers=entries, max_piece_pages=mpp, piece_bytes=cap if mpp else 0,
                     ring_align=ring_align, ring_epoch=epoch, prefill_tp=mapping.prefill_tp,
                     decode_tp=mapping.decode_tp, ring_size=ring_size,
                     buffer_bytes=min(o.buffer_bytes for o in writers.values()) if writers else 0,
                     writer_layers={w: o.layers for w, o in writers.items() if o.layers is not None},
-                    draft_pools=draft_pools)
+                    draft_pools=draft_pools, can_stage=bool(mpp), path=path)

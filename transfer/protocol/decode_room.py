@@ -192,7 +192,7 @@ class DecodeRoom(RoomBase):
         if self.plan is None or self.dst_pages is None or self.meta_sent:
             return []
         n = int(self._dst.size)
-        p = self.plan
+        p = self.plan = self.plan.for_pages(self._dst, self.layout.page_size, self.layout.num_kv)  # the path, per request
         entries = p.num_layers or self.layout.num_entries   # the prefill's: a decode's extra draft entries stay unwritten
         last_stage = [r for r in self.writers if p.writer_layers.get(r, range(entries)).stop == entries]
         if p.draft_pools:   # the prefill's draft entries of their own geometry: pools of the pages' token slots
@@ -480,7 +480,9 @@ class DecodeRoom(RoomBase):
         """Bytes and writes that landed here (each accepted tag is one backend write)."""
         path = (TransferPath.NONE if self.plan is None or not self._plan.writers
                 else TransferPath.STAGED if self._plan.staged else TransferPath.DIRECT)
-        return RoomTotals(self.bytes_in, self.writes_in, path)
+        choice = self.plan.choice if self.plan is not None else None
+        return RoomTotals(self.bytes_in, self.writes_in, path, predicted_s=choice.predicted_s if choice else None,
+                          path_reason=str(choice.reason) if choice else "")
 
     def _writer(self, peer: PeerKey) -> WriterState | None:
         w = self.writers.get(peer.tp_rank)

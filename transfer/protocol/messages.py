@@ -13,6 +13,7 @@ import numpy as np
 
 from ...bootstrap.wire import Codec, Message, WireError, prebuild_struct_info
 from ..layout import LayoutSummary
+from .path_choice import WriterCosts
 
 
 class PeerMessage(Message, kw_only=True, frozen=True):
@@ -95,6 +96,8 @@ class HelloAck(PeerMessage, kw_only=True, frozen=True):
     buffer_bytes: int = 0       # smallest per-worker staging buffer: bounds one write
     lease_s: float = 10.0
     conn: int = 0               # the Hello's connection number
+    costs: WriterCosts | None = None   # what this rank's writes and gathers cost, measured at its start
+                                       # (protocol/path_choice.py; None: not measured), since version 3
 
 
 class RoomMeta(RoomMessage, kw_only=True, frozen=True):
