@@ -230,17 +230,18 @@ def test_why_pieces_of_several_writers_keep_the_grant_path():
 def test_the_credit_messages_leave_every_other_message_as_it_was_on_the_wire():
     """A build without the credit messages reads what this one sends of its own messages, and
     refuses a credit message as malformed (so credits go only to peers that take them)."""
-    from kvstage.bootstrap.wire import Codec, WireError
+    from kvstage.bootstrap.wire import WIRE_VERSION, Codec, WireError
     from kvstage.transfer.protocol.messages import PEER_MESSAGES, AllocGrant, Piece, WatermarkUpdate
 
     old = Codec([m for m in PEER_MESSAGES if not m.__name__.startswith("Credit")], b"t")
     new = peer_codec(b"t")
-    before = [   # their payloads as the build before credits encoded them (commit 3440479)
+    v = f"a176{WIRE_VERSION:02x}"   # "v": the wire version (2 at 3440479; the path choice's HelloAck made it 3)
+    before = [   # their payloads as the build before credits encoded them (commit 3440479), but for "v"
         (AllocGrant(src=1, dst=2, room=3, session=4, chunk=5, epoch=6, pieces=[Piece(0, 1, 2, 3, 4)]),
-            "89a174aa416c6c6f634772616e74a17602a373726301a364737402a4726f6f6d03a773657373696f6e04a56368756e6b05a565"
+            "89a174aa416c6c6f634772616e74" + v + "a373726301a364737402a4726f6f6d03a773657373696f6e04a56368756e6b05a565"
             "706f636806a670696563657391950001020304"),
         (WatermarkUpdate(src=1, dst=2, epoch=3, round=4, tail=5),
-            "87a174af57617465726d61726b557064617465a17602a373726301a364737402a565706f636803a5726f756e6404a47461696c05"),
+            "87a174af57617465726d61726b557064617465" + v + "a373726301a364737402a565706f636803a5726f756e6404a47461696c05"),
     ]
     for msg, payload in before:
         assert new.encode(msg)[0].hex() == payload and old.decode(new.encode(msg)) == msg
