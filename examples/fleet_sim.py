@@ -26,7 +26,7 @@ import time
 
 from kvstage.sim.fleet import Fleet, FleetConfig, Model
 from kvstage.sim.network import NetworkModel
-from kvstage.sim.report import room_memory, summarize
+from kvstage.sim.report import peer_activity, room_memory, summarize
 
 
 def tps(s: str) -> tuple[int, ...]:
@@ -81,19 +81,26 @@ def commit() -> str:
 
 def main(argv=None) -> int:
     a = parse(argv)
+    load0 = os.getloadavg()[0]
     fleet = Fleet(config(a))
     memory: dict = {}
+    peers: dict = {}
 
     def measure() -> None:   # once the first requests' rooms are all set up and mid-transfer
         memory.update(room_memory(fleet, a.memory_sample))
+        peers.update(peer_activity(fleet, fleet.cfg.timeouts.lease / 4))
     fleet.at(0.035, "hook", measure)
-    t = time.perf_counter()
+    fleet.at(0.5, "hook", lambda: peers.update(late=peer_activity(fleet, fleet.cfg.timeouts.lease / 4)))
+    t, cpu = time.perf_counter(), time.process_time()
     fleet.run()
     wall = time.perf_counter() - t - fleet.hook_s
+    cpu = time.process_time() - cpu - fleet.hook_s
     out = summarize(fleet, wall)
+    out["cpu_s"] = round(cpu, 1)   # the process's CPU time: the wall time a quiet core would take
     out["memory_per_room_in_flight"] = memory
+    out["heartbeats_in_flight"] = peers
     out["run"] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit(),
-                  "load_1min": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(), "python": platform.python_version(),
+                  "load_1min_start": round(load0, 2), "load_1min_end": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(), "python": platform.python_version(),
                   "command": "examples/fleet_sim.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     text = json.dumps(out, indent=1)
     print(text)

@@ -49,6 +49,33 @@ def room_memory(fleet: Fleet, sample: int = 200) -> dict[str, Any]:
     return out
 
 
+def peer_activity(fleet: Fleet, idle_interval: float) -> dict[str, Any]:
+    """Heartbeats per rank per second now (every connected peer each heartbeat interval) and if
+    peers with no room in flight between the two ranks were sent one only every `idle_interval`
+    (a proposal, docs/scale.md): sent and received, the most any rank has."""
+    hb = fleet.cfg.timeouts.heartbeat
+    active: dict[int, set[int]] = {r.gid: set() for r in fleet.ranks}
+    for req in fleet.open.values():
+        pranks = fleet.engines[("prefill", req.pe)]
+        for d in fleet.engines[("decode", req.de)]:
+            for p in pranks:
+                if p in fleet.ranks[d].peers:
+                    active[d].add(p)
+                    active[p].add(d)
+    now, proposed, busy = [], [], []
+    for r in fleet.ranks:
+        if not r.alive:
+            continue
+        a = len(active[r.gid] & r.peers)
+        idle = len(r.peers) - a
+        now.append(2 * len(r.peers) / hb)
+        proposed.append(2 * (a / hb + idle / idle_interval))
+        busy.append(a)
+    return {"requests_in_flight": len(fleet.open), "active_peers_per_rank_max": max(busy, default=0),
+            "heartbeats_per_rank_per_s_max": round(max(now, default=0), 1),
+            f"heartbeats_per_rank_per_s_max_if_idle_peers_every_{idle_interval:g}s": round(max(proposed, default=0), 1)}
+
+
 def summarize(fleet: Fleet, wall_s: float) -> dict[str, Any]:
     cfg = fleet.cfg
     reqs = fleet.requests
