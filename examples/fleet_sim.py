@@ -51,6 +51,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--deaths", type=int, default=2, help="ranks killed while requests are in flight")
     p.add_argument("--aborts", type=float, default=0.01)
     p.add_argument("--ring-mib", type=int, default=8, help="each decode rank's staging ring")
+    p.add_argument("--watermark-to-all", action="store_true",
+                   help="send each watermark move to every staging peer (the engine before watermark_fanout.py)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--memory-sample", type=int, default=200, help="rooms per side whose memory is measured")
     p.add_argument("--json", help="write the figures here too")
@@ -67,7 +69,8 @@ def config(a: argparse.Namespace) -> FleetConfig:
     return FleetConfig(prefill_engines=a.prefill, decode_engines=a.decode, prefill_tp=a.prefill_tp,
                        decode_tp=a.decode_tp, models=models, requests=a.requests or int(a.in_flight * 1.2),
                        in_flight=a.in_flight, aborts=a.aborts, deaths=a.deaths, ring_bytes=a.ring_mib << 20,
-                       network=NetworkModel(loss=a.loss), seed=a.seed)
+                       network=NetworkModel(loss=a.loss), seed=a.seed,
+                       watermark_to_all=a.watermark_to_all)
 
 
 def commit() -> str:

@@ -70,6 +70,7 @@ from ..transfer.protocol.messages import (
 from ..transfer.protocol.peering import LookupState, needs_lookup
 from ..transfer.protocol.prefill_room import PrefillRoom
 from ..transfer.protocol.room_uses import EarlierUses, Parked, RoomUse, ended_answer, use_without_sender
+from ..transfer.protocol.watermark_fanout import WatermarkFanout, pending_parts
 from .network import Network, NetworkModel
 
 DONE = (KVPoll.Success, KVPoll.Failed)
@@ -112,6 +113,8 @@ class FleetConfig:
     network: NetworkModel = NetworkModel()
     timeouts: Timeouts = Timeouts()
     tick_s: float = 0.25                    # the control loop's tick (deadlines, retransmissions)
+    watermark_to_all: bool = False          # every move to every staging peer (the shell before
+                                            # protocol/watermark_fanout.py), not to the writers in flight
     seed: int = 0
 
 
@@ -155,6 +158,7 @@ class Rank:
     used_sessions: dict[int, EarlierUses] = field(default_factory=dict)
     served: dict[int, frozenset[tuple[int, int]]] = field(default_factory=dict)
     parked: dict[int, list[Parked]] = field(default_factory=dict)
+    fanout: WatermarkFanout = field(default_factory=WatermarkFanout)   # decode: who was told the watermark
 
 
 @dataclass(eq=False)
@@ -200,6 +204,7 @@ class Fleet:
         self.engines: dict[tuple[str, int], list[int]] = {}
         self.engine_model: dict[tuple[str, int], Model] = {}
         self.by_key: dict[PeerKey, int] = {}
+        self.by_key_inc: dict[int, int] = {}
         self._layouts: dict[tuple, KVLayout] = {}
         self._mappings: dict[tuple, HeadMapping] = {}
         self._build()
@@ -256,6 +261,7 @@ class Fleet:
                         rank.ring = self.ring_path.allocator(gid, cfg.ring_bytes, cfg.ring_align)
                     self.ranks.append(rank)
                     self.by_key[key] = gid
+                    self.by_key_inc[key.incarnation] = gid
                     gids.append(gid)
                 self.engines[(side, e)] = gids
 
@@ -487,15 +493,27 @@ class Fleet:
             self.at(at, "msg", src, dst, msg)
 
     def _publish(self, d: int) -> None:
-        """What the decode shell does when its ring's watermark moved: tell every connected
-        prefill rank that stages (engine/decode_side.py, publish_watermark)."""
+        """What the decode shell does when its ring's watermark moved (engine/decode_side.py,
+        publish_watermark): tell the writers of its staged rooms in flight (or, as before
+        watermark_fanout.py, every connected prefill rank that stages)."""
         rank = self.ranks[d]
         assert rank.ring is not None
         wm = rank.ring.watermark
         self._ring_sample(d)
-        for p in rank.staging_peers:
-            self.send(d, p, WatermarkUpdate(src=rank.key.incarnation, dst=self.ranks[p].key.incarnation,
-                                            epoch=rank.key.incarnation, round=wm.round, tail=wm.tail))
+        if self.cfg.watermark_to_all:
+            to = sorted(rank.staging_peers)
+        else:
+            told = rank.fanout.publish(pending_parts(rank.rooms.values()), wm.linear(rank.ring.size), rank.ring.size)
+            to = [g for g in (self.by_key_inc[i] for i in told) if g in rank.staging_peers]
+        for p in to:
+            self._tell_watermark(d, p)
+
+    def _tell_watermark(self, d: int, p: int) -> None:
+        rank = self.ranks[d]
+        assert rank.ring is not None
+        wm = rank.ring.watermark
+        self.send(d, p, WatermarkUpdate(src=rank.key.incarnation, dst=self.ranks[p].key.incarnation,
+                                        epoch=rank.key.incarnation, round=wm.round, tail=wm.tail))
 
     def _ring_sample(self, d: int) -> None:
         ring = self.ranks[d].ring
@@ -670,6 +688,9 @@ class Fleet:
             if isinstance(msg, AllocRequest):
                 self._alloc_asked.setdefault((src, dst, room, msg.chunk), self.now)
                 assert rank.ring is not None
+                if not self.cfg.watermark_to_all and rank.fanout.before_grant(
+                        skey.incarnation, rank.ring.watermark.linear(rank.ring.size)):
+                    self._tell_watermark(dst, src)   # its view may be old: before its grant
                 out = self.core(self.ring_path.on_alloc_request, r, skey, msg, rank.ring, self.now)
                 for a in out:
                     if isinstance(a, Send) and isinstance(a.msg, AllocGrant):
@@ -839,6 +860,7 @@ class Fleet:
         self.detect.append(self.now - next(t for t, g in self.deaths if g == dead))
         rank.peers.discard(dead)
         rank.staging_peers.discard(dead)
+        rank.fanout.forget(self.ranks[dead].key.incarnation)
         self.ranks[dead].peers.discard(gid)
         if rank.side == "decode":
             rank.lookups.pop(self.ranks[dead].engine, None)   # the records name a lost rank: look up again

@@ -84,6 +84,8 @@ def summarize(fleet: Fleet, wall_s: float) -> dict[str, Any]:
     for req in reqs:
         states = {s for s, _ in req.outcome.values()}
         ends["success" if states == {KVPoll.Success} else "failed" if KVPoll.Success not in states else "mixed"] += 1
+    took = [req.closed - req.opened for req in reqs if req.closed is not None
+            and all(s is KVPoll.Success for s, _ in req.outcome.values())]
     deadline = sum(1 for req in reqs for _, why in req.outcome.values() if why and " within " in why)
     ranks = [r for r in fleet.ranks]
     peers = [len(r.peers) for r in ranks if r.alive]
@@ -113,6 +115,7 @@ def summarize(fleet: Fleet, wall_s: float) -> dict[str, Any]:
         "invariants_broken": fleet.check(),
         "requests": dict(ends),
         "requests_refused": fleet.refused,
+        "succeeded_request_s": {"p50": round(pct(took, 0.5), 4), "p99": round(pct(took, 0.99), 4)},
         "rooms_failed_by_a_deadline": deadline,
         "messages_per_request": {k: round(v / n, 3) for k, v in room_msgs.items()},
         "room_messages_per_request": round(sum(room_msgs.values()) / n, 2),
