@@ -6,6 +6,7 @@ not the layout, timeouts and peer keys they share with every room of their rank)
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections import Counter
 from typing import Any
@@ -86,6 +87,11 @@ def summarize(fleet: Fleet, wall_s: float) -> dict[str, Any]:
         ends["success" if states == {KVPoll.Success} else "failed" if KVPoll.Success not in states else "mixed"] += 1
     took = [req.closed - req.opened for req in reqs if req.closed is not None
             and all(s is KVPoll.Success for s, _ in req.outcome.values())]
+    reasons: Counter[str] = Counter()
+    for req in reqs:
+        for _, why in req.outcome.values():
+            if why:
+                reasons[re.sub(r"[0-9a-f]{4,}|\d+(\.\d+)?", "N", why)[:90]] += 1
     deadline = sum(1 for req in reqs for _, why in req.outcome.values() if why and " within " in why)
     ranks = [r for r in fleet.ranks]
     peers = [len(r.peers) for r in ranks if r.alive]
@@ -117,6 +123,7 @@ def summarize(fleet: Fleet, wall_s: float) -> dict[str, Any]:
         "requests_refused": fleet.refused,
         "succeeded_request_s": {"p50": round(pct(took, 0.5), 4), "p99": round(pct(took, 0.99), 4)},
         "rooms_failed_by_a_deadline": deadline,
+        "failure_reasons": dict(reasons.most_common(12)),
         "messages_per_request": {k: round(v / n, 3) for k, v in room_msgs.items()},
         "room_messages_per_request": round(sum(room_msgs.values()) / n, 2),
         "room_message_bytes_per_request": round(sum(fleet.msg_bytes[k] for k in room_msgs) / n, 1),
