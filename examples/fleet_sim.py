@@ -84,7 +84,7 @@ def commit() -> str:
 
 def main(argv=None) -> int:
     a = parse(argv)
-    load0 = os.getloadavg()[0]
+    load0, head = os.getloadavg()[0], commit()   # the code that runs: HEAD when it starts
     fleet = Fleet(config(a))
     memory: dict = {}
     peers: dict = {}
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     out["cpu_s"] = round(cpu, 1)   # the process's CPU time: the wall time a quiet core would take
     out["memory_per_room_in_flight"] = memory
     out["heartbeats_in_flight"] = peers
-    out["run"] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit(),
+    out["run"] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": head,
                   "load_1min_start": round(load0, 2), "load_1min_end": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(), "python": platform.python_version(),
                   "command": "examples/fleet_sim.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     text = json.dumps(out, indent=1)
