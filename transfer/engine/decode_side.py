@@ -38,6 +38,7 @@ from ..protocol.messages import (
 from ..protocol.quiet import Arrival, ExpectedWrites
 from ..protocol.room_uses import RoomUse, ended_answer
 from ..protocol.tags import Tag, TagKind
+from ..protocol.watermark_fanout import WatermarkFanout, pending_parts
 from .context import EngineContext
 from .decode_planning import EnginePlanner
 from .events import Abort, InitReceiver, LookupDone, NewReceiver, ScatterDone
@@ -67,6 +68,7 @@ class DecodeSide:
         self.planner = EnginePlanner(ctx, peers, book, lookup)
         self.eager_rooms: set[int] = set()       # Transferring: writes towards them may come
         self.expected = ExpectedWrites()         # writes announced towards this rank, tags not in
+        self.fanout = WatermarkFanout()          # who was told the ring's watermark (protocol/watermark_fanout.py)
         self.handlers: dict[type, MessageHandler] = {
             HelloAck: self.planner.on_HelloAck, MetaAck: self.on_MetaAck, AllocRequest: self.on_AllocRequest,
             WriterDone: self.on_WriterDone, Quiesced: self.on_Quiesced, RoomFailed: self.on_RoomFailed,
@@ -120,6 +122,10 @@ class DecodeSide:
         room = self.book.get(msg.room)
         a = self.ctx.handler.allocator
         if room is not None and a is not None:
+            wm = a.watermark
+            if self.fanout.before_grant(peer.key.incarnation, wm.linear(a.size)):   # its view may be old
+                self.peers.send(peer.key, WatermarkUpdate(src=self.ctx.me, dst=peer.key.incarnation, epoch=self.ctx.me,
+                                                          round=wm.round, tail=wm.tail))
             self.book.apply(room, room.on_alloc_request(peer.key, msg, a, now))
             self.ctx.stats.maximum("ring_high_water_bytes", min(a.high_water, a.size))
             self.ctx.stats.maximum("ring_backlog_high_water_bytes", a.high_water)
@@ -254,12 +260,15 @@ class DecodeSide:
         return a
 
     def publish_watermark(self) -> None:
+        """The ring's watermark moved: tell the writers it may unblock (those with a granted region
+        here their view does not allow yet; protocol/watermark_fanout.py)."""
         a = self._ring()
         wm = a.watermark
         self.ctx.stats.set("ring_live_bytes", a.live_bytes)
-        for peer in self.peers.connected():
-            if peer.staging:
-                self.peers.send(peer.key, WatermarkUpdate(src=self.ctx.me, dst=peer.key.incarnation, epoch=self.ctx.me,
+        for inc in self.fanout.publish(pending_parts(self.book.rooms.values()), wm.linear(a.size), a.size):
+            peer = self.peers.get(inc)
+            if peer is not None and peer.state == "connected" and peer.staging:
+                self.peers.send(peer.key, WatermarkUpdate(src=self.ctx.me, dst=inc, epoch=self.ctx.me,
                                                           round=wm.round, tail=wm.tail))
 
     # -- hooks: rooms, peers, time, closing -----------------------------------------------------
@@ -287,6 +296,7 @@ class DecodeSide:
         pass
 
     def peer_lost(self, peer: Peer, reason: str, now: float, clean: bool) -> None:
+        self.fanout.forget(peer.key.incarnation)
         quarantine = 0.0 if clean else self.ctx.t.quarantine_for(self.ctx.cfg.backend)
         for room in list(self.book.rooms.values()):
             self.book.apply(room, room.on_peer_lost(peer.key, reason, self.ctx.handler.allocator, now, quarantine))

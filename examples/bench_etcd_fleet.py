@@ -1,0 +1,235 @@
+"""etcd at fleet load: 1,000 ranks registered, kept alive, looked up and watched at once.
+
+    .venv/bin/python examples/bench_etcd_fleet.py                       # 10 processes x 100 clients, TTL 10 s
+    .venv/bin/python examples/bench_etcd_fleet.py --procs 2 --clients 10 --lookups 5 --json out.json
+
+It starts a real three-member etcd cluster on this machine (examples/etcd_cluster.py) and
+--procs worker processes, each holding --clients rendezvous clients (kvstage.bootstrap's etcd
+rendezvous, one per rank, as every rank of a fleet has its own). Every client registers its rank
+(ranks are grouped 8 to an engine) and keeps its lease alive; then each looks up --lookups
+random engines (what a decode rank does when it meets a prefill engine; the first lookup starts
+the client's watch), timed. Then every client still running looks up one engine of the last
+worker, and that worker is killed (SIGKILL: no lease revoked): etcd deletes its ranks' keys once
+their leases run out, and each watching client's on_gone callback says when it heard. Printed
+(JSON): registration and lookup latency percentiles, the delay from the kill to each rank-gone
+notice (goal: within TTL + 2 s), and each etcd member's CPU seconds and resident memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from etcd_cluster import EtcdCluster  # noqa: E402
+
+from kvstage.bootstrap import BootstrapError, RankInfo, open_rendezvous  # noqa: E402
+
+TP = 8
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--procs", type=int, default=10, help="worker processes (the last one is killed)")
+    p.add_argument("--clients", type=int, default=100, help="rendezvous clients (ranks) per process")
+    p.add_argument("--lookups", type=int, default=10, help="timed lookups per client")
+    p.add_argument("--threads", type=int, default=4, help="lookup threads per process")
+    p.add_argument("--ttl", type=int, default=10, help="each rank's lease, seconds (etcd rendezvous' default)")
+    p.add_argument("--members", type=int, default=3)
+    p.add_argument("--json", help="write the figures here too")
+    a = p.parse_args(argv)
+    if a.procs < 2 or a.clients < 1 or a.lookups < 0 or a.threads < 1 or a.ttl < 1:
+        p.error("--procs >= 2, --clients, --threads, --ttl >= 1, --lookups >= 0")
+    if (a.procs * a.clients) % TP or a.clients < 2 * TP:
+        p.error(f"the ranks (--procs x --clients) must be whole engines of {TP}, and --clients >= {2 * TP} "
+                "(the last process holds a whole engine to kill)")
+    return a
+
+
+def rank_info(g: int) -> RankInfo:
+    return RankInfo(engine_id=f"e{g // TP}", role="prefill", tp_size=TP, tp_rank=g % TP,
+                    ctrl_endpoint=f"tcp://127.0.0.1:{20000 + g}", backend="nixl", backend_identity="x" * 600,
+                    layout={"num_layers": 32, "head_dim": 128, "dtype": "bfloat16", "mla": False},
+                    pools={"kv": 8 << 30, "staging_buffers": 64 << 20}, incarnation=1000 + g)
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def worker(w: int, a: argparse.Namespace, url: str, engines: int, cmd: mp.Queue, out: mp.Queue) -> None:
+    """One process of --clients ranks: registers them, times lookups, reports rank-gone notices."""
+    first = w * a.clients
+    clients = [open_rendezvous(url) for _ in range(a.clients)]
+    heard: list[tuple[str, int, float]] = []
+    lock = threading.Lock()
+
+    def gone(g) -> None:
+        with lock:
+            heard.append((g.engine_id, g.tp_rank, time.time()))
+    for c in clients:
+        c.on_gone(gone)
+    reg, refused = [], []
+    for i, c in enumerate(clients):
+        info = rank_info(first + i)
+        t = time.perf_counter()
+        for attempt in range(3):   # an overloaded etcd may let a fresh lease expire before its put
+            try:
+                c.register(info)
+                break
+            except BootstrapError as exc:
+                refused.append(str(exc)[:200])
+                if attempt == 2:
+                    raise
+        reg.append(time.perf_counter() - t)
+        c.start_keepalive(info)
+    out.put(("registered", w, (reg, refused)))
+    assert cmd.get() == "lookup"
+    rng = random.Random(w)
+    jobs = [(c, f"e{rng.randrange(engines)}") for c in clients for _ in range(a.lookups)]
+    lat: list[float] = []
+
+    def run(part) -> None:
+        mine = []
+        for c, eng in part:
+            t = time.perf_counter()
+            c.lookup(eng, timeout_s=30)
+            mine.append(time.perf_counter() - t)
+        with lock:
+            lat.extend(mine)
+    threads = [threading.Thread(target=run, args=(jobs[i::a.threads],)) for i in range(a.threads)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out.put(("looked_up", w, lat))
+    target = cmd.get()
+    for c in clients:   # every client watches the engine that will die
+        c.lookup(target, timeout_s=30)
+    out.put(("watching", w, None))
+    while True:
+        msg = cmd.get()
+        if msg == "report":
+            with lock:
+                out.put(("heard", w, list(heard)))
+        elif msg == "stop":
+            break
+    for c in clients:
+        c.close()
+
+
+def etcd_usage(ec: EtcdCluster) -> list[dict]:
+    """Each member's CPU seconds (user + system) and resident memory, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    rows = []
+    for m in ec.members:
+        pid = m.proc.pid
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        with open(f"/proc/{pid}/status") as f:
+            rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+        rows.append({"member": m.name, "cpu_s": round((int(fields[11]) + int(fields[12])) / tick, 2),
+                     "rss_mib": round(rss / 1024, 1)})
+    return rows
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    ranks = a.procs * a.clients
+    engines = -(-ranks // TP)
+    ctx = mp.get_context("spawn")
+    res: dict = {"procs": a.procs, "clients_per_proc": a.clients, "ranks": ranks, "engines": engines, "ttl_s": a.ttl,
+                 "members": a.members, "load_1min_start": round(os.getloadavg()[0], 2)}
+    with EtcdCluster(a.members) as ec:   # started by the with
+        url = ec.url(f"fleet{os.getpid()}", ttl=a.ttl)
+        before = etcd_usage(ec)
+        cmds = [ctx.Queue() for _ in range(a.procs)]
+        out = ctx.Queue()
+        procs = [ctx.Process(target=worker, args=(w, a, url, engines, cmds[w], out), daemon=True)
+                 for w in range(a.procs)]
+        t0 = time.perf_counter()
+        for p in procs:
+            p.start()
+
+        def collect(kind: str, n: int, timeout: float = 600) -> dict:
+            got = {}
+            while len(got) < n:
+                k, w, data = out.get(timeout=timeout)
+                assert k == kind, (k, kind)
+                got[w] = data
+            return got
+        got = collect("registered", a.procs).values()
+        reg = [x for v, _ in got for x in v]
+        res["register_refused"] = sum(len(r) for _, r in got)
+        res["register_refused_examples"] = sorted({x for _, r in got for x in r})[:3]
+        res["register_all_s"] = round(time.perf_counter() - t0, 2)
+        res["register_ms"] = {"p50": round(pct(reg, 50) * 1e3, 2), "p99": round(pct(reg, 99) * 1e3, 2)}
+        after_reg = etcd_usage(ec)
+        for c in cmds:
+            c.put("lookup")
+        t1 = time.perf_counter()
+        lat = [x for v in collect("looked_up", a.procs).values() for x in v]
+        took = time.perf_counter() - t1
+        res["lookups"] = len(lat)
+        res["lookup_ms"] = {"p50": round(pct(lat, 50) * 1e3, 2), "p90": round(pct(lat, 90) * 1e3, 2),
+                            "p99": round(pct(lat, 99) * 1e3, 2), "max": round(max(lat, default=0) * 1e3, 2),
+                            "mean": round(statistics.fmean(lat) * 1e3, 2) if lat else 0.0}
+        res["lookups_per_s"] = round(len(lat) / took, 1)
+        after_lookup = etcd_usage(ec)
+        victim = a.procs - 1
+        target = f"e{-(-victim * a.clients // TP)}"   # the first engine all of whose ranks the victim holds
+        for w in range(victim):
+            cmds[w].put(target)
+        collect("watching", victim)
+        time.sleep(a.ttl / 3 + 0.5)   # past the victims' next keepalive, so their leases are fresh
+        t_kill = time.time()
+        procs[victim].kill()
+        procs[victim].join()
+        want = victim * a.clients * TP   # every other client hears of each of its ranks
+        deadline = time.monotonic() + a.ttl + 30
+        delays: list[float] = []
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            for w in range(victim):
+                cmds[w].put("report")
+            heard = collect("heard", victim)
+            delays = [t - t_kill for v in heard.values() for (e, _, t) in v if e == target]
+            if len(delays) >= want:
+                break
+        res["watch"] = {"engine": target, "notices_expected": want, "notices": len(delays),
+                        "delay_after_kill_s": {"min": round(min(delays, default=0), 2),
+                                               "p50": round(pct(delays, 50), 2), "p99": round(pct(delays, 99), 2),
+                                               "max": round(max(delays, default=0), 2)},
+                        "goal_s": a.ttl + 2}
+        end = etcd_usage(ec)
+        for w in range(victim):
+            cmds[w].put("stop")
+        for p in procs[:victim]:
+            p.join(60)
+    res["etcd"] = {"start": before, "after_register": after_reg, "after_lookups": after_lookup, "end": end,
+                   "cpu_s_total": round(sum(m["cpu_s"] for m in end) - sum(m["cpu_s"] for m in before), 2),
+                   "rss_mib_max": max(m["rss_mib"] for m in end)}
+    res["load_1min_end"] = round(os.getloadavg()[0], 2)
+    text = json.dumps(res, indent=1)
+    print(text)
+    if a.json:
+        with open(a.json, "w") as f:
+            f.write(text + "\n")
+    ok = res["watch"]["notices"] >= want and res["watch"]["delay_after_kill_s"]["max"] <= a.ttl + 2
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
