@@ -242,3 +242,33 @@ def test_bootstrap_server_killed_and_restarted_mid_run(tmp_path):
             assert pre[r["room"]]["state"] == "Success" and pre[r["room"]]["verified"] is None, pre[r["room"]]
             assert down_at < pre[r["room"]]["start"] < pre[r["room"]]["end"] < up_at, (down_at, up_at, pre[r["room"]])
         assert_verified(d2, [r["room"] for r in second])
+
+
+@pytest.mark.timeout(180)
+def test_a_failed_engine_lookup_fails_the_room_on_the_live_prefill_ranks_at_once(tmp_path):
+    """A decode rank whose lookup of the prefill engine fails (one of its ranks left and never
+    came back) fails the room, and tells the prefill ranks it is still connected to why: they fail
+    the room with the decode side's reason, not at their metadata deadline (issue 49's starved
+    soak: the surviving prefill rank waited 120 s for metadata that never came)."""
+    gone = str(tmp_path / "p0-gone")
+    timeouts = FAST | {"bootstrap": 3.0, "metadata": 120.0}
+    with Cluster() as cl:
+        early, late = rooms(100, 2, False), rooms(200, 3, False)
+        for r in late:
+            r["start_after_file"] = gone        # neither side starts these before prefill rank 0 is gone
+        p0 = cl.launch([spec("prefill", 0, 2, early, "nixl", True, timeouts=timeouts)], "p0-leaves")
+        p1 = cl.launch([spec("prefill", 1, 2, early + late, "nixl", True, timeouts=timeouts)], "p1")
+        d0 = cl.launch([spec("decode", 0, 1, early + late, "nixl", True, timeouts=timeouts)], "d0")
+        p0.proc.wait(120)                       # its rooms done, it closed and left the rendezvous
+        open(gone, "w").close()
+        for p in (p1, d0):
+            p.proc.wait(150)
+        assert_clean_exit([p0, p1, d0])
+        assert_verified(d0, [r["room"] for r in early])
+        decode, prefill = rooms_of(d0), rooms_of(p1)
+        for r in late:
+            assert decode[r["room"]]["state"] == "Failed", decode[r["room"]]
+            assert "looking up prefill engine" in decode[r["room"]]["failure"], decode[r["room"]]
+            rec = prefill[r["room"]]
+            assert rec["state"] == "Failed", rec
+            assert "looking up prefill engine" in rec["failure"], rec   # told by the decode rank, not timed out

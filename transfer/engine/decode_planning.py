@@ -136,8 +136,9 @@ class EnginePlanner:
             return
         if view.state == "failed":
             view.rooms.discard(room.room)
-            return self.book.apply(room, room.on_plan_failed(
-                FailureKind.BOOTSTRAP, f"looking up prefill engine {view.name} failed: {view.error}", now))
+            reason = f"looking up prefill engine {view.name} failed: {view.error}"
+            self._tell_connected(view, room, FailureKind.BOOTSTRAP, reason)
+            return self.book.apply(room, room.on_plan_failed(FailureKind.BOOTSTRAP, reason, now))
         if view.state != "ready":
             return
         try:
@@ -209,6 +210,15 @@ class EnginePlanner:
                 self.ctx.sock.send(peer.endpoint, RoomFailed(
                     src=self.ctx.me, dst=peer.key.incarnation, room=room.room, session=room.session, kind=FailureKind.LAYOUT,
                     reason=f"decode rank {self.ctx.layout.tp_rank} refused: {reason}"))
+
+    def _tell_connected(self, view: EngineView, room: DecodeRoom, kind: str, reason: str) -> None:
+        """A room failed because its engine's lookup failed: the ranks of that engine this rank is
+        still connected to (from earlier rooms) may hold the room already; they fail it now, with
+        this reason, rather than at their metadata deadline. The others cannot be reached."""
+        for peer in self.peers.connected():
+            if peer.key.engine_id == view.engine_id:
+                self.peers.send(peer.key, RoomFailed(src=self.ctx.me, dst=peer.key.incarnation, room=room.room,
+                                                     session=room.session, kind=kind, reason=reason))
 
     def tombstone(self, room: DecodeRoom, kind: str, reason: str, now: float) -> None:
         """A room failed before its metadata went out: its prefill ranks are told (RoomFailed)
