@@ -117,17 +117,21 @@ class MooncakePageStore:
         if batch:
             yield batch
 
-    def put(self, pks: Sequence[PageKey], sizes: Sequence[int], fill: Callable[[int, torch.Tensor], None]) -> list[bool]:
-        if len(pks) != len(sizes):
-            raise ValueError(f"{len(pks)} keys and {len(sizes)} sizes")
+    def _to_store(self, pks: Sequence[PageKey]) -> tuple[list[bool], list[int]]:
+        """(stored already, per page; the indices of the pages to store: absent, first of their key)."""
         there = self.present(pks)
-        ok = list(there)
         self.stats.pages_skipped_present += sum(there)
         todo, seen = [], set()
         for i, pk in enumerate(pks):
             if not there[i] and pk not in seen:
                 seen.add(pk)
                 todo.append(i)
+        return list(there), todo
+
+    def put(self, pks: Sequence[PageKey], sizes: Sequence[int], fill: Callable[[int, torch.Tensor], None]) -> list[bool]:
+        if len(pks) != len(sizes):
+            raise ValueError(f"{len(pks)} keys and {len(sizes)} sizes")
+        ok, todo = self._to_store(pks)
         for batch in self._batches(todo, sizes):
             with self._wlock:
                 buf = self._wbuf.tensor
@@ -194,14 +198,7 @@ class MooncakePageStore:
     def put_pieces(self, pks: Sequence[PageKey], pieces: Sequence[Sequence[tuple[int, int]]]) -> list[bool]:
         """Store each page from its pieces in place (registered memory) with its trailer: one
         `batch_put_from_multi_buffers` per batch, the same objects `put` stores."""
-        there = self.present(pks)
-        ok = list(there)
-        self.stats.pages_skipped_present += sum(there)
-        todo, seen = [], set()
-        for i, pk in enumerate(pks):
-            if not there[i] and pk not in seen:
-                seen.add(pk)
-                todo.append(i)
+        ok, todo = self._to_store(pks)
         per = self.staging_bytes // _TRAILER.size
         for start in range(0, len(todo), per):
             batch = todo[start:start + per]
