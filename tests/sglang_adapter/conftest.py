@@ -13,7 +13,12 @@ except metadata.PackageNotFoundError:
 
 if not collect_ignore_glob:
     import json
+    import os
     import time
+
+    # read at import time by huggingface_hub: the rank launcher's forkserver imports it once for
+    # every rank (rank_launcher.py), so it is set before the first launch
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     import pytest
     from cluster import free_port

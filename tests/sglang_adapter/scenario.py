@@ -1,5 +1,6 @@
-"""The scheduler-class harness's driver: starts the rank processes of a scenario (rank.py),
-waits for them, and checks their reports. Used by the scheduler-class tests of this folder; the
+"""The scheduler-class harness's driver: starts the rank processes of a scenario (rank.py, each
+forked from a process with SGLang imported: rank_launcher.py), waits for them, and checks their
+reports. Used by the scheduler-class tests of this folder; the
 fixtures (a model config, SGLang's bootstrap server) are in conftest.py."""
 
 from __future__ import annotations
@@ -7,12 +8,11 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 from cluster import free_port
+from rank_launcher import RankProcess
 
 HERE = Path(__file__).resolve().parent
 SHIMS = HERE / "shims"
@@ -53,11 +53,10 @@ def run(tmp_path, model_dir, port, prefill_tp, decode_tp, reqs, *, backend="nixl
         for role, tp, ranks in (("prefill", prefill_tp, prefill_tp * prefill_pp), ("decode", decode_tp, decode_tp)):
             for rank in range(ranks):
                 out = tmp_path / f"{role}{rank}.json"
-                log = open(tmp_path / f"{role}{rank}.log", "w")
-                procs[(role, rank)] = (subprocess.Popen(
-                    [sys.executable, str(HERE / "rank.py"), "--role", role, "--tp", str(tp), "--rank", str(rank),
+                procs[(role, rank)] = (RankProcess(
+                    ["--role", role, "--tp", str(tp), "--rank", str(rank),
                      "--scenario", str(tmp_path / "scenario.json"), "--out", str(out)],
-                    env=env, stdout=log, stderr=subprocess.STDOUT), out)
+                    env, tmp_path / f"{role}{rank}.log"), out)
         deadline = time.monotonic() + TIMEOUT_S
         for key in sorted(procs, key=lambda k: k[0] != "decode"):   # decode ranks first, then
             if key[0] == "prefill":                                  # the prefill ranks may go
@@ -67,7 +66,7 @@ def run(tmp_path, model_dir, port, prefill_tp, decode_tp, reqs, *, backend="nixl
         for proc, _ in procs.values():
             if proc.poll() is None:
                 proc.kill()
-                proc.wait()
+                proc.wait(30)
     results = {}
     for key, (proc, out) in procs.items():
         tail = (tmp_path / f"{key[0]}{key[1]}.log").read_text()[-3000:]

@@ -4,7 +4,8 @@ connector factory), hands each step's connector metadata to its TP workers (harn
 one process each, with the connector's WORKER side over real kvstage on small CPU caches in the
 CPU backend's layout), sums their outputs with vLLM's `KVOutputAggregator` and feeds them back
 through `Scheduler.update_from_output`, as vLLM's engine core does; the model's forward is
-replaced by each worker writing a request's KV as a pattern (harness_worker.kv_page).
+replaced by each worker writing a request's KV as a pattern (harness_worker.kv_page). Workers
+fork from a forkserver that has vLLM imported (WORKER_PRELOAD).
 """
 
 from __future__ import annotations
@@ -41,6 +42,11 @@ NUM_BLOCKS = 24
 MODULE = "kvstage.adapters.vllm.connector"
 STEP_S = 60          # one worker's answer to one step
 READY_S = 240        # a worker's start (imports vLLM and torch; minutes on a loaded 2-core machine)
+# what each worker would import on its own (about 10 s of CPU each): the workers fork from a
+# forkserver that imported it once per test session; what a worker reads from its environment
+# (kvstage's configuration, vLLM's envs) it reads after the fork
+WORKER_PRELOAD = ["torch", "harness", "harness_worker", "vllm.config", "vllm.distributed.parallel_state",
+                  "vllm.distributed.kv_transfer.kv_connector.v1.base", "vllm.v1.outputs"]
 
 
 def write_model(path: Path) -> str:
@@ -118,7 +124,8 @@ class Engine:
         self.config = make_config(self.model, producer=self.producer, tp=self.tp,
                                   rendezvous_port=self.rendezvous_port, failure_policy=self.failure_policy,
                                   chunk=self.chunk, layerwise=self.layerwise)
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")   # workers fork from one process with vLLM imported
+        ctx.set_forkserver_preload(WORKER_PRELOAD)
         self.pipes, self.procs = [], []
         for rank in range(self.tp):
             ours, theirs = ctx.Pipe()
