@@ -19,9 +19,12 @@ differ. Each component becomes kvstage pools that move with the request's last p
   [page_size, heads, head] become token items of a heads pool (item = page x page_size + token),
   so each item holds whole heads. (SGLang's disaggregation takes NHD sub-pools only.)
 - DSA. Indexer pages of an MLA model, replicated over TP: a replicated pool of page items.
+- BLOCK_SCALE / BLOCK_SCALE_SWA. MXFP8 per-block scales of the full and the SWA sub-pool, sharded
+  over KV heads like the KV they scale: a heads pool, of token items like SWA, or of page items
+  in SGLang's interleaved layout at page size 128.
 
-Anything else (QSA, MiniMax, DeepSeek V4 rings/request state, block scales, DSA tail, ...) makes
-the manager refuse to start, naming the state type.
+Anything else (QSA, MiniMax, DeepSeek V4 rings/request state, DSA tail, ...) makes the manager
+refuse to start, naming the state type.
 """
 
 from __future__ import annotations
@@ -221,6 +224,30 @@ def _swa(entries: _Entries, layout, args, tp: int):
     return groups, None
 
 
+# SGLang's MHATokenToKVPoolMXFP8 keeps its scales in the FA4 interleaved atom layout at this page size
+MXFP8_INTERLEAVED_PAGE = 128
+
+
+def _block_scale(entries: _Entries, layout, args, tp: int):
+    """MXFP8 per-32-element UE8M0 scales (SGLang's MHATokenToKVPoolMXFP8.get_kv_scale_buf_infos:
+    one tensor per layer, K then V, an item per page), sharded over the KV heads like the KV they
+    scale. At page size 128 SGLang interleaves them per page, [pages, heads, 32, 4, sf]: page items
+    of a heads pool; otherwise they are per token, [tokens, heads, sf]: token items, as SWA pages."""
+    if layout.mla:
+        raise NotImplementedError("MXFP8 block scales beside an MLA KV cache")
+    page, heads = int(args.page_size), layout.local_heads
+    expand = 1 if page == MXFP8_INTERLEAVED_PAGE else page
+    groups: dict = {}
+    for j, ptr, nbytes, item in entries:
+        if item % (page * heads):
+            raise NotImplementedError(f"MXFP8 block scale tensor {j}: a {item}-byte page is not {page} tokens x "
+                                      f"{heads} heads")
+        rows = nbytes // item * expand
+        _add(groups, "", "heads", layout.total_kv_heads, expand,
+             entries.view(ptr, nbytes, (rows, heads, item // (expand * heads))))
+    return groups, None
+
+
 def _dsa(entries: _Entries, layout, args, tp: int):
     if not layout.mla:
         raise NotImplementedError("DSA indexer state beside a non-MLA KV cache")
@@ -230,4 +257,4 @@ def _dsa(entries: _Entries, layout, args, tp: int):
     return groups, None
 
 
-_BUILDERS = {"mamba": _mamba, "swa": _swa, "dsa": _dsa}
+_BUILDERS = {"mamba": _mamba, "swa": _swa, "dsa": _dsa, "block_scale": _block_scale, "block_scale_swa": _block_scale}

@@ -1,0 +1,169 @@
+"""SGLang state components beyond Mamba/SWA/DSA, built by SGLang 0.5.23's own pool classes on
+CPU and described by SGLang's own `setup_state_kv_args`, through the adapter's StateMap (pools at
+start, state_indices as pool items), then moved the way kvstage moves state pools: for each
+(prefill rank -> decode rank) KV flow, the pool segments that flow carries
+(`pool_parts.writer_segments` / `request_copies`), gathered out of the prefill rank's tensors and
+scattered into the decode rank's (`staging/pool_copies.py`), in one process and without a
+transport (the engine moving pools between processes is tests/integration/test_state_pools.py).
+Each case checks every byte the decode ranks hold against the prefill ranks' bytes as SGLang's
+mooncake backend pairs them, and that nothing else was written. Seconds, no servers."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvstage.adapters.sglang.geometry import kv_layout
+from kvstage.adapters.sglang.state import StateMap
+from kvstage.staging.pool_copies import LandedBlock, PoolBytes, gather_pools, scatter_pools
+from kvstage.transfer.state_pools import pool_mismatches
+from kvstage.transfer.protocol.head_mapping import compute_assignments
+from kvstage.transfer.protocol.pool_parts import counts_mismatch, request_copies, writer_segments
+
+SENTINEL = 0x5A
+
+
+def sglang_rank(pool, tp: int, rank: int, total_heads: int, mla: bool = False) -> dict:
+    """One rank: SGLang's KVArgs for `pool` (its KV buffers and, through setup_state_kv_args, its
+    state components) and the adapter's layout and StateMap of them."""
+    from sglang.srt.disaggregation.base.conn import KVArgs
+    from sglang.srt.disaggregation.utils import setup_state_kv_args
+
+    args = KVArgs()
+    args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = pool.get_contiguous_buf_infos()
+    args.page_size = pool.page_size
+    args.kv_head_num, args.total_kv_head_num = max(1, total_heads // tp), total_heads
+    setup_state_kv_args(args, pool)
+    layout = kv_layout(args, tp, rank, mla)
+    return {"pool": pool, "args": args, "layout": layout, "state": StateMap(args, layout, torch.device("cpu"), tp)}
+
+
+def move(prefill: list[dict], decode: list[dict], p_indices: list, d_indices: list, total_heads: int,
+         mla: bool = False) -> None:
+    """kvstage's state pool copies of one request between the ranks (module docstring)."""
+    for side in prefill + decode:
+        side["specs"] = [p.spec(n, side["layout"]) for n, p in side["state"].pools.items()]
+    assert pool_mismatches(prefill[0]["specs"], decode[0]["specs"]) == []
+    P, D = len(prefill), len(decode)
+    assert decode[0]["state"].peer_problem(P, D) is None
+    for d in range(D):
+        dst_items = decode[d]["state"].items(d_indices)
+        for a in compute_assignments(P, D, total_heads, mla).for_decode(d):
+            src_items = prefill[a.prefill_rank]["state"].items(p_indices)
+            assert counts_mismatch(src_items, {k: v.size for k, v in dst_items.items()}) == ""
+            copies = request_copies(writer_segments(prefill[a.prefill_rank]["specs"], P, D, a), src_items, dst_items)
+            block = torch.empty(sum(c.nbytes for c in copies), dtype=torch.uint8)
+            gather_pools(PoolBytes(prefill[a.prefill_rank]["state"].pools), copies, block, 0)
+            scatter_pools(PoolBytes(decode[d]["state"].pools),
+                          [LandedBlock(block[c.offset:c.offset + c.nbytes], c) for c in copies])
+
+
+def fill(tensors, seed: int | None) -> None:
+    g = torch.Generator().manual_seed(seed or 0)
+    for t in tensors:
+        b = t.view(torch.uint8)
+        b.copy_(torch.randint(0, 256, b.shape, generator=g, dtype=torch.uint8) if seed is not None
+                else torch.full(b.shape, SENTINEL, dtype=torch.uint8))
+
+
+# --- MXFP8 block scales (StateType.BLOCK_SCALE: MHATokenToKVPoolMXFP8) ---------------------------
+
+def mxfp8_pool(page: int, pages: int, local_heads: int):
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
+    return MHATokenToKVPoolMXFP8(size=page * pages, page_size=page, dtype=torch.float8_e4m3fn, head_num=local_heads,
+                                 head_dim=64, layer_num=2, device="cpu", enable_memory_saver=False)
+
+
+def scales_by_page_head(t: torch.Tensor, page: int) -> torch.Tensor:
+    """A scale tensor as [pages, local heads, bytes of that head in that page], from its shape as
+    SGLang allocates it: [tokens, heads, sf] or, interleaved, [pages, heads, 32, page/32, sf]."""
+    b = t.view(torch.uint8)
+    if b.dim() == 3:
+        return b.reshape(-1, page, b.shape[1], b.shape[2]).permute(0, 2, 1, 3).reshape(b.shape[0] // page, b.shape[1], -1)
+    return b.reshape(b.shape[0], b.shape[1], -1)
+
+
+@pytest.mark.parametrize("page", [4, 128], ids=["per-token", "interleaved"])
+@pytest.mark.parametrize("ptp,dtp", [(2, 2), (2, 1), (1, 2)])
+def test_mxfp8_block_scales_move_with_their_heads(page, ptp, dtp):
+    """The scales of a request's pages land on the decode pages SGLang names, each decode rank with
+    its own heads' scales, in both of SGLang's scale layouts (per token; interleaved per page at
+    page size 128). SGLang's own manager refuses MXFP8 across attention TP sizes for every backend
+    (CommonKVManager.try_ensure_parallel_info); the pools split correctly there too."""
+    from sglang.srt.disaggregation.base.conn import StateType
+    from sglang.srt.mem_cache.common import kv_to_page_indices
+
+    heads = 4
+    prefill = [sglang_rank(mxfp8_pool(page, 6, heads // ptp), ptp, r, heads) for r in range(ptp)]
+    decode = [sglang_rank(mxfp8_pool(page, 9, heads // dtp), dtp, r, heads) for r in range(dtp)]
+    assert prefill[0]["args"].state_types == [StateType.BLOCK_SCALE]
+    assert {n: (p.sharding, p.heads) for n, p in decode[0]["state"].pools.items()} == {"state0.block_scale": ("heads", 4)}
+    for i, side in enumerate(prefill):
+        fill(side["pool"].k_scale_buffer + side["pool"].v_scale_buffer, 1 + i)
+    for side in decode:
+        fill(side["pool"].k_scale_buffer + side["pool"].v_scale_buffer, None)
+    src_pages, dst_pages = [3, 1, 5], [2, 8, 4]
+
+    def payload(pages):     # SGLang's _full_kv_pages_payload of a request on these pages
+        tokens = torch.tensor([p * page + t for p in pages for t in range(page)])
+        return [kv_to_page_indices(tokens, page)]
+
+    move(prefill, decode, payload(src_pages), payload(dst_pages), heads)
+    n_scale = len(prefill[0]["pool"].k_scale_buffer) * 2
+    for j in range(n_scale):
+        whole = torch.cat([scales_by_page_head((s["pool"].k_scale_buffer + s["pool"].v_scale_buffer)[j], page)
+                           for s in prefill], dim=1)                     # [pages, all heads, bytes]
+        for d, side in enumerate(decode):
+            got = scales_by_page_head((side["pool"].k_scale_buffer + side["pool"].v_scale_buffer)[j], page)
+            local = heads // dtp
+            for sp, dp in zip(src_pages, dst_pages):
+                assert torch.equal(got[dp], whole[sp, d * local:(d + 1) * local]), (j, d, dp)
+            others = [p for p in range(got.shape[0]) if p not in dst_pages]
+            assert bool((got[others] == SENTINEL).all()), f"scale tensor {j} rank {d}: a page no request names was written"
+
+
+def test_a_sliding_window_model_with_mxfp8_moves_its_window_and_both_scale_pools():
+    """SGLang's SWAKVPool with MXFP8 sub-pools: three components, the window's KV pages (SWA), the
+    full layers' scales (BLOCK_SCALE, every page of the request) and the window layers' scales
+    (BLOCK_SCALE_SWA, the window's pages), each with its own page list, prefill TP 1 -> decode TP 2."""
+    from sglang.srt.disaggregation.base.conn import StateType
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPoolMXFP8
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    page, heads, ptp, dtp = 4, 2, 1, 2
+
+    def pool(pages: int, tp: int):
+        return SWAKVPool(size=page * pages, size_swa=page * (pages - 2), page_size=page, dtype=torch.float8_e4m3fn,
+                         head_num=heads // tp, head_dim=64, swa_attention_layer_ids=[0, 2],
+                         full_attention_layer_ids=[1], device="cpu", token_to_kv_pool_class=MHATokenToKVPoolMXFP8,
+                         enable_memory_saver=False)
+
+    def parts(p) -> dict:
+        return {"swa": p.swa_kv_pool.k_buffer + p.swa_kv_pool.v_buffer,
+                "block_scale": p.full_kv_pool.k_scale_buffer + p.full_kv_pool.v_scale_buffer,
+                "block_scale_swa": p.swa_kv_pool.k_scale_buffer + p.swa_kv_pool.v_scale_buffer}
+
+    prefill = [sglang_rank(pool(8, ptp), ptp, r, heads) for r in range(ptp)]
+    decode = [sglang_rank(pool(11, dtp), dtp, r, heads) for r in range(dtp)]
+    assert prefill[0]["args"].state_types == [StateType.SWA, StateType.BLOCK_SCALE, StateType.BLOCK_SCALE_SWA]
+    for i, side in enumerate(prefill):
+        fill([t for ts in parts(side["pool"]).values() for t in ts], 7 + i)
+    for side in decode:
+        fill([t for ts in parts(side["pool"]).values() for t in ts], None)
+    full = ([3, 1, 5, 6], [2, 8, 4, 9])           # (prefill, decode) pages of the whole request
+    window = ([2, 4], [7, 1])                     # the window's pages in the SWA sub-pool
+    as_indices = {"swa": window, "block_scale": full, "block_scale_swa": window}
+    p_idx = [np.asarray(as_indices[k][0], dtype=np.int32) for k in parts(prefill[0]["pool"])]
+    d_idx = [np.asarray(as_indices[k][1], dtype=np.int32) for k in parts(prefill[0]["pool"])]
+    move(prefill, decode, p_idx, d_idx, heads)
+    for kind, (src_pages, dst_pages) in as_indices.items():
+        for j in range(len(parts(prefill[0]["pool"])[kind])):
+            whole = torch.cat([scales_by_page_head(parts(s["pool"])[kind][j], page) for s in prefill], dim=1)
+            for d, side in enumerate(decode):
+                got = scales_by_page_head(parts(side["pool"])[kind][j], page)
+                local = heads // dtp
+                for sp, dp in zip(src_pages, dst_pages):
+                    assert torch.equal(got[dp], whole[sp, d * local:(d + 1) * local]), (kind, j, d, dp)
+                others = [p for p in range(got.shape[0]) if p not in dst_pages]
+                assert bool((got[others] == SENTINEL).all()), f"{kind} tensor {j} rank {d}: an unnamed page was written"
