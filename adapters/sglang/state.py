@@ -22,8 +22,10 @@ differ. Each component becomes kvstage pools that move with the request's last p
 - BLOCK_SCALE / BLOCK_SCALE_SWA. MXFP8 per-block scales of the full and the SWA sub-pool, sharded
   over KV heads like the KV they scale: a heads pool, of token items like SWA, or of page items
   in SGLang's interleaved layout at page size 128.
+- QSA_PENDING / QSA_COMPRESSED. Qwen4-Exp's QSA index state, replicated over TP: a replicated
+  pool of SGLang's items (a request's ring row; a page's compressed keys).
 
-Anything else (QSA, MiniMax, DeepSeek V4 rings/request state, DSA tail, ...) makes the manager
+Anything else (MiniMax, DeepSeek V4 rings/request state, DSA tail, ...) makes the manager
 refuse to start, naming the state type.
 """
 
@@ -257,4 +259,17 @@ def _dsa(entries: _Entries, layout, args, tp: int):
     return groups, None
 
 
-_BUILDERS = {"mamba": _mamba, "swa": _swa, "dsa": _dsa, "block_scale": _block_scale, "block_scale_swa": _block_scale}
+def _qsa(entries: _Entries, layout, args, tp: int):
+    """QSA (Qwen4-Exp) index state, the same on every attention TP rank (SGLang's mooncake backend
+    sends it from one prefill rank per decode rank at any TP sizes): `qsa_pending`, a per-request
+    ring row per index (the key-state rings per layer and the RoPE position ring), and
+    `qsa_compressed`, the compressed keys of a full KV page per index. A replicated pool of those
+    items; both sides must name as many (SGLang's mooncake backend requires it too)."""
+    groups: dict = {}
+    for _, ptr, nbytes, item in entries:
+        _add(groups, "", "replicated", None, 1, entries.view(ptr, nbytes, (nbytes // item, item)))
+    return groups, None
+
+
+_BUILDERS = {"mamba": _mamba, "swa": _swa, "dsa": _dsa, "block_scale": _block_scale, "block_scale_swa": _block_scale,
+             "qsa_pending": _qsa, "qsa_compressed": _qsa}

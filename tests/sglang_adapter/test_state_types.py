@@ -167,3 +167,68 @@ def test_a_sliding_window_model_with_mxfp8_moves_its_window_and_both_scale_pools
                     assert torch.equal(got[dp], whole[sp, d * local:(d + 1) * local]), (kind, j, d, dp)
                 others = [p for p in range(got.shape[0]) if p not in dst_pages]
                 assert bool((got[others] == SENTINEL).all()), f"{kind} tensor {j} rank {d}: an unnamed page was written"
+
+
+# --- QSA index state (StateType.QSA_PENDING / QSA_COMPRESSED: QSATokenToKVPool) -----------------
+
+def qsa_pool(tp: int, slots: int, pages: int):
+    """SGLang's QSA hybrid pool (Mamba layers 0 and 2 in SGLang's MambaPool, full attention with
+    QSA at layers 1 and 3), this rank's share of 2 KV heads and 4 Mamba heads."""
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.mem_cache.memory_pool import MambaPool
+    from sglang.srt.mem_cache.qsa_kv_pool import QSATokenToKVPool
+
+    shape = Mamba2StateShape.create(tp_world_size=tp, intermediate_size=64, n_groups=2, num_heads=4, head_dim=16,
+                                    state_size=8, conv_kernel=4)
+    mamba = MambaPool(size=slots, spec_state_size=0, cache_params=Mamba2CacheParams(shape=shape, layers=[0, 2]),
+                      mamba_layer_ids=[0, 2], device="cpu")
+    return QSATokenToKVPool(size=8 * pages, dtype=torch.bfloat16, page_size=8, head_num=2 // tp, head_dim=16,
+                            full_attention_layer_ids=[1, 3], device="cpu", mamba_pool=mamba, qsa_index_kv_heads=1,
+                            qsa_index_head_dim=32, qsa_compress_ratio=4, qsa_token_topk=8, num_request_slots=slots)
+
+
+def qsa_parts(p) -> dict:
+    return {"qsa_pending": p.qsa_key_state_buffer_pool + [p.qsa_rope_position_buffer],
+            "qsa_compressed": p.qsa_compressed_k_buffer_pool}
+
+
+@pytest.mark.parametrize("ptp,dtp", [(2, 1), (1, 2)])
+def test_qsa_index_state_moves_to_every_decode_rank(ptp, dtp):
+    """A request's QSA pending ring row (SGLang's get_qsa_pending_state_indices: its request slot,
+    `ratio` ring rows per slot) and the compressed keys of its pages land in the decode's slot and
+    pages on every decode rank, whatever the TP sizes; the Mamba state of the same pool moves too."""
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.base.conn import StateType
+    from sglang.srt.disaggregation.utils import get_qsa_pending_state_indices
+    from sglang.srt.mem_cache.common import kv_to_page_indices
+
+    prefill = [sglang_rank(qsa_pool(ptp, 5, 8), ptp, r, 2) for r in range(ptp)]
+    decode = [sglang_rank(qsa_pool(dtp, 7, 11), dtp, r, 2) for r in range(dtp)]
+    assert prefill[0]["args"].state_types == [StateType.MAMBA, StateType.QSA_PENDING, StateType.QSA_COMPRESSED]
+    assert {n: p.sharding for n, p in decode[0]["state"].pools.items() if "qsa" in n} == {
+        "state1.qsa_pending": "replicated", "state2.qsa_compressed": "replicated"}
+    for side in prefill:       # replicated over TP: every prefill rank holds the same bytes
+        fill([t for ts in qsa_parts(side["pool"]).values() for t in ts], 3)
+    for side in decode:
+        fill([t for ts in qsa_parts(side["pool"]).values() for t in ts], None)
+    (src_slot, dst_slot), (src_pages, dst_pages) = (2, 6), ([3, 1, 5], [2, 9, 4])
+
+    def indices(slot, pages):
+        req = SimpleNamespace(kv=SimpleNamespace(req_pool_idx=slot))
+        tokens = torch.tensor([p * 8 + t for p in pages for t in range(8)])
+        return [[np.array([slot])], get_qsa_pending_state_indices(req), kv_to_page_indices(tokens, 8)]
+
+    move(prefill, decode, indices(src_slot, src_pages), indices(dst_slot, dst_pages), 2)
+    ratio, per_page = 4, 2          # pending: 4 ring rows per request slot; compressed: 8 / 4 rows per page
+    for kind, rows, pairs in (("qsa_pending", ratio, [(src_slot, dst_slot)]),
+                              ("qsa_compressed", per_page, list(zip(src_pages, dst_pages)))):
+        for j, src_t in enumerate(qsa_parts(prefill[0]["pool"])[kind]):
+            for d, side in enumerate(decode):
+                got = qsa_parts(side["pool"])[kind][j].view(torch.uint8)
+                written = torch.zeros(got.shape[0], dtype=torch.bool)
+                for s, t in pairs:
+                    assert torch.equal(got[t * rows:(t + 1) * rows], src_t.view(torch.uint8)[s * rows:(s + 1) * rows]), \
+                        (kind, j, d, t)
+                    written[t * rows:(t + 1) * rows] = True
+                assert bool((got[~written] == SENTINEL).all()), f"{kind} tensor {j} rank {d}: an unnamed row was written"
