@@ -37,7 +37,7 @@ from kvstage import EngineConfig, KVManager, KVTransferError
 from kvstage.bootstrap.in_process import InProcessServer, join_host_port
 
 from . import pools, send_gate
-from .geometry import device_of, kv_layout, unsupported_features
+from .geometry import device_of, dsa_tail_slot_bytes, kv_layout, unsupported_features
 from .plugin import staging_enabled
 from .rendezvous import address_from_route, instance_address, route_answer, shared_rendezvous
 from .state import StateMap
@@ -74,7 +74,8 @@ class KvstageKVManager(CommonKVManager):
                            pp_size=self.pp_size if self.is_prefill else 1, pp_rank=self.pp_rank if self.is_prefill else 0)
         device = device_of(server_args, args)
         self.kv_device = torch.device(device)
-        self.state = StateMap(args, layout, self.kv_device, self.attn_tp_size)
+        self.state = StateMap(args, layout, self.kv_device, self.attn_tp_size,
+                              dsa_tail_slot_bytes=dsa_tail_slot_bytes(args, server_args))
         buffers = pools.make_buffers(layout, args, device, self.state.pools)
         self.aux_rooms = pools.aux_room_column(args, device)
         if self.is_prefill:

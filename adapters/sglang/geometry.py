@@ -140,6 +140,17 @@ def draft_model_kv_heads(server_args) -> int | None:
     return int(config.get_total_num_kv_heads())
 
 
+def dsa_tail_slot_bytes(args, server_args) -> int | None:
+    """Bytes of one slot of the DSA indexer's kpool-compress tail ring (StateType.DSA_TAIL): SGLang
+    keeps index_head_dim bf16 values per slot and layer (DSATokenToKVPool), index_head_dim from the
+    model config. None when KVArgs has no DSA tail or there are no server args to read it from."""
+    types = [str(getattr(t, "value", t)) for t in getattr(args, "state_types", None) or []]
+    if "dsa_tail" not in types or server_args is None:
+        return None
+    from sglang.srt.configs.model_config import ModelConfig, get_dsa_index_head_dim
+    return int(get_dsa_index_head_dim(ModelConfig.from_server_args(server_args).hf_config)) * 2   # bf16
+
+
 def model_kv_heads(server_args) -> int:
     if server_args is None:
         raise ValueError("KVArgs has no total_kv_head_num and no server args to read the model's from")

@@ -24,14 +24,21 @@ differ. Each component becomes kvstage pools that move with the request's last p
   in SGLang's interleaved layout at page size 128.
 - QSA_PENDING / QSA_COMPRESSED. Qwen4-Exp's QSA index state, replicated over TP: a replicated
   pool of SGLang's items (a request's ring row; a page's compressed keys).
+- DSA_TAIL. The DSA indexer's kpool-compress tail: per request a ring row of W token slots (W =
+  index_kpool + speculative slots, so it may differ between prefill and decode), of
+  `dsa_tail_slot_bytes` each per layer tensor (the model's DSA index_head_dim in bf16; the
+  manager reads it from the model config). A replicated pool of slot items (row x W + slot); a
+  request's index [row, off1, n1, off2, n2, W] names its live slots in ring order, which pair
+  positionally with the decode's as SGLang's mooncake backend pairs them.
 
-Anything else (MiniMax, DeepSeek V4 rings/request state, DSA tail, ...) makes the manager
-refuse to start, naming the state type.
+Anything else (MiniMax, DeepSeek V4 rings/request state, ...) makes the manager refuse to start,
+naming the state type.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -65,7 +72,7 @@ class Component:
 class StateMap:
     """One rank's state components as kvstage pools; per request, state_indices as pool_items."""
 
-    def __init__(self, args, layout, device: torch.device, tp_size: int):
+    def __init__(self, args, layout, device: torch.device, tp_size: int, *, dsa_tail_slot_bytes: int | None = None):
         self.components: list[Component] = []
         self.pools: dict[str, StatePool] = {}
         self._layout = layout
@@ -76,6 +83,8 @@ class StateMap:
         for i, st in enumerate(types):
             kind = str(getattr(st, "value", st))
             build = _BUILDERS.get(kind)
+            if kind == "dsa_tail":
+                build = partial(_dsa_tail, slot_bytes=dsa_tail_slot_bytes)
             try:
                 if build is None:
                     raise NotImplementedError(f"state type {kind!r}")
@@ -109,6 +118,9 @@ class StateMap:
             if idx.size == 0:
                 continue
             for name, expand in comp.pools.items():
+                if comp.kind == "dsa_tail":
+                    out[name] = _dsa_tail_items(idx, expand)
+                    continue
                 out[name] = (idx[:, None] * expand + np.arange(expand, dtype=np.int64)).reshape(-1)
         return out
 
@@ -130,6 +142,20 @@ class StateMap:
         if why:
             return f"the kvstage backend cannot move this model's state between these TP sizes: {why}"
         return None
+
+
+def _dsa_tail_items(idx: np.ndarray, slots: int) -> np.ndarray:
+    """A DSA tail index [row, off1, n1, off2, n2, ring slots] as slot items of this rank's pool
+    (row x slots + slot), its live slots in ring order. ValueError when it does not fit."""
+    if idx.size != 6:
+        raise ValueError(f"a DSA tail index is [row, off1, n1, off2, n2, ring slots], got {idx.tolist()}")
+    row, off1, n1, off2, n2, size = (int(v) for v in idx)
+    if size != slots:
+        raise ValueError(f"DSA tail ring of {size} slots, this rank's tail rows hold {slots}")
+    if min(row, off1, n1, off2, n2) < 0 or off1 + n1 > slots or off2 + n2 > slots:
+        raise ValueError(f"DSA tail index {idx.tolist()} does not fit a ring of {slots} slots")
+    live = np.concatenate([np.arange(off1, off1 + n1), np.arange(off2, off2 + n2)]).astype(np.int64)
+    return row * slots + live
 
 
 def _indices(x, kind: str) -> np.ndarray:
@@ -247,6 +273,22 @@ def _block_scale(entries: _Entries, layout, args, tp: int):
         rows = nbytes // item * expand
         _add(groups, "", "heads", layout.total_kv_heads, expand,
              entries.view(ptr, nbytes, (rows, heads, item // (expand * heads))))
+    return groups, None
+
+
+def _dsa_tail(entries: _Entries, layout, args, tp: int, *, slot_bytes: int | None):
+    if not layout.mla:
+        raise NotImplementedError("DSA tail state beside a non-MLA KV cache")
+    if not slot_bytes:
+        raise NotImplementedError("DSA tail state without the bytes of one tail slot (the model's DSA index_head_dim)")
+    groups: dict = {}
+    slots = None
+    for j, ptr, nbytes, item in entries:
+        if item % slot_bytes or slots not in (None, item // slot_bytes):
+            raise NotImplementedError(f"DSA tail tensor {j}: a {item}-byte ring row is not whole {slot_bytes}-byte "
+                                      f"slots" + (f" ({slots} per row in the tensors before it)" if slots else ""))
+        slots = item // slot_bytes
+        _add(groups, "", "replicated", None, slots, entries.view(ptr, nbytes, (nbytes // slot_bytes, slot_bytes)))
     return groups, None
 
 

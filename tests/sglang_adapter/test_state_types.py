@@ -17,14 +17,14 @@ import torch
 from kvstage.adapters.sglang.geometry import kv_layout
 from kvstage.adapters.sglang.state import StateMap
 from kvstage.staging.pool_copies import LandedBlock, PoolBytes, gather_pools, scatter_pools
-from kvstage.transfer.state_pools import pool_mismatches
 from kvstage.transfer.protocol.head_mapping import compute_assignments
 from kvstage.transfer.protocol.pool_parts import counts_mismatch, request_copies, writer_segments
+from kvstage.transfer.state_pools import pool_mismatches
 
 SENTINEL = 0x5A
 
 
-def sglang_rank(pool, tp: int, rank: int, total_heads: int, mla: bool = False) -> dict:
+def sglang_rank(pool, tp: int, rank: int, total_heads: int, mla: bool = False, **state_kw) -> dict:
     """One rank: SGLang's KVArgs for `pool` (its KV buffers and, through setup_state_kv_args, its
     state components) and the adapter's layout and StateMap of them."""
     from sglang.srt.disaggregation.base.conn import KVArgs
@@ -36,7 +36,8 @@ def sglang_rank(pool, tp: int, rank: int, total_heads: int, mla: bool = False) -
     args.kv_head_num, args.total_kv_head_num = max(1, total_heads // tp), total_heads
     setup_state_kv_args(args, pool)
     layout = kv_layout(args, tp, rank, mla)
-    return {"pool": pool, "args": args, "layout": layout, "state": StateMap(args, layout, torch.device("cpu"), tp)}
+    return {"pool": pool, "args": args, "layout": layout,
+            "state": StateMap(args, layout, torch.device("cpu"), tp, **state_kw)}
 
 
 def move(prefill: list[dict], decode: list[dict], p_indices: list, d_indices: list, total_heads: int,
@@ -232,3 +233,91 @@ def test_qsa_index_state_moves_to_every_decode_rank(ptp, dtp):
                         (kind, j, d, t)
                     written[t * rows:(t + 1) * rows] = True
                 assert bool((got[~written] == SENTINEL).all()), f"{kind} tensor {j} rank {d}: an unnamed row was written"
+
+
+# --- DSA kpool-compress tail (StateType.DSA_TAIL: DSATokenToKVPool in a hybrid DSA pool) ---------
+
+def dsa_pool(tail_extra_slots: int, slots: int, pages: int):
+    """SGLang's hybrid Mamba + DSA pool (MLA latents with the DSA indexer at layers 1 and 3), index
+    kpool 4 with compression: a tail ring of 4 + tail_extra_slots token slots per request row."""
+    from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateShape
+    from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool
+    from sglang.srt.runtime_context import get_parallel
+
+    shape = Mamba2StateShape.create(tp_world_size=1, intermediate_size=64, n_groups=2, num_heads=4, head_dim=16,
+                                    state_size=8, conv_kernel=4)
+    mamba = MambaPool(size=slots, spec_state_size=0, cache_params=Mamba2CacheParams(shape=shape, layers=[0, 2]),
+                      mamba_layer_ids=[0, 2], device="cpu")
+    with get_parallel().override(attn_dcp_size=1):
+        return HybridLinearKVPool(size=256 * pages, dtype=torch.bfloat16, page_size=256, head_num=1, head_dim=576,
+                                  full_attention_layer_ids=[1, 3], device="cpu", mamba_pool=mamba, use_mla=True,
+                                  kv_lora_rank=512, qk_rope_head_dim=64, use_dsa=True, index_head_dim=128,
+                                  kv_cache_dim=576, index_kpool=4, index_kpool_compress=True,
+                                  tail_extra_slots=tail_extra_slots, max_running_requests=slots)
+
+
+def tails(p) -> list:
+    return p.full_kv_pool._compress_tail_k + p.full_kv_pool._compress_tail_score
+
+
+def mooncake_reference(src: list, dst: list, src_items: list, dst_items: list, src_idx: list, dst_idx: list) -> list:
+    """The decode tensors after SGLang's mooncake backend's DSA tail copies
+    (build_dsa_tail_transfer_blocks: absolute (src, dst, length) blocks), applied to clones."""
+    from sglang.srt.disaggregation.utils import build_dsa_tail_transfer_blocks
+
+    out = [t.clone() for t in dst]
+    blocks = build_dsa_tail_transfer_blocks([t.data_ptr() for t in src], src_items, [t.data_ptr() for t in dst],
+                                            list(src_idx), list(dst_idx), dst_items)
+    assert blocks, "the case moves no live tail slot"
+
+    def where(tensors, addr):
+        for k, t in enumerate(tensors):
+            if t.data_ptr() <= addr < t.data_ptr() + t.nbytes:
+                return k, addr - t.data_ptr()
+        raise AssertionError(f"address {addr:#x} in no tensor")
+
+    for s_addr, d_addr, n in blocks:
+        (i, a), (k, b) = where(src, s_addr), where(dst, d_addr)
+        out[k].view(torch.uint8).view(-1)[b:b + n] = src[i].view(torch.uint8).view(-1)[a:a + n]
+    return out
+
+
+@pytest.mark.parametrize("seq_len", [7, 23, 40], ids=["wraps", "one-segment", "no-live-slot"])
+def test_dsa_tail_live_slots_land_where_sglang_mooncake_puts_them(seq_len):
+    """A request's live tail tokens (seq_len % 4 of them) move from the prefill's ring (4 slots) to
+    the decode's (6: two speculative slots), at the slots SGLang's get_dsa_tail_state_indices names
+    on each side, wrapping around the decode's ring where it does: byte for byte what SGLang's
+    mooncake backend writes, and nothing else. A request with no live slot moves no tail byte."""
+    from sglang.srt.disaggregation.base.conn import StateType
+    from sglang.srt.disaggregation.utils import get_dsa_tail_state_indices
+
+    slot_bytes = 128 * 2
+    prefill = [sglang_rank(dsa_pool(0, 4, 3), 1, 0, 1, mla=True, dsa_tail_slot_bytes=slot_bytes)]
+    decode = [sglang_rank(dsa_pool(2, 6, 4), 1, 0, 1, mla=True, dsa_tail_slot_bytes=slot_bytes)]
+    assert prefill[0]["args"].state_types == [StateType.MAMBA, StateType.DSA, StateType.DSA_TAIL]
+    src, dst = tails(prefill[0]["pool"]), tails(decode[0]["pool"])
+    fill(src, 5)
+    fill(dst, None)
+    (src_row, dst_row), pages = (3, 5), ([1, 2], [3, 0])
+    p_tail = get_dsa_tail_state_indices(prefill[0]["pool"], src_row, seq_len)
+    d_tail = get_dsa_tail_state_indices(decode[0]["pool"], dst_row, seq_len)
+    want = (mooncake_reference(src, dst, prefill[0]["args"].state_item_lens[2], decode[0]["args"].state_item_lens[2],
+                               p_tail, d_tail) if p_tail else [t.clone() for t in dst])
+    move(prefill, decode, [[np.array([src_row])], np.array(pages[0]), p_tail],
+         [[np.array([dst_row])], np.array(pages[1]), d_tail], 1, mla=True)
+    for j, (got, w) in enumerate(zip(dst, want)):
+        assert torch.equal(got.view(torch.uint8), w.view(torch.uint8)), f"DSA tail tensor {j}"
+
+
+def test_dsa_tail_indices_that_do_not_fit_fail_the_request():
+    """A ring size other than this rank's, or slots past its end: a clear error (which fails the
+    request on both sides in the adapter), never a write elsewhere in the ring."""
+    side = sglang_rank(dsa_pool(0, 4, 3), 1, 0, 1, mla=True, dsa_tail_slot_bytes=256)
+    tail = side["state"].items([None, None, [3, 1, 2, 0, 0, 4]])
+    assert {k: v.tolist() for k, v in tail.items()} == {"state2.dsa_tail": [13, 14]}
+    with pytest.raises(ValueError, match="DSA tail ring of 6 slots, this rank's tail rows hold 4"):
+        side["state"].items([None, None, [3, 1, 2, 0, 0, 6]])
+    with pytest.raises(ValueError, match="does not fit a ring of 4 slots"):
+        side["state"].items([None, None, [3, 3, 2, 0, 0, 4]])
+    with pytest.raises(NotImplementedError, match="DSA tail state without the bytes of one tail slot"):
+        sglang_rank(dsa_pool(0, 4, 3), 1, 0, 1, mla=True)
