@@ -31,8 +31,13 @@ differ. Each component becomes kvstage pools that move with the request's last p
   request's index [row, off1, n1, off2, n2, W] names its live slots in ring order, which pair
   positionally with the decode's as SGLang's mooncake backend pairs them.
 
-Anything else (MiniMax, DeepSeek V4 rings/request state, ...) makes the manager refuse to start,
-naming the state type.
+- MINIMAX_INDEX_K / MINIMAX_DENSE_KV. MiniMax sparse attention's index keys (one head, the same on
+  every rank: a replicated pool of page items) and its dense layers' KV (NHD pages: a heads pool
+  of token items, as SWA).
+
+Anything else (DeepSeek V4's swa_ring, c128_state, request_row, which come only with its pool
+and its non-NHD KV layout, refused already) makes the manager refuse to start, naming the state
+type.
 """
 
 from __future__ import annotations
@@ -313,5 +318,31 @@ def _qsa(entries: _Entries, layout, args, tp: int):
     return groups, None
 
 
+def _minimax_index_k(entries: _Entries, layout, args, tp: int):
+    """MiniMax sparse attention's index keys (one K-only head per layer, the same on every rank):
+    a replicated pool of page items."""
+    groups: dict = {}
+    for _, ptr, nbytes, item in entries:
+        _add(groups, "", "replicated", None, 1, entries.view(ptr, nbytes, (nbytes // item, item)))
+    return groups, None
+
+
+def _minimax_dense_kv(entries: _Entries, layout, args, tp: int):
+    """MiniMax's dense layers' KV (K layers then V layers of SGLang's MHA pool, NHD pages, a page
+    per index): a heads pool over the KV heads of token items, as SWA pages."""
+    if layout.mla:
+        raise NotImplementedError("MiniMax dense KV state beside an MLA KV cache")
+    page, heads = int(args.page_size), layout.local_heads
+    groups: dict = {}
+    for j, ptr, nbytes, item in entries:
+        if item % (page * heads):
+            raise NotImplementedError(f"MiniMax dense KV tensor {j}: a {item}-byte page is not {page} tokens x "
+                                      f"{heads} heads")
+        _add(groups, "", "heads", layout.total_kv_heads, page,
+             entries.view(ptr, nbytes, (nbytes // item * page, heads, item // (page * heads))))
+    return groups, None
+
+
 _BUILDERS = {"mamba": _mamba, "swa": _swa, "dsa": _dsa, "block_scale": _block_scale, "block_scale_swa": _block_scale,
-             "qsa_pending": _qsa, "qsa_compressed": _qsa}
+             "qsa_pending": _qsa, "qsa_compressed": _qsa,
+             "minimax_index_k": _minimax_index_k, "minimax_dense_kv": _minimax_dense_kv}

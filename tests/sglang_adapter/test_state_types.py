@@ -28,10 +28,10 @@ def sglang_rank(pool, tp: int, rank: int, total_heads: int, mla: bool = False, *
     """One rank: SGLang's KVArgs for `pool` (its KV buffers and, through setup_state_kv_args, its
     state components) and the adapter's layout and StateMap of them."""
     from sglang.srt.disaggregation.base.conn import KVArgs
-    from sglang.srt.disaggregation.utils import setup_state_kv_args
+    from sglang.srt.disaggregation.utils import get_kv_transfer_buf_infos, setup_state_kv_args
 
     args = KVArgs()
-    args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = pool.get_contiguous_buf_infos()
+    args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = get_kv_transfer_buf_infos(pool)
     args.page_size = pool.page_size
     args.kv_head_num, args.total_kv_head_num = max(1, total_heads // tp), total_heads
     setup_state_kv_args(args, pool)
@@ -321,3 +321,60 @@ def test_dsa_tail_indices_that_do_not_fit_fail_the_request():
         side["state"].items([None, None, [3, 3, 2, 0, 0, 4]])
     with pytest.raises(NotImplementedError, match="DSA tail state without the bytes of one tail slot"):
         sglang_rank(dsa_pool(0, 4, 3), 1, 0, 1, mla=True)
+
+
+# --- MiniMax sparse attention (StateType.MINIMAX_INDEX_K / MINIMAX_DENSE_KV) -----------------------
+
+def minimax_pool(tp: int, pages: int):
+    """SGLang's MiniMaxSparseKVPool: layer 0 dense, layers 1-2 sparse with K-only index heads."""
+    from sglang.srt.mem_cache.memory_pool import MiniMaxSparseKVPool
+    return MiniMaxSparseKVPool(size=4 * pages, page_size=4, dtype=torch.bfloat16, head_num=2 // tp, head_dim=16,
+                               idx_head_dim=32, dense_layer_ids=[0], sparse_layer_ids=[1, 2], device="cpu",
+                               disable_value_sparse_layer_ids=[1, 2], start_layer=0, end_layer=3)
+
+
+def minimax_parts(p) -> dict:
+    return {"minimax_index_k": list(p.index_k_pool.k_buffer),
+            "minimax_dense_kv": [p.get_key_buffer(0), p.get_value_buffer(0)]}
+
+
+@pytest.mark.parametrize("ptp,dtp", [(2, 2), (1, 2)])
+def test_minimax_index_keys_and_dense_kv_move_to_the_decode_pages(ptp, dtp):
+    """The index keys of the pages after the decode's cached prefix (SGLang's
+    minimax_index_transfer_pages) reach every decode rank whole; the dense layer's KV of every
+    page of the request reaches each decode rank with its heads. (SGLang's own manager refuses
+    MiniMax across attention TP sizes for every backend; 1 -> 2 checks the head split anyway.)"""
+    from sglang.srt.disaggregation.base.conn import StateType
+    from sglang.srt.disaggregation.minimax import minimax_index_transfer_pages
+    from sglang.srt.mem_cache.common import kv_to_page_indices
+
+    prefill = [sglang_rank(minimax_pool(ptp, 8), ptp, r, 2) for r in range(ptp)]
+    decode = [sglang_rank(minimax_pool(dtp, 11), dtp, r, 2) for r in range(dtp)]
+    assert len(prefill[0]["args"].kv_data_ptrs) == 4      # the KV entries are the sparse layers' K and V
+    assert prefill[0]["args"].state_types == [StateType.MINIMAX_INDEX_K, StateType.MINIMAX_DENSE_KV]
+    for i, side in enumerate(prefill):
+        fill(minimax_parts(side["pool"])["minimax_dense_kv"], 11 + i)
+        fill(minimax_parts(side["pool"])["minimax_index_k"], 10)       # the same on every rank
+    for side in decode:
+        fill([t for ts in minimax_parts(side["pool"]).values() for t in ts], None)
+    src_pages, dst_pages, prefix = [3, 1, 5, 6], [2, 9, 4, 7], 4      # one cached page on decode
+
+    def indices(pages):
+        tokens = torch.tensor([p * 4 + t for p in pages for t in range(4)])
+        return [minimax_index_transfer_pages(tokens, page_size=4, prefix_len=prefix), kv_to_page_indices(tokens, 4)]
+
+    move(prefill, decode, indices(src_pages), indices(dst_pages), 2)
+    for kind, pairs in (("minimax_index_k", list(zip(src_pages, dst_pages))[1:]),
+                        ("minimax_dense_kv", list(zip(src_pages, dst_pages)))):
+        for j in range(len(minimax_parts(prefill[0]["pool"])[kind])):
+            whole = torch.cat([scales_by_page_head(minimax_parts(s["pool"])[kind][j], 4) for s in prefill], dim=1)
+            if kind == "minimax_index_k":
+                whole = scales_by_page_head(minimax_parts(prefill[0]["pool"])[kind][j], 4)
+            for d, side in enumerate(decode):
+                got = scales_by_page_head(minimax_parts(side["pool"])[kind][j], 4)
+                local = got.shape[1]
+                heads = slice(0, 1) if kind == "minimax_index_k" else slice(d * local, (d + 1) * local)
+                for sp, dp in pairs:
+                    assert torch.equal(got[dp], whole[sp, heads]), (kind, j, d, dp)
+                others = [p for p in range(got.shape[0]) if p not in [dp for _, dp in pairs]]
+                assert bool((got[others] == SENTINEL).all()), f"{kind} tensor {j} rank {d}: an unnamed page was written"
