@@ -92,7 +92,8 @@ class StateMap:
                 build = partial(_dsa_tail, slot_bytes=dsa_tail_slot_bytes)
             try:
                 if build is None:
-                    raise NotImplementedError(f"state type {kind!r}")
+                    why = " (DeepSeek V4's pool only, whose KV layout kvstage refuses)" if kind in _DSV4_ONLY else ""
+                    raise NotImplementedError(f"state type {kind!r}{why}")
                 groups, same_tp_only = build(_Entries(args, i, device), layout, args, tp_size)
             except NotImplementedError as exc:
                 refused.append(str(exc))
@@ -342,6 +343,10 @@ def _minimax_dense_kv(entries: _Entries, layout, args, tp: int):
              entries.view(ptr, nbytes, (nbytes // item * page, heads, item // (page * heads))))
     return groups, None
 
+
+# registered only by SGLang's DeepSeekV4TokenToKVPool (setup_state_kv_args), whose compressed,
+# non-NHD KV layout the manager refuses at start (geometry.unsupported_features)
+_DSV4_ONLY = ("swa_ring", "c128_state", "request_row")
 
 _BUILDERS = {"mamba": _mamba, "swa": _swa, "dsa": _dsa, "block_scale": _block_scale, "block_scale_swa": _block_scale,
              "qsa_pending": _qsa, "qsa_compressed": _qsa,

@@ -73,7 +73,7 @@ def test_tp_combinations():
 
 
 @pytest.mark.parametrize("change,match", [
-    (dict(state_types=["mamba", "swa_ring"]), "state type 'swa_ring'"),
+    (dict(state_types=["mamba", "swa_ring"]), r"state type 'swa_ring' \(DeepSeek V4's pool only"),
     (dict(swa_kv_cache_layout="vectorized_5d"), "SWA state in a 'vectorized_5d' sub-pool"),
     (dict(state_types=["dsa", "swa"]), "DSA indexer state beside a non-MLA KV cache"),
 ])
