@@ -378,3 +378,69 @@ def test_minimax_index_keys_and_dense_kv_move_to_the_decode_pages(ptp, dtp):
                     assert torch.equal(got[dp], whole[sp, heads]), (kind, j, d, dp)
                 others = [p for p in range(got.shape[0]) if p not in [dp for _, dp in pairs]]
                 assert bool((got[others] == SENTINEL).all()), f"{kind} tensor {j} rank {d}: an unnamed page was written"
+
+
+# --- An MHA draft model beside an MLA target (EAGLE3 on a DeepSeek-style model) ---------------------
+
+def mla_with_mha_draft(tp: int, rank: int, pages: int) -> dict:
+    """A rank's KVArgs as SGLang's prefill/decode build them with a separate draft model: the MLA
+    target's latents (MLATokenToKVPool), then the draft's K and V (MHATokenToKVPool, this rank's
+    share of its 8 KV heads), num_draft_entries 2; the adapter's layout and kvstage buffers."""
+    from types import SimpleNamespace
+
+    from sglang.srt.disaggregation.base.conn import KVArgs
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
+
+    from kvstage.adapters.sglang.pools import make_buffers
+
+    target = MLATokenToKVPool(size=4 * pages, page_size=4, dtype=torch.bfloat16, kv_lora_rank=64,
+                              qk_rope_head_dim=16, layer_num=2, device="cpu", enable_memory_saver=False)
+    draft = MHATokenToKVPool(size=4 * pages, page_size=4, dtype=torch.bfloat16, head_num=8 // tp, head_dim=32,
+                             layer_num=1, device="cpu", enable_memory_saver=False)
+    args = KVArgs()
+    t, d = target.get_contiguous_buf_infos(), draft.get_contiguous_buf_infos()
+    args.kv_data_ptrs, args.kv_data_lens, args.kv_item_lens = (t[i] + d[i] for i in range(3))
+    args.num_draft_entries, args.page_size = len(d[0]), 4
+    server_args = SimpleNamespace(speculative_algorithm="EAGLE3")
+    layout = kv_layout(args, tp, rank, True, server_args)
+    buffers = make_buffers(layout, args, "cpu", {}).validate(layout)
+    return {"draft": draft, "args": args, "layout": layout, "buffers": buffers, "server_args": server_args}
+
+
+def test_an_mha_draft_beside_an_mla_target_moves_rank_to_rank_at_equal_tp():
+    """Each decode rank receives the draft K and V of its own heads for the request's pages, from
+    the prefill rank of the same attention TP rank (the one writing its latents), as SGLang's
+    mooncake backend pairs them; across TP sizes the manager marks it for the decode to fail the
+    request (draft_equal_tp_only)."""
+    from kvstage.adapters.sglang.geometry import draft_equal_tp_only
+    from kvstage.transfer.draft_kv import draft_items
+
+    tp = 2
+    prefill = [mla_with_mha_draft(tp, r, 6) for r in range(tp)]
+    decode = [mla_with_mha_draft(tp, r, 9) for r in range(tp)]
+    assert all(draft_equal_tp_only(s["args"], True, s["server_args"]) for s in prefill + decode)
+    for i, side in enumerate(prefill):
+        fill(side["draft"].k_buffer + side["draft"].v_buffer, 20 + i)
+    for side in decode:
+        fill(side["draft"].k_buffer + side["draft"].v_buffer, None)
+    src_pages, dst_pages = [4, 1, 3], [2, 7, 5]
+    for side in prefill + decode:
+        side["specs"] = [p.spec(n, side["layout"]) for n, p in side["buffers"].pools.items()]
+    assert pool_mismatches(prefill[0]["specs"], decode[0]["specs"]) == []
+    for d in range(tp):
+        for a in compute_assignments(tp, tp, 1, True).for_decode(d):
+            src = {n: draft_items(np.array(src_pages), 4) for n in prefill[a.prefill_rank]["buffers"].pools}
+            dst = {n: draft_items(np.array(dst_pages), 4) for n in decode[d]["buffers"].pools}
+            copies = request_copies(writer_segments(prefill[a.prefill_rank]["specs"], tp, tp, a), src, dst)
+            block = torch.empty(sum(c.nbytes for c in copies), dtype=torch.uint8)
+            gather_pools(PoolBytes(prefill[a.prefill_rank]["buffers"].pools), copies, block, 0)
+            scatter_pools(PoolBytes(decode[d]["buffers"].pools),
+                          [LandedBlock(block[c.offset:c.offset + c.nbytes], c) for c in copies])
+    for d, side in enumerate(decode):
+        for j, got in enumerate(side["draft"].k_buffer + side["draft"].v_buffer):
+            want = (prefill[d]["draft"].k_buffer + prefill[d]["draft"].v_buffer)[j]
+            got_p, want_p = scales_by_page_head(got, 4), scales_by_page_head(want, 4)
+            for sp, dp in zip(src_pages, dst_pages):
+                assert torch.equal(got_p[dp], want_p[sp]), (d, j, dp)
+            others = [p for p in range(got_p.shape[0]) if p not in dst_pages]
+            assert bool((got_p[others] == SENTINEL).all()), f"draft tensor {j} rank {d}: an unnamed page was written"
