@@ -309,6 +309,28 @@ def test_dsa_tail_live_slots_land_where_sglang_mooncake_puts_them(seq_len):
         assert torch.equal(got.view(torch.uint8), w.view(torch.uint8)), f"DSA tail tensor {j}"
 
 
+def test_dsa_tail_slot_bytes_come_from_the_model_config(tmp_path):
+    """What the manager gives StateMap (geometry.dsa_tail_slot_bytes): the DSA index_head_dim of
+    the model's config, read as SGLang sizes the tail ring, in bf16; nothing without a DSA tail."""
+    import json
+    from types import SimpleNamespace
+
+    from sglang.srt.server_args import ServerArgs
+
+    from kvstage.adapters.sglang.geometry import dsa_tail_slot_bytes
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["DeepseekV32ForCausalLM"], "model_type": "deepseek_v32", "hidden_size": 64,
+        "intermediate_size": 128, "moe_intermediate_size": 32, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 512, "rms_norm_eps": 1e-6,
+        "torch_dtype": "bfloat16", "kv_lora_rank": 64, "q_lora_rank": 32, "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16, "v_head_dim": 32, "index_head_dim": 96, "index_n_heads": 4, "index_topk": 64,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 1}))
+    sa = ServerArgs(model_path=str(tmp_path), device="cpu", skip_tokenizer_init=True, disaggregation_mode="decode")
+    assert dsa_tail_slot_bytes(SimpleNamespace(state_types=["mamba", "dsa", "dsa_tail"]), sa) == 96 * 2
+    assert dsa_tail_slot_bytes(SimpleNamespace(state_types=["mamba", "dsa"]), sa) is None
+
+
 def test_dsa_tail_indices_that_do_not_fit_fail_the_request():
     """A ring size other than this rank's, or slots past its end: a clear error (which fails the
     request on both sides in the adapter), never a write elsewhere in the ring."""
