@@ -30,7 +30,6 @@ differ. Each component becomes kvstage pools that move with the request's last p
   manager reads it from the model config). A replicated pool of slot items (row x W + slot); a
   request's index [row, off1, n1, off2, n2, W] names its live slots in ring order, which pair
   positionally with the decode's as SGLang's mooncake backend pairs them.
-
 - MINIMAX_INDEX_K / MINIMAX_DENSE_KV. MiniMax sparse attention's index keys (one head, the same on
   every rank: a replicated pool of page items) and its dense layers' KV (NHD pages: a heads pool
   of token items, as SWA).
@@ -283,6 +282,8 @@ def _block_scale(entries: _Entries, layout, args, tp: int):
 
 
 def _dsa_tail(entries: _Entries, layout, args, tp: int, *, slot_bytes: int | None):
+    """The DSA kpool-compress tail rings (module docstring): a replicated pool of `slot_bytes`
+    slots, W = a ring row's bytes / slot_bytes per SGLang index (Component.pools keeps W)."""
     if not layout.mla:
         raise NotImplementedError("DSA tail state beside a non-MLA KV cache")
     if not slot_bytes:
