@@ -37,7 +37,7 @@ from kvstage import EngineConfig, KVManager, KVTransferError
 from kvstage.bootstrap.in_process import InProcessServer, join_host_port
 
 from . import pools, send_gate
-from .geometry import device_of, kv_layout, unsupported_features
+from .geometry import device_of, draft_equal_tp_only, dsa_tail_slot_bytes, kv_layout, unsupported_features
 from .plugin import staging_enabled
 from .rendezvous import address_from_route, instance_address, route_answer, shared_rendezvous
 from .state import StateMap
@@ -74,7 +74,9 @@ class KvstageKVManager(CommonKVManager):
                            pp_size=self.pp_size if self.is_prefill else 1, pp_rank=self.pp_rank if self.is_prefill else 0)
         device = device_of(server_args, args)
         self.kv_device = torch.device(device)
-        self.state = StateMap(args, layout, self.kv_device, self.attn_tp_size)
+        self.draft_equal_tp_only = draft_equal_tp_only(args, mla, server_args)
+        self.state = StateMap(args, layout, self.kv_device, self.attn_tp_size,
+                              dsa_tail_slot_bytes=dsa_tail_slot_bytes(args, server_args))
         buffers = pools.make_buffers(layout, args, device, self.state.pools)
         self.aux_rooms = pools.aux_room_column(args, device)
         if self.is_prefill:
@@ -402,6 +404,9 @@ class KvstageKVReceiver(_Handle, CommonKVReceiver):
         problem = None
         if prefix % self.kv_mgr.page_size:
             problem = f"decode_prefix_len {prefix} is not a whole number of {self.kv_mgr.page_size}-token pages"
+        elif self.kv_mgr.draft_equal_tp_only and int(self.prefill_info.attn_tp_size) != self.kv_mgr.attn_tp_size:
+            problem = (f"the kvstage backend moves {self.kv_mgr.draft_equal_tp_only} between equal attention TP "
+                       f"sizes only (prefill TP {self.prefill_info.attn_tp_size}, decode TP {self.kv_mgr.attn_tp_size})")
         elif state_indices:
             problem = self.kv_mgr.state.peer_problem(int(self.prefill_info.attn_tp_size), self.kv_mgr.attn_tp_size)
         if problem:

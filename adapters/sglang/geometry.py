@@ -86,7 +86,9 @@ def draft_kv(draft: Entries, target: KVLayout, algorithm: str | None = None, hea
     """The draft's geometry from its item sizes (bytes of one page of one layer on this rank) and,
     beside an MHA target, its global KV head count `heads` (the draft model's config).
 
-    Beside an MLA target the draft is the model's own MTP layers: one latent per entry. Beside an
+    Beside an MLA target every entry moves whole like a latent: the model's own MTP layers, or a
+    separate MHA draft model's K and V entries (this rank's share of its heads; equal attention
+    TP sizes only, draft_equal_tp_only; `algorithm` no longer changes the mapping). Beside an
     MHA target: draft K layers then V layers; with `heads` known, a head's bytes are a token's over
     this rank's share of them (split over TP like the target's, replicated below one). Without
     it (no draft model path in the server args) sizes alone decide, which cannot tell every
@@ -101,10 +103,10 @@ def draft_kv(draft: Entries, target: KVLayout, algorithm: str | None = None, hea
         raise ValueError(f"draft KV item size {items[0]} is not a whole number of bytes per token of {page}-token pages")
     token = items[0] // page
     if target.mla:
-        if str(algorithm or "").upper() in SEPARATE_DRAFT_MODELS:
-            raise ValueError(f"draft KV of a separate draft model ({algorithm}) beside an MLA target: its heads are "
-                             f"split over TP while the target's latent is replicated, and the draft entries do not say "
-                             f"how (kvstage pairs an MLA target's draft entries as MTP latents)")
+        # MTP layers: latents like the target's. A separate (MHA) draft model: each of its K and V
+        # entries is this rank's share of the draft's heads, moved whole like a latent from the
+        # prefill rank that writes this decode rank's latents; right at equal attention TP sizes
+        # only (draft_equal_tp_only), as in SGLang's mooncake backend
         return DraftKV(num_layers=len(items), head_dim=None if token == target.head_dim else token)
     if len(items) % 2:
         raise ValueError(f"{len(items)} draft KV entries beside an MHA target: expected draft K layers then V layers")
@@ -125,6 +127,20 @@ def draft_kv(draft: Entries, target: KVLayout, algorithm: str | None = None, hea
                      f"nor its {target.local_heads} local heads")
 
 
+def draft_equal_tp_only(args, mla: bool, server_args) -> str | None:
+    """What of this rank's KV moves between equal attention TP sizes only (None: nothing): the KV
+    of a separate draft model (EAGLE3, STANDALONE, DFLASH, DSPARK) beside an MLA target. Its
+    entries hold this rank's share of the draft's heads, which kvstage moves whole, as one entry
+    each like the target's latents, from the prefill rank that writes this decode rank's latents:
+    that rank holds the same share only when both sides have the same attention TP size (the
+    pairing SGLang's mooncake backend makes too). Across sizes the decode fails each request on
+    both sides, naming it and both sizes."""
+    algorithm = str(getattr(server_args, "speculative_algorithm", None) or "").upper()
+    if not mla or not int(getattr(args, "num_draft_entries", 0) or 0) or algorithm not in SEPARATE_DRAFT_MODELS:
+        return None
+    return f"the KV of a separate draft model ({algorithm}) beside an MLA target"
+
+
 def draft_model_kv_heads(server_args) -> int | None:
     """The draft model's global KV heads from its config, as SGLang sizes the draft's KV pool; None
     when the server args name no draft model (sizes alone decide then, see draft_kv)."""
@@ -138,6 +154,17 @@ def draft_model_kv_heads(server_args) -> int | None:
         raise ValueError(f"the draft model's config at {path!r} (speculative_draft_model_path) could not be read "
                          f"for its KV heads: {exc}") from exc
     return int(config.get_total_num_kv_heads())
+
+
+def dsa_tail_slot_bytes(args, server_args) -> int | None:
+    """Bytes of one slot of the DSA indexer's kpool-compress tail ring (StateType.DSA_TAIL): SGLang
+    keeps index_head_dim bf16 values per slot and layer (DSATokenToKVPool), index_head_dim from the
+    model config. None when KVArgs has no DSA tail or there are no server args to read it from."""
+    types = [str(getattr(t, "value", t)) for t in getattr(args, "state_types", None) or []]
+    if "dsa_tail" not in types or server_args is None:
+        return None
+    from sglang.srt.configs.model_config import ModelConfig, get_dsa_index_head_dim
+    return int(get_dsa_index_head_dim(ModelConfig.from_server_args(server_args).hf_config)) * 2   # bf16
 
 
 def model_kv_heads(server_args) -> int:

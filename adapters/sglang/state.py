@@ -19,14 +19,30 @@ differ. Each component becomes kvstage pools that move with the request's last p
   [page_size, heads, head] become token items of a heads pool (item = page x page_size + token),
   so each item holds whole heads. (SGLang's disaggregation takes NHD sub-pools only.)
 - DSA. Indexer pages of an MLA model, replicated over TP: a replicated pool of page items.
+- BLOCK_SCALE / BLOCK_SCALE_SWA. MXFP8 per-block scales of the full and the SWA sub-pool, sharded
+  over KV heads like the KV they scale: a heads pool, of token items like SWA, or of page items
+  in SGLang's interleaved layout at page size 128.
+- QSA_PENDING / QSA_COMPRESSED. Qwen4-Exp's QSA index state, replicated over TP: a replicated
+  pool of SGLang's items (a request's ring row; a page's compressed keys).
+- DSA_TAIL. The DSA indexer's kpool-compress tail: per request a ring row of W token slots (W =
+  index_kpool + speculative slots, so it may differ between prefill and decode), of
+  `dsa_tail_slot_bytes` each per layer tensor (the model's DSA index_head_dim in bf16; the
+  manager reads it from the model config). A replicated pool of slot items (row x W + slot); a
+  request's index [row, off1, n1, off2, n2, W] names its live slots in ring order, which pair
+  positionally with the decode's as SGLang's mooncake backend pairs them.
+- MINIMAX_INDEX_K / MINIMAX_DENSE_KV. MiniMax sparse attention's index keys (one head, the same on
+  every rank: a replicated pool of page items) and its dense layers' KV (NHD pages: a heads pool
+  of token items, as SWA).
 
-Anything else (QSA, MiniMax, DeepSeek V4 rings/request state, block scales, DSA tail, ...) makes
-the manager refuse to start, naming the state type.
+Anything else (DeepSeek V4's swa_ring, c128_state, request_row, which come only with its pool
+and its non-NHD KV layout, refused already) makes the manager refuse to start, naming the state
+type.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import torch
@@ -60,7 +76,7 @@ class Component:
 class StateMap:
     """One rank's state components as kvstage pools; per request, state_indices as pool_items."""
 
-    def __init__(self, args, layout, device: torch.device, tp_size: int):
+    def __init__(self, args, layout, device: torch.device, tp_size: int, *, dsa_tail_slot_bytes: int | None = None):
         self.components: list[Component] = []
         self.pools: dict[str, StatePool] = {}
         self._layout = layout
@@ -71,9 +87,12 @@ class StateMap:
         for i, st in enumerate(types):
             kind = str(getattr(st, "value", st))
             build = _BUILDERS.get(kind)
+            if kind == "dsa_tail":
+                build = partial(_dsa_tail, slot_bytes=dsa_tail_slot_bytes)
             try:
                 if build is None:
-                    raise NotImplementedError(f"state type {kind!r}")
+                    why = " (DeepSeek V4's pool only, whose KV layout kvstage refuses)" if kind in _DSV4_ONLY else ""
+                    raise NotImplementedError(f"state type {kind!r}{why}")
                 groups, same_tp_only = build(_Entries(args, i, device), layout, args, tp_size)
             except NotImplementedError as exc:
                 refused.append(str(exc))
@@ -104,6 +123,9 @@ class StateMap:
             if idx.size == 0:
                 continue
             for name, expand in comp.pools.items():
+                if comp.kind == "dsa_tail":
+                    out[name] = _dsa_tail_items(idx, expand)
+                    continue
                 out[name] = (idx[:, None] * expand + np.arange(expand, dtype=np.int64)).reshape(-1)
         return out
 
@@ -125,6 +147,20 @@ class StateMap:
         if why:
             return f"the kvstage backend cannot move this model's state between these TP sizes: {why}"
         return None
+
+
+def _dsa_tail_items(idx: np.ndarray, slots: int) -> np.ndarray:
+    """A DSA tail index [row, off1, n1, off2, n2, ring slots] as slot items of this rank's pool
+    (row x slots + slot), its live slots in ring order. ValueError when it does not fit."""
+    if idx.size != 6:
+        raise ValueError(f"a DSA tail index is [row, off1, n1, off2, n2, ring slots], got {idx.tolist()}")
+    row, off1, n1, off2, n2, size = (int(v) for v in idx)
+    if size != slots:
+        raise ValueError(f"DSA tail ring of {size} slots, this rank's tail rows hold {slots}")
+    if min(row, off1, n1, off2, n2) < 0 or off1 + n1 > slots or off2 + n2 > slots:
+        raise ValueError(f"DSA tail index {idx.tolist()} does not fit a ring of {slots} slots")
+    live = np.concatenate([np.arange(off1, off1 + n1), np.arange(off2, off2 + n2)]).astype(np.int64)
+    return row * slots + live
 
 
 def _indices(x, kind: str) -> np.ndarray:
@@ -221,6 +257,48 @@ def _swa(entries: _Entries, layout, args, tp: int):
     return groups, None
 
 
+# SGLang's MHATokenToKVPoolMXFP8 keeps its scales in the FA4 interleaved atom layout at this page size
+MXFP8_INTERLEAVED_PAGE = 128
+
+
+def _block_scale(entries: _Entries, layout, args, tp: int):
+    """MXFP8 per-32-element UE8M0 scales (SGLang's MHATokenToKVPoolMXFP8.get_kv_scale_buf_infos:
+    one tensor per layer, K then V, an item per page), sharded over the KV heads like the KV they
+    scale. At page size 128 SGLang interleaves them per page, [pages, heads, 32, 4, sf]: page items
+    of a heads pool; otherwise they are per token, [tokens, heads, sf]: token items, as SWA pages."""
+    if layout.mla:
+        raise NotImplementedError("MXFP8 block scales beside an MLA KV cache")
+    page, heads = int(args.page_size), layout.local_heads
+    expand = 1 if page == MXFP8_INTERLEAVED_PAGE else page
+    groups: dict = {}
+    for j, ptr, nbytes, item in entries:
+        if item % (page * heads):
+            raise NotImplementedError(f"MXFP8 block scale tensor {j}: a {item}-byte page is not {page} tokens x "
+                                      f"{heads} heads")
+        rows = nbytes // item * expand
+        _add(groups, "", "heads", layout.total_kv_heads, expand,
+             entries.view(ptr, nbytes, (rows, heads, item // (expand * heads))))
+    return groups, None
+
+
+def _dsa_tail(entries: _Entries, layout, args, tp: int, *, slot_bytes: int | None):
+    """The DSA kpool-compress tail rings (module docstring): a replicated pool of `slot_bytes`
+    slots, W = a ring row's bytes / slot_bytes per SGLang index (Component.pools keeps W)."""
+    if not layout.mla:
+        raise NotImplementedError("DSA tail state beside a non-MLA KV cache")
+    if not slot_bytes:
+        raise NotImplementedError("DSA tail state without the bytes of one tail slot (the model's DSA index_head_dim)")
+    groups: dict = {}
+    slots = None
+    for j, ptr, nbytes, item in entries:
+        if item % slot_bytes or slots not in (None, item // slot_bytes):
+            raise NotImplementedError(f"DSA tail tensor {j}: a {item}-byte ring row is not whole {slot_bytes}-byte "
+                                      f"slots" + (f" ({slots} per row in the tensors before it)" if slots else ""))
+        slots = item // slot_bytes
+        _add(groups, "", "replicated", None, slots, entries.view(ptr, nbytes, (nbytes // slot_bytes, slot_bytes)))
+    return groups, None
+
+
 def _dsa(entries: _Entries, layout, args, tp: int):
     if not layout.mla:
         raise NotImplementedError("DSA indexer state beside a non-MLA KV cache")
@@ -230,4 +308,47 @@ def _dsa(entries: _Entries, layout, args, tp: int):
     return groups, None
 
 
-_BUILDERS = {"mamba": _mamba, "swa": _swa, "dsa": _dsa}
+def _qsa(entries: _Entries, layout, args, tp: int):
+    """QSA (Qwen4-Exp) index state, the same on every attention TP rank (SGLang's mooncake backend
+    sends it from one prefill rank per decode rank at any TP sizes): `qsa_pending`, a per-request
+    ring row per index (the key-state rings per layer and the RoPE position ring), and
+    `qsa_compressed`, the compressed keys of a full KV page per index. A replicated pool of those
+    items; both sides must name as many (SGLang's mooncake backend requires it too)."""
+    groups: dict = {}
+    for _, ptr, nbytes, item in entries:
+        _add(groups, "", "replicated", None, 1, entries.view(ptr, nbytes, (nbytes // item, item)))
+    return groups, None
+
+
+def _minimax_index_k(entries: _Entries, layout, args, tp: int):
+    """MiniMax sparse attention's index keys (one K-only head per layer, the same on every rank):
+    a replicated pool of page items."""
+    groups: dict = {}
+    for _, ptr, nbytes, item in entries:
+        _add(groups, "", "replicated", None, 1, entries.view(ptr, nbytes, (nbytes // item, item)))
+    return groups, None
+
+
+def _minimax_dense_kv(entries: _Entries, layout, args, tp: int):
+    """MiniMax's dense layers' KV (K layers then V layers of SGLang's MHA pool, NHD pages, a page
+    per index): a heads pool over the KV heads of token items, as SWA pages."""
+    if layout.mla:
+        raise NotImplementedError("MiniMax dense KV state beside an MLA KV cache")
+    page, heads = int(args.page_size), layout.local_heads
+    groups: dict = {}
+    for j, ptr, nbytes, item in entries:
+        if item % (page * heads):
+            raise NotImplementedError(f"MiniMax dense KV tensor {j}: a {item}-byte page is not {page} tokens x "
+                                      f"{heads} heads")
+        _add(groups, "", "heads", layout.total_kv_heads, page,
+             entries.view(ptr, nbytes, (nbytes // item * page, heads, item // (page * heads))))
+    return groups, None
+
+
+# registered only by SGLang's DeepSeekV4TokenToKVPool (setup_state_kv_args), whose compressed,
+# non-NHD KV layout the manager refuses at start (geometry.unsupported_features)
+_DSV4_ONLY = ("swa_ring", "c128_state", "request_row")
+
+_BUILDERS = {"mamba": _mamba, "swa": _swa, "dsa": _dsa, "block_scale": _block_scale, "block_scale_swa": _block_scale,
+             "qsa_pending": _qsa, "qsa_compressed": _qsa,
+             "minimax_index_k": _minimax_index_k, "minimax_dense_kv": _minimax_dense_kv}

@@ -227,13 +227,33 @@ def test_mtp_draft_of_an_mla_model_is_latents():
 @pytest.mark.parametrize("mla,draft,algorithm,match", [
     (False, dict(layers=1, item=16 * 2 * 256, kinds=1), None, "expected draft K layers then V layers"),
     (False, dict(layers=1, item=16 * 2 * 256 + 16 * 3, kinds=2), None, "fits neither"),
-    (True, dict(layers=1, item=16 * 1152, kinds=2), "EAGLE3", "separate draft model"),
 ])
 def test_draft_entries_that_cannot_be_paired_are_refused(mla, draft, algorithm, match):
     base = SimpleNamespace(kv_data_ptrs=[1, 2, 3], kv_item_lens=[16 * 1152] * 3, page_size=16) if mla else kv_args()
     with pytest.raises(ValueError, match=match):
         kv_layout(with_draft(base, **draft), attn_tp_size=4, attn_tp_rank=0, mla=mla,
                   server_args=SimpleNamespace(speculative_algorithm=algorithm))
+
+
+def test_an_mha_draft_model_beside_an_mla_target_moves_at_equal_tp_only():
+    """EAGLE3 on an MLA model: the draft's K and V entries (this rank's share of its heads) become
+    draft entries of their own size, moved whole like latents; the manager marks them equal-TP
+    only, which the decode checks per request (conn.py send_metadata). MTP drafts, MHA targets
+    and no draft are not marked."""
+    from kvstage.adapters.sglang import geometry
+
+    def base():
+        return SimpleNamespace(kv_data_ptrs=[1, 2, 3], kv_item_lens=[16 * 1152] * 3, page_size=16)
+
+    args = with_draft(base(), layers=1, item=16 * 2 * 128, kinds=2)      # 2 of 8 draft heads x 128 B
+    eagle3 = SimpleNamespace(speculative_algorithm="EAGLE3")
+    lay = kv_layout(args, attn_tp_size=4, attn_tp_rank=0, mla=True, server_args=eagle3)
+    assert (lay.num_layers, lay.draft.num_layers, lay.draft.total_kv_heads, lay.draft.head_dim) == (3, 2, 1, 256)
+    assert geometry.draft_equal_tp_only(args, True, eagle3) == (
+        "the KV of a separate draft model (EAGLE3) beside an MLA target")
+    assert geometry.draft_equal_tp_only(args, True, SimpleNamespace(speculative_algorithm="NEXTN")) is None
+    assert geometry.draft_equal_tp_only(args, False, eagle3) is None
+    assert geometry.draft_equal_tp_only(base(), True, eagle3) is None
 
 
 def test_rendezvous_per_prefill_instance_or_one_etcd_for_the_fleet():

@@ -73,7 +73,7 @@ def test_tp_combinations():
 
 
 @pytest.mark.parametrize("change,match", [
-    (dict(state_types=["mamba", "swa_ring"]), "state type 'swa_ring'"),
+    (dict(state_types=["mamba", "swa_ring"]), r"state type 'swa_ring' \(DeepSeek V4's pool only"),
     (dict(swa_kv_cache_layout="vectorized_5d"), "SWA state in a 'vectorized_5d' sub-pool"),
     (dict(state_types=["dsa", "swa"]), "DSA indexer state beside a non-MLA KV cache"),
 ])
@@ -82,6 +82,24 @@ def test_refused_at_start_naming_the_feature(change, match):
     for k, v in change.items():
         setattr(args, k, v)
     with pytest.raises(NotImplementedError, match=match):
+        StateMap(args, layout(2), torch.device("cpu"), 2)
+
+
+def test_mxfp8_block_scales_that_do_not_fit_are_refused():
+    """MXFP8 scales are head-sharded pages of an MHA cache (bytes moving: tests/sglang_adapter/
+    test_state_types.py); a page that is not whole heads, or an MLA cache, is refused at start."""
+    scales = [torch.zeros(10 * PAGE, HEADS // 2, 2, dtype=torch.uint8) for _ in range(2)]
+    args = SimpleNamespace(keep=scales, page_size=PAGE, state_types=["block_scale"],
+                           state_data_ptrs=[[t.data_ptr() for t in scales]], state_data_lens=[[t.nbytes for t in scales]],
+                           state_item_lens=[[t[:PAGE].nbytes for t in scales]])
+    sm = StateMap(args, layout(2), torch.device("cpu"), 2)
+    assert {n: (p.sharding, p.heads, tuple(p.tensors[0].shape)) for n, p in sm.pools.items()} == {
+        "state0.block_scale": ("heads", HEADS, (10 * PAGE, HEADS // 2, 2))}
+    assert sm.items([np.array([3, 1])])["state0.block_scale"].tolist() == [12, 13, 14, 15, 4, 5, 6, 7]
+    with pytest.raises(NotImplementedError, match="MXFP8 block scales beside an MLA KV cache"):
+        StateMap(args, layout(2, mla=True), torch.device("cpu"), 2)
+    args.state_item_lens = [[PAGE * 5 for _ in scales]]   # 160 bytes: 8 items of 20
+    with pytest.raises(NotImplementedError, match="a 20-byte page is not 4 tokens x 2 heads"):
         StateMap(args, layout(2), torch.device("cpu"), 2)
 
 
