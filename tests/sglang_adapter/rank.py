@@ -501,6 +501,7 @@ def run_decode_queue(r: Rank, sc, out) -> None:
         for t in r.k + r.v:
             for page in x["pages"]:
                 t.view(torch.int16)[page * r.ps:(page + 1) * r.ps] = SENTINEL
+        r.sync()     # on CUDA: rewritten before anything can land after the release
         x["released_after_s"] = time.monotonic() - x.get("failed_at", time.monotonic())   # 0: at once
 
     def on_commit(dr) -> None:
