@@ -75,10 +75,9 @@ def step_line(r: StepResult) -> str:
 
 
 def verdict_line(device: str, results: list[StepResult], notes: list[str]) -> str:
-    parts = [f"{r.name} {'ok' if r.outcome is Outcome.OK else 'failed' if r.outcome is Outcome.FAILED else 'NOT RUN'}"
-             for r in results]
-    not_run = [f"{r.name} NOT RUN ({r.why})" for r in results if r.outcome is Outcome.NOT_RUN]
-    return f"gpu-check: {verdict(results)} on {device}: " + ", ".join(parts) + "".join(f"; {n}" for n in not_run + notes)
+    words = {Outcome.OK: "ok", Outcome.FAILED: "failed", Outcome.NOT_RUN: "NOT RUN"}
+    parts = [f"{r.name} {words[r.outcome]}" + (f" ({r.why})" if r.outcome is Outcome.NOT_RUN else "") for r in results]
+    return f"gpu-check: {verdict(results)} on {device}: " + ", ".join(parts) + "".join(f"; {n}" for n in notes)
 
 
 # -- step 5: the SGLang adapter's scheduler-class tests with CUDA KV caches ---------------------
