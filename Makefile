@@ -8,8 +8,9 @@
 #   make test-sglang  the SGLang adapter's tests, in their own venv .venv-sglang (make venv-sglang)
 #   make lint   ruff and mypy over the package (pyproject.toml configures both; requirements/lint.txt)
 #   make test-vllm    the vLLM connector's tests, in their own venv .venv-vllm (make venv-vllm)
-#   make gpu-check    everything GPU-only (Triton kernels compiled, VRAM transfers, kernel benchmark),
-#                     on a machine with a CUDA device; one verdict line (examples/gpu_check.py)
+#   make gpu-check    everything GPU-only (Triton kernels compiled, VRAM transfers, kernel benchmark,
+#                     the SGLang adapter with CUDA caches where SGLang is installed), on a machine
+#                     with a CUDA device; one verdict line (examples/gpu_check.py)
 
 PYTHON ?= python3
 VENV   := .venv

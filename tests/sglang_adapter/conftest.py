@@ -11,10 +11,26 @@ except metadata.PackageNotFoundError:
     collect_ignore_glob = ["*"]
 
 
+MOONCAKE_CUDA = "mooncake-transfer-engine-cuda13"
+
 if not collect_ignore_glob:
     import json
     import os
     import time
+
+    import torch
+
+    # The CUDA versions of the scheduler-class tests (test_cuda_*.py, KV caches on GPU 0) are
+    # collected only where torch sees a CUDA device, as tests/gpu; elsewhere they are not
+    # collected at all rather than skipped (a skip would read as a check that was made). The
+    # Mooncake one also needs Mooncake's CUDA build, the one that registers VRAM.
+    if not torch.cuda.is_available():
+        collect_ignore_glob = ["test_cuda_*.py"]
+    else:
+        try:
+            metadata.version(MOONCAKE_CUDA)
+        except metadata.PackageNotFoundError:
+            collect_ignore_glob = ["test_cuda_mooncake*.py"]
 
     # read at import time by huggingface_hub: the rank launcher's forkserver imports it once for
     # every rank (rank_launcher.py), so it is set before the first launch

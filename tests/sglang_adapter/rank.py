@@ -18,6 +18,15 @@ directory (its config names its KV heads), set as SGLang's speculative_draft_mod
 "prefill_pp" the prefill is pipeline-parallel (pp_stage.py): --rank is the world rank (PP rank x
 TP + TP rank), each stage holds its layers only, over SGLang's real process groups.
 
+The KV device is data (scenario "device": "cpu", the default, or "cuda"): the KV, draft and state
+tensors live there (GPU 0: ServerArgs(device=...), KVArgs.gpu_id) and their patterns are built
+and compared there, while the aux rows stay in host memory, where SGLang's MetadataBuffers keeps
+them beside a CUDA KV cache. On CUDA every fill is synchronised before the send that names it
+(the forward pass has finished, as SGLang's schedule guarantees), except the overlap schedule's
+early chunk: it is written on a side stream behind a sleeping kernel and a real CUDA event
+recorded after it is the sender's `_early_send_wait_event` (`CudaForwardDone`); on CPU the
+stand-in `ForwardDone` writes those pages when it is waited on.
+
     python rank.py --role prefill --tp 2 --rank 0 --scenario s.json --out r.json
 """
 
@@ -41,12 +50,17 @@ from pp_stage import init_groups, run_prefill_pp, stage_layers  # noqa: E402
 from state_harness import StateSide  # noqa: E402
 
 SENTINEL = -12345
+# what a rank reports beside its rooms: its KV and aux devices, and the kvstage it imported
+RANK_INFO: dict = {}
+# the "forward pass" still running when an early chunk is sent on CUDA (torch.cuda._sleep cycles:
+# tens of milliseconds on a current GPU, far longer than a transfer reading the pages would take)
+FORWARD_CYCLES = 100_000_000
 
 
-def pattern(room: int, layer: int, kv: int, heads, tokens, head_dim: int) -> torch.Tensor:
-    t = torch.as_tensor(tokens, dtype=torch.int64)[:, None, None]
-    h = torch.as_tensor(heads, dtype=torch.int64)[None, :, None]
-    d = torch.arange(head_dim, dtype=torch.int64)[None, None, :]
+def pattern(room: int, layer: int, kv: int, heads, tokens, head_dim: int, device="cpu") -> torch.Tensor:
+    t = torch.as_tensor(tokens, dtype=torch.int64, device=device)[:, None, None]
+    h = torch.as_tensor(heads, dtype=torch.int64, device=device)[None, :, None]
+    d = torch.arange(head_dim, dtype=torch.int64, device=device)[None, None, :]
     x = (room % 9973) * 7919 + layer * 613 + kv * 307 + h * 101 + t * 13 + d
     return (x % 65521 - 32760).to(torch.int16)
 
@@ -84,11 +98,12 @@ class Rank:
         self.local = 1 if self.mla else self.H // self.attn_tp
         self.heads = [0] if self.mla else list(range(self.attn_rank * self.local, (self.attn_rank + 1) * self.local))
         self.num_pages = sc["num_pages"]
+        self.device = kv_device(sc.get("device", "cpu"))
         sa = ServerArgs(model_path=sc["model"], tp_size=a.tp, pp_size=self.pp, dp_size=self.dp,
                         enable_dp_attention=self.dp > 1,
                         disaggregation_mode=a.role,
                         disaggregation_transfer_backend="kvstage", disaggregation_bootstrap_port=sc["bootstrap_port"],
-                        device="cpu", host="127.0.0.1", port=sc["http_port"] + (0 if self.prefill else 1),
+                        device=self.device.type, host="127.0.0.1", port=sc["http_port"] + (0 if self.prefill else 1),
                         skip_tokenizer_init=True, page_size=self.ps)
         if (sc.get("draft") or {}).get("model"):   # a draft model of its own: SGLang's speculative server args
             sa.speculative_algorithm, sa.speculative_draft_model_path = "EAGLE", sc["draft"]["model"]
@@ -97,8 +112,10 @@ class Rank:
         init_groups(a, self.pp, self.attn_rank, self.attn_tp, sc["gloo"] + "-pp")
         backend = TransferBackend("kvstage")
         tokens = self.num_pages * self.ps
-        self.k = [torch.full((tokens, self.local, self.hd), 0, dtype=torch.bfloat16) for _ in range(self.layers)]
-        self.v = [] if self.mla else [torch.full((tokens, self.local, self.hd), 0, dtype=torch.bfloat16)
+        dev = self.device
+        self.k = [torch.full((tokens, self.local, self.hd), 0, dtype=torch.bfloat16, device=dev)
+                  for _ in range(self.layers)]
+        self.v = [] if self.mla else [torch.full((tokens, self.local, self.hd), 0, dtype=torch.bfloat16, device=dev)
                                       for _ in range(self.layers)]
         self.sets = [KVSet(base=self.stage.start, k=self.k, v=self.v, heads=self.heads, hd=self.hd)]
         # speculative decoding: the draft model's KV, appended after the target's (on decode always;
@@ -109,15 +126,20 @@ class Rank:
             local = 1 if self.mla else max(1, draft["heads"] // self.attn_tp)
             first = self.attn_rank // max(1, self.attn_tp // draft.get("heads", 1)) * local
             heads = [0] if self.mla else list(range(first, first + local))
-            make = lambda: [torch.empty((tokens, local, draft["head_dim"]), dtype=torch.bfloat16)
+            make = lambda: [torch.empty((tokens, local, draft["head_dim"]), dtype=torch.bfloat16, device=dev)
                             for _ in range(draft["layers"])]
             self.sets.append(KVSet(base=100, k=make(), v=[] if self.mla else make(), heads=heads,
                                    hd=draft["head_dim"], written=draft.get("prefill", True)))
         for kv_set in self.sets:
             for t in kv_set.k + kv_set.v:
                 t.view(torch.int16).fill_(SENTINEL)
+        self.sync()
+        # SGLang's aux rows: host memory beside a CUDA KV cache as beside a CPU one
         self.meta = MetadataBuffers(size=32, hidden_size=8, hidden_states_dtype=torch.float32,
                                     max_sampling_mask_tokens=4)
+        import kvstage
+        RANK_INFO.update(kv_device=str(self.k[0].device), aux_device=str(self.meta.output_ids.device),
+                         kvstage=kvstage.__file__)
         args = get_kv_class(backend, KVClassType.KVARGS)()
         bufs = [t for kv_set in self.sets for t in kv_set.k + kv_set.v]   # target K, V, then draft K, V
         args.engine_rank, args.pp_rank, args.system_dp_rank = self.attn_rank, self.pp_rank, 0
@@ -137,9 +159,9 @@ class Rank:
         self.state = None
         if sc.get("state"):
             self.state = StateSide(sc["state"], a.tp, a.rank, self.local * a.tp, self.hd, self.ps, self.num_pages,
-                                   decode=not self.prefill)
+                                   decode=not self.prefill, device=self.device)
             self.state.kv_args(args)
-        args.ib_device, args.gpu_id = None, 0
+        args.ib_device, args.gpu_id = None, self.device.index or 0
         # as PrefillBootstrapQueue: the pool's start_layer, and its end_layer (None on a pool without PP)
         args.prefill_start_layer, args.prefill_end_layer = self.stage.start, self.stage.stop if self.pp > 1 else None
         args.num_draft_entries = sum(len(s.k) + len(s.v) for s in self.sets[1:])
@@ -159,14 +181,23 @@ class Rank:
         self.P = KVPoll
 
     # -- KV contents ------------------------------------------------------------------------
-    def fill(self, room: int, pages, first_token: int) -> None:
+    def sync(self) -> None:
+        """On CUDA: every kernel this rank queued has finished (the forward pass wrote its pages)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def fill(self, room: int, pages, first_token: int, *, wait: bool = True) -> None:
+        """Writes the pattern of `room` into `pages`; `wait`: synchronised before it returns (on
+        CUDA; the early chunk's fill on a side stream does not wait)."""
         for i, page in enumerate(pages):
             tokens = range(first_token + i * self.ps, first_token + (i + 1) * self.ps)
             for s in self.sets:
                 for layer in range(len(s.k)):
                     for kv, bufs in s.kinds():
                         bufs[layer].view(torch.int16)[page * self.ps:(page + 1) * self.ps] = pattern(
-                            room, s.base + layer, kv, s.heads, tokens, s.hd)
+                            room, s.base + layer, kv, s.heads, tokens, s.hd, self.device)
+        if wait:
+            self.sync()
 
     def check(self, room: int, pages, first_token: int) -> list[str]:
         bad = []
@@ -178,7 +209,7 @@ class Rank:
                 for layer in range(len(s.k)):
                     for kv, bufs in s.kinds():
                         got = bufs[layer].view(torch.int16)[page * self.ps:(page + 1) * self.ps]
-                        if not torch.equal(got, pattern(room, s.base + layer, kv, s.heads, tokens, s.hd)):
+                        if not torch.equal(got, pattern(room, s.base + layer, kv, s.heads, tokens, s.hd, self.device)):
                             bad.append(f"room {room} page {page} {s.name} layer {layer} {'KV'[kv]} differs")
         return bad
 
@@ -221,6 +252,16 @@ def spec_aux(room: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.rand(8, generator=g), torch.rand(16, generator=g), torch.randint(0, 1 << 40, (16,), generator=g)
 
 
+def kv_device(name: str) -> torch.device:
+    """The scenario's KV device: "cpu", or "cuda" (GPU 0, made this process's current device)."""
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda":
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0)
+    raise ValueError(f"scenario device must be cpu or cuda, not {name!r}")
+
+
 class ForwardDone:
     """Stands for the CUDA event SGLang's overlap schedule puts on a sender before an early
     send: the pages are written when it is waited on (as if the forward pass finished then),
@@ -233,6 +274,38 @@ class ForwardDone:
         import threading
         self.x["event_thread"] = threading.current_thread().name
         self.write()
+
+
+class CudaForwardDone(torch.cuda.Event):
+    """A real CUDA event, as SGLang's overlap schedule puts on a sender before an early send:
+    recorded on a side stream after a sleeping kernel (the forward pass still running) and the
+    fill of the early chunk's pages, so the pages hold the sentinel until it completes. Waiting
+    on it records the waiting thread, then waits as a CUDA event does."""
+
+    def __init__(self, x: dict):
+        super().__init__()
+        self.x = x
+
+    def synchronize(self) -> None:
+        import threading
+        self.x["event_thread"] = threading.current_thread().name
+        super().synchronize()
+
+
+def early_event(r: Rank, x: dict, write):
+    """The event an early send waits on: `write` (the early chunk's fill) happens when it is
+    waited on (CPU), or once the side stream's sleeping kernel is done (CUDA)."""
+    if r.device.type != "cuda":
+        return ForwardDone(x, write)
+    stream = torch.cuda.Stream(device=r.device)
+    stream.wait_stream(torch.cuda.current_stream(r.device))
+    event = CudaForwardDone(x)
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(FORWARD_CYCLES)
+        write()
+        event.record(stream)
+    x["event_pending"] = not event.query()   # still running when SGLang sends
+    return event
 
 
 def run_prefill(r: Rank, sc, out) -> None:
@@ -283,8 +356,8 @@ def run_prefill(r: Rank, sc, out) -> None:
                 else:
                     done = 0
                     if late:
-                        s._early_send_wait_event = ForwardDone(x, lambda room=q["room"], pages=suffix[:late], first=k * r.ps:
-                                                             r.fill(room, pages, first))
+                        s._early_send_wait_event = early_event(r, x, lambda room=q["room"], pages=suffix[:late],
+                                                               first=k * r.ps: r.fill(room, pages, first, wait=False))
                     for c, n in enumerate(q["chunks"]):
                         last = c == len(q["chunks"]) - 1
                         s.send(np.asarray(suffix[done:done + n], dtype=np.int32), state if last else None)
@@ -428,6 +501,7 @@ def run_decode_queue(r: Rank, sc, out) -> None:
         for t in r.k + r.v:
             for page in x["pages"]:
                 t.view(torch.int16)[page * r.ps:(page + 1) * r.ps] = SENTINEL
+        r.sync()     # on CUDA: rewritten before anything can land after the release
         x["released_after_s"] = time.monotonic() - x.get("failed_at", time.monotonic())   # 0: at once
 
     def on_commit(dr) -> None:
@@ -471,7 +545,7 @@ def report(out: str, reqs, errors) -> None:
     rows = {str(x["q"]["room"]): {k: v for k, v in x.items() if k not in ("q", "s", "r", "pages", "kv", "dr")}
             for x in reqs}
     with open(out + ".tmp", "w") as f:
-        json.dump({"rooms": rows, "errors": errors}, f)
+        json.dump({"rooms": rows, "errors": errors, "rank": RANK_INFO}, f)
     os.replace(out + ".tmp", out)
 
 

@@ -11,6 +11,11 @@ What a rank reads from its environment is read after the fork (SGLang's `envs`, 
 configuration, the adapter's plugin flags); what is read at import time is the forkserver's, so
 conftest.py sets those (HF_HUB_OFFLINE) before the first launch. Nothing here is kvstage's: the
 ranks drive kvstage exactly as before.
+
+A rank with a CUDA KV cache (`fresh=True`) is spawned instead: a fresh interpreter that imports
+everything itself. CUDA cannot be used in a process forked after CUDA was initialised, and
+SGLang's modules ask torch about CUDA devices when they are imported (which initialises it on a
+machine that has one), so a fork of the preloaded server would hold a CUDA it cannot use.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ PRELOAD = ["torch", "numpy", "sglang.srt.disaggregation.utils", "sglang.srt.serv
 
 _ctx = multiprocessing.get_context("forkserver")
 _ctx.set_forkserver_preload(PRELOAD)
+_fresh_ctx = multiprocessing.get_context("spawn")
 
 
 def _run_rank(argv: list[str], env: dict[str, str], log: str) -> None:
@@ -51,10 +57,12 @@ def _run_rank(argv: list[str], env: dict[str, str], log: str) -> None:
 
 
 class RankProcess:
-    """One forked rank: `wait`, `poll`, `kill` and `returncode` as a subprocess.Popen has them."""
+    """One rank, forked from the preloaded server (or spawned afresh with `fresh`, for CUDA):
+    `wait`, `poll`, `kill` and `returncode` as a subprocess.Popen has them."""
 
-    def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
-        self._proc = _ctx.Process(target=_run_rank, args=(argv, dict(env), str(log)), daemon=False)
+    def __init__(self, argv: list[str], env: dict[str, str], log: Path, *, fresh: bool = False) -> None:
+        ctx = _fresh_ctx if fresh else _ctx
+        self._proc = ctx.Process(target=_run_rank, args=(argv, dict(env), str(log)), daemon=False)
         self._proc.start()
         self.pid = self._proc.pid
 

@@ -1,7 +1,9 @@
 """The scheduler-class harness's driver: starts the rank processes of a scenario (rank.py, each
 forked from a process with SGLang imported: rank_launcher.py), waits for them, and checks their
 reports. Used by the scheduler-class tests of this folder; the
-fixtures (a model config, SGLang's bootstrap server) are in conftest.py."""
+fixtures (a model config, SGLang's bootstrap server) are in conftest.py. `device`: where the
+ranks' KV caches live, "cpu" or "cuda" (rank.py; the CUDA tests are test_cuda_*.py, collected
+only on a machine with a CUDA device)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,8 @@ from pathlib import Path
 
 from cluster import free_port
 from rank_launcher import RankProcess
+
+import kvstage
 
 HERE = Path(__file__).resolve().parent
 SHIMS = HERE / "shims"
@@ -36,14 +40,14 @@ def requests_for(seed: int, n: int, **overrides) -> list[dict]:
 
 def run(tmp_path, model_dir, port, prefill_tp, decode_tp, reqs, *, backend="nixl", staging=False,
         die_at_room=None, extra_env=None, state=None, mla=False, hold=None, queue=False, prefill_dp=1,
-        decode_dp=1, draft=None, prefill_pp=1, layers=2) -> dict:
+        decode_dp=1, draft=None, prefill_pp=1, layers=2, device="cpu") -> dict:
     """`prefill_pp`: a PP prefill, prefill_tp x prefill_pp processes (world ranks); `layers`: the
     model's, as in `model_dir`'s config."""
     sc = {"page_size": 4, "layers": layers, "heads": 4, "head_dim": 8, "num_pages": 64, "model": model_dir,
           "bootstrap_port": port, "http_port": free_port(), "deadline_s": 120, "requests": reqs,
           "die_at_room": die_at_room, "state": state, "mla": mla, "release": str(tmp_path / "release"),
           "hold": hold, "queue": queue, "gloo": str(tmp_path / "gloo"), "prefill_dp": prefill_dp,
-          "decode_dp": decode_dp, "draft": draft, "prefill_pp": prefill_pp}
+          "decode_dp": decode_dp, "draft": draft, "prefill_pp": prefill_pp, "device": device}
     (tmp_path / "scenario.json").write_text(json.dumps(sc))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SHIMS), os.environ.get("PYTHONPATH", "")]),
                KVSTAGE_SGLANG_BACKEND=backend, SGLANG_DISAGG_STAGING_BUFFER="1" if staging else "0",
@@ -56,7 +60,7 @@ def run(tmp_path, model_dir, port, prefill_tp, decode_tp, reqs, *, backend="nixl
                 procs[(role, rank)] = (RankProcess(
                     ["--role", role, "--tp", str(tp), "--rank", str(rank),
                      "--scenario", str(tmp_path / "scenario.json"), "--out", str(out)],
-                    env, tmp_path / f"{role}{rank}.log"), out)
+                    env, tmp_path / f"{role}{rank}.log", fresh=device == "cuda"), out)
         deadline = time.monotonic() + TIMEOUT_S
         for key in sorted(procs, key=lambda k: k[0] != "decode"):   # decode ranks first, then
             if key[0] == "prefill":                                  # the prefill ranks may go
@@ -76,6 +80,9 @@ def run(tmp_path, model_dir, port, prefill_tp, decode_tp, reqs, *, backend="nixl
         assert out.exists(), f"{key} wrote no report (rc {proc.returncode}):\n{tail}"
         rep = json.loads(out.read_text())
         assert "crash" not in rep, f"{key} crashed:\n{rep.get('crash')}\n{tail}"
+        if "rank" in rep:    # the rank drove this checkout's kvstage, on the scenario's device
+            assert rep["rank"]["kvstage"] == kvstage.__file__, (key, rep["rank"])
+            assert rep["rank"]["kv_device"].split(":")[0] == device and rep["rank"]["aux_device"] == "cpu", rep["rank"]
         results[key] = rep
     return results
 

@@ -15,6 +15,9 @@ Mamba tensors per layer, per slot (global shapes, int16):
   whole     [5]              replicated over TP (dim 0)
 SWA per layer, K then V: [tokens, local KV heads, head_dim] (NHD pages). DSA per layer: [pages,
 page_size x 3] int16, the same on every rank (MLA replicates it).
+
+The tensors live on the rank's KV device (`device`: cpu or cuda), where the expected values are
+compared; a fill is synchronised before it returns (on CUDA), as the KV's is.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ def value(room: int, tensor: int, layer: int, row, unit, pos) -> torch.Tensor:
 
 class StateSide:
     def __init__(self, cfg: dict, tp: int, rank: int, kv_heads: int, head_dim: int, page: int, num_pages: int,
-                 decode: bool):
-        self.cfg, self.tp, self.rank, self.page = cfg, tp, rank, page
+                 decode: bool, device: torch.device | None = None):
+        device = device or torch.device("cpu")
+        self.cfg, self.tp, self.rank, self.page, self.device = cfg, tp, rank, page, device
         # decode holds more slots and state pages than prefill, as real servers' sizes differ
         self.slots, self.num_pages = cfg["slots"] + 4 * decode, num_pages + 8 * decode
         self.gdn, self.dsa = bool(cfg.get("gdn")), bool(cfg.get("dsa"))
@@ -44,20 +48,22 @@ class StateSide:
         for tid, (name, rows, units, inner) in enumerate([] if self.dsa else MAMBA):
             for layer in range(LAYERS):
                 if units == 0:
-                    t = torch.empty(self.slots, inner, dtype=torch.int16)
+                    t = torch.empty(self.slots, inner, dtype=torch.int16, device=device)
                     self.mamba.append((tid, layer, t, None))
                     continue
-                t = torch.empty(self.slots, rows, units // tp, inner, dtype=torch.int16)
+                t = torch.empty(self.slots, rows, units // tp, inner, dtype=torch.int16, device=device)
                 self.mamba.append((tid, layer, t, self._units(name, units)))
         self.local_heads = kv_heads // tp
         self.heads = torch.arange(rank * self.local_heads, (rank + 1) * self.local_heads)
         if self.dsa:          # paged state: SWA (K layers, then V layers) or DSA
-            self.swa = [torch.empty(self.num_pages * page, 3, dtype=torch.int16) for _ in range(LAYERS)]
+            self.swa = [torch.empty(self.num_pages * page, 3, dtype=torch.int16, device=device) for _ in range(LAYERS)]
         else:
-            self.swa = [torch.empty(self.num_pages * page, self.local_heads, head_dim, dtype=torch.int16)
+            self.swa = [torch.empty(self.num_pages * page, self.local_heads, head_dim, dtype=torch.int16, device=device)
                         for _ in range(2 * LAYERS)]
         for t in self.tensors():
             t.fill_(SENTINEL)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
 
     def _units(self, name: str, units: int) -> torch.Tensor:
         """Global unit of each local unit of this rank (GDN conv: per sub-block)."""
@@ -96,17 +102,18 @@ class StateSide:
 
     def expected(self, room: int, tid: int, layer: int, t: torch.Tensor, units) -> torch.Tensor:
         if units is None:
-            return value(room, tid, layer, 0, 0, torch.arange(t.shape[1]))
+            return value(room, tid, layer, 0, 0, torch.arange(t.shape[1])).to(self.device)
         rows, inner = t.shape[1], t.shape[3]
         return value(room, tid, layer, torch.arange(rows)[:, None, None], units[None, :, None],
-                     torch.arange(inner)[None, None, :])
+                     torch.arange(inner)[None, None, :]).to(self.device)
 
     def swa_expected(self, room: int, i: int, first_token: int) -> torch.Tensor:
         if self.dsa:
             tokens = torch.arange(first_token, first_token + self.page)[:, None]
-            return value(room, 200 + i, 0, 0, 0, tokens * 64 + torch.arange(3))
+            return value(room, 200 + i, 0, 0, 0, tokens * 64 + torch.arange(3)).to(self.device)
         tokens = torch.arange(first_token, first_token + self.page)[:, None, None]
-        return value(room, 100 + i, 0, 0, self.heads[None, :, None], tokens * 64 + torch.arange(self.swa[0].shape[2]))
+        return value(room, 100 + i, 0, 0, self.heads[None, :, None],
+                     tokens * 64 + torch.arange(self.swa[0].shape[2])).to(self.device)
 
     def fill(self, room: int, slot: int, swa_pages, first_page: int) -> None:
         for tid, layer, t, units in self.mamba:
@@ -114,6 +121,8 @@ class StateSide:
         for i, t in enumerate(self.swa):
             for k, p in enumerate(swa_pages):
                 t[p * self.page:(p + 1) * self.page] = self.swa_expected(room, i, (first_page + k) * self.page)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def check(self, room: int, slot: int, swa_pages, first_page: int) -> list[str]:
         bad = []

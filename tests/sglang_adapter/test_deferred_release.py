@@ -26,10 +26,11 @@ HOLD_S = 4.0
 
 
 @pytest.mark.parametrize("deferred", [True, False], ids=["deferred-release", "immediate-release"])
-def test_late_write_lands_only_in_held_pages(tmp_path, model_dir, bootstrap_server, deferred):
+def test_late_write_lands_only_in_held_pages(tmp_path, model_dir, bootstrap_server, deferred, device="cpu"):
+    """`device`: the ranks' KV device (test_cuda_scheduler_classes.py passes "cuda")."""
     reqs = requests_for(19, 3, abort={1: "prefill-held"})
     victim = reqs[1]["room"]
-    results = run(tmp_path, model_dir, bootstrap_server, 1, 1, reqs, queue=True,
+    results = run(tmp_path, model_dir, bootstrap_server, 1, 1, reqs, queue=True, device=device,
                   hold={"room": victim, "s": HOLD_S},
                   extra_env={"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "1" if deferred else "0"})
     prefill, decode = results[("prefill", 0)], results[("decode", 0)]

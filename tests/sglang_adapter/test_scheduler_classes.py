@@ -6,6 +6,10 @@ on real NIXL or Mooncake, with SGLang's real bootstrap server (kvstage's subclas
 in this test process. Every room's outcome is checked on both sides; decode checks every KV byte
 it received, its aux row (SGLang's MetadataBuffers: first output ids and bootstrap_room), and
 that no page outside a successful room was written.
+
+Each test takes the KV device as an argument with a default (`device="cpu"`; pytest passes no
+fixture for it): test_cuda_scheduler_classes.py calls some of them with "cuda" on a machine with a
+CUDA device.
 """
 
 from __future__ import annotations
@@ -18,14 +22,18 @@ from scenario import expect, requests_for, run
 
 @pytest.mark.parametrize("prefill_tp,decode_tp,staging", [(2, 1, False), (2, 1, True), (1, 2, True)],
                          ids=["P2-D1-direct", "P2-D1-staged", "P1-D2-staged"])
-def test_chunked_requests_with_a_prefix_hit(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, staging):
+def test_chunked_requests_with_a_prefix_hit(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, staging,
+                                            device="cpu"):
     reqs = requests_for(7, 6, prefix={2: 1, 4: 3}, early_event={1, 2})
-    results = run(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, reqs, staging=staging)
+    results = run(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, reqs, staging=staging, device=device)
     expect(results, reqs, lambda i: "Success")
     for rank in range(prefill_tp):   # the overlap schedule's event: waited on off the scheduler's thread
         rooms = results[("prefill", rank)]["rooms"]
         assert [rooms[str(q["room"])].get("event_thread") for q in reqs] == [
             "kvstage-send-gate" if q["early_event"] else None for q in reqs]
+        if device == "cuda":   # a real CUDA event, still pending when SGLang sent the chunk
+            assert [rooms[str(q["room"])].get("event_pending") for q in reqs] == [
+                True if q["early_event"] else None for q in reqs]
     paths = {row["path"] for rank in range(decode_tp) for row in results[("decode", rank)]["rooms"].values()}
     assert paths == {"staged" if staging else "direct"}
     for rank in range(prefill_tp):   # the prefill learned each decode prefix through pop_decode_prefix_len
@@ -33,9 +41,9 @@ def test_chunked_requests_with_a_prefix_hit(tmp_path, model_dir, bootstrap_serve
         assert [rooms[str(q["room"])]["prefix_seen"] for q in reqs] == [q["prefix"] for q in reqs]
 
 
-def test_mooncake_backend(tmp_path, model_dir, bootstrap_server):
+def test_mooncake_backend(tmp_path, model_dir, bootstrap_server, device="cpu"):
     reqs = requests_for(11, 4, prefix={1: 2})
-    results = run(tmp_path, model_dir, bootstrap_server, 2, 1, reqs, backend="mooncake", staging=True)
+    results = run(tmp_path, model_dir, bootstrap_server, 2, 1, reqs, backend="mooncake", staging=True, device=device)
     expect(results, reqs, lambda i: "Success")
 
 
@@ -64,7 +72,7 @@ def test_killed_prefill_fails_the_decode_side(tmp_path, model_dir, bootstrap_ser
                                                               (1, 2, False, "mla-dsa")],
                          ids=["P2-D1-staged", "P1-D2-direct", "P2-D1-staged-gdn", "P1-D2-direct-gdn",
                               "P1-D2-mla-dsa"])
-def test_state_components(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, staging, kind):
+def test_state_components(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, staging, kind, device="cpu"):
     """Mamba slots (TP-sharded, rows before the TP axis, replicated, GDN conv) and SWA window
     pages, or an MLA model's DSA indexer pages (the whole suffix; one prefill rank, as a prefill
     rank that writes nothing under MLA ends its rooms without comparing pool items), move with the request, every
@@ -74,7 +82,7 @@ def test_state_components(tmp_path, model_dir, bootstrap_server, prefill_tp, dec
     reqs = requests_for(13, 6, prefix={2: 1}, swa_short={4})
     dsa = kind == "mla-dsa"
     results = run(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, reqs, staging=staging, mla=dsa,
-                  state={"slots": 12, "swa_pages": 99 if dsa else 2, "gdn": kind == "gdn", "dsa": dsa})
+                  state={"slots": 12, "swa_pages": 99 if dsa else 2, "gdn": kind == "gdn", "dsa": dsa}, device=device)
     expect(results, reqs, lambda i: "Failed" if i == 4 else "Success")
     for key, rep in results.items():
         rooms = rep["rooms"]
@@ -112,7 +120,7 @@ def draft_model_dir(tmp_path, kv_heads: int) -> str:
 ], ids=["P2-D1-staged-eagle", "P1-D2-direct-eagle", "P1-D2-mla-mtp", "P1-D1-decode-only", "P2-D1-direct-2-heads",
         "P1-D2-staged-1-head-dim-16"])
 def test_speculative_decoding_draft_kv(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, staging, mla,
-                                       draft):
+                                       draft, device="cpu"):
     """A draft model's KV (SGLang appends its entries after the target's, num_draft_entries) moves
     with the target's pages, every byte of both checked on decode: EAGLE-style (the target's
     geometry), an MLA model's MTP latent, and a draft model of its own geometry (other heads or
@@ -125,7 +133,7 @@ def test_speculative_decoding_draft_kv(tmp_path, model_dir, bootstrap_server, pr
         draft = dict(draft, model=draft_model_dir(tmp_path, draft["heads"]))
     reqs = requests_for(17, 5, prefix={1: 1})
     results = run(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, reqs, staging=staging, mla=mla,
-                  draft=draft)
+                  draft=draft, device=device)
     expect(results, reqs, lambda i: "Success")
     for rank in range(decode_tp):
         rooms = results[("decode", rank)]["rooms"]
