@@ -39,7 +39,14 @@ from kvstage.bootstrap.in_process import InProcessServer, join_host_port
 from kvstage.transfer.config import METRICS_PORT_ENV
 
 from . import pools, send_gate
-from .geometry import device_of, draft_equal_tp_only, dsa_tail_slot_bytes, kv_layout, kv_memory_device, unsupported_features
+from .geometry import (
+    device_of,
+    draft_equal_tp_only,
+    dsa_tail_slot_bytes,
+    kv_layout,
+    kv_memory_device,
+    unsupported_features,
+)
 from .plugin import staging_enabled
 from .rendezvous import address_from_route, instance_address, route_answer, shared_rendezvous
 from .state import StateMap
