@@ -517,8 +517,8 @@ class DirectFileStore:
                 path.unlink(missing_ok=True)
 
     def close(self) -> None:
-        self._io.shutdown(wait=True)
-        with self._wlock, self._rlock:
+        with self._wlock, self._rlock:         # a put or get in progress ends first
+            self._io.shutdown(wait=True)
             self._wbuf.close()
             self._rbuf.close()
 
