@@ -1,10 +1,14 @@
-"""`DirectFileStore`: pages on a local filesystem, one O_DIRECT write per batch, one read per run.
+"""`DirectFileStore`: pages on a local filesystem, one O_DIRECT file per batch, one pass per run.
 
 A batch of pages is gathered into a page-aligned staging buffer (kvstage's `HostMemory`), digested
-there (xxh3-64 per page), followed by its footer, and written by ONE write into a new batch file
-(storage/batch_file.py has the format). A read asks the index where each page is, reads each run
-of pages of one file with ONE read into the read staging buffer, checks every page's digest and
-only then hands its bytes to the caller: a page whose bytes do not match is a miss, never data.
+there (xxh3-64 per page), followed by its footer, and written into ONE new batch file
+(storage/batch_file.py has the format) by large O_DIRECT writes of `segment_bytes` (32 MiB) each,
+issued by the store's I/O thread as soon as a segment is gathered: the disk writes segment k while
+the caller's thread gathers and digests segment k+1, so the batch costs about its disk time, not
+disk time plus copy plus digest. A read asks the index where each page is and reads each run of
+pages of one file into the read staging buffer the same way, segment by segment ahead of the
+caller's thread, which checks every page's digest and only then hands its bytes to the caller: a
+page whose bytes do not match is a miss, never data.
 
 Contract
 --------
@@ -20,7 +24,9 @@ Contract
   and verified. Misuse (a page larger than the staging buffer, sizes and keys of different
   lengths) raises ValueError.
 - Thread safety: one lock for the index, one per staging buffer; SGLang calls from its prefetch
-  and backup threads at once.
+  and backup threads at once. The I/O thread (one per store) only runs the writes and reads that
+  a call holding its staging buffer's lock queued, and that call waits for every one of them
+  before it returns or lets go of the buffer.
 - A written file is not fsynced: this is a cache; a file whose footer is not readable after a
   crash is ignored at the next open, and a page whose bytes are wrong fails its digest.
 """
@@ -35,6 +41,7 @@ import os
 import shutil
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -62,6 +69,7 @@ log = logging.getLogger(__name__)
 
 SUFFIX = ".kvb"
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+SEGMENT_BYTES = 32 << 20    # one O_DIRECT write or read of a batch: large, and small enough to pipeline
 
 
 class StoreError(RuntimeError):
@@ -142,12 +150,18 @@ def _namespace_dir(namespace: str) -> str:
 class DirectFileStore:
     """See the module docstring. `capacity_bytes`: the most the batch files may take on disk
     (None: what is there now plus 90% of the filesystem's free space). `staging_bytes`: each of
-    the two staging buffers (write, read); a batch larger than it is written as several files."""
+    the two staging buffers (write, read); a batch larger than it is written as several files.
+    `segment_bytes`: the size of each write and read (an `ALIGN` multiple, rounded up to whole
+    pages: a page is never split between two)."""
 
     def __init__(self, *, root: str | os.PathLike, namespace: str, staging_bytes: int,
-                 capacity_bytes: int | None = None, direct: DirectMode = DirectMode.AUTO) -> None:
+                 capacity_bytes: int | None = None, direct: DirectMode = DirectMode.AUTO,
+                 segment_bytes: int = SEGMENT_BYTES) -> None:
         if staging_bytes < 2 * ALIGN:
             raise ValueError(f"staging_bytes must be at least {2 * ALIGN}, got {staging_bytes}")
+        if segment_bytes < ALIGN or segment_bytes % ALIGN:
+            raise ValueError(f"segment_bytes must be a positive multiple of {ALIGN}, got {segment_bytes}")
+        self.segment_bytes = segment_bytes
         self.namespace = namespace
         self.dir = Path(root) / _namespace_dir(namespace)
         try:
@@ -163,6 +177,7 @@ class DirectFileStore:
         self.stats.direct = direct is not DirectMode.OFF and bool(_O_DIRECT)
         if direct is DirectMode.ON and not _O_DIRECT:
             raise StoreError("O_DIRECT is not available on this platform")
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstage-storage-io")
         self._wbuf = HostMemory(round_up(staging_bytes))
         self._rbuf = HostMemory(round_up(staging_bytes))
         self.staging_bytes = self._wbuf.nbytes
@@ -319,39 +334,63 @@ class DirectFileStore:
 
     def _write_batch(self, pks, sizes, chunk: list[int], fill, ok: list) -> None:
         layout = plan_batch([sizes[i] for i in chunk])
+        # the footer's size is known before the digests are: each is at most 9 bytes of msgpack
+        bound = layout.data_bytes + len(encode_tail(self.namespace, [
+            Entry(kind=pks[i].kind, key=pks[i].key, offset=layout.offsets[j], nbytes=sizes[i], digest=(1 << 64) - 1)
+            for j, i in enumerate(chunk)]))
+        if bound > self.staging_bytes:
+            raise ValueError(f"batch of {bound} bytes exceeds the {self.staging_bytes}-byte staging buffer")
         with self._wlock:
-            buf = self._wbuf.tensor
-            entries = []
-            for j, i in enumerate(chunk):
-                off, n = layout.offsets[j], sizes[i]
-                dst = buf[off:off + n]
-                fill(i, dst)
-                entries.append(Entry(kind=pks[i].kind, key=pks[i].key, offset=off, nbytes=n,
-                                     digest=xxhash.xxh3_64_intdigest(dst.numpy())))
-            tail = encode_tail(self.namespace, entries)
-            total = layout.data_bytes + len(tail)
-            if total > self.staging_bytes:
-                raise ValueError(f"batch of {total} bytes exceeds the {self.staging_bytes}-byte staging buffer")
-            buf[layout.data_bytes:total].copy_(torch.frombuffer(bytearray(tail), dtype=torch.uint8))
-            if not self._make_room(total):
-                self._not_stored(len(chunk), f"store full: {total} bytes do not fit {self.capacity_bytes} "
+            if not self._make_room(bound):
+                self._not_stored(len(chunk), f"store full: {bound} bytes do not fit {self.capacity_bytes} "
                                              f"(used {self._total})")
                 return
             file_id = next(self._next_id)
             path = self.dir / f"{file_id:016x}{SUFFIX}"
             tmp = self.dir / f".{file_id:016x}.tmp"
+            buf = self._wbuf.tensor
+            view = memoryview(buf.numpy())
+            entries: list[Entry] = []
+            writes: list[Future] = []
+            fd, total, done = -1, 0, False
             try:
-                self._write_file(tmp, buf.numpy()[:total])
+                fd = self._open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+                start = 0                      # the first byte not yet handed to the I/O thread
+                for j, i in enumerate(chunk):
+                    off, n = layout.offsets[j], sizes[i]
+                    dst = buf[off:off + n]
+                    fill(i, dst)
+                    entries.append(Entry(kind=pks[i].kind, key=pks[i].key, offset=off, nbytes=n,
+                                         digest=xxhash.xxh3_64_intdigest(dst.numpy())))
+                    end = off + round_up(n)
+                    if end - start >= self.segment_bytes and j < len(chunk) - 1:
+                        writes.append(self._io.submit(_pwrite_all, fd, view[start:end], start))
+                        start = end
+                tail = encode_tail(self.namespace, entries)
+                total = layout.data_bytes + len(tail)
+                buf[layout.data_bytes:total].copy_(torch.frombuffer(bytearray(tail), dtype=torch.uint8))
+                writes.append(self._io.submit(_pwrite_all, fd, view[start:total], start))
+                for w in writes:
+                    w.result()
+                os.close(fd)
+                fd = -1
                 os.replace(tmp, path)
+                done = True
             except OSError as exc:
-                try:
-                    tmp.unlink(missing_ok=True)
-                except OSError:    # the filesystem went read-only under us: nothing was created
-                    pass
                 if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
                     self.read_only = True
                 self._not_stored(len(chunk), f"write of {path} failed: {exc.strerror or exc}")
                 return
+            finally:
+                for w in writes:           # every write ends before the buffer is used again
+                    w.exception()
+                if fd >= 0:
+                    os.close(fd)
+                if not done:
+                    try:
+                        tmp.unlink(missing_ok=True)
+                    except OSError:    # the filesystem went read-only under us: nothing was created
+                        pass
         self._add_batch(file_id, path, total, entries)
         self.stats.writes += 1
         self.stats.bytes_written += total
@@ -369,19 +408,6 @@ class DirectFileStore:
                 self.stats.direct = False
                 log.warning("kvstage storage: %s does not honour O_DIRECT; buffered I/O from now on", self.dir)
         return os.open(path, flags, 0o644)
-
-    def _write_file(self, path: Path, data) -> None:
-        fd = self._open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-        try:
-            view = memoryview(data)
-            done = 0
-            while done < len(view):
-                n = os.write(fd, view[done:])
-                if n <= 0:
-                    raise OSError(errno.ENOSPC, "short write")
-                done += n
-        finally:
-            os.close(fd)
 
     def _make_room(self, nbytes: int) -> bool:
         """Evict least recently used batch files until `nbytes` more fit; False if they never can."""
@@ -427,19 +453,34 @@ class DirectFileStore:
             paths = {f: self._batches[f].path for _, f, _ in wanted}
         with self._rlock:
             buf = self._rbuf.tensor
+            view = memoryview(buf.numpy())
             for run in plan_reads(wanted, self.staging_bytes):
-                try:
-                    self._read_into(paths[run.file_id], run.offset, buf.numpy()[:run.length])
-                except OSError as exc:
-                    self.stats.last_error = f"read of {paths[run.file_id]} failed: {exc.strerror or exc}"
-                    log.warning("kvstage storage: %s", self.stats.last_error)
-                    if isinstance(exc, FileNotFoundError):
-                        with self._lock:
-                            self._drop_batch(run.file_id)
+                self._read_run(run, paths[run.file_id], buf, view, pks, drain, ok)
+        n_ok = sum(ok)
+        self.stats.pages_read += n_ok
+        self.stats.pages_missed += len(ok) - n_ok
+        return ok
+
+    def _read_run(self, run, path: Path, buf: torch.Tensor, view: memoryview, pks, drain, ok: list) -> None:
+        """Read one run into the read buffer, segment by segment on the I/O thread, while this
+        thread checks and hands over the pages of the segments already in."""
+        try:
+            fd = self._open(path, os.O_RDONLY)
+        except OSError as exc:
+            return self._read_failed(run, path, exc)
+        reads: list[Future] = []
+        try:
+            segments = list(_segments(run.items, run.length, self.segment_bytes))
+            reads = [self._io.submit(_pread_all, fd, view[a:b], run.offset + a) for a, b, _ in segments]
+            failed = False
+            for (_, _, items), r in zip(segments, reads):
+                exc = r.exception()
+                if exc is not None or failed:
+                    if not failed:
+                        self._read_failed(run, path, exc)
+                    failed = True
                     continue
-                self.stats.reads += 1
-                self.stats.bytes_read += run.length
-                for item in run.items:
+                for item in items:
                     src = buf[item.at:item.at + item.nbytes]
                     if xxhash.xxh3_64_intdigest(src.numpy()) != item.digest:
                         self.stats.pages_corrupt += 1
@@ -450,23 +491,20 @@ class DirectFileStore:
                         continue
                     drain(item.index, src)
                     ok[item.index] = True
-        n_ok = sum(ok)
-        self.stats.pages_read += n_ok
-        self.stats.pages_missed += len(ok) - n_ok
-        return ok
-
-    def _read_into(self, path: Path, offset: int, out) -> None:
-        fd = self._open(path, os.O_RDONLY)
-        try:
-            view = memoryview(out)
-            done = 0
-            while done < len(view):
-                n = os.preadv(fd, [view[done:]], offset + done)
-                if n <= 0:
-                    raise OSError(errno.EIO, f"short read at {offset + done}")
-                done += n
+            if not failed:
+                self.stats.reads += 1
+                self.stats.bytes_read += run.length
         finally:
+            for r in reads:            # every read ends before the buffer is used again
+                r.exception()
             os.close(fd)
+
+    def _read_failed(self, run, path: Path, exc: BaseException) -> None:
+        self.stats.last_error = f"read of {path} failed: {getattr(exc, 'strerror', None) or exc}"
+        log.warning("kvstage storage: %s", self.stats.last_error)
+        if isinstance(exc, FileNotFoundError):
+            with self._lock:
+                self._drop_batch(run.file_id)
 
     # ---- life ----------------------------------------------------------------------------
 
@@ -479,6 +517,38 @@ class DirectFileStore:
                 path.unlink(missing_ok=True)
 
     def close(self) -> None:
-        with self._wlock, self._rlock:
+        with self._wlock, self._rlock:         # a put or get in progress ends first
+            self._io.shutdown(wait=True)
             self._wbuf.close()
             self._rbuf.close()
+
+
+def _segments(items, length: int, segment: int):
+    """The run's reads: (start, end, items wholly inside) in run order, each about `segment`
+    bytes and cut only between two pages' slots (`ALIGN` multiples); together they cover the run."""
+    start, inside = 0, []
+    for k, item in enumerate(items):
+        inside.append(item)
+        end = item.at + round_up(item.nbytes)
+        if end - start >= segment and k < len(items) - 1:
+            yield start, end, inside
+            start, inside = end, []
+    yield start, length, inside
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        n = os.pwrite(fd, data[done:], offset + done)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, "short write")
+        done += n
+
+
+def _pread_all(fd: int, out: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(out):
+        n = os.preadv(fd, [out[done:]], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"short read at {offset + done}")
+        done += n

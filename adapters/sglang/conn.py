@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import replace
 
 import numpy as np
 import requests
@@ -35,9 +36,17 @@ from sglang.srt.server_args import ServerArgs
 
 from kvstage import EngineConfig, KVManager, KVTransferError
 from kvstage.bootstrap.in_process import InProcessServer, join_host_port
+from kvstage.transfer.config import METRICS_PORT_ENV
 
 from . import pools, send_gate
-from .geometry import device_of, draft_equal_tp_only, dsa_tail_slot_bytes, kv_layout, unsupported_features
+from .geometry import (
+    device_of,
+    draft_equal_tp_only,
+    dsa_tail_slot_bytes,
+    kv_layout,
+    kv_memory_device,
+    unsupported_features,
+)
 from .plugin import staging_enabled
 from .rendezvous import address_from_route, instance_address, route_answer, shared_rendezvous
 from .state import StateMap
@@ -77,7 +86,8 @@ class KvstageKVManager(CommonKVManager):
         self.draft_equal_tp_only = draft_equal_tp_only(args, mla, server_args)
         self.state = StateMap(args, layout, self.kv_device, self.attn_tp_size,
                               dsa_tail_slot_bytes=dsa_tail_slot_bytes(args, server_args))
-        buffers = pools.make_buffers(layout, args, device, self.state.pools)
+        # HiSparse: the KV SGLang hands over is its host pool (DRAM), the rest stays on the device
+        buffers = pools.make_buffers(layout, args, kv_memory_device(server_args, args), self.state.pools)
         self.aux_rooms = pools.aux_room_column(args, device)
         if self.is_prefill:
             own = self._own_bootstrap_addr()
@@ -94,9 +104,21 @@ class KvstageKVManager(CommonKVManager):
                 rendezvous = self._own_server.address
             engine_id = f"sglang-decode@{self.local_ip}:{server_args.port}/dp{self.attn_dp_rank}"
         backend = _backend_name()
-        self.engine = KVManager(EngineConfig(role="prefill" if self.is_prefill else "decode", engine_id=engine_id,
-                                             bootstrap=rendezvous, backend=backend, staging=staging_enabled(),
-                                             host=self.local_ip, dp_rank=dp_rank), layout, buffers)
+        config = EngineConfig(role="prefill" if self.is_prefill else "decode", engine_id=engine_id,
+                              bootstrap=rendezvous, backend=backend, staging=staging_enabled(),
+                              host=self.local_ip, dp_rank=dp_rank)
+        self.engine = KVManager(config, layout, buffers)
+        # decode: host KV destinations (--disaggregation-decode-host-receive-threshold below 1).
+        # SGLang's host pool has the device KV's layout; kvstage sees it as a second cache, in
+        # DRAM, behind an engine of its own: a request sent to it is a request like any other
+        # (staged or direct, by that engine's own path choice), written into host memory.
+        self.host_engine: KVManager | None = None
+        if not self.is_prefill and getattr(args, "host_kv_data_ptrs", None):
+            host_buffers = pools.make_buffers(layout, pools.host_kv_args(args), "cpu", self.state.pools)
+            # its own ports: a fixed KVSTAGE_CTRL_PORT or KVSTAGE_METRICS_PORT belongs to the device engine
+            self.host_engine = KVManager(replace(config, engine_id=engine_id + "/host", ctrl_port=0,
+                                                 metrics_port=0 if os.environ.get(METRICS_PORT_ENV) else None),
+                                         layout, host_buffers)
         # prefill: the thread that waits for SGLang's events before a send (send_gate.py)
         self.gate = send_gate.SendGate() if self.is_prefill else None
         log.info("kvstage %s rank %d/%d ready (engine %s, backend %s, staging %s, metrics port %s)",
@@ -152,10 +174,25 @@ class KvstageKVManager(CommonKVManager):
         self.record_failure(room, reason)
         self.update_status(room, KVPoll.Failed)
 
+    @property
+    def supports_host_destination(self) -> bool:
+        """SGLang's question before it turns host receive on: only with its host buffers given."""
+        return self.host_engine is not None
+
+    def engine_for(self, destination) -> KVManager:
+        """The kvstage engine of a destination: the device cache's, or the host pool's."""
+        if destination == KVTransferDestination.HOST:
+            if self.host_engine is None:
+                raise ValueError("a host KV destination, but SGLang gave no host KV buffers (host_kv_data_ptrs)")
+            return self.host_engine
+        return self.engine
+
     def teardown(self) -> None:
         if self.gate is not None:
             self.gate.close()
         self.engine.close()
+        if self.host_engine is not None:
+            self.host_engine.close()
         if self._own_server is not None:
             self._own_server.close()
 
@@ -369,6 +406,7 @@ class KvstageKVReceiver(_Handle, CommonKVReceiver):
     def __init__(self, mgr: KvstageKVManager, bootstrap_addr: str, bootstrap_room: int | None = None):
         CommonKVReceiver.__init__(self, mgr, bootstrap_addr, bootstrap_room)
         self._handle, self._error = None, None
+        self._rendezvous: str | None = None
         self._aux_index: int | None = None
         self._kv_done_at: float | None = None
         self.bootstrap_infos = None
@@ -383,22 +421,43 @@ class KvstageKVReceiver(_Handle, CommonKVReceiver):
         self.prefill_info, self.prefill_dp_rank = info, prefill_dp_rank
         self.require_staging = False          # SGLang's own staging machinery stays off
         try:
-            rendezvous = self.kv_mgr.rendezvous_for(self.bootstrap_addr)
-            self._handle = self.kv_mgr.engine.receiver(self.bootstrap_room, bootstrap=rendezvous,
-                                                       prefill_dp_rank=int(prefill_dp_rank or 0))
+            self._rendezvous = self.kv_mgr.rendezvous_for(self.bootstrap_addr)
         except (ValueError, RuntimeError) as exc:
             self._end(KVPoll.Failed, f"kvstage receiver for room {self.bootstrap_room}: {exc}")
             return
-        self.kv_mgr.receivers[self.bootstrap_room] = self._handle
         self.bootstrap_infos = []             # kvstage owns the peer connections
+        if self.kv_mgr.host_engine is None:   # one destination: the receiver starts now
+            self._open(KVTransferDestination.DEVICE)
+
+    def _open(self, destination) -> bool:
+        """The kvstage receiver of the room, on the engine of `destination`. With host KV
+        destinations the destination is known only at send_metadata(), so it is made there."""
+        try:
+            self._handle = self.kv_mgr.engine_for(destination).receiver(
+                self.bootstrap_room, bootstrap=self._rendezvous, prefill_dp_rank=int(self.prefill_dp_rank or 0))
+        except (ValueError, RuntimeError) as exc:
+            self._end(KVPoll.Failed, f"kvstage receiver for room {self.bootstrap_room}: {exc}")
+            return False
+        self.kv_mgr.receivers[self.bootstrap_room] = self._handle
+        return True
+
+    @property
+    def supports_host_destination(self) -> bool:
+        return self.kv_mgr.host_engine is not None
 
     def send_metadata(self, kv_indices, aux_index: int | None = None, state_indices: list | None = None,
                       decode_prefix_len: int | None = None,
                       destination: KVTransferDestination = KVTransferDestination.DEVICE,
                       device_kv_indices=None):
-        if destination != KVTransferDestination.DEVICE:
-            raise NotImplementedError("the kvstage backend has no host KV destinations")
-        if self.conclude_state is not None or self._handle is None:
+        """`destination` HOST: `kv_indices` are pages of SGLang's host pool (host KV destinations)."""
+        if self.conclude_state is not None:
+            return
+        if self._handle is None:
+            if self._rendezvous is None or not self._open(destination):
+                return
+        elif destination != KVTransferDestination.DEVICE:   # the device receiver started at init()
+            self._handle.abort()
+            self._end(KVPoll.Failed, "a host KV destination, but this manager has no host KV buffers")
             return
         prefix = int(decode_prefix_len or 0)
         problem = None
@@ -428,7 +487,9 @@ class KvstageKVReceiver(_Handle, CommonKVReceiver):
         if self.conclude_state is not None:
             return self.conclude_state
         if self._handle is None:
-            return KVPoll.Bootstrapping
+            # with host KV destinations the receiver is made by send_metadata(), once SGLang
+            # chose the destination: ready for it as soon as the prefill's rendezvous is known
+            return KVPoll.WaitingForInput if self._rendezvous is not None else KVPoll.Bootstrapping
         state = self._kv_state()
         if state != KVPoll.Success:
             return state

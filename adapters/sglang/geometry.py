@@ -218,11 +218,27 @@ def unsupported_features(mgr, args) -> list[str]:
     if getattr(args, "kv_layout", None) is not None:
         out.append(f"KV layout {args.kv_layout!r} (kvstage moves token-major NHD pages)")
     server_args = getattr(mgr, "server_args", None)
-    if getattr(server_args, "enable_hisparse", False):
-        out.append("HiSparse (--enable-hisparse: the decode KV is host memory, kvstage would take it for device memory)")
-    kinds = sorted(set(getattr(args, "kv_data_mem_kinds", None) or []) - {"VRAM"})
-    if kinds and str(getattr(server_args, "device", "cuda") or "cuda") != "cpu":
-        out.append(f"KV buffers in {'/'.join(kinds)} memory beside a device KV cache (kv_data_mem_kinds)")
+    hisparse = bool(getattr(server_args, "enable_hisparse", False))
+    if hisparse and getattr(args, "num_draft_entries", 0):
+        out.append("HiSparse with speculative-decoding draft KV (the target's KV in host memory, the draft's "
+                   "in device memory: kvstage's KV is one memory kind)")
+    kinds = set(getattr(args, "kv_data_mem_kinds", None) or [])
+    if len(kinds) > 1 or (kinds - {"VRAM"} and not hisparse
+                          and str(getattr(server_args, "device", "cuda") or "cuda") != "cpu"):
+        out.append(f"KV buffers in {'/'.join(sorted(kinds - {'VRAM'}))} memory beside a device KV cache "
+                   f"(kv_data_mem_kinds)")
     if getattr(args, "host_kv_data_ptrs", None):
-        out.append("host KV destinations (--disaggregation-decode-host-receive-threshold below 1)")
+        if getattr(args, "state_types", None):
+            out.append("host KV destinations (--disaggregation-decode-host-receive-threshold below 1) with state "
+                       "components (SWA host pools)")
+        if hisparse:
+            out.append("host KV destinations with HiSparse")
     return out
+
+
+def kv_memory_device(server_args, args) -> str:
+    """Where the KV buffers that KVArgs names live, as a torch device: SGLang's device, except
+    with HiSparse, whose decode KV (the pool it hands the transfer backend) is its host pool."""
+    if getattr(server_args, "enable_hisparse", False):
+        return "cpu"
+    return device_of(server_args, args)

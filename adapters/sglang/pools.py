@@ -23,6 +23,19 @@ from kvstage.transfer.raw_memory import tensor_at
 AUX = "aux"
 
 
+def host_kv_args(args):
+    """KVArgs' host KV buffers (SGLang's host pool for host KV destinations) in the place of its
+    device KV buffers: the same layout, other memory; everything else as KVArgs has it."""
+    from types import SimpleNamespace
+    fields = {k: getattr(args, k) for k in ("aux_data_ptrs", "aux_data_lens", "aux_item_lens") if hasattr(args, k)}
+    n = len(args.kv_data_ptrs)
+    host = (list(args.host_kv_data_ptrs), list(args.host_kv_data_lens or ()), list(args.host_kv_item_lens or ()))
+    if any(len(x) != n for x in host) or host[2] != list(args.kv_item_lens):
+        raise ValueError(f"host KV buffers ({len(host[0])} pointers, item sizes {sorted(set(host[2]))}) do not have "
+                         f"the device KV's layout ({n} buffers, item sizes {sorted(set(args.kv_item_lens))})")
+    return SimpleNamespace(kv_data_ptrs=host[0], kv_data_lens=host[1], kv_item_lens=host[2], **fields)
+
+
 def has_aux(args) -> bool:
     return bool(getattr(args, "aux_data_ptrs", None))
 

@@ -130,7 +130,14 @@ class Rank:
                             for _ in range(draft["layers"])]
             self.sets.append(KVSet(base=100, k=make(), v=[] if self.mla else make(), heads=heads,
                                    hd=draft["head_dim"], written=draft.get("prefill", True)))
-        for kv_set in self.sets:
+        # host KV destinations (scenario "host", decode): SGLang's host pool, the KV's layout with
+        # twice the pages; a request with "host" gets its KV there (destination HOST)
+        self.host_set = None
+        if sc.get("host") and not self.prefill:
+            make = lambda: [torch.empty((2 * tokens, self.local, self.hd), dtype=torch.bfloat16)
+                            for _ in range(self.layers)]
+            self.host_set = KVSet(base=0, k=make(), v=[] if self.mla else make(), heads=self.heads, hd=self.hd)
+        for kv_set in self.sets + ([self.host_set] if self.host_set else []):
             for t in kv_set.k + kv_set.v:
                 t.view(torch.int16).fill_(SENTINEL)
         self.sync()
@@ -161,6 +168,11 @@ class Rank:
             self.state = StateSide(sc["state"], a.tp, a.rank, self.local * a.tp, self.hd, self.ps, self.num_pages,
                                    decode=not self.prefill, device=self.device)
             self.state.kv_args(args)
+        if self.host_set is not None:
+            host = self.host_set.k + self.host_set.v
+            args.host_kv_data_ptrs = [t.data_ptr() for t in host]
+            args.host_kv_data_lens = [t.nbytes for t in host]
+            args.host_kv_item_lens = [t[: self.ps].nbytes for t in host]
         args.ib_device, args.gpu_id = None, self.device.index or 0
         # as PrefillBootstrapQueue: the pool's start_layer, and its end_layer (None on a pool without PP)
         args.prefill_start_layer, args.prefill_end_layer = self.stage.start, self.stage.stop if self.pp > 1 else None
@@ -199,24 +211,24 @@ class Rank:
         if wait:
             self.sync()
 
-    def check(self, room: int, pages, first_token: int) -> list[str]:
+    def check(self, room: int, pages, first_token: int, sets=None) -> list[str]:
         bad = []
         for i, page in enumerate(pages):
             tokens = range(first_token + i * self.ps, first_token + (i + 1) * self.ps)
-            for s in self.sets:
+            for s in sets or self.sets:
                 if not s.written:      # decode-only speculation: nothing of the draft comes
                     continue
                 for layer in range(len(s.k)):
                     for kv, bufs in s.kinds():
                         got = bufs[layer].view(torch.int16)[page * self.ps:(page + 1) * self.ps]
-                        if not torch.equal(got, pattern(room, s.base + layer, kv, s.heads, tokens, s.hd, self.device)):
+                        if not torch.equal(got, pattern(room, s.base + layer, kv, s.heads, tokens, s.hd, got.device)):
                             bad.append(f"room {room} page {page} {s.name} layer {layer} {'KV'[kv]} differs")
         return bad
 
-    def untouched(self, owned: set) -> list[str]:
+    def untouched(self, owned: set, sets=None) -> list[str]:
         bad = []
-        for s in self.sets:
-            for page in range(self.num_pages):
+        for s in sets or self.sets:
+            for page in range(s.k[0].shape[0] // self.ps):
                 if page in owned and s.written:
                     continue
                 for bufs in (s.k, s.v):
@@ -409,7 +421,9 @@ def run_decode(r: Rank, sc, out) -> None:
     P = r.P
     deadline = time.monotonic() + sc["deadline_s"]
     wait_parallel_info(r, deadline)
+    from sglang.srt.disaggregation.base.conn import KVTransferDestination
     rows, pages = iter(range(1, 32)), iter(range(1, r.num_pages))
+    host_pages = iter(range(2 * r.num_pages - 1, 0, -3))     # the host pool's: spread, from its end
     swa_pages = iter(range((r.state.num_pages if r.state else r.num_pages) - 1, 0, -1))   # not prefill's pages
     reqs = []
     for i, q in enumerate(sc["requests"]):
@@ -418,10 +432,11 @@ def run_decode(r: Rank, sc, out) -> None:
         rec = r.Receiver(r.mgr, r.addr, q["room"])
         rec.init(q.get("dp_rank", 0))
         reqs.append({"q": q, "r": rec, "st": "boot", "row": next(rows),
-                     "pages": [next(pages) for _ in range(q["pages"] - q["prefix"])],
+                     "pages": [next(host_pages if q.get("host") else pages) for _ in range(q["pages"] - q["prefix"])],
                      "slot": sc["state"]["slots"] - 1 - i if r.state is not None else None})
     errors: list[str] = []
     owned: set = set()
+    owned_host: set = set()
     owned_slots, owned_swa = set(), set()
     while any(x["st"] != "done" for x in reqs) and time.monotonic() < deadline:
         for x in reqs:
@@ -435,16 +450,22 @@ def run_decode(r: Rank, sc, out) -> None:
                     w = min(sc["state"]["swa_pages"], len(x["pages"])) - (1 if q.get("swa_short") else 0)
                     x["swa"], x["first_swa"] = [next(swa_pages) for _ in range(w)], q["pages"] - w
                     state = r.state.indices(x["slot"], x["swa"])
+                where = KVTransferDestination.HOST if q.get("host") else KVTransferDestination.DEVICE
+                x["supports_host"] = bool(rec.supports_host_destination)
                 rec.send_metadata(np.asarray(x["pages"], dtype=np.int32), x["row"], state,
-                                  decode_prefix_len=q["prefix"] * r.ps)
+                                  decode_prefix_len=q["prefix"] * r.ps, destination=where)
                 if q.get("abort") == "decode":
                     rec.abort()
                 x["st"] = "meta"
             elif st in (P.Success, P.Failed):
                 x["result"] = "Success" if st == P.Success else "Failed"
-                if st == P.Success:
+                if st == P.Success and q.get("host"):
+                    owned_host.update(x["pages"])
+                    errors += r.check(q["room"], x["pages"], q["prefix"] * r.ps, sets=[r.host_set])
+                elif st == P.Success:
                     owned.update(x["pages"])
                     errors += r.check(q["room"], x["pages"], q["prefix"] * r.ps)
+                if st == P.Success:
                     x["aux_room"] = int(r.meta.bootstrap_room[x["row"], 0])
                     x["aux_ids_ok"] = bool(torch.equal(r.meta.output_ids[x["row"]], aux_ids(q["room"])))
                     hidden, topk_p, topk_ids = spec_aux(q["room"])
@@ -470,6 +491,8 @@ def run_decode(r: Rank, sc, out) -> None:
                 x["st"] = "done"
         time.sleep(0.002)
     errors += r.untouched(owned)
+    if r.host_set is not None:
+        errors += r.untouched(owned_host, sets=[r.host_set])
     if r.state is not None:
         errors += r.state.untouched(owned_slots, owned_swa)
     report(out, reqs, errors)

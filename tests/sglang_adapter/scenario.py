@@ -34,20 +34,21 @@ def requests_for(seed: int, n: int, **overrides) -> list[dict]:
         chunks = [c for c in (cut, suffix - cut) if c]
         out.append({"room": rnd.randrange(1, 1 << 63), "pages": pages, "prefix": prefix, "chunks": chunks,
                     "abort": overrides.get("abort", {}).get(i), "swa_short": i in overrides.get("swa_short", ()),
-                    "early_event": i in overrides.get("early_event", ())})
+                    "early_event": i in overrides.get("early_event", ()), "host": i in overrides.get("host", ())})
     return out
 
 
 def run(tmp_path, model_dir, port, prefill_tp, decode_tp, reqs, *, backend="nixl", staging=False,
         die_at_room=None, extra_env=None, state=None, mla=False, hold=None, queue=False, prefill_dp=1,
-        decode_dp=1, draft=None, prefill_pp=1, layers=2, device="cpu") -> dict:
+        decode_dp=1, draft=None, prefill_pp=1, layers=2, device="cpu", host=False) -> dict:
     """`prefill_pp`: a PP prefill, prefill_tp x prefill_pp processes (world ranks); `layers`: the
-    model's, as in `model_dir`'s config."""
+    model's, as in `model_dir`'s config; `host`: the decode ranks also hold a host KV pool
+    (host KV destinations), where requests made with `host=` indices get their KV."""
     sc = {"page_size": 4, "layers": layers, "heads": 4, "head_dim": 8, "num_pages": 64, "model": model_dir,
           "bootstrap_port": port, "http_port": free_port(), "deadline_s": 120, "requests": reqs,
           "die_at_room": die_at_room, "state": state, "mla": mla, "release": str(tmp_path / "release"),
           "hold": hold, "queue": queue, "gloo": str(tmp_path / "gloo"), "prefill_dp": prefill_dp,
-          "decode_dp": decode_dp, "draft": draft, "prefill_pp": prefill_pp, "device": device}
+          "decode_dp": decode_dp, "draft": draft, "prefill_pp": prefill_pp, "device": device, "host": host}
     (tmp_path / "scenario.json").write_text(json.dumps(sc))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SHIMS), os.environ.get("PYTHONPATH", "")]),
                KVSTAGE_SGLANG_BACKEND=backend, SGLANG_DISAGG_STAGING_BUFFER="1" if staging else "0",

@@ -24,9 +24,17 @@ from scenario import expect, requests_for, run
                          ids=["P2-D1-direct", "P2-D1-staged", "P1-D2-staged"])
 def test_chunked_requests_with_a_prefix_hit(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, staging,
                                             device="cpu"):
-    reqs = requests_for(7, 6, prefix={2: 1, 4: 3}, early_event={1, 2})
-    results = run(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, reqs, staging=staging, device=device)
+    """Also SGLang's host receive (--disaggregation-decode-host-receive-threshold below 1): the
+    decode ranks are given host KV buffers (host_kv_data_ptrs) and say they support host
+    destinations; requests #0 and #5 go to the host pool (destination HOST) and get every byte
+    there, the others in the device cache, on the same path, and no other page of either is
+    written (rank.py checks both)."""
+    reqs = requests_for(7, 6, prefix={2: 1, 4: 3}, early_event={1, 2}, host={0, 5})
+    results = run(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, reqs, staging=staging, host=True,
+                  device=device)
     expect(results, reqs, lambda i: "Success")
+    for rank in range(decode_tp):
+        assert all(row["supports_host"] for row in results[("decode", rank)]["rooms"].values())
     for rank in range(prefill_tp):   # the overlap schedule's event: waited on off the scheduler's thread
         rooms = results[("prefill", rank)]["rooms"]
         assert [rooms[str(q["room"])].get("event_thread") for q in reqs] == [
@@ -139,3 +147,4 @@ def test_speculative_decoding_draft_kv(tmp_path, model_dir, bootstrap_server, pr
         rooms = results[("decode", rank)]["rooms"]
         assert all(rooms[str(q["room"])]["aux_spec_ok"] for q in reqs), rooms
         assert {row["path"] for row in rooms.values()} == {"staged" if staging else "direct"}
+

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvstage.adapters.sglang import plugin
-from kvstage.adapters.sglang.geometry import kv_layout, unsupported_features
+from kvstage.adapters.sglang.geometry import kv_layout, kv_memory_device, unsupported_features
 
 
 class Backend(enum.Enum):
@@ -117,9 +117,12 @@ def plain_mgr(**kw):
 
 
 @pytest.mark.parametrize("mgr,args,named", [
-    (plain_mgr(server_args=SimpleNamespace(enable_hisparse=True, device="cuda")), {}, "HiSparse"),
+    (plain_mgr(server_args=SimpleNamespace(enable_hisparse=True, device="cuda")), {"num_draft_entries": 2},
+     "HiSparse with speculative-decoding draft KV"),
     (plain_mgr(), {"kv_data_mem_kinds": ["DRAM", "VRAM"]}, "DRAM memory beside a device KV cache"),
-    (plain_mgr(), {"host_kv_data_ptrs": [4096]}, "host KV destinations"),
+    (plain_mgr(), {"host_kv_data_ptrs": [4096], "state_types": ["swa"]}, "host KV destinations"),
+    (plain_mgr(server_args=SimpleNamespace(enable_hisparse=True, device="cuda")), {"host_kv_data_ptrs": [4096]},
+     "host KV destinations with HiSparse"),
     (plain_mgr(pp_size=2, disaggregation_mode=SimpleNamespace(value="decode")), {},
      "pipeline parallelism on the decode side"),
     (plain_mgr(pp_size=2, disaggregation_mode=SimpleNamespace(value="prefill")), {"kv_layer_ids": [0, 3]},
@@ -131,7 +134,7 @@ def plain_mgr(**kw):
     (plain_mgr(pp_size=2, disaggregation_mode=SimpleNamespace(value="prefill")), {"num_draft_entries": 2},
      "pipeline parallelism (pp_size 2) with speculative-decoding draft KV"),
     (plain_mgr(), {"kv_layout": "dsv4"}, "KV layout"),
-], ids=["hisparse", "mem-kinds", "host-destinations", "decode-pp", "pp-hybrid", "cp", "dcp", "kv-sharding", "prefill-complete",
+], ids=["hisparse-draft", "mem-kinds", "host-destinations-state", "host-destinations-hisparse", "decode-pp", "pp-hybrid", "cp", "dcp", "kv-sharding", "prefill-complete",
         "pp-draft", "kv-layout"])
 def test_features_kvstage_does_not_move_are_named_at_start(mgr, args, named):
     problems = unsupported_features(mgr, SimpleNamespace(**args))
@@ -145,6 +148,32 @@ def test_a_plain_gpu_deployment_is_not_refused():
     cpu = plain_mgr(server_args=SimpleNamespace(enable_hisparse=False, device="cpu"))
     assert unsupported_features(cpu, SimpleNamespace(kv_data_mem_kinds=["DRAM"] * 4)) == []
     assert unsupported_features(plain_mgr(), SimpleNamespace(num_draft_entries=2)) == []   # speculative decoding
+
+
+def test_hisparse_and_host_destinations_are_destinations_like_any_other():
+    """HiSparse: the decode KV SGLang hands over is its host pool, so kvstage takes it as DRAM
+    (the aux rows and state stay where they are); host KV destinations: the host pool is given
+    beside the device cache. Neither is refused any more."""
+    hisparse = SimpleNamespace(enable_hisparse=True, device="cuda")
+    assert unsupported_features(plain_mgr(server_args=hisparse), SimpleNamespace()) == []
+    assert unsupported_features(plain_mgr(server_args=hisparse), SimpleNamespace(kv_data_mem_kinds=["DRAM"] * 4)) == []
+    assert unsupported_features(plain_mgr(), SimpleNamespace(host_kv_data_ptrs=[4096])) == []
+    assert kv_memory_device(hisparse, SimpleNamespace(gpu_id=1)) == "cpu"
+    assert kv_memory_device(SimpleNamespace(enable_hisparse=False, device="cuda"), SimpleNamespace(gpu_id=1)) == "cuda:1"
+
+
+def test_host_kv_buffers_must_have_the_device_kvs_layout():
+    from kvstage.adapters.sglang.pools import host_kv_args
+    args = SimpleNamespace(kv_data_ptrs=[4096, 8192], kv_data_lens=[64, 64], kv_item_lens=[16, 16],
+                           host_kv_data_ptrs=[1 << 20, 2 << 20], host_kv_data_lens=[128, 128],
+                           host_kv_item_lens=[16, 16], aux_data_ptrs=[7], aux_data_lens=[8], aux_item_lens=[8])
+    host = host_kv_args(args)
+    assert (host.kv_data_ptrs, host.kv_data_lens, host.kv_item_lens) == ([1 << 20, 2 << 20], [128, 128], [16, 16])
+    assert host.aux_data_ptrs == [7]
+    with pytest.raises(ValueError, match="do not have the device KV's layout"):
+        host_kv_args(SimpleNamespace(**{**args.__dict__, "host_kv_item_lens": [32, 32]}))
+    with pytest.raises(ValueError, match="do not have the device KV's layout"):
+        host_kv_args(SimpleNamespace(**{**args.__dict__, "host_kv_data_ptrs": [1 << 20]}))
 
 
 def with_draft(args, layers: int, item: int, kinds: int = 2):
