@@ -13,6 +13,7 @@ from typing import Any
 
 from ..transfer.poll import KVPoll
 from ..transfer.protocol.room_uses import EarlierUses
+from ..transfer.protocol.tracker import SHARED_EMPTY
 from .deep_size import deep_size, shared_ids
 from .fleet import Fleet
 
@@ -36,7 +37,7 @@ def pct(xs: list[float], q: float) -> float:
 
 def room_memory(fleet: Fleet, sample: int = 200) -> dict[str, Any]:
     """Bytes each of up to `sample` rooms in flight holds, per side, and how many were in flight."""
-    shared = shared_ids([fleet.cfg.timeouts, fleet.op_ids, EarlierUses(), list(fleet._layouts.values()),
+    shared = shared_ids([fleet.cfg.timeouts, fleet.op_ids, EarlierUses(), SHARED_EMPTY, list(fleet._layouts.values()),
                          list(fleet._mappings.values()), [r.key for r in fleet.ranks], list(KVPoll)])
     out: dict[str, Any] = {}
     for side in ("prefill", "decode"):
