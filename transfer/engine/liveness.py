@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..protocol.leases import heartbeat_interval
 from ..protocol.messages import Goodbye, Heartbeat
 from .context import EngineContext
 from .interfaces import MessageHandler, RoleSide
@@ -43,8 +44,8 @@ class Liveness:
                     self.peers.lost(peer, f"silent for {t.lease:g} s (lease expired)", now)
                 elif self.side.writes_to_peers and not peer.lease.may_write(now):
                     self.peers.lost(peer, "its acknowledgements stopped (write lease expired)", now)
-        if now >= self._next_heartbeat:
-            self._next_heartbeat = now + t.heartbeat
+        if now >= self._next_heartbeat:   # every peer, each heartbeat_interval (leases.py: longer with many peers)
+            self._next_heartbeat = now + heartbeat_interval(len(self.peers.connected()), base=t.heartbeat, lease=t.lease)
             self._heartbeats(now)
 
     def _heartbeats(self, now: float) -> None:

@@ -15,11 +15,30 @@ gone or frozen is still declared lost at the first round after its lease ran out
 fence gets no such extension: while we were held up we sent no heartbeats either, so the peer
 may rightly have declared us lost and reused the memory; the fence still runs out `lease` after
 the send time of the last heartbeat the peer acknowledged, however late we were.
+
+How often: a rank heartbeats every connected peer every `heartbeat_interval` seconds, the
+configured interval (timeouts.heartbeat) while that keeps it under `HEARTBEATS_PER_S` sent per
+second, longer with more peers (peers / HEARTBEATS_PER_S), and never longer than a quarter of the
+lease, so at least four heartbeats fit in a lease and a writer's fence is renewed at least every
+half lease. A rank with N peers so sends min(N / interval, 25) a second up to 62 peers (lease
+10 s), and 0.4 N past that: a decode rank of TP 8 in a 64 x 64 fleet of TP 8 engines (32 peers)
+sends and receives 50 a second instead of 64 (docs/scale.md).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+
+HEARTBEATS_PER_S = 25.0   # what a rank sends per second at most, while the lease allows it
+
+
+def heartbeat_interval(peers: int, *, base: float, lease: float, per_s: float = HEARTBEATS_PER_S) -> float:
+    """Seconds between two heartbeats to each of `peers` connected peers: `base` (the configured
+    interval) while peers / base <= per_s, else peers / per_s, capped at lease / 4 (never below
+    `base`)."""
+    if per_s <= 0 or base <= 0 or lease <= 0:
+        raise ValueError("the heartbeat interval, the lease and the heartbeat rate must be positive")
+    return max(base, min(peers / per_s, lease / 4))
 
 
 class Lease:
