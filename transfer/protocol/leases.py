@@ -20,9 +20,9 @@ How often: a rank heartbeats every connected peer every `heartbeat_interval` sec
 configured interval (timeouts.heartbeat) while that keeps it under `HEARTBEATS_PER_S` sent per
 second, longer with more peers (peers / HEARTBEATS_PER_S), and never longer than a quarter of the
 lease, so at least four heartbeats fit in a lease and a writer's fence is renewed at least every
-half lease. A rank with N peers so sends min(N / interval, 25) a second up to 62 peers (lease
-10 s), and 0.4 N past that: a decode rank of TP 8 in a 64 x 64 fleet of TP 8 engines (32 peers)
-sends and receives 50 a second instead of 64 (docs/scale.md).
+half lease. With a 1 s interval and a 10 s lease, a rank with N peers sends N a second up to
+25 peers, 25 a second up to 62 peers, and 0.4 N past that: a rank of a 64 x 64 fleet of TP 8
+engines (32 peers) sends and receives 50 a second instead of 64 (docs/scale.md).
 """
 
 from __future__ import annotations
