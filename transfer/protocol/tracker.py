@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import MappingProxyType
 
 import numpy as np
@@ -60,7 +60,7 @@ class ExpectedPiece:
     layers: range
     ring_start: int
     writers: tuple[int, ...]
-    landed: set[int] = field(default_factory=set)
+    landed: tuple[int, ...] = ()   # the writers landed, in arrival order (a tuple: 8 writers in 120 bytes, a set 728)
     scattered: bool = False
 
     @property
@@ -153,8 +153,9 @@ class RoomTracker:
         unknown = set(writers) - set(self.writer_page_bytes)
         if unknown or not writers:
             raise ValueError(f"piece writers {sorted(writers)} are not this room's writers")
+        named = tuple(writers)
         piece = ExpectedPiece(chunk=chunk, index=index, page_start=page_start, num_pages=num_pages, layers=lay,
-                              ring_start=ring_start, writers=tuple(writers))
+                              ring_start=ring_start, writers=self._writers if named == self._writers else named)
         if self._pieces is None or self._planned is None:
             self._pieces, self._planned = {}, np.zeros((self.num_pages, self.num_layers), dtype=bool)
         if piece.key in self._pieces:
@@ -181,7 +182,7 @@ class RoomTracker:
                            f"start, count, bytes, ring) {got} does not match the allocation {want}")
         if writer in piece.landed:
             return Arrival(Outcome.DUPLICATE, piece=piece)
-        piece.landed.add(writer)
+        piece.landed += (writer,)
         if len(piece.landed) == len(piece.writers):
             return Arrival(Outcome.PIECE_LANDED, piece=piece)
         return Arrival(Outcome.ACCEPTED, piece=piece)
