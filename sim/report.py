@@ -12,7 +12,7 @@ from collections import Counter
 from typing import Any
 
 from ..transfer.poll import KVPoll
-from ..transfer.protocol.leases import heartbeat_interval
+from ..transfer.protocol.leases import heartbeat_interval, pair_interval
 from ..transfer.protocol.room_uses import EarlierUses
 from ..transfer.protocol.tracker import SHARED_EMPTY
 from .deep_size import deep_size, shared_ids
@@ -53,12 +53,16 @@ def room_memory(fleet: Fleet, sample: int = 200) -> dict[str, Any]:
 
 
 def heartbeat_rates(fleet: Fleet) -> tuple[list[float], list[float]]:
-    """Heartbeats each live rank sends and receives per second: every connected peer each
-    heartbeat interval (leases.py `heartbeat_interval`: longer for a rank with many peers)."""
+    """Heartbeats each live rank sends and receives per second, once two peers settled on their
+    pace (leases.py: each rank's `heartbeat_interval`, longer with many peers; a pair at the
+    longer of its two, `pair_interval`)."""
     t = fleet.cfg.timeouts
     every = {r.gid: heartbeat_interval(len(r.peers), base=t.heartbeat, lease=t.lease) for r in fleet.ranks if r.alive}
-    sent = [len(r.peers) / every[r.gid] for r in fleet.ranks if r.alive]
-    received = [sum(1 / every[p] for p in r.peers if p in every) for r in fleet.ranks if r.alive]
+    sent, received = [], []
+    for r in fleet.ranks:
+        if r.alive:
+            sent.append(sum(1 / pair_interval(every[r.gid], every[p], t.lease) for p in r.peers if p in every))
+            received.append(sum(1 / pair_interval(every[p], every[r.gid], t.lease) for p in r.peers if p in every))
     return sent, received
 
 
@@ -83,7 +87,7 @@ def peer_activity(fleet: Fleet, idle_interval: float) -> dict[str, Any]:
             continue
         a = len(active[r.gid] & r.peers)
         idle = len(r.peers) - a
-        hb = heartbeat_interval(len(r.peers), base=t.heartbeat, lease=t.lease)
+        hb = heartbeat_interval(len(r.peers), base=t.heartbeat, lease=t.lease)   # its own pace, not its pairs'
         proposed.append(2 * (a / hb + idle / max(hb, idle_interval)))
         busy.append(a)
     return {"requests_in_flight": len(fleet.open), "active_peers_per_rank_max": max(busy, default=0),
