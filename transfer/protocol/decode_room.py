@@ -18,7 +18,6 @@ WriterDone or AllocRequest with its outcome. Everything it receives is idempoten
 
 from __future__ import annotations
 
-from collections.abc import KeysView
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -101,16 +100,12 @@ class TagResult:
 class WriterState:
     peer: PeerKey
     assignment: Assignment
-    digests: dict[tuple[int, int], int] = field(default_factory=dict)  # (chunk, piece) landed -> its tag's digest
+    tags: set[tuple[int, int]] = field(default_factory=set)       # distinct (chunk, piece) landed
+    digests: dict[tuple[int, int], int] = field(default_factory=dict)  # (chunk, piece) -> its tag's digest (verify)
     done_at: float | None = None                  # WriterDone received
     done_writes: int = 0
     stopped: bool = False                         # quiesced or lost: it will not write again...
     quiet_after: float = 0.0                      # ... after this time (a lost writer's last write may stall)
-
-    @property
-    def tags(self) -> KeysView[tuple[int, int]]:
-        """The distinct (chunk, piece) landed (one map, not two: a room holds one per writer)."""
-        return self.digests.keys()
 
 
 @dataclass(kw_only=True, slots=True)
@@ -308,6 +303,7 @@ class DecodeRoom(RoomBase):
             return TagVerdict.PARTIAL, []
         if arrival.outcome is Outcome.REJECTED:
             return TagVerdict.REJECTED, self.fail(FailureKind.TAG_MISMATCH, f"tag from {peer} rejected: {arrival.reason}", now)
+        w.tags.add((tag.chunk, tag.piece))
         w.digests[(tag.chunk, tag.piece)] = tag.digest
         self.bytes_in += tag.nbytes
         self.writes_in += 1
