@@ -50,6 +50,8 @@ from .etcd_watch import PrefixWatch, WatchEvent
 log = logging.getLogger("kvstage.bootstrap.etcd")
 
 _RACES = 8          # registration attempts when another writer changes the key between read and write
+                    # (or the lease runs out before the write)
+_LEASE_NOT_FOUND = "requested lease not found"   # etcd's answer to a put naming an expired lease
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,7 @@ class EtcdRendezvous:
         self._check_open()
         entry = info._entry()
         key = rank_key(self._ns, info.engine_id, info.tp_rank)
+        ran_out: set[int] = set()   # leases that expired before our put could use them
         for _ in range(_RACES):
             revision, kvs = self._range(engine_prefix(self._ns, info.engine_id), f"register {info.engine_id!r}")
             existing, mine = {}, None
@@ -123,14 +126,25 @@ class EtcdRendezvous:
             if decision.verdict is Verdict.CONFLICT:
                 raise BootstrapError(f"etcd {self.config.display} refused the registration: {decision.reason}",
                                      "conflict")
-            lease = self._lease_for(info, decision.verdict)
+            lease = self._lease_for(info, decision.verdict, ran_out)
             epoch = decision.epoch
             with self._lock:
                 held = self._held.get((info.engine_id, info.tp_rank))
             if decision.verdict is Verdict.NEW and held is not None and held.info.incarnation == info.incarnation:
                 epoch = held.epoch   # its key ran out and comes back: the same incarnation keeps its epoch
             record = EtcdRecord(rank=entry, epoch=epoch, registered_at=time.time())
-            if self._put_if_unchanged(key, encode_record(record), lease, mine.mod_revision if mine else 0):
+            try:
+                put = self._put_if_unchanged(key, encode_record(record), lease, mine.mod_revision if mine else 0)
+            except BootstrapError as exc:
+                if _LEASE_NOT_FOUND not in str(exc):
+                    raise
+                # an overloaded etcd answered so late that the lease ran out before the put (or
+                # the held one did meanwhile): read again, and grant a new lease
+                log.warning("registering %s rank %d: etcd lease %x ran out before the put; trying with a new one",
+                            info.engine_id, info.tp_rank, lease)
+                ran_out.add(lease)
+                continue
+            if put:
                 self._hold(info, lease, epoch)
                 return RankRecord._from_wire(record.wire())
             if held is None or held.lease != lease:
@@ -138,8 +152,9 @@ class EtcdRendezvous:
                     self._revoke(lease)
                 except BootstrapError:
                     pass   # it runs out by itself
+        why = "its leases kept running out before the put" if ran_out else "racing with other writers"
         raise BootstrapError(f"registering {info.engine_id!r}/{info.tp_rank} at {self.config.display} kept "
-                             f"racing with other writers ({_RACES} attempts)", "internal")
+                             f"{why} ({_RACES} attempts)", "internal")
 
     def lookup(self, engine_id: str, timeout_s: float = 30.0) -> list[RankRecord]:
         """All ranks of an engine, sorted by tp_rank, once every one of them is registered. Polls
@@ -267,11 +282,13 @@ class EtcdRendezvous:
         rep = self._members.call(f"register {key}", lambda c: c.transaction(txn))
         return bool(rep.get("succeeded"))
 
-    def _lease_for(self, info: RankInfo, verdict: Verdict) -> int:
-        """The lease this incarnation already holds for the rank when it is still alive, else a new one."""
+    def _lease_for(self, info: RankInfo, verdict: Verdict, ran_out: set[int]) -> int:
+        """The lease this incarnation already holds for the rank when it is still alive (and not
+        in `ran_out`), else a new one."""
         with self._lock:
             held = self._held.get((info.engine_id, info.tp_rank))
-        if held is not None and held.info.incarnation == info.incarnation and verdict is Verdict.SAME:
+        if (held is not None and held.info.incarnation == info.incarnation and verdict is Verdict.SAME
+                and held.lease not in ran_out):
             return held.lease
         ttl = self.config.ttl_s
         rep = self._members.call("grant a lease", lambda c: c.post(c.get_url("/lease/grant"), json={"TTL": ttl, "ID": 0}))
@@ -293,7 +310,7 @@ class EtcdRendezvous:
             try:
                 return Lease(lease, c).revoke()
             except etcd_exc.Etcd3Exception as exc:
-                if "requested lease not found" in str(exc.detail_text):
+                if _LEASE_NOT_FOUND in str(exc.detail_text):
                     return True   # it ran out already: its keys are gone
                 raise
         self._members.call("revoke a lease", revoke)

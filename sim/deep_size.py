@@ -4,7 +4,12 @@ reachable, less what it shares with others.
 Used to tell the memory a room holds while in flight. Objects reached through `shared` (the
 layout, the timeouts, the peer keys: one per rank or per engine, not per room) and classes,
 modules and functions are not counted. numpy arrays count their buffer (getsizeof does, for
-arrays owning their data; a view counts its base once)."""
+arrays owning their data; a view counts its base once).
+
+An instance of a plain class (no __slots__) keeps its attributes in a dictionary that CPython
+makes only when asked for; until then the values live in an array getsizeof does not count.
+deep_size asks for it (`obj.__dict__`), so the values count, plus the dictionary's header: a
+few dozen bytes more than the object really holds, never less. That makes the dictionary."""
 
 from __future__ import annotations
 
@@ -42,5 +47,7 @@ def deep_size(root: object, exclude: set[int] = frozenset()) -> int:   # type: i
             continue
         seen.add(i)
         total += sys.getsizeof(obj)
+        if getattr(type(obj), "__dictoffset__", 0):
+            getattr(obj, "__dict__", None)   # made now, so get_referents reaches it
         stack.extend(gc.get_referents(obj))
     return total

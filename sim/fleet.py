@@ -53,7 +53,7 @@ from ..transfer.protocol.decode_plan import RoomPlan
 from ..transfer.protocol.decode_room import DecodeRoom
 from ..transfer.protocol.head_mapping import HeadMapping, compute_assignments
 from ..transfer.protocol.kinds import FailureKind
-from ..transfer.protocol.leases import Lease
+from ..transfer.protocol.leases import Lease, heartbeat_interval, pair_interval
 from ..transfer.protocol.messages import (
     AllocGrant,
     AllocRequest,
@@ -843,10 +843,13 @@ class Fleet:
                 req.open_rooms -= 1
                 if req.open_rooms == 0:
                     self._close(req)
-        # each peer hears its last heartbeat somewhere in the last interval, and its control loop
-        # judges the lease at each tick (leases.py)
-        hb = self.cfg.timeouts.heartbeat
+        # each peer hears its last heartbeat somewhere in the pair's last interval (leases.py:
+        # longer for ranks with many peers), and its control loop judges the lease at each tick
+        t_ = self.cfg.timeouts
+        own = heartbeat_interval(len(rank.peers), base=t_.heartbeat, lease=t_.lease)
         for peer in sorted(rank.peers):
+            theirs = heartbeat_interval(len(self.ranks[peer].peers), base=t_.heartbeat, lease=t_.lease)
+            hb = pair_interval(own, theirs, t_.lease)
             lease = Lease(self.cfg.timeouts.lease, self.now - self.rng.uniform(0.0, hb))
             t = self.now + self.rng.uniform(0.0, self.cfg.tick_s)
             while lease.alive(t):

@@ -12,7 +12,9 @@ from collections import Counter
 from typing import Any
 
 from ..transfer.poll import KVPoll
+from ..transfer.protocol.leases import heartbeat_interval, pair_interval
 from ..transfer.protocol.room_uses import EarlierUses
+from ..transfer.protocol.tracker import SHARED_EMPTY
 from .deep_size import deep_size, shared_ids
 from .fleet import Fleet
 
@@ -36,7 +38,7 @@ def pct(xs: list[float], q: float) -> float:
 
 def room_memory(fleet: Fleet, sample: int = 200) -> dict[str, Any]:
     """Bytes each of up to `sample` rooms in flight holds, per side, and how many were in flight."""
-    shared = shared_ids([fleet.cfg.timeouts, fleet.op_ids, EarlierUses(), list(fleet._layouts.values()),
+    shared = shared_ids([fleet.cfg.timeouts, fleet.op_ids, EarlierUses(), SHARED_EMPTY, list(fleet._layouts.values()),
                          list(fleet._mappings.values()), [r.key for r in fleet.ranks], list(KVPoll)])
     out: dict[str, Any] = {}
     for side in ("prefill", "decode"):
@@ -50,11 +52,25 @@ def room_memory(fleet: Fleet, sample: int = 200) -> dict[str, Any]:
     return out
 
 
+def heartbeat_rates(fleet: Fleet) -> tuple[list[float], list[float]]:
+    """Heartbeats each live rank sends and receives per second, once two peers settled on their
+    pace (leases.py: each rank's `heartbeat_interval`, longer with many peers; a pair at the
+    longer of its two, `pair_interval`)."""
+    t = fleet.cfg.timeouts
+    every = {r.gid: heartbeat_interval(len(r.peers), base=t.heartbeat, lease=t.lease) for r in fleet.ranks if r.alive}
+    sent, received = [], []
+    for r in fleet.ranks:
+        if r.alive:
+            sent.append(sum(1 / pair_interval(every[r.gid], every[p], t.lease) for p in r.peers if p in every))
+            received.append(sum(1 / pair_interval(every[p], every[r.gid], t.lease) for p in r.peers if p in every))
+    return sent, received
+
+
 def peer_activity(fleet: Fleet, idle_interval: float) -> dict[str, Any]:
     """Heartbeats per rank per second now (every connected peer each heartbeat interval) and if
     peers with no room in flight between the two ranks were sent one only every `idle_interval`
     (a proposal, docs/scale.md): sent and received, the most any rank has."""
-    hb = fleet.cfg.timeouts.heartbeat
+    t = fleet.cfg.timeouts
     active: dict[int, set[int]] = {r.gid: set() for r in fleet.ranks}
     for req in fleet.open.values():
         pranks = fleet.engines[("prefill", req.pe)]
@@ -63,14 +79,16 @@ def peer_activity(fleet: Fleet, idle_interval: float) -> dict[str, Any]:
                 if p in fleet.ranks[d].peers:
                     active[d].add(p)
                     active[p].add(d)
-    now, proposed, busy = [], [], []
+    sent, received = heartbeat_rates(fleet)
+    now = [s + r for s, r in zip(sent, received)]
+    proposed, busy = [], []
     for r in fleet.ranks:
         if not r.alive:
             continue
         a = len(active[r.gid] & r.peers)
         idle = len(r.peers) - a
-        now.append(2 * len(r.peers) / hb)
-        proposed.append(2 * (a / hb + idle / idle_interval))
+        hb = heartbeat_interval(len(r.peers), base=t.heartbeat, lease=t.lease)   # its own pace, not its pairs'
+        proposed.append(2 * (a / hb + idle / max(hb, idle_interval)))
         busy.append(a)
     return {"requests_in_flight": len(fleet.open), "active_peers_per_rank_max": max(busy, default=0),
             "heartbeats_per_rank_per_s_max": round(max(now, default=0), 1),
@@ -95,7 +113,8 @@ def summarize(fleet: Fleet, wall_s: float) -> dict[str, Any]:
     deadline = sum(1 for req in reqs for _, why in req.outcome.values() if why and " within " in why)
     ranks = [r for r in fleet.ranks]
     peers = [len(r.peers) for r in ranks if r.alive]
-    hb = cfg.timeouts.heartbeat
+    hb_sent, hb_received = heartbeat_rates(fleet)
+    hb_both = [s + r for s, r in zip(hb_sent, hb_received)]
     sim_s = max(fleet.now, 1e-9)
     # the ring: occupancy over the run, grants per prefill rank of each decode rank
     occ = {d: v for d, v in fleet.ring_occ.items()}
@@ -135,9 +154,9 @@ def summarize(fleet: Fleet, wall_s: float) -> dict[str, Any]:
         "core_cpu_us_per_request": round(fleet.core_s / n * 1e6, 1),
         "core_calls_per_request": round(fleet.core_calls / n, 1),
         "connected_peers_per_rank": {"mean": round(statistics.fmean(peers), 1), "max": max(peers, default=0)},
-        "heartbeats_per_rank_per_s": {"sent_max": round(max(peers, default=0) / hb, 1),
-                                      "sent_and_received_max": round(2 * max(peers, default=0) / hb, 1),
-                                      "sent_and_received_mean": round(2 * statistics.fmean(peers) / hb, 1)},
+        "heartbeats_per_rank_per_s": {"sent_max": round(max(hb_sent, default=0), 1),
+                                      "sent_and_received_max": round(max(hb_both, default=0), 1),
+                                      "sent_and_received_mean": round(statistics.fmean(hb_both), 1) if hb_both else 0.0},
         "watermark_updates_per_decode_rank_per_s": round(
             fleet.msgs["WatermarkUpdate"] / max(1, len(occ)) / sim_s, 1),
         "rendezvous_lookups_per_request": round(fleet.lookups / n, 4),

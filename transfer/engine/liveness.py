@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..protocol.leases import heartbeat_interval
 from ..protocol.messages import Goodbye, Heartbeat
 from .context import EngineContext
 from .interfaces import MessageHandler, RoleSide
@@ -19,7 +20,6 @@ from .peers import Peer, PeerTable
 class Liveness:
     def __init__(self, ctx: EngineContext, peers: PeerTable, side: RoleSide[Any]):
         self.ctx, self.peers, self.side = ctx, peers, side
-        self._next_heartbeat = 0.0
         self.handlers: dict[type, MessageHandler] = {Heartbeat: self.on_Heartbeat, Goodbye: self.on_Goodbye}
 
     def on_Heartbeat(self, peer: Peer, msg: Heartbeat, now: float) -> None:
@@ -43,16 +43,20 @@ class Liveness:
                     self.peers.lost(peer, f"silent for {t.lease:g} s (lease expired)", now)
                 elif self.side.writes_to_peers and not peer.lease.may_write(now):
                     self.peers.lost(peer, "its acknowledgements stopped (write lease expired)", now)
-        if now >= self._next_heartbeat:
-            self._next_heartbeat = now + t.heartbeat
-            self._heartbeats(now)
+        self._heartbeats(now)
 
     def _heartbeats(self, now: float) -> None:
-        """Decode ranks with a ring piggyback its watermark, so a lost WatermarkUpdate costs at
-        most one heartbeat interval."""
+        """Each peer whose heartbeat is due (leases.py: heartbeat_interval, longer with many
+        peers; pair_interval, no more often than the peer heartbeats us). Decode ranks with a
+        ring piggyback its watermark, so a lost WatermarkUpdate costs at most one interval."""
+        connected = self.peers.connected()
+        own = heartbeat_interval(len(connected), base=self.ctx.t.heartbeat, lease=self.ctx.t.lease)
         allocator = self.ctx.handler.allocator
         wm = allocator.watermark if allocator is not None else None
-        for peer in self.peers.connected():
+        for peer in connected:
+            if now < peer.lease.beat_due:
+                continue
+            peer.lease.beat_sent(now, own)
             seq, ack = peer.lease.next_heartbeat(now)
             extra = {}
             if wm is not None and peer.staging:

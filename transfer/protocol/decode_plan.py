@@ -27,7 +27,7 @@ class PathInputs:
     scatter_bytes_per_s: float | None = None
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RoomPlan:
     """Who writes this decode rank's part of a room, and how (decided when peers connected)."""
 
@@ -100,7 +100,7 @@ class PlanRefused:
     reason: str
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WriterOffer:
     """What a connected prefill rank offers this decode rank (from its HelloAck)."""
 

@@ -96,7 +96,7 @@ class TagResult:
     actions: list[Action]
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class WriterState:
     peer: PeerKey
     assignment: Assignment
@@ -108,7 +108,7 @@ class WriterState:
     quiet_after: float = 0.0                      # ... after this time (a lost writer's last write may stall)
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Allocation:
     chunk: int
     page_start: int

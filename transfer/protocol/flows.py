@@ -16,7 +16,7 @@ from .head_mapping import Assignment
 from .messages import RoomMeta
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Chunk:
     """One write unit: request positions from `page_start` (its `pages` there) x `layers`, and
     what to wait on before its layers are read (layer_sends.py)."""
@@ -28,7 +28,7 @@ class Chunk:
     ready: tuple[object, ...] = ()
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class Flow:
     """This prefill rank -> one decode rank, for this room."""
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from ..layout import KVLayout
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Assignment:
     """One (prefill rank -> decode rank) flow: local head ranges on both sides."""
 

@@ -24,7 +24,7 @@ import numpy as np
 __all__ = ["PER_CHUNK", "LayerGrouper", "LayerGrouping", "SendLedger", "SendStep", "Unit", "check_layers", "group_size"]
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class LayerGrouping:
     """How a prefill rank turns layer-wise sends into writes (EngineConfig.layer_group,
     layerwise_min_tokens and layer_batching): `size` layers per write (0: the whole stage), the
@@ -54,7 +54,7 @@ def check_layers(room: int, layers: object, stage: range) -> range:
     return layers
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class SendStep:
     """What one accepted send() covers: request positions [page_start, page_start + num_pages)
     of `layers`; `last`: the request's input is complete with it."""
@@ -70,6 +70,8 @@ class SendLedger:
 
     `check` validates a send without changing anything; `record` applies a checked one. Both
     the caller's handle (to raise in the caller's thread) and the room keep one."""
+
+    __slots__ = ("room", "stage", "num_pages", "_sent", "_pages", "ended")   # one per room in flight
 
     def __init__(self, *, room: int, stage: range):
         self.room = room
@@ -144,7 +146,7 @@ class SendLedger:
         self.ended = step.last
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Unit:
     """One write unit of a prefill room: request positions from `page_start`, the cache
     `pages` there, `layers`, and what to wait on before reading them."""
@@ -162,7 +164,7 @@ def group_size(*, layer_group: int, min_tokens: int, num_tokens: int, stage: ran
     return min(layer_group, len(stage))
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class _Pending:
     pages: np.ndarray
     layers: set[int] = field(default_factory=set)
@@ -171,6 +173,8 @@ class _Pending:
 
 class LayerGrouper:
     """Sends in, units out (see the module docstring)."""
+
+    __slots__ = ("stage", "size", "_pending")   # one per room in flight
 
     def __init__(self, *, stage: range, size: int):
         self.stage, self.size = stage, size

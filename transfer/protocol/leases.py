@@ -15,11 +15,41 @@ gone or frozen is still declared lost at the first round after its lease ran out
 fence gets no such extension: while we were held up we sent no heartbeats either, so the peer
 may rightly have declared us lost and reused the memory; the fence still runs out `lease` after
 the send time of the last heartbeat the peer acknowledged, however late we were.
+
+How often: a rank heartbeats each connected peer every `heartbeat_interval` seconds, the
+configured interval (timeouts.heartbeat) while that keeps it under `HEARTBEATS_PER_S` sent per
+second, longer with more peers (peers / HEARTBEATS_PER_S), and never longer than a quarter of the
+lease, so at least four heartbeats fit in a lease and a writer's fence is renewed at least every
+half lease; or as often as the peer heartbeats it when that is less often (`pair_interval`), so
+two peers settle on the longer of their intervals and a rank receives no more than it sends.
+With a 1 s interval and a 10 s lease, a rank with N peers sends N a second up to
+20 peers, 20 a second up to 50 peers, and 0.4 N past that, and receives as many or fewer: a
+rank of a 64 x 64 fleet of TP 8 engines (32 peers) sends and receives 40 a second instead of 64
+(docs/scale.md).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+
+HEARTBEATS_PER_S = 20.0   # what a rank sends per second at most, while the lease allows it
+
+
+def heartbeat_interval(peers: int, *, base: float, lease: float, per_s: float = HEARTBEATS_PER_S) -> float:
+    """Seconds between two heartbeats to each of `peers` connected peers: `base` (the configured
+    interval) while peers / base <= per_s, else peers / per_s, capped at lease / 4 (never below
+    `base`)."""
+    if per_s <= 0 or base <= 0 or lease <= 0:
+        raise ValueError("the heartbeat interval, the lease and the heartbeat rate must be positive")
+    return max(base, min(peers / per_s, lease / 4))
+
+
+def pair_interval(own: float, peer_every: float, lease: float) -> float:
+    """Seconds between our heartbeats to one peer: our own interval, or as long as the peer
+    takes between its heartbeats to us when that is longer (up to a quarter of the lease). Two
+    peers so settle on the longer of their two intervals: a rank receives no more heartbeats
+    than it sends, whatever its peers' own numbers of peers."""
+    return max(own, min(peer_every, lease / 4))
 
 
 class Lease:
@@ -34,6 +64,9 @@ class Lease:
         self.peer_seq = 0                 # highest heartbeat number received from the peer
         self._sent: OrderedDict[int, float] = OrderedDict({0: now})  # our seq -> send time
         self.fence_base = now             # send time of the highest heartbeat the peer acked
+        self.beat_heard: float | None = None   # when the peer's latest heartbeat came
+        self.peer_every = 0.0             # the gap before it: how often the peer heartbeats us
+        self.beat_due = now               # when our next heartbeat to the peer is due
 
     def heard(self, now: float) -> None:
         self.last_heard = max(self.last_heard, now)
@@ -46,8 +79,17 @@ class Lease:
             self._sent.popitem(last=False)
         return self.seq, self.peer_seq
 
+    def beat_sent(self, now: float, own: float) -> None:
+        """Our heartbeat went out at `now`; the next is due after pair_interval (`own`: our
+        heartbeat_interval)."""
+        self.beat_due = now + pair_interval(own, self.peer_every, self.lease_s)
+
     def on_heartbeat(self, seq: int, ack: int, now: float) -> None:
         self.heard(now)
+        if seq > self.peer_seq:   # a new one: how long after the one before
+            if self.beat_heard is not None:
+                self.peer_every = now - self.beat_heard
+            self.beat_heard = now
         self.peer_seq = max(self.peer_seq, seq)
         sent = self._sent.get(ack)
         if sent is not None and sent > self.fence_base:

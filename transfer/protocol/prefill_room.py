@@ -49,6 +49,7 @@ from .write_batching import UnitBatcher, plan_units
 class PrefillRoom(RoomBase):
     TRANSITIONS = PREFILL_TRANSITIONS
     PEER_SIDE = "decode"
+    failed_by: tuple[int, int] | None = None   # (incarnation, session) that failed us; an instance attribute once set
 
     def __init__(self, *, room: int, num_pages: int | None, layout: KVLayout, me: int, now: float,
                  timeouts: Timeouts, op_ids: itertools.count[int] | None = None, max_ranges: int = 65536,
@@ -81,7 +82,6 @@ class PrefillRoom(RoomBase):
         self.ops: dict[int, WriteOp] = {}
         self.stale = stale if stale is not None else EarlierUses()   # sessions of earlier uses of this id
         self.early: dict[tuple[PeerKey, int], tuple[str, str]] = {}  # failures parked before this sender
-        self.failed_by: tuple[int, int] | None = None
         self.pool_items: dict[str, np.ndarray] = pool_items or {}
 
     # -- inputs -----------------------------------------------------------------------------

@@ -21,8 +21,18 @@ from .messages import RoomFailed
 
 
 class RoomBase:
+    """Memory: a rank holds one room per request in flight, thousands. CPython keeps an
+    instance's attributes in a dictionary whose keys all instances share (a few bytes per
+    attribute) only while the class has fewer than 30 of them; past that each room gets a
+    dictionary of its own (about 1.3 KiB more). Attributes that keep a default for most of a
+    room's life are class attributes here (set on the instance only when they change);
+    `tests/unit/test_room_memory.py` keeps the rooms under the bound."""
+
     TRANSITIONS: ClassVar[Transitions]
     PEER_SIDE: ClassVar[str]            # what the other side's ranks are called in failure reasons
+    failure: str | None = None          # instance attribute once the room failed
+    failure_kind: str | None = None     # a FailureKind, or "remote_<kind>" for a peer's
+    released = False
 
     def __init__(self, *, room: int, me: int, layout: KVLayout, now: float, timeouts: Timeouts,
                  pools: tuple[PoolSpec, ...] = ()):
@@ -33,9 +43,6 @@ class RoomBase:
         self.created = now
         self.pools = pools                  # the state pools' specs
         self.state = KVPoll.Bootstrapping
-        self.failure: str | None = None
-        self.failure_kind: str | None = None  # a FailureKind, or "remote_<kind>" for a peer's
-        self.released = False
 
     @property
     def ended(self) -> bool:

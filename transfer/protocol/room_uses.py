@@ -34,7 +34,7 @@ class RoomUse(StrKind):
     OTHER = "other"      # decode, the id's last use ended: a writer bound to another use (never "done")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class EarlierUses:
     """Per decode incarnation, the highest session an earlier use of one room id dealt with."""
 
@@ -55,7 +55,7 @@ class EarlierUses:
         return EarlierUses(last)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Bound:
     """The decode rank (and its session) a prefill room's flow of one decode TP rank is bound to."""
 
@@ -63,7 +63,7 @@ class Bound:
     session: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Parked:
     """A room message for a prefill room id that has no sender (yet), kept for it."""
 

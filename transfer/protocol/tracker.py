@@ -13,17 +13,26 @@ room exactly once with the expected number of bytes.
 
 Arrivals may come in any order; exact duplicates are ignored; anything else that disagrees
 is rejected with a reason, and the caller fails the room.
+
+Memory: a decode rank holds one tracker per room in flight (thousands), so it keeps only what
+its path needs and makes it when first needed: the staged bookkeeping (pieces, planned cells)
+on the first piece, the direct one (one coverage array for all writers, the writes seen, split
+writes) on the first direct arrival; a room without PP or state pools shares empty maps.
 """
 
 from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
 MAX_GROUPS = 16   # pairs of memory kinds, plus pools with writes of their own: a few at most
+_NONE: Mapping[int, int] = MappingProxyType({})   # no state pool bytes: shared by every tracker
+_NO_STAGES: Mapping[int, range] = MappingProxyType({})   # no PP: every writer holds every layer
+SHARED_EMPTY = (_NONE, _NO_STAGES)   # what every tracker may share (memory measurements leave them out)
 
 
 class Outcome(enum.Enum):
@@ -42,7 +51,7 @@ class Arrival:
     piece: ExpectedPiece | None = None
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, slots=True)
 class ExpectedPiece:
     chunk: int
     index: int
@@ -51,7 +60,7 @@ class ExpectedPiece:
     layers: range
     ring_start: int
     writers: tuple[int, ...]
-    landed: set[int] = field(default_factory=set)
+    landed: tuple[int, ...] = ()   # the writers landed, in arrival order (a tuple: 8 writers in 120 bytes, a set 728)
     scattered: bool = False
 
     @property
@@ -61,6 +70,10 @@ class ExpectedPiece:
 
 class RoomTracker:
     """Arrival bookkeeping of one room on one decode rank."""
+
+    __slots__ = ("num_pages", "num_layers", "writer_page_bytes", "final_extra", "_all_layers", "_stage_layers",
+                 "_writers", "_covered", "_covered_count", "_pieces", "_planned", "_scattered_cells",
+                 "_direct_seen", "_groups")
 
     def __init__(self, num_pages: int, writer_page_bytes: Mapping[int, int], final_extra: Mapping[int, int] = {},
                  num_layers: int = 1, writer_layers: Mapping[int, range] = {}):
@@ -77,19 +90,34 @@ class RoomTracker:
         self.num_pages = num_pages
         self.num_layers = num_layers
         self.writer_page_bytes = dict(writer_page_bytes)
-        self.final_extra = dict(final_extra)
-        self.writer_layers = {w: writer_layers.get(w, range(num_layers)) for w in self.writer_page_bytes}
-        self._covered = {w: np.zeros((num_pages, num_layers), dtype=bool) for w in self.writer_page_bytes}
-        self._covered_count = dict.fromkeys(self.writer_page_bytes, 0)   # cells
-        self._pieces: dict[tuple[int, int], ExpectedPiece] = {}
-        self._planned = np.zeros((num_pages, num_layers), dtype=bool)   # staged: cells already given a piece
+        self.final_extra: Mapping[int, int] = dict(final_extra) if final_extra else _NONE
+        self._all_layers = range(num_layers)
+        self._stage_layers = {w: held for w, held in writer_layers.items()   # PP only: a writer absent holds all
+                              if w in self.writer_page_bytes and held != self._all_layers} or _NO_STAGES
+        self._writers = tuple(self.writer_page_bytes)   # a writer's index in the direct path's arrays
+        # direct path, made on its first arrival: cells covered (writer index, page, layer), and per writer
+        self._covered: np.ndarray | None = None
+        self._covered_count: list[int] | None = None
+        self._direct_seen: set[tuple[int, int, int, int]] | None = None
+        self._groups: dict[tuple[int, int, int, int], tuple[int, set[int]]] | None = None   # split writes
+        # staged path, made on its first piece
+        self._pieces: dict[tuple[int, int], ExpectedPiece] | None = None
+        self._planned: np.ndarray | None = None   # cells already given a piece
         self._scattered_cells = 0
-        self._direct_seen: set[tuple[int, int, int, int]] = set()
-        self._groups: dict[tuple[int, int, int, int], tuple[int, set[int]]] = {}   # split writes in progress
+
+    @property
+    def writer_layers(self) -> dict[int, range]:
+        """Writer rank -> the layers it writes (its PP stage's)."""
+        return {w: self.layers_of(w) for w in self.writer_page_bytes}
+
+    def layers_of(self, writer: int) -> range:
+        return self._stage_layers.get(writer, self._all_layers)
 
     # -- staged path ----------------------------------------------------------------------
     def overlaps_plan(self, page_start: int, num_pages: int, layers: range | None = None) -> bool:
         """Would a new chunk over these cells collide with pieces already planned?"""
+        if self._planned is None:
+            return False
         lay = self._layers(layers)
         return bool(self._planned[page_start:page_start + num_pages, lay.start:lay.stop].any())
 
@@ -106,11 +134,11 @@ class RoomTracker:
 
     def writers_of(self, layers: range) -> list[int]:
         """The writers that hold `layers` (PP: one stage's writers), in rank order."""
-        return sorted(w for w, held in self.writer_layers.items()
-                      if held.start <= layers.start and layers.stop <= held.stop)
+        return sorted(w for w in self.writer_page_bytes
+                      if (held := self.layers_of(w)).start <= layers.start and layers.stop <= held.stop)
 
     def _layers(self, layers: range | None) -> range:
-        return range(self.num_layers) if layers is None else layers
+        return self._all_layers if layers is None else layers
 
     def expect_piece(self, chunk: int, index: int, page_start: int, num_pages: int,
                      ring_start: int, writers: Sequence[int], layers: range | None = None) -> ExpectedPiece:
@@ -125,8 +153,11 @@ class RoomTracker:
         unknown = set(writers) - set(self.writer_page_bytes)
         if unknown or not writers:
             raise ValueError(f"piece writers {sorted(writers)} are not this room's writers")
+        named = tuple(writers)
         piece = ExpectedPiece(chunk=chunk, index=index, page_start=page_start, num_pages=num_pages, layers=lay,
-                              ring_start=ring_start, writers=tuple(writers))
+                              ring_start=ring_start, writers=self._writers if named == self._writers else named)
+        if self._pieces is None or self._planned is None:
+            self._pieces, self._planned = {}, np.zeros((self.num_pages, self.num_layers), dtype=bool)
         if piece.key in self._pieces:
             raise ValueError(f"piece {piece.key} is already expected")
         self._pieces[piece.key] = piece
@@ -135,7 +166,7 @@ class RoomTracker:
 
     def arrive_staged(self, writer: int, chunk: int, index: int, page_start: int, num_pages: int,
                       nbytes: int, ring_start: int, layers: range | None = None) -> Arrival:
-        piece = self._pieces.get((chunk, index))
+        piece = self._pieces.get((chunk, index)) if self._pieces is not None else None
         if piece is None:
             return Arrival(Outcome.REJECTED, f"no allocation for chunk {chunk} piece {index}")
         if writer not in piece.writers:
@@ -151,7 +182,7 @@ class RoomTracker:
                            f"start, count, bytes, ring) {got} does not match the allocation {want}")
         if writer in piece.landed:
             return Arrival(Outcome.DUPLICATE, piece=piece)
-        piece.landed.add(writer)
+        piece.landed += (writer,)
         if len(piece.landed) == len(piece.writers):
             return Arrival(Outcome.PIECE_LANDED, piece=piece)
         return Arrival(Outcome.ACCEPTED, piece=piece)
@@ -165,7 +196,7 @@ class RoomTracker:
         self._scattered_cells += piece.num_pages * len(piece.layers)
 
     def pieces(self) -> list[ExpectedPiece]:
-        return list(self._pieces.values())
+        return list(self._pieces.values()) if self._pieces is not None else []
 
     # -- direct path ----------------------------------------------------------------------
     def arrive_direct(self, writer: int, chunk: int, page_start: int, num_pages: int, nbytes: int,
@@ -176,7 +207,7 @@ class RoomTracker:
         if writer not in self.writer_page_bytes:
             return Arrival(Outcome.REJECTED, f"writer {writer} is not expected in this room")
         key = (writer, chunk, page_start, num_pages)
-        if key in self._direct_seen:
+        if self._direct_seen is not None and key in self._direct_seen:
             return Arrival(Outcome.DUPLICATE)
         if groups != 1:
             split = self._arrive_group(key, group, groups)
@@ -188,32 +219,39 @@ class RoomTracker:
                                              f"[{lay.start}, {lay.stop}) outside the room's {self.num_pages} "
                                              f"pages and {self.num_layers} layers")
         if writer not in self.writers_of(lay):
-            held = self.writer_layers[writer]
+            held = self.layers_of(writer)
             return Arrival(Outcome.REJECTED, f"writer {writer} wrote layers [{lay.start}, {lay.stop}), its PP stage "
                                              f"holds [{held.start}, {held.stop})")
         want = self.bytes_of(writer, num_pages, lay) + self._extra(writer, page_start, num_pages, lay)
         if nbytes != want:
             return Arrival(Outcome.REJECTED, f"writer {writer} sent {nbytes} bytes for {num_pages} pages of "
                                              f"{len(lay)} layers, expected {want}")
-        cells = self._covered[writer][page_start:page_start + num_pages, lay.start:lay.stop]
+        if self._covered is None or self._covered_count is None or self._direct_seen is None:
+            self._covered = np.zeros((len(self._writers), self.num_pages, self.num_layers), dtype=bool)
+            self._covered_count, self._direct_seen = [0] * len(self._writers), set()
+        i = self._writers.index(writer)
+        cells = self._covered[i, page_start:page_start + num_pages, lay.start:lay.stop]
         if cells.any():
             return Arrival(Outcome.REJECTED, f"writer {writer} wrote pages [{page_start}, "
                                              f"{page_start + num_pages}) of layers [{lay.start}, {lay.stop}) twice")
         cells[...] = True
-        self._covered_count[writer] += num_pages * len(lay)
+        self._covered_count[i] += num_pages * len(lay)
         self._direct_seen.add(key)
-        self._groups.pop(key, None)
+        if self._groups is not None:
+            self._groups.pop(key, None)
         return Arrival(Outcome.ACCEPTED)
 
     def group_completes(self, key: tuple[int, int, int, int], group: int, groups: int) -> bool:
         """Whether group `group` would be the last of its write to land (nothing recorded)."""
-        seen = self._groups.get(key)
+        seen = self._groups.get(key) if self._groups is not None else None
         return len((seen[1] if seen is not None else set()) | {group}) == groups
 
     def _arrive_group(self, key: tuple[int, int, int, int], group: int, groups: int) -> Arrival | None:
         """None once this group completes its write (the caller then checks the whole write)."""
         if not 1 < groups <= MAX_GROUPS or not 0 <= group < groups:
             return Arrival(Outcome.REJECTED, f"group {group} of {groups} is not a group of a write")
+        if self._groups is None:
+            self._groups = {}
         seen = self._groups.setdefault(key, (groups, set()))
         if seen[0] != groups:
             return Arrival(Outcome.REJECTED, f"a write of writer {key[0]} came as {seen[0]} and as {groups} groups")
@@ -228,14 +266,18 @@ class RoomTracker:
         """Every byte of the room is in place (staged: scattered; direct: landed)."""
         if self._pieces or self._scattered_cells:
             return self._scattered_cells == self.num_pages * self.num_layers
-        return all(n == self.num_pages * len(self.writer_layers[w]) for w, n in self._covered_count.items())
+        return all(n == self.num_pages * len(self.layers_of(w)) for w, n in zip(self._writers, self._counts()))
 
     @property
     def pages_done(self) -> int:
         """Pages' worth of cells in place (a page counts once every layer of it is)."""
         if self._pieces:
             return self._scattered_cells // self.num_layers
-        return min(n // len(self.writer_layers[w]) for w, n in self._covered_count.items())
+        return min(n // len(self.layers_of(w)) for w, n in zip(self._writers, self._counts()))
+
+    def _counts(self) -> list[int]:
+        """Direct path: cells covered per writer, in `_writers` order."""
+        return self._covered_count if self._covered_count is not None else [0] * len(self._writers)
 
     def _extra(self, writer: int, page_start: int, num_pages: int, layers: range | None = None) -> int:
         return self.final_extra.get(writer, 0) if self.final(page_start, num_pages, layers) else 0
