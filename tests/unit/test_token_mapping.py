@@ -120,6 +120,41 @@ def test_every_token_moved_once_where_sglang_puts_it(req):
     )
 
 
+@settings(max_examples=150, deadline=None)
+@given(requests(), st.lists(st.integers(0, 10**6), max_size=4))
+def test_chunk_windows_together_move_the_whole_request(req, cuts):
+    """A chunked send: the windows of a partition of [prefix, L) move, per decode rank and in
+    order, exactly what the whole request moves."""
+    whole = build_token_mapping(**req)
+    lo, hi = req["prefix"], req["num_tokens"]
+    bounds = sorted({lo, hi, *(lo + c % (hi - lo + 1) for c in cuts)})
+    moved = {d: [] for d in range(req["decode"].dcp_size)}
+    for a, b in zip(bounds, bounds[1:]):
+        chunk = build_token_mapping(**req, window=(a, b))
+        assert chunk.window == (a, b)
+        for pair in chunk.pairs:
+            got = expand(pair)
+            assert all(a <= t < b for t, _, _ in got)
+            assert [x[0] for x in got] == list(pair.piece)
+            moved[pair.decode_rank] += got
+    for pair in whole.pairs:
+        assert moved[pair.decode_rank] == expand(pair)
+
+
+def test_window_outside_the_tokens_to_move_raises():
+    prefill, decode = layouts(1, 2, 4)
+    with pytest.raises(ValueError, match=r"window \[0, 9\) outside the tokens \[8, 12\)"):
+        build_token_mapping(
+            prefill=prefill,
+            decode=decode,
+            num_tokens=12,
+            prefix=8,
+            prefill_pages=((0,),),
+            decode_pages=((0,), (1,)),
+            window=(0, 9),
+        )
+
+
 def test_run_rows_read_as_pages_and_offsets():
     prefill, decode = layouts(1, 2, 4)
     m = build_token_mapping(

@@ -142,6 +142,7 @@ class TokenMapping:
     decode: DCPLayout
     num_tokens: int
     prefix: int
+    window: tuple[int, int]  # the tokens [start, stop) these flows move
     pairs: tuple[PairTokens, ...]  # one per decode rank, in decode rank order
 
     def for_decode(self, decode_rank: int) -> PairTokens:
@@ -200,8 +201,14 @@ def build_token_mapping(
     prefix: int,
     prefill_pages: tuple[tuple[int, ...], ...],
     decode_pages: tuple[tuple[int, ...], ...],
+    window: tuple[int, int] | None = None,
 ) -> TokenMapping:
     """Every (prefill rank, decode rank) flow of one request, tokens [prefix, num_tokens).
+
+    `window` = (start, stop), prefix <= start <= stop <= num_tokens, keeps only the tokens of
+    [start, stop): one chunk of a chunked send (the page lists stay the whole request's). The
+    windows of a partition of [prefix, num_tokens) together move what the whole request moves,
+    each decode rank's tokens in the same order.
 
     `prefill_pages[r]` / `decode_pages[d]`: the page list of prefill DCP rank r / decode DCP
     rank d holding its local slots from ``prefix // dcp_size`` on (see the module docstring
@@ -222,12 +229,15 @@ def build_token_mapping(
     new = num_tokens - prefix
     _check_pages(both, "prefill", prefill_pages, prefill.dcp_size, -(-new // (ps * prefill.dcp_size)))
     _check_pages(both, "decode", decode_pages, n, -(-new // virtual))
+    start, stop = (prefix, num_tokens) if window is None else window
+    if not prefix <= start <= stop <= num_tokens:
+        raise ValueError(f"{both}: window [{start}, {stop}) outside the tokens [{prefix}, {num_tokens}) to move")
 
     pairs = []
     for d in range(n):
-        piece = range(prefix + d, num_tokens, n)
+        piece = range(start + (d - start) % n, stop, n)
         p = d if pairing is DCPPairing.EQUAL else 0
-        tokens = np.arange(piece.start, max(piece.start, piece.stop), n, dtype=np.int64)
+        tokens = np.arange(piece.start, piece.stop, n, dtype=np.int64)
         src_index = tokens // prefill.dcp_size - prefix // prefill.dcp_size
         dst_index = tokens // n - prefix // n
         src = _slots(prefill_pages[p], src_index, ps)
@@ -263,5 +273,11 @@ def build_token_mapping(
             )
         )
     return TokenMapping(
-        pairing=pairing, prefill=prefill, decode=decode, num_tokens=num_tokens, prefix=prefix, pairs=tuple(pairs)
+        pairing=pairing,
+        prefill=prefill,
+        decode=decode,
+        num_tokens=num_tokens,
+        prefix=prefix,
+        window=(start, stop),
+        pairs=tuple(pairs),
     )
