@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ...staging.credits import CreditSpan
 from ..poll import KVPoll
 from .kinds import TransferPath
 from .messages import PeerMessage
@@ -56,6 +57,7 @@ class WriteOp:
     pools: tuple[PoolCopy, ...] = ()   # state pool copies after the KV bytes: the last page's write
     layers: range                      # the layers it moves (a layer-wise send: a group of them)
     ready: tuple[object, ...] = ()     # waited on (synchronize()) before the layers are read
+    credit: CreditSpan | None = None   # staged into a ring credit: its place there (ring_start is its start)
 
     @property
     def num_pages(self) -> int:
@@ -152,6 +154,24 @@ class AwaitUnit:
 
 
 @dataclass(frozen=True)
+class ReleaseCredit:
+    """Decode: a piece written into a ring credit (from `peer`, at `span`) is done with: scattered,
+    or dropped with its room. The shell releases it to the ring's CreditLedger (never frees the
+    region itself: the credit holds it)."""
+
+    peer: PeerKey
+    span: CreditSpan
+
+
+@dataclass(frozen=True)
+class SettleCredits:
+    """Prefill: a write into a credit of `peer` completed, or the room took what it needed from
+    them: the shell sends the CreditReturns that are due (CreditPurse.returns)."""
+
+    peer: PeerKey
+
+
+@dataclass(frozen=True)
 class Released:
     """Nothing of the room can be touched any more; the shell may forget it."""
 
@@ -164,4 +184,4 @@ class Dropped:
 
 
 Action = (Send | PostWrite | AwaitUnit | Scatter | PublishWatermark | StatusChanged | Released | Dropped
-          | DecodePrefix)
+          | DecodePrefix | ReleaseCredit | SettleCredits)
