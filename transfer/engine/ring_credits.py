@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
-from ...staging.credit_ledger import Claim, CreditLedger
-from ...staging.credit_purse import CreditPurse
-from ...staging.credits import ClaimVerdict, CreditSpan, GrantVerdict, WriteRef
 from ...staging.ring import Watermark
 from ..protocol.actions import PeerKey
 from ..protocol.decode_room import DecodeRoom
@@ -38,6 +36,17 @@ from ..protocol.tags import Tag
 from .context import EngineContext
 from .peers import Peer, PeerTable
 from .rooms import RoomBook
+
+if TYPE_CHECKING:
+    from ...staging.credit_ledger import Claim, CreditLedger
+    from ...staging.credit_purse import CreditPurse
+    from ...staging.credits import CreditSpan
+
+
+def _rules():   # staging.credits imports transfer, which imports this module: its parts once running
+    from ...staging import credit_ledger, credit_purse
+    from ...staging import credits as credit_rules
+    return credit_ledger, credit_purse, credit_rules
 
 log = logging.getLogger("kvstage")
 
@@ -62,7 +71,7 @@ class DecodeCredits:
         self.ledger: CreditLedger | None = None
         if ctx.cfg.credits and ring is not None:
             cap = int(float(ctx.cfg.staging_piece_mb or 0) * MIB) or ring.size
-            self.ledger = CreditLedger(ring, floor=credit_floor(ring.size, cap, ring.align))
+            self.ledger = _rules()[0].CreditLedger(ring, floor=credit_floor(ring.size, cap, ring.align))
         self.takers: dict[int, PeerKey] = {}            # incarnation -> a rank connected to the ledger
         self.demanded: set[tuple[int, int, int]] = set()   # (room, session, incarnation) whose demand is in
         self.lost_at: dict[PeerKey, float] = {}          # lost ranks: when their quarantine is over
@@ -114,7 +123,8 @@ class DecodeCredits:
     def claim(self, peer: Peer, tag: Tag) -> Claim:
         """The ledger's verdict on a CREDIT tag of `peer`."""
         if self.ledger is None or self.takers.get(peer.key.incarnation) != peer.key:
-            return Claim(verdict=ClaimVerdict.OUTSIDE, reason=f"{peer.key} holds no ring credits of this rank")
+            ledger_rules, _, rules = _rules()
+            return ledger_rules.Claim(verdict=rules.ClaimVerdict.OUTSIDE, reason=f"{peer.key} holds no ring credits of this rank")
         return self.ledger.claim(peer.key, tag.ring_start, tag.nbytes, tag.room, tag.session)
 
     def wrote(self, peer: Peer, tag: Tag) -> None:
@@ -132,7 +142,7 @@ class DecodeCredits:
         if self.ledger is None or msg.epoch != self.ctx.me:
             self.ctx.stats.count("dropped_messages", "stale_credit_return")
             return
-        res = self.ledger.on_return(peer.key, msg.credit, [WriteRef(room=w.room, session=w.session, start=w.start,
+        res = self.ledger.on_return(peer.key, msg.credit, [_rules()[2].WriteRef(room=w.room, session=w.session, start=w.start,
                                                                     nbytes=w.nbytes) for w in msg.writes])
         self.peers.send(peer.key, CreditAck(src=self.ctx.me, dst=peer.key.incarnation, epoch=msg.epoch,
                                             credit=msg.credit))
@@ -212,7 +222,7 @@ class PrefillCredits:
         """Whether this rank takes credits from the decode rank that sent `msg` (its HelloAck says so)."""
         if not (self.ctx.cfg.credits and peer.staging and msg.ring is not None and self._piece_bytes > 0):
             return False
-        self.purses[peer.key.incarnation] = (peer.key, CreditPurse(epoch=msg.ring.epoch, ring_size=msg.ring.size))
+        self.purses[peer.key.incarnation] = (peer.key, _rules()[1].CreditPurse(epoch=msg.ring.epoch, ring_size=msg.ring.size))
         return True
 
     def on_grant(self, peer: Peer, msg: CreditGrant, now: float) -> None:
@@ -220,9 +230,10 @@ class PrefillCredits:
         if purse is None:
             self.ctx.stats.count("dropped_messages", "credit_without_purse")
             return
+        rules = _rules()[2]
         verdict = purse.on_grant(credit=msg.credit, epoch=msg.epoch, start=msg.start, nbytes=msg.nbytes)
         self.ctx.stats.count("credits", f"grant_{verdict}")
-        if verdict is GrantVerdict.MISMATCH:
+        if verdict is rules.GrantVerdict.MISMATCH:
             reason = (f"ring credit {msg.credit} [{msg.start}, +{msg.nbytes}) from decode rank {peer.key} does not fit "
                       "its ring or overlaps a credit held")
             log.error("%s", reason)
@@ -231,7 +242,7 @@ class PrefillCredits:
                 if flow is not None and flow.peer == peer.key:
                     self.book.apply(room, room.fail(FailureKind.PROTOCOL, reason, now))
             return
-        if verdict is GrantVerdict.OK and self.ctx.handler.on_watermark(peer.key.incarnation, msg.epoch,
+        if verdict is rules.GrantVerdict.OK and self.ctx.handler.on_watermark(peer.key.incarnation, msg.epoch,
                                                                         Watermark(msg.wm_round, msg.wm_tail)):
             self.dispatch(peer.key.incarnation, now)
 

@@ -7,16 +7,18 @@ returns a list of these actions; it never performs IO itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
-from ...staging.credits import CreditSpan
 from ..poll import KVPoll
 from .kinds import TransferPath
 from .messages import PeerMessage
 from .pool_parts import PoolCopy
 from .tags import Tag
+
+if TYPE_CHECKING:   # staging.credits imports transfer: only its name here
+    from ...staging.credits import CreditSpan
 
 
 class PeerKey(NamedTuple):

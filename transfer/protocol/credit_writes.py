@@ -16,11 +16,13 @@ Pure: the purses are the shell's, handed to the room in its constructor.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from ...staging.credit_purse import CreditPurse
 from ...staging.pieces import plan_pieces
 from .actions import PeerKey
+
+if TYPE_CHECKING:   # staging.credits imports transfer: only its name here
+    from ...staging.credit_purse import CreditPurse
 
 
 class CreditPurses(Protocol):

@@ -28,12 +28,11 @@ WriterDone or AllocRequest with its outcome. Everything it receives is idempoten
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from ...staging.credit_ledger import Claim
-from ...staging.credits import ClaimVerdict, CreditSpan
+from ...staging import credits as credit_rules  # the module: staging.credits imports transfer (a cycle)
 from ...staging.ring import Region, RingAllocator
 from ..config import Timeouts
 from ..draft_kv import draft_pool_name, request_draft_items
@@ -62,6 +61,10 @@ from .pool_parts import PoolCopy, block_bytes, part_offsets, request_copies, wri
 from .room_base import RoomBase
 from .tags import Tag, TagKind
 from .tracker import ExpectedPiece, Outcome, RoomTracker
+
+if TYPE_CHECKING:
+    from ...staging.credit_ledger import Claim
+    from ...staging.credits import CreditSpan
 
 __all__ = ["DecodeRoom", "PageSpan", "PlanRefused", "RingSpan", "RoomPlan", "TagResult", "TagVerdict", "WriterOffer",
            "WriterPart", "plan_room"]
@@ -353,7 +356,7 @@ class DecodeRoom(RoomBase):
         peer, the tag's ring_start and nbytes). An OK claim the room does not keep is handed back
         at once (ReleaseCredit); one it keeps is handed back after its scatter."""
         verdict, actions, kept = self._on_credit_tag(peer, tag, claim, ring_size, now)
-        if claim.verdict is ClaimVerdict.OK and not kept:
+        if claim.verdict is credit_rules.ClaimVerdict.OK and not kept:
             assert claim.span is not None
             actions = [ReleaseCredit(peer, claim.span), *actions]
         return TagResult(verdict, actions)
@@ -368,9 +371,9 @@ class DecodeRoom(RoomBase):
             return TagVerdict.STALE, [], False
         if (tag.chunk, tag.piece) in self.credit_pieces or (tag.chunk, tag.piece) in w.tags:
             return TagVerdict.DUPLICATE, [], False
-        if claim.verdict is ClaimVerdict.DUPLICATE:
+        if claim.verdict is credit_rules.ClaimVerdict.DUPLICATE:
             return TagVerdict.DUPLICATE, [], False
-        if claim.verdict is not ClaimVerdict.OK:
+        if claim.verdict is not credit_rules.ClaimVerdict.OK:
             return TagVerdict.REJECTED, self.fail(FailureKind.PROTOCOL, f"ring credit ({claim.verdict}): "
                                                   f"{claim.reason}", now), False
         why = self._credit_piece_refused(peer, tag)
