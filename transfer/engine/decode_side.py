@@ -233,6 +233,7 @@ class DecodeSide:
         self._expecting()
         if tag.kind is TagKind.CREDIT:   # a piece its writer placed in one of its ring credits
             result = room.on_credit_tag(peer.key, tag, self.credits.claim(peer, tag), self._ring().size, now)
+            self.ctx.stats.count("credit_tags", str(result.verdict))
         else:
             result = room.on_tag(peer.key, tag, now)
         verdict, actions = result.verdict, result.actions
