@@ -62,8 +62,10 @@ class CreditPurse:
         self.epoch = epoch
         self.ring_size = ring_size
         self._held: dict[int, _Held] = {}
-        self._newest = 0                   # highest credit id seen: ids only grow, so a grant of a
-                                           # lower id not held any more was given back (stale)
+        self._seen_to = 0                  # every credit id up to this one was seen (ids are dense: 1, 2, ...)
+        self._seen: set[int] = set()       # ids above it seen: a grant of a seen id not held any more
+                                           # was given back (stale); a lower id than the newest may still
+                                           # be new (its grant was lost, then re-sent after a later one)
 
     @property
     def free_bytes(self) -> int:
@@ -72,7 +74,7 @@ class CreditPurse:
 
     def on_grant(self, *, credit: int, epoch: int, start: int, nbytes: int) -> GrantVerdict:
         held = self._held.get(credit)
-        if epoch != self.epoch or (held is None and credit <= self._newest):
+        if epoch != self.epoch or (held is None and (credit <= self._seen_to or credit in self._seen)):
             return GrantVerdict.STALE
         if held is not None:
             return GrantVerdict.DUPLICATE if (held.start, held.nbytes) == (start, nbytes) else GrantVerdict.MISMATCH
@@ -81,7 +83,10 @@ class CreditPurse:
         if any(start < h.end and h.start < start + nbytes for h in self._held.values()):
             return GrantVerdict.MISMATCH
         self._held[credit] = _Held(id=credit, start=start, nbytes=nbytes)
-        self._newest = credit
+        self._seen.add(credit)
+        while self._seen_to + 1 in self._seen:
+            self._seen_to += 1
+            self._seen.discard(self._seen_to)
         return GrantVerdict.OK
 
     def take(self, nbytes: int, room: int, session: int) -> CreditSpan | None:

@@ -240,3 +240,17 @@ def test_a_peer_whose_hello_ack_has_no_credits_flag_is_read_as_one_that_takes_no
     payload = msgspec.msgpack.encode(fields)
     old = codec.decode([payload, sign(None, payload)])
     assert isinstance(old, HelloAck) and old.staging and old.credits is False
+
+
+def test_a_grant_re_sent_after_a_later_one_is_taken_and_a_given_back_one_is_stale():
+    """CreditGrant 1 is lost, 2 arrives, then 1 again (the ledger re-sends unused grants): 1 is
+    new, not stale, else the ledger would wait for its return for ever."""
+    purse = CreditPurse(epoch=5, ring_size=RING)
+    assert purse.on_grant(credit=2, epoch=5, start=512, nbytes=256) == "ok"
+    assert purse.on_grant(credit=1, epoch=5, start=0, nbytes=256) == "ok"
+    purse.idle()
+    for back in purse.returns():
+        purse.on_ack(back.credit)
+    assert purse.on_grant(credit=1, epoch=5, start=0, nbytes=256) == "stale"
+    assert purse.on_grant(credit=2, epoch=5, start=512, nbytes=256) == "stale"
+    assert purse.on_grant(credit=3, epoch=5, start=0, nbytes=256) == "ok"

@@ -353,6 +353,10 @@ class DecodeSide:
                 "rooms_awaiting_plan": sum(len(v.rooms) for v in views),
                 "tombstones": sum(len(v.tombstones) for v in views)}
 
+    def credit_bytes(self) -> int:
+        """Ring bytes the connected prefill ranks hold as credits (ring_credits.py)."""
+        return self.credits.held_bytes()
+
     def quarantined_bytes(self) -> int:
         """Memory that failed rooms keep until no write can land in it any more (their writers
         quiesced, or a lost writer's quarantine passed): ring regions, and on the direct path the

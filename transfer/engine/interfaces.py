@@ -167,6 +167,10 @@ class RoleSide(RoomHooks[R_contra], PeerLossListener, Protocol[R_contra]):
         """How much per-room state the side holds (stats()["room_state"]); zero once every
         room ended and was released."""
 
+    def credit_bytes(self) -> int:
+        """Decode: ring bytes its connected prefill ranks hold as ring credits; prefill: 0."""
+        ...
+
     def quarantined_bytes(self) -> int:
         """Memory held back from reuse because a write may still touch it, for stats() (which
         asks the control thread for it with a Call event)."""

@@ -318,6 +318,10 @@ class PrefillSide:
     def room_state(self) -> dict[str, int]:
         return {"parked_rooms": len(self.pending)}
 
+    def credit_bytes(self) -> int:
+        """Only a decode rank's ring is lent out as credits."""
+        return 0
+
     def quarantined_bytes(self) -> int:
         """Source bytes of writes given up on that the backend may still read (Mooncake cannot
         cancel a write inside its engine): their staging buffers and pages are not reused yet."""

@@ -167,6 +167,10 @@ class DecodeCredits:
             self.publish()
         self.issue()
 
+    def held_bytes(self) -> int:
+        """Ring bytes the connected ranks hold as credits (given, not closed yet)."""
+        return 0 if self.ledger is None else sum(self.ledger.held_bytes(k) for k in self.takers.values())
+
     def peer_lost(self, peer: Peer, quarantine: float, now: float) -> None:
         """`peer` is lost; its credits close when none of its posted writes can land any more."""
         if self.ledger is None or self.takers.pop(peer.key.incarnation, None) is None:
