@@ -547,7 +547,8 @@ class PrefillRoom(RoomBase):
             return None
         placed = [replace(op, ring_start=sp.start, credit=sp, tag=msgspec.structs.replace(op.tag, ring_start=sp.start))
                   for op, sp in zip(ops, spans)]
-        return [self._post(flow, op) for op in placed] + [SettleCredits(flow.peer)]
+        out: list[Action] = [self._post(flow, op) for op in placed]
+        return out + [SettleCredits(flow.peer)]
 
     def wants_credits(self, peer: PeerKey) -> bool:
         """Whether this room may still write staged chunks to `peer` (its purse stays open)."""
