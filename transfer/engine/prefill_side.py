@@ -65,7 +65,7 @@ class PrefillSide:
         self.used_sessions: dict[int, EarlierUses] = {}  # finished room -> its uses' sessions (stale for the next)
         self.pending: dict[int, list[Parked]] = defaultdict(list)  # room -> messages that came before its sender
         self.pending_since: dict[int, float] = {}
-        self.credits = PrefillCredits(ctx, peers, book, writes.dispatch)   # ring credits (ring_credits.py)
+        self.credits = PrefillCredits(ctx, peers, book, lambda inc, now: self.writes.dispatch(inc, now))   # ring credits
         self.handlers: dict[type, MessageHandler] = {
             RoomMeta: self.on_RoomMeta, AllocGrant: self.on_AllocGrant, WatermarkUpdate: self.on_WatermarkUpdate,
             RoomDone: self.on_RoomDone, RoomFailed: self.on_RoomFailed, CreditGrant: self.credits.on_grant,

@@ -67,18 +67,26 @@ class DecodeCredits:
                  publish: Callable[[], None]):
         """`publish`: tell the writers the ring's watermark moved (DecodeSide.publish_watermark)."""
         self.ctx, self.peers, self.book, self.publish = ctx, peers, book, publish
-        ring = ctx.handler.allocator
-        self.ledger: CreditLedger | None = None
-        if ctx.cfg.credits and ring is not None:
-            cap = int(float(ctx.cfg.staging_piece_mb or 0) * MIB) or ring.size
-            self.ledger = _rules()[0].CreditLedger(ring, floor=credit_floor(ring.size, cap, ring.align))
+        self.ledger: CreditLedger | None = None   # made at the first connection (credits on, a ring here)
+        self._ledger_made = False
         self.takers: dict[int, PeerKey] = {}            # incarnation -> a rank connected to the ledger
         self.demanded: set[tuple[int, int, int]] = set()   # (room, session, incarnation) whose demand is in
         self.lost_at: dict[PeerKey, float] = {}          # lost ranks: when their quarantine is over
         self.resent_at = 0.0
 
+    def _make_ledger(self) -> None:
+        self._ledger_made = True
+        ring = self.ctx.handler.allocator
+        if self.ctx.cfg.credits and ring is not None:
+            cap = int(float(self.ctx.cfg.staging_piece_mb or 0) * MIB) or ring.size
+            self.ledger = _rules()[0].CreditLedger(ring, floor=credit_floor(ring.size, cap, ring.align))
+
     def connected(self, peer: Peer, msg: HelloAck) -> None:
-        if self.ledger is None or not (msg.credits and msg.staging):
+        if not (msg.credits and msg.staging):
+            return
+        if not self._ledger_made:
+            self._make_ledger()
+        if self.ledger is None:
             return
         try:
             self.ledger.connect(peer.key)
@@ -208,9 +216,7 @@ class PrefillCredits:
         """`dispatch(peer incarnation, now)`: staged writes towards that peer may go (its
         watermark moved)."""
         self.ctx, self.peers, self.book, self.dispatch = ctx, peers, book, dispatch
-        cap = int(float(ctx.cfg.staging_piece_mb or 0) * MIB)
-        buffers = ctx.handler.buffer_bytes
-        self._piece_bytes = min(buffers, cap) if cap else buffers
+        self._piece_bytes = 0   # set at the first connection: a worker's buffer, and the piece cap
         self.purses: dict[int, tuple[PeerKey, CreditPurse]] = {}
         self.resent_at = 0.0
 
@@ -224,7 +230,12 @@ class PrefillCredits:
 
     def connected(self, peer: Peer, msg: Hello) -> bool:
         """Whether this rank takes credits from the decode rank that sent `msg` (its HelloAck says so)."""
-        if not (self.ctx.cfg.credits and peer.staging and msg.ring is not None and self._piece_bytes > 0):
+        if not (self.ctx.cfg.credits and peer.staging and msg.ring is not None):
+            return False
+        cap = int(float(self.ctx.cfg.staging_piece_mb or 0) * MIB)
+        buffers = self.ctx.handler.buffer_bytes
+        self._piece_bytes = min(buffers, cap) if cap else buffers
+        if self._piece_bytes <= 0:
             return False
         self.purses[peer.key.incarnation] = (peer.key, _rules()[1].CreditPurse(epoch=msg.ring.epoch, ring_size=msg.ring.size))
         return True
