@@ -15,7 +15,8 @@ For each transport (NIXL with UCX's default transports, NIXL with UCX_TLS=tcp, M
            chosen per request from the costs each rank measured at start (KVSTAGE_PATH=auto,
            docs/path_choice.md); the table says which path each length took
 over request lengths (1 request in flight), over rooms in flight (short requests), and the
-latency of a one-page request (P1 -> D1, init() on the decode side until Success), and where the
+latency of a one-page request (P1 -> D1, init() on the decode side until Success; with
+--latency-path staged: P1 -> D2 on the staged path, each decode rank's requests timed), and where the
 time of a one-page and a 2048-token request goes, phase by phase, staged and direct
 (examples/bench_phases.py, from each request's timeline).
 
@@ -127,6 +128,8 @@ def parse(argv=None):
     p.add_argument("--inflight", type=_ints, default="1,4,16,64", help="rooms in flight for the concurrency sweep")
     p.add_argument("--inflight-tokens", type=_int(1), default=256)
     p.add_argument("--latency-requests", type=_int(1), default=300)
+    p.add_argument("--latency-path", choices=("direct", "staged"), default="direct",
+                   help="one-page latency: direct P1 -> D1, or staged P1 -> D2 (staging forced, ring credits)")
     add_model_args(p)
     p.add_argument("--chunk-tokens", type=_int(0), default=0, help="0: a request is one chunk")
     p.add_argument("--sections", type=_sections, default=",".join(SECTIONS), help="what to measure")
@@ -326,23 +329,28 @@ def latency(a, transport: str, layers: int | None = None) -> dict:
     rooms = [{"room": i + 1, "pages": 1, "chunks": [1]} for i in range(n)]
     geom = {"layers": layers, "heads": a.heads, "head_dim": a.head_dim, "dtype": "bfloat16",
             "page_size": a.page_size, "pages": max(n, 64) + 8}
-    common = {"backend": kind, "staging": False, "geometry": geom, "rooms": rooms, "run_timeout_s": 300,
-              "device": rank_device(a),
+    staged = getattr(a, "latency_path", "direct") == "staged"
+    D = 2 if staged else 1
+    common = {"backend": kind, "staging": staged, "geometry": geom, "rooms": rooms, "run_timeout_s": 300,
+              "device": rank_device(a), **({"path": "staged", "calibrate": False} if staged else {}),
               "bench": {"mode": "latency", "verify": [1, n]}}
     with Cluster(env=env) as cl:
-        common["barrier"] = cl.barrier(2, timeout_s=300)
+        common["barrier"] = cl.barrier(1 + D, timeout_s=300)
         p = cl.launch([{**common, "role": "prefill", "engine": "pf", "rank": 0, "tp": 1}], "p0")
-        d = cl.launch([{**common, "role": "decode", "engine": "dc", "peer_engine": "pf", "rank": 0, "tp": 1}], "d0")
+        ds = [cl.launch([{**common, "role": "decode", "engine": "dc", "peer_engine": "pf", "rank": r, "tp": D}],
+                        f"d{r}") for r in range(D)]
         cl.wait(400)
-        recs = d.result()[0]["rooms"] if d.result() else []
-        bad = [r for r in recs if r["state"] != "Success" or r["verified"] is False]
-        if len(recs) != n or bad:
-            raise RuntimeError(f"latency run failed: {bad[:3]} {d.log(800)} {p.log(800)}")
-    lat = sorted(r["latency_s"] * 1e3 for r in recs[10:])  # the first ones warm the connection up
+        per_rank = [d.result()[0]["rooms"] if d.result() else [] for d in ds]
+        bad = [r for recs in per_rank for r in recs if r["state"] != "Success" or r["verified"] is False]
+        if any(len(recs) != n for recs in per_rank) or bad:
+            raise RuntimeError(f"latency run failed: {bad[:3]} {ds[0].log(800)} {p.log(800)}")
+    # the first ones warm the connection up
+    lat = sorted(r["latency_s"] * 1e3 for recs in per_rank for r in recs[10:])
     q = lambda x: lat[min(len(lat) - 1, int(x * len(lat)))]  # noqa: E731
     page_bytes = a.page_size * token_bytes(a) * layers // a.layers
     return {"transport": transport, "requests": len(lat), "p50_ms": q(0.5), "p90_ms": q(0.9), "p99_ms": q(0.99),
-            "max_ms": lat[-1], "bytes": page_bytes, "ranges": 2 * layers, "layers": layers, "samples_ms": lat}
+            "max_ms": lat[-1], "bytes": page_bytes, "ranges": 2 * layers, "layers": layers, "samples_ms": lat,
+            "path": "staged P1->D2" if staged else "P1->D1"}
 
 
 # -- report -----------------------------------------------------------------------------------
@@ -371,7 +379,8 @@ def report(a, res: dict) -> list[str]:
         for key in (tr, f"{tr}/1-layer"):
             lat = res["latency"].get(key)
             if lat:
-                w(f"-- {key}: one-page request P1->D1 ({lat['bytes'] // 1024} KiB in {lat['ranges']} ranges), init -> "
+                w(f"-- {key}: one-page request {lat.get('path', 'P1->D1')} ({lat['bytes'] // 1024} KiB in "
+                  f"{lat['ranges']} ranges), init -> "
                   f"Success over {lat['requests']}: p50 {lat['p50_ms']:.2f} ms, p90 {lat['p90_ms']:.2f} ms, "
                   f"p99 {lat['p99_ms']:.2f} ms")
     lines += bench_phases.report(res["phases"])

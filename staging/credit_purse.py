@@ -9,6 +9,8 @@ Contract with the caller (the prefill engine, or the simulator):
   to write it, or None, and then the write goes the grant path (AllocRequest) as without
   credits. A None also retires every open credit (it will be given back once its writes
   completed), so a rank that waits for a grant holds no open credit.
+- `take_all(sizes, room, session)`: the writes of one chunk, each placed as `take` would, or
+  none of them (a chunk goes either through credits or through the grant path, never half).
 - `done(span, ok)` when the backend completed that write (ok: its bytes and tag are in place).
 - `idle()` when the rank has no staged request towards this decode rank: every open credit is
   retired, so an idle rank holds no ring space.
@@ -60,8 +62,10 @@ class CreditPurse:
         self.epoch = epoch
         self.ring_size = ring_size
         self._held: dict[int, _Held] = {}
-        self._newest = 0                   # highest credit id seen: ids only grow, so a grant of a
-                                           # lower id not held any more was given back (stale)
+        self._seen_to = 0                  # every credit id up to this one was seen (ids are dense: 1, 2, ...)
+        self._seen: set[int] = set()       # ids above it seen: a grant of a seen id not held any more
+                                           # was given back (stale); a lower id than the newest may still
+                                           # be new (its grant was lost, then re-sent after a later one)
 
     @property
     def free_bytes(self) -> int:
@@ -70,7 +74,7 @@ class CreditPurse:
 
     def on_grant(self, *, credit: int, epoch: int, start: int, nbytes: int) -> GrantVerdict:
         held = self._held.get(credit)
-        if epoch != self.epoch or (held is None and credit <= self._newest):
+        if epoch != self.epoch or (held is None and (credit <= self._seen_to or credit in self._seen)):
             return GrantVerdict.STALE
         if held is not None:
             return GrantVerdict.DUPLICATE if (held.start, held.nbytes) == (start, nbytes) else GrantVerdict.MISMATCH
@@ -79,7 +83,10 @@ class CreditPurse:
         if any(start < h.end and h.start < start + nbytes for h in self._held.values()):
             return GrantVerdict.MISMATCH
         self._held[credit] = _Held(id=credit, start=start, nbytes=nbytes)
-        self._newest = credit
+        self._seen.add(credit)
+        while self._seen_to + 1 in self._seen:
+            self._seen_to += 1
+            self._seen.discard(self._seen_to)
         return GrantVerdict.OK
 
     def take(self, nbytes: int, room: int, session: int) -> CreditSpan | None:
@@ -97,6 +104,35 @@ class CreditPurse:
                 return CreditSpan(credit=h.id, start=at, nbytes=nbytes)
         self.idle()   # the grant path takes over: hold nothing open meanwhile
         return None
+
+    def take_all(self, sizes: list[int], room: int, session: int) -> list[CreditSpan] | None:
+        """Each write of `sizes` placed as successive `take`s would place them, or None (and,
+        as `take`'s None, every open credit retired) when one of them would not fit: then
+        nothing was taken."""
+        if not sizes or min(sizes) <= 0:
+            raise ValueError(f"writes have positive sizes, got {sizes}")
+        left = {h.id: h.nbytes - h.used for h in self._held.values() if not h.retired}
+        order = sorted((h for h in self._held.values() if h.id in left), key=lambda h: h.start)
+        for n in sizes:   # the same walk as take(), on copies
+            fit = None
+            for h in order:
+                if h.id in left and left[h.id] < n:
+                    del left[h.id]
+                if h.id in left:
+                    fit = h.id
+                    break
+            if fit is None:
+                self.idle()
+                return None
+            left[fit] -= n
+        spans = [self.take(n, room, session) for n in sizes]
+        assert all(s is not None for s in spans), "take_all placed what take did not"
+        return [s for s in spans if s is not None]
+
+    def holds(self, span: CreditSpan) -> bool:
+        """Whether `span` is a write in flight here (not after `lost`)."""
+        h = self._held.get(span.credit)
+        return h is not None and span.start in h.in_flight
 
     def done(self, span: CreditSpan, ok: bool) -> None:
         h = self._held.get(span.credit)

@@ -29,6 +29,7 @@ LAYER_BATCHING_ENV = "KVSTAGE_LAYER_BATCHING"
 INLINE_SCATTER_KB_ENV = "KVSTAGE_INLINE_SCATTER_KB"
 PATH_ENV = "KVSTAGE_PATH"             # auto | staged | direct (protocol/path_choice.py)
 CALIBRATE_ENV = "KVSTAGE_CALIBRATE"   # measure the path costs at start (on by default)
+CREDITS_ENV = "KVSTAGE_CREDITS"       # staged: ring credits instead of a grant per chunk (on by default)
 DEFAULT_INLINE_SCATTER_KB = 256    # decode: pieces up to this size are scattered on the control thread
 DEFAULT_LAYER_GROUP = 4            # layers per write of a layer-wise send (docs/journal/benchmarks-2026-11.md)
 DEFAULT_LAYERWISE_MIN_TOKENS = 512  # shorter requests go per chunk (ibid.)
@@ -151,6 +152,8 @@ class EngineConfig:
                                              # staging; env KVSTAGE_PATH, auto (docs/path_choice.md)
     calibrate: bool | None = None            # measure write, gather and scatter costs at start for the
                                              # "auto" choice (off: the fixed rule); env KVSTAGE_CALIBRATE, on
+    credits: bool | None = None              # staged: ring credits (decode: offers them; prefill: takes them)
+                                             # instead of asking ring space per chunk; env KVSTAGE_CREDITS, on
 
     def resolved(self) -> EngineConfig:
         """A copy with every None filled from the environment, validated: a bad value raises
@@ -187,6 +190,7 @@ class EngineConfig:
             calibrate=(env_flag(CALIBRATE_ENV, True) if self.calibrate is None
                        else check.flag("calibrate", self.calibrate)),
             verify=env_flag(VERIFY_ENV) if self.verify is None else check.flag("verify", self.verify),
+            credits=env_flag(CREDITS_ENV, True) if self.credits is None else check.flag("credits", self.credits),
             layer_batching=(env_flag(LAYER_BATCHING_ENV, True) if self.layer_batching is None
                             else check.flag("layer_batching", self.layer_batching)),
             auth_token=token,

@@ -1,5 +1,6 @@
 """The hop trace between real processes (examples/trace_request.py's core): a staged one-page
-request, prefill TP 1 -> decode TP 2 over NIXL, traced on both sides, in causal order."""
+request, prefill TP 1 -> decode TP 2 over NIXL, traced on both sides, in causal order, its write
+into a ring credit with no ring-space round trip."""
 
 import hop_report
 import pytest
@@ -44,10 +45,6 @@ def test_a_one_page_request_is_traced_on_both_sides_in_causal_order(tmp_path):
     order = [
         first(hops, Hop.SOCKET_SEND, "decode", "RoomMeta"),
         first(hops, Hop.SOCKET_RECV, "prefill", "RoomMeta"),
-        first(hops, Hop.SOCKET_SEND, "prefill", "AllocRequest"),
-        first(hops, Hop.SOCKET_RECV, "decode", "AllocRequest"),
-        first(hops, Hop.SOCKET_SEND, "decode", "AllocGrant"),
-        first(hops, Hop.SOCKET_RECV, "prefill", "AllocGrant"),
         first(hops, Hop.EVENT_QUEUED, "prefill", "xfer GatherJob"),
         first(hops, Hop.EVENT_TAKEN, "prefill", "xfer GatherJob"),
         first(hops, Hop.GATHER_START, "prefill"),
@@ -63,6 +60,10 @@ def test_a_one_page_request_is_traced_on_both_sides_in_causal_order(tmp_path):
         first(hops, Hop.SOCKET_RECV, "prefill", "RoomDone"),
     ]
     assert order == sorted(order), [hops[i].kind.value + " " + hops[i].detail for i in order]
+    # ring credits: the write goes into the credit the decode rank sent ahead of its metadata, with
+    # no ring-space round trip on the request's path (docs/protocol.md, "Ring credits")
+    assert not [r for r in hops if r.detail in ("AllocRequest", "AllocGrant")], \
+        [r.kind.value + " " + r.detail for r in hops if r.detail in ("AllocRequest", "AllocGrant")]
     # each decode rank: its tag, then its scatter, then Success, then its caller wakes
     for d in ("decode0", "decode1"):
         mine = [r for r in hops if r.process == d]

@@ -18,11 +18,12 @@ from ...staging.pool_copies import LandedBlock
 from ...staging.ring import RingAllocator
 from ...staging.scatter_worker import LandedPart, ScatterJob, ScatterWorker
 from ..poll import KVPoll
-from ..protocol.actions import Action, Scatter, StatusChanged
+from ..protocol.actions import Action, ReleaseCredit, Scatter, Send, SettleCredits, StatusChanged
 from ..protocol.decode_room import DecodeRoom
 from ..protocol.kinds import FailureKind
 from ..protocol.messages import (
     AllocRequest,
+    CreditReturn,
     Heartbeat,
     Hello,
     HelloAck,
@@ -30,6 +31,7 @@ from ..protocol.messages import (
     Quiesced,
     RoomDone,
     RoomFailed,
+    RoomMeta,
     TagsAgain,
     WatermarkUpdate,
     WritePosted,
@@ -45,6 +47,7 @@ from .events import Abort, InitReceiver, LookupDone, NewReceiver, ScatterDone
 from .interfaces import EventHandler, MessageHandler
 from .peers import Peer, PeerTable
 from .prefill_sources import PrefillSource
+from .ring_credits import DecodeCredits
 from .rooms import RoomBook
 
 
@@ -69,16 +72,23 @@ class DecodeSide:
         self.eager_rooms: set[int] = set()       # Transferring: writes towards them may come
         self.expected = ExpectedWrites()         # writes announced towards this rank, tags not in
         self.fanout = WatermarkFanout()          # who was told the ring's watermark (protocol/watermark_fanout.py)
+        self.credits = DecodeCredits(ctx, peers, book, self.publish_watermark)   # ring credits (ring_credits.py)
         self.handlers: dict[type, MessageHandler] = {
-            HelloAck: self.planner.on_HelloAck, MetaAck: self.on_MetaAck, AllocRequest: self.on_AllocRequest,
+            HelloAck: self.on_HelloAck, MetaAck: self.on_MetaAck, AllocRequest: self.on_AllocRequest,
             WriterDone: self.on_WriterDone, Quiesced: self.on_Quiesced, RoomFailed: self.on_RoomFailed,
-            WritePosted: self.on_WritePosted, TagsAgain: self.on_TagsAgain}
+            WritePosted: self.on_WritePosted, TagsAgain: self.on_TagsAgain,
+            CreditReturn: self.credits.on_return}
         self.events: dict[type, EventHandler] = {
             NewReceiver: self.new_receiver, InitReceiver: self.init_receiver, Abort: self.abort,
             ScatterDone: self.on_scattered, LookupDone: self.planner.on_lookup, RankGone: self.planner.rank_gone}
 
     def on_hello(self, msg: Hello, now: float) -> None:
         self.ctx.stats.count("dropped_messages", "unexpected")  # decode ranks connect, they are not connected to
+
+    def on_HelloAck(self, peer: Peer, msg: HelloAck, now: float) -> None:
+        if msg.ok and peer.state == "connecting" and (not msg.conn or msg.conn == peer.conn):
+            self.credits.connected(peer, msg)   # before the planner sends the waiting rooms' metadata
+        self.planner.on_HelloAck(peer, msg, now)
 
     def on_heartbeat(self, peer: Peer, msg: Heartbeat, now: float) -> None:
         pass
@@ -221,11 +231,17 @@ class DecodeSide:
         if arrival is not Arrival.REPEATED:
             self.ctx.stats.count("tags_by_arrival", arrival.value)
         self._expecting()
-        result = room.on_tag(peer.key, tag, now)
+        if tag.kind is TagKind.CREDIT:   # a piece its writer placed in one of its ring credits
+            result = room.on_credit_tag(peer.key, tag, self.credits.claim(peer, tag), self._ring().size, now)
+            self.ctx.stats.count("credit_tags", str(result.verdict))
+        else:
+            result = room.on_tag(peer.key, tag, now)
         verdict, actions = result.verdict, result.actions
+        if verdict == "ok" and tag.kind is TagKind.STAGED:
+            self.credits.wrote(peer, tag)
         if verdict == "ok":
             self.ctx.stats.add("bytes_received", tag.nbytes)
-            self.ctx.stats.count("bytes_received_by_path", "staged" if tag.kind is TagKind.STAGED else "direct",
+            self.ctx.stats.count("bytes_received_by_path", "direct" if tag.kind is TagKind.DIRECT else "staged",
                                  tag.nbytes)
             self.ctx.stats.add("tags_received")
             self._stamp(tag.room, "first_write", now)
@@ -253,6 +269,16 @@ class DecodeSide:
             self.ctx.stats.count("scatters", "thread")
             self.scatterer.submit(job)
 
+    def release_credit(self, a: ReleaseCredit) -> None:
+        self.credits.release(a.peer, a.span)
+
+    def settle_credits(self, a: SettleCredits) -> None:
+        raise RuntimeError("a decode room holds no credits of its own")
+
+    def meta_out(self, room: DecodeRoom, a: Send) -> None:
+        assert isinstance(a.msg, RoomMeta)
+        self.credits.meta_out(room, a.msg, a.peer)
+
     def _ring(self) -> RingAllocator:
         """The staging ring's allocator: there is one wherever a piece was staged."""
         a = self.ctx.handler.allocator
@@ -265,6 +291,7 @@ class DecodeSide:
         a = self._ring()
         wm = a.watermark
         self.ctx.stats.set("ring_live_bytes", a.live_bytes)
+        self.credits.issue()   # the space freed may hold a credit a rank waits for
         for inc in self.fanout.publish(pending_parts(self.book.rooms.values()), wm.linear(a.size), a.size):
             peer = self.peers.get(inc)
             if peer is not None and peer.state == "connected" and peer.staging:
@@ -282,6 +309,7 @@ class DecodeSide:
             self.planner.tombstone(room, a.failure_kind or "failed", a.failure or "", time.monotonic())
 
     def released(self, room: DecodeRoom) -> None:
+        self.credits.room_ended(room)
         self.planner.engine_of.pop(room.room, None)
         self._not_eager(room.room)
         if self.scatterer is not None:   # the page lists its scatters validated and indexed once
@@ -300,6 +328,7 @@ class DecodeSide:
         quarantine = 0.0 if clean else self.ctx.t.quarantine_for(self.ctx.cfg.backend)
         for room in list(self.book.rooms.values()):
             self.book.apply(room, room.on_peer_lost(peer.key, reason, self.ctx.handler.allocator, now, quarantine))
+        self.credits.peer_lost(peer, quarantine, now)
         self.planner.peer_lost(peer, now)
 
     def connect_failed(self, peer: Peer, now: float) -> None:
@@ -311,6 +340,7 @@ class DecodeSide:
 
     def tick(self, now: float) -> None:
         self.planner.plan_deadlines(now)
+        self.credits.tick(now)
 
     def closing(self, room: DecodeRoom, now: float) -> list[Action]:
         return (room.fail(FailureKind.CLOSED, "the kvstage manager is closing", now)
@@ -322,6 +352,10 @@ class DecodeSide:
                 "room_engines": len(self.planner.engine_of),
                 "rooms_awaiting_plan": sum(len(v.rooms) for v in views),
                 "tombstones": sum(len(v.tombstones) for v in views)}
+
+    def credit_bytes(self) -> int:
+        """Ring bytes the connected prefill ranks hold as credits (ring_credits.py)."""
+        return self.credits.held_bytes()
 
     def quarantined_bytes(self) -> int:
         """Memory that failed rooms keep until no write can land in it any more (their writers

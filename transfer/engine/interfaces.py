@@ -16,7 +16,17 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 if TYPE_CHECKING:
     from ..poll import KVPoll
-    from ..protocol.actions import Action, AwaitUnit, RoomTotals, Scatter, StatusChanged, WriteOp
+    from ..protocol.actions import (
+        Action,
+        AwaitUnit,
+        ReleaseCredit,
+        RoomTotals,
+        Scatter,
+        Send,
+        SettleCredits,
+        StatusChanged,
+        WriteOp,
+    )
     from ..protocol.messages import Heartbeat, Hello, RoomFailed
     from ..protocol.tags import Tag
     from .peers import Peer
@@ -87,6 +97,15 @@ class RoomHooks(Protocol[R_contra]):
     def publish_watermark(self) -> None:
         """Decode, staged: ring regions were freed; tell every writer of the ring."""
 
+    def release_credit(self, a: ReleaseCredit) -> None:
+        """Decode, ring credits: a piece written into a credit is done with (ring_credits.py)."""
+
+    def settle_credits(self, a: SettleCredits) -> None:
+        """Prefill, ring credits: give back the credits of a peer that are due (ring_credits.py)."""
+
+    def meta_out(self, room: R_contra, a: Send) -> None:
+        """Just before a room's metadata (RoomMeta) goes to a peer (decode: its credits go first)."""
+
     def status_changed(self, room: R_contra, a: StatusChanged) -> None:
         """After the caller's status took the room's new state (and the counters theirs)."""
 
@@ -147,6 +166,10 @@ class RoleSide(RoomHooks[R_contra], PeerLossListener, Protocol[R_contra]):
     def room_state(self) -> dict[str, int]:
         """How much per-room state the side holds (stats()["room_state"]); zero once every
         room ended and was released."""
+
+    def credit_bytes(self) -> int:
+        """Decode: ring bytes its connected prefill ranks hold as ring credits; prefill: 0."""
+        ...
 
     def quarantined_bytes(self) -> int:
         """Memory held back from reuse because a write may still touch it, for stats() (which

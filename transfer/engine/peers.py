@@ -36,6 +36,7 @@ class Peer:
     buffer_bytes: int = 0
     kv: KVMemory | None = None         # prefill side: where the decode rank's pages are
     ring: RingInfo | None = None       # prefill side: the decode rank's ring
+    credits: bool = False              # prefill side: this rank takes the decode rank's ring credits
     reason: str = ""
     since: float = 0.0
     conn: int = 0                      # the connection's number (decode numbers them; 0: not known)

@@ -14,12 +14,14 @@ from collections import defaultdict
 
 from ...staging.ring import Watermark
 from ..poll import KVPoll
-from ..protocol.actions import Action, PeerKey, Scatter, StatusChanged
+from ..protocol.actions import Action, PeerKey, ReleaseCredit, Scatter, Send, SettleCredits, StatusChanged
 from ..protocol.kinds import FailureKind
 from ..protocol.layer_sends import PER_CHUNK, LayerGrouping
 from ..protocol.leases import Lease
 from ..protocol.messages import (
     AllocGrant,
+    CreditAck,
+    CreditGrant,
     Heartbeat,
     Hello,
     HelloAck,
@@ -40,6 +42,7 @@ from .context import EngineContext
 from .events import Abort, InitSender, NewSender, SendChunk, UnitReady
 from .interfaces import EventHandler, MessageHandler
 from .peers import Peer, PeerTable
+from .ring_credits import PrefillCredits
 from .rooms import RoomBook
 from .write_queue import WriteQueue
 
@@ -62,9 +65,11 @@ class PrefillSide:
         self.used_sessions: dict[int, EarlierUses] = {}  # finished room -> its uses' sessions (stale for the next)
         self.pending: dict[int, list[Parked]] = defaultdict(list)  # room -> messages that came before its sender
         self.pending_since: dict[int, float] = {}
+        self.credits = PrefillCredits(ctx, peers, book, lambda inc, now: self.writes.dispatch(inc, now))   # ring credits
         self.handlers: dict[type, MessageHandler] = {
             RoomMeta: self.on_RoomMeta, AllocGrant: self.on_AllocGrant, WatermarkUpdate: self.on_WatermarkUpdate,
-            RoomDone: self.on_RoomDone, RoomFailed: self.on_RoomFailed}
+            RoomDone: self.on_RoomDone, RoomFailed: self.on_RoomFailed, CreditGrant: self.credits.on_grant,
+            CreditAck: lambda peer, msg, now: self.credits.on_ack(peer, msg)}
         self.events: dict[type, EventHandler] = {
             NewSender: self.new_sender, InitSender: self.init_sender, SendChunk: self.send_chunk, Abort: self.abort,
             UnitReady: self.unit_ready}
@@ -124,6 +129,7 @@ class PrefillSide:
         peer.staging = bool(msg.staging and msg.ring is not None and ctx.handler.buffers)
         if peer.staging and msg.ring is not None:
             ctx.handler.subscribe(key.incarnation, msg.ring.epoch, msg.ring.size)
+            peer.credits = self.credits.connected(peer, msg)
         elif ctx.cfg.staging:
             log.info("staging off towards decode rank %s: %s", key,
                      "it has no staging ring" if msg.ring is None or not msg.staging else "no staging buffers here")
@@ -135,7 +141,8 @@ class PrefillSide:
             src=ctx.me, dst=peer.key.incarnation, ok=ok, reason=reason, engine_id=ctx.cfg.engine_id,
             tp_size=ctx.layout.tp_size, tp_rank=ctx.layout.tp_rank, backend_name=ctx.backend_name,
             staging=bool(ok and peer.staging), buffer_bytes=ctx.handler.buffer_bytes, lease_s=ctx.t.lease,
-            conn=peer.conn, costs=ctx.calibration.writer if ok and peer.staging and ctx.calibration else None))
+            conn=peer.conn, costs=ctx.calibration.writer if ok and peer.staging and ctx.calibration else None,
+            credits=bool(ok and peer.credits)))
 
     def on_tag(self, peer: Peer, tag: Tag, now: float) -> None:
         """Only decode ranks are written to: a confused or forged peer."""
@@ -155,7 +162,7 @@ class PrefillSide:
         room = PrefillRoom(room=ev.room, num_pages=ev.num_pages, layout=self.ctx.layout, me=self.ctx.me, now=now,
                            timeouts=self.ctx.t, op_ids=_OP_IDS, stale=self.used_sessions.pop(ev.room, EarlierUses()),
                            pools=tuple(self.ctx.summary.pools), pool_items=ev.pool_items,
-                           grouping=self.grouping)
+                           grouping=self.grouping, credits=self.credits)
         self.book.add(room, ev.status)
         self.served.pop(ev.room, None)
         for item in self.pending.pop(ev.room, []):
@@ -259,6 +266,9 @@ class PrefillSide:
 
     def released(self, room: PrefillRoom) -> None:
         self.writes.forget_room(room.room)
+        for flow in room.flows.values():   # the last room towards a peer lets its credits go
+            if flow.staged:
+                self.credits.settle(flow.peer)
         if room.state is KVPoll.Success:
             self.served[room.room] = frozenset((f.peer.incarnation, f.session) for f in room.flows.values())
         self.used_sessions[room.room] = room.stale.plus(room.sessions())
@@ -273,7 +283,17 @@ class PrefillSide:
     def publish_watermark(self) -> None:
         raise RuntimeError("a prefill room asked to publish a watermark")
 
+    def release_credit(self, a: ReleaseCredit) -> None:
+        raise RuntimeError("a prefill room released a decode ring's credit")
+
+    def settle_credits(self, a: SettleCredits) -> None:
+        self.credits.settle(a.peer)
+
+    def meta_out(self, room: PrefillRoom, a: Send) -> None:
+        pass
+
     def peer_lost(self, peer: Peer, reason: str, now: float, clean: bool) -> None:
+        self.credits.peer_lost(peer)
         for room in list(self.book.rooms.values()):
             self.book.apply(room, room.on_peer_lost(peer.key, reason, now))
 
@@ -285,6 +305,7 @@ class PrefillSide:
             self.book.apply(room, room.tick(now))
 
     def tick(self, now: float) -> None:
+        self.credits.tick(now)
         for room_id, since in list(self.pending_since.items()):
             if now - since > self.ctx.t.metadata:
                 self.pending.pop(room_id, None)
@@ -296,6 +317,10 @@ class PrefillSide:
 
     def room_state(self) -> dict[str, int]:
         return {"parked_rooms": len(self.pending)}
+
+    def credit_bytes(self) -> int:
+        """Only a decode rank's ring is lent out as credits."""
+        return 0
 
     def quarantined_bytes(self) -> int:
         """Source bytes of writes given up on that the backend may still read (Mooncake cannot

@@ -22,11 +22,14 @@ from ..protocol.actions import (
     Dropped,
     PostWrite,
     PublishWatermark,
+    ReleaseCredit,
     Released,
     Scatter,
     Send,
+    SettleCredits,
     StatusChanged,
 )
+from ..protocol.messages import RoomMeta
 from .context import FINISHED_MEMORY, EngineContext
 from .handles import RoomStatus
 from .interfaces import Later, R, RoomHooks, WriteSink
@@ -74,6 +77,8 @@ class RoomBook(Generic[R]):
         failed = False
         for a in actions:
             if isinstance(a, Send):
+                if type(a.msg) is RoomMeta:
+                    self._side().meta_out(room, a)
                 self.peers.send(a.peer, a.msg)
             elif isinstance(a, PostWrite):
                 self._writes().post(a.op, time.monotonic())
@@ -83,6 +88,10 @@ class RoomBook(Generic[R]):
                 self._side().scatter(a)
             elif isinstance(a, PublishWatermark):
                 self._side().publish_watermark()
+            elif isinstance(a, ReleaseCredit):
+                self._side().release_credit(a)
+            elif isinstance(a, SettleCredits):
+                self._side().settle_credits(a)
             elif isinstance(a, StatusChanged):
                 self._status_changed(room, a)
                 failed |= a.state is KVPoll.Failed and not a.released

@@ -7,7 +7,7 @@ returns a list of these actions; it never performs IO itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -16,6 +16,9 @@ from .kinds import TransferPath
 from .messages import PeerMessage
 from .pool_parts import PoolCopy
 from .tags import Tag
+
+if TYPE_CHECKING:   # staging.credits imports transfer: only its name here
+    from ...staging.credits import CreditSpan
 
 
 class PeerKey(NamedTuple):
@@ -56,6 +59,7 @@ class WriteOp:
     pools: tuple[PoolCopy, ...] = ()   # state pool copies after the KV bytes: the last page's write
     layers: range                      # the layers it moves (a layer-wise send: a group of them)
     ready: tuple[object, ...] = ()     # waited on (synchronize()) before the layers are read
+    credit: CreditSpan | None = None   # staged into a ring credit: its place there (ring_start is its start)
 
     @property
     def num_pages(self) -> int:
@@ -152,6 +156,24 @@ class AwaitUnit:
 
 
 @dataclass(frozen=True)
+class ReleaseCredit:
+    """Decode: a piece written into a ring credit (from `peer`, at `span`) is done with: scattered,
+    or dropped with its room. The shell releases it to the ring's CreditLedger (never frees the
+    region itself: the credit holds it)."""
+
+    peer: PeerKey
+    span: CreditSpan
+
+
+@dataclass(frozen=True)
+class SettleCredits:
+    """Prefill: a write into a credit of `peer` completed, or the room took what it needed from
+    them: the shell sends the CreditReturns that are due (CreditPurse.returns)."""
+
+    peer: PeerKey
+
+
+@dataclass(frozen=True)
 class Released:
     """Nothing of the room can be touched any more; the shell may forget it."""
 
@@ -164,4 +186,4 @@ class Dropped:
 
 
 Action = (Send | PostWrite | AwaitUnit | Scatter | PublishWatermark | StatusChanged | Released | Dropped
-          | DecodePrefix)
+          | DecodePrefix | ReleaseCredit | SettleCredits)

@@ -74,10 +74,11 @@ def direct_writes(w: ChunkWrites, *, dst_pages: np.ndarray, ranges_per_page: int
 
 def granted_writes(w: ChunkWrites, grant: AllocGrant, *,
                    last_part: Callable[[int], tuple[int, tuple[PoolCopy, ...]]] | None,
-                   op_ids: Iterator[int]) -> list[WriteOp] | str:
+                   op_ids: Iterator[int], kind: TagKind = TagKind.STAGED) -> list[WriteOp] | str:
     """The chunk's staged writes, one per granted piece, or why the grant does not match the
     chunk. `last_part(kv_bytes)`: this writer's offset and pool copies in the piece carrying the
-    pools (None: the request moves none)."""
+    pools (None: the request moves none). `kind` CREDIT: pieces the room cut itself, each placed
+    in a ring credit (credit_writes.py)."""
     a, chunk = w.assignment, w.chunk
     pos = chunk.page_start
     out: list[WriteOp] = []
@@ -94,7 +95,7 @@ def granted_writes(w: ChunkWrites, grant: AllocGrant, *,
                 or offset + nbytes > piece.region_nbytes):
             return f"ring allocation for chunk {grant.chunk} from {w.peer} does not match the chunk: {piece}"
         pos += piece.num_pages
-        tag = w._tag(TagKind.STAGED, chunk=grant.chunk, piece=piece.index, page_start=piece.page_start,
+        tag = w._tag(kind, chunk=grant.chunk, piece=piece.index, page_start=piece.page_start,
                      num_pages=piece.num_pages, nbytes=nbytes, epoch=grant.epoch, ring_start=piece.start)
         out.append(WriteOp(op_id=next(op_ids), room=w.room, peer=w.peer, staged=True, chunk=grant.chunk,
                            piece=piece.index, src_pages=chunk.pages[lo:lo + piece.num_pages], dst_pages=None,

@@ -7,6 +7,15 @@ ring space per chunk; the room splits the chunk into pieces that fit, allocates 
 shared ring allocator, validates every tag against its allocation, asks for a scatter once all
 writers of a piece landed, and frees the region after it.
 
+Ring credits (staging/credits.py): a single-writer piece may also arrive unplanned, written
+into a credit its writer holds (`on_credit_tag`, a CREDIT tag). The shell first claims its
+place from the ring's CreditLedger; the room checks the piece against its own plan (its
+writer is the only writer of those layers, its pages inside the room and planned by no other
+piece, its bytes what that writer writes there), scatters it like a granted piece, and hands
+its place back to the ledger afterwards (`ReleaseCredit`) instead of freeing it in the ring:
+the credit holds the region. A claim the ledger refused (outside a credit, overlapping another
+write, after the credit came back) fails this room only; its bytes are never scattered.
+
 A failed room keeps every ring region (and, for the direct path, reports its pages not
 released) until each writer that knew the room is known to have stopped writing: it said
 Quiesced, or it was declared lost.
@@ -19,17 +28,29 @@ WriterDone or AllocRequest with its outcome. Everything it receives is idempoten
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
+from ...staging import credits as credit_rules  # the module: staging.credits imports transfer (a cycle)
 from ...staging.ring import Region, RingAllocator
 from ..config import Timeouts
 from ..draft_kv import draft_pool_name, request_draft_items
 from ..layout import KVLayout
 from ..poll import KVPoll
 from ..state_pools import PoolSpec
-from .actions import Action, PartCheck, PeerKey, PoolPlacement, PublishWatermark, RoomTotals, Scatter, ScatterPart, Send
+from .actions import (
+    Action,
+    PartCheck,
+    PeerKey,
+    PoolPlacement,
+    PublishWatermark,
+    ReleaseCredit,
+    RoomTotals,
+    Scatter,
+    ScatterPart,
+    Send,
+)
 from .chunk_pieces import PiecesRefused, chunk_pieces
 from .decode_plan import PlanRefused, RoomPlan, WriterOffer, plan_room
 from .head_mapping import Assignment
@@ -40,6 +61,10 @@ from .pool_parts import PoolCopy, block_bytes, part_offsets, request_copies, wri
 from .room_base import RoomBase
 from .tags import Tag, TagKind
 from .tracker import ExpectedPiece, Outcome, RoomTracker
+
+if TYPE_CHECKING:
+    from ...staging.credit_ledger import Claim
+    from ...staging.credits import CreditSpan
 
 __all__ = ["DecodeRoom", "PageSpan", "PlanRefused", "RingSpan", "RoomPlan", "TagResult", "TagVerdict", "WriterOffer",
            "WriterPart", "plan_room"]
@@ -118,6 +143,16 @@ class Allocation:
     regions: dict[int, Region]                    # piece index -> region, until freed
 
 
+@dataclass(frozen=True, kw_only=True)
+class CreditPiece:
+    """A single-writer piece its writer wrote into one of its ring credits: where, and whose."""
+
+    peer: PeerKey
+    span: CreditSpan
+    region: Region
+    layers: range
+
+
 def _layers(tag: Tag) -> range:
     return range(tag.layer_start, tag.layer_start + tag.num_layers)
 
@@ -137,6 +172,7 @@ class DecodeRoom(RoomBase):
         self.writers: dict[int, WriterState] = {}
         self.tracker: RoomTracker | None = None
         self.allocs: dict[int, Allocation] = {}
+        self.credit_pieces: dict[tuple[int, int], CreditPiece] = {}   # (chunk, piece) -> until scattered
         self.scattering: dict[tuple[int, int], float] = {}   # piece key -> when asked
         self.acked: set[int] = set()                         # prefill ranks that acknowledged the metadata
         self._retry_at = 0.0
@@ -246,6 +282,9 @@ class DecodeRoom(RoomBase):
                                  now)
             return [self._grant(peer, alloc)]
         t = self._tracker
+        if any(c == req.chunk for c, _ in self.credit_pieces) or any(p.chunk == req.chunk for p in t.pieces()):
+            return self.fail(FailureKind.PROTOCOL, f"{peer} asked for ring space for chunk {req.chunk}, which it "
+                                                   "wrote into its ring credits", now)
         if req.num_pages <= 0 or req.page_start < 0 or req.page_start + req.num_pages > t.num_pages \
                 or not t.layers_ok(layers) or t.overlaps_plan(req.page_start, req.num_pages, layers) \
                 or peer.tp_rank not in t.writers_of(layers):
@@ -312,15 +351,86 @@ class DecodeRoom(RoomBase):
             return TagVerdict.OK, [self._scatter(arrival.piece, now)]
         return TagVerdict.OK, self._check_complete(now)
 
+    def on_credit_tag(self, peer: PeerKey, tag: Tag, claim: Claim, ring_size: int, now: float) -> TagResult:
+        """Apply a CREDIT tag whose place the ring's CreditLedger judged (`claim`, for this
+        peer, the tag's ring_start and nbytes). An OK claim the room does not keep is handed back
+        at once (ReleaseCredit); one it keeps is handed back after its scatter."""
+        verdict, actions, kept = self._on_credit_tag(peer, tag, claim, ring_size, now)
+        if claim.verdict is credit_rules.ClaimVerdict.OK and not kept:
+            assert claim.span is not None
+            actions = [ReleaseCredit(peer, claim.span), *actions]
+        return TagResult(verdict, actions)
+
+    def _on_credit_tag(self, peer: PeerKey, tag: Tag, claim: Claim, ring_size: int,
+                       now: float) -> tuple[TagVerdict, list[Action], bool]:
+        w = self._writer(peer)
+        if w is None or tag.session != self.session or tag.src != peer.incarnation or self.tracker is None:
+            return TagVerdict.STALE, [], False
+        self.acked.add(peer.tp_rank)
+        if self.ended:
+            return TagVerdict.STALE, [], False
+        if (tag.chunk, tag.piece) in self.credit_pieces or (tag.chunk, tag.piece) in w.tags:
+            return TagVerdict.DUPLICATE, [], False
+        if claim.verdict is credit_rules.ClaimVerdict.DUPLICATE:
+            return TagVerdict.DUPLICATE, [], False
+        if claim.verdict is not credit_rules.ClaimVerdict.OK:
+            return TagVerdict.REJECTED, self.fail(FailureKind.PROTOCOL, f"ring credit ({claim.verdict}): "
+                                                  f"{claim.reason}", now), False
+        why = self._credit_piece_refused(peer, tag)
+        if why is not None:
+            return TagVerdict.REJECTED, self.fail(FailureKind.PROTOCOL, why, now), False
+        t, layers = self._tracker, _layers(tag)
+        assert claim.span is not None
+        region = Region(tag.ring_start, tag.nbytes, ring_size)
+        t.expect_piece(tag.chunk, tag.piece, tag.page_start, tag.num_pages, tag.ring_start, [tag.writer], layers)
+        arrival = t.arrive_staged(tag.writer, tag.chunk, tag.piece, tag.page_start, tag.num_pages, tag.nbytes,
+                                  tag.ring_start, layers)
+        assert arrival.outcome is Outcome.PIECE_LANDED and arrival.piece is not None, arrival
+        self.credit_pieces[(tag.chunk, tag.piece)] = CreditPiece(peer=peer, span=claim.span, region=region,
+                                                                 layers=layers)
+        w.tags.add((tag.chunk, tag.piece))
+        w.digests[(tag.chunk, tag.piece)] = tag.digest
+        self.bytes_in += tag.nbytes
+        self.writes_in += 1
+        return TagVerdict.OK, [self._scatter(arrival.piece, now)], True
+
+    def _credit_piece_refused(self, peer: PeerKey, tag: Tag) -> str | None:
+        """Why a piece written into a credit cannot be this room's (None: it can)."""
+        t, layers = self._tracker, _layers(tag)
+        where = (f"credit piece (chunk {tag.chunk} piece {tag.piece}: pages [{tag.page_start}, +{tag.num_pages}) of "
+                 f"layers [{layers.start}, {layers.stop}), {tag.nbytes} bytes) from {peer}")
+        if not self._plan.staged or tag.epoch != self._plan.ring_epoch:
+            return f"{where} is not for ring epoch {self._plan.ring_epoch} of a staged room"
+        if tag.num_pages <= 0 or tag.page_start < 0 or tag.page_start + tag.num_pages > t.num_pages \
+                or not t.layers_ok(layers):
+            return f"{where} lies outside the room"
+        if t.writers_of(layers) != [tag.writer]:
+            return f"{where}: those layers have writers {t.writers_of(layers)}, a credit piece has exactly one"
+        if t.overlaps_plan(tag.page_start, tag.num_pages, layers) or (tag.chunk, tag.piece) in \
+                {p.key for p in t.pieces()}:
+            return f"{where} covers pages another piece of the room holds"
+        want = t.bytes_of(tag.writer, tag.num_pages, layers) + (
+            t.final_extra.get(tag.writer, 0) if t.final(tag.page_start, tag.num_pages, layers) else 0)
+        if tag.nbytes != want:
+            return f"{where} does not hold the {want} bytes its writer writes there"
+        return None
+
+    def _piece_place(self, chunk: int, index: int) -> tuple[Region, range]:
+        """A piece's ring region and its layers: granted, or written into a credit."""
+        credit = self.credit_pieces.get((chunk, index))
+        if credit is not None:
+            return credit.region, credit.layers
+        alloc = self.allocs[chunk]
+        return alloc.regions[index], alloc.layers
+
     def _parts(self, chunk: int, index: int, page_start: int, num_pages: int) -> list[WriterPart]:
         """Each writer's part of a piece's ring region, in writer order."""
-        alloc = self.allocs[chunk]
-        region = alloc.regions[index]
-        per_head = num_pages * self._plan.head_page_bytes * len(alloc.layers) // self._tracker.num_layers
-        held = set(self._tracker.writers_of(alloc.layers))   # PP: the stage's writers only
+        region, layers = self._piece_place(chunk, index)
+        per_head = num_pages * self._plan.head_page_bytes * len(layers) // self._tracker.num_layers
+        held = set(self._tracker.writers_of(layers))   # PP: the stage's writers only
         writers = sorted(((r, w) for r, w in self.writers.items() if r in held),
                          key=lambda rw: rw[1].assignment.writer_index)
-        final = self._tracker.final(page_start, num_pages, alloc.layers)
+        final = self._tracker.final(page_start, num_pages, layers)
         copies = [self.pool_copies.get(r, ()) if final else () for r, _ in writers]
         kv = [per_head * w.assignment.num_heads for _, w in writers]
         offsets = part_offsets([n + block_bytes(c) for n, c in zip(kv, copies)])
@@ -347,7 +457,8 @@ class DecodeRoom(RoomBase):
         if w is None or tag.session != self.session or self.tracker is None or self.ended:
             return None
         if self._plan.staged:
-            if tag.chunk not in self.allocs or tag.piece not in self.allocs[tag.chunk].regions:
+            if (tag.chunk, tag.piece) not in self.credit_pieces and (
+                    tag.chunk not in self.allocs or tag.piece not in self.allocs[tag.chunk].regions):
                 return None
             part = next(p for p in self._parts(tag.chunk, tag.piece, tag.page_start, tag.num_pages)
                         if p.rank == tag.writer)
@@ -385,7 +496,11 @@ class DecodeRoom(RoomBase):
             out += self.fail(kind, cast(str, reason) if kind == "corrupt" else
                              f"scatter of chunk {chunk} piece {index} failed: {reason}", now)
         # every writer of the piece landed and the scatter is over: nothing touches the region
-        out += self._free(ring, [self.allocs[chunk].regions.pop(index)])
+        credit = self.credit_pieces.pop(key, None)
+        if credit is not None:
+            out.append(ReleaseCredit(credit.peer, credit.span))   # the credit holds the region
+        else:
+            out += self._free(ring, [self.allocs[chunk].regions.pop(index)])
         return out + self._check_complete(now) + self._maybe_release(ring, now)
 
     def on_writer_done(self, peer: PeerKey, msg: WriterDone, now: float) -> list[Action]:
@@ -513,7 +628,9 @@ class DecodeRoom(RoomBase):
         leftover = [r for a in self.allocs.values() for r in a.regions.values()]
         for a in self.allocs.values():
             a.regions.clear()
-        out = self._free(ring, leftover) if leftover else []
+        out: list[Action] = [ReleaseCredit(c.peer, c.span) for c in self.credit_pieces.values()]
+        self.credit_pieces.clear()
+        out += self._free(ring, leftover) if leftover else []
         return out + self._release()
 
     def _entered(self, state: KVPoll, now: float) -> list[Action]:

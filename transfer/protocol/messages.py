@@ -98,6 +98,8 @@ class HelloAck(PeerMessage, kw_only=True, frozen=True):
     conn: int = 0               # the Hello's connection number
     costs: WriterCosts | None = None   # what this rank's writes and gathers cost, measured at its start
                                        # (protocol/path_choice.py; None: not measured), since version 3
+    credits: bool = False       # takes ring credits (CreditGrant; staging/credits.py), since version 4: a
+                                # peer without it gets every staged piece through AllocRequest / AllocGrant
 
 
 class RoomMeta(RoomMessage, kw_only=True, frozen=True):

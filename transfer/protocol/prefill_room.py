@@ -13,6 +13,11 @@ flight any more says so (Quiesced), so the decode side can reuse the memory.
 Control messages may be lost: it re-sends an AllocRequest until the grant arrives and its
 WriterDone until the decode side confirms; duplicates it receives are ignored.
 
+Ring credits (credit_writes.py): a staged chunk towards a decode rank that gave this rank
+credits, of which this rank is the only writer, is cut into pieces here and written into the
+credits at once, without asking for ring space; when the credits cannot hold the whole chunk
+it goes the grant path.
+
 Room ids are reused: a failure or metadata is bound to engine + session + use (see
 docs/protocol.md and room_uses.py); one of an earlier use of the id, or of another engine or
 session than the flow it would hit, is dropped.
@@ -21,7 +26,9 @@ session than the flow it would hit, is dropped.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
+import msgspec
 import numpy as np
 
 from ..config import Timeouts
@@ -29,8 +36,9 @@ from ..draft_kv import is_draft_pool, request_draft_items
 from ..layout import KVLayout
 from ..poll import KVPoll
 from ..state_pools import PoolSpec
-from .actions import Action, DecodePrefix, Dropped, PeerKey, PostWrite, RoomTotals, Send, WriteOp
+from .actions import Action, DecodePrefix, Dropped, PeerKey, PostWrite, RoomTotals, Send, SettleCredits, WriteOp
 from .chunk_writes import ChunkWrites, direct_writes, granted_writes
+from .credit_writes import CreditPurses, cut_pieces
 from .direct_ranges import direct_nbytes
 from .flow_timers import due_again, overdue
 from .flows import Chunk, Flow, past_prefix
@@ -38,11 +46,12 @@ from .head_mapping import Assignment, HeadMapping, compute_assignments
 from .kinds import FailureKind, TransferPath
 from .layer_sends import PER_CHUNK, LayerGrouper, LayerGrouping, SendLedger, Unit
 from .lifecycle import PREFILL_TRANSITIONS, RoomEvent
-from .messages import AllocGrant, AllocRequest, Quiesced, RoomFailed, RoomMeta, TagsAgain, WriterDone
-from .pool_parts import counts_mismatch, final_part, request_copies, writer_segments
+from .messages import AllocGrant, AllocRequest, Piece, Quiesced, RoomFailed, RoomMeta, TagsAgain, WriterDone
+from .pool_parts import block_bytes, counts_mismatch, final_part, request_copies, writer_segments
 from .room_base import RoomBase
 from .room_uses import Bound, EarlierUses, RoomUse, failure_use, meta_use
 from .send_checks import check_late_items, check_page_count
+from .tags import TagKind
 from .write_batching import UnitBatcher, plan_units
 
 
@@ -54,10 +63,12 @@ class PrefillRoom(RoomBase):
     def __init__(self, *, room: int, num_pages: int | None, layout: KVLayout, me: int, now: float,
                  timeouts: Timeouts, op_ids: itertools.count[int] | None = None, max_ranges: int = 65536,
                  stale: EarlierUses | None = None, pools: tuple[PoolSpec, ...] = (),
-                 pool_items: dict[str, np.ndarray] | None = None, grouping: LayerGrouping = PER_CHUNK):
+                 pool_items: dict[str, np.ndarray] | None = None, grouping: LayerGrouping = PER_CHUNK,
+                 credits: CreditPurses | None = None):
         """`num_pages` None: the page count comes later, with init() (serving engines create the
         sender when the request arrives, before they know it). `pools`: the state pools' specs;
-        `pool_items`: this request's items of them (validated by the caller's handle)."""
+        `pool_items`: this request's items of them (validated by the caller's handle).
+        `credits`: the ring credits decode peers gave this rank (None: every staged chunk asks)."""
         if num_pages is not None and num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         super().__init__(room=room, me=me, layout=layout, now=now, timeouts=timeouts, pools=pools)
@@ -83,6 +94,7 @@ class PrefillRoom(RoomBase):
         self.stale = stale if stale is not None else EarlierUses()   # sessions of earlier uses of this id
         self.early: dict[tuple[PeerKey, int], tuple[str, str]] = {}  # failures parked before this sender
         self.pool_items: dict[str, np.ndarray] = pool_items or {}
+        self.credits = credits
 
     # -- inputs -----------------------------------------------------------------------------
     def init(self, num_pages: int, now: float, pool_items: dict[str, np.ndarray] | None = None) -> list[Action]:
@@ -272,6 +284,15 @@ class PrefillRoom(RoomBase):
             return []
         flow = self.flows[op.peer.tp_rank]
         flow.inflight.discard(op_id)
+        if op.credit is not None:   # its credit may go back once nothing of it is in flight
+            purse = self.credits.purse(op.peer) if self.credits is not None else None
+            if purse is not None and purse.holds(op.credit):
+                purse.done(op.credit, ok)
+            return [SettleCredits(op.peer)] + self._write_done(flow, op, ok, reason, now, tags)
+        return self._write_done(flow, op, ok, reason, now, tags)
+
+    def _write_done(self, flow: Flow, op: WriteOp, ok: bool, reason: str | None, now: float,
+                    tags: tuple[bytes, ...]) -> list[Action]:
         if not ok and flow.confirmed:
             # the decode rank already has every byte (it confirmed the room): a write reported
             # failed now was released after it landed (e.g. the peer left and was disconnected)
@@ -483,13 +504,59 @@ class PrefillRoom(RoomBase):
                 if not self.last and self._final(chunk.page_start + chunk.pages.size, chunk.layers):
                     break   # the write carrying the pool items waits for the last send, which may name them
                 if flow.staged:
-                    flow.requested_at[chunk.index] = now
-                    out.append(self._alloc_request(flow, chunk))
+                    taken = self._credit_writes(flow, a, chunk)
+                    if taken is not None:
+                        out += taken
+                        flow.granted.add(chunk.index)
+                        flow.active_at = now
+                    else:
+                        flow.requested_at[chunk.index] = now
+                        out.append(self._alloc_request(flow, chunk))
+                        if self.credits is not None and self.credits.purse(flow.peer) is not None:
+                            out.append(SettleCredits(flow.peer))   # credits it retired may go back
                 else:
                     out += self._direct_writes(flow, a, chunk)
                     flow.active_at = now
                 flow.issued += 1
         return out + self._check_done(now)
+
+    def _credit_writes(self, flow: Flow, a: Assignment, chunk: Chunk) -> list[Action] | None:
+        """The chunk's writes into the decode rank's credits, posted at once; None: it goes the
+        grant path (no credits from that rank, several writers of its pieces, or its credits
+        cannot hold the whole chunk: then they are all retired and go back)."""
+        purse = self.credits.purse(flow.peer) if self.credits is not None else None
+        if purse is None or self.credits is None or len(self._mapping.writers_of(flow.peer.tp_rank)) != 1:
+            return None
+        piece_bytes = self.credits.piece_bytes
+        w = self._chunk_writes(flow, a, chunk)
+        last_part = ((lambda kv: final_part(self.pools, self._mapping, a, kv, self.pool_items, flow.pool_dst))
+                     if self.pool_items else None)
+        end = chunk.page_start + int(chunk.pages.size)
+        extra = block_bytes(last_part(0)[1]) if last_part is not None and w.pools_at == end else 0
+        cut = cut_pieces(chunk.page_start, int(chunk.pages.size), page_bytes=w.head_page_bytes * a.num_heads,
+                         piece_bytes=piece_bytes, last_extra=extra)
+        if cut is None:
+            return None
+        probe = AllocGrant(src=flow.peer.incarnation, dst=self.me, room=self.room, session=flow.session, chunk=w.wire,
+                           epoch=purse.epoch, pieces=[Piece(i, s, n, 0, piece_bytes) for i, (s, n) in enumerate(cut)])
+        ops = granted_writes(w, probe, op_ids=self._op_ids, last_part=last_part, kind=TagKind.CREDIT)
+        if isinstance(ops, str) or any(op.writer_offset for op in ops):
+            return None   # a single writer's part starts its piece: never, but then the grant path decides
+        spans = purse.take_all([op.nbytes for op in ops], self.room, flow.session)
+        if spans is None:
+            return None
+        placed = [replace(op, ring_start=sp.start, credit=sp, tag=msgspec.structs.replace(op.tag, ring_start=sp.start))
+                  for op, sp in zip(ops, spans)]
+        out: list[Action] = [self._post(flow, op) for op in placed]
+        return out + [SettleCredits(flow.peer)]
+
+    def wants_credits(self, peer: PeerKey) -> bool:
+        """Whether this room may still write staged chunks to `peer` (its purse stays open)."""
+        flow = self.flows.get(peer.tp_rank)
+        if self.ended or flow is None or flow.peer != peer or not flow.staged or flow.assignment is None:
+            return False
+        return not (self.last and flow.issued == len(self.sendable)
+                    and (self.batcher is None or len(self.batcher) == 0))
 
     def _chunk_writes(self, flow: Flow, a: Assignment, chunk: Chunk) -> ChunkWrites:
         return ChunkWrites(room=self.room, me=self.me, writer=self.layout.rank, peer=flow.peer, session=flow.session,

@@ -22,6 +22,8 @@ MAX_TAG_BYTES = 512
 class TagKind(enum.IntEnum):
     DIRECT = 0
     STAGED = 1
+    CREDIT = 2    # staged, into a ring credit (staging/credits.py): a piece its writer cut itself, at
+                  # `ring_start` inside one of its credits; the decode room planned no place for it
 
 
 class Tag(msgspec.Struct, frozen=True, array_like=True):

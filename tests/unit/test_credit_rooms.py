@@ -1,0 +1,256 @@
+"""Ring credits in the room state machines (issue 47, item 2's wiring): a prefill room cuts a
+single-writer chunk into pieces and takes them from its decode peer's purse (all at once, no
+ring-space round trip), falling back to the grant path; a decode room takes a piece it did not
+plan from a credit tag the ring's ledger claimed, scatters it and hands its place back to the
+ledger; a claim the ledger refuses fails that room only. Real ledger, purse, ring and rooms:
+only the engine shell between them is left out (docs/protocol.md, "Ring credits")."""
+
+from __future__ import annotations
+
+import itertools
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from kvstage.bootstrap.wire import sign
+from kvstage.staging.credit_ledger import CreditLedger
+from kvstage.staging.credit_purse import CreditPurse
+from kvstage.staging.credits import ClaimVerdict, WriteRef
+from kvstage.staging.ring import RingAllocator
+from kvstage.transfer.config import Timeouts
+from kvstage.transfer.layout import KVLayout
+from kvstage.transfer.poll import KVPoll
+from kvstage.transfer.protocol.actions import (
+    PeerKey,
+    PostWrite,
+    ReleaseCredit,
+    Scatter,
+    Send,
+    SettleCredits,
+)
+from kvstage.transfer.protocol.credit_writes import cut_pieces
+from kvstage.transfer.protocol.decode_room import DecodeRoom, RoomPlan, TagVerdict
+from kvstage.transfer.protocol.head_mapping import compute_assignments
+from kvstage.transfer.protocol.messages import AllocGrant, AllocRequest, HelloAck, RoomMeta, peer_codec
+from kvstage.transfer.protocol.prefill_room import PrefillRoom
+from kvstage.transfer.protocol.tags import TagKind
+
+LAYOUT = KVLayout(num_layers=2, total_kv_heads=2, head_dim=4, dtype=torch.uint8, page_size=2, tp_size=1, tp_rank=0,
+                  mla=False)
+PREF = PeerKey("prefill", 0, 1000)
+DEC = PeerKey("decode", 0, 2000)
+N = 4                       # pages of a request
+PAGE = 64                   # bytes one page of the writer holds: K/V x 2 layers x 2 tokens x 2 heads x 4 bytes
+RING = 4096
+SESSION = 22
+
+
+class Purses:
+    """The engine shell's side of the rooms' CreditPurses: one purse, towards DEC."""
+
+    def __init__(self, purse: CreditPurse | None, piece_bytes: int = 2 * PAGE):
+        self._purse, self.piece_bytes = purse, piece_bytes
+
+    def purse(self, peer: PeerKey) -> CreditPurse | None:
+        return self._purse if peer == DEC else None
+
+
+def world(credit_bytes: int = 4 * PAGE * 2, piece_bytes: int = 2 * PAGE):
+    """A ring with its ledger, a credit of `credit_bytes` given to PREF and held by its purse."""
+    ring = RingAllocator(RING, 64)
+    ledger = CreditLedger(ring, floor=64)
+    ledger.connect(PREF)
+    purse = CreditPurse(epoch=DEC.incarnation, ring_size=RING)
+    ledger.add_demand(PREF, 0, 0, credit_bytes)   # a demand of this size makes a credit of this size
+    (c,) = ledger.issue()
+    assert c.nbytes == credit_bytes
+    ledger.end_room(0, 0)
+    assert purse.on_grant(credit=c.credit, epoch=DEC.incarnation, start=c.start, nbytes=c.nbytes) == "ok"
+    return ring, ledger, purse, Purses(purse, piece_bytes)
+
+
+def plan() -> RoomPlan:
+    a = compute_assignments(1, 1, LAYOUT.total_kv_heads, False).find(0, 0)
+    hpb = LAYOUT.num_kv * LAYOUT.num_layers * LAYOUT.page_size * LAYOUT.head_bytes
+    return RoomPlan(writers=((PREF, a),), staged=True, head_page_bytes=hpb, max_piece_pages=N, ring_align=64,
+                    ring_epoch=DEC.incarnation, prefill_tp=1, decode_tp=1, ring_size=RING, buffer_bytes=1024,
+                    can_stage=True)
+
+
+def decode(room: int = 7, session: int = SESSION) -> DecodeRoom:
+    d = DecodeRoom(room=room, session=session, me=DEC.incarnation, layout=LAYOUT, now=0.0, timeouts=Timeouts())
+    d.on_plan(plan(), 0.0)
+    acts = d.init(np.arange(10, 10 + N), 1.0)
+    assert any(isinstance(a, Send) and isinstance(a.msg, RoomMeta) and a.msg.staged for a in acts)
+    return d
+
+
+def prefill(purses, room: int = 7, session: int = SESSION, layout: KVLayout = LAYOUT, decode_tp: int = 1):
+    p = PrefillRoom(room=room, num_pages=N, layout=layout, me=PREF.incarnation, now=0.0, timeouts=Timeouts(),
+                    op_ids=itertools.count(room * 100), credits=purses)
+    p.add_meta(DEC, decode_tp, RoomMeta(src=DEC.incarnation, dst=PREF.incarnation, room=room, session=session,
+                                        num_pages=N, staged=True), 1.0)
+    return p
+
+
+def writes(actions):
+    return [a.op for a in actions if isinstance(a, PostWrite)]
+
+
+def asks(actions):
+    return [a.msg for a in actions if isinstance(a, Send) and isinstance(a.msg, AllocRequest)]
+
+
+def land(d: DecodeRoom, ledger: CreditLedger, ring: RingAllocator, op, now: float = 3.0):
+    """The tag of `op` arrives at the decode rank: claimed, applied; scatters done and released."""
+    claim = ledger.claim(PREF, op.tag.ring_start, op.tag.nbytes, op.tag.room, op.tag.session)
+    res = d.on_credit_tag(PREF, op.tag, claim, RING, now)
+    for a in list(res.actions):
+        if isinstance(a, Scatter):
+            res.actions.extend(d.on_scattered(a.key, True, None, ring, now))
+    for a in res.actions:
+        if isinstance(a, ReleaseCredit):
+            ledger.release(a.peer, a.span)
+    return res
+
+
+def test_a_single_writer_request_writes_into_its_credit_without_asking_and_gives_it_back():
+    ring, ledger, purse, purses = world()
+    d, p = decode(), prefill(purses)
+    acts = p.add_chunk(np.arange(N), True, 2.0)
+    ops = writes(acts)
+    assert not asks(acts) and len(ops) == 2   # 2 pieces of 2 pages, both posted at once
+    assert all(op.tag.kind is TagKind.CREDIT and op.credit is not None for op in ops)
+    assert [op.ring_start for op in ops] == [op.credit.start for op in ops] == [ops[0].ring_start, ops[0].ring_start
+                                                                                + 2 * PAGE]
+    results = [land(d, ledger, ring, op) for op in ops]   # both in flight before either completed
+    assert [r.verdict for r in results] == [TagVerdict.OK, TagVerdict.OK]
+    assert d.state is KVPoll.Success and not d.credit_pieces
+    for op in ops:
+        acts = p.on_write_done(op.op_id, True, None, 4.0, (b"t",))
+        assert any(isinstance(a, SettleCredits) and a.peer == DEC for a in acts)
+    p.on_room_done(DEC, SESSION, 5.0)
+    assert p.state is KVPoll.Success and not p.wants_credits(DEC)
+    purse.idle()
+    (back,) = purse.returns()
+    assert [(w.room, w.start) for w in back.writes] == [(7, op.ring_start) for op in ops]
+    assert ledger.on_return(PREF, back.credit, list(back.writes)).freed
+    assert ring.live_bytes == 0
+
+
+@pytest.mark.parametrize("bad", ["outside", "overlap", "too_late"])
+def test_a_claim_the_ledger_refuses_fails_only_that_room(bad):
+    ring, ledger, purse, purses = world()
+    d7, d8 = decode(7, 22), decode(8, 33)
+    p7, p8 = prefill(purses, 7, 22), prefill(purses, 8, 33)
+    ops7 = writes(p7.add_chunk(np.arange(N), True, 2.0))
+    ops8 = writes(p8.add_chunk(np.arange(N), True, 2.0))
+    tag = ops8[0].tag
+    if bad == "outside":
+        tag = msgspec.structs.replace(tag, ring_start=RING * 5)
+    elif bad == "overlap":
+        land(d7, ledger, ring, ops7[0])
+        tag = msgspec.structs.replace(tag, ring_start=ops7[0].ring_start)
+    else:   # its credit came back naming room 7's writes only, before they landed
+        ledger.add_demand(PREF, 7, 22, N * PAGE)
+        ledger.add_demand(PREF, 8, 33, N * PAGE)
+        for op in ops7:
+            purse.done(op.credit, True)
+        assert ledger.on_return(PREF, ops7[0].credit.credit, [WriteRef(room=7, session=22, start=op.ring_start,
+                                                                       nbytes=op.nbytes) for op in ops7]).ok
+    claim = ledger.claim(PREF, tag.ring_start, tag.nbytes, tag.room, tag.session)
+    assert claim.verdict == bad
+    res = d8.on_credit_tag(PREF, tag, claim, RING, 3.0)
+    assert res.verdict is TagVerdict.REJECTED and d8.state is KVPoll.Failed
+    assert d8.failure_kind == "protocol" and bad in (d8.failure or "")
+    assert not any(isinstance(a, (Scatter, ReleaseCredit)) for a in res.actions)   # its bytes are never scattered
+    for op in ops7:   # the other room is untouched and completes
+        if bad != "overlap" or op is not ops7[0]:
+            assert land(d7, ledger, ring, op).verdict is TagVerdict.OK
+    assert d7.state is KVPoll.Success
+
+
+@pytest.mark.parametrize("bad", ["pages", "bytes", "epoch"])
+def test_a_credit_piece_that_does_not_match_the_plan_fails_its_room_and_its_place_goes_back(bad):
+    ring, ledger, purse, purses = world()
+    d, p = decode(), prefill(purses)
+    op = writes(p.add_chunk(np.arange(N), True, 2.0))[0]
+    tag = {"pages": msgspec.structs.replace(op.tag, page_start=N - 1),
+           "bytes": msgspec.structs.replace(op.tag, nbytes=op.tag.nbytes - 1),
+           "epoch": msgspec.structs.replace(op.tag, epoch=DEC.incarnation + 1)}[bad]
+    claim = ledger.claim(PREF, tag.ring_start, tag.nbytes, tag.room, tag.session)
+    assert claim.verdict is ClaimVerdict.OK
+    res = d.on_credit_tag(PREF, tag, claim, RING, 3.0)
+    assert res.verdict is TagVerdict.REJECTED and d.state is KVPoll.Failed
+    assert [a for a in res.actions if isinstance(a, ReleaseCredit)] == [ReleaseCredit(PREF, claim.span)]
+    assert not any(isinstance(a, Scatter) for a in res.actions)
+
+
+def test_a_repeated_credit_tag_is_a_duplicate_and_claims_nothing_more():
+    ring, ledger, purse, purses = world()
+    d, p = decode(), prefill(purses)
+    ops = writes(p.add_chunk(np.arange(N), True, 2.0))
+    claim = ledger.claim(PREF, ops[0].tag.ring_start, ops[0].tag.nbytes, 7, SESSION)
+    first = d.on_credit_tag(PREF, ops[0].tag, claim, RING, 3.0)
+    again = ledger.claim(PREF, ops[0].tag.ring_start, ops[0].tag.nbytes, 7, SESSION)
+    assert first.verdict is TagVerdict.OK and again.verdict is ClaimVerdict.DUPLICATE
+    assert d.on_credit_tag(PREF, ops[0].tag, again, RING, 3.1) == type(first)(TagVerdict.DUPLICATE, [])
+
+
+def test_the_grant_path_takes_a_chunk_the_credits_cannot_hold_and_the_credit_goes_back_unused():
+    ring, ledger, purse, purses = world(credit_bytes=PAGE * 3)   # 3 pages: one piece fits, not both
+    p = prefill(purses)
+    acts = p.add_chunk(np.arange(N), True, 2.0)
+    assert not writes(acts) and len(asks(acts)) == 1 and any(isinstance(a, SettleCredits) for a in acts)
+    (back,) = purse.returns()   # nothing was taken from it: all or nothing
+    assert back.writes == ()
+    req = asks(acts)[0]
+    d = decode()
+    out = d.on_alloc_request(PREF, req, ring, 3.0)
+    (grant,) = [a.msg for a in out if isinstance(a, Send) and isinstance(a.msg, AllocGrant)]
+    staged = writes(p.on_grant(DEC, grant, 3.5))
+    assert staged and all(op.tag.kind is TagKind.STAGED and op.credit is None for op in staged)
+
+
+def test_without_a_purse_or_with_several_writers_a_chunk_asks_for_ring_space():
+    assert asks(prefill(Purses(None)).add_chunk(np.arange(N), True, 2.0))
+    _, _, purse, purses = world()
+    two = KVLayout(num_layers=2, total_kv_heads=2, head_dim=4, dtype=torch.uint8, page_size=2, tp_size=2, tp_rank=0,
+                   mla=False)   # P2 -> D1: both prefill ranks write parts of each piece
+    acts = prefill(purses, layout=two).add_chunk(np.arange(N), True, 2.0)
+    assert asks(acts) and not writes(acts) and purse.free_bytes == 4 * PAGE * 2
+
+
+def test_cut_pieces_leaves_room_for_the_pool_block_in_the_last_piece():
+    assert cut_pieces(0, 5, page_bytes=10, piece_bytes=20) == [(0, 2), (2, 2), (4, 1)]
+    assert cut_pieces(0, 4, page_bytes=10, piece_bytes=20, last_extra=5) == [(0, 2), (2, 1), (3, 1)]
+    assert cut_pieces(0, 1, page_bytes=10, piece_bytes=20, last_extra=15) is None
+    assert cut_pieces(0, 1, page_bytes=30, piece_bytes=20) is None
+
+
+def test_a_peer_whose_hello_ack_has_no_credits_flag_is_read_as_one_that_takes_none():
+    """A HelloAck as a peer without credits encodes it (no `credits` field) decodes with
+    credits off, so such a peer gets the grant path."""
+    codec = peer_codec(None)
+    ack = HelloAck(src=1, dst=2, ok=True, staging=True, credits=True)
+    fields = msgspec.msgpack.decode(codec.encode(ack)[0])
+    del fields["credits"]
+    payload = msgspec.msgpack.encode(fields)
+    old = codec.decode([payload, sign(None, payload)])
+    assert isinstance(old, HelloAck) and old.staging and old.credits is False
+
+
+def test_a_grant_re_sent_after_a_later_one_is_taken_and_a_given_back_one_is_stale():
+    """CreditGrant 1 is lost, 2 arrives, then 1 again (the ledger re-sends unused grants): 1 is
+    new, not stale, else the ledger would wait for its return for ever."""
+    purse = CreditPurse(epoch=5, ring_size=RING)
+    assert purse.on_grant(credit=2, epoch=5, start=512, nbytes=256) == "ok"
+    assert purse.on_grant(credit=1, epoch=5, start=0, nbytes=256) == "ok"
+    purse.idle()
+    for back in purse.returns():
+        purse.on_ack(back.credit)
+    assert purse.on_grant(credit=1, epoch=5, start=0, nbytes=256) == "stale"
+    assert purse.on_grant(credit=2, epoch=5, start=512, nbytes=256) == "stale"
+    assert purse.on_grant(credit=3, epoch=5, start=0, nbytes=256) == "ok"

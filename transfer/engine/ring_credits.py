@@ -1,0 +1,296 @@
+"""The engine shells of ring credits (staging/credits.py): the decode rank's CreditLedger of its
+ring and the prefill rank's CreditPurse per decode peer, the three credit messages, and the
+hooks where rooms start and end and peers come and go. All rules are in the pure parts; these
+classes only carry their answers to sockets, rooms and the ring's watermark, on the control
+thread.
+
+Decode (`DecodeCredits`): a prefill rank whose HelloAck says `credits` is connected to the
+ledger. When a staged room's metadata goes to such a rank (RoomMeta), the room's bytes of that
+writer are added to its demand and the credits due are sent first (CreditGrant goes out before
+the RoomMeta, on the same ordered channel: the credit is there when the data is). A CREDIT tag
+is claimed before its room sees it; a piece the room is done with is released. A room's end
+ends its demand; a lost rank's credits close once its quarantine is over. Grants no write used
+are re-sent once a heartbeat.
+
+Prefill (`PrefillCredits`, the rooms' CreditPurses): a purse per decode peer whose Hello
+advertises a staging ring, when credits are on here; grants go into it (their watermark with
+them), a grant that does not fit the ring fails the rooms towards that peer. After a room took
+from a purse or a write into a credit completed, every open credit is retired when no room
+still has staged chunks to write to that peer, and the credits due go back (CreditReturn,
+re-sent once a heartbeat until CreditAck).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+from ...staging.ring import Watermark
+from ..protocol.actions import PeerKey
+from ..protocol.decode_room import DecodeRoom
+from ..protocol.kinds import FailureKind
+from ..protocol.messages import CreditAck, CreditGrant, CreditReturn, CreditWrite, Hello, HelloAck, RoomMeta
+from ..protocol.prefill_room import PrefillRoom
+from ..protocol.tags import Tag
+from .context import EngineContext
+from .peers import Peer, PeerTable
+from .rooms import RoomBook
+
+if TYPE_CHECKING:
+    from ...staging.credit_ledger import Claim, CreditLedger
+    from ...staging.credit_purse import CreditPurse
+    from ...staging.credits import CreditSpan
+
+
+def _rules():   # staging.credits imports transfer, which imports this module: its parts once running
+    from ...staging import credit_ledger, credit_purse
+    from ...staging import credits as credit_rules
+    return credit_ledger, credit_purse, credit_rules
+
+log = logging.getLogger("kvstage")
+
+MIB = 1 << 20
+
+
+def credit_floor(ring_size: int, piece_cap: int, align: int) -> int:
+    """The smallest credit: one piece (the piece cap), at most a quarter of the ring so that four
+    busy prefill ranks can hold one each; a multiple of the ring's alignment."""
+    n = min(piece_cap, ring_size // 4) // align * align
+    return max(n, align)
+
+
+class DecodeCredits:
+    """The ring credits of a decode rank (`ledger` None: credits off here, or no ring)."""
+
+    def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook[DecodeRoom],
+                 publish: Callable[[], None]):
+        """`publish`: tell the writers the ring's watermark moved (DecodeSide.publish_watermark)."""
+        self.ctx, self.peers, self.book, self.publish = ctx, peers, book, publish
+        self.ledger: CreditLedger | None = None   # made at the first connection (credits on, a ring here)
+        self._ledger_made = False
+        self.takers: dict[int, PeerKey] = {}            # incarnation -> a rank connected to the ledger
+        self.demanded: set[tuple[int, int, int]] = set()   # (room, session, incarnation) whose demand is in
+        self.lost_at: dict[PeerKey, float] = {}          # lost ranks: when their quarantine is over
+        self.resent_at = 0.0
+
+    def _make_ledger(self) -> None:
+        self._ledger_made = True
+        ring = self.ctx.handler.allocator
+        if self.ctx.cfg.credits and ring is not None:
+            cap = int(float(self.ctx.cfg.staging_piece_mb or 0) * MIB) or ring.size
+            self.ledger = _rules()[0].CreditLedger(ring, floor=credit_floor(ring.size, cap, ring.align))
+
+    def connected(self, peer: Peer, msg: HelloAck) -> None:
+        if not (msg.credits and msg.staging):
+            return
+        if not self._ledger_made:
+            self._make_ledger()
+        if self.ledger is None:
+            return
+        try:
+            self.ledger.connect(peer.key)
+        except ValueError as exc:   # the ring cannot hold one more piece: this rank goes the grant path
+            log.warning("no ring credits for prefill rank %s: %s", peer.key, exc)
+            self.ctx.stats.count("credits", "refused_connection")
+            return
+        self.takers[peer.key.incarnation] = peer.key
+
+    def meta_out(self, room: DecodeRoom, meta: RoomMeta, to: PeerKey) -> None:
+        """Before `meta` goes to `to`: the room's bytes of that writer join its demand, and the
+        credits due go out first."""
+        if self.ledger is None or not meta.staged or self.takers.get(to.incarnation) != to:
+            return
+        key = (room.room, room.session, to.incarnation)
+        t = room.tracker
+        if key in self.demanded or t is None or to.tp_rank not in t.writer_page_bytes:
+            return
+        stage = t.writer_layers[to.tp_rank]
+        if [r for r, held in t.writer_layers.items() if held == stage] != [to.tp_rank]:
+            return   # its pieces have several writers: they keep the grant path (credits.py)
+        self.demanded.add(key)
+        self.ledger.add_demand(to, room.room, room.session,
+                               t.bytes_of(to.tp_rank, t.num_pages) + t.final_extra.get(to.tp_rank, 0))
+        self.issue()
+
+    def issue(self) -> None:
+        if self.ledger is None:
+            return
+        self._send_grants(self.ledger.issue())
+
+    def _send_grants(self, issued: Iterable) -> None:
+        a = self.ctx.handler.allocator
+        assert a is not None, "credits are given only from a ring"
+        wm = a.watermark
+        for c in issued:
+            self.ctx.stats.count("credits", "granted")
+            self.peers.send(c.peer, CreditGrant(src=self.ctx.me, dst=c.peer.incarnation, epoch=self.ctx.me,
+                                                credit=c.credit, start=c.start, nbytes=c.nbytes, wm_round=wm.round,
+                                                wm_tail=wm.tail))
+
+    def claim(self, peer: Peer, tag: Tag) -> Claim:
+        """The ledger's verdict on a CREDIT tag of `peer`."""
+        if self.ledger is None or self.takers.get(peer.key.incarnation) != peer.key:
+            ledger_rules, _, rules = _rules()
+            return ledger_rules.Claim(verdict=rules.ClaimVerdict.OUTSIDE, reason=f"{peer.key} holds no ring credits of this rank")
+        return self.ledger.claim(peer.key, tag.ring_start, tag.nbytes, tag.room, tag.session)
+
+    def wrote(self, peer: Peer, tag: Tag) -> None:
+        """A granted staged write of `peer` landed: its room's demand shrinks."""
+        if self.ledger is not None and peer.key.incarnation in self.takers:
+            self.ledger.wrote(peer.key, tag.room, tag.session, tag.nbytes)
+
+    def release(self, peer: PeerKey, span: CreditSpan) -> None:
+        assert self.ledger is not None, "a credit piece without a ledger"
+        if self.ledger.release(peer, span):
+            self.publish()
+        self.issue()
+
+    def on_return(self, peer: Peer, msg: CreditReturn, now: float) -> None:
+        if self.ledger is None or msg.epoch != self.ctx.me:
+            self.ctx.stats.count("dropped_messages", "stale_credit_return")
+            return
+        res = self.ledger.on_return(peer.key, msg.credit, [_rules()[2].WriteRef(room=w.room, session=w.session, start=w.start,
+                                                                    nbytes=w.nbytes) for w in msg.writes])
+        self.peers.send(peer.key, CreditAck(src=self.ctx.me, dst=peer.key.incarnation, epoch=msg.epoch,
+                                            credit=msg.credit))
+        if not res.ok:   # the rooms that wrote into it fail; the region stays out of use until it is lost
+            log.error("bad credit return from %s: %s", peer.key, res.reason)
+            self.ctx.stats.count("credits", "bad_return")
+            for room_id, session in res.rooms:
+                room = self.book.get(room_id)
+                if room is not None and room.session == session:
+                    self.book.apply(room, room.fail(FailureKind.PROTOCOL, f"ring credit: {res.reason}", now))
+            return
+        self.ctx.stats.count("credits", "returned")
+        if res.freed:
+            self.publish()
+        self.issue()
+
+    def room_ended(self, room: DecodeRoom) -> None:
+        if self.ledger is None:
+            return
+        self.demanded = {k for k in self.demanded if k[:2] != (room.room, room.session)}
+        if self.ledger.end_room(room.room, room.session):
+            self.publish()
+        self.issue()
+
+    def held_bytes(self) -> int:
+        """Ring bytes the connected ranks hold as credits (given, not closed yet)."""
+        return 0 if self.ledger is None else sum(self.ledger.held_bytes(k) for k in self.takers.values())
+
+    def peer_lost(self, peer: Peer, quarantine: float, now: float) -> None:
+        """`peer` is lost; its credits close when none of its posted writes can land any more."""
+        if self.ledger is None or self.takers.pop(peer.key.incarnation, None) is None:
+            return
+        self.lost_at[peer.key] = now + quarantine
+        self._close_lost(now)
+
+    def _close_lost(self, now: float) -> None:
+        assert self.ledger is not None
+        moved = False
+        for key, at in list(self.lost_at.items()):
+            if now >= at:
+                del self.lost_at[key]
+                moved |= self.ledger.peer_lost(key)
+        if moved:
+            self.publish()
+            self.issue()
+
+    def tick(self, now: float) -> None:
+        if self.ledger is None:
+            return
+        if self.lost_at:
+            self._close_lost(now)
+        if now - self.resent_at >= self.ctx.t.heartbeat:   # a grant may have been lost
+            self.resent_at = now
+            for key in self.takers.values():
+                self._send_grants(self.ledger.unacknowledged(key))
+
+
+class PrefillCredits:
+    """The ring credits decode peers gave this prefill rank: the rooms' CreditPurses."""
+
+    def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook[PrefillRoom],
+                 dispatch: Callable[[int, float], None]):
+        """`dispatch(peer incarnation, now)`: staged writes towards that peer may go (its
+        watermark moved)."""
+        self.ctx, self.peers, self.book, self.dispatch = ctx, peers, book, dispatch
+        self._piece_bytes = 0   # set at the first connection: a worker's buffer, and the piece cap
+        self.purses: dict[int, tuple[PeerKey, CreditPurse]] = {}
+        self.resent_at = 0.0
+
+    @property
+    def piece_bytes(self) -> int:
+        return self._piece_bytes
+
+    def purse(self, peer: PeerKey) -> CreditPurse | None:
+        held = self.purses.get(peer.incarnation)
+        return held[1] if held is not None and held[0] == peer else None
+
+    def connected(self, peer: Peer, msg: Hello) -> bool:
+        """Whether this rank takes credits from the decode rank that sent `msg` (its HelloAck says so)."""
+        if not (self.ctx.cfg.credits and peer.staging and msg.ring is not None):
+            return False
+        cap = int(float(self.ctx.cfg.staging_piece_mb or 0) * MIB)
+        buffers = self.ctx.handler.buffer_bytes
+        self._piece_bytes = min(buffers, cap) if cap else buffers
+        if self._piece_bytes <= 0:
+            return False
+        self.purses[peer.key.incarnation] = (peer.key, _rules()[1].CreditPurse(epoch=msg.ring.epoch, ring_size=msg.ring.size))
+        return True
+
+    def on_grant(self, peer: Peer, msg: CreditGrant, now: float) -> None:
+        purse = self.purse(peer.key)
+        if purse is None:
+            self.ctx.stats.count("dropped_messages", "credit_without_purse")
+            return
+        rules = _rules()[2]
+        verdict = purse.on_grant(credit=msg.credit, epoch=msg.epoch, start=msg.start, nbytes=msg.nbytes)
+        self.ctx.stats.count("credits", f"grant_{verdict}")
+        if verdict is rules.GrantVerdict.MISMATCH:
+            reason = (f"ring credit {msg.credit} [{msg.start}, +{msg.nbytes}) from decode rank {peer.key} does not fit "
+                      "its ring or overlaps a credit held")
+            log.error("%s", reason)
+            for room in list(self.book.rooms.values()):
+                flow = room.flows.get(peer.key.tp_rank)
+                if flow is not None and flow.peer == peer.key:
+                    self.book.apply(room, room.fail(FailureKind.PROTOCOL, reason, now))
+            return
+        if verdict is rules.GrantVerdict.OK and self.ctx.handler.on_watermark(peer.key.incarnation, msg.epoch,
+                                                                        Watermark(msg.wm_round, msg.wm_tail)):
+            self.dispatch(peer.key.incarnation, now)
+
+    def on_ack(self, peer: Peer, msg: CreditAck) -> None:
+        purse = self.purse(peer.key)
+        if purse is not None and msg.epoch == purse.epoch:
+            purse.on_ack(msg.credit)
+
+    def settle(self, peer: PeerKey) -> None:
+        """Retire every open credit of `peer` when no room still writes staged chunks to it, and
+        give back those due."""
+        purse = self.purse(peer)
+        if purse is None:
+            return
+        if not any(room.wants_credits(peer) for room in self.book.rooms.values()):
+            purse.idle()
+        self._send_returns(peer, purse)
+
+    def _send_returns(self, peer: PeerKey, purse: CreditPurse) -> None:
+        for back in purse.returns():
+            self.ctx.stats.count("credits", "returned")
+            self.peers.send(peer, CreditReturn(src=self.ctx.me, dst=peer.incarnation, epoch=purse.epoch,
+                                               credit=back.credit,
+                                               writes=[CreditWrite(w.room, w.session, w.start, w.nbytes)
+                                                       for w in back.writes]))
+
+    def peer_lost(self, peer: Peer) -> None:
+        held = self.purses.pop(peer.key.incarnation, None)
+        if held is not None:
+            held[1].lost()
+
+    def tick(self, now: float) -> None:
+        if self.purses and now - self.resent_at >= self.ctx.t.heartbeat:   # a return may have been lost
+            self.resent_at = now
+            for key, _ in list(self.purses.values()):
+                self.settle(key)
