@@ -129,7 +129,7 @@ def parse(argv=None):
     p.add_argument("--inflight-tokens", type=_int(1), default=256)
     p.add_argument("--latency-requests", type=_int(1), default=300)
     p.add_argument("--latency-path", choices=("direct", "staged"), default="direct",
-                   help="one-page latency: direct P1 -> D1, or staged P1 -> D2 (staging forced, ring credits)")
+                   help="one-page latency: direct P1 -> D1, or staged P1 -> D2 (staging forced; ring credits as KVSTAGE_CREDITS says)")
     add_model_args(p)
     p.add_argument("--chunk-tokens", type=_int(0), default=0, help="0: a request is one chunk")
     p.add_argument("--sections", type=_sections, default=",".join(SECTIONS), help="what to measure")

@@ -150,7 +150,7 @@ def build(spec: dict, bootstrap: str) -> tuple[KVManager, KVLayout, KVBuffers, K
                        metrics_port=spec.get("metrics_port"), verify=spec.get("verify"),
                        layer_group=spec.get("layer_group"), layerwise_min_tokens=spec.get("layerwise_min_tokens"),
                        layer_batching=spec.get("layer_batching"), path=spec.get("path"),
-                       calibrate=spec.get("calibrate"))
+                       calibrate=spec.get("calibrate"), credits=spec.get("credits"))
     mgr = KVManager(cfg, layout, buffers)
     pattern = KVPattern(layout, seed=spec.get("pattern_seed", 7))
     pattern.draft = DraftPattern(layout, seed=spec.get("pattern_seed", 7)) if layout.draft_own_geometry else None

@@ -47,6 +47,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5, help="untraced one-page requests first")
     p.add_argument("--pages", type=int, default=8, help="pages of the multi-piece request")
     p.add_argument("--piece-mb", type=float, default=0.5, help="staging piece size (MiB)")
+    p.add_argument("--credits", action=argparse.BooleanOptionalAction, default=None,
+                   help="ring credits on or off (default: KVSTAGE_CREDITS, off)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -70,7 +72,7 @@ def run(a: argparse.Namespace, trace_dir: str) -> dict[str, int]:
             "page_size": a.page_size, "pages": 64 * max(1, a.pages) + 8}
     common = {"backend": a.backend, "staging": a.path == "staged", "geometry": geom, "rooms": rooms,
               "run_timeout_s": a.timeout, "workers": 2, "piece_mb": a.piece_mb, "ring_mb": 64, "buffer_mb": 8,
-              "bench": {"mode": "latency", "verify": list(traced.values())}}
+              "bench": {"mode": "latency", "verify": list(traced.values())}, "credits": a.credits}
     with Cluster(env={ENV: trace_dir}) as cl:
         common["barrier"] = cl.barrier(1 + a.decode_tp, timeout_s=a.timeout)
         meet = Path(cl.workdir, "meet")   # the decode ranks init() each request together

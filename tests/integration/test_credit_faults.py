@@ -26,7 +26,8 @@ FAST = {"lease": LEASE, "heartbeat": 0.25, "connect": 3.0, "bootstrap": 25.0, "c
         "metadata": 30.0, "write": 5.0, "watermark": 10.0}
 GEOM = {"layers": 2, "heads": 2, "head_dim": 32, "dtype": "bfloat16", "page_size": 16, "pages": 512}
 FIELDS = {"geometry": GEOM, "ring_mb": 1, "buffer_mb": 1, "inflight": 4, "timeouts": FAST, "run_timeout_s": 90,
-          "staging": True, "calibrate": False, "path": "staged"}
+          "staging": True, "calibrate": False, "path": "staged",
+          "credits": True}
 
 
 def credit_stats(st: dict) -> tuple[int, int]:
@@ -80,7 +81,7 @@ def test_a_room_id_aborted_mid_transfer_and_reused_with_credits_in_flight(tmp_pa
         if i:
             use["start_after_file"] = [str(tmp_path / f"use{i - 1}-{r}") for r in ranks]
     case = Case(topo=Topo(P=1, D=1, H=4), page_size=16, dtype="bfloat16", staging=True, backend="nixl", rooms=uses,
-                extra={"path": "staged"})
+                extra={"path": "staged", "credits": True})
     results, codes, logs, _ = run_cases([case], timeout=120)
     assert not any(codes), problems(results, codes, logs, expect_success=False)[:10]
     taken = 0

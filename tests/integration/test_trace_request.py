@@ -25,7 +25,7 @@ def first(hops, kind, process_prefix, detail=None):
 
 @pytest.mark.timeout(300)
 def test_a_one_page_request_is_traced_on_both_sides_in_causal_order(tmp_path):
-    a = trace_request.parse(["--warmup", "1", "--pages", "4", "--timeout", "120"])
+    a = trace_request.parse(["--warmup", "1", "--pages", "4", "--timeout", "120", "--credits"])
     traced = trace_request.run(a, str(tmp_path))
     records = hop_report.load_dir(tmp_path)
     assert {r.process for r in records} == {"prefill0", "decode0", "decode1"}

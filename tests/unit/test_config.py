@@ -260,3 +260,16 @@ def test_a_decode_rank_with_pipeline_parallelism_is_refused_before_creating_anyt
                       tp_rank=0, pp_size=2, pp_rank=1, stage=range(1, 2))
     with pytest.raises(ValueError, match=r"decode rank with pipeline parallelism \(pp_size=2\) is not supported"):
         KVManager(cfg(role="decode", staging=False), layout, KVBuffers([torch.zeros(16, 1, 8)], [torch.zeros(16, 1, 8)]))
+
+
+def test_ring_credits_are_off_unless_asked_for(monkeypatch):
+    """Off by default until their open finding is fixed (docs/protocol.md, "Ring credits"); the
+    option, then KVSTAGE_CREDITS, turns them on."""
+    from kvstage.transfer.config import CREDITS_ENV
+
+    monkeypatch.delenv(CREDITS_ENV, raising=False)
+    assert cfg().resolved().credits is False
+    assert cfg(credits=True).resolved().credits is True
+    monkeypatch.setenv(CREDITS_ENV, "1")
+    assert cfg().resolved().credits is True
+    assert cfg(credits=False).resolved().credits is False
