@@ -49,6 +49,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--piece-mb", type=float, default=0.5, help="staging piece size (MiB)")
     p.add_argument("--credits", action=argparse.BooleanOptionalAction, default=None,
                    help="ring credits on or off (default: KVSTAGE_CREDITS, off)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where every rank's KV cache, ring and buffers live (cuda: VRAM of GPU 0)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -72,7 +74,8 @@ def run(a: argparse.Namespace, trace_dir: str) -> dict[str, int]:
             "page_size": a.page_size, "pages": 64 * max(1, a.pages) + 8}
     common = {"backend": a.backend, "staging": a.path == "staged", "geometry": geom, "rooms": rooms,
               "run_timeout_s": a.timeout, "workers": 2, "piece_mb": a.piece_mb, "ring_mb": 64, "buffer_mb": 8,
-              "bench": {"mode": "latency", "verify": list(traced.values())}, "credits": a.credits}
+              "bench": {"mode": "latency", "verify": list(traced.values())}, "credits": a.credits,
+              "device": "cuda:0" if a.device == "cuda" else "cpu"}
     with Cluster(env={ENV: trace_dir}) as cl:
         common["barrier"] = cl.barrier(1 + a.decode_tp, timeout_s=a.timeout)
         meet = Path(cl.workdir, "meet")   # the decode ranks init() each request together
@@ -99,7 +102,7 @@ def report(a: argparse.Namespace, records, traced: dict[str, int]) -> tuple[list
     """The printed lines and, per traced request, (title, its hops from the origin on)."""
     lines = [f"kvstage hop trace, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit "
              f"{_commit()}", f"command: {' '.join(['examples/trace_request.py'] + sys.argv[1:])}",
-             f"{a.path} path, backend {a.backend}, prefill TP 1 -> decode TP {a.decode_tp}; {a.layers} layers, "
+             f"{a.path} path, backend {a.backend}, KV caches on {a.device}, prefill TP 1 -> decode TP {a.decode_tp}; {a.layers} layers, "
              f"{a.heads} KV heads x {a.head_dim}, bf16, page {a.page_size} "
              f"({a.page_size * a.layers * 2 * a.heads * a.head_dim * 2 // 1024} KiB a page); piece {a.piece_mb:g} MiB",
              "clock: CLOCK_MONOTONIC, one for both processes (same host); ms since the decode caller's init()"]
