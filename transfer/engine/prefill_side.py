@@ -233,6 +233,7 @@ class PrefillSide:
             peer = self.peers.get(key.incarnation)
             if peer is None or peer.state != "connected":
                 return
+            self.credits.took_meta(room.room, key)
             self.book.apply(room, room.add_meta(key, peer.tp_size, msg, now))
         else:
             self.book.apply(room, room.on_room_failed(key, msg.session, msg.kind, msg.reason, now, early=early))

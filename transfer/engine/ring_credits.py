@@ -218,6 +218,9 @@ class PrefillCredits:
         self.ctx, self.peers, self.book, self.dispatch = ctx, peers, book, dispatch
         self._piece_bytes = 0   # set at the first connection: a worker's buffer, and the piece cap
         self.purses: dict[int, tuple[PeerKey, CreditPurse]] = {}
+        # per decode peer (incarnation): the rooms that took its metadata and have not ended, the
+        # only ones `settle` asks whether they still write staged chunks there (not every room)
+        self.takers: dict[int, set[int]] = {}
         self.resent_at = 0.0
 
     @property
@@ -272,9 +275,29 @@ class PrefillCredits:
         purse = self.purse(peer)
         if purse is None:
             return
-        if not any(room.wants_credits(peer) for room in self.book.rooms.values()):
+        if not self._wanted(peer):
             purse.idle()
         self._send_returns(peer, purse)
+
+    def took_meta(self, room_id: int, peer: PeerKey) -> None:
+        """`room_id` took the metadata of decode rank `peer`: it may write staged chunks there."""
+        if peer.incarnation in self.purses:
+            self.takers.setdefault(peer.incarnation, set()).add(room_id)
+
+    def _wanted(self, peer: PeerKey) -> bool:
+        """Whether a room still writes staged chunks to `peer`; forgets the rooms that ended.
+        Only rooms that took `peer`'s metadata can (`PrefillRoom.wants_credits` needs its flow),
+        so this costs the rooms in flight towards `peer`, not every room of the rank."""
+        rooms = self.takers.get(peer.incarnation)
+        if not rooms:
+            return False
+        for room_id in list(rooms):
+            room = self.book.get(room_id)
+            if room is None or room.ended:
+                rooms.discard(room_id)
+            elif room.wants_credits(peer):
+                return True
+        return False
 
     def _send_returns(self, peer: PeerKey, purse: CreditPurse) -> None:
         for back in purse.returns():
@@ -286,6 +309,7 @@ class PrefillCredits:
 
     def peer_lost(self, peer: Peer) -> None:
         held = self.purses.pop(peer.key.incarnation, None)
+        self.takers.pop(peer.key.incarnation, None)
         if held is not None:
             held[1].lost()
 
