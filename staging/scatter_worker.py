@@ -24,7 +24,7 @@ from .kernels import scatterer_class
 from .plan_cache import PlanCache
 from .pool_copies import LandedBlock, PoolBytes, scatter_pools
 from .thread_meter import ThreadMeter
-from .workers import LayerSlices
+from .workers import LayerSlices, time_split
 
 log = logging.getLogger(__name__)
 
@@ -127,17 +127,19 @@ class ScatterWorker:
             if bad is not None:  # never scattered: the cache keeps what it had
                 ok, reason, kind = False, f"corrupt data in chunk {key[0]} piece {key[1]}: {bad}", FailureKind.CORRUPT
             else:
-                (ok, reason), kind = self._scatter(scatterer, layers, job, device), FailureKind.SCATTER
+                (ok, reason, queued), kind = self._scatter(scatterer, layers, job, device), FailureKind.SCATTER
             seconds = time.perf_counter() - t0
             if TRACE.on:
-                TRACE.hop(Hop.SCATTER_END, room, "ok" if ok else f"failed: {reason}")
+                TRACE.hop(Hop.SCATTER_END, room, f"ok: {time_split(t0, queued or t0 + seconds, seconds)}" if ok
+                          else f"failed: {reason}")
             # reported once the loop dropped the job and with it the ring views
             return lambda: report(room, key, ok, reason, seconds, kind)
 
         return work
 
     def _scatter(self, scatterer: Scatterer, layers: LayerSlices, job: ScatterJob,
-                 device: torch.device) -> tuple[bool, str | None]:
+                 device: torch.device) -> tuple[bool, str | None, float | None]:
+        """(ok, why not, when its copies were all queued: perf_counter, None when it failed)."""
         try:
             k, v = layers.of(job.layers)
             # a host page list: validated, indexed and uploaded once per room and list (PlanCache),
@@ -145,9 +147,10 @@ class ScatterWorker:
             for part in job.parts:
                 scatterer.scatter(part.view, k, v, job.pages, self._page_size, part.dst_heads, room=job.room)
             scatter_pools(self._pools, job.pools)
+            queued = time.perf_counter()
             if device.type == "cuda":
                 torch.cuda.current_stream(device).synchronize()
-            return True, None
+            return True, None, queued
         except Exception as exc:  # noqa: BLE001 - fails the room, not the thread
             log.exception("scatter for room %s failed", job.room)
-            return False, str(exc)
+            return False, str(exc), None

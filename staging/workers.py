@@ -132,6 +132,7 @@ class TransferWorkers:
                 n = gatherer.gather(k, v, job.pages, self._page_size, job.heads, buf.tensor, room=room)
                 if job.pools:
                     n += gather_pools(self._pools, job.pools, buf.tensor, n)
+                t_queued = time.perf_counter()
                 if device.type == "cuda":
                     torch.cuda.current_stream(device).synchronize()
                 if n != job.nbytes:
@@ -142,8 +143,8 @@ class TransferWorkers:
                 failure, gather_s = f"gather failed: {exc}", time.perf_counter() - t0
                 return lambda: report(op_id, room, False, failure, gather_s, b"")
             gather_s = time.perf_counter() - t0
-            if TRACE.on:
-                TRACE.hop(Hop.GATHER_END, room)
+            if TRACE.on:   # the host's part (plan, checks, launch) and the wait for the device
+                TRACE.hop(Hop.GATHER_END, room, time_split(t0, t_queued, gather_s))
             done = threading.Event()
             result: list[tuple[bool, str | None]] = []
 
@@ -162,3 +163,10 @@ class TransferWorkers:
             return lambda: report(op_id, room, ok, reason, gather_s, tag)
 
         return work
+
+
+def time_split(t0: float, queued: float, seconds: float) -> str:
+    """A gather's or scatter's time as the hop trace shows it: until its copies were queued (the
+    host's work: the plan, its checks, the launch), then the wait for the device to finish them
+    (on CPU, where the copies run as they are queued, the second part is about 0)."""
+    return f"host {(queued - t0) * 1e3:.3f} ms, device wait {(t0 + seconds - queued) * 1e3:.3f} ms"

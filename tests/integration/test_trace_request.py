@@ -2,6 +2,8 @@
 request, prefill TP 1 -> decode TP 2 over NIXL, traced on both sides, in causal order, its write
 into a ring credit with no ring-space round trip."""
 
+import re
+
 import hop_report
 import pytest
 import trace_request
@@ -70,6 +72,10 @@ def test_a_one_page_request_is_traced_on_both_sides_in_causal_order(tmp_path):
         assert [r.kind for r in mine if r.kind in (Hop.BACKEND_TAG, Hop.SCATTER_END, Hop.WAITER_WOKEN)] == \
             [Hop.BACKEND_TAG, Hop.SCATTER_END, Hop.WAITER_WOKEN]
         assert [r.detail for r in mine if r.kind is Hop.STATUS][-2:] == ["Success", "Success (released)"]
+    # a gather's and a scatter's end say how long the host took and how long it waited for the device
+    split = re.compile(r"(ok: )?host \d+\.\d{3} ms, device wait \d+\.\d{3} ms")
+    ends = [r.detail for r in hops if r.kind in (Hop.GATHER_END, Hop.SCATTER_END)]
+    assert len(ends) == 4 and all(split.fullmatch(d) for d in ends), ends
     # one write per decode rank: posted, completed, its worker woken
     assert sum(r.kind is Hop.BACKEND_POST for r in hops) == 2
     assert sum(r.kind is Hop.BACKEND_DONE for r in hops) == 2
