@@ -47,6 +47,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=5, help="untraced one-page requests first")
     p.add_argument("--pages", type=int, default=8, help="pages of the multi-piece request")
     p.add_argument("--piece-mb", type=float, default=0.5, help="staging piece size (MiB)")
+    p.add_argument("--ring-mb", type=int, default=64, help="each decode rank's staging ring (MiB)")
+    p.add_argument("--buffer-mb", type=int, default=8, help="each transfer worker's staging buffer (MiB)")
     p.add_argument("--credits", action=argparse.BooleanOptionalAction, default=None,
                    help="ring credits on or off (default: KVSTAGE_CREDITS, off)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -73,7 +75,7 @@ def run(a: argparse.Namespace, trace_dir: str) -> dict[str, int]:
     geom = {"layers": a.layers, "heads": a.heads, "head_dim": a.head_dim, "dtype": "bfloat16",
             "page_size": a.page_size, "pages": 64 * max(1, a.pages) + 8}
     common = {"backend": a.backend, "staging": a.path == "staged", "geometry": geom, "rooms": rooms,
-              "run_timeout_s": a.timeout, "workers": 2, "piece_mb": a.piece_mb, "ring_mb": 64, "buffer_mb": 8,
+              "run_timeout_s": a.timeout, "workers": 2, "piece_mb": a.piece_mb, "ring_mb": a.ring_mb, "buffer_mb": a.buffer_mb,
               "bench": {"mode": "latency", "verify": list(traced.values())}, "credits": a.credits,
               "device": "cuda:0" if a.device == "cuda" else "cpu"}
     with Cluster(env={ENV: trace_dir}) as cl:
