@@ -1,15 +1,18 @@
-"""Prefill transfer workers: each owns ONE staging buffer, gathers a piece into it and posts
-ONE backend write from it, and never gathers into it again before that write is finished.
+"""Prefill transfer workers: each owns ONE staging buffer, gathers a piece into a free part of
+it and posts ONE backend write from there, and never gathers into a part a write still reads
+(buffer_space.py: the part is free again when its write completed).
 
-Two or more workers overlap: one gathers the next piece while another's write is on the wire.
-Watermark waits happen before a job gets here (the control thread only hands out pieces whose
-ring region is free), so a worker never blocks on the decode side.
+So a worker keeps several pieces in flight, as many as its buffer holds, and gathers the next
+while the earlier ones are on the wire; two or more workers gather in parallel. A write's
+completion is reported where the backend completes it, on the backend's owner thread (the
+control thread): the worker is not woken for it. Watermark waits happen before a job gets here
+(the control thread only hands out pieces whose ring region is free), so a worker never blocks on
+the decode side; it blocks only while its buffer has no part free.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,6 +21,7 @@ import numpy as np
 import torch
 
 from ..hop_trace import TRACE, Hop
+from .buffer_space import BufferSpace
 from .buffers import StagingBuffer
 from .digests import digest
 from .job_threads import JobThreads
@@ -52,7 +56,8 @@ class GatherJob:
 # submit(peer, src, dst, tag, on_done, dst_kind=kind) posts one write on the backend's thread
 SubmitWrite = Callable[..., None]
 # report(op_id, room, ok, reason, gather_seconds, tag): tag is the signed tag the write carried
-# (b"" when the gather failed and nothing was written)
+# (b"" when the gather failed and nothing was written). Called on the worker's thread when the
+# gather failed, else on the backend's owner thread as the write completes.
 Report = Callable[[int, int, bool, str | None, float, bytes], None]
 
 
@@ -89,6 +94,7 @@ class TransferWorkers:
     def __init__(self, buffers: Sequence[StagingBuffer], k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None,
                  page_size: int, submit: SubmitWrite, report: Report, pools: dict | None = None):
         self._buffers = list(buffers)
+        self.spaces = [BufferSpace(b.nbytes) for b in self._buffers]   # the parts of each buffer in flight
         self._pools = PoolBytes(pools or {})  # tensors viewed as bytes once, not per request
         self._k, self._v, self._page_size = tuple(k), (tuple(v) if v is not None else None), page_size
         self._submit, self._report = submit, report
@@ -108,6 +114,8 @@ class TransferWorkers:
         self._threads.submit(job)
 
     def stop(self, timeout: float = 10.0) -> None:
+        for space in self.spaces:   # a worker waiting for a part gives up: no write completes any more
+            space.close()
         self._threads.stop(timeout)
 
     def forget_room(self, room: int) -> None:
@@ -117,7 +125,8 @@ class TransferWorkers:
     def _worker(self, index: int, meter: ThreadMeter) -> Callable[[GatherJob], Callable[[], None]]:
         """Thread `index`: its buffer, its gatherer (Triton kernels on CUDA, torch otherwise,
         staging/kernels.py), and how it does one job."""
-        buf, gatherer, device = self._buffers[index], self._gatherer_class(self.plans), self._k[0].device
+        buf, space = self._buffers[index], self.spaces[index]
+        gatherer, device = self._gatherer_class(self.plans), self._k[0].device
         layers = LayerSlices(self._k, self._v)
 
         def work(job: GatherJob) -> Callable[[], None]:
@@ -125,44 +134,52 @@ class TransferWorkers:
             t0 = time.perf_counter()
             if TRACE.on:
                 TRACE.hop(Hop.GATHER_START, room, f"{len(job.pages)} pages, {job.nbytes} bytes")
+            at: int | None = None
             try:
                 wait_ready(job.ready)
                 k, v = layers.of(job.layers)
+                at = space.take(job.nbytes)   # waits while the writes in flight fill the buffer
+                part = buf.tensor[at: at + job.nbytes]
                 # a host page list: validated, indexed and uploaded once per room and list (PlanCache)
-                n = gatherer.gather(k, v, job.pages, self._page_size, job.heads, buf.tensor, room=room)
+                n = gatherer.gather(k, v, job.pages, self._page_size, job.heads, part, room=room)
                 if job.pools:
-                    n += gather_pools(self._pools, job.pools, buf.tensor, n)
+                    n += gather_pools(self._pools, job.pools, part, n)
                 t_queued = time.perf_counter()
                 if device.type == "cuda":
                     torch.cuda.current_stream(device).synchronize()
                 if n != job.nbytes:
                     raise ValueError(f"gathered {n} bytes, the piece has {job.nbytes}")
-                tag = job.tag if job.seal is None else job.seal(digest(buf.tensor[:n]))
+                tag = job.tag if job.seal is None else job.seal(digest(part[:n]))
             except Exception as exc:  # noqa: BLE001 - a bad piece fails its room, not the worker
+                if at is not None:
+                    space.give(at)
                 log.exception("gather for room %s failed", room)
                 failure, gather_s = f"gather failed: {exc}", time.perf_counter() - t0
                 return lambda: report(op_id, room, False, failure, gather_s, b"")
             gather_s = time.perf_counter() - t0
             if TRACE.on:   # the host's part (plan, checks, launch) and the wait for the device
                 TRACE.hop(Hop.GATHER_END, room, time_split(t0, t_queued, gather_s))
-            done = threading.Event()
-            result: list[tuple[bool, str | None]] = []
+            taken = at
 
-            def on_done(ok: bool, reason: str | None) -> None:
-                result.append((ok, reason))
-                done.set()
+            def on_done(ok: bool, reason: str | None) -> None:   # on the backend's owner thread
+                space.give(taken)   # the backend has let go of the part
+                report(op_id, room, ok, reason, gather_s, tag)
 
-            src = np.array([[buf.addr, job.nbytes, buf.device]], dtype=np.uint64)
+            src = np.array([[buf.addr + at, job.nbytes, buf.device]], dtype=np.uint64)
             dst = np.array([[job.dst_addr, job.nbytes, job.dst_device]], dtype=np.uint64)
-            self._submit(job.peer, src, dst, tag, on_done, job.on_posted, dst_kind=job.dst_kind, room=room)
-            done.wait()  # the buffer is ours again only when the backend is done with it
-            meter.wake()
-            if TRACE.on:
-                TRACE.hop(Hop.WAITER_WOKEN, room, "its write done")
-            ok, reason = result[0]
-            return lambda: report(op_id, room, ok, reason, gather_s, tag)
+            try:
+                self._submit(job.peer, src, dst, tag, on_done, job.on_posted, dst_kind=job.dst_kind, room=room)
+            except Exception as exc:  # noqa: BLE001 - not posted (the engine is stopping): its room fails
+                space.give(taken)
+                why = f"its write was not posted: {exc}"
+                return lambda: report(op_id, room, False, why, gather_s, b"")
+            return _reported_on_completion
 
         return work
+
+
+def _reported_on_completion() -> None:
+    """A posted piece's report: none here, its write's completion reports it (`on_done`)."""
 
 
 def time_split(t0: float, queued: float, seconds: float) -> str:
