@@ -94,6 +94,11 @@ class BufferSpace:
                     return at
                 self._cond.wait()
 
+    def try_take(self, nbytes: int) -> int | None:
+        """`take` that never waits: None when no part fits now (or the space is closed)."""
+        with self._cond:
+            return None if self._closed else self._extents.place(nbytes)
+
     def give(self, at: int) -> None:
         """The write that read the part at `at` is over: the part is free (any thread)."""
         with self._cond:

@@ -3,7 +3,10 @@ it and posts ONE backend write from there, and never gathers into a part a write
 (buffer_space.py: the part is free again when its write completed).
 
 So a worker keeps several pieces in flight, as many as its buffer holds, and gathers the next
-while the earlier ones are on the wire; two or more workers gather in parallel. A write's
+while the earlier ones are on the wire; two or more workers gather in parallel. A small piece
+whose layers are written (`takes_here`) is gathered and posted by the control thread that hands
+it out instead (`run_here`, into a free part of any worker's buffer): the hand-off to a worker
+and the write's hand-off back cost more than the copy (docs/trace.md). A write's
 completion is reported where the backend completes it, on the backend's owner thread (the
 control thread): the worker is not woken for it. Watermark waits happen before a job gets here
 (the control thread only hands out pieces whose ring region is free), so a worker never blocks on
@@ -24,6 +27,7 @@ from ..hop_trace import TRACE, Hop
 from .buffer_space import BufferSpace
 from .buffers import StagingBuffer
 from .digests import digest
+from .gather_scatter import Gatherer
 from .job_threads import JobThreads
 from .kernels import gatherer_class
 from .plan_cache import PlanCache
@@ -92,9 +96,13 @@ class TransferWorkers:
     """One thread per staging buffer, all on one job queue (job_threads.py)."""
 
     def __init__(self, buffers: Sequence[StagingBuffer], k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None,
-                 page_size: int, submit: SubmitWrite, report: Report, pools: dict | None = None):
+                 page_size: int, submit: SubmitWrite, report: Report, pools: dict | None = None,
+                 inline_max_bytes: int = 0):
+        """`inline_max_bytes`: the largest piece `run_here` takes (0: every piece to a worker)."""
         self._buffers = list(buffers)
         self.spaces = [BufferSpace(b.nbytes) for b in self._buffers]   # the parts of each buffer in flight
+        self.inline_max_bytes = inline_max_bytes
+        self._here: list[Callable[[GatherJob, int | None], Callable[[], None]]] = []   # run_here's, made on first use
         self._pools = PoolBytes(pools or {})  # tensors viewed as bytes once, not per request
         self._k, self._v, self._page_size = tuple(k), (tuple(v) if v is not None else None), page_size
         self._submit, self._report = submit, report
@@ -113,6 +121,24 @@ class TransferWorkers:
     def submit(self, job: GatherJob) -> None:
         self._threads.submit(job)
 
+    def takes_here(self, job: GatherJob) -> bool:
+        """Whether `job` is small enough for `run_here` and needs no wait for its layers."""
+        return job.nbytes <= self.inline_max_bytes and not job.ready
+
+    def run_here(self, job: GatherJob) -> bool:
+        """Gather `job` into a free part of a worker's buffer and post it, on the calling thread
+        (always the control thread: its gatherer, made on the first call, is that thread's own);
+        False, with nothing done, when no buffer has a part free for it now."""
+        for i, space in enumerate(self.spaces):
+            at = space.try_take(job.nbytes)
+            if at is not None:
+                if not self._here:
+                    gatherer = self._gatherer_class(self.plans)
+                    self._here = [self._piece_work(b, gatherer) for b in range(len(self._buffers))]
+                self._here[i](job, at)()   # a failed gather reports here; a posted one on completion
+                return True
+        return False
+
     def stop(self, timeout: float = 10.0) -> None:
         for space in self.spaces:   # a worker waiting for a part gives up: no write completes any more
             space.close()
@@ -125,20 +151,24 @@ class TransferWorkers:
     def _worker(self, index: int, meter: ThreadMeter) -> Callable[[GatherJob], Callable[[], None]]:
         """Thread `index`: its buffer, its gatherer (Triton kernels on CUDA, torch otherwise,
         staging/kernels.py), and how it does one job."""
-        buf, space = self._buffers[index], self.spaces[index]
-        gatherer, device = self._gatherer_class(self.plans), self._k[0].device
+        return self._piece_work(index, self._gatherer_class(self.plans))
+
+    def _piece_work(self, index: int, gatherer: Gatherer) -> Callable[[GatherJob, int | None], Callable[[], None]]:
+        """How one piece is done with buffer `index` and `gatherer` (one thread's own): into the
+        part `at` when the caller took it, else into a part taken here (waiting for one)."""
+        buf, space, device = self._buffers[index], self.spaces[index], self._k[0].device
         layers = LayerSlices(self._k, self._v)
 
-        def work(job: GatherJob) -> Callable[[], None]:
+        def work(job: GatherJob, at: int | None = None) -> Callable[[], None]:
             op_id, room, report = job.op_id, job.room, self._report
             t0 = time.perf_counter()
             if TRACE.on:
                 TRACE.hop(Hop.GATHER_START, room, f"{len(job.pages)} pages, {job.nbytes} bytes")
-            at: int | None = None
             try:
                 wait_ready(job.ready)
                 k, v = layers.of(job.layers)
-                at = space.take(job.nbytes)   # waits while the writes in flight fill the buffer
+                if at is None:
+                    at = space.take(job.nbytes)   # waits while the writes in flight fill the buffer
                 part = buf.tensor[at: at + job.nbytes]
                 # a host page list: validated, indexed and uploaded once per room and list (PlanCache)
                 n = gatherer.gather(k, v, job.pages, self._page_size, job.heads, part, room=room)

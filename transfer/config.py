@@ -27,10 +27,12 @@ LAYER_GROUP_ENV = "KVSTAGE_LAYER_GROUP"
 LAYERWISE_MIN_TOKENS_ENV = "KVSTAGE_LAYERWISE_MIN_TOKENS"
 LAYER_BATCHING_ENV = "KVSTAGE_LAYER_BATCHING"
 INLINE_SCATTER_KB_ENV = "KVSTAGE_INLINE_SCATTER_KB"
+INLINE_GATHER_KB_ENV = "KVSTAGE_INLINE_GATHER_KB"
 PATH_ENV = "KVSTAGE_PATH"             # auto | staged | direct (protocol/path_choice.py)
 CALIBRATE_ENV = "KVSTAGE_CALIBRATE"   # measure the path costs at start (on by default)
 CREDITS_ENV = "KVSTAGE_CREDITS"       # staged: ring credits instead of a grant per chunk (off by default)
 DEFAULT_INLINE_SCATTER_KB = 256    # decode: pieces up to this size are scattered on the control thread
+DEFAULT_INLINE_GATHER_KB = 256     # prefill: pieces up to this size are gathered and posted by the control thread
 DEFAULT_LAYER_GROUP = 4            # layers per write of a layer-wise send (docs/journal/benchmarks-2026-11.md)
 DEFAULT_LAYERWISE_MIN_TOKENS = 512  # shorter requests go per chunk (ibid.)
 MAX_LAYERS = 1 << 16
@@ -147,6 +149,9 @@ class EngineConfig:
     inline_scatter_kb: int | None = None     # decode, staged: a landed piece of at most this many KiB is
                                              # scattered by the control thread that read its tag, not handed
                                              # to the scatter thread (0: never); env KVSTAGE_INLINE_SCATTER_KB, 256
+    inline_gather_kb: int | None = None      # prefill, staged: a piece of at most this many KiB whose layers are
+                                             # written is gathered and posted by the control thread that hands it
+                                             # out, not by a transfer worker (0: never); env KVSTAGE_INLINE_GATHER_KB, 256
     path: str | None = None                  # decode: "auto" (the cheaper predicted path per request),
                                              # "staged" or "direct" (forced); prefill: "direct" offers no
                                              # staging; env KVSTAGE_PATH, auto (docs/path_choice.md)
@@ -206,6 +211,8 @@ class EngineConfig:
                                                DEFAULT_LAYERWISE_MIN_TOKENS, 1 << 40),
             inline_scatter_kb=self._natural("inline_scatter_kb", INLINE_SCATTER_KB_ENV, DEFAULT_INLINE_SCATTER_KB,
                                             MAX_MB << 10),
+            inline_gather_kb=self._natural("inline_gather_kb", INLINE_GATHER_KB_ENV, DEFAULT_INLINE_GATHER_KB,
+                                           MAX_MB << 10),
             backend_options=options,
             timeouts=timeouts,
             metrics_port=(from_env(METRICS_PORT_ENV, None, int, check.port) if self.metrics_port is None

@@ -52,6 +52,8 @@ def test_ring_far_smaller_than_a_chunk(backend):
         # each writer sends half of its decode rank's chunk; a piece holds at most 4 pages here
         assert st["staged_writes"] >= 3 * 2 * 12
         assert st["staged_writes_per_piece"] == {"1": st["staged_writes"]}
+        # 512 KiB parts, past the inline limit (256 KiB): every one gathered by a transfer worker
+        assert st["gathers"] == {"thread": st["staged_writes"]}, st["gathers"]
 
 
 @pytest.mark.timeout(400)
@@ -78,6 +80,8 @@ def test_32_rooms_share_one_ring_with_reordered_and_duplicated_tags(backend):
     for st in prefill_stats(results, case):
         assert st["staged_writes_per_piece"] == {"1": st["staged_writes"]}, "one write per piece per writer"
         assert st["staged_writes"] == st["write_requests"]
+        # parts of a few KiB: gathered and posted by the control thread that handed them out
+        assert st["gathers"].get("inline", 0) > 0 and sum(st["gathers"].values()) == st["staged_writes"], st["gathers"]
     assert dec["tags_received"] == writes, "every write landed exactly once"
     assert dec["dropped_tags"].get("duplicate", 0) > 0, "duplicates were injected and ignored"
     assert dec["rooms"] == {"success": 32}

@@ -128,3 +128,39 @@ def test_one_worker_gathers_its_next_pieces_while_the_first_writes_are_in_flight
     finally:
         workers.stop()
         buf.close()
+
+
+# ------------------------------------------------- small pieces gathered by the calling thread
+def test_run_here_gathers_and_posts_on_the_calling_thread_and_refuses_when_no_part_is_free():
+    page_size, heads, head_dim = 2, 2, 4
+    k = [torch.arange(8 * page_size * heads * head_dim, dtype=torch.float32).reshape(-1, heads, head_dim)]
+    v = [k[0] + 1000]
+    nbytes = 2 * page_size * heads * head_dim * 4
+    posts: list = []
+
+    def submit(peer, src, dst, tag, on_done, on_posted=None, *, dst_kind=None, room=None):
+        posts.append((threading.current_thread().name, int(src[0, 0]), on_done))
+
+    def report(*a):
+        raise AssertionError("nothing completed, nothing failed: no report")
+
+    def job(op, ready=()):
+        return GatherJob(op_id=op, room=7, peer="decode-0", pages=np.array([op]), heads=(0, heads), nbytes=nbytes,
+                         dst_addr=1 << 20, dst_device=0, tag=b"t", layers=range(1), ready=ready)
+
+    bufs = [StagingBuffer.host(4096), StagingBuffer.host(4096)]
+    workers = TransferWorkers(bufs, k, v, page_size, submit, report, inline_max_bytes=nbytes)
+    try:
+        assert workers.takes_here(job(0))
+        assert not workers.takes_here(job(0, ready=(object(),)))   # its layers may not be written yet
+        big = GatherJob(**{**job(0).__dict__, "nbytes": nbytes + 1})
+        assert not workers.takes_here(big)
+        assert workers.run_here(job(0)) and workers.run_here(job(1))   # one part of each buffer
+        me = threading.current_thread().name
+        assert [(t, at) for t, at, _ in posts] == [(me, bufs[0].addr), (me, bufs[1].addr)]
+        assert bytes(bufs[0].tensor[:nbytes].numpy()) == k[0][0:2].numpy().tobytes() + v[0][0:2].numpy().tobytes()
+        assert not workers.run_here(job(2)) and len(posts) == 2   # both buffers' parts in flight
+    finally:
+        workers.stop()
+        for b in bufs:
+            b.close()

@@ -161,7 +161,7 @@ def _queue(peer) -> WriteQueue:
         buffers=SimpleNamespace(kind="DRAM", pools={}),
         integrity=SimpleNamespace(direct_tags=lambda op, groups: [op.tag] * groups, sealer=lambda tag: None))
     book = SimpleNamespace(get={7: SimpleNamespace(state=None)}.get, status={})
-    workers = SimpleNamespace(jobs=[])
+    workers = SimpleNamespace(jobs=[], takes_here=lambda job: False)   # every piece to a worker
     workers.submit = workers.jobs.append
     return WriteQueue(ctx, {11: peer}, book, workers)
 

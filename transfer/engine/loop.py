@@ -141,7 +141,8 @@ class EngineLoop:
                                      observer=observer or NoObserver(), calibration=calibration)
         if cfg.role == "prefill" and handler.buffers:
             self.workers = TransferWorkers(handler.buffers, buffers.entry_k, buffers.entry_v, layout.page_size,
-                                           backend.submit_write, gather_report(c), buffers.pools)
+                                           backend.submit_write, gather_report(c), buffers.pools,
+                                           inline_max_bytes=cast(int, cfg.inline_gather_kb) << 10)
         elif cfg.role != "prefill" and handler.ring is not None:
             self.scatter = ScatterWorker(buffers.entry_k, buffers.entry_v, layout.page_size, scatter_report(c),
                                          buffers.pools, inline_max_bytes=cast(int, cfg.inline_scatter_kb) << 10)

@@ -3,7 +3,8 @@ the deadlines of writes in flight.
 
 A direct write goes to the backend at once. A staged piece waits in the `StagedQueue` (pure,
 protocol/write_queue.py) until the decode rank's watermark frees its ring region, then a
-transfer worker gathers it and issues the one backend write. Completions come back as
+transfer worker gathers it and issues the one backend write (a piece of at most
+`inline_gather_kb` whose layers are written: this thread, `TransferWorkers.run_here`). Completions come back as
 WriteDone events and go to the room's state machine. When the backend takes a write and when it
 completes are stamped on the request's timeline and timed for the per-write histogram. Just
 before the backend takes a write, the decode rank is told (`WritePosted`): it polls for the
@@ -141,14 +142,19 @@ class WriteQueue:
             assert self.workers is not None and peer is not None and peer.ring is not None, \
                 "a staged piece without transfer workers here or a ring there"
             ring = peer.ring
-            self.workers.submit(GatherJob(
+            job = GatherJob(
                 op_id=op.op_id, room=op.room, peer=peer.backend_name, pages=op.src_pages,
                 layers=ctx.layout.local(op.layers),
                 ready=op.ready, heads=op.src_heads,
                 nbytes=op.nbytes, dst_addr=ring.addr + op.ring_start % ring.size + op.writer_offset,
                 dst_device=ring.device, tag=ctx.tags.encode(op.tag), dst_kind=ring.mem_kind, pools=op.pools,
                 on_posted=functools.partial(self._posted, op.op_id, op.room),
-                seal=ctx.integrity.sealer(op.tag)))
+                seal=ctx.integrity.sealer(op.tag))
+            if self.workers.takes_here(job) and self.workers.run_here(job):   # no hand-off there and back
+                ctx.stats.count("gathers", "inline")
+            else:
+                ctx.stats.count("gathers", "thread")
+                self.workers.submit(job)
 
     def await_unit(self, a: AwaitUnit) -> None:
         """A batching room's held unit: wait for its layers off this thread (UnitReady comes back)."""
