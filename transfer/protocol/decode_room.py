@@ -240,7 +240,8 @@ class DecodeRoom(RoomBase):
                             for r in last_stage} if self.pool_items else {}
         self.tracker = RoomTracker(n, {r: self._plan.writer_page_bytes(w.assignment) for r, w in self.writers.items()},
                                    {r: block_bytes(c) for r, c in self.pool_copies.items()},
-                                   num_layers=entries, writer_layers=p.writer_layers)
+                                   num_layers=entries, writer_layers=p.writer_layers,
+                                   held=self.layout.layers if self.layout.pp_size > 1 else None)
         self.meta_sent = True
         self._retry_at = now + self.timeouts.heartbeat
         return self._metas(self._all_prefill()) + self._move(RoomEvent.METADATA_OUT, now)
