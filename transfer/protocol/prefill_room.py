@@ -60,6 +60,10 @@ class PrefillRoom(RoomBase):
     TRANSITIONS = PREFILL_TRANSITIONS
     PEER_SIDE = "decode"
     failed_by: tuple[int, int] | None = None   # (incarnation, session) that failed us; an instance attribute once set
+    # decode PP (stage_mapping.py), instance attributes once set (a room stays under 30 of them,
+    # room_base.py): decode engine rank -> its stage, and whether those cover this rank's layers
+    decode_stages: dict[int, DecodeStage] | None = None
+    covered: bool = True
 
     def __init__(self, *, room: int, num_pages: int | None, layout: KVLayout, me: int, now: float,
                  timeouts: Timeouts, op_ids: itertools.count[int] | None = None, max_ranges: int = 65536,
@@ -90,8 +94,6 @@ class PrefillRoom(RoomBase):
         self.mapping: HeadMapping | None = None
         self.decode_engine: str | None = None
         self.expected: set[int] = set()
-        self.decode_stages: dict[int, DecodeStage] = {}   # decode PP: decode engine rank -> its stage
-        self.covered = False                # the decode ranks heard from cover this rank's layers
         self.flows: dict[int, Flow] = {}
         self.ops: dict[int, WriteOp] = {}
         self.stale = stale if stale is not None else EarlierUses()   # sessions of earlier uses of this id
@@ -197,16 +199,15 @@ class PrefillRoom(RoomBase):
                                                self.layout.mla)
             self.decode_engine = peer.engine_id
             self.expected = set(self._mapping.decode_peers_of(self.layout.tp_rank))
-            self.covered = stage is None
         if self.decode_stages if stage is None else (self.flows and not self.decode_stages):
             return self._unpairable(peer, meta, f"decode rank {peer.tp_rank} has {stage.text() if stage else 'no PP'} "
                                               f"and others of its engine {'have no PP' if stage else 'have PP'}", now)
         if stage is not None and peer.tp_rank not in self.flows:
             cov = decode_coverage(self.layout.layers, self._mapping.decode_peers_of(self.layout.tp_rank), decode_tp,
-                                  {**self.decode_stages, peer.tp_rank: stage}, self.layout.num_layers)
+                                  {**(self.decode_stages or {}), peer.tp_rank: stage}, self.layout.num_layers)
             if cov.error:
                 return self._unpairable(peer, meta, cov.error, now)
-            self.decode_stages[peer.tp_rank] = stage
+            self.decode_stages = {**(self.decode_stages or {}), peer.tp_rank: stage}
             self.expected, self.covered = set(cov.expected), cov.complete
         if peer.tp_rank not in self.expected:
             return [Send(peer, RoomFailed(src=self.me, dst=peer.incarnation, room=self.room, session=meta.session,
@@ -251,7 +252,7 @@ class PrefillRoom(RoomBase):
         heard from and at this one, with both layouts."""
         reason = (f"prefill {self._layout_text()} cannot pair with the decode engine's stages: {why} "
                   f"(decode stages heard from: "
-                  f"{', '.join(st.text() for st in self.decode_stages.values()) or 'none before it'})")
+                  f"{', '.join(st.text() for st in (self.decode_stages or {}).values()) or 'none before it'})")
         told = [Send(peer, RoomFailed(src=self.me, dst=peer.incarnation, room=self.room, session=meta.session,
                                       kind=FailureKind.LAYOUT, reason=reason))]
         return self.fail(FailureKind.LAYOUT, reason, now) + told
