@@ -35,8 +35,7 @@ the timeline's), send_after_metadata (prefill: the first send waits until the de
 metadata is in).
 Per manager, pp (prefill or decode): the engine's pipeline-parallel stages, the model's layers split as
 evenly as they go (the first stages take one more) or as stage_layers lists ([[0, 2], [2, 6]]);
-rank is then the engine rank, pp_rank * tp + tp_rank. A decode stage before the last holds no
-state pools and takes no pool items (they move with the model's last layer).
+rank is then the engine rank, pp_rank * tp + tp_rank.
 Per manager, layer_group, layerwise_min_tokens and layer_batching: EngineConfig's.
 Per manager, path ("auto", "staged", "direct") and calibrate: EngineConfig's (docs/path_choice.md).
 Per manager, dp_rank is the prefill engine's data-parallel rank (EngineConfig.dp_rank).
@@ -130,7 +129,7 @@ def build(spec: dict, bootstrap: str) -> tuple[KVManager, KVLayout, KVBuffers, K
     dk, dv = cache(d, dshape), None if layout.mla or not d else cache(d, dshape)
     for t in dk + (dv or []):
         t.view(torch.uint8).fill_(UNWRITTEN)
-    pools = pool_pattern.make_pools(g["pools"], layout) if g.get("pools") and not pool_less_stage(spec) else {}
+    pools = pool_pattern.make_pools(g["pools"], layout) if g.get("pools") else {}
     buffers = KVBuffers(k, v, pools=pools, draft_k=dk, draft_v=dv)
     if spec.get("from_pointers"):  # hand the cache over the way SGLang's KVArgs does: raw addresses
         _ENGINE_OWNED.append((k, v, dk, dv))  # the "serving engine" keeps its memory alive
@@ -367,14 +366,7 @@ def room_item_counts(spec: dict, r: dict) -> dict:
     """How many items of each pool the room takes on this rank ({"aux": 1, ...}): the room's
     `pool_items`, or `pool_items_decode` on a decode rank (a mismatch on purpose)."""
     counts = r.get("pool_items", {})
-    if pool_less_stage(spec):
-        return {}
     return r.get("pool_items_decode", counts) if spec["role"] == "decode" else counts
-
-
-def pool_less_stage(spec: dict) -> bool:
-    """A decode PP stage before the last: the state pools go with the last stage."""
-    return spec["role"] == "decode" and spec["rank"] // spec["tp"] < spec.get("pp", 1) - 1
 
 
 def start_room(mgr: KVManager, spec: dict, r: dict, pages: np.ndarray, pattern: KVPattern, tensors,

@@ -250,23 +250,6 @@ class _Compiled:
         return False
 
 
-def test_a_decode_pp_stage_before_the_last_with_state_pools_is_refused_before_creating_anything(monkeypatch):
-    """Decode PP is served (stage_mapping.py); the state pools move with the model's last layer,
-    so only the last decode stage may hold them."""
-    import torch
-
-    from kvstage.transfer import KVBuffers, KVLayout, KVManager
-    from kvstage.transfer.engine import manager
-    from kvstage.transfer.state_pools import StatePool
-    monkeypatch.setattr(manager, "create_backend", lambda *a, **k: pytest.fail("a backend was created"))
-    layout = KVLayout(num_layers=2, total_kv_heads=1, head_dim=8, dtype=torch.float32, page_size=4, tp_size=1,
-                      tp_rank=0, pp_size=2, pp_rank=0, stage=range(0, 1))
-    aux = {"aux": StatePool(tensors=[torch.zeros(4, 3)])}
-    with pytest.raises(ValueError, match=r"state pools \(aux\) on decode PP stage 0 of 2: .* only the last stage"):
-        KVManager(cfg(role="decode", staging=False), layout,
-                  KVBuffers([torch.zeros(16, 1, 8)], [torch.zeros(16, 1, 8)], pools=aux))
-
-
 def test_ring_credits_are_off_unless_asked_for(monkeypatch):
     """Off by default until their open finding is fixed (docs/protocol.md, "Ring credits"); the
     option, then KVSTAGE_CREDITS, turns them on."""

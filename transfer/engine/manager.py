@@ -52,12 +52,6 @@ class KVManager:
 
     def __init__(self, config: EngineConfig, layout: KVLayout, buffers: KVBuffers):
         self.config = config.resolved()
-        if self.config.role == "decode" and layout.pp_size > 1 and buffers.pools and \
-                layout.layers.stop != layout.num_entries:
-            raise ValueError(f"state pools ({', '.join(sorted(buffers.pools))}) on decode PP stage {layout.pp_rank} of "
-                             f"{layout.pp_size}: they move with the model's last layer, so only the last stage "
-                             f"(the one holding layer {layout.num_layers - 1}) receives them; give them to that "
-                             f"stage's ranks only")
         if self.config.path == "staged" and layout.mla:
             raise ValueError("path='staged' (EngineConfig.path / KVSTAGE_PATH) cannot be used with an MLA model: "
                              "its latent is replicated and moves as whole pages on the direct path")

@@ -12,8 +12,6 @@ import itertools
 import logging
 from collections import defaultdict
 
-import msgspec
-
 from ...staging.ring import Watermark
 from ..poll import KVPoll
 from ..protocol.actions import Action, PeerKey, ReleaseCredit, Scatter, Send, SettleCredits, StatusChanged
@@ -108,12 +106,8 @@ class PrefillSide:
                     lease=Lease(ctx.t.lease, now), kv=stage_memory(msg.kv, stage) if not problems
                     else msg.kv, ring=msg.ring, since=now, conn=msg.conn, stage=stage)
         self.peers.add(peer, now)
-        mine = ctx.summary
-        if stage is not None and stage.layers.stop < ctx.layout.num_layers:   # the pools go to the last stage only
-            mine = msgspec.structs.replace(mine, pools=[])
-            msg = msgspec.structs.replace(msg, layout=msgspec.structs.replace(msg.layout, pools=[]))
-        problems += mine.mismatches(msg.layout)
-        if not problems and mine.pools:
+        problems += ctx.summary.mismatches(msg.layout)
+        if not problems and ctx.summary.pools:
             problems = [p for p in [writers_mismatch(ctx.summary.pools, ctx.layout.tp_size, msg.tp_size,
                                                      ctx.layout.total_kv_heads, ctx.layout.mla)] if p]
         if msg.verify != bool(ctx.cfg.verify):

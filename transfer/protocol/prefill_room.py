@@ -219,7 +219,8 @@ class PrefillRoom(RoomBase):
                 return []  # duplicate
             return self.fail(FailureKind.PROTOCOL, f"decode rank {peer.tp_rank} sent metadata for room {self.room} twice "
                                          f"({old.peer} then {peer})", now)
-        flow = Flow(peer=peer, session=meta.session, staged=meta.staged, layers=None if stage is None else flow_layers(self.layout.layers, stage),
+        flow = Flow(peer=peer, session=meta.session, staged=meta.staged, stage_stop=stage.layers.stop if stage else 0,
+                    layers=None if stage is None else flow_layers(self.layout.layers, stage),
                     assignment=self._mapping.find(self.layout.tp_rank, peer.tp_rank % self._mapping.decode_tp))
         self.flows[peer.tp_rank] = flow
         prefix_news: list[Action] = []
@@ -263,9 +264,9 @@ class PrefillRoom(RoomBase):
                 else f"rank {lay.rank} (no PP, {lay.num_layers} layers)")
 
     def _gets_pools(self, flow: Flow) -> bool:
-        """Whether this rank's writes to that decode rank carry the pools: they hold the model's
-        last entry (a decode PP stage before the last holds none of the pools)."""
-        return flow.layers is None or flow.layers.stop == self.layout.num_entries
+        """Whether this rank's writes to that decode rank carry the pools: they hold its last
+        entry (the model's; a decode PP stage's own last layer)."""
+        return flow.layers is None or flow.layers.stop == flow.stage_stop
 
     def _check_meta(self, flow: Flow, meta: RoomMeta, now: float) -> list[Action]:
         """The decode rank's page count (and direct destination pages) against ours: [] when
@@ -520,11 +521,11 @@ class PrefillRoom(RoomBase):
         (index * pp_size + pp_rank), since one decode room receives them all."""
         return chunk.index * self.layout.pp_size + self.layout.pp_rank
 
-    def _final(self, page_end: int, layers: range) -> bool:
+    def _final(self, page_end: int, layers: range, flow: Flow) -> bool:
         """Whether a write ending at `page_end` over `layers` is the one carrying the request's
         last page of the model's last layer (of its last draft entry, with a draft), hence the
         state pool items (a PP prefill: only the last stage's)."""
-        return page_end == self._pages_to_send and layers.stop == self.layout.num_entries
+        return page_end == self._pages_to_send and layers.stop == (flow.stage_stop or self.layout.num_entries)
 
     def _add_draft_items(self) -> None:
         """A draft of its own geometry (draft_kv.py): once the request's pages and the decode's
@@ -563,7 +564,7 @@ class PrefillRoom(RoomBase):
                     flow.issued += 1
                     continue
                 chunk = clipped
-                if not self.last and self._final(chunk.page_start + chunk.pages.size, chunk.layers):
+                if not self.last and self._final(chunk.page_start + chunk.pages.size, chunk.layers, flow):
                     break   # the write carrying the pool items waits for the last send, which may name them
                 if flow.staged:
                     taken = self._credit_writes(flow, a, chunk)
@@ -625,7 +626,7 @@ class PrefillRoom(RoomBase):
         return ChunkWrites(room=self.room, me=self.me, writer=self.layout.rank, peer=flow.peer, session=flow.session,
                            assignment=a, chunk=chunk, wire=self._wire(chunk),
                            head_page_bytes=self._bytes_per_page(1, chunk.layers),
-                           pools_at=self._pages_to_send if self._final(self._pages_to_send, chunk.layers) else None)
+                           pools_at=self._pages_to_send if self._final(self._pages_to_send, chunk.layers, flow) else None)
 
     def _direct_writes(self, flow: Flow, a: Assignment, chunk: Chunk) -> list[Action]:
         whole = self._mapping.prefill_tp == self._mapping.decode_tp or self.layout.mla

@@ -131,7 +131,7 @@ class RoomTracker:
 
     def final(self, page_start: int, num_pages: int, layers: range | None = None) -> bool:
         """Whether these cells hold the room's last page of its last layer (the pools' write)."""
-        return page_start + num_pages == self.num_pages and self._layers(layers).stop == self.num_layers
+        return page_start + num_pages == self.num_pages and self._layers(layers).stop == self._held.stop
 
     def layers_ok(self, layers: range) -> bool:
         return len(layers) > 0 and 0 <= layers.start and layers.stop <= self.num_layers
