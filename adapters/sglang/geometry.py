@@ -197,8 +197,9 @@ def unsupported_features(mgr, args) -> list[str]:
     if mgr.pp_size > 1:
         mode = getattr(mgr, "disaggregation_mode", None)
         if str(getattr(mode, "value", mode)) != "prefill":
-            out.append(f"pipeline parallelism on the decode side (pp_size {mgr.pp_size}; a PP prefill is "
-                       f"supported: run the decode with --pp-size 1)")
+            out.append(f"pipeline parallelism on the decode side (pp_size {mgr.pp_size}; kvstage's engine serves "
+                       f"decode stages, this adapter does not wire SGLang's decode stages to them yet; a PP "
+                       f"prefill is supported: run the decode with --pp-size 1)")
         elif getattr(args, "kv_layer_ids", None) or getattr(args, "state_types", None):
             out.append(f"pipeline parallelism (pp_size {mgr.pp_size}) with a hybrid KV pool or state components")
         elif getattr(args, "num_draft_entries", 0):
