@@ -97,7 +97,7 @@ def start_request(r, x, last: bool, aux_row: Callable) -> None:
     x["prefix_seen"] = k
     suffix = x["pages"][k:]
     r.fill(q["room"], suffix, k * r.ps)
-    if last:
+    if last or int(r.sc.get("decode_pp") or 1) > 1:   # a PP decode: each stage's row to its decode stage
         r.meta.output_ids[x["row"]] = aux_row(q["room"])
         r.meta.bootstrap_room[x["row"], 0] = q["room"]
     s.init(len(suffix), x["row"])

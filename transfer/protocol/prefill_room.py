@@ -254,8 +254,10 @@ class PrefillRoom(RoomBase):
         reason = (f"prefill {self._layout_text()} cannot pair with the decode engine's stages: {why} "
                   f"(decode stages heard from: "
                   f"{', '.join(st.text() for st in (self.decode_stages or {}).values()) or 'none before it'})")
+        # never written to (its flow was not made): it may reuse its memory at once
         told = [Send(peer, RoomFailed(src=self.me, dst=peer.incarnation, room=self.room, session=meta.session,
-                                      kind=FailureKind.LAYOUT, reason=reason))]
+                                      kind=FailureKind.LAYOUT, reason=reason)),
+                Send(peer, Quiesced(src=self.me, dst=peer.incarnation, room=self.room, session=meta.session))]
         return self.fail(FailureKind.LAYOUT, reason, now) + told
 
     def _layout_text(self) -> str:
