@@ -5,16 +5,22 @@ room's tracker over its own layers only."""
 
 from __future__ import annotations
 
+import itertools
 import re
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstage.transfer.config import Timeouts
 from kvstage.transfer.layout import KVLayout
+from kvstage.transfer.poll import KVPoll
 from kvstage.transfer.protocol import peering
-from kvstage.transfer.protocol.messages import KVMemory
+from kvstage.transfer.protocol.actions import PeerKey, PostWrite, Send
+from kvstage.transfer.protocol.messages import KVMemory, RoomMeta
+from kvstage.transfer.protocol.prefill_room import PrefillRoom
 from kvstage.transfer.protocol.stage_mapping import (
     DecodeStage,
     by_model_layer,
@@ -161,3 +167,42 @@ def test_a_decode_stage_room_completes_on_its_own_layers_only():
     assert direct.complete
     with pytest.raises(ValueError, match="held layers"):
         RoomTracker(2, {0: 60}, num_layers=6, held=range(4, 8))
+
+
+# -- a prefill room facing a decode engine with PP ---------------------------------------------------
+
+PRE = KVLayout(num_layers=6, total_kv_heads=2, head_dim=4, dtype=torch.uint8, page_size=2, tp_size=1, tp_rank=0)
+
+
+def prefill_room():
+    return PrefillRoom(room=7, num_pages=2, layout=PRE, me=1000, now=0.0, timeouts=Timeouts(metadata=50),
+                       op_ids=itertools.count(1))
+
+
+def dmeta(peer: PeerKey) -> RoomMeta:
+    return RoomMeta(src=peer.incarnation, dst=1000, room=7, session=peer.incarnation, num_pages=2, staged=False,
+                    dst_pages=np.arange(2, dtype="<i8").tobytes())
+
+
+def test_a_prefill_room_writes_each_decode_stage_its_layers_once_every_stage_is_heard_from():
+    """Prefill without PP (6 layers) -> decode PP 2 ([0, 2) and [2, 6)), decode TP 1: nothing is
+    written until both stages' metadata arrived; then each decode rank gets its stage's layers."""
+    r = prefill_room()
+    d0, d1 = PeerKey("dec", 0, 2000), PeerKey("dec", 1, 2001)
+    r.add_chunk(np.arange(2), True, 0.5)
+    acts = r.add_meta(d1, 1, dmeta(d1), 1.0, stage=DecodeStage(2, 1, range(2, 6)))
+    assert not [a for a in acts if isinstance(a, PostWrite)] and r.state is not KVPoll.Failed
+    acts = r.add_meta(d0, 1, dmeta(d0), 2.0, stage=DecodeStage(2, 0, range(0, 2)))
+    writes = {a.op.peer.tp_rank: a.op.layers for a in acts if isinstance(a, PostWrite)}
+    assert writes == {0: range(0, 2), 1: range(2, 6)}
+
+
+def test_decode_stages_that_leave_a_gap_fail_the_room_and_tell_the_decode_rank():
+    r = prefill_room()
+    d0, d1 = PeerKey("dec", 0, 2000), PeerKey("dec", 1, 2001)
+    r.add_meta(d0, 1, dmeta(d0), 1.0, stage=DecodeStage(2, 0, range(0, 2)))
+    acts = r.add_meta(d1, 1, dmeta(d1), 2.0, stage=DecodeStage(2, 1, range(3, 6)))
+    assert r.state is KVPoll.Failed
+    assert "prefill rank 0 (no PP, 6 layers) cannot pair" in r.failure and "leave layers [2, 3)" in r.failure
+    told = {(a.peer.tp_rank, type(a.msg).__name__) for a in acts if isinstance(a, Send)}
+    assert {(0, "RoomFailed"), (1, "RoomFailed"), (1, "Quiesced")} <= told
