@@ -206,3 +206,18 @@ def test_decode_stages_that_leave_a_gap_fail_the_room_and_tell_the_decode_rank()
     assert "prefill rank 0 (no PP, 6 layers) cannot pair" in r.failure and "leave layers [2, 3)" in r.failure
     told = {(a.peer.tp_rank, type(a.msg).__name__) for a in acts if isinstance(a, Send)}
     assert {(0, "RoomFailed"), (1, "RoomFailed"), (1, "Quiesced")} <= told
+
+
+def test_a_gap_no_prefill_rank_sees_both_sides_of_fails_at_the_metadata_deadline_naming_the_layers():
+    """Prefill PP 2 ([0, 3), [3, 6)) and decode stages [0, 2), [3, 6): prefill stage 0 hears only
+    from decode stage 0, whose layers leave its layer 2 to nobody."""
+    lay = KVLayout(num_layers=6, total_kv_heads=2, head_dim=4, dtype=torch.uint8, page_size=2, tp_size=1,
+                   tp_rank=0, pp_size=2, pp_rank=0, stage=range(0, 3))
+    r = PrefillRoom(room=7, num_pages=2, layout=lay, me=1000, now=0.0, timeouts=Timeouts(metadata=5),
+                    op_ids=itertools.count(1))
+    d0 = PeerKey("dec", 0, 2000)
+    r.add_meta(d0, 1, dmeta(d0), 1.0, stage=DecodeStage(2, 0, range(0, 2)))
+    assert r.state is not KVPoll.Failed and not r.tick(4.0)
+    r.tick(6.0)
+    assert r.state is KVPoll.Failed and "leave its layers [2] to no decode stage" in r.failure, r.failure
+    assert "PP stage 0 of 2 [0, 3)" in r.failure and "decode PP stage 0 of 2 [0, 2)" in r.failure

@@ -51,7 +51,7 @@ from .pool_parts import block_bytes, counts_mismatch, final_part, request_copies
 from .room_base import RoomBase
 from .room_uses import Bound, EarlierUses, RoomUse, failure_use, meta_use
 from .send_checks import check_late_items, check_page_count
-from .stage_mapping import DecodeStage, decode_coverage, flow_layers
+from .stage_mapping import DecodeStage, decode_coverage, flow_layers, uncovered
 from .tags import TagKind
 from .write_batching import UnitBatcher, plan_units
 
@@ -443,8 +443,9 @@ class PrefillRoom(RoomBase):
             who = f"decode rank(s) {sorted(self.expected - set(self.flows))}" if self.mapping else "any decode rank"
             if self.mapping is not None and self.decode_stages and not self.covered:
                 who += (f"; this prefill {self._layout_text()} heard from "
-                        f"{', '.join(st.text() for st in self.decode_stages.values())}, which leave some of its layers "
-                        f"to no decode stage (decode stages that do not tile the model?)")
+                        f"{', '.join(st.text() for st in self.decode_stages.values())}, which leave its layers "
+                        f"{uncovered(self.layout.layers, self.decode_stages.values())} to no decode stage (decode "
+                        f"stages that do not tile the model?)")
             return self.fail(FailureKind.TIMEOUT, f"no room metadata from {who} within {t.metadata:g} s", now)
         waiting = self.batcher.oldest_waiting() if self.batcher is not None else None
         if waiting is not None and now - waiting > t.write:

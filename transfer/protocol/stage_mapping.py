@@ -116,6 +116,12 @@ def decode_coverage(my_stage: range, tp_peers: Iterable[int], decode_tp: int,
     return Coverage(expected, covered == len(my_stage))
 
 
+def uncovered(my_stage: range, stages: Iterable[DecodeStage]) -> list[int]:
+    """The layers of `my_stage` no decode stage in `stages` holds."""
+    held = {layer for st in stages for layer in st.layers}
+    return [layer for layer in my_stage if layer not in held]
+
+
 def flow_layers(my_stage: range, decode_stage: DecodeStage | None) -> range:
     """The layers a prefill rank of `my_stage` writes to a decode rank of `decode_stage`
     (None: a decode rank without PP, which holds every layer)."""
