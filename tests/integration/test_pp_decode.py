@@ -52,7 +52,7 @@ def unpairable_case() -> Case:
 def test_decode_pp_moves_bit_exact_and_decode_stages_that_do_not_tile_fail_both_sides():
     """One cluster for every case (each rank process hosts one rank of each: 2 prefill and 3
     decode processes): NIXL staged and direct for PP 1 -> 2 (staged across TP sizes), 2 -> 2 and
-    2 -> 3, Mooncake for one, and the unpairable stages."""
+    2 -> 3 (with end-to-end digests), Mooncake for one, and the unpairable stages."""
     per_layer = [[i, i + 1] for i in range(LAYERS)]
     cases = [
         dpp_case(Topo(P=1, D=1, H=4, dpp=2), False, "nixl", 1, pools=True, prefix=True),          # PP 1 -> 2
@@ -65,6 +65,8 @@ def test_decode_pp_moves_bit_exact_and_decode_stages_that_do_not_tile_fail_both_
         dpp_case(Topo(P=1, D=1, H=4, pp=2, dpp=3), True, "mooncake", 7, pools=True, prefix=True,
                  forced=True),                                                                      # PP 2 -> 3, Mooncake
     ]
+    for c in cases[4:6]:   # PP 2 -> 3 with end-to-end digests too (EngineConfig.verify): checked where they land
+        c.extra = {**c.extra, "verify": True}
     bad_case = unpairable_case()
     results, codes, logs, _ = run_cases(cases + [bad_case], timeout=200)
     good = {name: sides for name, sides in results.items() if name != bad_case.name}
