@@ -33,7 +33,7 @@ pool_items_with_last (prefill: the room's pool items go with its last send, not 
 count; the record's last_send_at is when that send was made, in time.monotonic() seconds like
 the timeline's), send_after_metadata (prefill: the first send waits until the decode side's
 metadata is in).
-Per manager, pp (prefill): the engine's pipeline-parallel stages, the model's layers split as
+Per manager, pp (prefill or decode): the engine's pipeline-parallel stages, the model's layers split as
 evenly as they go (the first stages take one more) or as stage_layers lists ([[0, 2], [2, 6]]);
 rank is then the engine rank, pp_rank * tp + tp_rank.
 Per manager, layer_group, layerwise_min_tokens and layer_batching: EngineConfig's.

@@ -80,7 +80,7 @@ class KvstageKVManager(CommonKVManager):
         # a hybrid model's full-attention pool may be MLA although its pool as a whole is not
         mla = bool(is_mla_backend) or bool(getattr(args, "is_hybrid_mla_backend", False))
         layout = kv_layout(args, self.attn_tp_size, self.attn_tp_rank, mla, server_args,
-                           pp_size=self.pp_size if self.is_prefill else 1, pp_rank=self.pp_rank if self.is_prefill else 0)
+                           pp_size=self.pp_size, pp_rank=self.pp_rank, decode=not self.is_prefill)
         device = device_of(server_args, args)
         self.kv_device = torch.device(device)
         self.draft_equal_tp_only = draft_equal_tp_only(args, mla, server_args)

@@ -47,12 +47,14 @@ def kv_entries(args) -> tuple[Entries, Entries | None]:
 
 
 def kv_layout(args, attn_tp_size: int, attn_tp_rank: int, mla: bool, server_args=None, *, pp_size: int = 1,
-              pp_rank: int = 0) -> KVLayout:
+              pp_rank: int = 0, decode: bool = False) -> KVLayout:
     """SGLang's decode side does not fill kv_head_num/total_kv_head_num in KVArgs (its prefill
     side does): they then come from the model config, local heads as kvstage's layout defines.
     A PP prefill stage's KVArgs list only its layers, the first at `prefill_start_layer` of the
     model's (the decode side's) KV layers; the model's count comes from the last stage's end or,
-    on the other stages, from the model config."""
+    on the other stages, from the model config. A PP decode stage's KVArgs list only its layers
+    too but name no start layer (SGLang's decode fills no prefill_start_layer): its stage is the
+    one SGLang's model loader gives it, `get_pp_indices` of the model config's layer count."""
     target, draft = kv_entries(args)
     ptrs, items = target.ptrs, target.items
     page = int(args.page_size)
@@ -69,7 +71,13 @@ def kv_layout(args, attn_tp_size: int, attn_tp_rank: int, mla: bool, server_args
     if items[0] % (page * heads):
         raise ValueError(f"KV item size {items[0]} is not page_size {page} x {heads} heads x head bytes")
     stage, num_layers = None, layers
-    if pp_size > 1:
+    if pp_size > 1 and decode:
+        num_layers = model_layers(server_args)
+        stage = decode_stage(num_layers, pp_rank, pp_size)
+        if len(stage) != layers:
+            raise ValueError(f"decode PP stage {pp_rank} of {pp_size} holds layers [{stage.start}, {stage.stop}) of "
+                             f"{num_layers} (get_pp_indices), but its KVArgs list {layers} layers")
+    elif pp_size > 1:
         start = int(getattr(args, "prefill_start_layer", 0) or 0)
         stage = range(start, start + layers)
         num_layers = stage.stop if pp_rank == pp_size - 1 else model_layers(server_args)
@@ -174,6 +182,14 @@ def model_kv_heads(server_args) -> int:
     return int(ModelConfig.from_server_args(server_args).get_total_num_kv_heads())
 
 
+def decode_stage(num_layers: int, pp_rank: int, pp_size: int) -> range:
+    """A decode PP stage's layers, as SGLang's model loader splits them (its get_pp_indices,
+    which honours SGLANG_PP_LAYER_PARTITION)."""
+    from sglang.srt.distributed.utils import get_pp_indices
+    start, end = get_pp_indices(num_layers, pp_rank, pp_size)
+    return range(start, end)
+
+
 def model_layers(server_args) -> int:
     """The model's KV layers, as a decode rank (without PP) lists them."""
     if server_args is None:
@@ -194,12 +210,8 @@ def device_of(server_args, args) -> str:
 def unsupported_features(mgr, args) -> list[str]:
     """SGLang features this backend does not handle yet, by name (empty: all fine)."""
     out = []
-    if mgr.pp_size > 1:
-        mode = getattr(mgr, "disaggregation_mode", None)
-        if str(getattr(mode, "value", mode)) != "prefill":
-            out.append(f"pipeline parallelism on the decode side (pp_size {mgr.pp_size}; a PP prefill is "
-                       f"supported: run the decode with --pp-size 1)")
-        elif getattr(args, "kv_layer_ids", None) or getattr(args, "state_types", None):
+    if mgr.pp_size > 1:   # a PP prefill or decode: each stage's ranks move its layers (stage_mapping.py)
+        if getattr(args, "kv_layer_ids", None) or getattr(args, "state_types", None):
             out.append(f"pipeline parallelism (pp_size {mgr.pp_size}) with a hybrid KV pool or state components")
         elif getattr(args, "num_draft_entries", 0):
             out.append(f"pipeline parallelism (pp_size {mgr.pp_size}) with speculative-decoding draft KV "

@@ -26,14 +26,20 @@ class Topo:
     H: int
     mla: bool = False
     pp: int = 1          # prefill PP stages (P ranks each)
+    dpp: int = 1         # decode PP stages (D ranks each)
 
     @property
     def name(self) -> str:
-        return f"P{self.P}{f'x{self.pp}' if self.pp > 1 else ''}D{self.D}H{self.H}{'mla' if self.mla else ''}"
+        return (f"P{self.P}{f'x{self.pp}' if self.pp > 1 else ''}D{self.D}{f'x{self.dpp}' if self.dpp > 1 else ''}"
+                f"H{self.H}{'mla' if self.mla else ''}")
 
     @property
     def prefill_ranks(self) -> int:
         return self.P * self.pp
+
+    @property
+    def decode_ranks(self) -> int:
+        return self.D * self.dpp
 
 
 @dataclass(kw_only=True)
@@ -112,6 +118,8 @@ def manager_specs(case: Case, role: str, rank: int, barrier: dict) -> dict:
             "calibrate": False}
     if role == "prefill" and t.pp > 1:
         spec["pp"] = t.pp
+    if role == "decode" and t.dpp > 1:
+        spec["pp"] = t.dpp
     if role == "decode":
         spec["peer_engine"] = f"p-{case.name}"
     spec.update(case.extra)
@@ -126,8 +134,8 @@ def run_cases(cases: list[Case], timeout: float = 240, env: dict | None = None, 
     with each rank's result dict, plus the processes for exit-code checks. `rendezvous`: an
     address the ranks use instead of a bootstrap server of their own (e.g. etcd://)."""
     nprefill = max(c.topo.prefill_ranks for c in cases)
-    ndecode = max(c.topo.D for c in cases)
-    total = sum(c.topo.prefill_ranks + c.topo.D for c in cases)
+    ndecode = max(c.topo.decode_ranks for c in cases)
+    total = sum(c.topo.prefill_ranks + c.topo.decode_ranks for c in cases)
     out = {c.name: {"prefill": [], "decode": []} for c in cases}
     t0 = time.monotonic()
     with Cluster(env=env, server_args=server_args, rendezvous=rendezvous) as cl:
@@ -136,7 +144,7 @@ def run_cases(cases: list[Case], timeout: float = 240, env: dict | None = None, 
             specs = [manager_specs(c, "prefill", r, barrier) for c in cases if r < c.topo.prefill_ranks]
             cl.launch(specs, f"prefill{r}")
         for r in range(ndecode):
-            specs = [manager_specs(c, "decode", r, barrier) for c in cases if r < c.topo.D]
+            specs = [manager_specs(c, "decode", r, barrier) for c in cases if r < c.topo.decode_ranks]
             cl.launch(specs, f"decode{r}")
         procs = cl.wait(timeout + 30)
         for p in procs:

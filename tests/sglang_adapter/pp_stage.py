@@ -1,5 +1,6 @@
 """A pipeline-parallel prefill stage in a harness rank (rank.py, scenario "prefill_pp"), and
-the process groups of every harness rank (init_groups).
+the process groups of every harness rank (init_groups; a PP decode, scenario "decode_pp", forms
+its own world the same way and drives each stage's receivers as without PP).
 
 The stage processes of one prefill instance form a real torch.distributed world (gloo, over a
 file store), and SGLang's own parallel_state builds its process groups on it, as a scheduler
@@ -46,7 +47,9 @@ def run_prefill_pp(r, sc, out, *, aux_row: Callable, report: Callable) -> None:
     """SGLang's PP prefill: bootstrap by PP rank 0's polls (kvstage's `poll_pp_consensus`),
     all-reduced over attention TP and passed down the stages (`pop_bootstrapped`); then each
     stage sends its layers of every page in chunks, and only the last stage writes the aux row
-    (an earlier stage's row stays empty, so the decode's row can only be the last stage's)."""
+    (an earlier stage's row stays empty, so the decode's row can only be the last stage's), but
+    for a PP decode (scenario "decode_pp"), which reads a row on every stage: then every stage
+    writes its own, as SGLang's send_kv_chunk does."""
     from sglang.srt.disaggregation.utils import poll_and_all_reduce_prefill_pp
     from sglang.srt.runtime_context import get_parallel
 
@@ -97,7 +100,7 @@ def start_request(r, x, last: bool, aux_row: Callable) -> None:
     x["prefix_seen"] = k
     suffix = x["pages"][k:]
     r.fill(q["room"], suffix, k * r.ps)
-    if last:
+    if last or int(r.sc.get("decode_pp") or 1) > 1:   # a PP decode: each stage's row to its decode stage
         r.meta.output_ids[x["row"]] = aux_row(q["room"])
         r.meta.bootstrap_room[x["row"], 0] = q["room"]
     s.init(len(suffix), x["row"])

@@ -86,8 +86,8 @@ class Rank:
         self.a, self.sc = a, sc
         self.prefill = a.role == "prefill"
         self.ps, self.H, self.hd = sc["page_size"], sc["heads"], sc["head_dim"]
-        # PP (prefill only): --rank is the world rank; the stage holds its layers (base: the first)
-        self.pp = int(sc.get("prefill_pp") or 1) if self.prefill else 1
+        # PP: --rank is the world rank; the stage holds its layers (base: the first)
+        self.pp = int(sc.get(f"{a.role}_pp") or 1)
         tp_rank, self.pp_rank = a.rank % a.tp, a.rank // a.tp
         self.stage = stage_layers(sc["layers"], self.pp_rank, self.pp)
         self.layers = len(self.stage)
@@ -109,7 +109,7 @@ class Rank:
             sa.speculative_algorithm, sa.speculative_draft_model_path = "EAGLE", sc["draft"]["model"]
             sa.speculative_eagle_topk, sa.speculative_num_steps, sa.speculative_num_draft_tokens = 1, 1, 2
         publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=a.rank))
-        init_groups(a, self.pp, self.attn_rank, self.attn_tp, sc["gloo"] + "-pp")
+        init_groups(a, self.pp, self.attn_rank, self.attn_tp, sc["gloo"] + f"-{a.role}-pp")
         backend = TransferBackend("kvstage")
         tokens = self.num_pages * self.ps
         dev = self.device
@@ -174,8 +174,10 @@ class Rank:
             args.host_kv_data_lens = [t.nbytes for t in host]
             args.host_kv_item_lens = [t[: self.ps].nbytes for t in host]
         args.ib_device, args.gpu_id = None, self.device.index or 0
-        # as PrefillBootstrapQueue: the pool's start_layer, and its end_layer (None on a pool without PP)
-        args.prefill_start_layer, args.prefill_end_layer = self.stage.start, self.stage.stop if self.pp > 1 else None
+        # as PrefillBootstrapQueue: the pool's start_layer, and its end_layer (None on a pool without
+        # PP); SGLang's decode fills neither (a PP decode stage's KVArgs name no start layer)
+        if self.prefill or self.pp == 1:
+            args.prefill_start_layer, args.prefill_end_layer = self.stage.start, self.stage.stop if self.pp > 1 else None
         args.num_draft_entries = sum(len(s.k) + len(s.v) for s in self.sets[1:])
         args.is_hybrid_mla_backend = False
         mode = DisaggregationMode.PREFILL if self.prefill else DisaggregationMode.DECODE
@@ -583,7 +585,7 @@ def main() -> int:
     sc = json.load(open(a.scenario))
     try:
         r = Rank(a, sc)
-        if r.pp > 1:
+        if r.pp > 1 and r.prefill:
             run_prefill_pp(r, sc, a.out, aux_row=aux_ids, report=report)
         else:
             (run_prefill if r.prefill else run_decode_queue if sc.get("queue") else run_decode)(r, sc, a.out)

@@ -40,22 +40,25 @@ def requests_for(seed: int, n: int, **overrides) -> list[dict]:
 
 def run(tmp_path, model_dir, port, prefill_tp, decode_tp, reqs, *, backend="nixl", staging=False,
         die_at_room=None, extra_env=None, state=None, mla=False, hold=None, queue=False, prefill_dp=1,
-        decode_dp=1, draft=None, prefill_pp=1, layers=2, device="cpu", host=False) -> dict:
-    """`prefill_pp`: a PP prefill, prefill_tp x prefill_pp processes (world ranks); `layers`: the
+        decode_dp=1, draft=None, prefill_pp=1, decode_pp=1, layers=2, device="cpu", host=False) -> dict:
+    """`prefill_pp`: a PP prefill, prefill_tp x prefill_pp processes (world ranks); `decode_pp`
+    likewise a PP decode (its results keyed by world rank); `layers`: the
     model's, as in `model_dir`'s config; `host`: the decode ranks also hold a host KV pool
     (host KV destinations), where requests made with `host=` indices get their KV."""
     sc = {"page_size": 4, "layers": layers, "heads": 4, "head_dim": 8, "num_pages": 64, "model": model_dir,
           "bootstrap_port": port, "http_port": free_port(), "deadline_s": 120, "requests": reqs,
           "die_at_room": die_at_room, "state": state, "mla": mla, "release": str(tmp_path / "release"),
           "hold": hold, "queue": queue, "gloo": str(tmp_path / "gloo"), "prefill_dp": prefill_dp,
-          "decode_dp": decode_dp, "draft": draft, "prefill_pp": prefill_pp, "device": device, "host": host}
+          "decode_dp": decode_dp, "draft": draft, "prefill_pp": prefill_pp, "decode_pp": decode_pp, "device": device,
+          "host": host}
     (tmp_path / "scenario.json").write_text(json.dumps(sc))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SHIMS), os.environ.get("PYTHONPATH", "")]),
                KVSTAGE_SGLANG_BACKEND=backend, SGLANG_DISAGG_STAGING_BUFFER="1" if staging else "0",
                HF_HUB_OFFLINE="1", SGLANG_HOST_IP="127.0.0.1", **(extra_env or {}))
     procs = {}
     try:
-        for role, tp, ranks in (("prefill", prefill_tp, prefill_tp * prefill_pp), ("decode", decode_tp, decode_tp)):
+        for role, tp, ranks in (("prefill", prefill_tp, prefill_tp * prefill_pp),
+                                ("decode", decode_tp, decode_tp * decode_pp)):
             for rank in range(ranks):
                 out = tmp_path / f"{role}{rank}.json"
                 procs[(role, rank)] = (RankProcess(

@@ -250,18 +250,6 @@ class _Compiled:
         return False
 
 
-def test_a_decode_rank_with_pipeline_parallelism_is_refused_before_creating_anything(monkeypatch):
-    import torch
-
-    from kvstage.transfer import KVBuffers, KVLayout, KVManager
-    from kvstage.transfer.engine import manager
-    monkeypatch.setattr(manager, "create_backend", lambda *a, **k: pytest.fail("a backend was created"))
-    layout = KVLayout(num_layers=2, total_kv_heads=1, head_dim=8, dtype=torch.float32, page_size=4, tp_size=1,
-                      tp_rank=0, pp_size=2, pp_rank=1, stage=range(1, 2))
-    with pytest.raises(ValueError, match=r"decode rank with pipeline parallelism \(pp_size=2\) is not supported"):
-        KVManager(cfg(role="decode", staging=False), layout, KVBuffers([torch.zeros(16, 1, 8)], [torch.zeros(16, 1, 8)]))
-
-
 def test_ring_credits_are_off_unless_asked_for(monkeypatch):
     """Off by default until their open finding is fixed (docs/protocol.md, "Ring credits"); the
     option, then KVSTAGE_CREDITS, turns them on."""

@@ -76,6 +76,20 @@ def test_layout_of_a_pp_prefill_stage_holds_its_layers_of_the_model(monkeypatch)
                   pp_size=2, pp_rank=0)
 
 
+def test_layout_of_a_pp_decode_stage_is_the_model_loaders_split(monkeypatch):
+    """A decode stage's KVArgs name no start layer: its stage is SGLang's get_pp_indices split of
+    the model's layers (here 7 layers over 2 stages: [0, 3) and [3, 7)); KVArgs listing another
+    count are refused, naming both."""
+    from kvstage.adapters.sglang import geometry
+    monkeypatch.setattr(geometry, "model_layers", lambda server_args: 7)
+    monkeypatch.setattr(geometry, "decode_stage", lambda n, rank, size: [range(0, 3), range(3, 7)][rank])
+    second = kv_layout(kv_args(layers=4), attn_tp_size=2, attn_tp_rank=1, mla=False, pp_size=2, pp_rank=1,
+                       decode=True)
+    assert (second.num_layers, second.layers, second.rank, second.ranks) == (7, range(3, 7), 3, 4)
+    with pytest.raises(ValueError, match=r"holds layers \[0, 3\) of 7 \(get_pp_indices\), but its KVArgs list 4"):
+        kv_layout(kv_args(layers=4), attn_tp_size=2, attn_tp_rank=1, mla=False, pp_size=2, pp_rank=0, decode=True)
+
+
 def test_layout_mla_is_one_latent_per_layer():
     args = SimpleNamespace(kv_data_ptrs=[1, 2, 3], kv_item_lens=[16 * 576 * 2] * 3, page_size=16)
     lay = kv_layout(args, attn_tp_size=2, attn_tp_rank=0, mla=True)
@@ -123,8 +137,8 @@ def plain_mgr(**kw):
     (plain_mgr(), {"host_kv_data_ptrs": [4096], "state_types": ["swa"]}, "host KV destinations"),
     (plain_mgr(server_args=SimpleNamespace(enable_hisparse=True, device="cuda")), {"host_kv_data_ptrs": [4096]},
      "host KV destinations with HiSparse"),
-    (plain_mgr(pp_size=2, disaggregation_mode=SimpleNamespace(value="decode")), {},
-     "pipeline parallelism on the decode side"),
+    (plain_mgr(pp_size=2, disaggregation_mode=SimpleNamespace(value="decode")), {"state_types": ["mamba"]},
+     "pipeline parallelism (pp_size 2) with a hybrid KV pool or state components"),
     (plain_mgr(pp_size=2, disaggregation_mode=SimpleNamespace(value="prefill")), {"kv_layer_ids": [0, 3]},
      "pipeline parallelism (pp_size 2) with a hybrid KV pool"),
     (plain_mgr(attn_cp_size=2), {}, "context parallelism"),
@@ -145,6 +159,8 @@ def test_a_plain_gpu_deployment_is_not_refused():
     assert unsupported_features(plain_mgr(), SimpleNamespace(kv_data_mem_kinds=["VRAM"] * 4)) == []
     pp_prefill = plain_mgr(pp_size=2, disaggregation_mode=SimpleNamespace(value="prefill"))
     assert unsupported_features(pp_prefill, SimpleNamespace(kv_layer_ids=[])) == []
+    pp_decode = plain_mgr(pp_size=2, disaggregation_mode=SimpleNamespace(value="decode"))
+    assert unsupported_features(pp_decode, SimpleNamespace(kv_layer_ids=[])) == []   # served since decode PP
     cpu = plain_mgr(server_args=SimpleNamespace(enable_hisparse=False, device="cpu"))
     assert unsupported_features(cpu, SimpleNamespace(kv_data_mem_kinds=["DRAM"] * 4)) == []
     assert unsupported_features(plain_mgr(), SimpleNamespace(num_draft_entries=2)) == []   # speculative decoding

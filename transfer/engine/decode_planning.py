@@ -209,7 +209,7 @@ class EnginePlanner:
             if peer is not None:
                 self.ctx.sock.send(peer.endpoint, RoomFailed(
                     src=self.ctx.me, dst=peer.key.incarnation, room=room.room, session=room.session, kind=FailureKind.LAYOUT,
-                    reason=f"decode rank {self.ctx.layout.tp_rank} refused: {reason}"))
+                    reason=f"decode rank {self.ctx.layout.rank} refused: {reason}"))
 
     def _tell_connected(self, view: EngineView, room: DecodeRoom, kind: str, reason: str) -> None:
         """A room failed because its engine's lookup failed: the ranks of that engine this rank is
@@ -286,8 +286,11 @@ class EnginePlanner:
             r = ctx.handler.ring
             ring = RingInfo(addr=r.addr, size=ctx.handler.allocator.size, epoch=ctx.me, mem_kind=r.kind,
                             device=r.device)
-        return Hello(src=ctx.me, engine_id=ctx.cfg.engine_id, role=ctx.role, tp_size=ctx.layout.tp_size,
-                     tp_rank=ctx.layout.tp_rank, ctrl_endpoint=ctx.sock.endpoint, backend=ctx.cfg.backend,
+        lay = ctx.layout
+        stage = lay.stage if lay.pp_size > 1 else None   # decode PP: its stage (stage_mapping.py)
+        return Hello(src=ctx.me, engine_id=ctx.cfg.engine_id, role=ctx.role, tp_size=lay.tp_size,
+                     tp_rank=lay.rank, pp_size=lay.pp_size, stage_start=stage.start if stage else 0,
+                     stage_stop=stage.stop if stage else 0, ctrl_endpoint=ctx.sock.endpoint, backend=ctx.cfg.backend,
                      backend_identity=ctx.identity, layout=ctx.summary, kv=kv, ring=ring,
                      staging=bool(ctx.cfg.staging and ring is not None), lease_s=ctx.t.lease, conn=conn,
                      verify=bool(ctx.cfg.verify))

@@ -259,7 +259,9 @@ class DecodeSide:
         pools = tuple(LandedBlock(view(p.ring_offset, p.copy.nbytes), p.copy) for p in s.pools)
         checks = self.ctx.integrity.scatter_checks(s)
         assert self.scatterer is not None, "a scatter on a rank without a staging ring"
-        job = ScatterJob(room=s.room, key=s.key, pages=s.dst_pages, layers=s.layers, parts=parts, pools=pools,
+        # the piece's model layers as indices into this rank's tensors (a decode PP stage's own)
+        job = ScatterJob(room=s.room, key=s.key, pages=s.dst_pages, layers=self.ctx.layout.local(s.layers),
+                         parts=parts, pools=pools,
                          checks=checks)
         del parts, pools, checks   # the job holds the ring views, and nothing else once it is done
         if self.scatterer.takes_here(job):   # a small piece: no hand-off to the scatter thread and back

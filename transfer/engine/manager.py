@@ -52,10 +52,6 @@ class KVManager:
 
     def __init__(self, config: EngineConfig, layout: KVLayout, buffers: KVBuffers):
         self.config = config.resolved()
-        if self.config.role == "decode" and layout.pp_size > 1:
-            raise ValueError(f"a decode rank with pipeline parallelism (pp_size={layout.pp_size}) is not supported: "
-                             f"its tensors would hold one stage's layers and every prefill stage writes every "
-                             f"decode rank; run the decode engine with pp_size 1 (PP on the prefill is supported)")
         if self.config.path == "staged" and layout.mla:
             raise ValueError("path='staged' (EngineConfig.path / KVSTAGE_PATH) cannot be used with an MLA model: "
                              "its latent is replicated and moves as whole pages on the direct path")

@@ -17,6 +17,7 @@ from ..protocol.actions import PeerKey
 from ..protocol.leases import Lease
 from ..protocol.messages import Goodbye, KVMemory, PeerMessage, RingInfo
 from ..protocol.routing import PeerState
+from ..protocol.stage_mapping import DecodeStage
 from .context import FINISHED_MEMORY, EngineContext
 from .interfaces import Later, PeerLossListener
 
@@ -40,6 +41,7 @@ class Peer:
     reason: str = ""
     since: float = 0.0
     conn: int = 0                      # the connection's number (decode numbers them; 0: not known)
+    stage: DecodeStage | None = None   # prefill side: the decode rank's PP stage (None: no PP there)
 
 
 class PeerTable:

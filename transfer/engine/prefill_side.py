@@ -36,6 +36,7 @@ from ..protocol.pool_parts import writers_mismatch
 from ..protocol.prefill_room import PrefillRoom
 from ..protocol.room_uses import EarlierUses, Parked, RoomUse, use_without_sender
 from ..protocol.routing import PeerState, hello_verdict
+from ..protocol.stage_mapping import decode_stage_of, stage_memory
 from ..protocol.tags import Tag
 from ..regions import unwritable_peer_kinds
 from .context import EngineContext
@@ -98,10 +99,14 @@ class PrefillSide:
             return
         if self.peers.came_back(msg.src):
             log.info("decode rank %s reconnects after it was lost", key)
+        stage, problems = decode_stage_of(pp_size=msg.pp_size, tp_size=msg.tp_size, rank=msg.tp_rank,
+                                          stage_start=msg.stage_start, stage_stop=msg.stage_stop,
+                                          num_layers=ctx.layout.num_layers)
         peer = Peer(key=key, role="decode", tp_size=msg.tp_size, endpoint=msg.ctrl_endpoint,
-                    lease=Lease(ctx.t.lease, now), kv=msg.kv, ring=msg.ring, since=now, conn=msg.conn)
+                    lease=Lease(ctx.t.lease, now), kv=stage_memory(msg.kv, stage) if not problems
+                    else msg.kv, ring=msg.ring, since=now, conn=msg.conn, stage=stage)
         self.peers.add(peer, now)
-        problems = ctx.summary.mismatches(msg.layout)
+        problems += ctx.summary.mismatches(msg.layout)
         if not problems and ctx.summary.pools:
             problems = [p for p in [writers_mismatch(ctx.summary.pools, ctx.layout.tp_size, msg.tp_size,
                                                      ctx.layout.total_kv_heads, ctx.layout.mla)] if p]
@@ -234,7 +239,7 @@ class PrefillSide:
             if peer is None or peer.state != "connected":
                 return
             self.credits.took_meta(room.room, key)
-            self.book.apply(room, room.add_meta(key, peer.tp_size, msg, now))
+            self.book.apply(room, room.add_meta(key, peer.tp_size, msg, now, stage=peer.stage))
         else:
             self.book.apply(room, room.on_room_failed(key, msg.session, msg.kind, msg.reason, now, early=early))
 
@@ -331,3 +336,4 @@ class PrefillSide:
     def stuck_rooms(self) -> list[int]:
         """Rooms an internal error may leave stuck: those with writes in flight."""
         return [r for r, room in self.book.rooms.items() if room.ops]
+

@@ -129,6 +129,8 @@ def plan_room(layout: KVLayout, mapping: HeadMapping, writers: dict[int, WriterO
     # the entries the prefill holds: its last stage's end (a decode rank may hold more draft
     # entries than the prefill writes; its extra ones stay untouched)
     entries = max((o.layers.stop for o in writers.values() if o.layers is not None), default=layout.num_entries)
+    if layout.pp_size > 1:   # a decode stage: its writers hold only its layers, the model has them all
+        entries = layout.num_entries
     if entries > layout.num_entries:
         return PlanRefused(FailureKind.LAYOUT, f"the prefill writes {entries} KV entries (layers and draft entries), "
                            f"this decode rank holds {layout.num_entries}")

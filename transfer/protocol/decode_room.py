@@ -230,17 +230,20 @@ class DecodeRoom(RoomBase):
         n = int(self._dst.size)
         p = self.plan = self.plan.for_pages(self._dst, self.layout.page_size, self.layout.num_kv)  # the path, per request
         entries = p.num_layers or self.layout.num_entries   # the prefill's: a decode's extra draft entries stay unwritten
-        last_stage = [r for r in self.writers if p.writer_layers.get(r, range(entries)).stop == entries]
+        end = self.layout.layers.stop if self.layout.pp_size > 1 else entries   # a decode PP stage's own last layer
+        last_stage = [r for r in self.writers if p.writer_layers.get(r, range(entries)).stop == end]
         if p.draft_pools:   # the prefill's draft entries of their own geometry: pools of the pages' token slots
             self.pool_items = {**self.pool_items, **request_draft_items(
                 [draft_pool_name(i) for i in range(p.draft_pools)], self._dst, self.layout.page_size)}
-        # the pools move with the last layer's writes: a PP prefill's last stage writes them
+        # the pools move with the last layer's writes: a PP prefill's last stage writes them (to a
+        # decode PP stage, the prefill stage holding that stage's last layer)
         self.pool_copies = {r: request_copies(writer_segments(self.pools, p.prefill_tp, p.decode_tp,
                                                               self.writers[r].assignment), None, self.pool_items)
                             for r in last_stage} if self.pool_items else {}
         self.tracker = RoomTracker(n, {r: self._plan.writer_page_bytes(w.assignment) for r, w in self.writers.items()},
                                    {r: block_bytes(c) for r, c in self.pool_copies.items()},
-                                   num_layers=entries, writer_layers=p.writer_layers)
+                                   num_layers=entries, writer_layers=p.writer_layers,
+                                   held=self.layout.layers if self.layout.pp_size > 1 else None)
         self.meta_sent = True
         self._retry_at = now + self.timeouts.heartbeat
         return self._metas(self._all_prefill()) + self._move(RoomEvent.METADATA_OUT, now)

@@ -52,6 +52,10 @@ class Flow:
     tags_again_at: float = 0.0                                    # TagsAgain last sent
     done_sent_at: float | None = None
     confirmed: bool = False
+    layers: range | None = None         # decode PP: the layers this rank writes there (its stage's overlap
+                                        # with the decode rank's); None: every layer of this rank
+    stage_stop: int = 0                 # decode PP: the decode rank's stage's end, whose write carries
+                                        # the pools (0: the model's last entry)
 
 
 def past_prefix(chunks: list[Chunk], prefix: int, first_index: int) -> list[Chunk]:

@@ -81,6 +81,12 @@ class Hello(PeerMessage, kw_only=True, frozen=True):
     lease_s: float = 10.0
     conn: int = 0               # this connection's number: a new Hello of the same incarnation has a higher one
     verify: bool = False        # end-to-end digests on (both sides must agree)
+    # since version 5 (decode pipeline parallelism, stage_mapping.py): the decode engine's PP
+    # size and this rank's stage's layers [stage_start, stage_stop) (stage_stop 0: every layer);
+    # tp_size is then one stage's TP size and tp_rank the engine rank, pp_rank * tp_size + tp_rank
+    pp_size: int = 1
+    stage_start: int = 0
+    stage_stop: int = 0
 
 
 class HelloAck(PeerMessage, kw_only=True, frozen=True):

@@ -16,6 +16,7 @@ from ..layout import KVLayout
 from .head_mapping import HeadMapping, compute_assignments
 from .kinds import StrKind
 from .routing import PeerState
+from .stage_mapping import sources_of
 
 
 @dataclass(frozen=True)
@@ -35,14 +36,18 @@ def needed_ranks(prefill_tp: int, layout: KVLayout, stages: tuple[range, ...] | 
                  draft_pools: int = 0) -> NeededRanks:
     """The prefill ranks a decode rank deals with. `stages`: each PP stage's layers, in stage
     order (None: one stage of every layer); rank s * prefill_tp + p is TP rank p of stage s,
-    and each stage's ranks write the decode rank's heads for their own layers. Raises
-    ValueError when the two TP sizes cannot share the heads."""
+    and each stage's ranks write the decode rank's heads for their own layers. A decode rank
+    with PP deals only with the stages overlapping its own, each for the overlap
+    (stage_mapping.sources_of). Raises ValueError when the two TP sizes cannot share the heads
+    or the stages do not hold every layer of this rank's stage."""
     mapping = compute_assignments(prefill_tp, layout.tp_size, layout.total_kv_heads, layout.mla)
     writers, notices = mapping.prefill_peers_of(layout.tp_rank)
     stages = stages if stages is not None else (range(layout.num_layers),)
-    layers = {s * prefill_tp + p: stage for s, stage in enumerate(stages) for p in writers + notices}
-    return NeededRanks([s * prefill_tp + w for s in range(len(stages)) for w in writers],
-                       [s * prefill_tp + n for s in range(len(stages)) for n in notices], mapping, layers,
+    # decode PP: only the prefill stages holding some of this rank's stage, each for the overlap
+    held = sources_of(stages, layout.layers) if layout.pp_size > 1 else dict(enumerate(stages))
+    layers = {s * prefill_tp + p: stage for s, stage in held.items() for p in writers + notices}
+    return NeededRanks([s * prefill_tp + w for s in held for w in writers],
+                       [s * prefill_tp + n for s in held for n in notices], mapping, layers,
                        draft_pools)
 
 

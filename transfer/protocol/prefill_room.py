@@ -51,6 +51,7 @@ from .pool_parts import block_bytes, counts_mismatch, final_part, request_copies
 from .room_base import RoomBase
 from .room_uses import Bound, EarlierUses, RoomUse, failure_use, meta_use
 from .send_checks import check_late_items, check_page_count
+from .stage_mapping import DecodeStage, decode_coverage, flow_layers, uncovered
 from .tags import TagKind
 from .write_batching import UnitBatcher, plan_units
 
@@ -59,6 +60,10 @@ class PrefillRoom(RoomBase):
     TRANSITIONS = PREFILL_TRANSITIONS
     PEER_SIDE = "decode"
     failed_by: tuple[int, int] | None = None   # (incarnation, session) that failed us; an instance attribute once set
+    # decode PP (stage_mapping.py), instance attributes once set (a room stays under 30 of them,
+    # room_base.py): decode engine rank -> its stage, and whether those cover this rank's layers
+    decode_stages: dict[int, DecodeStage] | None = None
+    covered: bool = True
 
     def __init__(self, *, room: int, num_pages: int | None, layout: KVLayout, me: int, now: float,
                  timeouts: Timeouts, op_ids: itertools.count[int] | None = None, max_ranges: int = 65536,
@@ -147,7 +152,7 @@ class PrefillRoom(RoomBase):
                 waits.append(wait)
         if self.last:   # every pool's items are known now: the counts each decode rank expects must match
             for flow in list(self.flows.values()):
-                if flow.pool_dst is not None and flow.assignment is not None:
+                if flow.pool_dst is not None and flow.assignment is not None and self._gets_pools(flow):
                     mismatch = counts_mismatch(self.pool_items, {k: v.size for k, v in flow.pool_dst.items()})
                     if mismatch:
                         return self.fail(FailureKind.POOL, f"decode rank {flow.peer.tp_rank}: {mismatch}", now)
@@ -175,7 +180,10 @@ class PrefillRoom(RoomBase):
         flow = self.flows.get(peer.tp_rank)
         return None if flow is None else Bound(flow.peer, flow.session)
 
-    def add_meta(self, peer: PeerKey, decode_tp: int, meta: RoomMeta, now: float) -> list[Action]:
+    def add_meta(self, peer: PeerKey, decode_tp: int, meta: RoomMeta, now: float,
+                 stage: DecodeStage | None = None) -> list[Action]:
+        """Metadata from decode rank `peer` (its engine rank in `peer.tp_rank`) of TP size
+        `decode_tp` (one stage's); `stage`: its PP stage (None: no PP there, every layer)."""
         if self.ended:
             if self.state is KVPoll.Failed:
                 # never wrote to a peer it had not heard from: it may reuse its memory at once
@@ -191,6 +199,16 @@ class PrefillRoom(RoomBase):
                                                self.layout.mla)
             self.decode_engine = peer.engine_id
             self.expected = set(self._mapping.decode_peers_of(self.layout.tp_rank))
+        if self.decode_stages if stage is None else (self.flows and not self.decode_stages):
+            return self._unpairable(peer, meta, f"decode rank {peer.tp_rank} has {stage.text() if stage else 'no PP'} "
+                                              f"and others of its engine {'have no PP' if stage else 'have PP'}", now)
+        if stage is not None and peer.tp_rank not in self.flows:
+            cov = decode_coverage(self.layout.layers, self._mapping.decode_peers_of(self.layout.tp_rank), decode_tp,
+                                  {**(self.decode_stages or {}), peer.tp_rank: stage}, self.layout.num_layers)
+            if cov.error:
+                return self._unpairable(peer, meta, cov.error, now)
+            self.decode_stages = {**(self.decode_stages or {}), peer.tp_rank: stage}
+            self.expected, self.covered = set(cov.expected), cov.complete
         if peer.tp_rank not in self.expected:
             return [Send(peer, RoomFailed(src=self.me, dst=peer.incarnation, room=self.room, session=meta.session,
                                           kind=FailureKind.PROTOCOL, reason=f"prefill rank {self.layout.tp_rank} does not "
@@ -201,8 +219,9 @@ class PrefillRoom(RoomBase):
                 return []  # duplicate
             return self.fail(FailureKind.PROTOCOL, f"decode rank {peer.tp_rank} sent metadata for room {self.room} twice "
                                          f"({old.peer} then {peer})", now)
-        flow = Flow(peer=peer, session=meta.session, assignment=self._mapping.find(self.layout.tp_rank, peer.tp_rank),
-                    staged=meta.staged)
+        flow = Flow(peer=peer, session=meta.session, staged=meta.staged, stage_stop=stage.layers.stop if stage else 0,
+                    layers=None if stage is None else flow_layers(self.layout.layers, stage),
+                    assignment=self._mapping.find(self.layout.tp_rank, peer.tp_rank % self._mapping.decode_tp))
         self.flows[peer.tp_rank] = flow
         prefix_news: list[Action] = []
         if self.prefix is None:
@@ -229,6 +248,28 @@ class PrefillRoom(RoomBase):
             out += self._move(RoomEvent.INPUT if self.chunks or self.last else RoomEvent.METADATA_IN, now)
         return out + self._pump(now)
 
+    def _unpairable(self, peer: PeerKey, meta: RoomMeta, why: str, now: float) -> list[Action]:
+        """Decode stages this rank cannot pair with: the room fails here, at the decode ranks it
+        heard from and at this one, with both layouts."""
+        reason = (f"prefill {self._layout_text()} cannot pair with the decode engine's stages: {why} "
+                  f"(decode stages heard from: "
+                  f"{', '.join(st.text() for st in (self.decode_stages or {}).values()) or 'none before it'})")
+        # never written to (its flow was not made): it may reuse its memory at once
+        told = [Send(peer, RoomFailed(src=self.me, dst=peer.incarnation, room=self.room, session=meta.session,
+                                      kind=FailureKind.LAYOUT, reason=reason)),
+                Send(peer, Quiesced(src=self.me, dst=peer.incarnation, room=self.room, session=meta.session))]
+        return self.fail(FailureKind.LAYOUT, reason, now) + told
+
+    def _layout_text(self) -> str:
+        lay = self.layout
+        return (f"PP stage {lay.pp_rank} of {lay.pp_size} [{lay.layers.start}, {lay.layers.stop})" if lay.pp_size > 1
+                else f"rank {lay.rank} (no PP, {lay.num_layers} layers)")
+
+    def _gets_pools(self, flow: Flow) -> bool:
+        """Whether this rank's writes to that decode rank carry the pools: they hold its last
+        entry (the model's; a decode PP stage's own last layer)."""
+        return flow.layers is None or flow.layers.stop == flow.stage_stop
+
     def _check_meta(self, flow: Flow, meta: RoomMeta, now: float) -> list[Action]:
         """The decode rank's page count (and direct destination pages) against ours: [] when
         they agree, else the room fails."""
@@ -241,7 +282,7 @@ class PrefillRoom(RoomBase):
         if not self.last:   # pools whose items come with the last send are checked then
             theirs = {k: n for k, n in theirs.items() if k in self.pool_items}
         mismatch = counts_mismatch(self.pool_items, theirs)
-        if mismatch and flow.assignment is not None:
+        if mismatch and flow.assignment is not None and self._gets_pools(flow):
             return self.fail(FailureKind.POOL, f"decode rank {rank}: {mismatch}", now)
         flow.pool_dst = meta.items()
         if not 0 <= meta.prefix_pages < self.num_pages:
@@ -264,7 +305,9 @@ class PrefillRoom(RoomBase):
             return self.fail(FailureKind.PROTOCOL, f"unexpected ring allocation for chunk {grant.chunk} from {peer}", now)
         a = flow.assignment
         assert a is not None, "a notice-only flow asks for no ring space"
-        w = self._chunk_writes(flow, a, self.sendable[index])
+        chunk = self._clip(flow, self.sendable[index])
+        assert chunk is not None, "no ring space is asked for a chunk with none of the flow's layers"
+        w = self._chunk_writes(flow, a, chunk)
         ops = granted_writes(w, grant, op_ids=self._op_ids, last_part=(
             (lambda kv: final_part(self.pools, self._mapping, a, kv, self.pool_items, flow.pool_dst))
             if self.pool_items else None))
@@ -362,7 +405,7 @@ class PrefillRoom(RoomBase):
         return self.on_room_failed(peer, session, kind, f"{reason} (before its room metadata went out)", now)
 
     def _retransmit(self, now: float) -> list[Action]:
-        return [self._writer_done(flow) if chunk is None else self._alloc_request(flow, self.sendable[chunk])
+        return [self._writer_done(flow) if chunk is None else self._alloc_request(flow, self._clip_sendable(flow, chunk))
                 for flow, chunk in due_again(self.flows.values(), self.timeouts.heartbeat, now)] + self._tags_again(now)
 
     def _tags_again(self, now: float) -> list[Action]:
@@ -398,6 +441,11 @@ class PrefillRoom(RoomBase):
         t = self.timeouts
         if not self._all_metas() and now - self.created > t.metadata:
             who = f"decode rank(s) {sorted(self.expected - set(self.flows))}" if self.mapping else "any decode rank"
+            if self.mapping is not None and self.decode_stages and not self.covered:
+                who += (f"; this prefill {self._layout_text()} heard from "
+                        f"{', '.join(st.text() for st in self.decode_stages.values())}, which leave its layers "
+                        f"{uncovered(self.layout.layers, self.decode_stages.values())} to no decode stage (decode "
+                        f"stages that do not tile the model?)")
             return self.fail(FailureKind.TIMEOUT, f"no room metadata from {who} within {t.metadata:g} s", now)
         waiting = self.batcher.oldest_waiting() if self.batcher is not None else None
         if waiting is not None and now - waiting > t.write:
@@ -452,7 +500,20 @@ class PrefillRoom(RoomBase):
         return flow
 
     def _all_metas(self) -> bool:
-        return self.mapping is not None and self.expected <= set(self.flows)
+        return self.mapping is not None and self.covered and self.expected <= set(self.flows)
+
+    def _clip(self, flow: Flow, chunk: Chunk) -> Chunk | None:
+        """The chunk as written to `flow`'s decode rank: only the layers its stage holds
+        (decode PP, stage_mapping.flow_layers); None when it holds none of them."""
+        if flow.layers is None or (flow.layers.start <= chunk.layers.start and chunk.layers.stop <= flow.layers.stop):
+            return chunk
+        lo, hi = max(chunk.layers.start, flow.layers.start), min(chunk.layers.stop, flow.layers.stop)
+        return replace(chunk, layers=range(lo, hi)) if lo < hi else None
+
+    def _clip_sendable(self, flow: Flow, index: int) -> Chunk:
+        chunk = self._clip(flow, self.sendable[index])
+        assert chunk is not None, "ring space is asked for chunks with some of the flow's layers only"
+        return chunk
 
     def _bytes_per_page(self, num_heads: int, layers: range) -> int:
         return direct_nbytes(self.layout.num_kv * len(layers), 1, self.layout.page_size, num_heads,
@@ -463,11 +524,11 @@ class PrefillRoom(RoomBase):
         (index * pp_size + pp_rank), since one decode room receives them all."""
         return chunk.index * self.layout.pp_size + self.layout.pp_rank
 
-    def _final(self, page_end: int, layers: range) -> bool:
+    def _final(self, page_end: int, layers: range, flow: Flow) -> bool:
         """Whether a write ending at `page_end` over `layers` is the one carrying the request's
         last page of the model's last layer (of its last draft entry, with a draft), hence the
         state pool items (a PP prefill: only the last stage's)."""
-        return page_end == self._pages_to_send and layers.stop == self.layout.num_entries
+        return page_end == self._pages_to_send and layers.stop == (flow.stage_stop or self.layout.num_entries)
 
     def _add_draft_items(self) -> None:
         """A draft of its own geometry (draft_kv.py): once the request's pages and the decode's
@@ -500,8 +561,13 @@ class PrefillRoom(RoomBase):
             if a is None:
                 continue
             while flow.issued < len(self.sendable):
-                chunk = self.sendable[flow.issued]
-                if not self.last and self._final(chunk.page_start + chunk.pages.size, chunk.layers):
+                clipped = self._clip(flow, self.sendable[flow.issued])
+                if clipped is None:   # none of the decode stage's layers: nothing to write there
+                    flow.granted.add(self.sendable[flow.issued].index)
+                    flow.issued += 1
+                    continue
+                chunk = clipped
+                if not self.last and self._final(chunk.page_start + chunk.pages.size, chunk.layers, flow):
                     break   # the write carrying the pool items waits for the last send, which may name them
                 if flow.staged:
                     taken = self._credit_writes(flow, a, chunk)
@@ -525,7 +591,8 @@ class PrefillRoom(RoomBase):
         grant path (no credits from that rank, several writers of its pieces, or its credits
         cannot hold the whole chunk: then they are all retired and go back)."""
         purse = self.credits.purse(flow.peer) if self.credits is not None else None
-        if purse is None or self.credits is None or len(self._mapping.writers_of(flow.peer.tp_rank)) != 1:
+        if purse is None or self.credits is None or \
+                len(self._mapping.writers_of(flow.peer.tp_rank % self._mapping.decode_tp)) != 1:
             return None
         piece_bytes = self.credits.piece_bytes
         w = self._chunk_writes(flow, a, chunk)
@@ -562,7 +629,7 @@ class PrefillRoom(RoomBase):
         return ChunkWrites(room=self.room, me=self.me, writer=self.layout.rank, peer=flow.peer, session=flow.session,
                            assignment=a, chunk=chunk, wire=self._wire(chunk),
                            head_page_bytes=self._bytes_per_page(1, chunk.layers),
-                           pools_at=self._pages_to_send if self._final(self._pages_to_send, chunk.layers) else None)
+                           pools_at=self._pages_to_send if self._final(self._pages_to_send, chunk.layers, flow) else None)
 
     def _direct_writes(self, flow: Flow, a: Assignment, chunk: Chunk) -> list[Action]:
         whole = self._mapping.prefill_tp == self._mapping.decode_tp or self.layout.mla

@@ -72,15 +72,16 @@ class RoomTracker:
     """Arrival bookkeeping of one room on one decode rank."""
 
     __slots__ = ("num_pages", "num_layers", "writer_page_bytes", "final_extra", "_all_layers", "_stage_layers",
-                 "_writers", "_covered", "_covered_count", "_pieces", "_planned", "_scattered_cells",
+                 "_held", "_writers", "_covered", "_covered_count", "_pieces", "_planned", "_scattered_cells",
                  "_direct_seen", "_groups")
 
     def __init__(self, num_pages: int, writer_page_bytes: Mapping[int, int], final_extra: Mapping[int, int] = {},
-                 num_layers: int = 1, writer_layers: Mapping[int, range] = {}):
+                 num_layers: int = 1, writer_layers: Mapping[int, range] = {}, held: range | None = None):
         """`writer_page_bytes`: expected writer rank -> bytes it writes per page of the room
         (every layer); `final_extra`: writer rank -> state pool bytes its write of the last
         page of the last layer also carries; `writer_layers`: writer rank -> the layers it
-        writes, its PP stage's (absent: every layer)."""
+        writes, its PP stage's (absent: every layer); `held`: the layers this decode rank
+        holds, its own PP stage's (None: every layer), the ones the room must cover."""
         if num_pages <= 0:
             raise ValueError("a room has at least one page")
         if not writer_page_bytes:
@@ -92,6 +93,9 @@ class RoomTracker:
         self.writer_page_bytes = dict(writer_page_bytes)
         self.final_extra: Mapping[int, int] = dict(final_extra) if final_extra else _NONE
         self._all_layers = range(num_layers)
+        self._held = held if held is not None else self._all_layers
+        if self._held.start < 0 or self._held.stop > num_layers or not len(self._held):
+            raise ValueError(f"held layers {self._held} outside the room's {num_layers} layers")
         self._stage_layers = {w: held for w, held in writer_layers.items()   # PP only: a writer absent holds all
                               if w in self.writer_page_bytes and held != self._all_layers} or _NO_STAGES
         self._writers = tuple(self.writer_page_bytes)   # a writer's index in the direct path's arrays
@@ -127,7 +131,7 @@ class RoomTracker:
 
     def final(self, page_start: int, num_pages: int, layers: range | None = None) -> bool:
         """Whether these cells hold the room's last page of its last layer (the pools' write)."""
-        return page_start + num_pages == self.num_pages and self._layers(layers).stop == self.num_layers
+        return page_start + num_pages == self.num_pages and self._layers(layers).stop == self._held.stop
 
     def layers_ok(self, layers: range) -> bool:
         return len(layers) > 0 and 0 <= layers.start and layers.stop <= self.num_layers
@@ -265,14 +269,14 @@ class RoomTracker:
     def complete(self) -> bool:
         """Every byte of the room is in place (staged: scattered; direct: landed)."""
         if self._pieces or self._scattered_cells:
-            return self._scattered_cells == self.num_pages * self.num_layers
+            return self._scattered_cells == self.num_pages * len(self._held)
         return all(n == self.num_pages * len(self.layers_of(w)) for w, n in zip(self._writers, self._counts()))
 
     @property
     def pages_done(self) -> int:
         """Pages' worth of cells in place (a page counts once every layer of it is)."""
         if self._pieces:
-            return self._scattered_cells // self.num_layers
+            return self._scattered_cells // len(self._held)
         return min(n // len(self.layers_of(w)) for w, n in zip(self._writers, self._counts()))
 
     def _counts(self) -> list[int]:

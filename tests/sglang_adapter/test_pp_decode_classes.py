@@ -1,0 +1,49 @@
+"""A pipeline-parallel decode through SGLang's real transfer classes (scheduler-class harness).
+
+Both instances run 2 PP stages (SGLang's decode accepts a decode PP size equal to the prefill's
+or 1, `CommonKVManager._resolve_rank_mapping`), each side's stage processes a real gloo world on
+which SGLang's parallel_state builds its process groups (pp_stage.py), so SGLang's
+CommonKVManager runs under PP on both sides. The model has 3 layers, split 1 + 2 by SGLang's
+`get_pp_indices`; a decode stage's KVArgs list only its layers and name no start layer (as
+SGLang's decode builds them), so the adapter takes its stage from `get_pp_indices`. The prefill
+stages bootstrap on SGLang's PP consensus; each decode stage drives its own receivers (the
+harness does not run SGLang's decode PP event loop, whose poll consensus passes between
+stages). Each decode stage checks every byte of its layers, its aux row (each prefill stage
+writes its own row, which kvstage moves to the decode stage holding the same layers, as SGLang's
+mooncake backend does) and that no page outside a successful request was written.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from scenario import expect, requests_for, run
+
+LAYERS = 3
+
+
+@pytest.fixture(scope="module")
+def model_3_layers(model_dir, tmp_path_factory) -> str:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    d = tmp_path_factory.mktemp("model3d")
+    (d / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=LAYERS)))
+    return str(d)
+
+
+@pytest.mark.parametrize("tp,staging", [(2, True)], ids=["PP2xTP2-D-PP2xTP1-staged"])
+def test_pp_decode(tmp_path, model_3_layers, bootstrap_server, tp, staging):
+    reqs = requests_for(23, 4, prefix={1: 1})
+    results = run(tmp_path, model_3_layers, bootstrap_server, tp, 1, reqs, staging=staging, prefill_pp=2,
+                  decode_pp=2, layers=LAYERS)
+    assert set(results) == {("prefill", rank) for rank in range(2 * tp)} | {("decode", 0), ("decode", 1)}
+    expect(results, reqs, lambda i: "Success")
+    page_layer = 2 * 4 * 4 * 8 * 2   # K and V of one page of one layer: 4 tokens x 4 heads x 8 bf16
+    for stage, layers in ((0, 1), (1, 2)):   # decode stage s got its own layers only, from prefill stage s
+        rooms = results[("decode", stage)]["rooms"]
+        assert {row["path"] for row in rooms.values()} == {"staged" if staging else "direct"}
+        for q in reqs:
+            sent = [results[("prefill", rank)]["rooms"][str(q["room"])]["bytes"] for rank in range(2 * tp)]
+            assert rooms[str(q["room"])]["bytes"] == sum(sent[stage * tp:(stage + 1) * tp]), (q, sent)
+            assert sum(sent[stage * tp:(stage + 1) * tp]) >= (q["pages"] - q["prefix"]) * page_layer * layers, (q, sent)
