@@ -49,13 +49,19 @@ class BeatRun:
     missed: list[str] = field(default_factory=list)     # linked to a killed rank and never declared it
     stalest_s: float = 0.0
     fence_slack_min_s: float = float("inf")
+    labels: dict[int, str] = field(default_factory=dict)   # gid -> its engine, for the report
+    peers: dict[int, int] = field(default_factory=dict)    # gid -> remote ranks it is linked to
 
     def both_max(self) -> float:
         return max((self.sent_per_s[g] + self.received_per_s[g] for g in self.sent_per_s), default=0.0)
 
     def summary(self) -> dict[str, object]:
         both = [self.sent_per_s[g] + self.received_per_s[g] for g in self.sent_per_s]
+        hot = sorted(self.sent_per_s, key=lambda g: -(self.sent_per_s[g] + self.received_per_s[g]))[:3]
         return {"simulated_s": self.seconds,
+                "hottest_ranks": [{"engine": self.labels.get(g, ""), "peer_ranks": self.peers.get(g, 0),
+                                   "sent_per_s": round(self.sent_per_s[g], 1),
+                                   "received_per_s": round(self.received_per_s[g], 1)} for g in hot],
                 "beats_per_rank_per_s": {"sent_max": round(max(self.sent_per_s.values(), default=0), 1),
                                          "received_max": round(max(self.received_per_s.values(), default=0), 1),
                                          "both_max": round(max(both, default=0), 1),
@@ -99,7 +105,11 @@ def run_beats(ranks: Sequence[BeatRank], links: Iterable[tuple[int, int]], *, le
     sent: Counter[int] = Counter()
     received: Counter[int] = Counter()
     nbytes: Counter[int] = Counter()
-    out = BeatRun(seconds=seconds, sent_per_s={}, received_per_s={}, bytes_per_s_max=0.0)
+    out = BeatRun(seconds=seconds, sent_per_s={}, received_per_s={}, bytes_per_s_max=0.0,
+                  labels={r.gid: r.engine for r in ranks})
+    for a, b in links:
+        out.peers[a] = out.peers.get(a, 0) + 1
+        out.peers[b] = out.peers.get(b, 0) + 1
     enc = msgspec.msgpack.Encoder()
     events: list[tuple[float, int, str, tuple]] = []
     order = itertools.count()
@@ -188,7 +198,8 @@ def fleet_beats(fleet: Fleet, seconds: float, seed: int = 0) -> BeatRun:
     running; at `seconds` / 2 one prefill rank linked to it is killed and another cut off."""
     t = fleet.cfg.timeouts
     live = [r for r in fleet.ranks if r.alive]
-    ranks = [BeatRank(r.gid, f"{r.side}-{r.engine}", r.key.incarnation) for r in live]
+    ranks = [BeatRank(r.gid, f"{r.side}-{r.engine}-tp{len(fleet.engines[(r.side, r.engine)])}", r.key.incarnation)
+             for r in live]
     links = [(p, r.gid) for r in live if r.side == "decode" for p in sorted(r.peers) if fleet.ranks[p].alive]
     hot = max((r for r in live if r.side == "decode"), key=lambda r: (len(r.peers), -r.gid))
     writers = sorted(p for p in hot.peers if fleet.ranks[p].alive)

@@ -58,6 +58,22 @@ def test_an_acknowledgement_fences_at_the_time_of_the_stamp_it_names_whoever_rel
     assert [v.kind for v in me.verdicts(12.0, writes=True)] == [LossKind.FENCED]
 
 
+def test_two_engines_settle_on_the_longer_slot_so_a_rank_receives_no_more_than_it_sends():
+    me = rank()
+    for r in range(4):
+        me.connect(10 + r, "p", now=0.0)
+    def engine_beats(seconds, start):
+        n = 0
+        for step in range(round(seconds / 0.05)):
+            t = start + step * 0.05
+            me.on_beat(EngineBeat(src=10, dst=1, vouches=[Vouch(10, step + 1, 0.0)], every=1.25), now=t)
+            n += sum(b.kind == "engine" for b in me.beats(t, clock=t))
+        return n
+    assert me.slot_length("p", 1.0) == 1.0
+    assert engine_beats(20.0, 0.0) in (16, 17)               # 1.25 s, theirs, not our 1.0 s
+    assert me.slot_length("p", 1.0) == 1.25 and me.slot_length("q", 1.0) == 1.0
+
+
 def tp1_meets_tp8(engines: int) -> tuple[list[BeatRank], list[tuple[int, int]]]:
     """One decode rank of TP 1 (gid 0) connected to every rank of `engines` prefill engines of
     TP 8 (216 ranks for 27: the hottest rank of the 64 x 64 mixed fleet, docs/scale.md), and one
@@ -82,6 +98,7 @@ def test_a_rank_meeting_216_peer_ranks_of_27_engines_beats_under_50_a_second_and
     assert out.false_losses == [] and out.fence_breaks == [] and out.missed == []
     hot = out.sent_per_s[0] + out.received_per_s[0]
     assert 30 <= hot <= 50, hot                                  # 21.6 each way; 172.8 a rank pair each
+    assert out.received_per_s[0] <= out.sent_per_s[0] + 0.5
     assert out.both_max() <= 50
     # gid 3 is linked to the decode rank of TP 1 and to rank 2 of d1; rank 5 of d1 to prefill rank 5
     assert len(out.detect_s) == 3

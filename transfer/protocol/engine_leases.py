@@ -21,9 +21,11 @@ The scheme:
   for the sender, names the remote ranks it is connected to (`links`), and relays what the
   receiver may need: stamps of remote ranks it is linked to, acknowledgements addressed to it,
   and the engine's acknowledgements to the peer engines it is linked to.
-- Per pair of engines (E, F), one beat each way per `engine_every` (`engine_interval`, the
+- Per pair of engines (E, F), one beat each way per slot. A slot is E's `engine_interval` (the
   configured interval while a rank sends at most HEARTBEATS_PER_S, longer with more peer
-  engines, never longer than an eighth of the lease): in each slot of that length (slot =
+  engines, never longer than an eighth of the lease), or F's when that is longer (each engine
+  beat tells its sender's, siblings pass on what they were told): two engines settle on the
+  longer of their slots, so a rank receives no more engine beats than it sends. In each slot (slot =
   ``floor(clock / engine_every)``; `clock` is wall time, so ranks of one engine on different
   hosts agree up to their clock offset), the rank of E whose turn it is among E's live ranks
   linked to F sends one beat to one of its linked ranks of F (in turn). The beat vouches for
@@ -43,10 +45,11 @@ with the default 1 s and 10 s at most 1 + 2 x 1.25 + 1 = 4.5 s old, well inside 
 fence chain (the stamp there, the acknowledgement back) is at most twice that, so a writer keeps
 more than 1 s of fence (5.5 s when no speaker died) against its own or its peers' lateness.
 
-What it costs: a rank sends and receives, per peer engine, about one beat each way per
-`engine_every` divided by the number of its engine's ranks linked to that engine, plus
-2 x (siblings) / sibling_every. A decode rank of TP 1 with 27 prefill engines of TP 8: 21.6
-sent and 21.6 received a second. A rank of TP 8 with 32 peer engines: about 6 engine beats and
+What it costs: a rank sends and receives, per peer engine, about one beat each way per slot
+divided by the number of its engine's ranks linked to that engine, plus 2 x (siblings) /
+sibling_every. A rank alone in its engine (TP 1) sends and receives at most 2 x min(20, E / 1.25)
+a second with E peer engines (with the default 1 s and 10 s): 40 up to 25 peer engines, then 1.6
+per peer engine (43.2 for a decode rank of TP 1 with 27 prefill engines, 51.2 with 32). A rank of TP 8 with 32 peer engines: about 6 engine beats and
 14 sibling beats a second each way. Beats get larger instead (a few hundred records to a sibling
 of a rank with many peer engines).
 """
@@ -112,6 +115,7 @@ class _Remote:
 class _Sibling:
     seen: _Seen
     links: dict[str, frozenset[int]] = field(default_factory=dict)
+    everies: dict[str, float] = field(default_factory=dict)   # what peer engines told it their slot is
     beat_due: float = 0.0
 
 
@@ -141,6 +145,7 @@ class EngineLeases:
         self.acks: dict[tuple[int, int], int] = {}  # (by, rank) -> seq, to carry on
         self._slot: dict[str, int] = {}             # peer engine -> the last slot we spoke in
         self._turn: dict[str, int] = {}             # peer engine -> which linked rank is next
+        self._told: dict[str, float] = {}           # peer engine -> the slot length it told us
 
     # -- inputs ---------------------------------------------------------------------------------
     def set_siblings(self, ranks: set[int], now: float) -> None:
@@ -166,7 +171,11 @@ class EngineLeases:
 
     def on_beat(self, beat: EngineBeat, now: float) -> None:
         if beat.sibling and beat.src in self.siblings:
-            self.siblings[beat.src].links = {e: frozenset(rs) for e, rs in beat.links.items()}
+            sib = self.siblings[beat.src]
+            sib.links = {e: frozenset(rs) for e, rs in beat.links.items()}
+            sib.everies = dict(beat.everies)
+        elif not beat.sibling and beat.src in self.remotes and beat.every > 0:
+            self._told[self.remotes[beat.src].engine] = beat.every
         for v in beat.vouches:
             self._seen(v.rank, v.seq, now - max(0.0, v.age))
         for a in beat.acks:
@@ -190,9 +199,9 @@ class EngineLeases:
             if now >= sib.beat_due:
                 sib.beat_due = now + self.sibling_every
                 out.append(SendBeat(r, BeatKind.SIBLING, self._to_sibling(r, ranks_of, now)))
-        every = engine_interval(len(ranks_of), base=self.base, lease=self.lease, per_s=self.per_s)
-        slot = math.floor(clock / every)
+        own = engine_interval(len(ranks_of), base=self.base, lease=self.lease, per_s=self.per_s)
         for engine, linked in self._linked_engines().items():
+            slot = math.floor(clock / self.slot_length(engine, own))
             if self._slot.get(engine) == slot:
                 continue
             speakers = self._speakers(engine, now)
@@ -202,8 +211,14 @@ class EngineLeases:
             turn = self._turn.get(engine, 0)
             self._turn[engine] = turn + 1
             to = linked[turn % len(linked)]
-            out.append(SendBeat(to, BeatKind.ENGINE, self._to_engine(to, engine, ranks_of[engine], now)))
+            out.append(SendBeat(to, BeatKind.ENGINE, self._to_engine(to, engine, ranks_of[engine], own, now)))
         return out
+
+    def slot_length(self, engine: str, own: float) -> float:
+        """Our slot towards `engine`: our own (`own`), or what that engine told us or a sibling
+        when longer (up to an eighth of the lease)."""
+        told = max([self._told.get(engine, 0.0)] + [s.everies.get(engine, 0.0) for s in self.siblings.values()])
+        return max(own, min(told, self.lease / 8))
 
     def engine_every(self) -> float:
         """The slot length: engine_interval over the peer engines our engine is linked to (the
@@ -299,15 +314,16 @@ class EngineLeases:
         links: dict[str, list[int]] = {}
         for r, remote in self.remotes.items():
             links.setdefault(remote.engine, []).append(r)
-        return EngineBeat(src=self.me, dst=to, vouches=vouches, acks=acks, links=links, sibling=True)
+        return EngineBeat(src=self.me, dst=to, vouches=vouches, acks=acks, links=links, everies=dict(self._told),
+                          sibling=True)
 
-    def _to_engine(self, to: int, engine: str, theirs: set[int], now: float) -> EngineBeat:
+    def _to_engine(self, to: int, engine: str, theirs: set[int], own: float, now: float) -> EngineBeat:
         """Our stamp and those of our siblings linked to `engine`; our engine's acknowledgements
         to its ranks (`theirs`)."""
         vouches = [self._stamp(now)] + [self._vouch(r, s.seen, now) for r, s in self.siblings.items()
                                         if engine in s.links and s.seen.seq > 0]
         acks = [Ack(by, rank, seq) for (by, rank), seq in self.acks.items() if rank in theirs]
-        return EngineBeat(src=self.me, dst=to, vouches=vouches, acks=acks)
+        return EngineBeat(src=self.me, dst=to, vouches=vouches, acks=acks, every=own)
 
 
 def _mix(engine: str) -> int:

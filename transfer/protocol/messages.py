@@ -294,13 +294,17 @@ class EngineBeat(PeerMessage, kw_only=True, frozen=True):
     """One heartbeat per pair of engines, or between the ranks of one engine
     (protocol/engine_leases.py): the stamps the sender vouches for and the acknowledgements it
     carries. `links`: a beat to a sibling names, per peer engine, the ranks of it the sender is
-    connected to (empty in a beat to another engine). Defined for the engine-pair lease; not in
+    connected to, and `everies` the slot length each of those engines told it (both empty in a
+    beat to another engine); `every`: a beat to another engine gives the sender engine's own slot
+    length, so the two engines settle on the longer. Defined for the engine-pair lease; not in
     PEER_MESSAGES (the engine does not speak it yet, docs/scale.md#heartbeats): adding it there
     is a new wire version."""
 
     vouches: list[Vouch] = []
     acks: list[Ack] = []
     links: dict[str, list[int]] = {}
+    everies: dict[str, float] = {}
+    every: float = 0.0
     sibling: bool = False
 
 
