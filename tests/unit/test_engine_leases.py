@@ -74,6 +74,18 @@ def test_two_engines_settle_on_the_longer_slot_so_a_rank_receives_no_more_than_i
     assert me.slot_length("p", 1.0) == 1.25 and me.slot_length("q", 1.0) == 1.0
 
 
+def test_what_a_sibling_relayed_about_a_rank_no_one_of_our_engine_is_connected_to_any_more_is_dropped():
+    me = rank(me=7, engine="p")
+    me.set_siblings({7, 8}, now=0.0)
+    me.on_beat(EngineBeat(src=8, dst=7, sibling=True, links={"d": [50]}, vouches=[Vouch(8, 1, 0.0), Vouch(50, 3, 0.1)],
+                          acks=[Ack(8, 50, 2), Ack(50, 8, 1)]), now=1.0)
+    me.beats(1.0, clock=1.0)
+    assert 50 in me.relayed and (8, 50) in me.acks and (50, 8) in me.acks
+    me.on_beat(EngineBeat(src=8, dst=7, sibling=True, links={}, vouches=[Vouch(8, 2, 0.0)]), now=2.0)
+    me.beats(2.0, clock=2.0)
+    assert 50 not in me.relayed and me.acks == {}
+
+
 def tp1_meets_tp8(engines: int) -> tuple[list[BeatRank], list[tuple[int, int]]]:
     """One decode rank of TP 1 (gid 0) connected to every rank of `engines` prefill engines of
     TP 8 (216 ranks for 27: the hottest rank of the 64 x 64 mixed fleet, docs/scale.md), and one

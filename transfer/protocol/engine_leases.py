@@ -195,6 +195,8 @@ class EngineLeases:
             if remote.seen.seq > 0:
                 self.acks[(self.me, r)] = remote.seen.seq
         ranks_of = self._ranks_of()
+        if any(now >= sib.beat_due for sib in self.siblings.values()):
+            self._forget(ranks_of)
         for r, sib in self.siblings.items():
             if now >= sib.beat_due:
                 sib.beat_due = now + self.sibling_every
@@ -268,6 +270,16 @@ class EngineLeases:
             seen.seq = seq
         if heard > seen.heard:
             seen.heard = heard
+
+    def _forget(self, ranks_of: dict[str, set[int]]) -> None:
+        """Drop the stamps and acknowledgements of remote ranks that neither we nor a sibling
+        are connected to any more (they died, or their connections ended)."""
+        known: set[int] = set().union(*ranks_of.values()) if ranks_of else set()
+        for r in [r for r in self.relayed if r not in known]:
+            del self.relayed[r]
+        mine = {self.me, *self.siblings}
+        for key in [k for k in self.acks if (k[1] if k[0] in mine else k[0]) not in known]:
+            del self.acks[key]
 
     def _linked_engines(self) -> dict[str, list[int]]:
         out: dict[str, list[int]] = {}
