@@ -25,9 +25,9 @@ The scheme:
   configured interval while a rank sends at most HEARTBEATS_PER_S, longer with more peer
   engines, never longer than an eighth of the lease), or F's when that is longer (each engine
   beat tells its sender's, siblings pass on what they were told): two engines settle on the
-  longer of their slots, so a rank receives no more engine beats than it sends. In each slot (slot =
-  ``floor(clock / engine_every)``; `clock` is wall time, so ranks of one engine on different
-  hosts agree up to their clock offset), the rank of E whose turn it is among E's live ranks
+  longer of their slots, so a rank receives no more engine beats than it sends. In each slot
+  (number ``floor(clock / slot length)``; `clock` is wall time, so ranks of one engine on
+  different hosts agree up to their clock offset; `slot_length`), the rank of E whose turn it is among E's live ranks
   linked to F sends one beat to one of its linked ranks of F (in turn). The beat vouches for
   every rank of E linked to F and carries the acknowledgements E's ranks give F's ranks.
 - An acknowledgement `Ack(by, rank, seq)` says: rank `by` heard `rank` with stamp `seq` or later,
@@ -222,14 +222,10 @@ class EngineLeases:
         told = max([self._told.get(engine, 0.0)] + [s.everies.get(engine, 0.0) for s in self.siblings.values()])
         return max(own, min(told, self.lease / 8))
 
-    def engine_every(self) -> float:
-        """The slot length: engine_interval over the peer engines our engine is linked to (the
-        same number at every rank of the engine once their links went round, so the slots agree)."""
-        return engine_interval(len(self._ranks_of()), base=self.base, lease=self.lease, per_s=self.per_s)
-
     def verdicts(self, now: float, looked: float | None = None, writes: bool = False) -> list[PeerLost]:
         """Remote ranks to declare lost now: silent past the lease (judged up to `looked`, as
-        leases.py), or, when we write to them (`writes`), our fence on them ran out."""
+        leases.py), or, when we write to them (`writes`), our fence on them ran out. A rank stays
+        in the verdicts until the shell `disconnect`s it."""
         upto = now if looked is None else min(now, looked)
         out = []
         for rank, remote in self.remotes.items():
