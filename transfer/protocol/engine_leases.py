@@ -47,9 +47,9 @@ more than 1 s of fence (5.5 s when no speaker died) against its own or its peers
 
 What it costs: a rank sends and receives, per peer engine, about one beat each way per slot
 divided by the number of its engine's ranks linked to that engine, plus 2 x (siblings) /
-sibling_every. A rank alone in its engine (TP 1) sends and receives at most 2 x min(20, E / 1.25)
-a second with E peer engines (with the default 1 s and 10 s): 40 up to 25 peer engines, then 1.6
-per peer engine (43.2 for a decode rank of TP 1 with 27 prefill engines, 51.2 with 32). A rank
+sibling_every. A rank alone in its engine (TP 1) with E peer engines sends and receives at most
+2 x E a second up to 20 peer engines, 40 up to 25, then 1.6 x E (with the default 1 s and 10 s;
+that is 2 x E / slot) (43.2 for a decode rank of TP 1 with 27 prefill engines, 51.2 with 32). A rank
 of TP 8 with 32 peer engines: about 3 engine beats and 7 sibling beats a second each way. Beats
 get larger instead (a few hundred records to a sibling of a rank with many peer engines).
 """
