@@ -11,7 +11,8 @@ runs, what the scheme promises:
 - a rank declared lost while alive (cut off) had already stopped writing to the rank that
   declared it: its fence ran out first (`fence_breaks`);
 - how stale the freshest stamp a rank holds of a live peer gets (`stalest_s`, under the lease),
-  and the least fence a writer had left (`fence_slack_min_s`, above zero).
+  and the least fence a writer had left (`fence_slack_min_s`, above zero): both from one lease
+  into the run on (before it, the first stamps and acknowledgements are still on their way).
 """
 
 from __future__ import annotations
@@ -186,9 +187,9 @@ def _judge(g: int, now: float, me: EngineLeases, by_gid: dict[int, BeatRank], in
         if q in dead or q in cut:
             continue
         heard = me.heard(p_inc)
-        if heard is not None and now >= 2 * lease:
+        if heard is not None and now >= lease:
             out.stalest_s = max(out.stalest_s, now - heard)
-        if (g, q) in writes and now >= 2 * lease:
+        if (g, q) in writes and now >= lease:
             out.fence_slack_min_s = min(out.fence_slack_min_s, me.remotes[p_inc].fence + lease - now)
 
 
