@@ -11,7 +11,8 @@ killed early on, room ids reused. kvstage.sim.fleet is the engine shell around t
 checks every invariant at the end and this tool exits 1 when one broke. What it prints (JSON):
 control messages and bytes per request by type, ring occupancy and fairness, memory per room in
 flight, the rooms' CPU time per request, heartbeats per rank, rendezvous lookups per request,
-and how long a dead rank's requests took to fail. docs/scale.md has the results.
+and how long a dead rank's requests took to fail; with --engine-leases, the beats of engine-pair
+leases over the same connections. docs/scale.md has the results.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import time
 
+from kvstage.sim.beats import fleet_beats
 from kvstage.sim.fleet import Fleet, FleetConfig, Model
 from kvstage.sim.network import NetworkModel
 from kvstage.sim.report import peer_activity, room_memory, summarize
@@ -56,6 +58,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--memory-sample", type=int, default=200, help="rooms per side whose memory is measured")
     p.add_argument("--json", help="write the figures here too")
+    p.add_argument("--engine-leases", type=float, default=0.0, metavar="SECONDS",
+                   help="then drive engine-pair leases (kvstage.sim.beats) over the fleet's connections for "
+                        "this many simulated seconds, one rank killed and one cut off half-way (0: not)")
     a = p.parse_args(argv)
     if a.prefill < 1 or a.decode < 1 or a.in_flight < 1 or not 1 <= a.page_size <= 64:
         p.error("--prefill, --decode and --in-flight must be >= 1, --page-size 1..64")
@@ -102,6 +107,12 @@ def main(argv=None) -> int:
     out["cpu_s"] = round(cpu, 1)   # the process's CPU time: the wall time a quiet core would take
     out["memory_per_room_in_flight"] = memory
     out["heartbeats_in_flight"] = peers
+    broken = out["invariants_broken"]
+    if a.engine_leases > 0:
+        t = time.perf_counter()
+        beats = fleet_beats(fleet, a.engine_leases, seed=a.seed)
+        out["engine_leases"] = {**beats.summary(), "wall_s": round(time.perf_counter() - t, 1)}
+        broken = broken or bool(beats.false_losses or beats.fence_breaks or beats.missed)
     out["run"] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": head,
                   "load_1min_start": round(load0, 2), "load_1min_end": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(), "python": platform.python_version(),
                   "command": "examples/fleet_sim.py " + " ".join(sys.argv[1:] if argv is None else argv)}
@@ -110,7 +121,7 @@ def main(argv=None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             f.write(text + "\n")
-    return 1 if out["invariants_broken"] else 0
+    return 1 if broken else 0
 
 
 if __name__ == "__main__":

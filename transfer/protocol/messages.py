@@ -278,6 +278,42 @@ class Goodbye(PeerMessage, kw_only=True, frozen=True):
     conn: int = 0
 
 
+class Vouch(msgspec.Struct, frozen=True, array_like=True):
+    """In an EngineBeat: rank `rank` (an incarnation) was alive when it stamped `seq`, and the
+    stamp has been held by relays for at least `age` seconds since (protocol/engine_leases.py)."""
+
+    rank: int
+    seq: int
+    age: float
+
+
+class Ack(msgspec.Struct, frozen=True, array_like=True):
+    """In an EngineBeat: rank `by` heard rank `rank` with stamp `seq` (or a later one) and counts
+    its lease from no earlier than that stamp's time (protocol/engine_leases.py)."""
+
+    by: int
+    rank: int
+    seq: int
+
+
+class EngineBeat(PeerMessage, kw_only=True, frozen=True):
+    """One heartbeat per pair of engines, or between the ranks of one engine
+    (protocol/engine_leases.py): the stamps the sender vouches for and the acknowledgements it
+    carries. `links`: a beat to a sibling names, per peer engine, the ranks of it the sender is
+    connected to, and `everies` the slot length each of those engines told it (both empty in a
+    beat to another engine); `every`: a beat to another engine gives the sender engine's own slot
+    length, so the two engines settle on the longer. Defined for the engine-pair lease; not in
+    PEER_MESSAGES (the engine does not speak it yet, docs/scale.md#heartbeats): adding it there
+    is a new wire version."""
+
+    vouches: list[Vouch] = []
+    acks: list[Ack] = []
+    links: dict[str, list[int]] = {}
+    everies: dict[str, float] = {}
+    every: float = 0.0
+    sibling: bool = False
+
+
 PEER_MESSAGES: tuple[type[PeerMessage], ...] = (
     Hello, HelloAck, RoomMeta, MetaAck, AllocRequest, AllocGrant, WatermarkUpdate,
     WriterDone, RoomDone, RoomFailed, Quiesced, Heartbeat, Goodbye, WritePosted, TagsAgain,
