@@ -105,6 +105,44 @@ def pairs(hops: Sequence[HopRecord]) -> list[tuple[int, int]]:
     return out
 
 
+@dataclass(frozen=True)
+class CriticalPath:
+    steps: tuple[int, ...]   # indices of its hops, from the origin to the end
+    wakes: int               # of its steps, a thread taking what another thread handed it
+    process_switches: int    # of those, across processes
+
+
+def critical_path(hops: Sequence[HopRecord], end: int) -> CriticalPath:
+    """The chain of hops that `hops[end]` waited for, walked back to the first hop: at each hop,
+    what came last before it of (the previous hop of its own thread, the hop that handed it over:
+    `pairs`). A thread that took a hand-off after its own previous hop was waiting for it: that
+    step is a wake-up on the path; otherwise the thread was busy and its own previous hop is the
+    cause. Hops off the chain (a MetaAck, a second decode rank's work, a confirmation) are not
+    on it, whatever the thread-wide counts say."""
+    giver = {j: i for i, j in pairs(hops)}
+    prev_in_lane: dict[int, int] = {}
+    last: dict[tuple[str, str], int] = {}
+    for k, r in enumerate(hops):
+        if lane(r) in last:
+            prev_in_lane[k] = last[lane(r)]
+        last[lane(r)] = k
+    steps, wakes, crossings = [end], 0, 0
+    k = end
+    while k > 0:
+        own, handed = prev_in_lane.get(k), giver.get(k)
+        if handed is not None and (own is None or hops[handed].t_ns >= hops[own].t_ns):
+            if lane(hops[handed]) != lane(hops[k]):
+                wakes += 1
+                crossings += hops[handed].process != hops[k].process
+            k = handed
+        elif own is not None:
+            k = own
+        else:
+            break
+        steps.append(k)
+    return CriticalPath(steps=tuple(reversed(steps)), wakes=wakes, process_switches=crossings)
+
+
 def spans(hops: Sequence[HopRecord]) -> list[tuple[HopRecord, HopRecord]]:
     """Each gather and scatter as (its start, its end): the next end on the same thread."""
     ends = {Hop.GATHER_START: Hop.GATHER_END, Hop.SCATTER_START: Hop.SCATTER_END}
@@ -148,6 +186,12 @@ def summary_lines(name: str, hops: Sequence[HopRecord]) -> list[str]:
         out.append(f"{name}: init() -> wait() returned on the decode side in {ms(hops[end], hops[0].t_ns):.3f} ms: "
                    f"{c.hops} hops, {c.wakes} wake-ups (a thread taking what another handed it), "
                    f"{c.lane_switches} switches of thread ({c.process_switches} between processes), {c.threads} threads")
+        path = critical_path(hops, end)
+        out.append(f"  its critical path (what the decode caller's wake-up waited for): {len(path.steps)} hops, "
+                   f"{path.wakes} wake-ups ({path.process_switches} between processes): "
+                   + " > ".join(f"{hops[i].process} {hops[i].kind.value}" + (f" {hops[i].detail}" if hops[i].detail
+                                and hops[i].kind in (Hop.SOCKET_SEND, Hop.SOCKET_RECV, Hop.EVENT_QUEUED,
+                                                     Hop.EVENT_TAKEN) else "") for i in path.steps))
     c = counts(hops)
     out.append(f"  all its hops, to the last one at {ms(hops[-1], hops[0].t_ns):.3f} ms: {c.hops} hops, "
                f"{c.wakes} wake-ups, {c.lane_switches} switches of thread ({c.process_switches} between processes)")

@@ -130,11 +130,32 @@ def test_the_printed_timeline_has_a_line_per_hop_in_ms_since_the_origin():
     assert lines[-1].split()[:5] == ["0.000", "0.000", "decode0", "drv", "waiter_woken"]
 
 
+def test_the_critical_path_follows_what_each_hop_waited_for():
+    hops = one_handoff_each()
+    path = hop_report.critical_path(hops, 9)
+    # the Heartbeat (4) is off it; the tag (7) waited for the post (6), not for its own thread
+    assert path.steps == (0, 1, 2, 3, 5, 6, 7, 8, 9)
+    assert (path.wakes, path.process_switches) == (4, 2)
+
+
+def test_a_busy_thread_takes_its_hand_off_off_the_critical_path():
+    """A hand-off taken after the thread's own later work: the thread was busy, not waiting."""
+    hops = [rec(0, "decode0", "drv", Hop.HANDLE_CALL, detail="receiver init()"),
+            rec(1, "decode0", "scatter", Hop.EVENT_QUEUED, detail="ctrl ScatterDone"),
+            rec(2, "decode0", "ctrl", Hop.BACKEND_TAG),
+            rec(3, "decode0", "ctrl", Hop.EVENT_TAKEN, detail="ctrl ScatterDone"),
+            rec(4, "decode0", "drv", Hop.WAITER_WOKEN, detail="wait() returned")]
+    path = hop_report.critical_path(hops, 3)
+    assert path.steps == (2, 3) and path.wakes == 0
+
+
 def test_the_latency_ends_where_the_last_decode_caller_woke():
     hops = one_handoff_each() + [rec(10, "prefill0", "drv", Hop.WAITER_WOKEN, detail="wait() returned"),
                                  rec(11, "prefill0", "ctrl", Hop.SOCKET_RECV, detail="RoomDone")]
     assert hop_report.decode_woken(hops) == 9
     lines = hop_report.summary_lines("one page", hops)
     assert lines[0].startswith("one page: init() -> wait() returned on the decode side in 0.000 ms: 10 hops, 4 wake-ups")
-    assert "12 hops, 6 wake-ups" in lines[1]
+    assert lines[1].startswith("  its critical path (what the decode caller's wake-up waited for): 9 hops, 4 wake-ups "
+                               "(2 between processes): decode0 handle_call > decode0 event_queued ctrl InitReceiver")
+    assert "12 hops, 6 wake-ups" in lines[2]
     assert hop_report.decode_woken(hops[:9]) is None
