@@ -48,7 +48,8 @@ also records whether its draft entries are all still UNWRITTEN on the room's pag
 (draft_untouched) and on its prefix pages (draft_prefix_intact).
 Per manager, metrics_port serves Prometheus metrics (EngineConfig.metrics_port; 0: any free port)
 and metrics_file names a file the driver writes {"port": ...} to once the manager is up;
-final_stats names a file it writes {"stats": ..., "rooms": [...]} to once every room ended, and
+final_stats names a file it writes {"stats": ..., "rooms": [...]} to once every room ended (and its ring
+lends no credits, up to 10 s: settled_stats), and
 hold_open_until a file it then waits for (up to run_timeout_s) before closing the manager, so a
 test can scrape the finished rank.
 Per manager, from_pointers hands the cache to kvstage as raw addresses (KVBuffers.from_pointers),
@@ -256,12 +257,26 @@ def drive(spec: dict, bootstrap: str, result: dict) -> None:
     if (spec.get("faults") or {}).get("corrupt_data"):   # which rooms the fault flipped a byte of (tests)
         result["corrupted_rooms"] = sorted(mgr._loop.ctx.integrity.corrupted_rooms)
     if spec.get("final_stats"):
+        result["stats"] = settled_stats(mgr)
         _write_json(spec["final_stats"], {"stats": result["stats"], "rooms": out})
     hold_open(spec)
     barrier(spec.get("barrier"), f"{spec['engine']}-{spec['rank']}")
     if spec.get("linger_s"):
         time.sleep(spec["linger_s"])
     mgr.close()
+
+
+def settled_stats(mgr: KVManager, limit_s: float = 10.0) -> dict:
+    """The manager's stats once its ring lends no credits (a decode rank with ring credits on):
+    prefill ranks give theirs back once they have no staged request, after their last room
+    ended, so a snapshot taken when the rooms ended may hold one its later readings do not.
+    At most `limit_s`; then as they are."""
+    deadline = time.monotonic() + limit_s
+    st = mgr.stats()
+    while st.get("ring_credit_bytes") and time.monotonic() < deadline:
+        time.sleep(0.02)
+        st = mgr.stats()
+    return st
 
 
 def hold_open(spec: dict) -> None:

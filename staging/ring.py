@@ -100,6 +100,13 @@ class RingAllocator:
         return self._head - self._watermark.linear(self.size) if self._live else 0
 
     @property
+    def held_bytes(self) -> int:
+        """Bytes of the regions not freed yet, without the freed ones between them and the
+        watermark (`live_bytes` counts those too: a region freed behind one still held is not
+        reusable yet, but nobody holds it)."""
+        return sum(r.nbytes for r in self._live.values())
+
+    @property
     def occupied_bytes(self) -> int:
         """How much of the ring itself is held by live regions (at most its size)."""
         return min(self.live_bytes, self.size)

@@ -30,7 +30,7 @@ INLINE_SCATTER_KB_ENV = "KVSTAGE_INLINE_SCATTER_KB"
 INLINE_GATHER_KB_ENV = "KVSTAGE_INLINE_GATHER_KB"
 PATH_ENV = "KVSTAGE_PATH"             # auto | staged | direct (protocol/path_choice.py)
 CALIBRATE_ENV = "KVSTAGE_CALIBRATE"   # measure the path costs at start (on by default)
-CREDITS_ENV = "KVSTAGE_CREDITS"       # staged: ring credits instead of a grant per chunk (off by default)
+CREDITS_ENV = "KVSTAGE_CREDITS"       # staged: ring credits instead of a grant per chunk (on by default)
 DEFAULT_INLINE_SCATTER_KB = 256    # decode: pieces up to this size are scattered on the control thread
 DEFAULT_INLINE_GATHER_KB = 256     # prefill: pieces up to this size are gathered and posted by the control thread
 DEFAULT_LAYER_GROUP = 4            # layers per write of a layer-wise send (docs/journal/benchmarks-2026-11.md)
@@ -195,7 +195,7 @@ class EngineConfig:
             calibrate=(env_flag(CALIBRATE_ENV, True) if self.calibrate is None
                        else check.flag("calibrate", self.calibrate)),
             verify=env_flag(VERIFY_ENV) if self.verify is None else check.flag("verify", self.verify),
-            credits=env_flag(CREDITS_ENV, False) if self.credits is None else check.flag("credits", self.credits),
+            credits=env_flag(CREDITS_ENV, True) if self.credits is None else check.flag("credits", self.credits),
             layer_batching=(env_flag(LAYER_BATCHING_ENV, True) if self.layer_batching is None
                             else check.flag("layer_batching", self.layer_batching)),
             auth_token=token,

@@ -63,7 +63,7 @@ def test_prefill_rank_killed_with_credit_writes_in_flight(tmp_path):
             assert granted >= 2 and taken >= len(late), st   # both incarnations wrote into credits
             # what is left of the ring is credits the restarted rank holds (its last return may be on its
             # way): the lost rank's credits closed, no room holds a region
-            assert st["ring_live_bytes"] == st["ring_credit_bytes"], st
+            assert st["ring_held_bytes"] == st["ring_credit_bytes"], st
 
 
 @pytest.mark.timeout(200)
@@ -92,5 +92,5 @@ def test_a_room_id_aborted_mid_transfer_and_reused_with_credits_in_flight(tmp_pa
             assert [r["verified"] for r in res["rooms"][1:]] == [True, True], res["rooms"]
             st = res["stats"]
             taken += credit_stats(st)[1]
-            assert st["ring_live_bytes"] == st["ring_credit_bytes"], st   # only credits of the live rank
+            assert st["ring_held_bytes"] == st["ring_credit_bytes"], st   # only credits of the live rank
     assert taken >= 1, "some writes went into credits"

@@ -250,14 +250,14 @@ class _Compiled:
         return False
 
 
-def test_ring_credits_are_off_unless_asked_for(monkeypatch):
-    """Off by default until their open finding is fixed (docs/protocol.md, "Ring credits"); the
-    option, then KVSTAGE_CREDITS, turns them on."""
+def test_ring_credits_are_on_unless_turned_off(monkeypatch):
+    """On by default since their finding of 2026-11-27 was fixed (docs/protocol.md, "Ring
+    credits"); the option, then KVSTAGE_CREDITS, turns them off."""
     from kvstage.transfer.config import CREDITS_ENV
 
     monkeypatch.delenv(CREDITS_ENV, raising=False)
-    assert cfg().resolved().credits is False
-    assert cfg(credits=True).resolved().credits is True
-    monkeypatch.setenv(CREDITS_ENV, "1")
     assert cfg().resolved().credits is True
     assert cfg(credits=False).resolved().credits is False
+    monkeypatch.setenv(CREDITS_ENV, "0")
+    assert cfg().resolved().credits is False
+    assert cfg(credits=True).resolved().credits is True

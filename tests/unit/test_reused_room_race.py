@@ -215,3 +215,28 @@ def test_four_uses_of_an_id_each_ended_on_both_sides_before_the_next():
     assert [s.state for s in ended] == [KVPoll.Failed, KVPoll.Failed, KVPoll.Success, KVPoll.Success]
     assert all("abort" in s.failure for s in ended[:2])
     assert not side.pending     # nothing of any use is left parked
+
+
+def test_metadata_parked_for_a_sender_that_never_comes_fails_its_decode_room():
+    """The finding of 2026-11-27 (docs/protocol.md, "Ring credits"), at one prefill rank: a
+    failure of an earlier use, from a decode rank that use never heard from (it failed before
+    its metadata went out), is held back past the creation of the next use's sender and fails
+    it, as a failure before any metadata of this use must. That decode rank's metadata of the
+    next use then comes: a newer session than the failure's, so it is parked for the next
+    sender. None comes; at the metadata timeout the decode room is told it failed (with a
+    reason, and Quiesced: nothing was written), rather than left to wait for its room deadline."""
+    side, writes, sock = prefill_rank()
+    peer = side.peers.get(DEC.incarnation)
+    status = new_sender(side, 0.0)
+    side.on_RoomFailed(peer, failed(1), 0.1)
+    assert status.state is KVPoll.Failed and status.released
+    side.on_RoomMeta(peer, meta(2), 0.2)
+    assert side.pending[ROOM] and sock.sent[-1].session == 2   # parked for a next sender, acknowledged
+    sent = len(sock.sent)
+    side.tick(0.2 + side.ctx.t.metadata)   # not yet: it may still come
+    assert len(sock.sent) == sent and side.pending[ROOM]
+    side.tick(0.3 + side.ctx.t.metadata)
+    told = [m for m in sock.sent[sent:] if m.session == 2]
+    assert [type(m) for m in told] == [RoomFailed, Quiesced], told
+    assert told[0].kind == "timeout" and "no prefill sender" in told[0].reason
+    assert ROOM not in side.pending and writes.posted == []

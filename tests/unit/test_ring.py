@@ -29,6 +29,18 @@ def test_worked_example_wrap_and_watermark():
     assert (d.round, d.offset) == (2, 0) and r.is_free(d)
 
 
+def test_held_bytes_leave_out_regions_freed_behind_a_held_one():
+    """live_bytes runs from the watermark to the head: a region freed behind one still held
+    (a credit whose return is on its way) counts there, but nobody holds it."""
+    r = RingAllocator(1000, align=100)
+    a, b = r.allocate(300), r.allocate(200)
+    assert (r.live_bytes, r.held_bytes) == (500, 500)
+    r.free(b)
+    assert (r.live_bytes, r.held_bytes) == (500, 300)
+    r.free(a)
+    assert (r.live_bytes, r.held_bytes) == (0, 0)
+
+
 def test_too_large_and_bad_sizes():
     r = RingAllocator(1024, align=256)
     assert isinstance(r.allocate(1025), TooLarge)

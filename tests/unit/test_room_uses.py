@@ -14,6 +14,8 @@ from kvstage.transfer.protocol.room_uses import (
     ended_answer,
     failure_use,
     meta_use,
+    tombstone_obsolete,
+    unserved_answer,
     use_without_sender,
 )
 
@@ -109,3 +111,23 @@ def test_earlier_uses_cover_every_older_session_of_their_ranks():
     uses = EarlierUses().plus({(7, 5)}).plus({(7, 3), (8, 9)})
     assert uses.covers(7, 5) and uses.covers(7, 1) and not uses.covers(7, 6)
     assert uses.covers(8, 9) and not uses.covers(8, 10) and not uses.covers(9, 1)
+
+
+def test_metadata_no_sender_took_is_answered_with_a_failure_and_a_parked_failure_is_not():
+    """Parked metadata dropped at the metadata timeout: its decode room fails now (it was
+    acknowledged, so it is never sent again, and would wait for its room deadline)."""
+    kind, reason = unserved_answer(meta(DEC, 33), 3.0)
+    assert kind is FailureKind.TIMEOUT and "session 33" in reason and "room 5" in reason and "3 s" in reason
+    assert unserved_answer(failed(DEC, 33), 3.0) is None   # answered with Quiesced when it came
+
+
+@pytest.mark.parametrize("room,session,started_room,started_session,want", [
+    (42, 1, 42, 2, True),    # a later use of the id started here: the failure could only reach its sender
+    (42, 2, 42, 2, False),   # the use itself
+    (42, 3, 42, 2, False),   # never older than the use that starts
+    (41, 1, 42, 2, False),   # another id
+])
+def test_a_failure_not_sent_yet_is_dropped_once_a_later_use_of_its_id_starts(room, session, started_room,
+                                                                               started_session, want):
+    assert tombstone_obsolete(room=room, session=session, started_room=started_room,
+                              started_session=started_session) is want

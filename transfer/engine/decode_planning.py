@@ -27,6 +27,7 @@ from ..protocol.kinds import FailureKind
 from ..protocol.leases import Lease
 from ..protocol.messages import Hello, HelloAck, KVMemory, PoolMemory, RingInfo, RoomFailed, WatermarkUpdate
 from ..protocol.path_choice import PathMode, WriterCosts
+from ..protocol.room_uses import tombstone_obsolete
 from ..protocol.routing import PeerState
 from .context import EngineContext
 from .events import LookupDone
@@ -124,6 +125,13 @@ class EnginePlanner:
 
     # -- rooms ------------------------------------------------------------------------------------
     def add_room(self, room: DecodeRoom, source: PrefillSource, now: float) -> None:
+        for other in self.engines.values():   # an earlier use's failure not sent yet would only reach this use
+            kept = [s for s in other.tombstones if not tombstone_obsolete(room=s.room, session=s.session,
+                                                                         started_room=room.room,
+                                                                         started_session=room.session)]
+            if len(kept) < len(other.tombstones):
+                self.ctx.stats.count("dropped_messages", "obsolete_tombstone")
+                other.tombstones = kept
         self.engine_of[room.room] = source.key
         view = self.engine(source, now)
         view.rooms.add(room.room)

@@ -445,6 +445,7 @@ def _live_stats(loop: EngineLoop) -> dict:
     a = loop.ctx.handler.allocator
     if a is not None:
         out.update(ring_bytes=a.size, ring_live_bytes=a.live_bytes, ring_live_regions=a.live_regions,
+                   ring_held_bytes=a.held_bytes,
                    ring_occupied_bytes=a.occupied_bytes, ring_high_water_bytes=min(a.high_water, a.size),
                    ring_backlog_high_water_bytes=a.high_water, ring_credit_bytes=loop.side.credit_bytes())
     out["staged_pieces_waiting"] = len(loop.writes.staged)

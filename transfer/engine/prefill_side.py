@@ -34,7 +34,7 @@ from ..protocol.messages import (
 )
 from ..protocol.pool_parts import writers_mismatch
 from ..protocol.prefill_room import PrefillRoom
-from ..protocol.room_uses import EarlierUses, Parked, RoomUse, use_without_sender
+from ..protocol.room_uses import EarlierUses, Parked, RoomUse, unserved_answer, use_without_sender
 from ..protocol.routing import PeerState, hello_verdict
 from ..protocol.stage_mapping import decode_stage_of, stage_memory
 from ..protocol.tags import Tag
@@ -314,9 +314,18 @@ class PrefillSide:
         self.credits.tick(now)
         for room_id, since in list(self.pending_since.items()):
             if now - since > self.ctx.t.metadata:
-                self.pending.pop(room_id, None)
+                for item in self.pending.pop(room_id, []):   # their decode rooms must not wait for it
+                    answer = unserved_answer(item, now - since)
+                    if answer is not None:
+                        self._fail_unserved(item, *answer)
                 del self.pending_since[room_id]
                 self.ctx.stats.count("dropped_messages", "meta_without_sender")
+
+    def _fail_unserved(self, item: Parked, kind: str, reason: str) -> None:
+        key, msg, me = item.peer, item.msg, self.ctx.me
+        self.peers.send(key, RoomFailed(src=me, dst=key.incarnation, room=msg.room, session=msg.session, kind=kind,
+                                        reason=reason))
+        self.peers.send(key, Quiesced(src=me, dst=key.incarnation, room=msg.room, session=msg.session))
 
     def closing(self, room: PrefillRoom, now: float) -> list[Action]:
         return room.fail(FailureKind.CLOSED, "the kvstage manager is closing", now)

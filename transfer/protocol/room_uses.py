@@ -10,7 +10,11 @@ Every decision returns a RoomUse; the rooms and the engine's sides only act on i
 - prefill, a sender exists: `meta_use` (metadata) and `failure_use` (a RoomFailed);
 - prefill, no sender: `use_without_sender` (park it, drop it, or tell the decode side the room
   is over here; `finished_meta_use` and `finished_failure_use` once the id's last use ended);
-- decode, the room ended here: `ended_answer` (what to answer a writer that still asks).
+- prefill, metadata parked for a sender that never came: `unserved_answer` (fail the decode
+  room with a reason rather than let it wait for its room deadline);
+- decode, the room ended here: `ended_answer` (what to answer a writer that still asks);
+- decode, a room failed before its metadata went out: `tombstone_obsolete` (its RoomFailed,
+  not sent yet, is dropped once a later use of the id started here).
 """
 
 from __future__ import annotations
@@ -141,6 +145,17 @@ def use_without_sender(item: Parked, *, ended: bool, earlier: EarlierUses,
     return finished_meta_use(earlier, served, item.peer.incarnation, item.msg.session)
 
 
+def unserved_answer(item: Parked, waited: float) -> tuple[str, str] | None:
+    """Parked metadata whose sender never came within the metadata timeout (`waited` seconds):
+    (kind, reason) of the RoomFailed its decode room is told, so it fails now rather than at its
+    room deadline (its metadata was acknowledged: it is never sent again). A parked failure needs
+    no answer (it was answered with Quiesced when it came): None."""
+    if not item.is_meta:
+        return None
+    return (FailureKind.TIMEOUT, f"no prefill sender of room {item.msg.room} took this metadata (session "
+                                 f"{item.msg.session}) within {waited:g} s")
+
+
 # -- decode, the room ended ------------------------------------------------------------------------
 @dataclass(frozen=True)
 class EndedAnswer:
@@ -161,3 +176,14 @@ def ended_answer(*, succeeded: bool, kind: str, reason: str, last_session: int, 
                            f"room {room} has no use of session {session} here (a writer bound to metadata "
                            f"of another use of the id)")
     return EndedAnswer(RoomUse.THIS) if succeeded else EndedAnswer(RoomUse.THIS, kind, reason)
+
+
+# -- decode, a room failed before its metadata went out ---------------------------------------------
+def tombstone_obsolete(*, room: int, session: int, started_room: int, started_session: int) -> bool:
+    """A RoomFailed not yet sent for `room`'s use `session` (it failed before its metadata went
+    out; its prefill ranks were not reachable yet) is obsolete once a later use of the same id
+    (`started_session`) started on this decode rank: that use may start only after every prefill
+    rank's previous use of the id ended (docs/api.md, room ids), so the failure could only reach
+    the later use's sender, which has no metadata of this rank yet and would fail by it, and the
+    later use would then wait for a sender that never serves it."""
+    return room == started_room and session < started_session
