@@ -50,7 +50,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--ring-mb", type=int, default=64, help="each decode rank's staging ring (MiB)")
     p.add_argument("--buffer-mb", type=int, default=8, help="each transfer worker's staging buffer (MiB)")
     p.add_argument("--credits", action=argparse.BooleanOptionalAction, default=None,
-                   help="ring credits on or off (default: KVSTAGE_CREDITS, off)")
+                   help="ring credits on or off (default: KVSTAGE_CREDITS, on)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where every rank's KV cache, ring and buffers live (cuda: VRAM of GPU 0)")
     p.add_argument("--layers", type=int, default=8)
