@@ -47,12 +47,8 @@ def test_a_one_page_request_is_traced_on_both_sides_in_causal_order(tmp_path):
     order = [
         first(hops, Hop.SOCKET_SEND, "decode", "RoomMeta"),
         first(hops, Hop.SOCKET_RECV, "prefill", "RoomMeta"),
-        first(hops, Hop.EVENT_QUEUED, "prefill", "xfer GatherJob"),
-        first(hops, Hop.EVENT_TAKEN, "prefill", "xfer GatherJob"),
         first(hops, Hop.GATHER_START, "prefill"),
         first(hops, Hop.GATHER_END, "prefill"),
-        first(hops, Hop.EVENT_QUEUED, "prefill", "backend write"),
-        first(hops, Hop.EVENT_TAKEN, "prefill", "backend write"),
         first(hops, Hop.BACKEND_POST, "prefill"),
         first(hops, Hop.BACKEND_TAG, "decode"),
         first(hops, Hop.SCATTER_START, "decode"),
@@ -62,6 +58,11 @@ def test_a_one_page_request_is_traced_on_both_sides_in_causal_order(tmp_path):
         first(hops, Hop.SOCKET_RECV, "prefill", "RoomDone"),
     ]
     assert order == sorted(order), [hops[i].kind.value + " " + hops[i].detail for i in order]
+    # a piece of 256 KiB (inline_gather_kb): gathered and posted by the prefill's control thread,
+    # no hand-off to a transfer worker and back (docs/trace.md)
+    gathers = [r for r in hops if r.kind in (Hop.GATHER_START, Hop.GATHER_END)]
+    assert len(gathers) == 4 and {r.thread for r in gathers} == {"kvstage-ctrl"}, gathers
+    assert not [r for r in hops if r.detail in ("xfer GatherJob", "backend write")]
     # ring credits: the write goes into the credit the decode rank sent ahead of its metadata, with
     # no ring-space round trip on the request's path (docs/protocol.md, "Ring credits")
     assert not [r for r in hops if r.detail in ("AllocRequest", "AllocGrant")], \
@@ -86,4 +87,7 @@ def test_a_one_page_request_is_traced_on_both_sides_in_causal_order(tmp_path):
     # the multi-piece request: 4 pages of 256 KiB per decode rank in 0.5 MiB pieces: 2 writes each
     _, multi = hop_report.request_hops(records, traced[trace_request.MULTI])
     assert sum(r.kind is Hop.BACKEND_POST for r in multi) == 4
+    # its 0.5 MiB pieces are past the inline limit: a transfer worker gathers each
+    assert sum(r.kind is Hop.EVENT_TAKEN and r.detail == "xfer GatherJob" for r in multi) == 4
+    assert {r.thread for r in multi if r.kind is Hop.GATHER_START} <= {"kvstage-xfer-0", "kvstage-xfer-1"}
     assert sum(r.kind is Hop.SCATTER_END for r in multi) == 4
