@@ -17,6 +17,7 @@ if not collect_ignore_glob:
     import json
     import os
     import time
+    from pathlib import Path
 
     import torch
 
@@ -48,6 +49,15 @@ if not collect_ignore_glob:
             "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 4, "num_hidden_layers": 2,
             "vocab_size": 256, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
             "bos_token_id": 1, "eos_token_id": 2}))
+        return str(d)
+
+    @pytest.fixture(scope="module")
+    def model_3_layers(model_dir, tmp_path_factory) -> str:
+        """The same model with 3 layers: SGLang's `get_pp_indices` splits it 1 + 2 over 2 PP stages
+        (test_pp_prefill_classes.py, test_pp_decode_classes.py)."""
+        cfg = json.loads((Path(model_dir) / "config.json").read_text())
+        d = tmp_path_factory.mktemp("model3")
+        (d / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=3)))
         return str(d)
 
     @pytest.fixture

@@ -11,21 +11,10 @@ last stage only) and that no page outside a successful request was written.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 from scenario import expect, requests_for, run
 
-LAYERS = 3
-
-
-@pytest.fixture(scope="module")
-def model_3_layers(model_dir, tmp_path_factory) -> str:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    d = tmp_path_factory.mktemp("model3")
-    (d / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=LAYERS)))
-    return str(d)
+LAYERS = 3   # the model_3_layers fixture's (conftest.py)
 
 
 @pytest.mark.parametrize("tp,staging,backend", [(1, False, "nixl"), (2, True, "nixl"), (2, True, "mooncake")],
