@@ -301,14 +301,20 @@ class KvstageKVSender(_Handle, CommonKVSender):
             self._end(KVPoll.Failed, f"kvstage refused room {bootstrap_room}: {exc}")
 
     def pop_decode_prefix_len(self) -> int:
+        """The prefix SGLang leaves out of its sends: what kvstage knows of the decode side's
+        now (0 before its metadata came: a PP stage past the first may be told to start by PP
+        rank 0's poll first). init() counts exactly this many stand-in pages, whatever arrives
+        in between."""
         pages = self._handle.decode_prefix_pages if self._handle is not None else None
-        return (pages or 0) * self.kv_mgr.page_size
+        self._prefix_pages = pages or 0
+        return self._prefix_pages * self.kv_mgr.page_size
 
     def init(self, num_kv_indices: int, aux_index: int | None = None):
+        """`num_kv_indices`: the pages SGLang will send, past the prefix pop_decode_prefix_len()
+        gave it (none popped: SGLang sends every page)."""
         self.num_kv_indices, self.aux_index = num_kv_indices, aux_index
         if self._handle is None or self.conclude_state is not None:
             return
-        self._prefix_pages = self._handle.decode_prefix_pages or 0
         self._fail_now(self._init_handle(None))
 
     def _init_handle(self, state_indices) -> str | None:

@@ -36,12 +36,15 @@ def wait_for_drops(paths: dict[str, Path], at_least: float, kinds: tuple[str, ..
 
 def wait_for_stat(path: Path, key: str, at_least: float = 1, timeout_s: float = 60) -> None:
     """Until the rank's live stats count at least `at_least` of `key` (say bytes_received: its
-    transfers are under way); an AssertionError with the last value at the deadline."""
+    transfers are under way; a counter by label, say peers_lost: its labels together); an
+    AssertionError with the last value at the deadline."""
     deadline = time.monotonic() + timeout_s
     seen = None
     while True:
         try:
             seen = json.loads(Path(path).read_text()).get(key, 0)
+            if isinstance(seen, dict):   # a counter by label: all of them
+                seen = sum(seen.values())
         except (OSError, ValueError):
             pass
         if seen is not None and seen >= at_least:

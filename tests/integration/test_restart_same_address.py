@@ -162,6 +162,11 @@ def test_prefill_rank_restarted_on_the_same_address(backend, staging, tmp_path):
         restarted = restart_on(cl, [spec("prefill", 0, 1, late, backend, staging, ctrl_port=ctrl)], "p-restarted",
                                env, "pf", old, backend)
         open(release, "w").close()
+        # a restarted prefill rank dials no one: the decode rank finds the old one dead by its
+        # lease, and only then looks the engine up again (docs/operations.md). A request made
+        # before that goes to the old incarnation and fails with "silent for N s" (a CI failure
+        # when the restart took less than the lease)
+        wait_for_stat(live, "peers_lost")
         open(go, "w").close()
         for p in (decode, restarted):
             p.proc.wait(120)

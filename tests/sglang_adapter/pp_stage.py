@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import SimpleNamespace
 
 
@@ -89,6 +90,19 @@ def run_prefill_pp(r, sc, out, *, aux_row: Callable, report: Callable) -> None:
     report(out, reqs, [])
 
 
+def prefix_arrives_after_pop(r, s, room: int) -> bool:
+    """A request made with `late_meta` (the decode also PP): this stage, told WaitingForInput
+    by PP rank 0's poll, has popped the decode prefix before its own decode stage sent its
+    metadata (held back until every rank of this stage says it popped: rank.py's run_decode);
+    wait until that metadata arrived, so SGLang's init() comes after the prefix is known here.
+    Whether it arrived."""
+    Path(r.sc["sync"], f"popped-{room}-{r.a.rank}").touch()
+    deadline = time.monotonic() + r.sc["deadline_s"] / 2
+    while s._handle.decode_prefix_pages is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    return s._handle.decode_prefix_pages is not None
+
+
 def start_request(r, x, last: bool, aux_row: Callable) -> None:
     """SGLang's finalize_bootstrap and chunked sends of one request on this stage. A stage past
     the first may be told WaitingForInput before its own sender heard the decode's prefix: it
@@ -98,6 +112,8 @@ def start_request(r, x, last: bool, aux_row: Callable) -> None:
     q, s = x["q"], x["s"]
     k = s.pop_decode_prefix_len() // r.ps
     x["prefix_seen"] = k
+    if q.get("late_meta") and r.pp_rank > 0:
+        x["prefix_after_pop"] = prefix_arrives_after_pop(r, s, q["room"])
     suffix = x["pages"][k:]
     r.fill(q["room"], suffix, k * r.ps)
     if last or int(r.sc.get("decode_pp") or 1) > 1:   # a PP decode: each stage's row to its decode stage

@@ -40,6 +40,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -419,6 +420,14 @@ def wait_parallel_info(r: Rank, deadline: float) -> None:
         time.sleep(0.1)
 
 
+def prefill_stage_popped(r: Rank, room: int) -> bool:
+    """Whether every prefill rank of this decode stage's PP stage has popped the room's decode
+    prefix (pp_stage.prefix_arrives_after_pop: a prefill stage past the first, told by PP rank
+    0's poll that the request may start before its own decode stage sent its metadata)."""
+    tp = len(list(Path(r.sc["sync"]).glob(f"popped-{room}-*")))
+    return tp == r.sc["prefill_tp"]
+
+
 def run_decode(r: Rank, sc, out) -> None:
     P = r.P
     deadline = time.monotonic() + sc["deadline_s"]
@@ -447,6 +456,8 @@ def run_decode(r: Rank, sc, out) -> None:
                 continue
             st = rec.poll()
             if x["st"] == "boot" and st == P.WaitingForInput:
+                if q.get("late_meta") and r.pp_rank > 0 and not prefill_stage_popped(r, q["room"]):
+                    continue   # its metadata waits until this stage's prefill ranks popped the prefix
                 state = None
                 if r.state is not None:
                     w = min(sc["state"]["swa_pages"], len(x["pages"])) - (1 if q.get("swa_short") else 0)

@@ -34,7 +34,8 @@ def requests_for(seed: int, n: int, **overrides) -> list[dict]:
         chunks = [c for c in (cut, suffix - cut) if c]
         out.append({"room": rnd.randrange(1, 1 << 63), "pages": pages, "prefix": prefix, "chunks": chunks,
                     "abort": overrides.get("abort", {}).get(i), "swa_short": i in overrides.get("swa_short", ()),
-                    "early_event": i in overrides.get("early_event", ()), "host": i in overrides.get("host", ())})
+                    "early_event": i in overrides.get("early_event", ()), "host": i in overrides.get("host", ()),
+                    "late_meta": i in overrides.get("late_meta", ())})
     return out
 
 
@@ -50,7 +51,8 @@ def run(tmp_path, model_dir, port, prefill_tp, decode_tp, reqs, *, backend="nixl
           "die_at_room": die_at_room, "state": state, "mla": mla, "release": str(tmp_path / "release"),
           "hold": hold, "queue": queue, "gloo": str(tmp_path / "gloo"), "prefill_dp": prefill_dp,
           "decode_dp": decode_dp, "draft": draft, "prefill_pp": prefill_pp, "decode_pp": decode_pp, "device": device,
-          "host": host}
+          "host": host, "sync": str(tmp_path / "sync"), "prefill_tp": prefill_tp}
+    (tmp_path / "sync").mkdir(exist_ok=True)
     (tmp_path / "scenario.json").write_text(json.dumps(sc))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SHIMS), os.environ.get("PYTHONPATH", "")]),
                KVSTAGE_SGLANG_BACKEND=backend, SGLANG_DISAGG_STAGING_BUFFER="1" if staging else "0",
