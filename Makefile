@@ -6,7 +6,8 @@
 #   make bench  the benchmark (also installs matplotlib for its plots), results into docs/bench
 #   make venv   only the installation
 #   make test-sglang  the SGLang adapter's tests, in their own venv .venv-sglang (make venv-sglang)
-#   make lint   ruff and mypy over the package (pyproject.toml configures both; requirements/lint.txt)
+#   make lint   ruff, mypy and the import contracts over the package (pyproject.toml configures all
+#               three; requirements/lint.txt)
 #   make test-vllm    the vLLM connector's tests, in their own venv .venv-vllm (make venv-vllm)
 #   make gpu-check    everything GPU-only (Triton kernels compiled, VRAM transfers, kernel benchmark,
 #                     the SGLang adapter with CUDA caches where SGLang is installed), on a machine
@@ -86,12 +87,13 @@ $(LINT_STAMP): requirements/lint.txt | $(STAMP)
 	touch $(LINT_STAMP)
 
 # mypy finds the package `kvstage` (the repository root) through build/mypy/kvstage, a link to the
-# root (pyproject.toml's [tool.mypy]); strict on transfer/protocol/ and bootstrap/wire.py, mypy's
+# root (pyproject.toml's [tool.mypy]); strict on transfer/protocol/ and wire.py, mypy's
 # default checks on transfer/engine/.
 lint: $(STAMP) $(LINT_STAMP)
 	$(VENV)/bin/ruff check .
 	mkdir -p build/mypy && ln -sfn ../.. build/mypy/kvstage
-	$(VENV)/bin/mypy -p kvstage.transfer.protocol -m kvstage.bootstrap.wire -p kvstage.transfer.engine
+	$(VENV)/bin/mypy -p kvstage.transfer.protocol -m kvstage.wire -p kvstage.transfer.engine
+	cd build/mypy && PYTHONPATH=. ../../$(VENV)/bin/lint-imports --config ../../pyproject.toml
 
 gpu-check: apt $(STAMP)
 	$(PY) examples/gpu_check.py

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _PUBLIC = {
-    "KVLayout": ".transfer.layout", "KVBuffers": ".transfer.layout", "DraftKV": ".transfer.draft_kv",
-    "EngineConfig": ".transfer.config", "Timeouts": ".transfer.config",
+    "KVLayout": ".transfer.layout", "KVBuffers": ".transfer.kv_buffers", "DraftKV": ".transfer.draft_kv",
+    "EngineConfig": ".transfer.config", "Timeouts": ".transfer.timeouts",
     "KVManager": ".transfer.engine.manager",
     "KVSender": ".transfer.engine.handles", "KVReceiver": ".transfer.engine.handles",
     "KVPoll": ".transfer.poll",

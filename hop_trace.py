@@ -151,7 +151,7 @@ def load(path: str | os.PathLike) -> tuple[TraceHeader, list[HopRecord]]:
     return head, [rec.decode(line) for line in lines[1:] if line.strip()]
 
 
-# the Structs' decoding info built at import, as bootstrap.wire.prebuild_struct_info does for the
+# the Structs' decoding info built at import, as kvstage.wire.prebuild_struct_info does for the
 # messages (two threads building it at once can crash msgspec 0.22; this module imports no kvstage)
 for _t in (HopRecord, TraceHeader):
     msgspec.json.Decoder(_t)

@@ -19,11 +19,11 @@ import time
 
 import zmq
 
+from ..wire import TOKEN_ENV, load_token
 from .client import BootstrapAuthError, BootstrapError, BootstrapTimeout
 from .registry import Limits
 from .rendezvous import open_rendezvous
 from .server import BootstrapServer
-from .wire import TOKEN_ENV, load_token
 
 log = logging.getLogger("kvstage.bootstrap")
 

@@ -28,9 +28,9 @@ from typing import Any, TypeVar
 import msgspec
 import zmq
 
+from ..wire import WireError
 from . import messages as m
 from .address import split_host_port
-from .wire import WireError
 
 log = logging.getLogger("kvstage.bootstrap.client")
 
@@ -311,7 +311,7 @@ class BootstrapClient:
     """Register, look up, heartbeat and deregister ranks at a bootstrap server.
 
     ``token`` is the shared secret as bytes (None: no auth; this class does not read the
-    environment, use `bootstrap.wire.load_token()` for that). ``request_timeout_s`` bounds every
+    environment, use `kvstage.wire.load_token()` for that). ``request_timeout_s`` bounds every
     single request; `lookup` has its own overall deadline.
     """
 

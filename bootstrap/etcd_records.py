@@ -22,8 +22,8 @@ from urllib.parse import quote, unquote
 
 import msgspec
 
+from ..wire import prebuild_struct_info
 from .messages import RankEntry, RecordEntry
-from .wire import prebuild_struct_info
 
 RECORD_VERSION = 1
 
@@ -305,4 +305,4 @@ class WatchedRanks:
         return gone
 
 
-prebuild_struct_info(globals())  # last: every Struct above is defined (see bootstrap.wire)
+prebuild_struct_info(globals())  # last: every Struct above is defined (see kvstage.wire)

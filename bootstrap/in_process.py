@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import threading
 
+from ..wire import load_token
 from .server import BootstrapServer
-from .wire import load_token
 
 
 def join_host_port(host: str, port: int) -> str:

@@ -1,7 +1,7 @@
 """The rendezvous protocol: request and reply messages of the bootstrap server.
 
-Every message is a `bootstrap.wire.Message` (type tag ``t``, version ``v``) sent through a
-`bootstrap.wire.Codec`. Requests carry a request id (``rid``) that the reply echoes, so a client
+Every message is a `kvstage.wire.Message` (type tag ``t``, version ``v``) sent through a
+`kvstage.wire.Codec`. Requests carry a request id (``rid``) that the reply echoes, so a client
 can discard a stale reply to an earlier request it already gave up on.
 
 The field constraints below are the server's storage bounds per record: the server decodes
@@ -15,7 +15,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from .wire import Codec, Message, prebuild_struct_info
+from ..wire import Codec, Message, prebuild_struct_info
 
 # Hard bounds of one rank record (the registry adds configurable bounds on counts).
 MAX_TP = 1024
@@ -196,4 +196,4 @@ def peek_rid(payload: bytes) -> int:
     return rid if 0 <= rid <= MAX_ID else 0
 
 
-prebuild_struct_info(globals())  # last: every Struct above is defined (see bootstrap.wire)
+prebuild_struct_info(globals())  # last: every Struct above is defined (see kvstage.wire)

@@ -25,9 +25,9 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
+from ..wire import MAC_BYTES, WireError, sign
 from . import messages as m
 from .registry import Limits, Refused, Registry
-from .wire import MAC_BYTES, WireError, sign
 
 log = logging.getLogger("kvstage.bootstrap.server")
 

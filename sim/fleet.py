@@ -5,7 +5,7 @@ Each request goes from one prefill engine to one decode engine of the same model
 both engines holds a room (transfer/protocol/prefill_room.py, decode_room.py); the simulator is
 the engine shell around them: it delivers their messages through a seeded network model
 (network.py), lands their writes, hands tags to the decode rooms, scatters staged pieces out of
-the decode ranks' rings (staging/ring.py, through a `RingPath`), ticks them, kills ranks and
+the decode ranks' rings (transfer/protocol/ring.py, through a `RingPath`), ticks them, kills ranks and
 lets their peers notice through their leases (transfer/protocol/leases.py).
 
 Bytes are symbolic: a write or a scatter marks the (request page, layer, head) cells it fills,
@@ -42,9 +42,6 @@ import msgspec
 import numpy as np
 import torch
 
-from ..bootstrap.wire import MAC_BYTES
-from ..staging.pieces import max_piece_pages
-from ..staging.ring import RemoteWatermark, RingAllocator, Watermark
 from ..transfer.config import Timeouts
 from ..transfer.layout import KVLayout
 from ..transfer.poll import KVPoll
@@ -68,9 +65,12 @@ from ..transfer.protocol.messages import (
     WriterDone,
 )
 from ..transfer.protocol.peering import LookupState, needs_lookup
+from ..transfer.protocol.pieces import max_piece_pages
 from ..transfer.protocol.prefill_room import PrefillRoom
+from ..transfer.protocol.ring import RemoteWatermark, RingAllocator, Watermark
 from ..transfer.protocol.room_uses import EarlierUses, Parked, RoomUse, ended_answer, use_without_sender
 from ..transfer.protocol.watermark_fanout import WatermarkFanout, pending_parts
+from ..wire import MAC_BYTES
 from .network import Network, NetworkModel
 
 DONE = (KVPoll.Success, KVPoll.Failed)

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..transfer.protocol.kinds import Role
+from ..transfer.protocol.ring import RemoteWatermark, RingAllocator, Watermark
 from .buffers import StagingBuffer
-from .ring import RemoteWatermark, RingAllocator, Watermark
 
 if TYPE_CHECKING:  # staging stays importable without the transfer package
     from ..transfer.backends.base import MemRegion, Registration
@@ -34,7 +35,7 @@ class StagingHandler:
     def __init__(self, role: str, register: Callable[[list[MemRegion]], Registration],
                  deregister: Callable[[Registration], None], *, epoch: int, device: torch.device,
                  workers: int = 0, buffer_bytes: int = 0, ring_bytes: int = 0):
-        if role not in ("prefill", "decode"):
+        if role not in tuple(Role):
             raise ValueError(f"role must be prefill or decode, got {role!r}")
         self.role = role
         self.epoch = epoch
@@ -62,7 +63,7 @@ class StagingHandler:
 
     def _allocate_and_register(self) -> None:
         with contextlib.ExitStack() as stack:
-            if self.role == "prefill":
+            if self.role == Role.PREFILL:
                 for _ in range(self._want_workers):
                     buf = self._allocate(self._want_buffer)
                     stack.callback(buf.close)

@@ -22,25 +22,36 @@ import os
 
 import torch
 
+from ..transfer.protocol.kinds import StrKind
 from .gather_scatter import Gatherer, Scatterer
 
-__all__ = ["ENV_VAR", "CHOICES", "requested_kernels", "kernel_choice", "gatherer_class", "scatterer_class", "make_gatherer",
+__all__ = ["ENV_VAR", "CHOICES", "KernelChoice", "requested_kernels", "kernel_choice", "gatherer_class", "scatterer_class", "make_gatherer",
            "make_scatterer"]
 
 log = logging.getLogger(__name__)
 
 ENV_VAR = "KVSTAGE_STAGING_KERNELS"
-CHOICES = ("auto", "torch", "triton")
+
+
+class KernelChoice(StrKind):
+    """KVSTAGE_STAGING_KERNELS: which gather/scatter implementation (see the module docstring)."""
+
+    AUTO = "auto"
+    TORCH = "torch"
+    TRITON = "triton"
+
+
+CHOICES = tuple(c.value for c in KernelChoice)
 
 _warned_fallback = False
 
 
-def requested_kernels() -> str:
+def requested_kernels() -> KernelChoice:
     """The value of KVSTAGE_STAGING_KERNELS (auto when unset); ValueError naming it otherwise."""
     value = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
     if value not in CHOICES:
         raise ValueError(f"{ENV_VAR}={os.environ.get(ENV_VAR)!r}: expected one of {', '.join(CHOICES)}")
-    return value
+    return KernelChoice(value)
 
 
 def _triton_module(device: torch.device, required: bool):
@@ -64,9 +75,9 @@ def _triton_for(device):
     """The Triton kernels module for a cache on `device`, or None for the torch path."""
     device = torch.device(device)
     requested = requested_kernels()
-    if requested == "torch" or (requested == "auto" and device.type != "cuda"):
+    if requested == KernelChoice.TORCH or (requested == KernelChoice.AUTO and device.type != "cuda"):
         return None
-    mod = _triton_module(device, required=requested == "triton")
+    mod = _triton_module(device, required=requested == KernelChoice.TRITON)
     if mod is not None and device.type != "cuda" and not mod.interpreted():
         raise ValueError(f"{ENV_VAR}=triton needs a CUDA KV cache, got one on {device} (on the CPU the "
                          f"kernels only run under Triton's interpreter: TRITON_INTERPRET=1 set before "
@@ -74,9 +85,9 @@ def _triton_for(device):
     return mod
 
 
-def kernel_choice(device) -> str:
-    """"torch" or "triton" for a KV cache on `device` (see the module docstring)."""
-    return "torch" if _triton_for(device) is None else "triton"
+def kernel_choice(device) -> KernelChoice:
+    """TORCH or TRITON for a KV cache on `device` (see the module docstring)."""
+    return KernelChoice.TORCH if _triton_for(device) is None else KernelChoice.TRITON
 
 
 def gatherer_class(device) -> type:

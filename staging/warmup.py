@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .kernels import kernel_choice, make_gatherer, make_scatterer
+from ..transfer.protocol.kinds import Role
+from .kernels import KernelChoice, kernel_choice, make_gatherer, make_scatterer
 
 WARM_PAGES = (1, 3)      # one page (ints of 1) and a few (neither 1 nor a multiple of 16)
 
@@ -36,19 +37,19 @@ class WarmVariant:
     pages: int
 
 
-def warm_variants(*, role: str, local_heads: int, num_pages: int, kernels: str,
+def warm_variants(*, role: str, local_heads: int, num_pages: int, kernels: KernelChoice,
                   device_type: str) -> tuple[WarmVariant, ...]:
     """The launches that build every kernel variant a rank of `role` with `local_heads` heads
     per token can use; none for the torch kernels, a cache of no pages, or a cache off CUDA
     (Triton on the CPU is its interpreter: nothing is compiled)."""
-    if kernels != "triton" or device_type != "cuda" or num_pages < 1 or local_heads < 1:
+    if kernels != KernelChoice.TRITON or device_type != "cuda" or num_pages < 1 or local_heads < 1:
         return ()
     out = []
     for n in (d for d in range(local_heads, 0, -1) if local_heads % d == 0):
         for h0 in sorted({0, n} if 2 * n <= local_heads else {0}):
             for pages in sorted({min(p, num_pages) for p in WARM_PAGES}):
                 out.append(WarmVariant(gather=True, heads=(h0, h0 + n), pages=pages))
-                if role == "decode":
+                if role == Role.DECODE:
                     out.append(WarmVariant(gather=False, heads=(h0, h0 + n), pages=pages))
     return tuple(out)
 
@@ -63,7 +64,7 @@ def warm_kernels(*, role: str, k: Sequence[torch.Tensor], v: Sequence[torch.Tens
     if not variants:
         return 0, 0.0
     t0 = time.perf_counter()
-    gatherer, scatterer = make_gatherer(device), make_scatterer(device) if role == "decode" else None
+    gatherer, scatterer = make_gatherer(device), make_scatterer(device) if role == Role.DECODE else None
     region = torch.empty(region_bytes * max(v.pages for v in variants), dtype=torch.uint8, device=device)
     for var in variants:
         pages = list(range(var.pages))

@@ -1,4 +1,5 @@
-"""Engine configuration: the public `EngineConfig`, its environment defaults, and deadlines.
+"""Engine configuration: the public `EngineConfig` and its environment defaults (its deadlines,
+`Timeouts`, are in timeouts.py and exported here too).
 
 Every knob has a documented default (docs/configuration.md); an explicit argument wins over the
 environment, which wins over the default.
@@ -6,13 +7,19 @@ environment, which wins over the default.
 
 from __future__ import annotations
 
-import math
 import os
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 
+from ..bootstrap.address import check_host
+from ..bootstrap.rendezvous import check_address
+from ..bootstrap.rendezvous import from_env as from_bootstrap_env
 from . import config_values as check
 from .config_values import from_env
 from .deprecation import accepts_old_positional
+from .protocol.kinds import Role
+from .timeouts import Timeouts
+
+__all__ = ["EngineConfig", "Timeouts", "env_flag"]
 
 STAGING_ENV = "SGLANG_DISAGG_STAGING_BUFFER"
 VERIFY_ENV = "KVSTAGE_VERIFY"
@@ -45,69 +52,6 @@ def env_flag(name: str, default: bool = False) -> bool:
     return from_env(name, default, str, check.flag)
 
 
-@accepts_old_positional("bootstrap", "connect", "metadata", "watermark", "write", "arrival", "scatter", "room",
-                        "heartbeat", "lease", "close", "quarantine")
-@dataclass(frozen=True, kw_only=True)
-class Timeouts:
-    """Deadlines in seconds. Each can be set by env KVSTAGE_TIMEOUT_<NAME> (e.g. _CONNECT)."""
-
-    bootstrap: float = 30.0     # lookup of a peer engine until all its ranks registered
-    connect: float = 10.0       # Hello until HelloAck from a peer
-    metadata: float = 120.0     # prefill sender waiting for the decode side's room metadata
-    watermark: float = 30.0     # a staged write waiting for its ring region to be free
-    write: float = 30.0         # a posted backend write until it completes
-    arrival: float = 10.0       # tags still missing after the writer reported its writes done
-    scatter: float = 30.0       # a landed piece until it is scattered into the cache
-    room: float = 600.0         # decode: init() until every byte is in place
-    heartbeat: float = 1.0      # interval between heartbeats to connected peers
-    lease: float = 10.0         # a peer silent this long is considered dead
-    close: float = 5.0          # close(): waiting for in-flight writes before deregistering
-    quarantine: float = -1.0    # decode: hold a silently lost writer's memory this long (-1: the backend's
-                                # stall bound: 0 for NIXL, whose release cancels; Mooncake's stall timeout)
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            name, val = f"timeouts.{f.name}", getattr(self, f.name)
-            if f.name == "quarantine":
-                _quarantine(name, val)
-            else:
-                check.positive(name, val)
-        if self.heartbeat >= self.lease:
-            raise ValueError(f"timeouts.heartbeat={self.heartbeat:g} must be shorter than timeouts.lease={self.lease:g}: "
-                             f"a peer would be declared lost between two heartbeats (a quarter of the lease or "
-                             f"less leaves room for lost ones)")
-
-    @classmethod
-    def from_env(cls, **overrides: float) -> Timeouts:
-        unknown = set(overrides) - {f.name for f in fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown timeouts: {', '.join(sorted(unknown))}")
-        vals = {}
-        for f in fields(cls):
-            checker = _quarantine if f.name == "quarantine" else check.positive
-            vals[f.name] = from_env(f"KVSTAGE_TIMEOUT_{f.name.upper()}", f.default, float, checker)
-        vals.update(overrides)
-        return cls(**vals)
-
-    def mooncake_stall(self) -> float:
-        """How long a Mooncake write may make no progress before it fails: well inside the
-        lease, so a stalled write is over before the peer could reuse its memory."""
-        return max(1.0, min(self.write, self.lease) / 2)
-
-    def quarantine_for(self, backend: str) -> float:
-        if self.quarantine >= 0:
-            return self.quarantine
-        return self.mooncake_stall() + 1.0 if backend == "mooncake" else 0.0
-
-
-def _quarantine(name: str, value: object) -> float:
-    """-1 (automatic) or a finite number of seconds >= 0."""
-    check.real(name, value)
-    if value != -1 and not (math.isfinite(value) and value >= 0):
-        raise ValueError(f"{name}={value!r} must be -1 (automatic) or finite and >= 0")
-    return value
-
-
 @accepts_old_positional("role", "engine_id", "bootstrap", "backend", "staging", "host", "auth_token", "ctrl_port",
                         "staging_workers", "staging_buffer_mb", "ring_mb", "staging_piece_mb", "timeouts",
                         "backend_options", "faults", "dp_rank", "metrics_port", "verify")
@@ -115,7 +59,7 @@ def _quarantine(name: str, value: object) -> float:
 class EngineConfig:
     """How one rank process embeds kvstage (README, "Embedding it"; docs/configuration.md)."""
 
-    role: str                                # "prefill" or "decode"
+    role: str                                # "prefill" or "decode" (resolved: a Role)
     engine_id: str                           # the TP group this rank belongs to
     bootstrap: str | None = None             # the rendezvous: "host:port" of a bootstrap server, or
                                              # "etcd://host:port[,...][/namespace]"; None: KVSTAGE_BOOTSTRAP
@@ -163,14 +107,14 @@ class EngineConfig:
     def resolved(self) -> EngineConfig:
         """A copy with every None filled from the environment, validated: a bad value raises
         ValueError naming the option or variable, never turns into another value."""
-        if self.role not in ("prefill", "decode"):
+        if self.role not in tuple(Role):
             raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
         if not self.engine_id or not isinstance(self.engine_id, str):
             raise ValueError("engine_id must be a non-empty string")
         if self.backend not in ("nixl", "mooncake"):
             raise ValueError(f"backend must be 'nixl' or 'mooncake', got {self.backend!r}")
-        bootstrap = check.rendezvous("bootstrap", self.bootstrap)
-        host = check.host("host", self.host).strip("[]")   # an IPv6 literal is kept without brackets
+        bootstrap = check_address("bootstrap", from_bootstrap_env(self.bootstrap))
+        host = check_host("host", self.host).strip("[]")   # an IPv6 literal is kept without brackets
         ctrl_port = (from_env(CTRL_PORT_ENV, 0, int, check.port) if self.ctrl_port is None
                      else check.port("ctrl_port", self.ctrl_port))
         if isinstance(self.dp_rank, bool) or not isinstance(self.dp_rank, int) or not 0 <= self.dp_rank <= 1024:
@@ -190,6 +134,7 @@ class EngineConfig:
         path = self._path(staging)
         return replace(
             self,
+            role=Role(self.role),
             staging=staging,
             path=path,
             calibrate=(env_flag(CALIBRATE_ENV, True) if self.calibrate is None
@@ -229,7 +174,7 @@ class EngineConfig:
             raise ValueError(f"{option}={value!r} must be 'auto', 'staged' or 'direct'")
         if value == "staged" and not staging:
             raise ValueError(f"{option}='staged' needs staging on ({STAGING_ENV} / EngineConfig.staging): "
-                             f"without it this rank has no {'staging ring' if self.role == 'decode' else 'staging buffers'}")
+                             f"without it this rank has no {'staging ring' if self.role == Role.DECODE else 'staging buffers'}")
         return value
 
     def _count(self, option: str, env: str, default: int) -> int:

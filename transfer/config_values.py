@@ -12,10 +12,6 @@ import os
 from collections.abc import Callable
 from typing import TypeVar
 
-from ..bootstrap.address import check_host, split_host_port
-from ..bootstrap.rendezvous import check_address
-from ..bootstrap.rendezvous import from_env as from_bootstrap_env
-
 T = TypeVar("T")
 
 TRUE_WORDS = ("1", "true", "on", "yes")
@@ -65,24 +61,6 @@ def real(name: str, value: object) -> float:
 def port(name: str, value: object) -> int:
     """A TCP port, 0 (any free one) to 65535."""
     return count(name, value, 0, 65535)
-
-
-def host_port(name: str, value: object) -> str:
-    """'host:port' (or '[v6]:port') with a valid host and a port the server can actually listen
-    on (1..65535)."""
-    split_host_port(name, value)
-    return value  # type: ignore[return-value]
-
-
-def rendezvous(name: str, value: object) -> str:
-    """A rendezvous address (bootstrap/rendezvous.py): 'host:port' of a bootstrap server or an
-    etcd:// address; None reads KVSTAGE_BOOTSTRAP."""
-    return check_address(name, from_bootstrap_env(value))
-
-
-def host(name: str, value: object) -> str:
-    """A host name or an IP address literal (IPv6 without brackets or with)."""
-    return check_host(name, value)
 
 
 def from_env(var: str, default: T, parse: Callable[[str], object], check: Callable[[str, object], T]) -> T:

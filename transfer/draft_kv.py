@@ -18,9 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
-from .state_pools import DRAFT_POOL_PREFIX, StatePool
+from .pool_spec import DRAFT_POOL_PREFIX
 
 
 def _positive_or_none(name: str, value: object) -> None:
@@ -92,17 +91,6 @@ def is_draft_pool(name: str) -> bool:
 def draft_pool_entry(name: str) -> int:
     """The draft entry an internal pool name stands for."""
     return int(name[len(DRAFT_POOL_PREFIX):])
-
-
-def draft_pools(heads: int, draft_k: Sequence[torch.Tensor],
-                draft_v: Sequence[torch.Tensor] | None) -> dict[str, StatePool]:
-    """One heads pool per draft entry of its own geometry: its K (and V) tensor, as the caller
-    gives it ([num_pages * page_size, local draft heads, draft head_dim]): dim 0 is the token
-    slot (the pool's item), dim 1 the rank's share of the draft's `heads` global heads."""
-    vs = list(draft_v) if draft_v is not None else [None] * len(draft_k)
-    return {draft_pool_name(i): StatePool(tensors=[k] + ([v] if v is not None else []), sharding="heads",
-                                          heads=heads)
-            for i, (k, v) in enumerate(zip(draft_k, vs))}
 
 
 def draft_items(pages: np.ndarray, page_size: int) -> np.ndarray:

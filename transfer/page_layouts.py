@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import KVBuffers, KVLayout
+from .kv_buffers import KVBuffers
+from .layout import KVLayout
 from .page_format import PageFormat, parse_page_format
 from .state_pools import StatePool
 

@@ -9,14 +9,13 @@ and memory kinds"). The checks here are pure: they take kinds and return what is
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from .backends.base import MemRegion
-
-KV_REGION = "kv"
+from .protocol.hello_admission import KV_REGION, pool_region_name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,10 +30,6 @@ class Region:
     @property
     def nbytes(self) -> int:
         return sum(s.length for s in self.spans)
-
-
-def pool_region_name(pool: str) -> str:
-    return f"pool {pool!r}"
 
 
 def _spans(tensors: Sequence[torch.Tensor], device: torch.device, kind: str) -> tuple[MemRegion, ...]:
@@ -68,17 +63,3 @@ def unregistrable(regions: Sequence[Region], kinds: Sequence[str], backend: str)
                 f"register (it handles {', '.join(kinds)})"
             )
     return None
-
-
-def unwritable_peer_kinds(
-    kv_kind: str, ring_kind: str | None, pool_kinds: Mapping[str, str], kinds: Sequence[str], backend: str
-) -> list[str]:
-    """Which of a decode rank's advertised regions this writer's backend cannot write into."""
-    named = [(KV_REGION, kv_kind)] + ([("staging ring", ring_kind)] if ring_kind is not None else [])
-    named += [(pool_region_name(n), k) for n, k in sorted(pool_kinds.items())]
-    return [
-        f"the peer's {name} region is {kind} memory, which this {backend} build cannot write into "
-        f"(it handles {', '.join(kinds)})"
-        for name, kind in named
-        if kind not in kinds
-    ]

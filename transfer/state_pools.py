@@ -15,40 +15,15 @@ Pools take part in the summary two peers compare before any byte moves (`PoolSpe
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass
 
-import msgspec
-import numpy as np
 import torch
 
-from ..bootstrap.wire import prebuild_struct_info
+from .draft_kv import draft_pool_name
+from .pool_spec import SHARDINGS, PoolSpec
 
-SHARDINGS = ("heads", "replicated")
-#: Pool names kvstage keeps for a draft KV of its own geometry (draft_kv.py): the engine names
-#: their items, a caller cannot.
-DRAFT_POOL_PREFIX = "kvstage.draft."
-
-
-class PoolSpec(msgspec.Struct, frozen=True, kw_only=True):
-    """What both sides must agree on for one pool (TP sizes may differ): per tensor, its dtype
-    and the shape of one item past the head dimension (heads) or of the whole item (replicated)."""
-
-    name: str
-    sharding: str
-    heads: int                  # global heads of a heads pool; 0 when replicated
-    dtypes: list[str]
-    rows: list[list[int]]
-    blocks: list[int] = []      # global sizes of a heads pool's sub-blocks; [] means one block of `heads`
-
-    def head_blocks(self) -> list[int]:
-        """The global sizes of the sub-blocks each rank holds its share of (one for most pools)."""
-        return list(self.blocks) or [self.heads]
-
-    def row_bytes(self, tensor: int) -> int:
-        """Bytes of one head of one item (heads) or of one item (replicated) of a tensor."""
-        return math.prod(self.rows[tensor]) * torch.empty((), dtype=getattr(torch, self.dtypes[tensor])).element_size()
+__all__ = ["StatePool", "draft_pools", "memory_kind"]
 
 
 @dataclass
@@ -155,44 +130,12 @@ def memory_kind(device: torch.device) -> str:
     return "VRAM" if device.type == "cuda" else "DRAM"
 
 
-def pool_mismatches(mine: Sequence[PoolSpec], theirs: Sequence[PoolSpec]) -> list[str]:
-    """Readable differences between two ranks' pools; empty when they can exchange items."""
-    a, b = {p.name: p for p in mine}, {p.name: p for p in theirs}
-    out = [f"pool {n!r}: registered here only" for n in sorted(set(a) - set(b))]
-    out += [f"pool {n!r}: registered at the peer only" for n in sorted(set(b) - set(a))]
-    for n in sorted(set(a) & set(b)):
-        for field in PoolSpec.__struct_fields__[1:]:
-            if getattr(a[n], field) != getattr(b[n], field):
-                out.append(f"pool {n!r} {field}: {getattr(a[n], field)!r} here vs {getattr(b[n], field)!r} at peer")
-    return out
-
-
-def check_items(name: str, items: object, pools: dict, side: str) -> np.ndarray:
-    """One pool's item indices of a request, as int64; ValueError on bad input."""
-    if isinstance(name, str) and name.startswith(DRAFT_POOL_PREFIX):
-        raise ValueError(f"{side}: pool {name!r} is the draft KV's own: kvstage names its items from the pages sent")
-    if name not in pools:
-        raise ValueError(f"{side}: unknown pool {name!r} (registered: "
-                         f"{sorted(n for n in pools if not n.startswith(DRAFT_POOL_PREFIX)) or 'none'})")
-    arr = np.asarray(items)
-    if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise ValueError(f"{side}: items of pool {name!r} must be a 1-D list of ints, got {items!r}")
-    arr = arr.astype(np.int64)
-    n = pools[name].num_items
-    if arr.size and (arr.min() < 0 or arr.max() >= n):
-        raise ValueError(f"{side}: an item of pool {name!r} is outside [0, {n}): {arr.tolist()}")
-    if np.unique(arr).size != arr.size:
-        raise ValueError(f"{side}: pool {name!r} names an item twice: {arr.tolist()}")
-    return arr
-
-
-def check_pool_items(pool_items: object, pools: dict, side: str) -> dict[str, np.ndarray]:
-    """A request's {pool name: item indices}, validated against this rank's pools."""
-    if pool_items is None:
-        return {}
-    if not isinstance(pool_items, dict):
-        raise ValueError(f"{side}: pool_items must be a dict {{pool name: [items]}}, got {pool_items!r}")
-    return {name: check_items(name, items, pools, side) for name, items in sorted(pool_items.items())}
-
-
-prebuild_struct_info(globals())  # last: every Struct above is defined (see bootstrap.wire)
+def draft_pools(heads: int, draft_k: Sequence[torch.Tensor],
+                draft_v: Sequence[torch.Tensor] | None) -> dict[str, StatePool]:
+    """One heads pool per draft entry of its own geometry: its K (and V) tensor, as the caller
+    gives it ([num_pages * page_size, local draft heads, draft head_dim]): dim 0 is the token
+    slot (the pool's item), dim 1 the rank's share of the draft's `heads` global heads."""
+    vs = list(draft_v) if draft_v is not None else [None] * len(draft_k)
+    return {draft_pool_name(i): StatePool(tensors=[k] + ([v] if v is not None else []), sharding="heads",
+                                          heads=heads)
+            for i, (k, v) in enumerate(zip(draft_k, vs))}

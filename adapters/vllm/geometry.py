@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvstage.transfer.layout import SUPPORTED_DTYPES, KVBuffers, KVLayout
+from kvstage.transfer.kv_buffers import SUPPORTED_DTYPES, KVBuffers
+from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.page_format import PageFormat
 from kvstage.transfer.page_layouts import EngineCache
 

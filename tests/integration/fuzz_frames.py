@@ -9,7 +9,7 @@ import socket
 import msgspec
 import zmq
 
-from kvstage.bootstrap.wire import WIRE_VERSION, sign
+from kvstage.wire import WIRE_VERSION, sign
 
 
 def listening_ports(pid: int) -> list[tuple[str, int]]:

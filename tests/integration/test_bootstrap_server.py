@@ -28,7 +28,7 @@ from kvstage.bootstrap import (
 )
 from kvstage.bootstrap import messages as m
 from kvstage.bootstrap.client import new_incarnation
-from kvstage.bootstrap.wire import TOKEN_ENV, sign
+from kvstage.wire import TOKEN_ENV, sign
 
 pytestmark = pytest.mark.integration
 

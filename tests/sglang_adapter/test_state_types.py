@@ -17,9 +17,9 @@ import torch
 from kvstage.adapters.sglang.geometry import kv_layout
 from kvstage.adapters.sglang.state import StateMap
 from kvstage.staging.pool_copies import LandedBlock, PoolBytes, gather_pools, scatter_pools
+from kvstage.transfer.pool_spec import pool_mismatches
 from kvstage.transfer.protocol.head_mapping import compute_assignments
 from kvstage.transfer.protocol.pool_parts import counts_mismatch, request_copies, writer_segments
-from kvstage.transfer.state_pools import pool_mismatches
 
 SENTINEL = 0x5A
 

@@ -1,5 +1,5 @@
 """An in-memory world for ring credits: P prefill ranks writing single-writer staged pieces into
-one decode ring, through the pure credit rules (staging/credit_ledger.py, credit_purse.py) and
+one decode ring, through the pure credit rules (transfer/protocol/credit_ledger.py, credit_purse.py) and
 the grant fallback, with real ring bytes, FIFO control channels that may lose messages, writes
 and tags that land in any order, aborts, dying prefill ranks and reused room ids.
 
@@ -24,11 +24,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvstage.staging.credit_ledger import CreditLedger
-from kvstage.staging.credit_purse import CreditPurse
-from kvstage.staging.credits import ClaimVerdict, CreditSpan, GrantVerdict, WriteRef
-from kvstage.staging.ring import Region, RemoteWatermark, RingAllocator, Watermark
+from kvstage.transfer.protocol.credit_ledger import CreditLedger
+from kvstage.transfer.protocol.credit_purse import CreditPurse
+from kvstage.transfer.protocol.credits import ClaimVerdict, CreditSpan, GrantVerdict, WriteRef
 from kvstage.transfer.protocol.messages import CreditAck, CreditGrant, CreditReturn, CreditWrite
+from kvstage.transfer.protocol.ring import Region, RemoteWatermark, RingAllocator, Watermark
 
 EPOCH = 7
 DECODE = -1   # the decode rank's end of a channel

@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvstage.staging.pieces import max_piece_pages
-from kvstage.staging.ring import RemoteWatermark, RingAllocator, Watermark
 from kvstage.transfer.config import Timeouts
 from kvstage.transfer.draft_kv import DraftKV
 from kvstage.transfer.layout import KVLayout
@@ -46,7 +44,9 @@ from kvstage.transfer.protocol.messages import (
     WatermarkUpdate,
     WriterDone,
 )
+from kvstage.transfer.protocol.pieces import max_piece_pages
 from kvstage.transfer.protocol.prefill_room import PrefillRoom
+from kvstage.transfer.protocol.ring import RemoteWatermark, RingAllocator, Watermark
 
 SENTINEL = 0xA5  # the bytes of decode pages that hold a prefix: no write may touch them
 UNWRITTEN = 0x5A  # the decode's draft entries the prefill does not have: no write may touch them

@@ -10,7 +10,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from kvstage.bootstrap import messages as m
 from kvstage.bootstrap.registry import Limits, Refused, Registry
-from kvstage.bootstrap.wire import WireError, sign
+from kvstage.wire import WireError, sign
 
 T0 = 1000.0
 

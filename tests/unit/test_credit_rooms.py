@@ -14,11 +14,6 @@ import numpy as np
 import pytest
 import torch
 
-from kvstage.bootstrap.wire import sign
-from kvstage.staging.credit_ledger import CreditLedger
-from kvstage.staging.credit_purse import CreditPurse
-from kvstage.staging.credits import ClaimVerdict, WriteRef
-from kvstage.staging.ring import RingAllocator
 from kvstage.transfer.config import Timeouts
 from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.poll import KVPoll
@@ -30,12 +25,17 @@ from kvstage.transfer.protocol.actions import (
     Send,
     SettleCredits,
 )
+from kvstage.transfer.protocol.credit_ledger import CreditLedger
+from kvstage.transfer.protocol.credit_purse import CreditPurse
 from kvstage.transfer.protocol.credit_writes import cut_pieces
+from kvstage.transfer.protocol.credits import ClaimVerdict, WriteRef
 from kvstage.transfer.protocol.decode_room import DecodeRoom, RoomPlan, TagVerdict
 from kvstage.transfer.protocol.head_mapping import compute_assignments
 from kvstage.transfer.protocol.messages import AllocGrant, AllocRequest, HelloAck, RoomMeta, peer_codec
 from kvstage.transfer.protocol.prefill_room import PrefillRoom
+from kvstage.transfer.protocol.ring import RingAllocator
 from kvstage.transfer.protocol.tags import TagKind
+from kvstage.wire import sign
 
 LAYOUT = KVLayout(num_layers=2, total_kv_heads=2, head_dim=4, dtype=torch.uint8, page_size=2, tp_size=1, tp_rank=0,
                   mla=False)

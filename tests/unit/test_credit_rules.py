@@ -1,11 +1,11 @@
-"""The pure rules of ring credits (staging/credits.py, credit_ledger.py, credit_purse.py), one
+"""The pure rules of ring credits (transfer/protocol/credits.py, credit_ledger.py, credit_purse.py), one
 at a time; tests/unit/test_credit_sim.py runs them together over random interleavings."""
 
 import pytest
 
-from kvstage.staging.credit_ledger import CreditLedger
-from kvstage.staging.credit_purse import CreditPurse
-from kvstage.staging.credits import (
+from kvstage.transfer.protocol.credit_ledger import CreditLedger
+from kvstage.transfer.protocol.credit_purse import CreditPurse
+from kvstage.transfer.protocol.credits import (
     ClaimVerdict,
     CreditState,
     GrantVerdict,
@@ -14,8 +14,8 @@ from kvstage.staging.credits import (
     check_move,
     credit_target,
 )
-from kvstage.staging.ring import RingAllocator
 from kvstage.transfer.protocol.messages import CreditAck, CreditGrant, CreditReturn, CreditWrite, peer_codec
+from kvstage.transfer.protocol.ring import RingAllocator
 
 KIB = 1024
 
@@ -230,8 +230,8 @@ def test_why_pieces_of_several_writers_keep_the_grant_path():
 def test_the_credit_messages_leave_every_other_message_as_it_was_on_the_wire():
     """A build without the credit messages reads what this one sends of its own messages, and
     refuses a credit message as malformed (so credits go only to peers that take them)."""
-    from kvstage.bootstrap.wire import WIRE_VERSION, Codec, WireError
     from kvstage.transfer.protocol.messages import PEER_MESSAGES, AllocGrant, Piece, WatermarkUpdate
+    from kvstage.wire import WIRE_VERSION, Codec, WireError
 
     old = Codec([m for m in PEER_MESSAGES if not m.__name__.startswith("Credit")], b"t")
     new = peer_codec(b"t")

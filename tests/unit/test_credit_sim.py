@@ -4,7 +4,7 @@ exactly once, no two writes in one ring region, every credit given back, nothing
 import pytest
 from credit_sim import CreditWorld, Write
 
-from kvstage.staging.credits import CreditSpan
+from kvstage.transfer.protocol.credits import CreditSpan
 
 CONFIGS = [   # (prefill ranks, ring bytes, piece bytes): tight rings force the grant fallback
     (1, 4096, 1024), (3, 4096, 1024), (8, 8192, 1024), (4, 4096, 1024), (2, 2048, 1024),

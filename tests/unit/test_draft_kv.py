@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kvstage.transfer.draft_kv import DraftKV
-from kvstage.transfer.layout import KVBuffers, KVLayout
+from kvstage.transfer.kv_buffers import KVBuffers
+from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.protocol import peering
 from kvstage.transfer.protocol.actions import PeerKey
 from kvstage.transfer.protocol.decode_plan import PlanRefused, WriterOffer, plan_room

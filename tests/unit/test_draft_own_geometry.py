@@ -8,13 +8,15 @@ import pytest
 import torch
 
 from kvstage.transfer.draft_kv import DraftKV, draft_items, draft_pool_name, request_draft_items
-from kvstage.transfer.layout import KVBuffers, KVLayout
+from kvstage.transfer.kv_buffers import KVBuffers
+from kvstage.transfer.layout import KVLayout
+from kvstage.transfer.pool_spec import check_pool_items
 from kvstage.transfer.protocol import peering
 from kvstage.transfer.protocol.actions import PeerKey
 from kvstage.transfer.protocol.decode_plan import PlanRefused, WriterOffer, plan_room
 from kvstage.transfer.protocol.head_mapping import compute_assignments
 from kvstage.transfer.protocol.pool_parts import writers_mismatch
-from kvstage.transfer.state_pools import StatePool, check_pool_items
+from kvstage.transfer.state_pools import StatePool
 
 OWN = dict(total_kv_heads=2, head_dim=16)
 

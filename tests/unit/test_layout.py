@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from kvstage.transfer.layout import KVBuffers, KVLayout, LayoutSummary
+from kvstage.transfer.kv_buffers import KVBuffers
+from kvstage.transfer.layout import KVLayout, LayoutSummary
 
 
 def layout(**kw):

@@ -130,7 +130,8 @@ def test_a_hello_with_a_newer_connection_replaces_the_old_one_and_an_older_one_i
     ctx = SimpleNamespace(role="prefill", me=5, stats=Stats(), sock=RecordingSocket(), backend=ConnectingBackend(),
                           t=SimpleNamespace(lease=5.0), summary=SimpleNamespace(mismatches=lambda other: [], pools=[]),
                           cfg=SimpleNamespace(backend="nixl", engine_id="pf", staging=False, verify=False),
-                          layout=SimpleNamespace(tp_size=1, tp_rank=0, num_layers=2), backend_name="me",
+                          layout=SimpleNamespace(tp_size=1, tp_rank=0, num_layers=2, total_kv_heads=1, mla=False),
+                          backend_name="me",
                           handler=SimpleNamespace(buffers=[], buffer_bytes=0, unsubscribe=lambda inc: None))
     ctx.backend.disconnect = lambda name: None
     peers = PeerTable(ctx, listeners=lambda: [side])

@@ -2,7 +2,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvstage.staging.pieces import max_piece_pages, plan_pieces
+from kvstage.transfer.protocol.pieces import max_piece_pages, plan_pieces
 
 
 def test_max_piece_pages():

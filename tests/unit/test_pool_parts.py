@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstage import KVBuffers, KVLayout, StatePool
+from kvstage.transfer.pool_spec import check_pool_items, pool_mismatches
 from kvstage.transfer.protocol.head_mapping import compute_assignments
 from kvstage.transfer.protocol.pool_parts import (
     block_bytes,
@@ -17,7 +18,6 @@ from kvstage.transfer.protocol.pool_parts import (
     writer_segments,
     writers_mismatch,
 )
-from kvstage.transfer.state_pools import check_pool_items, pool_mismatches
 
 
 def layout(tp=2, rank=0, heads=4, mla=False):

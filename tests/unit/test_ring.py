@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvstage.staging.ring import Region, RemoteWatermark, RingAllocator, TooLarge, Watermark, region_is_free
+from kvstage.transfer.protocol.ring import Region, RemoteWatermark, RingAllocator, TooLarge, Watermark, region_is_free
 
 
 def overlap(a: Region, b: Region) -> bool:

@@ -6,8 +6,8 @@ choice's costs in HelloAck) left them as they were but for the version byte."""
 import msgspec
 import pytest
 
-from kvstage.bootstrap.wire import WIRE_VERSION
 from kvstage.transfer.protocol import messages as m
+from kvstage.wire import WIRE_VERSION
 
 FROZEN = {
     "RoomMeta": "8ba174a8526f6f6d4d657461a17602a373726301a364737402a4726f6f6d03a773657373696f6e04a96e756d5f706167657305a6737461676564c3a96473745f7061676573c4080101010101010101ac7072656669785f706167657301aa706f6f6c5f6974656d7381a161c4080202020202020202",

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvstage.staging.handler import StagingHandler
-from kvstage.staging.ring import Watermark
+from kvstage.transfer.protocol.ring import Watermark
 
 
 class FakeBackend:

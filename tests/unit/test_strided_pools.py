@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kvstage import KVBuffers, KVLayout, StatePool
+from kvstage.transfer.pool_spec import PoolSpec
 from kvstage.transfer.protocol.head_mapping import compute_assignments
 from kvstage.transfer.protocol.pool_parts import writer_segments, writers_mismatch
-from kvstage.transfer.state_pools import PoolSpec
 
 TP_SIZES = (1, 2, 4, 8)
 BLOCK_SETS = ([8, 8, 16], [16, 16, 32], [24, 8, 8, 40], [8, 8])

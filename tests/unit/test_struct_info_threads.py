@@ -1,6 +1,6 @@
 """Every msgspec Struct of the packages has its decoding info built at import, so threads that
 use a type for the first time at once cannot crash the process (a SIGSEGV in msgspec 0.22 seen
-in a rank process hosting several ranks: see bootstrap.wire.prebuild_struct_info)."""
+in a rank process hosting several ranks: see kvstage.wire.prebuild_struct_info)."""
 
 import importlib
 import pkgutil
@@ -25,7 +25,7 @@ def all_modules():
 
 
 def test_every_struct_is_prebuilt():
-    from kvstage.bootstrap.wire import PREBUILT
+    from kvstage.wire import PREBUILT
 
     structs = {v for mod in all_modules() for v in vars(mod).values()
                if isinstance(v, type) and issubclass(v, msgspec.Struct) and v.__module__.startswith(PACKAGES)}
@@ -39,7 +39,7 @@ import sys, threading
 sys.setswitchinterval(1e-6)  # switch threads as often as possible: the race needs a switch mid-build
 import msgspec
 from kvstage.bootstrap import messages as m
-from kvstage.bootstrap.wire import PREBUILT
+from kvstage.wire import PREBUILT
 
 entry = dict(engine_id="e", role="prefill", tp_size=2, tp_rank=1, ctrl_endpoint="tcp://h:1", backend="nixl",
              backend_identity="x" * 64, layout={"a": 1, "b": "c"}, pools={"kv": 10}, incarnation=5)

@@ -6,7 +6,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstage.bootstrap.wire import WIRE_VERSION, WireError, sign
 from kvstage.transfer.layout import LayoutSummary
 from kvstage.transfer.protocol.messages import (
     PEER_MESSAGES,
@@ -22,6 +21,7 @@ from kvstage.transfer.protocol.messages import (
     peer_codec,
 )
 from kvstage.transfer.protocol.tags import TagCodec, TagKind, make_tag
+from kvstage.wire import WIRE_VERSION, WireError, sign
 
 SUMMARY = LayoutSummary(dtype="bfloat16", head_dim=128, page_size=16, num_layers=32, total_kv_heads=8, mla=False)
 

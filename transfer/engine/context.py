@@ -13,7 +13,8 @@ from typing import Any, Protocol, cast
 
 from ...staging.handler import StagingHandler
 from ..config import EngineConfig, Timeouts
-from ..layout import KVBuffers, KVLayout, LayoutSummary
+from ..kv_buffers import KVBuffers
+from ..layout import KVLayout, LayoutSummary
 from ..protocol.direct_ranges import CacheGeometry
 from ..protocol.tags import TagCodec
 from .backend_owner import BackendOwner

@@ -1,6 +1,6 @@
 """The control plane's sockets: one ROUTER this rank binds, one DEALER per peer it talks to.
 
-Owned by the control thread alone. Frames are signed and versioned (bootstrap.wire); what
+Owned by the control thread alone. Frames are signed and versioned (kvstage.wire); what
 fails to decode comes back as a WireError for the caller to count, never as an exception.
 """
 
@@ -10,8 +10,8 @@ import logging
 
 import zmq
 
-from ...bootstrap.wire import Codec, WireError
 from ...hop_trace import TRACE, Hop
+from ...wire import Codec, WireError
 
 log = logging.getLogger(__name__)
 

@@ -27,6 +27,7 @@ from ..protocol.kinds import FailureKind
 from ..protocol.leases import Lease
 from ..protocol.messages import Hello, HelloAck, KVMemory, PoolMemory, RingInfo, RoomFailed, WatermarkUpdate
 from ..protocol.path_choice import PathMode, WriterCosts
+from ..protocol.peering import LookupState
 from ..protocol.room_uses import tombstone_obsolete
 from ..protocol.routing import PeerState
 from .context import EngineContext
@@ -142,12 +143,12 @@ class EnginePlanner:
             if room is not None:
                 view.rooms.discard(room.room)
             return
-        if view.state == "failed":
+        if view.state == LookupState.FAILED:
             view.rooms.discard(room.room)
             reason = f"looking up prefill engine {view.name} failed: {view.error}"
             self._tell_connected(view, room, FailureKind.BOOTSTRAP, reason)
             return self.book.apply(room, room.on_plan_failed(FailureKind.BOOTSTRAP, reason, now))
-        if view.state != "ready":
+        if view.state != LookupState.READY:
             return
         try:
             need = self._needed(view)
@@ -160,7 +161,7 @@ class EnginePlanner:
         peers: dict[int, Peer] = {}
         for rank in need.all:
             peers[rank] = self.ensure_peer(view, rank, now)
-            if peers[rank].state == "rejected":
+            if peers[rank].state == PeerState.REJECTED:
                 break  # no Hello to the rest: this room cannot be planned
         verdict = peering.plan_gate({rank: p.state for rank, p in peers.items()})
         if verdict.gate is peering.Gate.REJECTED:
@@ -243,10 +244,10 @@ class EnginePlanner:
     def _flush_tombstones(self, view: EngineView, now: float) -> None:
         if not view.tombstones:
             return
-        if view.state == "failed":
+        if view.state == LookupState.FAILED:
             view.tombstones.clear()
             return
-        if view.state != "ready":
+        if view.state != LookupState.READY:
             return
         try:
             ranks: Iterable[int] = self._needed(view).all
@@ -259,10 +260,10 @@ class EnginePlanner:
             waiting = False
             for rank in ranks:
                 peer = self.ensure_peer(view, rank, now)
-                if peer.state == "connected":
+                if peer.state == PeerState.CONNECTED:
                     self.peers.send(peer.key, RoomFailed(src=self.ctx.me, dst=peer.key.incarnation, room=stone.room,
                                                          session=stone.session, kind=stone.kind, reason=stone.reason))
-                elif peer.state == "connecting":
+                elif peer.state == PeerState.CONNECTING:
                     waiting = True
             if waiting:
                 keep.append(stone)
@@ -307,7 +308,7 @@ class EnginePlanner:
         if msg.conn and msg.conn != peer.conn:
             self.ctx.stats.count("dropped_messages", "stale_connection")  # answers an older Hello
             return
-        if peer.state != "connecting":
+        if peer.state != PeerState.CONNECTING:
             return
         if not msg.ok:
             peer.state, peer.reason = PeerState.REJECTED, msg.reason
@@ -353,7 +354,7 @@ class EnginePlanner:
             self.peers.lost(peer, reason, now)
             return
         for view in self._views_of(gone.engine_id):
-            if view.state == "ready" and any(r.incarnation == gone.incarnation for r in view.records):
+            if view.state == LookupState.READY and any(r.incarnation == gone.incarnation for r in view.records):
                 view.state, view.error = "failed", reason
                 self._changed(view, now)
 

@@ -13,13 +13,12 @@ import time
 from collections.abc import Callable
 
 from ...bootstrap.rendezvous import RankGone
-from ...bootstrap.wire import WireError
 from ...staging.pool_copies import LandedBlock
-from ...staging.ring import RingAllocator
 from ...staging.scatter_worker import LandedPart, ScatterJob, ScatterWorker
+from ...wire import WireError
 from ..poll import KVPoll
 from ..protocol.actions import Action, ReleaseCredit, Scatter, Send, SettleCredits, StatusChanged
-from ..protocol.decode_room import DecodeRoom
+from ..protocol.decode_room import DecodeRoom, TagVerdict
 from ..protocol.kinds import FailureKind
 from ..protocol.messages import (
     AllocRequest,
@@ -38,7 +37,9 @@ from ..protocol.messages import (
     WriterDone,
 )
 from ..protocol.quiet import Arrival, ExpectedWrites
+from ..protocol.ring import RingAllocator
 from ..protocol.room_uses import RoomUse, ended_answer
+from ..protocol.routing import PeerState
 from ..protocol.tags import Tag, TagKind
 from ..protocol.watermark_fanout import WatermarkFanout, pending_parts
 from .context import EngineContext
@@ -86,7 +87,7 @@ class DecodeSide:
         self.ctx.stats.count("dropped_messages", "unexpected")  # decode ranks connect, they are not connected to
 
     def on_HelloAck(self, peer: Peer, msg: HelloAck, now: float) -> None:
-        if msg.ok and peer.state == "connecting" and (not msg.conn or msg.conn == peer.conn):
+        if msg.ok and peer.state == PeerState.CONNECTING and (not msg.conn or msg.conn == peer.conn):
             self.credits.connected(peer, msg)   # before the planner sends the waiting rooms' metadata
         self.planner.on_HelloAck(peer, msg, now)
 
@@ -237,16 +238,16 @@ class DecodeSide:
         else:
             result = room.on_tag(peer.key, tag, now)
         verdict, actions = result.verdict, result.actions
-        if verdict == "ok" and tag.kind is TagKind.STAGED:
+        if verdict == TagVerdict.OK and tag.kind is TagKind.STAGED:
             self.credits.wrote(peer, tag)
-        if verdict == "ok":
+        if verdict == TagVerdict.OK:
             self.ctx.stats.add("bytes_received", tag.nbytes)
             self.ctx.stats.count("bytes_received_by_path", "direct" if tag.kind is TagKind.DIRECT else "staged",
                                  tag.nbytes)
             self.ctx.stats.add("tags_received")
             self._stamp(tag.room, "first_write", now)
             self._stamp(tag.room, "last_write", now)
-        elif verdict == "partial":
+        elif verdict == TagVerdict.PARTIAL:
             self.ctx.stats.add("tags_received")
             self._stamp(tag.room, "first_write", now)
         else:
@@ -296,7 +297,7 @@ class DecodeSide:
         self.credits.issue()   # the space freed may hold a credit a rank waits for
         for inc in self.fanout.publish(pending_parts(self.book.rooms.values()), wm.linear(a.size), a.size):
             peer = self.peers.get(inc)
-            if peer is not None and peer.state == "connected" and peer.staging:
+            if peer is not None and peer.state == PeerState.CONNECTED and peer.staging:
                 self.peers.send(peer.key, WatermarkUpdate(src=self.ctx.me, dst=inc, epoch=self.ctx.me,
                                                           round=wm.round, tail=wm.tail))
 

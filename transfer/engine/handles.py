@@ -19,9 +19,9 @@ from ...hop_trace import TRACE, Hop
 from ...staging.page_lists import check_pages
 from ..outcome import KVTransferError, TransferMetrics
 from ..poll import KVPoll
+from ..pool_spec import check_pool_items
 from ..protocol.layer_sends import SendLedger
 from ..protocol.send_checks import check_late_items, check_page_count
-from ..state_pools import check_pool_items
 from ..timeline import TimelineRecorder
 from .events import Abort, InitReceiver, InitSender, SendChunk
 

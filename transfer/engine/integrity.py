@@ -23,7 +23,8 @@ from ...staging.digests import gathered_digest
 from ...staging.handler import StagingHandler
 from ...staging.kernels import gatherer_class
 from ...staging.scatter_worker import PartDigest
-from ..layout import KVBuffers, KVLayout
+from ..kv_buffers import KVBuffers
+from ..layout import KVLayout
 from ..protocol.actions import Scatter, WriteOp
 from ..protocol.decode_room import DecodeRoom, PageSpan, RingSpan
 from ..protocol.tags import Tag, TagCodec

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..protocol.leases import heartbeat_interval
 from ..protocol.messages import Goodbye, Heartbeat
+from ..protocol.routing import PeerState
 from .context import EngineContext
 from .interfaces import MessageHandler, RoleSide
 from .peers import Peer, PeerTable
@@ -34,9 +35,9 @@ class Liveness:
         peer's silence counts up to then, so our own lateness is not taken for the peer's)."""
         t = self.ctx.t
         for peer in list(self.peers.peers.values()):
-            if peer.state == "connecting" and min(now, looked if looked is not None else now) - peer.since > t.connect:
+            if peer.state == PeerState.CONNECTING and min(now, looked if looked is not None else now) - peer.since > t.connect:
                 self.side.connect_failed(peer, now)
-            elif peer.state == "connected":
+            elif peer.state == PeerState.CONNECTED:
                 self.ctx.stats.maximum("heard_gap_max_s", round(now - peer.lease.last_heard, 4))  # up to now
                 self.ctx.stats.maximum("silence_max_s", round(peer.lease.silence(now, looked), 4))  # as judged
                 if not peer.lease.alive(now, looked):

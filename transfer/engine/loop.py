@@ -34,22 +34,24 @@ from typing import Any, cast
 
 import zmq
 
-from ...bootstrap.wire import Codec
 from ...hop_trace import TRACE, Hop
 from ...staging.handler import StagingHandler
 from ...staging.scatter_worker import ScatterWorker
 from ...staging.thread_meter import ThreadMeter
 from ...staging.workers import TransferWorkers
+from ...wire import Codec
 from ..backends.faults import ControlFaults, FaultPlan
 from ..config import EngineConfig
-from ..layout import KVBuffers, KVLayout
+from ..kv_buffers import KVBuffers
+from ..layout import KVLayout
 from ..poll import KVPoll
 from ..protocol.decode_room import DecodeRoom
-from ..protocol.kinds import FailureKind
+from ..protocol.kinds import FailureKind, Role
 from ..protocol.layer_sends import LayerGrouping
 from ..protocol.messages import Goodbye
 from ..protocol.prefill_room import PrefillRoom
 from ..protocol.quiet import MIN_EAGER_WAIT, Activity, activity, next_wait
+from ..protocol.routing import PeerState
 from ..protocol.tags import TagCodec
 from .backend_owner import BackendOwner, Step
 from .calibration import Calibration
@@ -139,17 +141,17 @@ class EngineLoop:
                                      sock=sock, tags=tags, summary=layout.summary(buffers.pool_specs),
                                      geometry=local_geometry(layout, buffers), post=self.post, integrity=integrity,
                                      observer=observer or NoObserver(), calibration=calibration)
-        if cfg.role == "prefill" and handler.buffers:
+        if cfg.role == Role.PREFILL and handler.buffers:
             self.workers = TransferWorkers(handler.buffers, buffers.entry_k, buffers.entry_v, layout.page_size,
                                            backend.submit_write, gather_report(c), buffers.pools,
                                            inline_max_bytes=cast(int, cfg.inline_gather_kb) << 10)
-        elif cfg.role != "prefill" and handler.ring is not None:
+        elif cfg.role != Role.PREFILL and handler.ring is not None:
             self.scatter = ScatterWorker(buffers.entry_k, buffers.entry_v, layout.page_size, scatter_report(c),
                                          buffers.pools, inline_max_bytes=cast(int, cfg.inline_scatter_kb) << 10)
         side: RoleSide[Any]
         self.book: RoomBook[Any]
         self.peers = peers = PeerTable(c, listeners=lambda: (writes, side))  # staged pieces fail before rooms
-        if cfg.role == "prefill":
+        if cfg.role == Role.PREFILL:
             prefill_book: RoomBook[PrefillRoom] = RoomBook(c, peers, side=lambda: side, writes=lambda: writes)
             self.waiter = ReadyWaiter(self.post)
             writes = WriteQueue(c, peers, prefill_book, self.workers, self.waiter)
@@ -373,7 +375,7 @@ class EngineLoop:
         try:
             clean = not any(getattr(r, "ops", None) for r in self.book.rooms.values())  # no write of ours in flight
             for peer in list(self.peers.peers.values()):
-                if peer.state in ("connected", "connecting"):
+                if peer.state in (PeerState.CONNECTED, PeerState.CONNECTING):
                     self.ctx.sock.send(peer.endpoint, Goodbye(src=self.ctx.me, dst=peer.key.incarnation,
                                                               reason="closing", clean=clean, conn=peer.conn))
             time.sleep(0.01)  # let zmq hand the goodbyes to the kernel before the sockets close

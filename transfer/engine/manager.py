@@ -24,12 +24,15 @@ from ...staging.warmup import warm_kernels
 from ..backends import create_backend
 from ..backends.faults import ControlFaults, FaultPlan, FaultyBackend
 from ..config import METRICS_PORT_ENV, EngineConfig, Timeouts
-from ..layout import KVBuffers, KVLayout
+from ..kv_buffers import KVBuffers
+from ..layout import KVLayout
+from ..pool_spec import check_pool_items
+from ..protocol.kinds import Role
 from ..protocol.messages import peer_codec
+from ..protocol.path_choice import PathMode
 from ..protocol.peering import stage_record
 from ..protocol.tags import TagCodec
 from ..regions import buffer_regions, unregistrable
-from ..state_pools import check_pool_items
 from .backend_owner import BackendOwner
 from .calibration import Calibration, calibrate
 from .events import Call, NewReceiver, NewSender, Wake
@@ -52,7 +55,7 @@ class KVManager:
 
     def __init__(self, config: EngineConfig, layout: KVLayout, buffers: KVBuffers):
         self.config = config.resolved()
-        if self.config.path == "staged" and layout.mla:
+        if self.config.path == PathMode.STAGED and layout.mla:
             raise ValueError("path='staged' (EngineConfig.path / KVSTAGE_PATH) cannot be used with an MLA model: "
                              "its latent is replicated and moves as whole pages on the direct path")
         self.layout = layout
@@ -127,15 +130,15 @@ class KVManager:
         self._backend.call(lambda b: b.deregister(reg))
 
     def _start_staging(self, cfg: EngineConfig) -> None:
-        staged = bool(cfg.staging) and not self.layout.mla and cfg.path != "direct"   # forced direct: no ring, no buffers
+        staged = bool(cfg.staging) and not self.layout.mla and cfg.path != PathMode.DIRECT   # forced direct: no ring, no buffers
         workers = cast(int, cfg.staging_workers)             # a resolved config has every size
         buffer_mb, ring_mb = cast(float, cfg.staging_buffer_mb), cast(float, cfg.ring_mb)
         self._handler = StagingHandler(
             cfg.role, lambda r: self._backend.call(lambda b: b.register(r)), self._deregister,
             epoch=self.incarnation, device=self.buffers.device,
-            workers=workers if staged and cfg.role == "prefill" else 0,
+            workers=workers if staged and cfg.role == Role.PREFILL else 0,
             buffer_bytes=int(buffer_mb * (1 << 20)),
-            ring_bytes=int(ring_mb * (1 << 20)) if staged and cfg.role == "decode" else 0)
+            ring_bytes=int(ring_mb * (1 << 20)) if staged and cfg.role == Role.DECODE else 0)
         self._handler.open()
         self._stack.callback(self._handler.close)
         self._calibration = self._calibrate(cfg, staged)
@@ -161,7 +164,7 @@ class KVManager:
     def _calibrate(self, cfg: EngineConfig, staged: bool) -> Calibration | None:
         """The path costs (calibration.py), measured when the choice needs them: staging on and
         the path not forced. None otherwise (the rank plans by the fixed rule)."""
-        if not (staged and cfg.calibrate and cfg.path == "auto"):
+        if not (staged and cfg.calibrate and cfg.path == PathMode.AUTO):
             return None
         device = self.buffers.device
         options = {k: v for k, v in self._make_backend_options(cfg).items() if k != "agent_name"}
@@ -169,7 +172,7 @@ class KVManager:
                         make_probe=lambda: create_backend(cfg.backend, f"{self.name}-probe", cfg.host, **options),
                         device=device, mem_kind="VRAM" if device.type == "cuda" else "DRAM",
                         row_bytes=self.layout.page_size * self.layout.token_bytes,
-                        writes=cfg.role == "prefill")
+                        writes=cfg.role == Role.PREFILL)
         log.info("kvstage %s: path costs measured in %.0f ms: %s, scatter %s B/s", self.name, cal.seconds * 1e3,
                  cal.writer, f"{cal.scatter_bytes_per_s:.3g}" if cal.scatter_bytes_per_s else None)
         self._stats.set("calibration_s", cal.seconds)
@@ -186,7 +189,7 @@ class KVManager:
 
     def _start_sources(self, cfg: EngineConfig) -> None:
         # other rendezvous, lazily; a decode rank hears of prefill ranks the rendezvous dropped (etcd)
-        on_gone = self._rank_gone if cfg.role == "decode" else None
+        on_gone = self._rank_gone if cfg.role == Role.DECODE else None
         self._sources = SourceResolver(self._bootstrap, cfg.token_bytes, on_gone=on_gone)
         self._stack.callback(self._sources.close)
 
@@ -307,7 +310,7 @@ class KVManager:
         if self._closed:
             raise RuntimeError("the KVManager is closed")
         if self.config.role != role:
-            raise ValueError(f"this is a {self.config.role} rank; {'sender' if role == 'prefill' else 'receiver'}() "
+            raise ValueError(f"this is a {self.config.role} rank; {'sender' if role == Role.PREFILL else 'receiver'}() "
                              f"belongs on a {role} rank")
         if isinstance(room, bool) or not isinstance(room, int) or not 0 <= room < 1 << 64:
             raise ValueError(f"room must be an unsigned 64-bit int, in [0, 2**64), got {room!r}")

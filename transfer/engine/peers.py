@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..protocol.actions import PeerKey
+from ..protocol.kinds import Role
 from ..protocol.leases import Lease
 from ..protocol.messages import Goodbye, KVMemory, PeerMessage, RingInfo
 from ..protocol.routing import PeerState
@@ -72,7 +73,7 @@ class PeerTable:
         return self.peers.get(inc) if inc is not None else None
 
     def connected(self) -> list[Peer]:
-        return [p for p in self.peers.values() if p.state == "connected"]
+        return [p for p in self.peers.values() if p.state == PeerState.CONNECTED]
 
     # -- changes ------------------------------------------------------------------------------------
     def add(self, peer: Peer, now: float) -> None:
@@ -100,7 +101,7 @@ class PeerTable:
         return True
 
     def lost(self, peer: Peer, reason: str, now: float, tell: bool = True, clean: bool = False) -> None:
-        if peer.state == "lost":
+        if peer.state == PeerState.LOST:
             return
         ctx = self.ctx
         if tell:  # it may be alive but frozen or cut off: when it wakes up it learns at once
@@ -120,18 +121,18 @@ class PeerTable:
             self._told_gone.pop(old, None)
         if peer.backend_name:
             self.by_backend.pop(peer.backend_name, None)
-            if ctx.role == "prefill":
+            if ctx.role == Role.PREFILL:
                 ctx.backend.disconnect(peer.backend_name)  # its pending writes fail
         ctx.handler.unsubscribe(peer.key.incarnation)
         ctx.sock.forget(peer.endpoint)
-        ctx.stats.count("peers_lost", "connecting" if was == "connecting" else "connected")
+        ctx.stats.count("peers_lost", str(PeerState.CONNECTING if was == PeerState.CONNECTING else PeerState.CONNECTED))
         for listener in self._listeners():
             listener.peer_lost(peer, reason, now, clean)
 
     # -- sending ------------------------------------------------------------------------------------
     def send(self, key: PeerKey, msg: PeerMessage) -> None:
         peer = self.peers.get(key.incarnation)
-        if peer is None or peer.state == "lost":
+        if peer is None or peer.state == PeerState.LOST:
             self.ctx.stats.count("dropped_messages", "to_lost_peer")
             return
         if not self.ctx.sock.send(peer.endpoint, msg):

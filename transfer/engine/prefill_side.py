@@ -12,10 +12,10 @@ import itertools
 import logging
 from collections import defaultdict
 
-from ...staging.ring import Watermark
 from ..poll import KVPoll
 from ..protocol.actions import Action, PeerKey, ReleaseCredit, Scatter, Send, SettleCredits, StatusChanged
-from ..protocol.kinds import FailureKind
+from ..protocol.hello_admission import PrefillFacts, admit_hello
+from ..protocol.kinds import FailureKind, Role
 from ..protocol.layer_sends import PER_CHUNK, LayerGrouping
 from ..protocol.leases import Lease
 from ..protocol.messages import (
@@ -32,13 +32,12 @@ from ..protocol.messages import (
     RoomMeta,
     WatermarkUpdate,
 )
-from ..protocol.pool_parts import writers_mismatch
 from ..protocol.prefill_room import PrefillRoom
+from ..protocol.ring import Watermark
 from ..protocol.room_uses import EarlierUses, Parked, RoomUse, unserved_answer, use_without_sender
-from ..protocol.routing import PeerState, hello_verdict
-from ..protocol.stage_mapping import decode_stage_of, stage_memory
+from ..protocol.routing import HelloVerdict, PeerState, hello_verdict
+from ..protocol.stage_mapping import stage_memory
 from ..protocol.tags import Tag
-from ..regions import unwritable_peer_kinds
 from .context import EngineContext
 from .events import Abort, InitSender, NewSender, SendChunk, UnitReady
 from .interfaces import EventHandler, MessageHandler
@@ -79,19 +78,19 @@ class PrefillSide:
     def on_hello(self, msg: Hello, now: float) -> None:
         """A decode rank connects."""
         ctx = self.ctx
-        if msg.role != "decode" or msg.dst not in (0, ctx.me):
+        if msg.role != Role.DECODE or msg.dst not in (0, ctx.me):
             ctx.stats.count("dropped_messages", "unexpected")
             return
         key = PeerKey(msg.engine_id, msg.tp_rank, msg.src)
         old = self.peers.get(msg.src)
         verdict = hello_verdict(old.state if old is not None else None, old.conn if old is not None else 0, msg.conn)
-        if verdict == "ack_again":
+        if verdict == HelloVerdict.ACK_AGAIN:
             assert old is not None
             return self._send_ack(old, True, "")  # a retried Hello
-        if verdict == "stale":
+        if verdict == HelloVerdict.STALE:
             ctx.stats.count("dropped_messages", "stale_connection")
             return
-        if verdict == "replace":  # its side of the old connection is over: so is ours
+        if verdict == HelloVerdict.REPLACE:  # its side of the old connection is over: so is ours
             assert old is not None
             self.peers.lost(old, "it connected again (it had declared the connection lost)", now, tell=False)
         if msg.src in self.peers.replaced:
@@ -99,26 +98,15 @@ class PrefillSide:
             return
         if self.peers.came_back(msg.src):
             log.info("decode rank %s reconnects after it was lost", key)
-        stage, problems = decode_stage_of(pp_size=msg.pp_size, tp_size=msg.tp_size, rank=msg.tp_rank,
-                                          stage_start=msg.stage_start, stage_stop=msg.stage_stop,
-                                          num_layers=ctx.layout.num_layers)
+        adm = admit_hello(msg, PrefillFacts(
+            summary=ctx.summary, tp_size=ctx.layout.tp_size, total_kv_heads=ctx.layout.total_kv_heads,
+            mla=ctx.layout.mla, num_layers=ctx.layout.num_layers, verify=bool(ctx.cfg.verify),
+            backend=ctx.cfg.backend, memory_kinds=tuple(ctx.backend.call(lambda b: b.memory_kinds))))
         peer = Peer(key=key, role="decode", tp_size=msg.tp_size, endpoint=msg.ctrl_endpoint,
-                    lease=Lease(ctx.t.lease, now), kv=stage_memory(msg.kv, stage) if not problems
-                    else msg.kv, ring=msg.ring, since=now, conn=msg.conn, stage=stage)
+                    lease=Lease(ctx.t.lease, now), kv=stage_memory(msg.kv, adm.stage) if adm.ok else msg.kv,
+                    ring=msg.ring, since=now, conn=msg.conn, stage=adm.stage)
         self.peers.add(peer, now)
-        problems += ctx.summary.mismatches(msg.layout)
-        if not problems and ctx.summary.pools:
-            problems = [p for p in [writers_mismatch(ctx.summary.pools, ctx.layout.tp_size, msg.tp_size,
-                                                     ctx.layout.total_kv_heads, ctx.layout.mla)] if p]
-        if msg.verify != bool(ctx.cfg.verify):
-            problems.append(f"verify: {'on' if ctx.cfg.verify else 'off'} here vs {'on' if msg.verify else 'off'} at "
-                            f"peer (EngineConfig(verify=...) / KVSTAGE_VERIFY must agree on both sides)")
-        if msg.backend != ctx.cfg.backend:
-            problems.append(f"backend: {ctx.cfg.backend!r} here vs {msg.backend!r} at peer")
-        problems += unwritable_peer_kinds(msg.kv.mem_kind, msg.ring.mem_kind if msg.ring is not None else None,
-                                          {p.name: p.mem_kind for p in msg.kv.pools},
-                                          ctx.backend.call(lambda b: b.memory_kinds),
-                                          ctx.cfg.backend)
+        problems = list(adm.problems)
         if not problems:
             try:
                 peer.backend_name = ctx.backend.call(lambda b: b.connect(msg.backend_identity))
@@ -236,7 +224,7 @@ class PrefillSide:
                 self.pending_since.setdefault(room.room, now)
                 return
             peer = self.peers.get(key.incarnation)
-            if peer is None or peer.state != "connected":
+            if peer is None or peer.state != PeerState.CONNECTED:
                 return
             self.credits.took_meta(room.room, key)
             self.book.apply(room, room.add_meta(key, peer.tp_size, msg, now, stage=peer.stage))

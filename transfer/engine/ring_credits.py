@@ -1,4 +1,4 @@
-"""The engine shells of ring credits (staging/credits.py): the decode rank's CreditLedger of its
+"""The engine shells of ring credits (transfer/protocol/credits.py): the decode rank's CreditLedger of its
 ring and the prefill rank's CreditPurse per decode peer, the three credit messages, and the
 hooks where rooms start and end and peers come and go. All rules are in the pure parts; these
 classes only carry their answers to sockets, rooms and the ring's watermark, on the control
@@ -24,29 +24,20 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
-from ...staging.ring import Watermark
 from ..protocol.actions import PeerKey
+from ..protocol.credit_ledger import Claim, CreditLedger
+from ..protocol.credit_purse import CreditPurse
+from ..protocol.credits import ClaimVerdict, CreditSpan, GrantVerdict, WriteRef
 from ..protocol.decode_room import DecodeRoom
 from ..protocol.kinds import FailureKind
 from ..protocol.messages import CreditAck, CreditGrant, CreditReturn, CreditWrite, Hello, HelloAck, RoomMeta
 from ..protocol.prefill_room import PrefillRoom
+from ..protocol.ring import Watermark
 from ..protocol.tags import Tag
 from .context import EngineContext
 from .peers import Peer, PeerTable
 from .rooms import RoomBook
-
-if TYPE_CHECKING:
-    from ...staging.credit_ledger import Claim, CreditLedger
-    from ...staging.credit_purse import CreditPurse
-    from ...staging.credits import CreditSpan
-
-
-def _rules():   # staging.credits imports transfer, which imports this module: its parts once running
-    from ...staging import credit_ledger, credit_purse
-    from ...staging import credits as credit_rules
-    return credit_ledger, credit_purse, credit_rules
 
 log = logging.getLogger("kvstage")
 
@@ -79,7 +70,7 @@ class DecodeCredits:
         ring = self.ctx.handler.allocator
         if self.ctx.cfg.credits and ring is not None:
             cap = int(float(self.ctx.cfg.staging_piece_mb or 0) * MIB) or ring.size
-            self.ledger = _rules()[0].CreditLedger(ring, floor=credit_floor(ring.size, cap, ring.align))
+            self.ledger = CreditLedger(ring, floor=credit_floor(ring.size, cap, ring.align))
 
     def connected(self, peer: Peer, msg: HelloAck) -> None:
         if not (msg.credits and msg.staging):
@@ -131,8 +122,7 @@ class DecodeCredits:
     def claim(self, peer: Peer, tag: Tag) -> Claim:
         """The ledger's verdict on a CREDIT tag of `peer`."""
         if self.ledger is None or self.takers.get(peer.key.incarnation) != peer.key:
-            ledger_rules, _, rules = _rules()
-            return ledger_rules.Claim(verdict=rules.ClaimVerdict.OUTSIDE, reason=f"{peer.key} holds no ring credits of this rank")
+            return Claim(verdict=ClaimVerdict.OUTSIDE, reason=f"{peer.key} holds no ring credits of this rank")
         return self.ledger.claim(peer.key, tag.ring_start, tag.nbytes, tag.room, tag.session)
 
     def wrote(self, peer: Peer, tag: Tag) -> None:
@@ -150,7 +140,7 @@ class DecodeCredits:
         if self.ledger is None or msg.epoch != self.ctx.me:
             self.ctx.stats.count("dropped_messages", "stale_credit_return")
             return
-        res = self.ledger.on_return(peer.key, msg.credit, [_rules()[2].WriteRef(room=w.room, session=w.session, start=w.start,
+        res = self.ledger.on_return(peer.key, msg.credit, [WriteRef(room=w.room, session=w.session, start=w.start,
                                                                     nbytes=w.nbytes) for w in msg.writes])
         self.peers.send(peer.key, CreditAck(src=self.ctx.me, dst=peer.key.incarnation, epoch=msg.epoch,
                                             credit=msg.credit))
@@ -240,7 +230,7 @@ class PrefillCredits:
         self._piece_bytes = min(buffers, cap) if cap else buffers
         if self._piece_bytes <= 0:
             return False
-        self.purses[peer.key.incarnation] = (peer.key, _rules()[1].CreditPurse(epoch=msg.ring.epoch, ring_size=msg.ring.size))
+        self.purses[peer.key.incarnation] = (peer.key, CreditPurse(epoch=msg.ring.epoch, ring_size=msg.ring.size))
         return True
 
     def on_grant(self, peer: Peer, msg: CreditGrant, now: float) -> None:
@@ -248,10 +238,9 @@ class PrefillCredits:
         if purse is None:
             self.ctx.stats.count("dropped_messages", "credit_without_purse")
             return
-        rules = _rules()[2]
         verdict = purse.on_grant(credit=msg.credit, epoch=msg.epoch, start=msg.start, nbytes=msg.nbytes)
         self.ctx.stats.count("credits", f"grant_{verdict}")
-        if verdict is rules.GrantVerdict.MISMATCH:
+        if verdict is GrantVerdict.MISMATCH:
             reason = (f"ring credit {msg.credit} [{msg.start}, +{msg.nbytes}) from decode rank {peer.key} does not fit "
                       "its ring or overlaps a credit held")
             log.error("%s", reason)
@@ -260,7 +249,7 @@ class PrefillCredits:
                 if flow is not None and flow.peer == peer.key:
                     self.book.apply(room, room.fail(FailureKind.PROTOCOL, reason, now))
             return
-        if verdict is rules.GrantVerdict.OK and self.ctx.handler.on_watermark(peer.key.incarnation, msg.epoch,
+        if verdict is GrantVerdict.OK and self.ctx.handler.on_watermark(peer.key.incarnation, msg.epoch,
                                                                         Watermark(msg.wm_round, msg.wm_tail)):
             self.dispatch(peer.key.incarnation, now)
 

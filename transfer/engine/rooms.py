@@ -29,6 +29,7 @@ from ..protocol.actions import (
     SettleCredits,
     StatusChanged,
 )
+from ..protocol.kinds import Role, TransferPath
 from ..protocol.messages import RoomMeta
 from .context import FINISHED_MEMORY, EngineContext
 from .handles import RoomStatus
@@ -135,7 +136,7 @@ class RoomBook(Generic[R]):
         histograms (transfer/metrics)."""
         end = status.ended()
         totals = end.totals
-        if totals is None or totals.path == "none":
+        if totals is None or totals.path == TransferPath.NONE:
             return
         init = status.timeline.get("init")
         seconds = None if init is None or end.ended_at is None else end.ended_at - init
@@ -147,7 +148,7 @@ class RoomBook(Generic[R]):
                 stats.sum_in("path_predicted_s", str(totals.path), totals.predicted_s)
                 stats.sum_in("path_actual_s", str(totals.path), seconds)
         self.ctx.observer.request_done(totals.path, seconds, totals.writes,
-                                       status.descriptors if self.ctx.role == "prefill" else None)
+                                       status.descriptors if self.ctx.role == Role.PREFILL else None)
 
     def _released(self, room: R) -> None:
         self.rooms.pop(room.room, None)

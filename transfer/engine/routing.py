@@ -11,10 +11,10 @@ from __future__ import annotations
 import time
 from typing import Any, cast
 
-from ...bootstrap.wire import WireError
 from ...hop_trace import TRACE, Hop
+from ...wire import WireError
 from ..protocol.messages import Hello, PeerMessage, RoomFailed
-from ..protocol.routing import route_frame
+from ..protocol.routing import RouteAction, route_frame
 from .context import EngineContext
 from .interfaces import MessageHandler, RoleSide
 from .peers import PeerTable
@@ -38,9 +38,9 @@ class FrameRouter:
                             src_gone=msg.src in self.peers.gone, src_replaced=msg.src in self.peers.replaced,
                             handled=self._handled, conn=getattr(msg, "conn", 0),
                             peer_conn=peer.conn if peer is not None else 0)
-        if route.action == "hello":
+        if route.action == RouteAction.HELLO:
             return self.side.on_hello(cast(Hello, msg), now)
-        if route.action == "tell_gone":
+        if route.action == RouteAction.TELL_GONE:
             self.peers.tell_gone(msg.src, now)
         if route.reason:
             self.ctx.stats.count("dropped_messages", route.reason)
@@ -48,9 +48,9 @@ class FrameRouter:
             return
         if route.heard:
             peer.lease.heard(now)
-        if route.action == "deliver":
+        if route.action == RouteAction.DELIVER:
             self.handlers[type(msg)](peer, msg, now)
-        elif route.action == "rejected_failure":
+        elif route.action == RouteAction.REJECTED_FAILURE:
             self.side.on_RoomFailed(peer, cast(RoomFailed, msg), now)
 
     def on_tags(self, tags: list) -> None:

@@ -1,11 +1,39 @@
-"""Counters that any engine thread may bump; `snapshot()` is what `KVManager.stats()` returns."""
+"""Counters that any engine thread may bump; `snapshot()` is what `KVManager.stats()` returns.
+
+Every key is named here, as a type: `Number` for a single figure (`add`, `maximum`, `set`) and
+`Group` for a family of counters by label (`count`, `sum_in`). A misspelt key is a type error
+(mypy, in `make lint`) and fails tests/unit/test_stats_keys.py, which reads every call in the
+engine and staging; it never silently becomes a new counter.
+"""
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict, defaultdict
+from typing import Literal, get_args
 
 MAX_TRACKED_PIECES = 100_000
+
+Number = Literal[
+    "bytes_posted", "bytes_received", "bytes_sent", "corrupted_rooms", "descriptors", "gather_s", "scatter_s",
+    "staged_bytes", "staged_writes", "tags_received", "watermark_wait_s", "watermark_waits",
+    "watermark_waits_started", "write_requests", "writes_announced",
+    # maxima
+    "backend_step_max_s", "ctrl_round_max_s", "ctrl_tick_late_max_s", "heard_gap_max_s",
+    "ring_backlog_high_water_bytes", "ring_high_water_bytes", "silence_max_s",
+    # set once or kept current
+    "calibration_s", "kernel_warmup_s", "ring_live_bytes",
+]
+Group = Literal[
+    "bytes_received_by_path", "bytes_sent_by_path", "credit_tags", "credits", "descriptors_by_path",
+    "dropped_events", "dropped_messages", "dropped_tags", "failures_by_kind", "faults_injected", "gathers",
+    "internal_errors", "path_choices", "path_reasons", "peers_lost", "rooms", "rooms_failed_by_kind", "scatters",
+    "tags_again", "tags_by_arrival", "write_announcements", "write_failures", "write_requests_by_path",
+    # sums of seconds by label
+    "path_actual_s", "path_predicted_s",
+]
+NUMBERS: frozenset[str] = frozenset(get_args(Number))
+GROUPS: frozenset[str] = frozenset(get_args(Group))
 
 
 class Stats:
@@ -16,24 +44,24 @@ class Stats:
         self._piece_writes: OrderedDict[tuple, int] = OrderedDict()
         self._piece_hist: dict[int, int] = defaultdict(int)
 
-    def add(self, key: str, value: float = 1) -> None:
+    def add(self, key: Number, value: float = 1) -> None:
         with self._lock:
             self._n[key] += value
 
-    def maximum(self, key: str, value: float) -> None:
+    def maximum(self, key: Number, value: float) -> None:
         with self._lock:
             self._n[key] = max(self._n[key], value)
 
-    def set(self, key: str, value: float) -> None:
+    def set(self, key: Number, value: float) -> None:
         with self._lock:
             self._n[key] = value
 
-    def count(self, group: str, kind: str, value: int = 1) -> None:
+    def count(self, group: Group, kind: str, value: int = 1) -> None:
         """Bump a named counter inside a group (failures by kind, dropped messages by reason)."""
         with self._lock:
             self._groups[group][kind] += value
 
-    def sum_in(self, group: str, kind: str, value: float) -> None:
+    def sum_in(self, group: Group, kind: str, value: float) -> None:
         """Add seconds (or any float) to a named sum inside a group (predicted times by path)."""
         with self._lock:
             self._groups[group][kind] += value  # type: ignore[assignment]

@@ -26,8 +26,9 @@ from ..protocol.direct_ranges import CacheGeometry, DirectRowsCache, direct_desc
 from ..protocol.kinds import FailureKind
 from ..protocol.messages import KVMemory, WritePosted
 from ..protocol.prefill_room import PrefillRoom
+from ..protocol.routing import PeerState
 from ..protocol.write_groups import DescriptorPart, WriteGroup, group_parts
-from ..protocol.write_queue import StagedQueue, WriteDeadlines
+from ..protocol.write_queue import Readiness, StagedQueue, WriteDeadlines
 from .context import EngineContext
 from .events import LayersReady, UnitReady, WriteDone
 from .peers import Peer, PeerTable
@@ -51,7 +52,7 @@ class WriteQueue:
     def post(self, op: WriteOp, now: float) -> None:
         ctx = self.ctx
         peer = self.peers.get(op.peer.incarnation)
-        if peer is None or peer.state != "connected":
+        if peer is None or peer.state != PeerState.CONNECTED:
             return self._finish(op.room, op.op_id, False, "decode peer is not connected", now)
         if not peer.lease.may_write(now):
             return self._finish(op.room, op.op_id, False, "the lease with the decode peer expired", now)
@@ -126,7 +127,7 @@ class WriteQueue:
             return ctx.handler.region_free(peer_inc, op.ring_start + op.writer_offset, op.nbytes)
 
         for verdict, op, since in self.staged.take_ready(peer_inc, room_live, region_free):
-            if verdict == "cancel":
+            if verdict == Readiness.CANCEL:
                 self._finish(op.room, op.op_id, False, "cancelled: the room failed", now)
                 continue
             if since != now:

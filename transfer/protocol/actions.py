@@ -7,18 +7,16 @@ returns a list of these actions; it never performs IO itself.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
 from ..poll import KVPoll
+from .credits import CreditSpan
 from .kinds import TransferPath
 from .messages import PeerMessage
 from .pool_parts import PoolCopy
 from .tags import Tag
-
-if TYPE_CHECKING:   # staging.credits imports transfer: only its name here
-    from ...staging.credits import CreditSpan
 
 
 class PeerKey(NamedTuple):

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...staging.pieces import plan_pieces
-from ...staging.ring import Region, RingAllocator, TooLarge
 from .decode_plan import RoomPlan
+from .pieces import plan_pieces
+from .ring import Region, RingAllocator, TooLarge
 from .tracker import RoomTracker
 
 

@@ -1,5 +1,5 @@
 """Prefill side, ring credits: how a staged chunk towards a decode rank that gave this rank
-credits becomes writes into them, with no ring-space round trip (staging/credits.py).
+credits becomes writes into them, with no ring-space round trip (transfer/protocol/credits.py).
 
 A chunk goes through credits only when this rank is the only writer of the decode rank's
 pieces (prefill TP <= decode TP, per PP stage): pieces written by several prefill ranks keep
@@ -16,13 +16,11 @@ Pure: the purses are the shell's, handed to the room in its constructor.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from ...staging.pieces import plan_pieces
 from .actions import PeerKey
-
-if TYPE_CHECKING:   # staging.credits imports transfer: only its name here
-    from ...staging.credit_purse import CreditPurse
+from .credit_purse import CreditPurse
+from .pieces import plan_pieces
 
 
 class CreditPurses(Protocol):

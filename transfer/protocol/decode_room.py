@@ -7,7 +7,7 @@ ring space per chunk; the room splits the chunk into pieces that fit, allocates 
 shared ring allocator, validates every tag against its allocation, asks for a scatter once all
 writers of a piece landed, and frees the region after it.
 
-Ring credits (staging/credits.py): a single-writer piece may also arrive unplanned, written
+Ring credits (transfer/protocol/credits.py): a single-writer piece may also arrive unplanned, written
 into a credit its writer holds (`on_credit_tag`, a CREDIT tag). The shell first claims its
 place from the ring's CreditLedger; the room checks the piece against its own plan (its
 writer is the only writer of those layers, its pages inside the room and planned by no other
@@ -28,17 +28,16 @@ WriterDone or AllocRequest with its outcome. Everything it receives is idempoten
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import numpy as np
 
-from ...staging import credits as credit_rules  # the module: staging.credits imports transfer (a cycle)
-from ...staging.ring import Region, RingAllocator
-from ..config import Timeouts
 from ..draft_kv import draft_pool_name, request_draft_items
 from ..layout import KVLayout
 from ..poll import KVPoll
-from ..state_pools import PoolSpec
+from ..pool_spec import PoolSpec
+from ..timeouts import Timeouts
+from . import credits as credit_rules
 from .actions import (
     Action,
     PartCheck,
@@ -52,19 +51,18 @@ from .actions import (
     Send,
 )
 from .chunk_pieces import PiecesRefused, chunk_pieces
+from .credit_ledger import Claim
+from .credits import CreditSpan
 from .decode_plan import PlanRefused, RoomPlan, WriterOffer, plan_room
 from .head_mapping import Assignment
 from .kinds import FailureKind, StrKind, TransferPath, remote_kind
 from .lifecycle import DECODE_TRANSITIONS, RoomEvent
 from .messages import AllocGrant, AllocRequest, Piece, RoomDone, RoomMeta, WriterDone, encode_pages
 from .pool_parts import PoolCopy, block_bytes, part_offsets, request_copies, writer_segments
+from .ring import Region, RingAllocator
 from .room_base import RoomBase
 from .tags import Tag, TagKind
 from .tracker import ExpectedPiece, Outcome, RoomTracker
-
-if TYPE_CHECKING:
-    from ...staging.credit_ledger import Claim
-    from ...staging.credits import CreditSpan
 
 __all__ = ["DecodeRoom", "PageSpan", "PlanRefused", "RingSpan", "RoomPlan", "TagResult", "TagVerdict", "WriterOffer",
            "WriterPart", "plan_room"]
@@ -496,7 +494,7 @@ class DecodeRoom(RoomBase):
             piece = next(p for p in self._tracker.pieces() if p.key == key)
             self._tracker.mark_scattered(piece)
         elif not ok:
-            out += self.fail(kind, cast(str, reason) if kind == "corrupt" else
+            out += self.fail(kind, cast(str, reason) if kind == FailureKind.CORRUPT else
                              f"scatter of chunk {chunk} piece {index} failed: {reason}", now)
         # every writer of the piece landed and the scatter is over: nothing touches the region
         credit = self.credit_pieces.pop(key, None)

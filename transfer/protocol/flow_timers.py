@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..config import Timeouts
+from ..timeouts import Timeouts
 from .flows import Flow
 
 __all__ = ["due_again", "overdue"]

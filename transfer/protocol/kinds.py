@@ -21,6 +21,14 @@ class StrKind(str, Enum):
         return format(str(self.value), spec)
 
 
+class Role(StrKind):
+    """Which side of a transfer a rank is (EngineConfig.role, Hello.role on the wire): its value
+    is the name users and the wire spell."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
 class FailureKind(StrKind):
     """Why a request failed on this rank: the table of docs/operations.md (a test keeps the two
     equal). On the wire (RoomFailed.kind) it is its value."""

@@ -1,4 +1,4 @@
-"""Rank-to-rank control messages: typed, versioned msgspec Structs (see bootstrap.wire).
+"""Rank-to-rank control messages: typed, versioned msgspec Structs (see kvstage.wire).
 
 Every message names its sender's incarnation (`src`) and the receiver incarnation it is meant
 for (`dst`; 0 only in Hello, before the sender knows it), so nothing from a previous life of
@@ -11,7 +11,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from ...bootstrap.wire import Codec, Message, WireError, prebuild_struct_info
+from ...wire import Codec, Message, WireError, prebuild_struct_info
 from ..layout import LayoutSummary
 from .path_choice import WriterCosts
 
@@ -104,7 +104,7 @@ class HelloAck(PeerMessage, kw_only=True, frozen=True):
     conn: int = 0               # the Hello's connection number
     costs: WriterCosts | None = None   # what this rank's writes and gathers cost, measured at its start
                                        # (protocol/path_choice.py; None: not measured), since version 3
-    credits: bool = False       # takes ring credits (CreditGrant; staging/credits.py), since version 4: a
+    credits: bool = False       # takes ring credits (CreditGrant; transfer/protocol/credits.py), since version 4: a
                                 # peer without it gets every staged piece through AllocRequest / AllocGrant
 
 
@@ -174,7 +174,7 @@ class WatermarkUpdate(PeerMessage, kw_only=True, frozen=True):
 class CreditGrant(PeerMessage, kw_only=True, frozen=True):
     """decode -> prefill (staged, credits): a standing share of my ring, [start, start + nbytes)
     in linear ring positions of `epoch`, yours to cut single-writer staged writes from without
-    asking (staging/credits.py). The ring's watermark rides along: the region is free under it.
+    asking (transfer/protocol/credits.py). The ring's watermark rides along: the region is free under it.
     Re-sent until a write used it or it came back; a repeated grant changes nothing."""
 
     epoch: int
@@ -331,4 +331,4 @@ def encode_pages(pages: np.ndarray) -> bytes:
     return np.ascontiguousarray(pages, dtype="<i8").tobytes()
 
 
-prebuild_struct_info(globals())  # last: every Struct above is defined (see bootstrap.wire)
+prebuild_struct_info(globals())  # last: every Struct above is defined (see kvstage.wire)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from ...bootstrap.wire import prebuild_struct_info
+from ...wire import prebuild_struct_info
 from .kinds import StrKind
 
 PATH_ENV = "KVSTAGE_PATH"
@@ -198,4 +198,4 @@ def fit_write_cost(backend: str, mem_kind: str, samples: list[tuple[int, int, fl
                      per_byte_s=float(x[2]))
 
 
-prebuild_struct_info(globals())  # last: every Struct above is defined (see bootstrap.wire)
+prebuild_struct_info(globals())  # last: every Struct above is defined (see kvstage.wire)

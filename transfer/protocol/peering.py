@@ -14,7 +14,7 @@ from typing import Any
 
 from ..layout import KVLayout
 from .head_mapping import HeadMapping, compute_assignments
-from .kinds import StrKind
+from .kinds import Role, StrKind
 from .routing import PeerState
 from .stage_mapping import sources_of
 
@@ -141,7 +141,7 @@ def read_lookup(engine_id: str, records: list[Any] | None, error: str | None) ->
     """The bootstrap server's answer (its records, or why the lookup failed) -> a Lookup."""
     if error is not None:
         return Lookup(LookupState.FAILED, [], error)
-    if not records or any(r.role != "prefill" for r in records):
+    if not records or any(r.role != Role.PREFILL for r in records):
         return Lookup(LookupState.FAILED, [], f"engine {engine_id} is not a prefill engine")
     return Lookup(LookupState.READY, sorted(records, key=lambda r: r.tp_rank))
 
@@ -218,7 +218,7 @@ def engine_for_dp(rows: list[dict[str, Any]], dp_rank: int) -> DpEngine:
     """Which prefill engine serves data-parallel rank `dp_rank` at a rendezvous server, from its
     status rows: FOUND with its engine id, else NONE or AMBIGUOUS with why."""
     engines = sorted({r["engine_id"] for r in rows
-                      if r.get("role") == "prefill" and r.get("dp_rank", 0) == dp_rank and not r.get("stale")})
+                      if r.get("role") == Role.PREFILL and r.get("dp_rank", 0) == dp_rank and not r.get("stale")})
     if len(engines) == 1:
         return DpEngine(DpMatch.FOUND, engine_id=engines[0])
     if not engines:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..draft_kv import draft_pool_entry, is_draft_pool
-from ..state_pools import PoolSpec
+from ..pool_spec import PoolSpec
 from .head_mapping import Assignment, HeadMapping, compute_assignments
 
 

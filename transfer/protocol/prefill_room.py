@@ -31,11 +31,11 @@ from dataclasses import replace
 import msgspec
 import numpy as np
 
-from ..config import Timeouts
 from ..draft_kv import is_draft_pool, request_draft_items
 from ..layout import KVLayout
 from ..poll import KVPoll
-from ..state_pools import PoolSpec
+from ..pool_spec import PoolSpec
+from ..timeouts import Timeouts
 from .actions import Action, DecodePrefix, Dropped, PeerKey, PostWrite, RoomTotals, Send, SettleCredits, WriteOp
 from .chunk_writes import ChunkWrites, direct_writes, granted_writes
 from .credit_writes import CreditPurses, cut_pieces

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar
 
-from ..config import Timeouts
 from ..layout import KVLayout
 from ..poll import KVPoll
-from ..state_pools import PoolSpec
+from ..pool_spec import PoolSpec
+from ..timeouts import Timeouts
 from .actions import Action, PeerKey, Released, Send, StatusChanged
 from .kinds import remote_kind
 from .lifecycle import FINAL, RoomEvent, Transitions, next_state

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .kinds import StrKind
+from .kinds import Role, StrKind
 
 
 class PeerState(StrKind):
@@ -60,7 +60,7 @@ def route_frame(kind: str, *, role: str, me: int, dst: int, peer_state: PeerStat
     if kind == "Goodbye" and conn and peer_conn and conn != peer_conn:
         return Route(RouteAction.DROP, "stale_connection")  # ends a connection that a newer one replaced
     if peer_state == PeerState.REJECTED:
-        if kind == "RoomFailed" and role == "prefill":
+        if kind == "RoomFailed" and role == Role.PREFILL:
             return Route(RouteAction.REJECTED_FAILURE)
         return Route(RouteAction.DROP)
     if kind not in handled:

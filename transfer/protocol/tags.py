@@ -4,7 +4,7 @@ A tag says exactly what the write put where (room, ring epoch, chunk, piece, wri
 range, layer range, byte length, ring position), so the decode side can validate it against what it
 expects before scattering a single byte. Bytes on the wire: ``b"KS" + msgpack array + mac``,
 the mac (HMAC-SHA256, 16 bytes) keyed by the shared secret, or by the public integrity key
-when none is configured (see bootstrap.wire).
+when none is configured (see kvstage.wire).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import enum
 
 import msgspec
 
-from ...bootstrap.wire import MAC_BYTES, WIRE_VERSION, WireError, prebuild_struct_info, sign, verify
+from ...wire import MAC_BYTES, WIRE_VERSION, WireError, prebuild_struct_info, sign, verify
 
 MAGIC = b"KS"
 MAX_TAG_BYTES = 512
@@ -22,7 +22,7 @@ MAX_TAG_BYTES = 512
 class TagKind(enum.IntEnum):
     DIRECT = 0
     STAGED = 1
-    CREDIT = 2    # staged, into a ring credit (staging/credits.py): a piece its writer cut itself, at
+    CREDIT = 2    # staged, into a ring credit (transfer/protocol/credits.py): a piece its writer cut itself, at
                   # `ring_start` inside one of its credits; the decode room planned no place for it
 
 
@@ -84,4 +84,4 @@ class TagCodec:
         return tag
 
 
-prebuild_struct_info(globals())  # last: every Struct above is defined (see bootstrap.wire)
+prebuild_struct_info(globals())  # last: every Struct above is defined (see kvstage.wire)

@@ -1,7 +1,7 @@
 """Decode side: which prefill ranks are told that the staging ring's watermark moved. Pure.
 
 A staged write waits until its writer's view of the decode rank's ring watermark allows it
-(staging/ring.py, RemoteWatermark). Sending every move to every connected prefill rank that
+(transfer/protocol/ring.py, RemoteWatermark). Sending every move to every connected prefill rank that
 stages makes the messages per request grow with the fleet: a decode rank of a large fleet is
 connected to dozens of prefill engines, most of which have nothing in its ring
 (docs/scale.md). So a writer is told the current watermark when its allocation request comes,

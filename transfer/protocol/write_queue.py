@@ -12,6 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .actions import WriteOp
+from .kinds import StrKind
+
+
+class Readiness(StrKind):
+    """What to do with a waiting staged piece now (StagedQueue.take_ready)."""
+
+    GO = "go"            # its ring region is free: gather and write it
+    CANCEL = "cancel"    # its room failed or is gone: drop it
 
 
 class StagedQueue:
@@ -25,16 +33,17 @@ class StagedQueue:
         self._by_peer.setdefault(peer, []).append((op, now))
 
     def take_ready(self, peer: int, room_live: Callable[[int], bool],
-                   region_free: Callable[[WriteOp], bool]) -> list[tuple[str, WriteOp, float]]:
-        """("cancel", op, since) for pieces whose room failed or is gone, ("go", op, since) for
+                   region_free: Callable[[WriteOp], bool]) -> list[tuple[Readiness, WriteOp, float]]:
+        """(CANCEL, op, since) for pieces whose room failed or is gone, (GO, op, since) for
         pieces whose ring region is free, in queue order; the rest keep waiting. The queue is
         updated before the caller acts, so acting may safely change it again."""
-        out, keep = [], []
+        out: list[tuple[Readiness, WriteOp, float]] = []
+        keep = []
         for op, since in self._by_peer.get(peer, ()):
             if not room_live(op.room):
-                out.append(("cancel", op, since))
+                out.append((Readiness.CANCEL, op, since))
             elif region_free(op):
-                out.append(("go", op, since))
+                out.append((Readiness.GO, op, since))
             else:
                 keep.append((op, since))
         self._set(peer, keep)

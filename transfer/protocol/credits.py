@@ -1,7 +1,7 @@
 """Ring credits: the words both sides of a staged transfer share about a standing share of a
 decode rank's staging ring.
 
-A *credit* is one ring region (staging/ring.py) the decode rank allocated for one prefill rank
+A *credit* is one ring region (transfer/protocol/ring.py) the decode rank allocated for one prefill rank
 (one incarnation) and handed to it ahead of any request (`CreditGrant`). The prefill rank cuts
 its staged writes out of its credits in increasing order (a bump pointer, never reusing a byte
 inside a credit), so a write goes out as soon as its data is gathered, without asking for ring
@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..transfer.protocol.kinds import StrKind
+from .kinds import StrKind
 
 
 class CreditState(StrKind):

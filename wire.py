@@ -1,7 +1,8 @@
 """Signed, versioned msgspec frames: the wire format of every kvstage socket.
 
-The rendezvous server and the rank-to-rank control plane both speak it, so it lives with the
-server (which must not import torch) and the ranks import it from here.
+The rendezvous server and the rank-to-rank control plane both speak it, so it is a module of its
+own: it imports neither torch nor the server, and both the pure protocol (transfer/protocol/)
+and bootstrap/ import it.
 
 A frame is two zmq parts: ``[payload, mac]``. ``payload`` is a msgpack-encoded msgspec Struct
 from a tagged union (its type tag in field ``t``, its version in field ``v``). ``mac`` is
