@@ -16,27 +16,37 @@ from hypothesis import strategies as st
 from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.protocol import peering
 from kvstage.transfer.protocol.actions import PeerKey, WriteOp
+from kvstage.transfer.protocol.messages import (
+    AllocGrant,
+    Goodbye,
+    Heartbeat,
+    Hello,
+    HelloAck,
+    Quiesced,
+    RoomFailed,
+    RoomMeta,
+)
 from kvstage.transfer.protocol.routing import PEER_STATES, Route, route_frame
 from kvstage.transfer.protocol.write_queue import StagedQueue, WriteDeadlines
 
-KINDS = ["Hello", "HelloAck", "RoomMeta", "RoomFailed", "Goodbye", "Heartbeat", "AllocGrant", "Quiesced"]
-HANDLED = {"prefill": frozenset({"RoomMeta", "RoomFailed", "Goodbye", "Heartbeat", "AllocGrant"}),
-           "decode": frozenset({"HelloAck", "RoomFailed", "Goodbye", "Heartbeat", "Quiesced"})}
+KINDS = [Hello, HelloAck, RoomMeta, RoomFailed, Goodbye, Heartbeat, AllocGrant, Quiesced]
+HANDLED = {"prefill": frozenset({RoomMeta, RoomFailed, Goodbye, Heartbeat, AllocGrant}),
+           "decode": frozenset({HelloAck, RoomFailed, Goodbye, Heartbeat, Quiesced})}
 
 
 # -- routing ------------------------------------------------------------------------------------------
 def expected_route(kind, role, dst, state, gone, replaced) -> Route:
     """The rules written out once more, case by case, for the exhaustive check."""
-    if kind == "Hello":
+    if kind is Hello:
         return Route("hello")
     if state is None:
-        if gone and kind != "Goodbye":
+        if gone and kind is not Goodbye:
             return Route("tell_gone", "stale_peer")
         return Route("drop", "stale_peer" if gone or replaced else "unknown_peer")
     if dst != 5:
         return Route("drop", "stale_epoch")
     if state == "rejected":
-        return Route("rejected_failure") if (kind, role) == ("RoomFailed", "prefill") else Route("drop")
+        return Route("rejected_failure") if (kind, role) == (RoomFailed, "prefill") else Route("drop")
     if kind in HANDLED[role]:
         return Route("deliver", heard=True)
     return Route("drop", "unexpected", heard=True)
@@ -56,14 +66,14 @@ def test_route_frame_every_combination(role):
 
 
 def test_a_goodbye_from_a_lost_peer_is_not_answered_with_another_goodbye():
-    r = route_frame("Goodbye", role="decode", me=1, dst=1, peer_state=None, src_gone=True, src_replaced=False,
+    r = route_frame(Goodbye, role="decode", me=1, dst=1, peer_state=None, src_gone=True, src_replaced=False,
                     handled=HANDLED["decode"])
     assert r == Route("drop", "stale_peer")
 
 
 def test_only_delivered_or_unexpected_frames_renew_the_lease():
     for state in PEER_STATES:
-        r = route_frame("Heartbeat", role="decode", me=1, dst=1, peer_state=state, src_gone=False,
+        r = route_frame(Heartbeat, role="decode", me=1, dst=1, peer_state=state, src_gone=False,
                         src_replaced=False, handled=HANDLED["decode"])
         assert r.heard == (state not in ("rejected",))
 
@@ -260,7 +270,7 @@ def test_write_deadlines():
 # -- connections: a late Goodbye or Hello of an earlier connection -----------------------------------
 def test_a_goodbye_ends_only_the_connection_it_names():
     def goodbye(conn, peer_conn):
-        return route_frame("Goodbye", role="decode", me=1, dst=1, peer_state="connected", src_gone=False,
+        return route_frame(Goodbye, role="decode", me=1, dst=1, peer_state="connected", src_gone=False,
                            src_replaced=False, handled=HANDLED["decode"], conn=conn, peer_conn=peer_conn)
     assert goodbye(1, 2) == Route("drop", "stale_connection")
     assert goodbye(3, 2) == Route("drop", "stale_connection")
@@ -268,7 +278,7 @@ def test_a_goodbye_ends_only_the_connection_it_names():
     assert goodbye(0, 2) == Route("deliver", heard=True)    # a peer that does not number connections
     assert goodbye(2, 0) == Route("deliver", heard=True)
     # only Goodbye is bound to a connection: anything else from the incarnation is delivered
-    assert route_frame("Heartbeat", role="decode", me=1, dst=1, peer_state="connected", src_gone=False,
+    assert route_frame(Heartbeat, role="decode", me=1, dst=1, peer_state="connected", src_gone=False,
                        src_replaced=False, handled=HANDLED["decode"], conn=1, peer_conn=2).action == "deliver"
 
 

@@ -43,9 +43,10 @@ from .stats import Stats, meter_stats
 
 log = logging.getLogger("kvstage")
 
-# KVManager() runs these in order, each `_start_<step>`, each pushing its own undo; a failure at
-# any of them undoes the ones before, newest first (tests/integration/test_startup_steps.py
-# injects one at each step and checks this list against the methods).
+# KVManager() runs these in order, each `_start_<step>` (listed as bound methods in __init__), each
+# pushing its own undo; a failure at any of them undoes the ones before, newest first
+# (tests/integration/test_startup_steps.py injects one at each step and checks that the methods,
+# this list and the order they ran in agree).
 STARTUP_STEPS = ("metrics", "backend", "regions", "staging", "control_context", "bootstrap_client",
                  "sources", "control_loop", "control_thread", "registration", "keepalive")
 
@@ -77,8 +78,12 @@ class KVManager:
         self.name = f"kvstage-{cfg.engine_id}-{cfg.role}{self.layout.rank}-{self.incarnation & 0xFFFFFF:06x}"
         TRACE.name_process(f"{cfg.role}{self.layout.rank}")   # KVSTAGE_TRACE (hop_trace.py); else nothing
         try:
-            for step in STARTUP_STEPS:
-                getattr(self, f"_start_{step}")(cfg)
+            steps = (self._start_metrics, self._start_backend, self._start_regions, self._start_staging,
+                     self._start_control_context, self._start_bootstrap_client, self._start_sources,
+                     self._start_control_loop, self._start_control_thread, self._start_registration,
+                     self._start_keepalive)   # STARTUP_STEPS, in order
+            for step in steps:
+                step(cfg)
         except BaseException:
             # everything already created goes, newest first; each undo is bounded, so the
             # original error reaches the caller within seconds (never a hang in cleanup)

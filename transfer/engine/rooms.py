@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from typing import Generic, NamedTuple
+from typing import Generic, NamedTuple, assert_never
 
 from ...hop_trace import TRACE, Hop
 from ..poll import KVPoll
@@ -76,34 +76,37 @@ class RoomBook(Generic[R]):
 
     def apply(self, room: R, actions: list[Action]) -> None:
         failed = False
-        for a in actions:
-            if isinstance(a, Send):
-                if type(a.msg) is RoomMeta:
-                    self._side().meta_out(room, a)
-                self.peers.send(a.peer, a.msg)
-            elif isinstance(a, PostWrite):
-                self._writes().post(a.op, time.monotonic())
-            elif isinstance(a, AwaitUnit):
-                self._writes().await_unit(a)
-            elif isinstance(a, Scatter):
-                self._side().scatter(a)
-            elif isinstance(a, PublishWatermark):
-                self._side().publish_watermark()
-            elif isinstance(a, ReleaseCredit):
-                self._side().release_credit(a)
-            elif isinstance(a, SettleCredits):
-                self._side().settle_credits(a)
-            elif isinstance(a, StatusChanged):
-                self._status_changed(room, a)
-                failed |= a.state is KVPoll.Failed and not a.released
-            elif isinstance(a, Released):
-                self._released(room)
-            elif isinstance(a, Dropped):
-                self.ctx.stats.count("dropped_messages", a.reason)
-            elif isinstance(a, DecodePrefix):
-                status = self.status.get(room.room)
-                if status is not None:
-                    status.decode_prefix_pages = a.pages
+        for a in actions:   # Action is a closed union: every kind has its case (assert_never)
+            match a:
+                case Send():
+                    if type(a.msg) is RoomMeta:
+                        self._side().meta_out(room, a)
+                    self.peers.send(a.peer, a.msg)
+                case PostWrite():
+                    self._writes().post(a.op, time.monotonic())
+                case AwaitUnit():
+                    self._writes().await_unit(a)
+                case Scatter():
+                    self._side().scatter(a)
+                case PublishWatermark():
+                    self._side().publish_watermark()
+                case ReleaseCredit():
+                    self._side().release_credit(a)
+                case SettleCredits():
+                    self._side().settle_credits(a)
+                case StatusChanged():
+                    self._status_changed(room, a)
+                    failed |= a.state is KVPoll.Failed and not a.released
+                case Released():
+                    self._released(room)
+                case Dropped():
+                    self.ctx.stats.count("dropped_messages", a.reason)
+                case DecodePrefix():
+                    status = self.status.get(room.room)
+                    if status is not None:
+                        status.decode_prefix_pages = a.pages
+                case _:
+                    assert_never(a)
         if failed:
             # pieces still waiting for ring space are never started (after the room's own messages)
             self._writes().cancel_room(room.room, time.monotonic())

@@ -25,7 +25,7 @@ class FrameRouter:
                  handlers: dict[type, MessageHandler]):
         self.ctx, self.peers, self.side = ctx, peers, side
         self.handlers = handlers
-        self._handled = frozenset(t.__name__ for t in handlers)
+        self._handled = frozenset(handlers)
 
     def on_frame(self, item: object, now: float) -> None:
         if isinstance(item, WireError):
@@ -33,7 +33,7 @@ class FrameRouter:
             return
         msg = cast(PeerMessage, item)
         peer = self.peers.get(msg.src)
-        route = route_frame(type(msg).__name__, role=self.ctx.role, me=self.ctx.me, dst=msg.dst,
+        route = route_frame(type(msg), role=self.ctx.role, me=self.ctx.me, dst=msg.dst,
                             peer_state=peer.state if peer is not None else None,
                             src_gone=msg.src in self.peers.gone, src_replaced=msg.src in self.peers.replaced,
                             handled=self._handled, conn=getattr(msg, "conn", 0),

@@ -7,9 +7,11 @@ pure so every combination of sender state, epoch and role is tested without a so
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from .kinds import Role, StrKind
+from .messages import Goodbye, Hello, PeerMessage, RoomFailed
 
 
 class PeerState(StrKind):
@@ -43,24 +45,25 @@ class Route:
     heard: bool = False
 
 
-def route_frame(kind: str, *, role: str, me: int, dst: int, peer_state: PeerState | None, src_gone: bool,
-                src_replaced: bool, handled: frozenset[str] | set[str], conn: int = 0, peer_conn: int = 0) -> Route:
-    """`kind`: the message class name; `peer_state`: None when the sender is not a current peer;
-    `handled`: the message kinds this rank's role has handlers for; `conn`: the connection a
+def route_frame(kind: type[PeerMessage], *, role: str, me: int, dst: int, peer_state: PeerState | None,
+                src_gone: bool, src_replaced: bool, handled: Collection[type[PeerMessage]], conn: int = 0,
+                peer_conn: int = 0) -> Route:
+    """`kind`: the message's type; `peer_state`: None when the sender is not a current peer;
+    `handled`: the message types this rank's role has handlers for; `conn`: the connection a
     Goodbye ends, `peer_conn`: the current connection with its sender (0: not known)."""
-    if kind == "Hello":
+    if kind is Hello:
         return Route(RouteAction.HELLO)
     if peer_state is None:
         reason = "stale_peer" if src_gone or src_replaced else "unknown_peer"
-        if src_gone and kind != "Goodbye":
+        if src_gone and kind is not Goodbye:
             return Route(RouteAction.TELL_GONE, reason)
         return Route(RouteAction.DROP, reason)
     if dst != me:
         return Route(RouteAction.DROP, "stale_epoch")
-    if kind == "Goodbye" and conn and peer_conn and conn != peer_conn:
+    if kind is Goodbye and conn and peer_conn and conn != peer_conn:
         return Route(RouteAction.DROP, "stale_connection")  # ends a connection that a newer one replaced
     if peer_state == PeerState.REJECTED:
-        if kind == "RoomFailed" and role == Role.PREFILL:
+        if kind is RoomFailed and role == Role.PREFILL:
             return Route(RouteAction.REJECTED_FAILURE)
         return Route(RouteAction.DROP)
     if kind not in handled:
