@@ -2,7 +2,8 @@
 
     from kvstage import KVLayout, KVBuffers, DraftKV, EngineConfig, KVManager, KVSender, KVReceiver, KVPoll
 
-The public names are loaded on first use (PEP 562), as the package root does: importing a pure
+The public names are loaded on first use (PEP 562); the package root uses this module's hooks
+(``kvstage.KVManager`` is this module's). Importing a pure
 part (``kvstage.transfer.protocol``, the geometry) loads neither the engine nor the staging
 data plane, and the staging modules may use the protocol's names without an import cycle.
 """
@@ -37,7 +38,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs only
 def __getattr__(name: str) -> Any:
     module = _PUBLIC.get(name)
     if module is None:
-        raise AttributeError(f"module 'kvstage.transfer' has no attribute {name!r}")
+        raise AttributeError(f"kvstage has no public name {name!r} (it has {', '.join(__all__)})")
     value = getattr(importlib.import_module(module, __name__), name)
     globals()[name] = value
     return value
