@@ -27,7 +27,7 @@ WriterDone or AllocRequest with its outcome. Everything it receives is idempoten
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import cast
 
 import numpy as np
@@ -123,12 +123,17 @@ class TagResult:
 class WriterState:
     peer: PeerKey
     assignment: Assignment
-    tags: set[tuple[int, int]] = field(default_factory=set)       # distinct (chunk, piece) landed
-    digests: dict[tuple[int, int], int] = field(default_factory=dict)  # (chunk, piece) -> its tag's digest (verify)
+    landed_writes: int = 0                        # distinct (chunk, piece) writes landed (the room's `landed`)
     done_at: float | None = None                  # WriterDone received
     done_writes: int = 0
     stopped: bool = False                         # quiesced or lost: it will not write again...
     quiet_after: float = 0.0                      # ... after this time (a lost writer's last write may stall)
+
+
+def landed_key(rank: int, chunk: int, piece: int) -> int:
+    """One int for a writer's (chunk, piece): the room's `landed` map's key (a tuple costs more)."""
+    assert 0 <= chunk < 1 << 24 and 0 <= piece < 1 << 24, (chunk, piece)
+    return rank << 48 | chunk << 24 | piece
 
 
 @dataclass(kw_only=True, slots=True)
@@ -172,7 +177,10 @@ class DecodeRoom(RoomBase):
         self.allocs: dict[int, Allocation] = {}
         self.credit_pieces: dict[tuple[int, int], CreditPiece] = {}   # (chunk, piece) -> until scattered
         self.scattering: dict[tuple[int, int], float] = {}   # piece key -> when asked
-        self.acked: set[int] = set()                         # prefill ranks that acknowledged the metadata
+        # every writer's distinct (chunk, piece) writes landed -> its tag's digest (0 without verify):
+        # one map for the room, keyed by landed_key, rather than one per writer (docs/scale.md)
+        self.landed: dict[int, int] = {}
+        self.acked = 0                                       # prefill ranks that acknowledged the metadata (bit r: rank r)
         self._retry_at = 0.0
         self.prefix = 0                                      # pages of the request held already
         self.bytes_in = 0                                    # bytes of accepted tags (writes that landed)
@@ -261,14 +269,14 @@ class DecodeRoom(RoomBase):
 
     def on_meta_ack(self, peer: PeerKey, session: int) -> None:
         if session == self.session and self.plan is not None and peer in self._all_prefill():
-            self.acked.add(peer.tp_rank)
+            self.acked |= 1 << peer.tp_rank
 
     # -- staged: allocation -----------------------------------------------------------------
     def on_alloc_request(self, peer: PeerKey, req: AllocRequest, ring: RingAllocator, now: float) -> list[Action]:
         w = self._writer(peer)
         if w is None or req.session != self.session:
             return []
-        self.acked.add(peer.tp_rank)
+        self.acked |= 1 << peer.tp_rank
         if self.ended:
             return self._outcome(peer)
         if not self._plan.staged:
@@ -319,7 +327,7 @@ class DecodeRoom(RoomBase):
         w = self._writer(peer)
         if w is None or tag.session != self.session or tag.src != peer.incarnation or self.tracker is None:
             return TagVerdict.STALE, []
-        self.acked.add(peer.tp_rank)
+        self.acked |= 1 << peer.tp_rank
         if self.ended:
             return TagVerdict.STALE, []
         if tag.writer != peer.tp_rank:
@@ -343,8 +351,7 @@ class DecodeRoom(RoomBase):
             return TagVerdict.PARTIAL, []
         if arrival.outcome is Outcome.REJECTED:
             return TagVerdict.REJECTED, self.fail(FailureKind.TAG_MISMATCH, f"tag from {peer} rejected: {arrival.reason}", now)
-        w.tags.add((tag.chunk, tag.piece))
-        w.digests[(tag.chunk, tag.piece)] = tag.digest
+        self._land(w, tag)
         self.bytes_in += tag.nbytes
         self.writes_in += 1
         if arrival.outcome is Outcome.PIECE_LANDED:
@@ -367,10 +374,10 @@ class DecodeRoom(RoomBase):
         w = self._writer(peer)
         if w is None or tag.session != self.session or tag.src != peer.incarnation or self.tracker is None:
             return TagVerdict.STALE, [], False
-        self.acked.add(peer.tp_rank)
+        self.acked |= 1 << peer.tp_rank
         if self.ended:
             return TagVerdict.STALE, [], False
-        if (tag.chunk, tag.piece) in self.credit_pieces or (tag.chunk, tag.piece) in w.tags:
+        if (tag.chunk, tag.piece) in self.credit_pieces or landed_key(w.peer.tp_rank, tag.chunk, tag.piece) in self.landed:
             return TagVerdict.DUPLICATE, [], False
         if claim.verdict is credit_rules.ClaimVerdict.DUPLICATE:
             return TagVerdict.DUPLICATE, [], False
@@ -389,8 +396,7 @@ class DecodeRoom(RoomBase):
         assert arrival.outcome is Outcome.PIECE_LANDED and arrival.piece is not None, arrival
         self.credit_pieces[(tag.chunk, tag.piece)] = CreditPiece(peer=peer, span=claim.span, region=region,
                                                                  layers=layers)
-        w.tags.add((tag.chunk, tag.piece))
-        w.digests[(tag.chunk, tag.piece)] = tag.digest
+        self._land(w, tag)
         self.bytes_in += tag.nbytes
         self.writes_in += 1
         return TagVerdict.OK, [self._scatter(arrival.piece, now)], True
@@ -438,11 +444,17 @@ class DecodeRoom(RoomBase):
         return [WriterPart(rank=r, ring_offset=region.offset + off, kv_bytes=n, copies=c)
                 for (r, _), off, n, c in zip(writers, offsets, kv, copies)]
 
+    def _land(self, w: WriterState, tag: Tag) -> None:
+        key = landed_key(w.peer.tp_rank, tag.chunk, tag.piece)
+        if key not in self.landed:
+            w.landed_writes += 1
+        self.landed[key] = tag.digest
+
     def holds_tag(self, peer: PeerKey, tag: Tag) -> bool:
         """Whether the whole write `tag` names already landed from `peer` (its tag came before):
         another copy of it (WriterDone repeats every tag) changes nothing."""
         w = self._writer(peer)
-        return w is not None and tag.session == self.session and (tag.chunk, tag.piece) in w.tags
+        return w is not None and tag.session == self.session and landed_key(w.peer.tp_rank, tag.chunk, tag.piece) in self.landed
 
     def completes_write(self, tag: Tag) -> bool:
         """Whether the write `tag` belongs to is whole once it lands: always, but for a direct
@@ -479,7 +491,7 @@ class DecodeRoom(RoomBase):
         parts = tuple(ScatterPart(p.ring_offset, p.kv_bytes, self.writers[p.rank].assignment.dst_heads) for p in parts_)
         pools = tuple(PoolPlacement(p.ring_offset + p.kv_bytes + c.offset, c) for p in parts_ for c in p.copies)
         checks = tuple(PartCheck(ring_offset=p.ring_offset, nbytes=p.nbytes,
-                                 digest=self.writers[p.rank].digests.get(piece.key, 0), writer=p.rank) for p in parts_)
+                                 digest=self.landed.get(landed_key(p.rank, *piece.key), 0), writer=p.rank) for p in parts_)
         dst = self._dst[piece.page_start:piece.page_start + piece.num_pages]
         return Scatter(room=self.room, key=piece.key, dst_pages=dst, parts=parts, layers=piece.layers, pools=pools,
                        checks=checks)
@@ -508,7 +520,7 @@ class DecodeRoom(RoomBase):
         w = self._writer(peer)
         if w is None or msg.session != self.session:
             return []
-        self.acked.add(peer.tp_rank)
+        self.acked |= 1 << peer.tp_rank
         if self.ended:
             return self._outcome(peer)   # our answer may have been lost: say it again
         if w.done_at is None:
@@ -570,7 +582,7 @@ class DecodeRoom(RoomBase):
         if self.state is KVPoll.Failed:
             return [self._outcome(w.peer)[0] for w in self.writers.values() if not w.stopped]
         if self.state is KVPoll.Transferring:
-            return self._metas([p for p in self._all_prefill() if p.tp_rank not in self.acked])
+            return self._metas([p for p in self._all_prefill() if not self.acked >> p.tp_rank & 1])
         return []
 
     def _deadlines(self, now: float) -> list[Action]:
@@ -578,9 +590,9 @@ class DecodeRoom(RoomBase):
         if self.inited_at is not None and now - self.inited_at > t.room:
             return self.fail(FailureKind.TIMEOUT, f"room not complete {t.room:g} s after init", now)
         for w in self.writers.values():
-            if w.done_at is not None and len(w.tags) < w.done_writes and now - w.done_at > t.arrival:
+            if w.done_at is not None and w.landed_writes < w.done_writes and now - w.done_at > t.arrival:
                 return self.fail(FailureKind.TIMEOUT, f"prefill rank {w.peer.tp_rank} reported {w.done_writes} writes done "
-                                            f"but only {len(w.tags)} notifications arrived within {t.arrival:g} s "
+                                            f"but only {w.landed_writes} notifications arrived within {t.arrival:g} s "
                                             "(lost notification)", now)
         for key, since in self.scattering.items():
             if now - since > t.scatter:
