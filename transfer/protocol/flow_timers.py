@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from ..timeouts import Timeouts
-from .flows import Flow
+from .flows import Flow, FlowState
 
 __all__ = ["due_again", "overdue"]
 
@@ -21,8 +21,11 @@ def due_again(flows: Iterable[Flow], retry: float, now: float) -> list[tuple[Flo
             if chunk not in flow.granted and now - flow.asked_again.get(chunk, first) >= retry:
                 flow.asked_again[chunk] = now
                 out.append((flow, chunk))
+        if flow.state is not FlowState.DONE_SENT:
+            continue
         last_done = flow.done_again_at if flow.done_again_at is not None else flow.done_sent_at
-        if last_done is not None and not flow.confirmed and now - last_done >= retry:
+        assert last_done is not None, "a flow in DONE_SENT has sent its WriterDone"
+        if now - last_done >= retry:
             flow.done_again_at = now
             out.append((flow, None))
     return out
@@ -35,7 +38,8 @@ def overdue(flows: Iterable[Flow], t: Timeouts, now: float) -> str | None:
         for chunk, asked in flow.requested_at.items():
             if chunk not in flow.granted and now - asked > t.watermark:
                 return f"no ring allocation for chunk {chunk} from {flow.peer} within {t.watermark:g} s"
-        if flow.done_sent_at is not None and not flow.confirmed and now - flow.done_sent_at > t.arrival + t.scatter:
+        if (flow.state is FlowState.DONE_SENT and flow.done_sent_at is not None
+                and now - flow.done_sent_at > t.arrival + t.scatter):
             return (f"decode rank {flow.peer.tp_rank} did not confirm the room within {t.arrival + t.scatter:g} s "
                     f"of the last write")
     return None

@@ -3,17 +3,74 @@
 The decode side may already hold the first pages of a request (its prefix cache): the chunks
 the caller gives are the whole request's, and only their pages past the prefix are sent,
 numbered as the decode side numbers its destination pages (from the prefix on).
+
+A flow's phase is its `state` (FlowState), which moves only along FLOW_TRANSITIONS, through
+`Flow.move`; a move the table lacks is a bug in the room and raises IllegalTransition (as a
+room's status does, lifecycle.py). Two things move it independently: this rank's writing
+(metadata checked, then every write completed) and the decode rank's RoomDone, which may come
+first (the decode side sees the bytes land before this rank reads its completions). The
+counters next to it (chunks issued, grants, writes in flight, bytes) are data; which phase the
+flow is in is asked of the state alone.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from .actions import PeerKey
 from .head_mapping import Assignment
+from .kinds import StrKind
+from .lifecycle import IllegalTransition
 from .messages import RoomMeta
+
+__all__ = ["CONFIRMED_STATES", "FLOW_TRANSITIONS", "UNCHECKED_STATES", "Chunk", "Flow", "FlowEvent", "FlowState",
+           "past_prefix"]
+
+
+class FlowState(StrKind):
+    """Where one flow (this prefill rank -> one decode rank, one room) is."""
+
+    WAITING_META = "waiting_meta"                # metadata held until init() gives the page count to check it against
+    WRITING = "writing"                          # metadata checked; chunks to issue or writes to complete (a
+                                                 # notice-only flow writes nothing and stays here)
+    DONE_SENT = "done_sent"                      # every write completed, WriterDone sent; awaiting RoomDone
+    CONFIRMED = "confirmed"                      # every write completed and RoomDone in: the flow is finished
+    CONFIRMED_WRITING = "confirmed_writing"      # RoomDone in while writes' completions are still to come
+    CONFIRMED_UNCHECKED = "confirmed_unchecked"  # RoomDone in before the metadata was checked (no correct decode
+                                                 # rank sends it then; the flow goes on as a confirmed one)
+    FAILED = "failed"                            # the room failed: nothing more is written
+
+
+class FlowEvent(StrKind):
+    """What moves a flow's state."""
+
+    CHECKED = "checked"      # the decode rank's metadata agrees with this rank's page count, prefix and pools
+    WRITTEN = "written"      # the last chunk issued and every write of the flow completed (WriterDone due)
+    CONFIRM = "confirm"      # RoomDone from the decode rank (a repeated one changes nothing)
+    FAIL = "fail"            # the room failed
+
+
+_S, _E = FlowState, FlowEvent
+
+FLOW_TRANSITIONS: Mapping[tuple[FlowState, FlowEvent], FlowState] = {
+    (_S.WAITING_META, _E.CHECKED): _S.WRITING,
+    (_S.WRITING, _E.WRITTEN): _S.DONE_SENT,
+    (_S.DONE_SENT, _E.CONFIRM): _S.CONFIRMED,
+    (_S.WAITING_META, _E.CONFIRM): _S.CONFIRMED_UNCHECKED,
+    (_S.CONFIRMED_UNCHECKED, _E.CHECKED): _S.CONFIRMED_WRITING,
+    (_S.WRITING, _E.CONFIRM): _S.CONFIRMED_WRITING,
+    (_S.CONFIRMED_WRITING, _E.WRITTEN): _S.CONFIRMED,       # no WriterDone: the decode rank confirmed already
+    (_S.CONFIRMED_UNCHECKED, _E.CONFIRM): _S.CONFIRMED_UNCHECKED,   # repeated RoomDone: no change
+    (_S.CONFIRMED_WRITING, _E.CONFIRM): _S.CONFIRMED_WRITING,
+    (_S.CONFIRMED, _E.CONFIRM): _S.CONFIRMED,
+    **{(s, _E.FAIL): _S.FAILED for s in FlowState if s is not _S.FAILED},
+}
+
+CONFIRMED_STATES = frozenset({_S.CONFIRMED_UNCHECKED, _S.CONFIRMED_WRITING, _S.CONFIRMED})   # RoomDone came
+UNCHECKED_STATES = frozenset({_S.WAITING_META, _S.CONFIRMED_UNCHECKED})                     # metadata held
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -30,7 +87,8 @@ class Chunk:
 
 @dataclass(kw_only=True, slots=True)
 class Flow:
-    """This prefill rank -> one decode rank, for this room."""
+    """This prefill rank -> one decode rank, for this room. `state` changes only through
+    `move` (FLOW_TRANSITIONS)."""
 
     peer: PeerKey
     session: int
@@ -50,12 +108,26 @@ class Flow:
     landed_tags: list[bytes] = field(default_factory=list)       # the signed tags of the writes completed
     active_at: float = 0.0                                        # when a write of it was last posted or completed
     tags_again_at: float = 0.0                                    # TagsAgain last sent
-    done_sent_at: float | None = None
-    confirmed: bool = False
+    done_sent_at: float | None = None                             # when it entered DONE_SENT (or CONFIRMED)
     layers: range | None = None         # decode PP: the layers this rank writes there (its stage's overlap
                                         # with the decode rank's); None: every layer of this rank
     stage_stop: int = 0                 # decode PP: the decode rank's stage's end, whose write carries
                                         # the pools (0: the model's last entry)
+    _state: FlowState = field(default=FlowState.WAITING_META, init=False, repr=False)
+
+    @property
+    def state(self) -> FlowState:
+        return self._state
+
+    def move(self, event: FlowEvent) -> FlowState:
+        """Move along FLOW_TRANSITIONS; IllegalTransition (state unchanged) when the table has
+        no such move. Returns the new state."""
+        new = FLOW_TRANSITIONS.get((self._state, event))
+        if new is None:
+            raise IllegalTransition(f"flow to decode rank {self.peer.tp_rank} ({self.peer.engine_id}) session "
+                                    f"{self.session}", None, self._state, event)
+        self._state = new
+        return new
 
 
 def past_prefix(chunks: list[Chunk], prefix: int, first_index: int) -> list[Chunk]:

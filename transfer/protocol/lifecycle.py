@@ -10,6 +10,7 @@ them, and the rooms check `ended` before they would try.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from enum import Enum
 
 from ..poll import KVPoll
 from .kinds import StrKind
@@ -55,10 +56,12 @@ DECODE_TRANSITIONS: Transitions = {
 
 
 class IllegalTransition(RuntimeError):
-    """A room tried a move its lifecycle table does not list (a bug in the room)."""
+    """A room (or one of its flows, flows.py) tried a move its table does not list (a bug in
+    the room). `room` None: `what` names the flow."""
 
-    def __init__(self, what: str, room: int, state: KVPoll, event: RoomEvent):
-        super().__init__(f"{what} {room}: no move from {state.name} on {event.value}")
+    def __init__(self, what: str, room: int | None, state: Enum, event: Enum):
+        where = what if room is None else f"{what} {room}"
+        super().__init__(f"{where}: no move from {state.name} on {event.value}")
         self.room, self.state, self.event = room, state, event
 
 

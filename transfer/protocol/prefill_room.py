@@ -41,7 +41,7 @@ from .chunk_writes import ChunkWrites, direct_writes, granted_writes
 from .credit_writes import CreditPurses, cut_pieces
 from .direct_ranges import direct_nbytes
 from .flow_timers import due_again, overdue
-from .flows import Chunk, Flow, past_prefix
+from .flows import CONFIRMED_STATES, UNCHECKED_STATES, Chunk, Flow, FlowEvent, FlowState, past_prefix
 from .head_mapping import Assignment, HeadMapping, compute_assignments
 from .kinds import FailureKind, TransferPath
 from .layer_sends import PER_CHUNK, LayerGrouper, LayerGrouping, SendLedger, Unit
@@ -111,7 +111,8 @@ class PrefillRoom(RoomBase):
         if self.ended:
             return []
         for flow in list(self.flows.values()):
-            if flow.meta is not None:
+            if flow.state in UNCHECKED_STATES:
+                assert flow.meta is not None, "a flow waiting for its check holds its metadata"
                 out = self._check_meta(flow, flow.meta, now)
                 if out:
                     return out
@@ -272,7 +273,7 @@ class PrefillRoom(RoomBase):
 
     def _check_meta(self, flow: Flow, meta: RoomMeta, now: float) -> list[Action]:
         """The decode rank's page count (and direct destination pages) against ours: [] when
-        they agree, else the room fails."""
+        they agree (the flow moves CHECKED), else the room fails."""
         flow.meta = None
         rank = flow.peer.tp_rank
         if meta.num_pages != self.num_pages:
@@ -294,6 +295,7 @@ class PrefillRoom(RoomBase):
                 return self.fail(FailureKind.PROTOCOL, f"decode rank {rank} sent {pages.size} destination pages "
                                              f"for {self.num_pages} pages past a prefix of {meta.prefix_pages}", now)
             flow.dst_pages = pages
+        flow.move(FlowEvent.CHECKED)
         return []
 
     def on_grant(self, peer: PeerKey, grant: AllocGrant, now: float) -> list[Action]:
@@ -336,7 +338,7 @@ class PrefillRoom(RoomBase):
 
     def _write_done(self, flow: Flow, op: WriteOp, ok: bool, reason: str | None, now: float,
                     tags: tuple[bytes, ...]) -> list[Action]:
-        if not ok and flow.confirmed:
+        if not ok and flow.state in CONFIRMED_STATES:
             # the decode rank already has every byte (it confirmed the room): a write reported
             # failed now was released after it landed (e.g. the peer left and was disconnected)
             return self._check_done(now) + self._maybe_release()
@@ -354,7 +356,7 @@ class PrefillRoom(RoomBase):
         flow = self._flow_of(peer, session)
         if flow is None or self.ended:
             return []
-        flow.confirmed = True
+        flow.move(FlowEvent.CONFIRM)
         return self._check_done(now)
 
     def on_room_failed(self, peer: PeerKey, session: int, kind: str, reason: str, now: float,
@@ -378,7 +380,7 @@ class PrefillRoom(RoomBase):
         flow = self.flows.get(peer.tp_rank)
         if flow is None or flow.peer != peer:
             return []
-        if flow.confirmed:
+        if flow.state in CONFIRMED_STATES:
             # it confirmed the room (has every byte) before it went, e.g. it closed right after:
             # only our own completions are outstanding, and the room succeeds once they are in
             return self._check_done(now)
@@ -419,7 +421,8 @@ class PrefillRoom(RoomBase):
         beat = self.timeouts.heartbeat
         out: list[Action] = []
         for flow in self.flows.values():
-            if (flow.confirmed or not flow.landed_tags or (flow.done_sent_at is None and not flow.inflight)
+            if (flow.state in CONFIRMED_STATES or not flow.landed_tags
+                    or (flow.state is not FlowState.DONE_SENT and not flow.inflight)
                     or now - flow.active_at < beat or now - flow.tags_again_at < beat):
                 continue
             flow.tags_again_at = now
@@ -458,6 +461,8 @@ class PrefillRoom(RoomBase):
         return [(flow.peer, flow.session) for flow in self.flows.values()]
 
     def _after_failure(self, now: float) -> list[Action]:
+        for flow in self.flows.values():
+            flow.move(FlowEvent.FAIL)
         if self.batcher is not None:
             self.batcher.clear()   # held units are never written
         return self._maybe_release()
@@ -652,14 +657,14 @@ class PrefillRoom(RoomBase):
             return []
         out: list[Action] = []
         for flow in self.flows.values():
-            if flow.assignment is None or flow.done_sent_at is not None:
+            if flow.assignment is None or flow.state not in (FlowState.WRITING, FlowState.CONFIRMED_WRITING):
                 continue
             if self._flow_finished_writing(flow):
                 flow.done_sent_at = now
-                if not flow.confirmed:  # a decode rank that confirmed needs no WriterDone (and may be gone)
+                # a decode rank that confirmed needs no WriterDone (and may be gone)
+                if flow.move(FlowEvent.WRITTEN) is FlowState.DONE_SENT:
                     out.append(self._writer_done(flow))
-        if self.last and all(f.assignment is None or (f.confirmed and f.done_sent_at is not None)
-                             for f in self.flows.values()):
+        if self.last and all(f.assignment is None or f.state is FlowState.CONFIRMED for f in self.flows.values()):
             out += self._move(RoomEvent.SUCCEED, now) + self._maybe_release()
         return out
 
