@@ -87,8 +87,8 @@ $(LINT_STAMP): requirements/lint.txt | $(STAMP)
 	touch $(LINT_STAMP)
 
 # mypy finds the package `kvstage` (the repository root) through build/mypy/kvstage, a link to the
-# root (pyproject.toml's [tool.mypy]); strict on transfer/protocol/ and wire.py, mypy's
-# default checks on transfer/engine/.
+# root (pyproject.toml's [tool.mypy]); strict on all three: transfer/protocol/, wire.py and
+# transfer/engine/.
 lint: $(STAMP) $(LINT_STAMP)
 	$(VENV)/bin/ruff check .
 	mkdir -p build/mypy && ln -sfn ../.. build/mypy/kvstage

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -34,6 +34,12 @@ from ..protocol.quiet import InFlight
 log = logging.getLogger(__name__)
 
 ABANDON_AFTER_DISCONNECT = 5.0
+
+T = TypeVar("T")
+if TYPE_CHECKING:   # typing's own from Python 3.11; annotations only, never evaluated
+    from typing_extensions import TypeVarTuple, Unpack
+
+    Ts = TypeVarTuple("Ts")
 
 
 @dataclass(eq=False, kw_only=True)  # identity, not field equality: fields hold numpy arrays
@@ -98,11 +104,11 @@ class BackendOwner:
         return self._owner == threading.get_ident()
 
     # -- for any thread -------------------------------------------------------------------------
-    def call(self, fn: Callable[..., Any], *args: Any, timeout: float = 60.0) -> Any:
+    def call(self, fn: Callable[[Backend, Unpack[Ts]], T], *args: Unpack[Ts], timeout: float = 60.0) -> T:
         """Run fn(backend, *args) on the owning thread and return its result (or raise)."""
         if self._mine():
             return fn(self.backend, *args)
-        fut: Future[Any] = Future()
+        fut: Future[T] = Future()
         self._cmds.put(_Call(fn, args, fut))
         self._wake()
         return fut.result(timeout)

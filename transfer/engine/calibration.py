@@ -18,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol, TypeVar
 
 import numpy as np
 import torch
@@ -33,6 +33,14 @@ PROBE_RANGES = 128             # ranges of the many-range probe (Mooncake over T
 PROBE_RANGE_BYTES = 64
 PROBE_DEADLINE_S = 5.0         # all probe writes together: a bound for a stuck probe (they take 0.1-1.5 s)
 REPEATS = 3                    # each probe write; the fastest counts
+
+T = TypeVar("T")
+
+
+class BackendCall(Protocol):
+    """Runs a function of the rank's backend on the thread owning it (BackendOwner.call)."""
+
+    def __call__(self, fn: Callable[[Backend], T], /) -> T: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,7 +61,7 @@ def copy_rates(device: torch.device, row_bytes: int, total: int = PROBE_BYTES) -
     buf = torch.zeros((rows, width), dtype=torch.int64, device=device)
     idx = torch.randperm(rows * 2, device=device)[:rows]
 
-    def timed(fn: Callable[[], Any]) -> float:
+    def timed(fn: Callable[[], object]) -> float:
         best = float("inf")
         for _ in range(REPEATS):
             if device.type == "cuda":
@@ -71,7 +79,7 @@ def copy_rates(device: torch.device, row_bytes: int, total: int = PROBE_BYTES) -
     return nbytes / max(gather, 1e-9), nbytes / max(scatter, 1e-9)
 
 
-def probe_writes(call: Callable[[Callable[[Backend], Any]], Any], make_probe: Callable[[], Backend],
+def probe_writes(call: BackendCall, make_probe: Callable[[], Backend],
                  device: torch.device, mem_kind: str, deadline_s: float = PROBE_DEADLINE_S) -> list[tuple[int, int, float]]:
     """(ranges, bytes, seconds) of the probe writes from this rank's backend (`call` runs a
     function on its owning thread) into a private endpoint `make_probe()` in this process.
@@ -107,7 +115,7 @@ def probe_writes(call: Callable[[Callable[[Backend], Any]], Any], make_probe: Ca
         probe.close()
 
 
-def _one_write(call: Callable[[Callable[[Backend], Any]], Any], probe: Backend, peer: str, src: np.ndarray,
+def _one_write(call: BackendCall, probe: Backend, peer: str, src: np.ndarray,
                dst: np.ndarray, mem_kind: str, end: float) -> float:
     def run(b: Backend) -> float:
         t0 = time.perf_counter()
@@ -129,7 +137,7 @@ def _one_write(call: Callable[[Callable[[Backend], Any]], Any], probe: Backend, 
     return seconds
 
 
-def calibrate(*, backend_kind: str, call: Callable[[Callable[[Backend], Any]], Any],
+def calibrate(*, backend_kind: str, call: BackendCall,
               make_probe: Callable[[], Backend], device: torch.device, mem_kind: str, row_bytes: int,
               writes: bool) -> Calibration:
     """Measure; on any failure, one warning and no costs (the fixed rule decides)."""

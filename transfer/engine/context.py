@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 from ...staging.handler import StagingHandler
 from ..config import EngineConfig, Timeouts
@@ -60,7 +60,7 @@ class EngineContext:
     tags: TagCodec
     summary: LayoutSummary
     geometry: CacheGeometry
-    post: Callable[[Any], None]   # hand an event to the control thread (any thread may call it)
+    post: Callable[[object], None]   # hand an event to the control thread (any thread may call it)
     integrity: Integrity          # digests (verify) and the corrupt_data fault
     observer: Observer            # histograms of writes and requests (metrics on), else NoObserver
     calibration: Calibration | None = None   # the path costs measured at start (None: not measured)

@@ -7,11 +7,16 @@ fails to decode comes back as a WireError for the caller to count, never as an e
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import zmq
 
 from ...hop_trace import TRACE, Hop
 from ...wire import Codec, WireError
+from ..protocol.messages import PeerMessage
+
+if TYPE_CHECKING:
+    from ..backends.faults import ControlFaults
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +25,8 @@ MAX_BATCH = 512
 
 
 class ControlSocket:
-    def __init__(self, ctx: zmq.Context, host: str, port: int, codec: Codec, faults=None):
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], host: str, port: int, codec: Codec[PeerMessage],
+                 faults: ControlFaults | None = None):
         self.codec = codec
         self.faults = faults  # transfer.backends.faults.ControlFaults, tests only
         self._ctx = ctx
@@ -37,12 +43,12 @@ class ControlSocket:
                                      "is the port in use, or the host not an address of this machine? "
                                      "(EngineConfig.host, EngineConfig.ctrl_port or KVSTAGE_CTRL_PORT)") from None
         self.endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._dealers: dict[str, zmq.Socket] = {}
+        self._dealers: dict[str, zmq.Socket[bytes]] = {}
         self.dropped_sends = 0
 
-    def recv_batch(self) -> list[object]:
+    def recv_batch(self) -> list[PeerMessage | WireError]:
         """Decoded messages (or WireErrors) waiting on the ROUTER, without blocking."""
-        out: list[object] = []
+        out: list[PeerMessage | WireError] = []
         for _ in range(MAX_BATCH):
             try:
                 parts = self.router.recv_multipart(zmq.NOBLOCK, copy=True)
@@ -58,7 +64,7 @@ class ControlSocket:
             out.append(msg)
         return out
 
-    def send(self, endpoint: str, msg: object) -> bool:
+    def send(self, endpoint: str, msg: PeerMessage) -> bool:
         if TRACE.on:
             TRACE.hop(Hop.SOCKET_SEND, getattr(msg, "room", None), type(msg).__name__)
         frames = self.codec.encode(msg)

@@ -14,7 +14,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import TYPE_CHECKING, cast
 
 from ...bootstrap import RankRecord
 from ...bootstrap.rendezvous import RankGone
@@ -23,6 +23,7 @@ from ..protocol import peering
 from ..protocol.actions import PeerKey
 from ..protocol.decode_plan import PathInputs
 from ..protocol.decode_room import DecodeRoom, PlanRefused, WriterOffer, plan_room
+from ..protocol.head_mapping import HeadMapping
 from ..protocol.kinds import FailureKind
 from ..protocol.leases import Lease
 from ..protocol.messages import Hello, HelloAck, KVMemory, PoolMemory, RingInfo, RoomFailed, WatermarkUpdate
@@ -35,6 +36,9 @@ from .events import LookupDone
 from .peers import Peer, PeerTable
 from .prefill_sources import PrefillSource
 from .rooms import RoomBook
+
+if TYPE_CHECKING:
+    from ..state_pools import StatePool
 
 log = logging.getLogger("kvstage")
 
@@ -71,8 +75,8 @@ class EngineView:
 
 
 class EnginePlanner:
-    def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook,
-                 lookup: Callable[[PrefillSource, float], list]):
+    def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook[DecodeRoom],
+                 lookup: Callable[[PrefillSource, float], list[RankRecord]]):
         self.ctx, self.peers, self.book, self._lookup = ctx, peers, book, lookup
         self.engines: dict[str, EngineView] = {}      # source key -> view
         self.engine_of: dict[int, str] = {}          # room -> source key
@@ -203,7 +207,7 @@ class EnginePlanner:
         stages = peering.read_stages(view.name, view.records, self.ctx.layout.num_layers)
         return peering.needed_ranks(stages.tp_size, self.ctx.layout, stages.layers, stages.draft_pools)
 
-    def _log_fallback(self, engine_id: str, mapping: Any, writers: list[Peer]) -> None:
+    def _log_fallback(self, engine_id: str, mapping: HeadMapping, writers: list[Peer]) -> None:
         why = peering.fallback_reason(self.ctx.handler.allocator is not None, self.ctx.layout.mla,
                                       mapping.prefill_tp, mapping.decode_tp,
                                       [p.key.tp_rank for p in writers if not p.staging])
@@ -373,7 +377,7 @@ class EnginePlanner:
                         FailureKind.CONNECT, f"no connection to the prefill ranks of this room within {limit:g} s: {why}", now))
 
 
-def pool_memory(pools: dict) -> list[PoolMemory]:
+def pool_memory(pools: dict[str, StatePool]) -> list[PoolMemory]:
     """Where this rank's state pool items are, for writers' direct writes."""
     out = []
     for name in sorted(pools):

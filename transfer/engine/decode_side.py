@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from ...bootstrap import RankRecord
 from ...bootstrap.rendezvous import RankGone
 from ...staging.pool_copies import LandedBlock
 from ...staging.scatter_worker import LandedPart, ScatterJob, ScatterWorker
@@ -66,7 +67,7 @@ class DecodeSide:
     writes_to_peers = False   # only prefill ranks write; a decode rank's leases are liveness only
 
     def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook[DecodeRoom],
-                 lookup: Callable[[PrefillSource, float], list], scatterer: ScatterWorker | None):
+                 lookup: Callable[[PrefillSource, float], list[RankRecord]], scatterer: ScatterWorker | None):
         """`scatterer`: the scatter thread of a rank with a staging ring, else None."""
         self.ctx, self.peers, self.book, self.scatterer = ctx, peers, book, scatterer
         self.planner = EnginePlanner(ctx, peers, book, lookup)

@@ -11,7 +11,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import numpy as np
 
@@ -19,14 +19,17 @@ from ...hop_trace import TRACE, Hop
 from ..protocol.kinds import FailureKind
 
 if TYPE_CHECKING:   # annotations only: these modules import this one
+    from ...bootstrap import RankRecord
     from .handles import RoomStatus
     from .loop import EngineLoop
     from .prefill_sources import PrefillSource
 
+T = TypeVar("T")
+
 
 class EventQueue:
-    def __init__(self):
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._r, self._w = os.pipe()
         os.set_blocking(self._r, False)
         os.set_blocking(self._w, False)
@@ -36,7 +39,7 @@ class EventQueue:
     def fd(self) -> int:
         return self._r
 
-    def put(self, event: Any) -> None:
+    def put(self, event: object) -> None:
         if TRACE.on:
             TRACE.hop(Hop.EVENT_QUEUED, getattr(event, "room", None), f"ctrl {type(event).__name__}")
         self._q.put(event)
@@ -48,13 +51,13 @@ class EventQueue:
             except (BlockingIOError, OSError):
                 pass  # the pipe is full: a wake-up is already pending
 
-    def drain(self) -> list[Any]:
+    def drain(self) -> list[object]:
         try:
             while os.read(self._r, 4096):
                 pass
         except (BlockingIOError, OSError):
             pass
-        out = []
+        out: list[object] = []
         while True:
             try:
                 out.append(self._q.get_nowait())
@@ -76,14 +79,14 @@ class NewSender:
     room: int
     num_pages: int | None     # None: given later by InitSender
     status: RoomStatus
-    pool_items: dict | None = None
+    pool_items: dict[str, np.ndarray] | None = None
 
 
 @dataclass(frozen=True)
 class InitSender:
     room: int
     num_pages: int
-    pool_items: dict | None = None
+    pool_items: dict[str, np.ndarray] | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,7 +96,7 @@ class SendChunk:
     last: bool                # decided in the caller's thread (inferred there when not given)
     layers: range | None = None           # None: every layer of the rank
     ready: tuple[object, ...] = ()        # waited on by a kvstage thread before the layers are read
-    pool_items: dict | None = None        # the last send: items of pools init() did not name
+    pool_items: dict[str, np.ndarray] | None = None   # the last send: items of pools init() did not name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,7 +112,7 @@ class InitReceiver:
     room: int
     pages: np.ndarray
     prefix_pages: int = 0
-    pool_items: dict | None = None
+    pool_items: dict[str, np.ndarray] | None = None
 
 
 @dataclass(frozen=True)
@@ -162,13 +165,13 @@ class ScatterDone:
 @dataclass(frozen=True)
 class LookupDone:
     engine_id: str
-    records: list | None
+    records: list[RankRecord] | None
     error: str | None
 
 
 @dataclass(frozen=True)
-class Call:
+class Call(Generic[T]):
     """Run fn() on the control thread and hand the result to `done` (used by close/stats)."""
 
-    fn: Callable[[EngineLoop], object]
-    done: Callable[[object], None]
+    fn: Callable[[EngineLoop], T]
+    done: Callable[[T], None]

@@ -11,7 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,7 +25,14 @@ from ..protocol.send_checks import check_late_items, check_page_count
 from ..timeline import TimelineRecorder
 from .events import Abort, InitReceiver, InitSender, SendChunk
 
-Post = Callable[[Any], None]   # hands an event to the control thread; raises once the manager closed
+if TYPE_CHECKING:
+    from ..protocol.actions import RoomTotals
+    from ..state_pools import StatePool
+
+Post = Callable[[object], None]   # hands an event to the control thread; raises once the manager closed
+# a request's items of the state pools, as the caller gives them ({pool name: [item, ...]}, any
+# int sequence or array: check_pool_items validates them)
+PoolItemsArg = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -43,21 +50,21 @@ class Ended:
     """A room's state with its totals and when it ended (None: it has not)."""
 
     state: KVPoll
-    totals: Any                # RoomTotals
+    totals: RoomTotals | None
     ended_at: float | None
 
 
 class RoomStatus:
     """Written by the control thread, read by the caller."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
         self.state = KVPoll.Bootstrapping
         self.failure: str | None = None
         self.failure_kind: str | None = None
         self.released = False
-        self.totals: Any = None             # RoomTotals, once the request ended
+        self.totals: RoomTotals | None = None   # once the request ended
         self.ended_at: float | None = None
         self.cleared = False                # the caller dropped the handle (the manager's lock guards it)
         self.decode_prefix_pages: int | None = None   # prefill: pages the decode side holds (one int: atomic)
@@ -65,7 +72,7 @@ class RoomStatus:
         self.descriptors = 0                # prefill: backend descriptors posted (control thread only)
 
     def update(self, state: KVPoll, failure: str | None, kind: str | None, released: bool,
-               totals: Any = None) -> None:
+               totals: RoomTotals | None = None) -> None:
         with self._lock:
             self.state = state
             self.failure, self.failure_kind = failure, kind
@@ -84,7 +91,7 @@ class RoomStatus:
         with self._lock:
             return Snapshot(self.state, self.failure, self.failure_kind, self.released)
 
-    def wait(self, predicate, timeout: float | None) -> bool:
+    def wait(self, predicate: Callable[[RoomStatus], bool], timeout: float | None) -> bool:
         with self._lock:
             return self._changed.wait_for(lambda: predicate(self), timeout)
 
@@ -144,8 +151,8 @@ class _Handle:
             seconds=seconds,
             timeline=self._status.timeline.timeline(),
             merged_sends=totals.merged,
-            predicted_s=getattr(totals, "predicted_s", None),
-            path_reason=getattr(totals, "path_reason", ""),
+            predicted_s=totals.predicted_s,
+            path_reason=totals.path_reason,
         )
 
     def failure_exception(self) -> KVTransferError | None:
@@ -190,9 +197,9 @@ class KVSender(_Handle):
         num_pages: int | None,
         status: RoomStatus,
         forget: Callable[[int, RoomStatus], None] | None = None,
-        pools: dict | None = None,
+        pools: dict[str, StatePool] | None = None,
         layers: range | None = None,
-        pool_items: dict | None = None,
+        pool_items: dict[str, np.ndarray] | None = None,
     ):
         """`layers`: the layers this rank holds (None: one layer; the manager passes the
         layout's); `pool_items`: the items given with the page count at creation."""
@@ -200,7 +207,7 @@ class KVSender(_Handle):
         self.num_pages = num_pages
         self._pools = pools or {}
         self._ledger = SendLedger(room=room, stage=layers if layers is not None else range(1))
-        self._init_items: dict = pool_items or {}   # pools named at creation or init()
+        self._init_items: dict[str, np.ndarray] = pool_items or {}   # pools named at creation or init()
         if num_pages is not None:
             self._started = self._mark_init()
             self._ledger.set_page_count(num_pages)
@@ -211,7 +218,7 @@ class KVSender(_Handle):
         cache); they are not sent. None until the decode side's metadata arrived."""
         return self._status.decode_prefix_pages
 
-    def init(self, num_pages: int, pool_items: dict | None = None) -> None:
+    def init(self, num_pages: int, pool_items: PoolItemsArg | None = None) -> None:
         """The request's page count on this rank, for a sender created without one, and its
         items of the state pools ({pool name: [item, ...]}, moved with the last page). Allowed in
         any state: before the decode side's metadata arrived, the request waits for it."""
@@ -226,8 +233,8 @@ class KVSender(_Handle):
         self._ledger.set_page_count(num_pages)
         self._started = started
 
-    def send(self, pages: Any, last: bool | None = None, *, layers: range | None = None,
-             ready: Any = None, pool_items: dict | None = None) -> None:
+    def send(self, pages: object, last: bool | None = None, *, layers: range | None = None,
+             ready: object = None, pool_items: PoolItemsArg | None = None) -> None:
         """The next pages of the request (indices into this rank's cache, in request order).
 
         `layers` (a range): send only these layers of the pages, as soon as the forward pass
@@ -267,14 +274,14 @@ class KVReceiver(_Handle):
         prefill_engine: str,
         status: RoomStatus,
         forget: Callable[[int, RoomStatus], None] | None = None,
-        pools: dict | None = None,
+        pools: dict[str, StatePool] | None = None,
     ):
         super().__init__(post, cache_pages, room, "decode", status, forget)
         self.prefill_engine = prefill_engine
         self._pools = pools or {}
         self._inited = False
 
-    def init(self, dst_pages: Any, prefix_pages: int = 0, pool_items: dict | None = None) -> None:
+    def init(self, dst_pages: object, prefix_pages: int = 0, pool_items: PoolItemsArg | None = None) -> None:
         """Page indices in this rank's cache for the request, in request order. With
         `prefix_pages` k, this rank already holds the request's first k pages (its prefix
         cache) and `dst_pages` are the pages for the rest: the prefill side skips the first k,

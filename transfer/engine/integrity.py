@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 import torch
@@ -40,10 +39,10 @@ class Integrity:
         self.layout, self.buffers, self.tags, self.handler, self.stats = layout, buffers, tags, handler, stats
         self.corrupt_data = corrupt_data
         self._rng = random.Random(seed + 7)
-        self._gatherer: Any = None   # staging/kernels.py: a Gatherer, made on first use
+        self._gatherer: object = None   # staging/kernels.py: a Gatherer, made on first use
         self.corrupted_rooms: set[int] = set()
 
-    def _gather(self) -> Any:
+    def _gather(self) -> object:
         if self._gatherer is None:
             self._gatherer = gatherer_class(self.buffers.device)()
         return self._gatherer

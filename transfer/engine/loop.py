@@ -29,11 +29,12 @@ import math
 import select
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, cast
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar, cast
 
 import zmq
 
+from ...bootstrap import RankRecord
 from ...hop_trace import TRACE, Hop
 from ...staging.handler import StagingHandler
 from ...staging.scatter_worker import ScatterWorker
@@ -48,7 +49,7 @@ from ..poll import KVPoll
 from ..protocol.decode_room import DecodeRoom
 from ..protocol.kinds import FailureKind, Role
 from ..protocol.layer_sends import LayerGrouping
-from ..protocol.messages import Goodbye
+from ..protocol.messages import Goodbye, PeerMessage
 from ..protocol.prefill_room import PrefillRoom
 from ..protocol.quiet import MIN_EAGER_WAIT, Activity, activity, next_wait
 from ..protocol.routing import PeerState
@@ -60,7 +61,7 @@ from .control_socket import MAX_BATCH, ControlSocket
 from .decode_side import DecodeSide, scatter_report
 from .events import Call, EventQueue, LayersReady, Wake, WriteDone
 from .integrity import Integrity
-from .interfaces import RoleSide
+from .interfaces import RoleSide, Room
 from .liveness import Liveness
 from .peers import PeerTable
 from .prefill_side import PrefillSide
@@ -74,6 +75,8 @@ from .write_queue import WriteQueue, gather_report
 log = logging.getLogger("kvstage")
 
 TICK = 0.1                 # deadlines, retransmissions, heartbeats and leases are all seconds-scale
+
+T = TypeVar("T")
 
 
 class Lateness:
@@ -102,7 +105,8 @@ class Lateness:
 class EngineLoop:
     def __init__(self, cfg: EngineConfig, layout: KVLayout, buffers: KVBuffers, me: int,
                  backend: BackendOwner, backend_name: str, identity: bytes, handler: StagingHandler,
-                 stats: Stats, lookup: Callable[[PrefillSource, float], list], codec: Codec, ctx: zmq.Context,
+                 stats: Stats, lookup: Callable[[PrefillSource, float], list[RankRecord]],
+                 codec: Codec[PeerMessage], ctx: zmq.Context[zmq.Socket[bytes]],
                  control_faults: ControlFaults | None = None, observer: Observer | None = None,
                  calibration: Calibration | None = None):
         self.events = EventQueue()
@@ -125,7 +129,8 @@ class EngineLoop:
 
     def _build(self, cfg: EngineConfig, layout: KVLayout, buffers: KVBuffers, me: int, backend: BackendOwner,
                backend_name: str, identity: bytes, handler: StagingHandler, stats: Stats,
-               lookup: Callable[[PrefillSource, float], list], sock: ControlSocket, observer: Observer | None,
+               lookup: Callable[[PrefillSource, float], list[RankRecord]], sock: ControlSocket,
+               observer: Observer | None,
                calibration: Calibration | None = None) -> None:
         """Every part gets what it uses in its constructor, built in dependency order. Three pairs
         call each other (the peer table and its listeners, the room book and the write queue, the
@@ -185,7 +190,7 @@ class EngineLoop:
         return self.ctx.sock.endpoint
 
     @property
-    def rooms(self) -> dict[int, Any]:
+    def rooms(self) -> Mapping[int, Room]:
         return self.book.rooms
 
     def meters(self) -> list[ThreadMeter]:
@@ -220,7 +225,7 @@ class EngineLoop:
             if self.scatter is not None:
                 self.scatter.stop()
 
-    def post(self, event: Any) -> None:
+    def post(self, event: object) -> None:
         """Any thread: hand an event to the control thread; RuntimeError once it has died (an
         event nobody will handle would leave its caller waiting forever)."""
         with self._death_lock:
@@ -235,7 +240,7 @@ class EngineLoop:
         poller = zmq.Poller()
         poller.register(sock.router, zmq.POLLIN)
         poller.register(self.events.fd, zmq.POLLIN)
-        zfd = sock.router.getsockopt(zmq.FD)  # edge-triggered: valid to wait on once drained
+        zfd = cast(int, sock.router.getsockopt(zmq.FD))  # edge-triggered: valid to wait on once drained
         self.meter.started()
         wait, act = MIN_EAGER_WAIT, Activity.QUIET
         try:
@@ -294,7 +299,7 @@ class EngineLoop:
     def _on_frame(self, item: object) -> None:
         self.router.on_frame(item, time.monotonic())
 
-    def _on_event(self, ev: Any) -> None:
+    def _on_event(self, ev: object) -> None:
         if TRACE.on:
             TRACE.hop(Hop.EVENT_TAKEN, getattr(ev, "room", None), f"ctrl {type(ev).__name__}")
         handler = self.on_event.get(type(ev))
@@ -313,7 +318,7 @@ class EngineLoop:
                 self._stop.set()
 
     # -- errors ------------------------------------------------------------------------------------
-    def _safely(self, fn: Callable[[Any], None], arg: Any) -> None:
+    def _safely(self, fn: Callable[[T], None], arg: T) -> None:
         try:
             fn(arg)
         except Exception as exc:  # noqa: BLE001 - one bad input must never take the rank down
@@ -329,7 +334,7 @@ class EngineLoop:
             self._internal_error("backend_step", None, exc)
             return Step([], True)
 
-    def _internal_error(self, what: str, room_id: Any, exc: Exception) -> None:
+    def _internal_error(self, what: str, room_id: object, exc: Exception) -> None:
         """Count an exception inside the loop and fail the rooms it may have left stuck, kind
         "internal": the room the input names, else every room the side says may be stuck
         (writes in flight on prefill, notifications awaited on decode)."""

@@ -10,8 +10,9 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import msgspec
 import zmq
@@ -22,6 +23,7 @@ from ...staging.handler import StagingHandler
 from ...staging.kernels import kernel_choice, requested_kernels
 from ...staging.warmup import warm_kernels
 from ..backends import create_backend
+from ..backends.base import Backend, Registration
 from ..backends.faults import ControlFaults, FaultPlan, FaultyBackend
 from ..config import METRICS_PORT_ENV, EngineConfig, Timeouts
 from ..kv_buffers import KVBuffers
@@ -36,10 +38,13 @@ from ..regions import buffer_regions, unregistrable
 from .backend_owner import BackendOwner
 from .calibration import Calibration, calibrate
 from .events import Call, NewReceiver, NewSender, Wake
-from .handles import KVReceiver, KVSender, RoomStatus
+from .handles import KVReceiver, KVSender, PoolItemsArg, RoomStatus
 from .loop import EngineLoop
 from .prefill_sources import SourceResolver, make_source
-from .stats import Stats, meter_stats
+from .stats import Snapshot, Stats, meter_stats
+
+if TYPE_CHECKING:
+    from ..metrics import MetricsExporter
 
 log = logging.getLogger("kvstage")
 
@@ -49,6 +54,8 @@ log = logging.getLogger("kvstage")
 # this list and the order they ran in agree).
 STARTUP_STEPS = ("metrics", "backend", "regions", "staging", "control_context", "bootstrap_client",
                  "sources", "control_loop", "control_thread", "registration", "keepalive")
+
+T = TypeVar("T")
 
 
 class KVManager:
@@ -72,7 +79,7 @@ class KVManager:
         cfg = self.config
         check_kernels(cfg, self.layout, self.buffers)   # the last check: nothing is created before it
         self._stack = contextlib.ExitStack()
-        self._metrics: Any = None
+        self._metrics: MetricsExporter | None = None
         self._loop_stuck = False
         self.metrics_port: int | None = None   # where /metrics is served (the bound port when 0 was asked)
         self.name = f"kvstage-{cfg.engine_id}-{cfg.role}{self.layout.rank}-{self.incarnation & 0xFFFFFF:06x}"
@@ -128,10 +135,10 @@ class KVManager:
         if problem:
             raise ValueError(problem)
         for region in regions:
-            reg = self._backend.call(lambda b, spans=region.spans: b.register(spans))
+            reg = self._backend.call(lambda b, spans: b.register(spans), region.spans)
             self._stack.callback(self._deregister, reg)
 
-    def _deregister(self, reg: Any) -> None:
+    def _deregister(self, reg: Registration) -> None:
         self._backend.call(lambda b: b.deregister(reg))
 
     def _start_staging(self, cfg: EngineConfig) -> None:
@@ -225,7 +232,7 @@ class KVManager:
         # stopped by the bootstrap client's close(); close() deregisters first
         self._bootstrap.start_keepalive(self._info, interval_s=self._timeouts.heartbeat)
 
-    def _make_backend_options(self, cfg: EngineConfig) -> dict:
+    def _make_backend_options(self, cfg: EngineConfig) -> dict[str, Any]:
         options = dict(cfg.backend_options)
         if cfg.backend == "mooncake":
             # a Mooncake write cannot be cancelled once inside the engine: bound how long it may
@@ -235,7 +242,7 @@ class KVManager:
             options.setdefault("transfer_timeout_s", self._timeouts.write)
         return options
 
-    def _make_backend(self, cfg: EngineConfig, plan: FaultPlan | None):
+    def _make_backend(self, cfg: EngineConfig, plan: FaultPlan | None) -> Backend:
         backend = create_backend(cfg.backend, self.name, cfg.host, **self._make_backend_options(cfg))
         if plan is None:
             return backend
@@ -280,7 +287,7 @@ class KVManager:
                 time.sleep(0.2)
 
     # -- per-request handles -----------------------------------------------------------------------
-    def sender(self, room: int, num_pages: int | None = None, pool_items: dict | None = None) -> KVSender:
+    def sender(self, room: int, num_pages: int | None = None, pool_items: PoolItemsArg | None = None) -> KVSender:
         """Prefill side of a request; num_pages = pages of this request held by this rank, or
         None when not known yet (give it, and `pool_items`, later with the sender's init());
         `pool_items`: its items of the state pools ({pool name: [item, ...]})."""
@@ -344,13 +351,13 @@ class KVManager:
         for r in [r for r, s in self._rooms.items() if s.cleared and s.released]:
             del self._rooms[r]
 
-    def _post(self, event: Any) -> None:
+    def _post(self, event: object) -> None:
         if self._closed:
             raise RuntimeError("the KVManager is closed")
         self._loop.post(event)
 
     # -- observability and shutdown ------------------------------------------------------------------
-    def stats(self) -> dict:
+    def stats(self) -> Snapshot:
         """Counters: bytes, write requests, descriptors, gather/scatter time, ring occupancy,
         rooms by outcome, failures by kind, dropped messages by reason."""
         out = self._stats.snapshot()
@@ -365,11 +372,11 @@ class KVManager:
                 out.setdefault(key, {}).update(value)
         return out
 
-    def _on_loop(self, fn, timeout: float) -> Any:
+    def _on_loop(self, fn: Callable[[EngineLoop], T], timeout: float) -> T | None:
         loop = getattr(self, "_loop", None)   # a scrape may come while the manager is still starting
         if self._closed or loop is None or not loop.thread.is_alive():
             return None
-        fut: Future = Future()
+        fut: Future[T] = Future()
         try:
             loop.post(Call(fn, fut.set_result))
         except RuntimeError:   # the control thread died (its reason is in every room's failure)
@@ -434,7 +441,7 @@ class KVManager:
     def __enter__(self) -> KVManager:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -448,8 +455,8 @@ def check_kernels(cfg: EngineConfig, layout: KVLayout, buffers: KVBuffers) -> No
         kernel_choice(buffers.device)
 
 
-def _live_stats(loop: EngineLoop) -> dict:
-    out: dict[str, Any] = {"rooms_active": len(loop.rooms), "peers_connected": len(loop.peers.connected())}
+def _live_stats(loop: EngineLoop) -> Snapshot:
+    out: Snapshot = {"rooms_active": len(loop.rooms), "peers_connected": len(loop.peers.connected())}
     a = loop.ctx.handler.allocator
     if a is not None:
         out.update(ring_bytes=a.size, ring_live_bytes=a.live_bytes, ring_live_regions=a.live_regions,

@@ -61,7 +61,7 @@ class PrefillSide:
         layerwise_min_tokens)."""
         self.ctx, self.peers, self.book, self.writes = ctx, peers, book, writes
         self.grouping = grouping
-        self.served: dict[int, frozenset] = {}          # room that succeeded -> its (decode incarnation, session)s
+        self.served: dict[int, frozenset[tuple[int, int]]] = {}          # room that succeeded -> its (decode incarnation, session)s
         self.used_sessions: dict[int, EarlierUses] = {}  # finished room -> its uses' sessions (stale for the next)
         self.pending: dict[int, list[Parked]] = defaultdict(list)  # room -> messages that came before its sender
         self.pending_since: dict[int, float] = {}

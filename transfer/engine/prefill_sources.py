@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from ...bootstrap import BootstrapError, Rendezvous, open_rendezvous
+from ...bootstrap import BootstrapError, RankGone, RankRecord, Rendezvous, open_rendezvous
 from ...bootstrap.rendezvous import check_address, rendezvous_key
 from ..protocol.peering import DpEngine, DpMatch, engine_for_dp
 
@@ -53,7 +54,8 @@ def make_source(prefill_engine: str | None, bootstrap: str | None, dp_rank: int 
 class SourceResolver:
     """Lookups for the decode side's planner (called on its lookup threads)."""
 
-    def __init__(self, own: Rendezvous, token: bytes | None, poll_s: float = 0.2, on_gone=None):
+    def __init__(self, own: Rendezvous, token: bytes | None, poll_s: float = 0.2,
+                 on_gone: Callable[[RankGone], None] | None = None):
         self._own, self._token, self._poll_s = own, token, poll_s
         self._on_gone = on_gone   # told of looked-up ranks a rendezvous no longer holds (etcd's watch)
         self._clients: dict[str, Rendezvous] = {}
@@ -62,7 +64,7 @@ class SourceResolver:
         self._lock = threading.Lock()
         self._closed = False
 
-    def lookup(self, source: PrefillSource, timeout: float) -> list:
+    def lookup(self, source: PrefillSource, timeout: float) -> list[RankRecord]:
         client = self._client(source.bootstrap)
         engine = source.engine_id or self._engine_of_dp(client, source, timeout)
         return client.lookup(engine, timeout_s=timeout)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from ...staging.job_threads import JobThreads
 from ...staging.thread_meter import ThreadMeter
@@ -23,11 +22,11 @@ class ReadyJob:
     """Wait for `ready`, then post `event(error)` (error: None, or why waiting failed)."""
 
     ready: tuple[object, ...]
-    event: Callable[[str | None], Any]
+    event: Callable[[str | None], object]
 
 
 class ReadyWaiter:
-    def __init__(self, post: Callable[[Any], None]):
+    def __init__(self, post: Callable[[object], None]):
         self._post = post
         self._thread: JobThreads[ReadyJob] = JobThreads([("kvstage-ready", "ready")], self._worker, "ready")
         self.meter = self._thread.meters[0]
@@ -51,7 +50,7 @@ class ReadyWaiter:
         return work
 
 
-def _post_quietly(post: Callable[[Any], None], event: Any) -> None:
+def _post_quietly(post: Callable[[object], None], event: object) -> None:
     try:
         post(event)
     except RuntimeError:  # the control thread stopped: it failed and released every room itself

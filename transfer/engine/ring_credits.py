@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
+from typing import cast
 
 from ..protocol.actions import PeerKey
-from ..protocol.credit_ledger import Claim, CreditLedger
+from ..protocol.credit_ledger import Claim, CreditLedger, Issued
 from ..protocol.credit_purse import CreditPurse
 from ..protocol.credits import ClaimVerdict, CreditSpan, GrantVerdict, WriteRef
 from ..protocol.decode_room import DecodeRoom
@@ -109,13 +110,14 @@ class DecodeCredits:
             return
         self._send_grants(self.ledger.issue())
 
-    def _send_grants(self, issued: Iterable) -> None:
+    def _send_grants(self, issued: Iterable[Issued]) -> None:
         a = self.ctx.handler.allocator
         assert a is not None, "credits are given only from a ring"
         wm = a.watermark
         for c in issued:
+            key = cast(PeerKey, c.peer)   # the ledger is given PeerKeys (claim(), below)
             self.ctx.stats.count("credits", "granted")
-            self.peers.send(c.peer, CreditGrant(src=self.ctx.me, dst=c.peer.incarnation, epoch=self.ctx.me,
+            self.peers.send(key, CreditGrant(src=self.ctx.me, dst=key.incarnation, epoch=self.ctx.me,
                                                 credit=c.credit, start=c.start, nbytes=c.nbytes, wm_round=wm.round,
                                                 wm_tail=wm.tail))
 

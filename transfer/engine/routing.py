@@ -13,6 +13,7 @@ from typing import Any, cast
 
 from ...hop_trace import TRACE, Hop
 from ...wire import WireError
+from ..backends.base import ArrivedTag
 from ..protocol.messages import Hello, PeerMessage, RoomFailed
 from ..protocol.routing import RouteAction, route_frame
 from .context import EngineContext
@@ -53,7 +54,7 @@ class FrameRouter:
         elif route.action == RouteAction.REJECTED_FAILURE:
             self.side.on_RoomFailed(peer, cast(RoomFailed, msg), now)
 
-    def on_tags(self, tags: list) -> None:
+    def on_tags(self, tags: list[ArrivedTag]) -> None:
         """Notifications of writes that landed in this rank's memory."""
         now = time.monotonic()
         for arrived in tags:

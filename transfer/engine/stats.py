@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict, defaultdict
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+if TYPE_CHECKING:
+    from ...staging.thread_meter import ThreadMeter
 
 MAX_TRACKED_PIECES = 100_000
 
@@ -34,14 +37,17 @@ Group = Literal[
 ]
 NUMBERS: frozenset[str] = frozenset(get_args(Number))
 GROUPS: frozenset[str] = frozenset(get_args(Group))
+PieceKey = tuple[int, int, int, int]   # a staged piece: (peer incarnation, room, chunk, piece)
+# KVManager.stats(): figures by name, and groups of them (a dict by label) by name
+Snapshot = dict[str, Any]
 
 
 class Stats:
-    def __init__(self):
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._n: dict[str, float] = defaultdict(float)
-        self._groups: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-        self._piece_writes: OrderedDict[tuple, int] = OrderedDict()
+        self._groups: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(int))
+        self._piece_writes: OrderedDict[PieceKey, int] = OrderedDict()
         self._piece_hist: dict[int, int] = defaultdict(int)
 
     def add(self, key: Number, value: float = 1) -> None:
@@ -64,9 +70,9 @@ class Stats:
     def sum_in(self, group: Group, kind: str, value: float) -> None:
         """Add seconds (or any float) to a named sum inside a group (predicted times by path)."""
         with self._lock:
-            self._groups[group][kind] += value  # type: ignore[assignment]
+            self._groups[group][kind] += value
 
-    def staged_write(self, key: tuple) -> None:
+    def staged_write(self, key: PieceKey) -> None:
         """Record one staged write request for (peer, room, chunk, piece): the histogram of
         writes per piece shows whether every piece took exactly one write."""
         with self._lock:
@@ -78,16 +84,16 @@ class Stats:
             while len(self._piece_writes) > MAX_TRACKED_PIECES:
                 self._piece_writes.popitem(last=False)
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> Snapshot:
         with self._lock:
-            out: dict = {k: (int(v) if float(v).is_integer() else v) for k, v in self._n.items()}
+            out: Snapshot = {k: (int(v) if float(v).is_integer() else v) for k, v in self._n.items()}
             for g, kinds in self._groups.items():
                 out[g] = dict(kinds)
             out["staged_writes_per_piece"] = {n: c for n, c in self._piece_hist.items() if c}
             return out
 
 
-def meter_stats(meters: list) -> dict:
+def meter_stats(meters: list[ThreadMeter]) -> dict[str, dict[str, float]]:
     """The stats() entries of some threads (staging/thread_meter.py): wake-ups and CPU seconds,
     by thread name."""
     return {"thread_wakeups": {m.name: m.wakeups for m in meters},
