@@ -3,7 +3,7 @@
     .venv/bin/python examples/bench_etcd_fleet.py                       # 10 processes x 100 clients, TTL 10 s
     .venv/bin/python examples/bench_etcd_fleet.py --procs 2 --clients 10 --lookups 5 --json out.json
 
-It starts a real three-member etcd cluster on this machine (examples/etcd_cluster.py) and
+It starts a real three-member etcd cluster on this machine (support/etcd_cluster.py) and
 --procs worker processes, each holding --clients rendezvous clients (kvstage.bootstrap's etcd
 rendezvous, one per rank, as every rank of a fleet has its own). Every client registers its rank
 (ranks are grouped 8 to an engine) and keeps its lease alive; then each looks up --lookups
@@ -27,11 +27,8 @@ import sys
 import threading
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from etcd_cluster import EtcdCluster  # noqa: E402
-
-from kvstage.bootstrap import BootstrapError, RankInfo, open_rendezvous  # noqa: E402
+from kvstage.bootstrap import BootstrapError, RankInfo, open_rendezvous
+from kvstage.support.etcd_cluster import EtcdCluster
 
 TP = 8
 

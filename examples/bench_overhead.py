@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
 
 PHASES = ("none", "idle", "waiting", "streaming", "none_after")
 GEOMETRY = {"layers": 4, "heads": 8, "head_dim": 128, "dtype": "bfloat16", "page_size": 16, "pages": 512}
@@ -92,7 +91,7 @@ class Rank:
                 "other_cpu_s": other1 - other0, "requests": requests}
 
     def start(self) -> None:
-        import pd_rank
+        from kvstage.support import pd_rank
         s = self.spec
         spec = {"role": s["role"], "rank": 0, "tp": 1, "engine": f"{s['role']}-{s['uid']}", "backend": s["backend"],
                 "staging": s["staged"], "geometry": GEOMETRY, "ring_mb": 16, "buffer_mb": 8, "workers": 2}
@@ -144,9 +143,8 @@ class Rank:
 
 
 def child(spec: dict) -> None:
-    import pd_rank  # noqa: F401 - torch, numpy and kvstage load before any phase is timed
-
     from kvstage.staging import thread_meter  # noqa: F401
+    from kvstage.support import pd_rank  # noqa: F401 - torch, numpy and kvstage load before any phase is timed
     rank = Rank(spec)
     out = {}
     for line in sys.stdin:
@@ -175,7 +173,7 @@ def child(spec: dict) -> None:
 
 # -- the parent ----------------------------------------------------------------------------------------
 def run_pair(args, bootstrap: str, backend: str, staged: bool) -> dict:
-    from cluster import rank_env
+    from kvstage.support.cluster import rank_env
     procs = {}
     uid = secrets.token_hex(4)   # engine ids of this pair only
     for role in ("prefill", "decode"):
@@ -252,7 +250,7 @@ def main(argv=None) -> int:
     if a.child:
         child(json.loads(a.child))
         return 0
-    from cluster import start_bootstrap
+    from kvstage.support.cluster import start_bootstrap
     configs = [(b, path) for b in a.backends.split(",") for path in a.paths.split(",")]
     server = start_bootstrap()
     results = []

@@ -14,14 +14,11 @@ import argparse
 import math
 import statistics
 import sys
-from pathlib import Path
 
+import bench_pool_copies
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench  # noqa: E402
-import bench_pool_copies  # noqa: E402
+from kvstage.support import bench
 
 
 def parse(argv=None):

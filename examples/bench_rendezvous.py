@@ -4,7 +4,7 @@
     .venv/bin/python examples/bench_rendezvous.py --lookups 5000 --tp 2 --members 1 --json out.json
 
 It starts a bootstrap server (python -m kvstage.bootstrap) and an etcd cluster on this machine
-(examples/etcd_cluster.py; Debian's etcd-server), registers one prefill engine of --tp ranks in
+(support/etcd_cluster.py; Debian's etcd-server), registers one prefill engine of --tp ranks in
 each, and times --lookups complete lookups of it through each client (kvstage.bootstrap's
 BootstrapClient and the etcd rendezvous), alternating rounds of 100 so that both see the same
 machine load. A lookup is what a decode rank does when it first meets a prefill engine: every
@@ -15,17 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from cluster import start_bootstrap  # noqa: E402
-from etcd_cluster import EtcdCluster  # noqa: E402
-
-from kvstage.bootstrap import RankInfo, open_rendezvous  # noqa: E402
+from kvstage.bootstrap import RankInfo, open_rendezvous
+from kvstage.support.cluster import start_bootstrap
+from kvstage.support.etcd_cluster import EtcdCluster
 
 ROUND = 100
 

@@ -32,12 +32,10 @@ from pathlib import Path
 
 import requests
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "examples"))
-sys.path.insert(0, str(ROOT / "tests" / "sglang_adapter"))
+from kvstage.support import bench
+from kvstage.support.sglang_servers import build_tiny_model, env_for, generate, start_pd
 
-import bench  # noqa: E402
-from servers import build_tiny_model, env_for, generate, start_pd  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 MOONCAKE_SHIM = ROOT / "tests" / "sglang_adapter" / "mooncake_cpu_shim"
 BACKENDS = ("kvstage", "mooncake")

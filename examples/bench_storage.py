@@ -151,7 +151,7 @@ def main() -> int:
     contenders = {"kvstage": kvstage_rw, "sglang-file": sglang_file_rw, "dd": dd_rw}
     stack = contextlib.ExitStack()
     if args.mooncake:
-        from mooncake_master import mooncake_master
+        from kvstage.support.mooncake_master import mooncake_master
         # one master each: with both clients on one master, a store's objects may land in the
         # other client's segment and cross TCP, which would time placement, not the stores
         (root / "mc-kvstage").mkdir()

@@ -10,11 +10,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import bench  # noqa: E402
+from kvstage.support import bench
 
 
 def parse(argv=None):

@@ -5,7 +5,7 @@ vllm.entrypoints.openai.api_server`, CPU, a tiny random Llama built here): one w
 connector, one with vLLM's NixlConnector (`kv_buffer_device: cpu`), and with `--connectors ...
 nixl-push` one with vLLM's NixlPushConnector. Rounds alternate the order of the pairs (as given
 on even rounds, reversed on odd ones); each round sends the same greedy
-prompts one at a time through the two-step PD proxy (tests/vllm_adapter/proxy.py) after one
+prompts one at a time through the two-step PD proxy (support/vllm_proxy.py) after one
 untimed warm-up request per pair. It prints per connector and decode TP the median and p90
 request latency (client send to full answer), the median decode leg (the decode request, which
 includes the KV transfer: kvstage pushes while it waits, NIXL pulls), kvstage's own transfer
@@ -21,20 +21,24 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "vllm_adapter"))
-
-from cluster import free_port  # noqa: E402
-from proxy import pd_complete  # noqa: E402
-from servers import Proc, build_tiny_model, env_for, kvstage_config, nixl_config, server_argv, wait_healthy  # noqa: E402
-from test_servers import metric  # noqa: E402
+from kvstage.support.cluster import free_port
+from kvstage.support.vllm_proxy import pd_complete
+from kvstage.support.vllm_servers import (
+    Proc,
+    build_tiny_model,
+    env_for,
+    kvstage_config,
+    metric,
+    nixl_config,
+    server_argv,
+    wait_healthy,
+)
 
 ENV = {"SGLANG_DISAGG_STAGING_POOL_SIZE_MB": "16", "KVSTAGE_STAGING_BUFFER_MB": "8"}
 

@@ -23,9 +23,7 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from cluster import Cluster  # noqa: E402
+from kvstage.support.cluster import Cluster
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

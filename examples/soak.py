@@ -34,9 +34,7 @@ import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from cluster import Cluster, rank_spec  # noqa: E402
+from kvstage.support.cluster import Cluster, rank_spec
 
 GEOM = {"layers": 4, "heads": 4, "head_dim": 64, "dtype": "bfloat16", "page_size": 16, "pages": 1024}
 TIMEOUTS = {"lease": 2.0, "heartbeat": 0.25, "connect": 4.0, "bootstrap": 20.0, "close": 3.0, "arrival": 3.0,

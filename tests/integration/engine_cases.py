@@ -5,16 +5,13 @@ whole matrix costs one process per rank slot."""
 from __future__ import annotations
 
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "examples"))
+from records import exact
 
-from cluster import Cluster  # noqa: E402
-from records import exact  # noqa: E402
+from kvstage.support.cluster import Cluster
 
 TEST_TIMEOUTS = {"lease": 20.0, "heartbeat": 0.5, "connect": 20.0, "bootstrap": 45.0, "close": 5.0}
 
@@ -57,7 +54,7 @@ class Case:
     layers: int = 2
     head_dim: int = 16
     pages: int = 512
-    pools: dict = field(default_factory=dict)           # state pools (examples/pool_pattern.py spec)
+    pools: dict = field(default_factory=dict)           # state pools (support/pool_pattern.py spec)
     label: str = ""                                     # tells apart cases that differ in nothing above
 
     @property

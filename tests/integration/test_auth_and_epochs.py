@@ -5,12 +5,11 @@ import time
 import numpy as np
 import pytest
 import zmq
-from cluster import Cluster
-from engine_cases import ROOT  # noqa: F401 - sys.path
 from live_stats import wait_for_drops
 from records import assert_exact
 
 from kvstage.bootstrap import BootstrapClient
+from kvstage.support.cluster import Cluster
 from kvstage.transfer.protocol.messages import RoomMeta, WatermarkUpdate, encode_pages, peer_codec
 
 pytestmark = pytest.mark.integration

@@ -16,7 +16,6 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-from cluster import free_port
 
 from kvstage.bootstrap import (
     BootstrapAuthError,
@@ -28,6 +27,7 @@ from kvstage.bootstrap import (
 )
 from kvstage.bootstrap import messages as m
 from kvstage.bootstrap.client import new_incarnation
+from kvstage.support.cluster import free_port
 from kvstage.wire import TOKEN_ENV, sign
 
 pytestmark = pytest.mark.integration

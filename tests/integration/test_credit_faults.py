@@ -15,10 +15,11 @@ test_lifecycle.py.
 import time
 
 import pytest
-from cluster import Cluster, rank_spec
 from engine_cases import Case, Topo, each_rank, problems, run_cases
 from live_stats import wait_for_stat
 from test_failures import LEASE, assert_clean_exit, assert_failed_fast, assert_verified, rooms, rooms_of, wait_file
+
+from kvstage.support.cluster import Cluster, rank_spec
 
 pytestmark = pytest.mark.integration
 

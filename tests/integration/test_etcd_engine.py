@@ -12,13 +12,13 @@ import time
 
 import pytest
 import torch
-from cluster import Cluster, free_port, rank_spec
 from engine_cases import Case, Topo, each_rank, problems, random_rooms, run_cases
-from etcd_cluster import EtcdCluster
 from live_stats import wait_for_stat
 from records import assert_exact
 
 from kvstage.bootstrap import BootstrapError
+from kvstage.support.cluster import Cluster, free_port, rank_spec
+from kvstage.support.etcd_cluster import EtcdCluster
 from kvstage.transfer import EngineConfig, KVBuffers, KVLayout, KVManager, Timeouts
 
 pytestmark = pytest.mark.integration

@@ -11,12 +11,11 @@ import sys
 import time
 
 import pytest
-from cluster import free_port
-from engine_cases import ROOT  # noqa: F401 - sets up sys.path for the examples
-from etcd_cluster import EtcdCluster
 
 from kvstage.bootstrap import BootstrapAuthError, BootstrapError, BootstrapTimeout, RankInfo
 from kvstage.bootstrap.etcd_client import EtcdRendezvous
+from kvstage.support.cluster import free_port
+from kvstage.support.etcd_cluster import EtcdCluster
 
 pytestmark = pytest.mark.integration
 

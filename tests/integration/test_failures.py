@@ -12,10 +12,10 @@ import signal
 import time
 
 import pytest
-from cluster import Cluster, rank_spec
-from engine_cases import ROOT  # noqa: F401 - sets up sys.path for the examples
 from live_stats import wait_for_stat
 from records import assert_exact
+
+from kvstage.support.cluster import Cluster, rank_spec
 
 pytestmark = pytest.mark.integration
 

@@ -5,13 +5,12 @@ nothing crashes, and real transfers afterwards are bit-exact."""
 import time
 
 import pytest
-from cluster import Cluster
-from engine_cases import ROOT  # noqa: F401 - sys.path
 from fuzz_frames import fuzz_raw, fuzz_zmq, listening_ports
 from live_stats import wait_for_drops
 from records import assert_exact
 
 from kvstage.bootstrap import BootstrapClient
+from kvstage.support.cluster import Cluster
 
 pytestmark = pytest.mark.integration
 

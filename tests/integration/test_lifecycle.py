@@ -230,7 +230,7 @@ def test_prefill_instances_at_their_own_rendezvous_servers(backend):
     """A decode engine receives from three prefill engines: one by engine id at its own server,
     two by (rendezvous address, DP rank) of a second instance; a room naming a server nobody
     runs fails with the reason, and the others go on."""
-    from cluster import Cluster, rank_spec, start_bootstrap
+    from kvstage.support.cluster import Cluster, rank_spec, start_bootstrap
 
     timeouts = {**TEST_TIMEOUTS, "bootstrap": 6.0, "write": 120.0}
     base = {

@@ -16,11 +16,11 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from cluster import Cluster  # noqa: E402  (examples/cluster.py)
 from engine_cases import TEST_TIMEOUTS, Case, Topo, manager_specs  # first: puts examples/ on the path
 from prometheus_client.parser import text_string_to_metric_families
 from records import exact
 
+from kvstage.support.cluster import Cluster
 from kvstage.transfer.metrics import catalog
 
 pytestmark = pytest.mark.integration

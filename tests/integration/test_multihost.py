@@ -5,12 +5,12 @@ rooms fail cleanly on both sides."""
 import os
 import time
 
-import engine_cases  # noqa: F401 - puts examples/ on sys.path
 import pytest
-from cluster import Cluster, rank_spec
 from live_stats import wait_for_stat
 from netns import can_make_namespaces, delete_hosts, make_hosts
 from records import assert_all_exact
+
+from kvstage.support.cluster import Cluster, rank_spec
 
 pytestmark = [pytest.mark.integration, pytest.mark.netns]
 

@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster import Cluster  # noqa: E402
 from engine_cases import Case, Topo, manager_specs  # first: it puts examples/ on the path
 from records import assert_exact
+
+from kvstage.support.cluster import Cluster
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cluster import rank_env, scratch_dir, start_bootstrap
+
+from kvstage.support.cluster import rank_env, scratch_dir, start_bootstrap
 
 pytestmark = pytest.mark.integration
 

@@ -15,8 +15,6 @@ import time
 
 import numpy as np
 import pytest
-from cluster import Cluster, free_port
-from engine_cases import ROOT  # noqa: F401 - sets up sys.path for the examples
 from live_stats import wait_for_stat
 from test_failures import (
     LEASE,
@@ -32,6 +30,7 @@ from test_failures import (
 
 from kvstage.bootstrap import open_rendezvous
 from kvstage.bootstrap.client import BootstrapTimeout
+from kvstage.support.cluster import Cluster, free_port
 
 pytestmark = pytest.mark.integration
 

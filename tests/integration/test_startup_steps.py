@@ -17,9 +17,8 @@ import time
 
 import pytest
 import torch
-from cluster import free_port, start_bootstrap
-from engine_cases import ROOT  # noqa: F401 - sets up sys.path for the examples
 
+from kvstage.support.cluster import free_port, start_bootstrap
 from kvstage.transfer import EngineConfig, KVBuffers, KVLayout, KVManager, KVPoll, Timeouts
 from kvstage.transfer.engine import loop as loop_module
 from kvstage.transfer.engine import manager as manager_module

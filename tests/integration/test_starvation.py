@@ -10,7 +10,6 @@ One short epoch of examples/soak.py --starve over Mooncake, whose engine the CI 
 import json
 
 import pytest
-from engine_cases import ROOT  # noqa: F401 - sets up sys.path for the examples
 from example_runs import run_example
 
 pytestmark = pytest.mark.integration

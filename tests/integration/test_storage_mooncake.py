@@ -19,7 +19,7 @@ PAGE = 64 * 1024 + 12
 
 @pytest.fixture(scope="module")
 def master(tmp_path_factory):
-    from mooncake_master import mooncake_master
+    from kvstage.support.mooncake_master import mooncake_master
     with mooncake_master(tmp_path_factory.mktemp("mooncake")) as addrs:
         yield addrs
 

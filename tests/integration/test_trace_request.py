@@ -4,11 +4,10 @@ into a ring credit with no ring-space round trip."""
 
 import re
 
-import hop_report
 import pytest
-import trace_request
 
 from kvstage.hop_trace import Hop
+from kvstage.support import hop_report, trace_request
 
 pytestmark = pytest.mark.integration
 

@@ -38,7 +38,8 @@ if not collect_ignore_glob:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     import pytest
-    from cluster import free_port
+
+    from kvstage.support.cluster import free_port
 
     @pytest.fixture(scope="module")
     def model_dir(tmp_path_factory) -> str:

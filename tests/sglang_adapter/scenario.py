@@ -13,10 +13,10 @@ import random
 import time
 from pathlib import Path
 
-from cluster import free_port
 from rank_launcher import RankProcess
 
 import kvstage
+from kvstage.support.cluster import free_port
 
 HERE = Path(__file__).resolve().parent
 SHIMS = HERE / "shims"

@@ -1,19 +1,15 @@
 """SGLang's prefill and decode ranks meeting in etcd (KVSTAGE_BOOTSTRAP=etcd://... on every
 process, no kvstage rendezvous server): the prefill instance's SGLang bootstrap server publishes
 its own namespace, its ranks register there, and the decode ranks find them by that address and
-DP rank. A three-member etcd on localhost (examples/etcd_cluster.py)."""
+DP rank. A three-member etcd on localhost (support/etcd_cluster.py)."""
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
 
 import pytest
 import requests
 from scenario import expect, requests_for, run
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-from etcd_cluster import EtcdCluster  # noqa: E402
+from kvstage.support.etcd_cluster import EtcdCluster
 
 
 @pytest.fixture

@@ -15,8 +15,17 @@ import os
 import random
 
 import pytest
-from cluster import free_port
-from servers import Proc, build_tiny_model, env_for, generate, server_argv, start_pd, wait_healthy
+
+from kvstage.support.cluster import free_port
+from kvstage.support.sglang_servers import (
+    Proc,
+    build_tiny_model,
+    env_for,
+    generate,
+    server_argv,
+    start_pd,
+    wait_healthy,
+)
 
 MAX_NEW = 16
 PROMPTS = [[random.Random(i).randrange(3, 512) for _ in range(n)] for i, n in enumerate((5, 23, 40, 57))]

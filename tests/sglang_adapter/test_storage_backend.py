@@ -158,7 +158,7 @@ def test_hybrid_pools_share_one_batch_and_are_evicted_together(ext4):
 
 
 def test_mooncake_store_behind_the_same_backend(tmp_path):
-    from mooncake_master import mooncake_master
+    from kvstage.support.mooncake_master import mooncake_master
     pool = host_pool("page_first")
     with mooncake_master(tmp_path) as (master, metadata):
         b = backend(tmp_path, pool, kvstage_store="mooncake", kvstage_mooncake_master=master,

@@ -23,7 +23,7 @@ def run_bench(*args: str, timeout: float = 20.0) -> subprocess.CompletedProcess:
 def test_bad_argument_is_a_usage_error(args, option, capsys):
     """Checked by the parser `main` calls first, in this process (a script's start costs seconds);
     the script as a process once, below."""
-    import bench
+    from kvstage.support import bench
 
     with pytest.raises(SystemExit) as exit_:
         bench.parse(["--json", "", "--transports", "nixl", *args])
@@ -38,7 +38,7 @@ def test_the_script_exits_2_on_a_bad_argument_before_it_starts_anything():
 
 
 def test_device_takes_cpu_or_cuda_only(capsys):
-    import bench
+    from kvstage.support import bench
 
     with pytest.raises(SystemExit) as exit_:
         bench.parse(["--json", "", "--transports", "nixl", "--device", "tpu"])
@@ -48,8 +48,9 @@ def test_device_takes_cpu_or_cuda_only(capsys):
 def test_device_cuda_without_a_gpu_is_not_run(monkeypatch):
     """--device cuda on a machine without CUDA measures nothing: NOT RUN, exit 2 (CI has no GPU;
     on a GPU machine the same call would start the benchmark, so this only runs without one)."""
-    import bench
     import torch
+
+    from kvstage.support import bench
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench.parse(["--device", "cuda"]).device == "cuda" and bench.parse([]).device == "cpu"
@@ -57,8 +58,9 @@ def test_device_cuda_without_a_gpu_is_not_run(monkeypatch):
 
 
 def test_gpu_check_without_a_gpu_says_not_run(monkeypatch, capsys):
-    import gpu_check
     import torch
+
+    from kvstage.support import gpu_check
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert gpu_check.main([]) == 2
@@ -69,7 +71,7 @@ def test_gpu_check_without_a_gpu_says_not_run(monkeypatch, capsys):
 
 
 def bench_parses(argv: list[str]) -> bool:
-    import bench
+    from kvstage.support import bench
 
     a = bench.parse(argv)
     return a.device == "cuda" and a.lengths == [2048] and a.transports == ["nixl"]

@@ -1,11 +1,6 @@
-"""examples/bench_compare.py: medians, ratios and spreads of before/after benchmark runs."""
+"""examples/bench_compare.py (support/bench_compare.py): medians, ratios and spreads of before/after benchmark runs."""
 
-import importlib.util
-from pathlib import Path
-
-spec = importlib.util.spec_from_file_location("bench_compare", Path(__file__).parents[2] / "examples" / "bench_compare.py")
-bench_compare = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bench_compare)
+from kvstage.support import bench_compare
 
 
 def run(gbps: float, p50: float) -> dict:

@@ -1,4 +1,4 @@
-"""examples/bench_gpu_kernels.py without a GPU: its smoke mode runs end to end under Triton's
+"""examples/bench_gpu_kernels.py (its code: support/bench_gpu_kernels.py) without a GPU: its smoke mode runs end to end under Triton's
 interpreter and writes what a GPU run would (figures aside), its byte counts follow the region
 layout, its bit-exactness check catches a wrong gather or a scatter outside its head range, and
 without CUDA it refuses to run (exit 2) instead of timing something else.
@@ -10,7 +10,6 @@ compiled on a GPU machine, where they run on cuda).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -22,11 +21,9 @@ import pytest
 import torch
 
 from kvstage.staging import triton_kernels as tk
+from kvstage.support import bench_gpu_kernels as bench
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "bench_gpu_kernels.py"
-_spec = importlib.util.spec_from_file_location("bench_gpu_kernels", SCRIPT)
-bench = sys.modules["bench_gpu_kernels"] = importlib.util.module_from_spec(_spec)  # dataclasses look it up
-_spec.loader.exec_module(bench)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not tk.interpreted() else "cpu")
 SMOKE = {c.name: c for c in bench.SMOKE_CASES}

@@ -13,12 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-sys.path.insert(0, str(EXAMPLES))
+from kvstage.support import bench_layerwise, layerwise_rank, layerwise_report
 
-import bench_layerwise  # noqa: E402
-import layerwise_rank  # noqa: E402
-import layerwise_report  # noqa: E402
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def test_layers_of_each_chunk_finish_one_after_the_other():

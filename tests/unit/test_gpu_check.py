@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import sys
 
-import gpu_check
 import pytest
 import torch
-from gpu_check import Outcome, SGLangProbe, StepResult
+
+from kvstage.support import gpu_check
+from kvstage.support.gpu_check import Outcome, SGLangProbe, StepResult
 
 
 def test_the_first_python_with_sglang_and_cuda_runs_the_step():

@@ -1,12 +1,12 @@
 """The hop trace's pure parts: the recorder (off records nothing, on keeps a bounded list and
-writes it as JSON lines), and examples/hop_report.py's merge, cut, counts and hand-off pairs."""
+writes it as JSON lines), and support/hop_report.py's merge, cut, counts and hand-off pairs."""
 
 import threading
 
-import hop_report
 import pytest
 
 from kvstage.hop_trace import ENV, Hop, HopRecord, HopRecorder, load
+from kvstage.support import hop_report
 
 
 def rec(t, process, thread, kind, room=1, detail=""):

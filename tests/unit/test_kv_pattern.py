@@ -1,17 +1,11 @@
 """The demo's verification pattern must catch misplaced pages, rooms, heads and flipped bits."""
 
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-
-from kv_pattern import KVPattern  # noqa: E402
-
-from kvstage.transfer.layout import KVLayout  # noqa: E402
+from kvstage.support.kv_pattern import KVPattern
+from kvstage.transfer.layout import KVLayout
 
 
 def cache(layout, pages=16):

@@ -1,6 +1,6 @@
 """The clusters of the tests, benchmarks and demo leave nothing behind in the temp directory:
 each one's work directory goes when the process that made it exits, unless
-KVSTAGE_KEEP_WORKDIRS asks to keep it (examples/cluster.py scratch_dir)."""
+KVSTAGE_KEEP_WORKDIRS asks to keep it (support/cluster.py scratch_dir)."""
 
 import os
 import shutil
@@ -8,12 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-MAKE = "from cluster import Cluster; c = Cluster(); open(c.workdir + '/x.log', 'w').write('x'); print(c.workdir)"
+HERE = Path(__file__).resolve().parent
+MAKE = "from kvstage.support.cluster import Cluster; c = Cluster(); open(c.workdir + '/x.log', 'w').write('x'); print(c.workdir)"
 
 
 def _workdir(env: dict) -> Path:
-    out = subprocess.run([sys.executable, "-c", MAKE], cwd=EXAMPLES, env=env, capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-c", MAKE], cwd=HERE, env=env, capture_output=True, text=True,
                          check=True, timeout=60)
     return Path(out.stdout.strip())
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from cluster import free_port
 from harness import BLOCK, HEAD_DIM, KV_HEADS, LAYERS, Engine, write_model
 from harness_worker import kv_page
+
+from kvstage.support.cluster import free_port
 
 PROMPTS = {"a": list(range(3, 36)), "b": list(range(40, 97)), "c": list(range(5, 11)) * 13}
 EXTENDED = PROMPTS["b"][:BLOCK] + list(range(200, 250))     # 82 tokens: 3 pages, the first one "b"'s

@@ -11,15 +11,16 @@ import os
 import time
 
 import pytest
-import requests
-from cluster import free_port
-from proxy import pd_complete
-from servers import (
+
+from kvstage.support.cluster import free_port
+from kvstage.support.vllm_proxy import pd_complete
+from kvstage.support.vllm_servers import (
     Proc,
     build_tiny_model,
     complete,
     env_for,
     kvstage_config,
+    metric,
     server_argv,
     token_ids,
     wait_healthy,
@@ -40,18 +41,6 @@ LAYERS = 2                  # build_tiny_model's
 # kvstage's heartbeats starved for over 30 s and the TP 2 decode's rooms failed (peer lost).
 # Unpinned, the kernel shares the cores (docs/vllm.md)
 BIND = "nobind"
-
-
-def metric(url: str, name: str, **labels) -> float:
-    """Sum of a Prometheus counter's series carrying `labels` at `url`/metrics."""
-    text = requests.get(f"{url}/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        if not (line.startswith(name + "{") or line.startswith(name + " ")):
-            continue
-        if all(f'{k}="{v}"' in line for k, v in labels.items()):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 @pytest.fixture(scope="module")

@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 import requests
-from cluster import free_port
 
-HERE = Path(__file__).resolve().parent
-SHIMS = HERE / "shims"
+from kvstage.support.cluster import free_port
+
+SHIMS = Path(__file__).resolve().parents[1] / "tests" / "sglang_adapter" / "shims"
 START_S = 300          # one server start, on a loaded 2-core machine
 REQUEST_S = 120
 

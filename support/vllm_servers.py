@@ -21,7 +21,6 @@ from pathlib import Path
 
 import requests
 
-HERE = Path(__file__).resolve().parent
 START_S = 420          # one server start on a loaded 2-core machine (a TP 2 one takes ~3 min)
 REQUEST_S = 180
 BLOCK = 32
@@ -149,3 +148,15 @@ def complete(url: str, ids: list[int], max_tokens: int, procs: list[Proc], kv_tr
 def token_ids(response: dict) -> list[int]:
     choice = response["choices"][0]
     return list(choice.get("token_ids") or [])
+
+
+def metric(url: str, name: str, **labels) -> float:
+    """Sum of a Prometheus counter's series carrying `labels` at `url`/metrics."""
+    text = requests.get(f"{url}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if not (line.startswith(name + "{") or line.startswith(name + " ")):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

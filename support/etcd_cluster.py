@@ -21,7 +21,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from cluster import free_port, scratch_dir
+from kvstage.support.cluster import free_port, scratch_dir
 
 ETCD = shutil.which("etcd") or "/usr/bin/etcd"
 # fast elections on localhost: heartbeat 50 ms, election 500 ms (etcd's shortest lease TTL follows

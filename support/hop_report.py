@@ -10,9 +10,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from figure_legend import legend_below
-
 from kvstage.hop_trace import WAKES, Hop, HopRecord, load
+from kvstage.support.figure_legend import legend_below
 
 # A receiving hop and the hop that handed it over: (receiving kind, sending kinds, same process?)
 HANDOFFS = {

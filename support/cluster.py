@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
 CRASH_CODES = {-signal.SIGSEGV, -signal.SIGABRT, -signal.SIGBUS, -signal.SIGILL, -signal.SIGFPE}
-ROOT = HERE.parent
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"   # the rank script (pd_rank.py) the clusters start
 
 
 def scratch_dir(prefix: str) -> str:
@@ -70,7 +70,7 @@ def rank_env(extra: dict | None = None) -> dict:
     env.setdefault("GLOG_minloglevel", "2")     # Mooncake logs a lot through glog
     env.setdefault("MC_LOG_LEVEL", "ERROR")
     env.setdefault("OMP_NUM_THREADS", "1")      # many rank processes share 2 cores: no intra-op threads
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(EXAMPLES)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.update(extra or {})
     return env
 
@@ -212,7 +212,7 @@ class Cluster:
         spec = {"bootstrap": bootstrap or self.addr, "managers": managers, "result": result_path,
                 "log_level": log_level}
         Path(spec_path).write_text(json.dumps(spec))
-        cmd = [sys.executable, str(HERE / "pd_rank.py"), spec_path]
+        cmd = [sys.executable, str(EXAMPLES / "pd_rank.py"), spec_path]
         if netns:
             cmd = ["ip", "netns", "exec", netns] + cmd
         log = open(log_path, "w")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 
-from servers import Proc, complete, token_ids
+from kvstage.support.vllm_servers import Proc, complete, token_ids
 
 
 def pd_complete(prefill_url: str, decode_url: str, ids: list[int], max_tokens: int,

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from cluster import free_port
+from kvstage.support.cluster import free_port
 
 
 @contextlib.contextmanager

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from kv_pattern import KVPattern
 
 from kvstage import KVBuffers, KVLayout
+from kvstage.support.kv_pattern import KVPattern
 
 
 class DraftPattern:

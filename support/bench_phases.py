@@ -15,8 +15,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from figure_legend import legend_below
-
+from kvstage.support.figure_legend import legend_below
 from kvstage.transfer.timeline import PHASES, Timeline
 
 PATHS = ("staged", "direct")
