@@ -9,9 +9,10 @@ messages about it get a true answer.
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections import OrderedDict
-from typing import Generic, NamedTuple, assert_never
+from typing import Generic, NamedTuple, NoReturn
 
 from ...hop_trace import TRACE, Hop
 from ..poll import KVPoll
@@ -35,6 +36,12 @@ from .context import FINISHED_MEMORY, EngineContext
 from .handles import RoomStatus
 from .interfaces import Later, R, RoomHooks, WriteSink
 from .peers import PeerTable
+
+if sys.version_info >= (3, 11):
+    from typing import assert_never
+else:  # pragma: no cover - Python 3.10 (requires-python), whose typing lacks it
+    def assert_never(value: NoReturn) -> NoReturn:
+        raise AssertionError(f"unhandled action {value!r}")
 
 log = logging.getLogger("kvstage")
 
