@@ -9,17 +9,14 @@ wait polls a condition with a deadline.
 from __future__ import annotations
 
 import os
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import requests
 
 from kvstage.support.cluster import free_port
+from kvstage.support.server_process import ServerProcess, assert_serving, build_tiny_llama
 
 SHIMS = Path(__file__).resolve().parents[1] / "tests" / "sglang_adapter" / "shims"
 START_S = 300          # one server start, on a loaded 2-core machine
@@ -28,43 +25,16 @@ REQUEST_S = 120
 
 def build_tiny_model(path: Path) -> str:
     """A 2-layer random Llama (2 KV heads, vocabulary 512) saved with transformers."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                      num_hidden_layers=2, vocab_size=512, max_position_embeddings=1024, bos_token_id=1,
-                      eos_token_id=2, tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
-    return str(path)
+    return build_tiny_llama(path, dtype="bfloat16")
 
 
-class Proc:
+class Proc(ServerProcess):
     """A server process in its own process group, stopped by PID (the group's id). SGLang names
     its ZMQ sockets after temporary files it never removes (ipc://$TMPDIR/tmpXXXX): each server
     gets a temp directory of its own, removed when it stops, so a stopped server leaves none."""
 
     def __init__(self, name: str, argv: list[str], log: Path, env: dict):
-        self.name, self.log = name, log
-        self.tmp_dir = tempfile.mkdtemp(prefix=f"sglang-{name}-")
-        self.proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                     env={**env, "TMPDIR": self.tmp_dir}, start_new_session=True)
-
-    def tail(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-        try:   # whatever of the group is left (scheduler and detokenizer children)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-        shutil.rmtree(self.tmp_dir, ignore_errors=True)
+        super().__init__(name, argv, log, env, scratch_var="TMPDIR", prefix=f"sglang-{name}-")
 
 
 def wait_healthy(p: Proc, url: str) -> None:
@@ -92,10 +62,7 @@ def generate(url: str, ids: list[int], procs: list[Proc], max_new: int) -> list[
             error = f"HTTP {r.status_code}: {r.text[:300]}"
         except requests.RequestException as exc:
             error = str(exc)
-        for p in procs:
-            assert p.proc.poll() is None, f"{p.name} exited ({p.proc.returncode}):\n{p.tail()}"
-        assert time.monotonic() < deadline, f"no answer from {url}: {error}\n" + "\n".join(
-            f"--- {p.name}\n{p.tail()}" for p in procs)
+        assert_serving(procs, time.monotonic() < deadline, f"no answer from {url}: {error}")
         time.sleep(1)
 
 

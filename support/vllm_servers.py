@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import requests
+
+from kvstage.support.server_process import ServerProcess, assert_serving, build_tiny_llama
 
 START_S = 420          # one server start on a loaded 2-core machine (a TP 2 one takes ~3 min)
 REQUEST_S = 180
@@ -30,43 +28,16 @@ KVSTAGE = {"kv_connector": "KvstageConnector", "kv_connector_module_path": "kvst
 def build_tiny_model(path: Path) -> str:
     """A 2-layer random Llama (4 heads, 2 KV heads of 32, vocabulary 512), float32, with a
     tokenizer-free config: the servers run with --skip-tokenizer-init and take token ids."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=32, num_hidden_layers=2, vocab_size=512, max_position_embeddings=1024,
-                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
-    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path)
-    return str(path)
+    return build_tiny_llama(path, dtype="float32", head_dim=32)
 
 
-class Proc:
+class Proc(ServerProcess):
     """A server process in its own process group, stopped by PID (the group's id). Its ZMQ
     sockets (vLLM names them ipc://VLLM_RPC_BASE_PATH/<uuid>, in the temp directory by default)
     go to a directory of its own, removed when it stops: a killed server leaves none behind."""
 
     def __init__(self, name: str, argv: list[str], log: Path, env: dict):
-        self.name, self.log = name, log
-        self.rpc_dir = tempfile.mkdtemp(prefix="vllm-rpc-")
-        self.proc = subprocess.Popen(argv, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                     env={**env, "VLLM_RPC_BASE_PATH": self.rpc_dir}, start_new_session=True)
-
-    def tail(self, n: int = 6000) -> str:
-        return self.log.read_text(errors="replace")[-n:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-        try:   # whatever of the group is left (engine core and worker children)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
-        shutil.rmtree(self.rpc_dir, ignore_errors=True)
+        super().__init__(name, argv, log, env, scratch_var="VLLM_RPC_BASE_PATH", prefix="vllm-rpc-")
 
 
 def wait_healthy(procs: list[Proc], urls: list[str]) -> None:
@@ -138,10 +109,7 @@ def complete(url: str, ids: list[int], max_tokens: int, procs: list[Proc], kv_tr
                 raise AssertionError(f"{url}: {error}")
         except requests.RequestException as exc:
             error = str(exc)
-        for p in procs:
-            assert p.proc.poll() is None, f"{p.name} exited ({p.proc.returncode}):\n{p.tail()}"
-        assert time.monotonic() < deadline, f"no answer from {url}: {error}\n" + "\n".join(
-            f"--- {p.name}\n{p.tail()}" for p in procs)
+        assert_serving(procs, time.monotonic() < deadline, f"no answer from {url}: {error}")
         time.sleep(1)
 
 

@@ -60,7 +60,7 @@ def test_pd_through_kvstage_equals_a_single_server(tiny_model, reference, tmp_pa
         got = [generate(url, ids, procs, MAX_NEW) for ids in PROMPTS]
         assert got == reference
         # each server's ZMQ sockets are in its own temp directory, which goes when it stops
-        assert all(os.listdir(p.tmp_dir) for p in procs[:2]), [p.tmp_dir for p in procs]
+        assert all(os.listdir(p.scratch) for p in procs[:2]), [p.scratch for p in procs]
         assert all(len(x) == MAX_NEW for x in got)
         text = (tmp_path / "prefill.log").read_text() + (tmp_path / "decode.log").read_text()
         assert "Traceback" not in text, text[-4000:]

@@ -69,8 +69,8 @@ class Pair:
 
 def run_pd(pair: Pair, decode_tp: int, path: str):
     wait_healthy(pair.procs, [pair.p_url, pair.d_url])
-    # each server's ZMQ sockets are in its own directory, which goes when it stops (servers.Proc)
-    assert all(os.listdir(p.rpc_dir) for p in pair.procs), [p.rpc_dir for p in pair.procs]
+    # each server's ZMQ sockets are in its own directory, which goes when it stops (support.server_process.ServerProcess)
+    assert all(os.listdir(p.scratch) for p in pair.procs), [p.scratch for p in pair.procs]
     refs = [token_ids(complete(pair.p_url, ids, MAX_NEW, pair.procs)) for ids in PROMPTS + [EXTENDED]]
     for ids, ref in zip(PROMPTS + [EXTENDED], refs):
         got, params, _, _ = pd_complete(pair.p_url, pair.d_url, ids, MAX_NEW, pair.procs)
