@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..hop_trace import TRACE, Hop
+from .copy_streams import use_own_stream
 from .digests import digest
 from .gather_scatter import Scatterer
 from .job_threads import JobThreads
@@ -70,8 +71,11 @@ class ScatterWorker:
     """One thread on one job queue (job_threads.py)."""
 
     def __init__(self, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None, page_size: int,
-                 report: Report, pools: dict | None = None, inline_max_bytes: int = 0):
-        """`inline_max_bytes`: the largest job `run_here` takes (0: every job goes to the thread)."""
+                 report: Report, pools: dict | None = None, inline_max_bytes: int = 0, own_streams: bool = True):
+        """`inline_max_bytes`: the largest job `run_here` takes (0: every job goes to the thread).
+        `own_streams`: on a GPU, the scatter thread and the control thread scatter on streams of
+        their own (copy_streams.py)."""
+        self._own_streams = own_streams
         self._k, self._v, self._page_size = tuple(k), (tuple(v) if v is not None else None), page_size
         self.inline_max_bytes = inline_max_bytes
         self._here: Callable[[ScatterJob], Callable[[], None]] | None = None   # run_here's work, made on first use
@@ -111,8 +115,9 @@ class ScatterWorker:
     def _worker(self, index: int, meter: ThreadMeter) -> Callable[[ScatterJob], Callable[[], None]]:
         from ..transfer.protocol.kinds import FailureKind  # lazy: keeps staging importable on its own
 
-        scatterer = self._scatterer_class(self.plans)  # Triton kernels on CUDA, torch otherwise (staging/kernels.py)
         device = self._k[0].device
+        use_own_stream(device, self._own_streams)   # on the thread that scatters (-1: the control thread)
+        scatterer = self._scatterer_class(self.plans)  # Triton kernels on CUDA, torch otherwise (staging/kernels.py)
         layers = LayerSlices(self._k, self._v)
 
         def work(job: ScatterJob) -> Callable[[], None]:

@@ -26,6 +26,7 @@ import torch
 from ..hop_trace import TRACE, Hop
 from .buffer_space import BufferSpace
 from .buffers import StagingBuffer
+from .copy_streams import use_own_stream
 from .digests import digest
 from .gather_scatter import Gatherer
 from .job_threads import JobThreads
@@ -97,9 +98,12 @@ class TransferWorkers:
 
     def __init__(self, buffers: Sequence[StagingBuffer], k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None,
                  page_size: int, submit: SubmitWrite, report: Report, pools: dict | None = None,
-                 inline_max_bytes: int = 0):
-        """`inline_max_bytes`: the largest piece `run_here` takes (0: every piece to a worker)."""
+                 inline_max_bytes: int = 0, own_streams: bool = True):
+        """`inline_max_bytes`: the largest piece `run_here` takes (0: every piece to a worker).
+        `own_streams`: on a GPU, each thread that gathers does so on a stream of its own
+        (copy_streams.py)."""
         self._buffers = list(buffers)
+        self._own_streams = own_streams
         self.spaces = [BufferSpace(b.nbytes) for b in self._buffers]   # the parts of each buffer in flight
         self.inline_max_bytes = inline_max_bytes
         self._here: list[Callable[[GatherJob, int | None], Callable[[], None]]] = []   # run_here's, made on first use
@@ -133,6 +137,7 @@ class TransferWorkers:
             at = space.try_take(job.nbytes)
             if at is not None:
                 if not self._here:
+                    use_own_stream(self._k[0].device, self._own_streams)   # the control thread's, once
                     gatherer = self._gatherer_class(self.plans)
                     self._here = [self._piece_work(b, gatherer) for b in range(len(self._buffers))]
                 self._here[i](job, at)()   # a failed gather reports here; a posted one on completion
@@ -150,7 +155,9 @@ class TransferWorkers:
 
     def _worker(self, index: int, meter: ThreadMeter) -> Callable[[GatherJob], Callable[[], None]]:
         """Thread `index`: its buffer, its gatherer (Triton kernels on CUDA, torch otherwise,
-        staging/kernels.py), and how it does one job."""
+        staging/kernels.py), and how it does one job. Runs on that thread, which takes its own
+        stream here (copy_streams.py)."""
+        use_own_stream(self._k[0].device, self._own_streams)
         return self._piece_work(index, self._gatherer_class(self.plans))
 
     def _piece_work(self, index: int, gatherer: Gatherer) -> Callable[[GatherJob, int | None], Callable[[], None]]:

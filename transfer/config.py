@@ -38,6 +38,7 @@ INLINE_GATHER_KB_ENV = "KVSTAGE_INLINE_GATHER_KB"
 PATH_ENV = "KVSTAGE_PATH"             # auto | staged | direct (protocol/path_choice.py)
 CALIBRATE_ENV = "KVSTAGE_CALIBRATE"   # measure the path costs at start (on by default)
 CREDITS_ENV = "KVSTAGE_CREDITS"       # staged: ring credits instead of a grant per chunk (on by default)
+COPY_STREAMS_ENV = "KVSTAGE_COPY_STREAMS"   # CUDA: each copying thread on a stream of its own (on by default)
 DEFAULT_INLINE_SCATTER_KB = 256    # decode: pieces up to this size are scattered on the control thread
 DEFAULT_INLINE_GATHER_KB = 256     # prefill: pieces up to this size are gathered and posted by the control thread
 DEFAULT_LAYER_GROUP = 4            # layers per write of a layer-wise send (docs/journal/benchmarks-2026-11.md)
@@ -103,6 +104,9 @@ class EngineConfig:
                                              # "auto" choice (off: the fixed rule); env KVSTAGE_CALIBRATE, on
     credits: bool | None = None              # staged: ring credits (decode: offers them; prefill: takes them)
                                              # instead of asking ring space per chunk; env KVSTAGE_CREDITS, on
+    copy_streams: bool | None = None         # CUDA caches, staged: each thread that gathers or scatters queues
+                                             # its copies on a non-blocking stream of its own, not the legacy
+                                             # default stream (staging/copy_streams.py); env KVSTAGE_COPY_STREAMS, on
 
     def resolved(self) -> EngineConfig:
         """A copy with every None filled from the environment, validated: a bad value raises
@@ -141,6 +145,8 @@ class EngineConfig:
                        else check.flag("calibrate", self.calibrate)),
             verify=env_flag(VERIFY_ENV) if self.verify is None else check.flag("verify", self.verify),
             credits=env_flag(CREDITS_ENV, True) if self.credits is None else check.flag("credits", self.credits),
+            copy_streams=(env_flag(COPY_STREAMS_ENV, True) if self.copy_streams is None
+                          else check.flag("copy_streams", self.copy_streams)),
             layer_batching=(env_flag(LAYER_BATCHING_ENV, True) if self.layer_batching is None
                             else check.flag("layer_batching", self.layer_batching)),
             auth_token=token,

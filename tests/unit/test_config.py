@@ -261,3 +261,18 @@ def test_ring_credits_are_on_unless_turned_off(monkeypatch):
     monkeypatch.setenv(CREDITS_ENV, "0")
     assert cfg().resolved().credits is False
     assert cfg(credits=True).resolved().credits is True
+
+
+def test_copy_streams_are_on_unless_turned_off(monkeypatch):
+    """Each copying thread on a CUDA stream of its own (staging/copy_streams.py) unless the option,
+    then KVSTAGE_COPY_STREAMS, turns it off."""
+    from kvstage.transfer.config import COPY_STREAMS_ENV
+
+    monkeypatch.delenv(COPY_STREAMS_ENV, raising=False)
+    assert cfg().resolved().copy_streams is True
+    assert cfg(copy_streams=False).resolved().copy_streams is False
+    monkeypatch.setenv(COPY_STREAMS_ENV, "0")
+    assert cfg().resolved().copy_streams is False
+    assert cfg(copy_streams=True).resolved().copy_streams is True
+    with pytest.raises(ValueError, match="copy_streams"):
+        cfg(copy_streams="sometimes").resolved()

@@ -149,10 +149,12 @@ class EngineLoop:
         if cfg.role == Role.PREFILL and handler.buffers:
             self.workers = TransferWorkers(handler.buffers, buffers.entry_k, buffers.entry_v, layout.page_size,
                                            backend.submit_write, gather_report(c), buffers.pools,
-                                           inline_max_bytes=cast(int, cfg.inline_gather_kb) << 10)
+                                           inline_max_bytes=cast(int, cfg.inline_gather_kb) << 10,
+                                           own_streams=bool(cfg.copy_streams))
         elif cfg.role != Role.PREFILL and handler.ring is not None:
             self.scatter = ScatterWorker(buffers.entry_k, buffers.entry_v, layout.page_size, scatter_report(c),
-                                         buffers.pools, inline_max_bytes=cast(int, cfg.inline_scatter_kb) << 10)
+                                         buffers.pools, inline_max_bytes=cast(int, cfg.inline_scatter_kb) << 10,
+                                         own_streams=bool(cfg.copy_streams))
         side: RoleSide[Any]
         self.book: RoomBook[Any]
         self.peers = peers = PeerTable(c, listeners=lambda: (writes, side))  # staged pieces fail before rooms
