@@ -27,11 +27,11 @@ from kvstage.transfer.protocol.actions import (
 )
 from kvstage.transfer.protocol.credit_ledger import CreditLedger
 from kvstage.transfer.protocol.credit_purse import CreditPurse
-from kvstage.transfer.protocol.credit_writes import cut_pieces
+from kvstage.transfer.protocol.credit_writes import REMAINDER, chunk_number, cut_pieces, remainder_number
 from kvstage.transfer.protocol.credits import ClaimVerdict, WriteRef
 from kvstage.transfer.protocol.decode_room import DecodeRoom, RoomPlan, TagVerdict
 from kvstage.transfer.protocol.head_mapping import compute_assignments
-from kvstage.transfer.protocol.messages import AllocGrant, AllocRequest, HelloAck, RoomMeta, peer_codec
+from kvstage.transfer.protocol.messages import AllocGrant, AllocRequest, HelloAck, Quiesced, RoomMeta, peer_codec
 from kvstage.transfer.protocol.prefill_room import PrefillRoom
 from kvstage.transfer.protocol.ring import RingAllocator
 from kvstage.transfer.protocol.tags import TagKind
@@ -199,19 +199,154 @@ def test_a_repeated_credit_tag_is_a_duplicate_and_claims_nothing_more():
     assert d.on_credit_tag(PREF, ops[0].tag, again, RING, 3.1) == type(first)(TagVerdict.DUPLICATE, [])
 
 
-def test_the_grant_path_takes_a_chunk_the_credits_cannot_hold_and_the_credit_goes_back_unused():
-    ring, ledger, purse, purses = world(credit_bytes=PAGE * 3)   # 3 pages: one piece fits, not both
+def test_a_chunk_none_of_whose_pieces_fits_goes_whole_through_the_grant_path_and_the_credit_back_unused():
+    ring, ledger, purse, purses = world(credit_bytes=PAGE)   # 1 page: not even the first piece (2 pages) fits
     p = prefill(purses)
     acts = p.add_chunk(np.arange(N), True, 2.0)
     assert not writes(acts) and len(asks(acts)) == 1 and any(isinstance(a, SettleCredits) for a in acts)
-    (back,) = purse.returns()   # nothing was taken from it: all or nothing
+    (back,) = purse.returns()   # nothing was taken from it
     assert back.writes == ()
     req = asks(acts)[0]
+    assert (req.chunk, req.page_start, req.num_pages) == (0, 0, N)   # under the chunk's own number
     d = decode()
     out = d.on_alloc_request(PREF, req, ring, 3.0)
     (grant,) = [a.msg for a in out if isinstance(a, Send) and isinstance(a.msg, AllocGrant)]
     staged = writes(p.on_grant(DEC, grant, 3.5))
     assert staged and all(op.tag.kind is TagKind.STAGED and op.credit is None for op in staged)
+
+
+def granted(d: DecodeRoom, p: PrefillRoom, ring: RingAllocator, req: AllocRequest, now: float = 3.0):
+    """`req` reaches the decode room; its grant reaches the prefill room: the granted writes."""
+    out = d.on_alloc_request(PREF, req, ring, now)
+    (grant,) = [a.msg for a in out if isinstance(a, Send) and isinstance(a.msg, AllocGrant)]
+    return writes(p.on_grant(DEC, grant, now + 0.1))
+
+
+def land_granted(d: DecodeRoom, ring: RingAllocator, op, now: float = 4.0):
+    res = d.on_tag(PREF, op.tag, now)
+    for a in list(res.actions):
+        if isinstance(a, Scatter):
+            res.actions.extend(d.on_scattered(a.key, True, None, ring, now))
+    return res
+
+
+def pages_written(ops) -> list[int]:
+    return sorted(pg for op in ops for pg in range(op.tag.page_start, op.tag.page_start + op.tag.num_pages))
+
+
+@pytest.mark.parametrize("grant_first", [False, True], ids=["credit_tag_first", "grant_first"])
+def test_a_chunk_larger_than_its_credit_writes_what_fits_and_asks_only_for_the_rest(grant_first):
+    """Credit for 1 of the chunk's 2 pieces: that piece goes by credit, the other by grant under
+    the remainder's number; every page written exactly once, the room succeeds on both sides,
+    and the credit and the granted region come back (the ring is empty)."""
+    ring, ledger, purse, purses = world(credit_bytes=PAGE * 3)   # 3 pages: one 2-page piece fits, not both
+    d, p = decode(), prefill(purses)
+    acts = p.add_chunk(np.arange(N), True, 2.0)
+    (cw,), (req,) = writes(acts), asks(acts)
+    assert cw.tag.kind is TagKind.CREDIT and (cw.tag.chunk, cw.tag.piece, cw.tag.page_start) == (0, 0, 0)
+    assert (req.chunk, req.page_start, req.num_pages) == (REMAINDER, 2, N - 2)   # only the rest, numbered apart
+    assert purse.free_bytes == 0 and any(isinstance(a, SettleCredits) for a in acts)   # no open credit while it asks
+    if grant_first:
+        staged = granted(d, p, ring, req)
+        assert land(d, ledger, ring, cw).verdict is TagVerdict.OK
+    else:
+        assert land(d, ledger, ring, cw).verdict is TagVerdict.OK
+        staged = granted(d, p, ring, req)
+    assert staged and all(op.tag.kind is TagKind.STAGED and op.credit is None and op.tag.chunk == REMAINDER
+                          for op in staged)
+    assert pages_written([cw, *staged]) == list(range(N))   # each page once, by one path or the other
+    assert [land_granted(d, ring, op).verdict for op in staged] == [TagVerdict.OK] * len(staged)
+    assert d.state is KVPoll.Success and not d.credit_pieces
+    for op in [cw, *staged]:
+        p.on_write_done(op.op_id, True, None, 5.0, (b"t",))
+    p.on_room_done(DEC, SESSION, 5.5)
+    assert p.state is KVPoll.Success
+    assert p.on_grant(DEC, AllocGrant(src=DEC.incarnation, dst=PREF.incarnation, room=7, session=SESSION,
+                                      chunk=REMAINDER, epoch=DEC.incarnation, pieces=[]), 6.0) == []   # a repeat
+    (back,) = purse.returns()
+    assert [(w.start, w.nbytes) for w in back.writes] == [(cw.ring_start, cw.nbytes)]
+    assert ledger.on_return(PREF, back.credit, list(back.writes)).freed
+    assert ring.live_bytes == 0
+
+
+def test_remainders_are_numbered_apart_from_every_chunk_and_piece():
+    """Two chunks of 2 one-page pieces each, credit for 3 pages: chunk 0 wholly by credit, chunk
+    1's first piece by credit and its remainder by grant; no (chunk, piece) is named twice."""
+    ring, ledger, purse, purses = world(credit_bytes=PAGE * 3, piece_bytes=PAGE)
+    d, p = decode(), prefill(purses)
+    first = p.add_chunk(np.arange(2), False, 2.0)
+    second = p.add_chunk(np.arange(2, N), True, 2.1)
+    assert not asks(first) and len(writes(first)) == 2
+    (req,) = asks(second)
+    assert (req.chunk, req.page_start, req.num_pages) == (REMAINDER + 1, 3, 1)
+    ops = writes(first) + writes(second)
+    for op in ops:
+        assert land(d, ledger, ring, op).verdict is TagVerdict.OK
+    staged = granted(d, p, ring, req)
+    assert [land_granted(d, ring, op).verdict for op in staged] == [TagVerdict.OK]
+    keys = [(op.tag.chunk, op.tag.piece) for op in ops + staged]
+    assert keys == [(0, 0), (0, 1), (1, 0), (REMAINDER + 1, 0)] and len(set(keys)) == len(keys)
+    assert pages_written(ops + staged) == list(range(N)) and d.state is KVPoll.Success
+
+
+def test_remainder_numbers_collide_with_no_chunk_number_and_are_refused_where_they_could():
+    most = 1000
+    own = set(range(most))
+    rest = {remainder_number(w, most_chunks=most) for w in own}
+    assert None not in rest and not rest & own and len(rest) == most
+    assert all(chunk_number(r, splits=True) == (r - REMAINDER, True) for r in rest if r is not None)
+    assert all(chunk_number(w, splits=True) == (w, False) for w in own)
+    # a room that could number REMAINDER chunks of its own splits none: its numbers are all its chunks'
+    assert remainder_number(0, most_chunks=REMAINDER + 1) is None
+    assert chunk_number(REMAINDER + 5, splits=False) == (REMAINDER + 5, False)
+
+
+def test_a_room_that_cannot_number_a_remainder_keeps_a_chunk_whole():
+    _, _, purse, purses = world(credit_bytes=PAGE * 3)
+    p = prefill(purses)
+    p.layout = KVLayout(num_layers=REMAINDER, total_kv_heads=2, head_dim=4, dtype=torch.uint8, page_size=2, tp_size=1,
+                        tp_rank=0, mla=False)   # a bound on its chunk numbers past REMAINDER (the geometry is not used)
+    acts = p.add_chunk(np.arange(N), True, 2.0)
+    assert not writes(acts) and [r.chunk for r in asks(acts)] == [0]   # all or nothing, as before remainders
+
+
+@pytest.mark.parametrize("end", ["abort", "peer_lost"])
+@pytest.mark.parametrize("tag_landed", [True, False])
+def test_an_ended_room_returns_both_its_credit_and_its_granted_remainder(end, tag_landed):
+    """The room ends with its credit piece written (landed or not) and its remainder granted,
+    its writes in flight: the decode side frees the granted region and the credit's place
+    comes back; the ring is empty at the end."""
+    ring, ledger, purse, purses = world(credit_bytes=PAGE * 3)
+    d, p = decode(), prefill(purses)
+    acts = p.add_chunk(np.arange(N), True, 2.0)
+    (cw,), (req,) = writes(acts), asks(acts)
+    if tag_landed:
+        assert land(d, ledger, ring, cw).verdict is TagVerdict.OK
+    staged = granted(d, p, ring, req)
+    assert ring.live_bytes > 0
+    released: list = []
+    if end == "abort":
+        d.abort(ring, 4.0)
+        p.on_room_failed(DEC, SESSION, "aborted", "aborted by the decode caller", 4.1)
+        done = [a for op in [cw, *staged] for a in p.on_write_done(op.op_id, True, None, 4.2)]
+        (q,) = [a.msg for a in done if isinstance(a, Send) and isinstance(a.msg, Quiesced)]
+        released = d.on_quiesced(PREF, q.session, ring, 4.3)
+    else:
+        released = d.on_peer_lost(PREF, "gone", ring, 4.0)
+        p.on_peer_lost(DEC, "gone", 4.0)
+        for op in [cw, *staged]:
+            p.on_write_done(op.op_id, False, "peer lost", 4.2)
+        purse.lost()
+        ledger.peer_lost(PREF)
+    assert d.state is KVPoll.Failed and p.state is KVPoll.Failed and d.released
+    for a in released:
+        if isinstance(a, ReleaseCredit):
+            ledger.release(a.peer, a.span)
+    if end == "abort":
+        purse.idle()
+        (back,) = purse.returns()
+        assert ledger.on_return(PREF, back.credit, list(back.writes)).ok
+    assert ring.live_bytes == 0
 
 
 def test_without_a_purse_or_with_several_writers_a_chunk_asks_for_ring_space():
