@@ -235,36 +235,45 @@ def pages_written(ops) -> list[int]:
 
 
 @pytest.mark.parametrize("grant_first", [False, True], ids=["credit_tag_first", "grant_first"])
-def test_a_chunk_larger_than_its_credit_writes_what_fits_and_asks_only_for_the_rest(grant_first):
-    """Credit for 1 of the chunk's 2 pieces: that piece goes by credit, the other by grant under
-    the remainder's number; every page written exactly once, the room succeeds on both sides,
-    and the credit and the granted region come back (the ring is empty)."""
-    ring, ledger, purse, purses = world(credit_bytes=PAGE * 3)   # 3 pages: one 2-page piece fits, not both
+@pytest.mark.parametrize(("piece_pages", "fit"), [(2, 1), (1, 1), (1, 2), (1, 3), (1, 4)])
+def test_a_chunk_larger_than_its_credit_writes_what_fits_and_asks_only_for_the_rest(piece_pages, fit, grant_first):
+    """A chunk of N pieces with credit for `fit` of them: those go by credit, the others by
+    grant under the remainder's number; every page written exactly once, the room succeeds on
+    both sides, and the credit and the granted region come back (the ring is empty)."""
+    pieces = N // piece_pages
+    ring, ledger, purse, purses = world(credit_bytes=PAGE * (piece_pages * fit + (piece_pages > 1)),
+                                        piece_bytes=PAGE * piece_pages)   # (2, 1): 3 pages, one piece fits
     d, p = decode(), prefill(purses)
     acts = p.add_chunk(np.arange(N), True, 2.0)
-    (cw,), (req,) = writes(acts), asks(acts)
-    assert cw.tag.kind is TagKind.CREDIT and (cw.tag.chunk, cw.tag.piece, cw.tag.page_start) == (0, 0, 0)
-    assert (req.chunk, req.page_start, req.num_pages) == (REMAINDER, 2, N - 2)   # only the rest, numbered apart
-    assert purse.free_bytes == 0 and any(isinstance(a, SettleCredits) for a in acts)   # no open credit while it asks
-    if grant_first:
-        staged = granted(d, p, ring, req)
-        assert land(d, ledger, ring, cw).verdict is TagVerdict.OK
+    credit_ops, reqs = writes(acts), asks(acts)
+    assert [(op.tag.kind, op.tag.chunk, op.tag.piece) for op in credit_ops] == [(TagKind.CREDIT, 0, i)
+                                                                               for i in range(fit)]
+    if fit < pieces:   # only the rest, numbered apart; no open credit while it asks
+        assert [(r.chunk, r.page_start, r.num_pages) for r in reqs] == [(REMAINDER, fit * piece_pages,
+                                                                         N - fit * piece_pages)]
+        assert purse.free_bytes == 0 and any(isinstance(a, SettleCredits) for a in acts)
     else:
-        assert land(d, ledger, ring, cw).verdict is TagVerdict.OK
-        staged = granted(d, p, ring, req)
-    assert staged and all(op.tag.kind is TagKind.STAGED and op.credit is None and op.tag.chunk == REMAINDER
-                          for op in staged)
-    assert pages_written([cw, *staged]) == list(range(N))   # each page once, by one path or the other
+        assert not reqs
+    staged = []
+    for req in reqs if grant_first else ():
+        staged += granted(d, p, ring, req)
+    for op in credit_ops:
+        assert land(d, ledger, ring, op).verdict is TagVerdict.OK
+    for req in () if grant_first else reqs:
+        staged += granted(d, p, ring, req)
+    assert all(op.tag.kind is TagKind.STAGED and op.credit is None and op.tag.chunk == REMAINDER for op in staged)
+    assert pages_written(credit_ops + staged) == list(range(N))   # each page once, by one path or the other
     assert [land_granted(d, ring, op).verdict for op in staged] == [TagVerdict.OK] * len(staged)
     assert d.state is KVPoll.Success and not d.credit_pieces
-    for op in [cw, *staged]:
+    for op in credit_ops + staged:
         p.on_write_done(op.op_id, True, None, 5.0, (b"t",))
     p.on_room_done(DEC, SESSION, 5.5)
     assert p.state is KVPoll.Success
     assert p.on_grant(DEC, AllocGrant(src=DEC.incarnation, dst=PREF.incarnation, room=7, session=SESSION,
                                       chunk=REMAINDER, epoch=DEC.incarnation, pieces=[]), 6.0) == []   # a repeat
+    purse.idle()
     (back,) = purse.returns()
-    assert [(w.start, w.nbytes) for w in back.writes] == [(cw.ring_start, cw.nbytes)]
+    assert [(w.start, w.nbytes) for w in back.writes] == [(op.ring_start, op.nbytes) for op in credit_ops]
     assert ledger.on_return(PREF, back.credit, list(back.writes)).freed
     assert ring.live_bytes == 0
 
