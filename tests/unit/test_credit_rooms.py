@@ -17,6 +17,7 @@ import torch
 from kvstage.transfer.config import Timeouts
 from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.poll import KVPoll
+from kvstage.transfer.pool_spec import PoolSpec
 from kvstage.transfer.protocol.actions import (
     PeerKey,
     PostWrite,
@@ -398,3 +399,29 @@ def test_a_grant_re_sent_after_a_later_one_is_taken_and_a_given_back_one_is_stal
     assert purse.on_grant(credit=1, epoch=5, start=0, nbytes=256) == "stale"
     assert purse.on_grant(credit=2, epoch=5, start=512, nbytes=256) == "stale"
     assert purse.on_grant(credit=3, epoch=5, start=0, nbytes=256) == "ok"
+
+
+def test_a_remainder_that_holds_the_last_page_carries_the_pool_block():
+    """The request's state pool block rides with its last page: here that page falls in the
+    remainder, so the decode room plans it in the granted piece and the prefill room writes it
+    there; the credit pieces carry none."""
+    aux = PoolSpec(name="aux", sharding="replicated", heads=0, dtypes=["uint8"], rows=[[16]])
+    ring, ledger, purse, purses = world(credit_bytes=PAGE * 3)   # two 2-page pieces would be 4 pages
+    d = DecodeRoom(room=7, session=SESSION, me=DEC.incarnation, layout=LAYOUT, now=0.0, timeouts=Timeouts(),
+                   pools=(aux,))
+    d.on_plan(plan(), 0.0)
+    (meta,) = [a.msg for a in d.init(np.arange(10, 10 + N), 1.0, pool_items={"aux": np.array([5])})
+               if isinstance(a, Send) and isinstance(a.msg, RoomMeta)]
+    p = PrefillRoom(room=7, num_pages=N, layout=LAYOUT, me=PREF.incarnation, now=0.0, timeouts=Timeouts(),
+                    op_ids=itertools.count(700), credits=purses, pools=(aux,), pool_items={"aux": np.array([3])})
+    p.add_meta(DEC, 1, meta, 1.0)
+    acts = p.add_chunk(np.arange(N), True, 2.0)
+    credit_ops, (req,) = writes(acts), asks(acts)
+    # cut: [0, 2) and [2, 3) into the credit (3 pages), [3, 4) with the pool block does not fit
+    assert [(op.tag.page_start, op.tag.num_pages, op.pools) for op in credit_ops] == [(0, 2, ()), (2, 1, ())]
+    assert (req.chunk, req.page_start, req.num_pages) == (REMAINDER, 3, 1)
+    for op in credit_ops:
+        assert land(d, ledger, ring, op).verdict is TagVerdict.OK
+    (last,) = granted(d, p, ring, req)
+    assert last.pools and last.nbytes == PAGE + sum(c.nbytes for c in last.pools)
+    assert land_granted(d, ring, last).verdict is TagVerdict.OK and d.state is KVPoll.Success
