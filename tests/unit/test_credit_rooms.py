@@ -1,6 +1,7 @@
 """Ring credits in the room state machines (issue 47, item 2's wiring): a prefill room cuts a
-single-writer chunk into pieces and takes them from its decode peer's purse (all at once, no
-ring-space round trip), falling back to the grant path; a decode room takes a piece it did not
+single-writer chunk into pieces and takes from its decode peer's purse the first that fit (at
+once, no ring-space round trip), asking the grant path only for the rest (the remainder, under
+a number of its own) or, when none fits, for the whole chunk; a decode room takes a piece it did not
 plan from a credit tag the ring's ledger claimed, scatters it and hands its place back to the
 ledger; a claim the ledger refuses fails that room only. Real ledger, purse, ring and rooms:
 only the engine shell between them is left out (docs/protocol.md, "Ring credits")."""
