@@ -10,6 +10,8 @@ test_lifecycle.py.
 - One room id aborted by the decode side mid-transfer, with writes into credits in flight, and
   used again: the aborted use fails on both sides, the later uses succeed with their own bytes,
   and no region is left but the credits the live rank holds.
+- And without faults, a request larger than its credit: its first pieces go into the credit,
+  the rest of its one chunk through the grant path (its remainder), bit-exact.
 """
 
 import time
@@ -95,3 +97,21 @@ def test_a_room_id_aborted_mid_transfer_and_reused_with_credits_in_flight(tmp_pa
             taken += credit_stats(st)[1]
             assert st["ring_held_bytes"] == st["ring_credit_bytes"], st   # only credits of the live rank
     assert taken >= 1, "some writes went into credits"
+
+
+@pytest.mark.timeout(200)
+def test_a_request_larger_than_its_credit_goes_partly_by_credit_and_partly_by_grant():
+    """96 pages of 8 KiB in one chunk (768 KiB) towards a 1 MiB ring: 256 KiB pieces (a quarter
+    of the ring), a credit of at most half the ring for the one busy rank. The pieces that fit
+    go into the credit, the rest is granted; every byte arrives once, bit-exact."""
+    room = {"room": 700, "pages": 96, "chunks": [96]}
+    case = Case(topo=Topo(P=1, D=1, H=4), page_size=16, dtype="bfloat16", staging=True, backend="nixl", rooms=[room],
+                extra={"path": "staged", "credits": True, "ring_mb": 1, "buffer_mb": 1, "piece_mb": 0.25})
+    results, codes, logs, _ = run_cases([case], timeout=120)
+    bad = problems(results, codes, logs)
+    assert not bad, "\n".join(bad[:10])
+    (st,) = [res["stats"] for _, side, res in each_rank([case], results) if side == "decode"]
+    by_credit = credit_stats(st)[1]
+    assert st["bytes_received"] == 96 * 8 << 10, st
+    assert by_credit >= 1 and st["tags_received"] - by_credit >= 1, st   # both paths carried pieces of it
+    assert st["ring_held_bytes"] == st["ring_credit_bytes"], st

@@ -116,6 +116,8 @@ class CreditWorld:
     rejected: list = field(default_factory=list)           # (rank, verdict, reason)
     credit_writes: int = 0
     grant_writes: int = 0
+    chunks: bool = False             # gather several pieces at once, as a chunk (prefill_room._credit_writes)
+    mixed: int = 0                   # chunks whose first pieces went by credit and the rest by grant
 
     def __post_init__(self):
         self.rng = random.Random(self.seed)
@@ -222,6 +224,9 @@ class CreditWorld:
     # -- prefill ----------------------------------------------------------------------------
     def gather(self, r: Request) -> None:
         """The next piece's data is gathered: write it from a credit, or ask for a region."""
+        if self.chunks:
+            self.gather_chunk(r)
+            return
         i = r.next_piece
         r.next_piece += 1
         nbytes = r.sizes[i]
@@ -232,6 +237,23 @@ class CreditWorld:
             return
         self.credit_writes += 1
         self._post(Write(next(self.wids), r.rank, r, i, span.start, nbytes, span))
+
+    def gather_chunk(self, r: Request) -> None:
+        """The next 1..all pieces are gathered as one chunk: the first that fit the rank's
+        credits are written into them (CreditPurse.take_some), the chunk's remainder is asked
+        for, piece by piece (each piece's number is its own: the remainder's numbering)."""
+        first = r.next_piece
+        end = first + self.rng.randint(1, len(r.sizes) - first)
+        r.next_piece = end
+        spans = self.purses[r.rank].take_some(r.sizes[first:end], r.room, r.session)
+        for i, span in enumerate(spans, first):
+            self.credit_writes += 1
+            self._post(Write(next(self.wids), r.rank, r, i, span.start, r.sizes[i], span))
+        rest = range(first + len(spans), end)
+        self.mixed += bool(spans) and bool(rest)
+        for i in rest:
+            self.waiting[(r.rank, r.room, r.session, i)] = r.sizes[i]
+            self.send(r.rank, DECODE, Ask(r.rank, r.room, r.session, i, r.sizes[i]))
 
     def _post(self, w: Write) -> None:
         w.req.posted += 1

@@ -1,6 +1,7 @@
 """Ring credits in the room state machines (issue 47, item 2's wiring): a prefill room cuts a
-single-writer chunk into pieces and takes them from its decode peer's purse (all at once, no
-ring-space round trip), falling back to the grant path; a decode room takes a piece it did not
+single-writer chunk into pieces and takes from its decode peer's purse the first that fit (at
+once, no ring-space round trip), asking the grant path only for the rest (the remainder, under
+a number of its own) or, when none fits, for the whole chunk; a decode room takes a piece it did not
 plan from a credit tag the ring's ledger claimed, scatters it and hands its place back to the
 ledger; a claim the ledger refuses fails that room only. Real ledger, purse, ring and rooms:
 only the engine shell between them is left out (docs/protocol.md, "Ring credits")."""
@@ -17,6 +18,7 @@ import torch
 from kvstage.transfer.config import Timeouts
 from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.poll import KVPoll
+from kvstage.transfer.pool_spec import PoolSpec
 from kvstage.transfer.protocol.actions import (
     PeerKey,
     PostWrite,
@@ -27,11 +29,11 @@ from kvstage.transfer.protocol.actions import (
 )
 from kvstage.transfer.protocol.credit_ledger import CreditLedger
 from kvstage.transfer.protocol.credit_purse import CreditPurse
-from kvstage.transfer.protocol.credit_writes import cut_pieces
+from kvstage.transfer.protocol.credit_writes import REMAINDER, chunk_number, cut_pieces, remainder_number
 from kvstage.transfer.protocol.credits import ClaimVerdict, WriteRef
 from kvstage.transfer.protocol.decode_room import DecodeRoom, RoomPlan, TagVerdict
 from kvstage.transfer.protocol.head_mapping import compute_assignments
-from kvstage.transfer.protocol.messages import AllocGrant, AllocRequest, HelloAck, RoomMeta, peer_codec
+from kvstage.transfer.protocol.messages import AllocGrant, AllocRequest, HelloAck, Quiesced, RoomMeta, peer_codec
 from kvstage.transfer.protocol.prefill_room import PrefillRoom
 from kvstage.transfer.protocol.ring import RingAllocator
 from kvstage.transfer.protocol.tags import TagKind
@@ -199,19 +201,163 @@ def test_a_repeated_credit_tag_is_a_duplicate_and_claims_nothing_more():
     assert d.on_credit_tag(PREF, ops[0].tag, again, RING, 3.1) == type(first)(TagVerdict.DUPLICATE, [])
 
 
-def test_the_grant_path_takes_a_chunk_the_credits_cannot_hold_and_the_credit_goes_back_unused():
-    ring, ledger, purse, purses = world(credit_bytes=PAGE * 3)   # 3 pages: one piece fits, not both
+def test_a_chunk_none_of_whose_pieces_fits_goes_whole_through_the_grant_path_and_the_credit_back_unused():
+    ring, ledger, purse, purses = world(credit_bytes=PAGE)   # 1 page: not even the first piece (2 pages) fits
     p = prefill(purses)
     acts = p.add_chunk(np.arange(N), True, 2.0)
     assert not writes(acts) and len(asks(acts)) == 1 and any(isinstance(a, SettleCredits) for a in acts)
-    (back,) = purse.returns()   # nothing was taken from it: all or nothing
+    (back,) = purse.returns()   # nothing was taken from it
     assert back.writes == ()
     req = asks(acts)[0]
+    assert (req.chunk, req.page_start, req.num_pages) == (0, 0, N)   # under the chunk's own number
     d = decode()
     out = d.on_alloc_request(PREF, req, ring, 3.0)
     (grant,) = [a.msg for a in out if isinstance(a, Send) and isinstance(a.msg, AllocGrant)]
     staged = writes(p.on_grant(DEC, grant, 3.5))
     assert staged and all(op.tag.kind is TagKind.STAGED and op.credit is None for op in staged)
+
+
+def granted(d: DecodeRoom, p: PrefillRoom, ring: RingAllocator, req: AllocRequest, now: float = 3.0):
+    """`req` reaches the decode room; its grant reaches the prefill room: the granted writes."""
+    out = d.on_alloc_request(PREF, req, ring, now)
+    (grant,) = [a.msg for a in out if isinstance(a, Send) and isinstance(a.msg, AllocGrant)]
+    return writes(p.on_grant(DEC, grant, now + 0.1))
+
+
+def land_granted(d: DecodeRoom, ring: RingAllocator, op, now: float = 4.0):
+    res = d.on_tag(PREF, op.tag, now)
+    for a in list(res.actions):
+        if isinstance(a, Scatter):
+            res.actions.extend(d.on_scattered(a.key, True, None, ring, now))
+    return res
+
+
+def pages_written(ops) -> list[int]:
+    return sorted(pg for op in ops for pg in range(op.tag.page_start, op.tag.page_start + op.tag.num_pages))
+
+
+@pytest.mark.parametrize("grant_first", [False, True], ids=["credit_tag_first", "grant_first"])
+@pytest.mark.parametrize(("piece_pages", "fit"), [(2, 1), (1, 1), (1, 2), (1, 3), (1, 4)])
+def test_a_chunk_larger_than_its_credit_writes_what_fits_and_asks_only_for_the_rest(piece_pages, fit, grant_first):
+    """A chunk of N pieces with credit for `fit` of them: those go by credit, the others by
+    grant under the remainder's number; every page written exactly once, the room succeeds on
+    both sides, and the credit and the granted region come back (the ring is empty)."""
+    pieces = N // piece_pages
+    ring, ledger, purse, purses = world(credit_bytes=PAGE * (piece_pages * fit + (piece_pages > 1)),
+                                        piece_bytes=PAGE * piece_pages)   # (2, 1): 3 pages, one piece fits
+    d, p = decode(), prefill(purses)
+    acts = p.add_chunk(np.arange(N), True, 2.0)
+    credit_ops, reqs = writes(acts), asks(acts)
+    assert [(op.tag.kind, op.tag.chunk, op.tag.piece) for op in credit_ops] == [(TagKind.CREDIT, 0, i)
+                                                                               for i in range(fit)]
+    if fit < pieces:   # only the rest, numbered apart; no open credit while it asks
+        assert [(r.chunk, r.page_start, r.num_pages) for r in reqs] == [(REMAINDER, fit * piece_pages,
+                                                                         N - fit * piece_pages)]
+        assert purse.free_bytes == 0 and any(isinstance(a, SettleCredits) for a in acts)
+    else:
+        assert not reqs
+    staged = []
+    for req in reqs if grant_first else ():
+        staged += granted(d, p, ring, req)
+    for op in credit_ops:
+        assert land(d, ledger, ring, op).verdict is TagVerdict.OK
+    for req in () if grant_first else reqs:
+        staged += granted(d, p, ring, req)
+    assert all(op.tag.kind is TagKind.STAGED and op.credit is None and op.tag.chunk == REMAINDER for op in staged)
+    assert pages_written(credit_ops + staged) == list(range(N))   # each page once, by one path or the other
+    assert [land_granted(d, ring, op).verdict for op in staged] == [TagVerdict.OK] * len(staged)
+    assert d.state is KVPoll.Success and not d.credit_pieces
+    for op in credit_ops + staged:
+        p.on_write_done(op.op_id, True, None, 5.0, (b"t",))
+    p.on_room_done(DEC, SESSION, 5.5)
+    assert p.state is KVPoll.Success
+    assert p.on_grant(DEC, AllocGrant(src=DEC.incarnation, dst=PREF.incarnation, room=7, session=SESSION,
+                                      chunk=REMAINDER, epoch=DEC.incarnation, pieces=[]), 6.0) == []   # a repeat
+    purse.idle()
+    (back,) = purse.returns()
+    assert [(w.start, w.nbytes) for w in back.writes] == [(op.ring_start, op.nbytes) for op in credit_ops]
+    assert ledger.on_return(PREF, back.credit, list(back.writes)).freed
+    assert ring.live_bytes == 0
+
+
+def test_remainders_are_numbered_apart_from_every_chunk_and_piece():
+    """Two chunks of 2 one-page pieces each, credit for 3 pages: chunk 0 wholly by credit, chunk
+    1's first piece by credit and its remainder by grant; no (chunk, piece) is named twice."""
+    ring, ledger, purse, purses = world(credit_bytes=PAGE * 3, piece_bytes=PAGE)
+    d, p = decode(), prefill(purses)
+    first = p.add_chunk(np.arange(2), False, 2.0)
+    second = p.add_chunk(np.arange(2, N), True, 2.1)
+    assert not asks(first) and len(writes(first)) == 2
+    (req,) = asks(second)
+    assert (req.chunk, req.page_start, req.num_pages) == (REMAINDER + 1, 3, 1)
+    ops = writes(first) + writes(second)
+    for op in ops:
+        assert land(d, ledger, ring, op).verdict is TagVerdict.OK
+    staged = granted(d, p, ring, req)
+    assert [land_granted(d, ring, op).verdict for op in staged] == [TagVerdict.OK]
+    keys = [(op.tag.chunk, op.tag.piece) for op in ops + staged]
+    assert keys == [(0, 0), (0, 1), (1, 0), (REMAINDER + 1, 0)] and len(set(keys)) == len(keys)
+    assert pages_written(ops + staged) == list(range(N)) and d.state is KVPoll.Success
+
+
+def test_remainder_numbers_collide_with_no_chunk_number_and_are_refused_where_they_could():
+    most = 1000
+    own = set(range(most))
+    rest = {remainder_number(w, most_chunks=most) for w in own}
+    assert None not in rest and not rest & own and len(rest) == most
+    assert all(chunk_number(r, splits=True) == (r - REMAINDER, True) for r in rest if r is not None)
+    assert all(chunk_number(w, splits=True) == (w, False) for w in own)
+    # a room that could number REMAINDER chunks of its own splits none: its numbers are all its chunks'
+    assert remainder_number(0, most_chunks=REMAINDER + 1) is None
+    assert chunk_number(REMAINDER + 5, splits=False) == (REMAINDER + 5, False)
+
+
+def test_a_room_that_cannot_number_a_remainder_keeps_a_chunk_whole():
+    _, _, purse, purses = world(credit_bytes=PAGE * 3)
+    p = prefill(purses)
+    p.layout = KVLayout(num_layers=REMAINDER, total_kv_heads=2, head_dim=4, dtype=torch.uint8, page_size=2, tp_size=1,
+                        tp_rank=0, mla=False)   # a bound on its chunk numbers past REMAINDER (the geometry is not used)
+    acts = p.add_chunk(np.arange(N), True, 2.0)
+    assert not writes(acts) and [r.chunk for r in asks(acts)] == [0]   # all or nothing, as before remainders
+
+
+@pytest.mark.parametrize("end", ["abort", "peer_lost"])
+@pytest.mark.parametrize("tag_landed", [True, False])
+def test_an_ended_room_returns_both_its_credit_and_its_granted_remainder(end, tag_landed):
+    """The room ends with its credit piece written (landed or not) and its remainder granted,
+    its writes in flight: the decode side frees the granted region and the credit's place
+    comes back; the ring is empty at the end."""
+    ring, ledger, purse, purses = world(credit_bytes=PAGE * 3)
+    d, p = decode(), prefill(purses)
+    acts = p.add_chunk(np.arange(N), True, 2.0)
+    (cw,), (req,) = writes(acts), asks(acts)
+    if tag_landed:
+        assert land(d, ledger, ring, cw).verdict is TagVerdict.OK
+    staged = granted(d, p, ring, req)
+    assert ring.live_bytes > 0
+    released: list = []
+    if end == "abort":
+        d.abort(ring, 4.0)
+        p.on_room_failed(DEC, SESSION, "aborted", "aborted by the decode caller", 4.1)
+        done = [a for op in [cw, *staged] for a in p.on_write_done(op.op_id, True, None, 4.2)]
+        (q,) = [a.msg for a in done if isinstance(a, Send) and isinstance(a.msg, Quiesced)]
+        released = d.on_quiesced(PREF, q.session, ring, 4.3)
+    else:
+        released = d.on_peer_lost(PREF, "gone", ring, 4.0)
+        p.on_peer_lost(DEC, "gone", 4.0)
+        for op in [cw, *staged]:
+            p.on_write_done(op.op_id, False, "peer lost", 4.2)
+        purse.lost()
+        ledger.peer_lost(PREF)
+    assert d.state is KVPoll.Failed and p.state is KVPoll.Failed and d.released
+    for a in released:
+        if isinstance(a, ReleaseCredit):
+            ledger.release(a.peer, a.span)
+    if end == "abort":
+        purse.idle()
+        (back,) = purse.returns()
+        assert ledger.on_return(PREF, back.credit, list(back.writes)).ok
+    assert ring.live_bytes == 0
 
 
 def test_without_a_purse_or_with_several_writers_a_chunk_asks_for_ring_space():
@@ -254,3 +400,29 @@ def test_a_grant_re_sent_after_a_later_one_is_taken_and_a_given_back_one_is_stal
     assert purse.on_grant(credit=1, epoch=5, start=0, nbytes=256) == "stale"
     assert purse.on_grant(credit=2, epoch=5, start=512, nbytes=256) == "stale"
     assert purse.on_grant(credit=3, epoch=5, start=0, nbytes=256) == "ok"
+
+
+def test_a_remainder_that_holds_the_last_page_carries_the_pool_block():
+    """The request's state pool block rides with its last page: here that page falls in the
+    remainder, so the decode room plans it in the granted piece and the prefill room writes it
+    there; the credit pieces carry none."""
+    aux = PoolSpec(name="aux", sharding="replicated", heads=0, dtypes=["uint8"], rows=[[16]])
+    ring, ledger, purse, purses = world(credit_bytes=PAGE * 3)   # two 2-page pieces would be 4 pages
+    d = DecodeRoom(room=7, session=SESSION, me=DEC.incarnation, layout=LAYOUT, now=0.0, timeouts=Timeouts(),
+                   pools=(aux,))
+    d.on_plan(plan(), 0.0)
+    (meta,) = [a.msg for a in d.init(np.arange(10, 10 + N), 1.0, pool_items={"aux": np.array([5])})
+               if isinstance(a, Send) and isinstance(a.msg, RoomMeta)]
+    p = PrefillRoom(room=7, num_pages=N, layout=LAYOUT, me=PREF.incarnation, now=0.0, timeouts=Timeouts(),
+                    op_ids=itertools.count(700), credits=purses, pools=(aux,), pool_items={"aux": np.array([3])})
+    p.add_meta(DEC, 1, meta, 1.0)
+    acts = p.add_chunk(np.arange(N), True, 2.0)
+    credit_ops, (req,) = writes(acts), asks(acts)
+    # cut: [0, 2) and [2, 3) into the credit (3 pages), [3, 4) with the pool block does not fit
+    assert [(op.tag.page_start, op.tag.num_pages, op.pools) for op in credit_ops] == [(0, 2, ()), (2, 1, ())]
+    assert (req.chunk, req.page_start, req.num_pages) == (REMAINDER, 3, 1)
+    for op in credit_ops:
+        assert land(d, ledger, ring, op).verdict is TagVerdict.OK
+    (last,) = granted(d, p, ring, req)
+    assert last.pools and last.nbytes == PAGE + sum(c.nbytes for c in last.pools)
+    assert land_granted(d, ring, last).verdict is TagVerdict.OK and d.state is KVPoll.Success

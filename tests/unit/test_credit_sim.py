@@ -89,3 +89,36 @@ def test_a_rank_that_writes_outside_its_credit_fails_only_its_own_request():
     assert [(rank, str(v)) for rank, v, _ in w.rejected] == [(1, "outside")]
     assert "not inside a credit" in w.rejected[0][2]
     assert (forged.written == 0).all()   # never scattered
+
+
+@pytest.mark.parametrize("cfg", [(1, 4096, 1024), (3, 4096, 1024), (4, 4096, 1024)], ids=lambda c: f"P{c[0]}")
+def test_chunks_larger_than_their_credit_write_what_fits_and_ask_for_the_rest(cfg):
+    """Several pieces gathered at once, as a chunk: the first that fit go by credit, the rest by
+    grant (the remainder), while credits run out with pieces half gathered: every byte once,
+    the ring back whole, nothing left waiting, and chunks did take both paths."""
+    P, ring, piece = cfg
+    mixed = 0
+    for seed in range(3):
+        w = CreditWorld(P=P, ring_bytes=ring, piece_bytes=piece, seed=seed, chunks=True)
+        add_requests(w, 12, max_pieces=6)
+        w.run()
+        w.check()
+        assert not w.rejected
+        mixed += w.mixed
+    assert mixed > 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_split_chunks_of_aborted_dead_and_reused_rooms_give_credits_and_grants_back(seed):
+    w = CreditWorld(P=4, ring_bytes=4096, piece_bytes=1024, seed=seed, chunks=True, drop_msgs=0.1)
+    reqs = add_requests(w, 10, max_pieces=6)
+    for _ in range(w.rng.randint(5, 40)):
+        if not w.step():
+            break
+    for r in w.rng.sample(reqs, 3):
+        if len(r.done) < len(r.sizes):
+            w.abort(r)
+            w.add_request(r.rank, r.room, r.session + 1000, [512, 1024, 64])   # the id's next use
+    w.kill(w.rng.randrange(w.P))
+    w.run(max_ticks=2000)
+    w.check()

@@ -10,7 +10,10 @@ Contract with the caller (the prefill engine, or the simulator):
   credits. A None also retires every open credit (it will be given back once its writes
   completed), so a rank that waits for a grant holds no open credit.
 - `take_all(sizes, room, session)`: the writes of one chunk, each placed as `take` would, or
-  none of them (a chunk goes either through credits or through the grant path, never half).
+  none of them (a chunk whose remainder could not be numbered apart, credit_writes.py).
+- `take_some(sizes, room, session)`: the longest first part of a chunk's writes that fits,
+  placed as successive `take`s would place them; when it is not all of them, every open credit
+  is retired as `take`'s None retires them, and the rest goes the grant path.
 - `done(span, ok)` when the backend completed that write (ok: its bytes and tag are in place).
 - `idle()` when the rank has no staged request towards this decode rank: every open credit is
   retired, so an idle rank holds no ring space.
@@ -128,6 +131,21 @@ class CreditPurse:
         spans = [self.take(n, room, session) for n in sizes]
         assert all(s is not None for s in spans), "take_all placed what take did not"
         return [s for s in spans if s is not None]
+
+    def take_some(self, sizes: list[int], room: int, session: int) -> list[CreditSpan]:
+        """The places of the first writes of `sizes` that fit, in order, as successive `take`s
+        give them, up to the first that does not fit: then (as `take`'s None) every open credit
+        is retired, so a rank that asks for the rest holds no open credit while it waits for its
+        grant. Each write is placed at most once: the rest is the caller's to ask for."""
+        if not sizes or min(sizes) <= 0:
+            raise ValueError(f"writes have positive sizes, got {sizes}")
+        spans: list[CreditSpan] = []
+        for n in sizes:
+            span = self.take(n, room, session)
+            if span is None:
+                break
+            spans.append(span)
+        return spans
 
     def holds(self, span: CreditSpan) -> bool:
         """Whether `span` is a write in flight here (not after `lost`)."""

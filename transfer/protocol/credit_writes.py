@@ -6,10 +6,22 @@ pieces (prefill TP <= decode TP, per PP stage): pieces written by several prefil
 the grant path, which reserves all their parts at once (see the deadlock in
 docs/protocol.md, "Ring credits"). The room cuts the chunk into pieces itself, each at most
 `piece_bytes` (one transfer worker's buffer and the piece cap), the last one also holding the
-state pool block when it carries the pools, and takes all of them from the decode rank's
-purse at once (CreditPurse.take_all) or none: then the whole chunk goes the grant path
-(AllocRequest / AllocGrant) as without credits. Every piece taken is in flight at once,
-bounded by the credit (issue 47, item 4).
+state pool block when it carries the pools, and takes from the decode rank's purse the
+longest first run of them that fits (CreditPurse.take_some). Every piece taken is in flight at
+once, bounded by the credit (issue 47, item 4).
+
+**The remainder.** When the credits hold only the first k of the chunk's N pieces, those k go
+through the credits and the pages after them, the chunk's *remainder*, go the grant path
+(AllocRequest / AllocGrant) under a number of their own, `remainder_number`: the chunk's own
+wire number plus REMAINDER. The credit pieces are (chunk, 0..k-1); the granted ones are
+(remainder, 0..m-1), over other pages: no (chunk, piece) of the room is named twice, and no
+page is written twice (the decode room refuses a piece over pages another piece holds,
+whichever came first). A room whose chunks could number REMAINDER or more (`most_chunks`, its
+pages x layer entries x PP stages, bounds the numbers: every chunk covers (page, layer) cells
+no other chunk covers) never splits a chunk: its chunks go wholly through credits or wholly
+through grants. With k = 0 the whole chunk goes the grant path under its own number, as
+without credits. Either way, once a chunk asks for ring space its rank holds no open credit
+(take_some retired them), so its grant waits only for regions whose writes need no grant.
 
 Pure: the purses are the shell's, handed to the room in its constructor.
 """
@@ -36,6 +48,30 @@ class CreditPurses(Protocol):
         """The credits `peer` gave this rank; None: it gives none (an older peer, no ring, or
         credits off), and every staged chunk towards it goes the grant path."""
         ...
+
+
+REMAINDER = 1 << 23
+"""Added to a chunk's wire number, the number of its remainder (the part after its pieces written
+into credits, asked for through the grant path). Below the decode room's bound on chunk numbers
+(decode_room.landed_key: 24 bits)."""
+
+
+def remainder_number(wire: int, *, most_chunks: int) -> int | None:
+    """The wire number of chunk `wire`'s remainder; None when the room cannot number one apart
+    from every chunk's own number (`most_chunks`, the most chunk numbers the room could use,
+    exceeds REMAINDER): then the chunk is not split."""
+    if most_chunks > REMAINDER or not 0 <= wire < REMAINDER:
+        return None
+    return wire + REMAINDER
+
+
+def chunk_number(wire: int, *, splits: bool) -> tuple[int, bool]:
+    """(the chunk's own wire number, whether `wire` names its remainder) of a number on the wire
+    (an AllocGrant's); `splits`: whether the room numbers remainders at all (remainder_number
+    is not None for its chunks)."""
+    if splits and wire >= REMAINDER:
+        return wire - REMAINDER, True
+    return wire, False
 
 
 def cut_pieces(page_start: int, num_pages: int, *, page_bytes: int, piece_bytes: int,

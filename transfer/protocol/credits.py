@@ -29,7 +29,8 @@ The rules, decided here and in credit_ledger.py (decode) and credit_purse.py (pr
   (tests/unit/test_credit_rules.py builds one).
   A grant allocates all parts of a piece at once and has no such cycle.
 - **Fallback**: a write that does not fit its rank's credits goes the grant path
-  (AllocRequest / AllocGrant) exactly as without credits.
+  (AllocRequest / AllocGrant) exactly as without credits; of a chunk, the pieces after the
+  first that does not fit go there together, as its remainder (credit_writes.py).
 
 Pure: no memory, no time; positions are linear ring positions as in ring.py.
 """

@@ -102,6 +102,8 @@ class Flow:
     asked_again: dict[int, float] = field(default_factory=dict)   # staged: chunk -> when last asked
     done_again_at: float | None = None                            # WriterDone last re-sent
     granted: set[int] = field(default_factory=set)
+    remainders: dict[int, int] = field(default_factory=dict)     # staged: chunk -> its first pages, written into
+                                                                  # credits; the grant path is asked for the rest
     inflight: set[int] = field(default_factory=set)               # op ids
     writes: int = 0
     nbytes: int = 0

@@ -14,9 +14,10 @@ Control messages may be lost: it re-sends an AllocRequest until the grant arrive
 WriterDone until the decode side confirms; duplicates it receives are ignored.
 
 Ring credits (credit_writes.py): a staged chunk towards a decode rank that gave this rank
-credits, of which this rank is the only writer, is cut into pieces here and written into the
-credits at once, without asking for ring space; when the credits cannot hold the whole chunk
-it goes the grant path.
+credits, of which this rank is the only writer, is cut into pieces here and the first of them
+that fit the credits are written into them at once, without asking for ring space; the rest
+of the chunk (all of it when not even its first piece fits) goes the grant path, its
+remainder under a chunk number of its own (credit_writes.remainder_number).
 
 Room ids are reused: a failure or metadata is bound to engine + session + use (see
 docs/protocol.md and room_uses.py); one of an earlier use of the id, or of another engine or
@@ -38,7 +39,7 @@ from ..pool_spec import PoolSpec
 from ..timeouts import Timeouts
 from .actions import Action, DecodePrefix, Dropped, PeerKey, PostWrite, RoomTotals, Send, SettleCredits, WriteOp
 from .chunk_writes import ChunkWrites, direct_writes, granted_writes
-from .credit_writes import CreditPurses, cut_pieces
+from .credit_writes import CreditPurses, chunk_number, cut_pieces, remainder_number
 from .direct_ranges import direct_nbytes
 from .flow_timers import due_again, overdue
 from .flows import CONFIRMED_STATES, UNCHECKED_STATES, Chunk, Flow, FlowEvent, FlowState, past_prefix
@@ -299,16 +300,19 @@ class PrefillRoom(RoomBase):
         return []
 
     def on_grant(self, peer: PeerKey, grant: AllocGrant, now: float) -> list[Action]:
+        """Ring space for a chunk this rank asked for: the whole chunk, or (a number from
+        credit_writes.remainder_number) the remainder of one whose first pieces went into credits."""
         flow = self._flow_of(peer, grant.session)
-        index, stage = divmod(grant.chunk, self.layout.pp_size)
+        own, remainder = chunk_number(grant.chunk, splits=self._splits)
+        index, stage = divmod(own, self.layout.pp_size)
         if flow is None or self.ended or index in flow.granted:
             return []  # a repeated grant (we asked twice): already acted upon
-        if not flow.staged or index not in flow.requested_at or stage != self.layout.pp_rank:
+        if not flow.staged or index not in flow.requested_at or stage != self.layout.pp_rank \
+                or remainder != (index in flow.remainders):
             return self.fail(FailureKind.PROTOCOL, f"unexpected ring allocation for chunk {grant.chunk} from {peer}", now)
         a = flow.assignment
         assert a is not None, "a notice-only flow asks for no ring space"
-        chunk = self._clip(flow, self.sendable[index])
-        assert chunk is not None, "no ring space is asked for a chunk with none of the flow's layers"
+        chunk, _ = self._asked(flow, index)
         w = self._chunk_writes(flow, a, chunk)
         ops = granted_writes(w, grant, op_ids=self._op_ids, last_part=(
             (lambda kv: final_part(self.pools, self._mapping, a, kv, self.pool_items, flow.pool_dst))
@@ -407,7 +411,7 @@ class PrefillRoom(RoomBase):
         return self.on_room_failed(peer, session, kind, f"{reason} (before its room metadata went out)", now)
 
     def _retransmit(self, now: float) -> list[Action]:
-        return [self._writer_done(flow) if chunk is None else self._alloc_request(flow, self._clip_sendable(flow, chunk))
+        return [self._writer_done(flow) if chunk is None else self._alloc_request(flow, chunk)
                 for flow, chunk in due_again(self.flows.values(), self.timeouts.heartbeat, now)] + self._tags_again(now)
 
     def _tags_again(self, now: float) -> list[Action]:
@@ -430,11 +434,37 @@ class PrefillRoom(RoomBase):
                                                  session=flow.session, tags=list(flow.landed_tags))))
         return out
 
-    def _alloc_request(self, flow: Flow, chunk: Chunk) -> Send:
+    def _alloc_request(self, flow: Flow, index: int) -> Send:
+        chunk, number = self._asked(flow, index)
         return Send(flow.peer, AllocRequest(src=self.me, dst=flow.peer.incarnation, room=self.room,
-                                            session=flow.session, chunk=self._wire(chunk), page_start=chunk.page_start,
+                                            session=flow.session, chunk=number, page_start=chunk.page_start,
                                             num_pages=int(chunk.pages.size), layer_start=chunk.layers.start,
                                             num_layers=len(chunk.layers)))
+
+    def _asked(self, flow: Flow, index: int) -> tuple[Chunk, int]:
+        """What the grant path is asked for of sendable chunk `index`, and under which number:
+        the whole chunk under its own, or the pages after those written into credits under its
+        remainder's (credit_writes.py)."""
+        chunk = self._clip_sendable(flow, index)
+        taken = flow.remainders.get(index)
+        if taken is None:
+            return chunk, self._wire(chunk)
+        number = self._remainder_number(self._wire(chunk))
+        assert number is not None and 0 < taken < chunk.pages.size, "only a chunk that can be split has a remainder"
+        return replace(chunk, page_start=chunk.page_start + taken, pages=chunk.pages[taken:]), number
+
+    def _remainder_number(self, wire: int) -> int | None:
+        """The number of the remainder of the chunk numbered `wire` (None: this room splits no
+        chunk): its chunks cover distinct (page, layer entry) cells, so their numbers stay
+        below pages x entries x PP stages."""
+        assert self.num_pages is not None, "chunks come after the page count"
+        return remainder_number(wire, most_chunks=self.num_pages * self.layout.num_entries * self.layout.pp_size)
+
+    @property
+    def _splits(self) -> bool:
+        """Whether this room numbers remainders (none of its chunks' own numbers can reach
+        credit_writes.REMAINDER)."""
+        return self.num_pages is not None and self._remainder_number(0) is not None
 
     def _writer_done(self, flow: Flow) -> Send:
         return Send(flow.peer, WriterDone(src=self.me, dst=flow.peer.incarnation, room=self.room,
@@ -578,12 +608,13 @@ class PrefillRoom(RoomBase):
                     taken = self._credit_writes(flow, a, chunk)
                     if taken is not None:
                         out += taken
-                        flow.granted.add(chunk.index)
                         flow.active_at = now
-                    else:
+                    if taken is not None and chunk.index not in flow.remainders:
+                        flow.granted.add(chunk.index)
+                    else:   # the whole chunk, or its remainder, goes the grant path
                         flow.requested_at[chunk.index] = now
-                        out.append(self._alloc_request(flow, chunk))
-                        if self.credits is not None and self.credits.purse(flow.peer) is not None:
+                        out.append(self._alloc_request(flow, chunk.index))
+                        if taken is None and self.credits is not None and self.credits.purse(flow.peer) is not None:
                             out.append(SettleCredits(flow.peer))   # credits it retired may go back
                 else:
                     out += self._direct_writes(flow, a, chunk)
@@ -592,9 +623,11 @@ class PrefillRoom(RoomBase):
         return out + self._check_done(now)
 
     def _credit_writes(self, flow: Flow, a: Assignment, chunk: Chunk) -> list[Action] | None:
-        """The chunk's writes into the decode rank's credits, posted at once; None: it goes the
-        grant path (no credits from that rank, several writers of its pieces, or its credits
-        cannot hold the whole chunk: then they are all retired and go back)."""
+        """The chunk's writes into the decode rank's credits, posted at once: all its pieces, or
+        the first that fit (its remainder then recorded in `flow.remainders`, for the grant
+        path); None: the whole chunk goes the grant path (no credits from that rank, several
+        writers of its pieces, or not even its first piece fits: then they are all retired and
+        go back)."""
         purse = self.credits.purse(flow.peer) if self.credits is not None else None
         if purse is None or self.credits is None or \
                 len(self._mapping.writers_of(flow.peer.tp_rank % self._mapping.decode_tp)) != 1:
@@ -614,9 +647,15 @@ class PrefillRoom(RoomBase):
         ops = granted_writes(w, probe, op_ids=self._op_ids, last_part=last_part, kind=TagKind.CREDIT)
         if isinstance(ops, str) or any(op.writer_offset for op in ops):
             return None   # a single writer's part starts its piece: never, but then the grant path decides
-        spans = purse.take_all([op.nbytes for op in ops], self.room, flow.session)
-        if spans is None:
+        sizes = [op.nbytes for op in ops]
+        if self._remainder_number(w.wire) is None:   # cannot be split: all of it, or none
+            spans = purse.take_all(sizes, self.room, flow.session) or []
+        else:
+            spans = purse.take_some(sizes, self.room, flow.session)
+        if not spans:
             return None
+        if len(spans) < len(ops):   # the rest of the chunk goes the grant path (its remainder)
+            flow.remainders[chunk.index] = cut[len(spans)][0] - chunk.page_start
         placed = [replace(op, ring_start=sp.start, credit=sp, tag=msgspec.structs.replace(op.tag, ring_start=sp.start))
                   for op, sp in zip(ops, spans)]
         out: list[Action] = [self._post(flow, op) for op in placed]
