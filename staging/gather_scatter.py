@@ -82,8 +82,8 @@ def _gather_slices_win(whole: bool, page_size: int, page_bytes: int) -> bool:
 class _TorchCopier(Planner):
     """Runs a CopyPlan with torch copies, in either direction; owns the reusable scratch buffer."""
 
-    def __init__(self, plans: PlanCache | None = None) -> None:
-        super().__init__(plans)
+    def __init__(self, plans: PlanCache | None = None, *, caches_fixed: bool = False) -> None:
+        super().__init__(plans, caches_fixed=caches_fixed)
         self._temp: torch.Tensor | None = None
 
     @property

@@ -117,7 +117,7 @@ class ScatterWorker:
 
         device = self._k[0].device
         use_own_stream(device, self._own_streams)   # on the thread that scatters (-1: the control thread)
-        scatterer = self._scatterer_class(self.plans)  # Triton kernels on CUDA, torch otherwise (staging/kernels.py)
+        scatterer = self._scatterer_class(self.plans, caches_fixed=True)  # Triton kernels on CUDA, torch otherwise (staging/kernels.py)
         layers = LayerSlices(self._k, self._v)
 
         def work(job: ScatterJob) -> Callable[[], None]:

@@ -140,8 +140,9 @@ def kernel_launch(plan: CopyPlan) -> KernelLaunch:
         unit = unit_for(prep.cache.row_bytes, (*prep.cache.tensors, plan.region))
     table, row_words, span, block_r, block_w = _geometry(plan, unit)
     rows = plan.n * prep.page_size
+    region = plan.region if plan.region.numel() == plan.nbytes else plan.region[:plan.nbytes]
     return KernelLaunch(grid=(-(-rows // block_r), len(prep.cache.tensors)), table=table,
-                        region=plan.region[:plan.nbytes].view(unit.dtype), index=plan.pages, rows=rows,
+                        region=region.view(unit.dtype), index=plan.pages, rows=rows,
                         items_per_index=prep.page_size, heads=prep.cache.num_heads, h0=plan.h0, span=span,
                         row_words=row_words, gather=plan.direction is Direction.GATHER, block_r=block_r,
                         block_w=block_w)

@@ -138,7 +138,7 @@ class TransferWorkers:
             if at is not None:
                 if not self._here:
                     use_own_stream(self._k[0].device, self._own_streams)   # the control thread's, once
-                    gatherer = self._gatherer_class(self.plans)
+                    gatherer = self._gatherer_class(self.plans, caches_fixed=True)
                     self._here = [self._piece_work(b, gatherer) for b in range(len(self._buffers))]
                 self._here[i](job, at)()   # a failed gather reports here; a posted one on completion
                 return True
@@ -158,7 +158,7 @@ class TransferWorkers:
         staging/kernels.py), and how it does one job. Runs on that thread, which takes its own
         stream here (copy_streams.py)."""
         use_own_stream(self._k[0].device, self._own_streams)
-        return self._piece_work(index, self._gatherer_class(self.plans))
+        return self._piece_work(index, self._gatherer_class(self.plans, caches_fixed=True))
 
     def _piece_work(self, index: int, gatherer: Gatherer) -> Callable[[GatherJob, int | None], Callable[[], None]]:
         """How one piece is done with buffer `index` and `gatherer` (one thread's own): into the

@@ -89,12 +89,19 @@ def _child() -> int:
         if op == "init":
             backend = create_backend(cmd["kind"], f"bench-{cmd['role']}", "127.0.0.1", **cmd.get("options", {}))
             size = cmd["size"]
-            buf = np.empty(size, dtype=np.uint8)
             pattern = np.arange(1 << 20, dtype=np.uint64).astype(np.uint8)
-            for lo in range(0, size, 1 << 20):  # pre-faulted, with a non-trivial pattern
-                buf[lo:lo + (1 << 20)] = pattern[:min(1 << 20, size - lo)]
-            backend.register([MemRegion(addr=buf.ctypes.data, length=size)])
-            reply(name=backend.name, identity=base64.b64encode(backend.identity()).decode(), addr=int(buf.ctypes.data))
+            if cmd.get("device", "cpu") == "cuda":   # VRAM of GPU 0, the same pattern
+                import torch
+                buf = torch.from_numpy(np.resize(pattern, size)).to("cuda:0")
+                torch.cuda.synchronize()
+                base_addr, region = int(buf.data_ptr()), MemRegion(addr=int(buf.data_ptr()), length=size, kind="VRAM")
+            else:
+                buf = np.empty(size, dtype=np.uint8)
+                for lo in range(0, size, 1 << 20):  # pre-faulted, with a non-trivial pattern
+                    buf[lo:lo + (1 << 20)] = pattern[:min(1 << 20, size - lo)]
+                base_addr, region = int(buf.ctypes.data), MemRegion(addr=buf.ctypes.data, length=size)
+            backend.register([region])
+            reply(name=backend.name, identity=base64.b64encode(backend.identity()).decode(), addr=base_addr)
         elif op == "connect":
             reply(peer=backend.connect(base64.b64decode(cmd["identity"])))
         elif op == "tags":
@@ -102,7 +109,7 @@ def _child() -> int:
             tags = []
         elif op == "write":
             # One timed write per entry of `plan`; the descriptor arrays are built before timing.
-            base = int(buf.ctypes.data)
+            base = int(buf.data_ptr()) if hasattr(buf, "data_ptr") else int(buf.ctypes.data)
             results = []
             for item in cmd["plan"]:
                 piece, total = item["piece"], item["bytes"]
@@ -198,12 +205,13 @@ class Proc:
 
 
 VERBOSE = False
+DEVICE = "cpu"   # where both sides' buffers are: host memory, or VRAM of GPU 0 (--device cuda)
 
 
 def start_pair(kind: str, env: dict, size: int, options: dict | None = None) -> tuple[Proc, Proc, dict, dict, str]:
     writer, target = Proc("writer", env), Proc("target", env)
-    wi = writer.call(op="init", kind=kind, role="writer", size=size, options=options or {})
-    ti = target.call(op="init", kind=kind, role="target", size=size, options=options or {})
+    wi = writer.call(op="init", kind=kind, role="writer", size=size, options=options or {}, device=DEVICE)
+    ti = target.call(op="init", kind=kind, role="target", size=size, options=options or {}, device=DEVICE)
     peer = writer.call(op="connect", identity=ti["identity"])["peer"]
     return writer, target, wi, ti, peer
 
@@ -329,8 +337,25 @@ def print_table(results: list[dict]) -> None:
             print(f"time ratios, {name}: {ratios}")
 
 
+def _pieces(text: str) -> list[tuple[str, int]]:
+    """"0,16M,4M,64K" -> [("1 x whole", 0), ("16 MiB", 16 << 20), ...]."""
+    units = {"K": (10, "KiB"), "M": (20, "MiB")}
+    out = []
+    for word in (w.strip().upper() for w in text.split(",") if w.strip()):
+        if word == "0":
+            out.append(("1 x whole", 0))
+        elif word[-1] in units and word[:-1].isdigit() and int(word[:-1]) > 0:
+            shift, name = units[word[-1]]
+            out.append((f"{int(word[:-1])} {name}", int(word[:-1]) << shift))
+        else:
+            raise argparse.ArgumentTypeError(f"{word!r}: a range size is 0 or a number with K or M")
+    if not out or out[0][1] != 0:
+        raise argparse.ArgumentTypeError("the first size must be 0 (one range: the ratios' base)")
+    return out
+
+
 def main() -> int:
-    global VERBOSE
+    global VERBOSE, DEVICE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mib", type=int, default=64, help="bytes per write, MiB (default 64)")
@@ -339,10 +364,16 @@ def main() -> int:
     ap.add_argument("--faults", action="store_true", help="also measure frozen (SIGSTOP) and killed peers")
     ap.add_argument("--json", metavar="PATH", help="write all results as JSON")
     ap.add_argument("--verbose", action="store_true", help="show the children's stderr (library logs)")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="both buffers in host memory or in VRAM of GPU 0 (NIXL: UCX cuda_ipc on one GPU)")
+    ap.add_argument("--pieces", type=_pieces, default=None,
+                    help="range sizes to compare, e.g. 0,16M,4M,1M (0: one range; default 0,64K,4K)")
     args = ap.parse_args()
     if args.child:
         return _child()
-    VERBOSE = args.verbose
+    VERBOSE, DEVICE = args.verbose, args.device
+    if args.pieces is not None:
+        PATTERNS[:] = args.pieces
     keys = [k for k in args.configs.split(",") if k]
     for k in keys:
         if k not in CONFIGS:
@@ -359,8 +390,9 @@ def main() -> int:
             + sys.argv[1:]
         ),
     }
+    meta["device"] = DEVICE
     print(
-        f"# {meta['date']}  {meta['cpus']} CPUs  {args.mib} MiB per write  {args.rounds} rounds  loopback"
+        f"# {meta['date']}  {meta['cpus']} CPUs  {args.mib} MiB per write  {args.rounds} rounds  loopback, {DEVICE}"
         f"  load average {meta['loadavg_start'][0]:.2f} (the machine must be otherwise idle)"
     )
     results = []

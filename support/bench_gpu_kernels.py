@@ -18,7 +18,8 @@ Timed (torch.cuda.Event around `--iters` calls after `--warmup`; GB/s = region b
   gather, scatter      TritonGatherer.gather / TritonScatterer.scatter as a transfer worker calls
                        them: host page lists, the layers as tuples, the same list on every call
                        (a piece's list is validated and uploaded on its first call and kept,
-                       staging/plan_cache.py; the first call is not timed)
+                       staging/plan_cache.py; the first call is not timed), made as the workers make
+                       them (`caches_fixed=True`: the engine's caches never move)
   bare gather/scatter  the same kernels launched directly with prepared arguments: the kernels alone
   copy                 dst.copy_(src), region-sized contiguous uint8 buffers
 `--smoke` runs tiny cases on the CPU under Triton's interpreter with time.perf_counter: it
@@ -229,7 +230,7 @@ def run_case(tk, case: Case, tokens: int, device: torch.device, args) -> dict:
         problems.append("a bare kernel launch differs from TritonGatherer.gather / TritonScatterer.scatter")
     if problems:
         sys.exit(f"{case.name} ({tokens} tokens): NOT bit-exact, not timed:\n  " + "\n  ".join(problems))
-    g, s = tk.TritonGatherer(), tk.TritonScatterer()
+    g, s = tk.TritonGatherer(caches_fixed=True), tk.TritonScatterer(caches_fixed=True)   # as the workers make them
     copy_dst = torch.empty_like(b.region)
     ops = {
         "gather": lambda: g.gather(b.src_k, b.src_v, b.src_pages, case.page_size, case.gather, b.region),
@@ -281,7 +282,7 @@ def host_case(tk, case: Case, tokens: int, args) -> dict:
     import numpy as np
 
     b = make_buffers(case, tokens, torch.device("cpu"), fill=False)
-    g, s = tk.TritonGatherer(), tk.TritonScatterer()
+    g, s = tk.TritonGatherer(caches_fixed=True), tk.TritonScatterer(caches_fixed=True)   # as the workers make them
     calls = 1 + args.warmup + args.iters
     m = max(1, b.n // PIECES)
 

@@ -154,6 +154,30 @@ def test_a_cache_swapped_under_a_kept_tuple_is_validated_again():
     assert torch.equal(out, fresh_gather(k2, v2, [4, 1]))
 
 
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_fixed_caches_skip_the_address_check_of_the_same_tuples_only(monkeypatch, impl):
+    """`caches_fixed` (the workers': the engine's caches are registered and never move): the same
+    k/v tuples as the last call skip the address check of every tensor; new tuples are validated
+    (a bad one raises), and without the flag the check runs on every call."""
+    from kvstage.staging.copy_plan import PreparedCache
+
+    checks = []
+    real = PreparedCache.valid
+    monkeypatch.setattr(PreparedCache, "valid", lambda self: checks.append(1) or real(self))
+    k, v = make_cache(12)
+    out = region(2)
+    for fixed, want in ((True, 0), (False, 2)):
+        g = IMPLS[impl][0](caches_fixed=fixed)
+        checks.clear()
+        for _ in range(3):
+            g.gather(k, v, [4, 1], PS, (1, 3), out, room=1)
+        assert len(checks) == want
+        assert torch.equal(out, fresh_gather(k, v, [4, 1]))
+        bad = (*k[:-1], k[-1][:, :2])   # new tuples, one tensor of other heads: validated again
+        with pytest.raises(ValueError):
+            g.gather(bad, v, [4, 1], PS, (1, 3), out, room=1)
+
+
 def test_the_workers_share_one_cache_per_rank_and_release_rooms_in_it():
     k, v = make_cache(9, device=torch.device("cpu"))
     workers = TransferWorkers([], k, v, PS, submit=None, report=None)
