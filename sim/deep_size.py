@@ -3,8 +3,10 @@ reachable, less what it shares with others.
 
 Used to tell the memory a room holds while in flight. Objects reached through `shared` (the
 layout, the timeouts, the peer keys: one per rank or per engine, not per room) and classes,
-modules and functions are not counted. numpy arrays count their buffer (getsizeof does, for
-arrays owning their data; a view counts its base once).
+modules, functions and enum members (one object per member in the whole process, such as a
+flow's FlowState: each was counted per room before, about 540 bytes) are not counted. numpy
+arrays count their buffer (getsizeof does, for arrays owning their data; a view counts its
+base once).
 
 An instance of a plain class (no __slots__) keeps its attributes in a dictionary that CPython
 makes only when asked for; until then the values live in an array getsizeof does not count.
@@ -13,13 +15,14 @@ few dozen bytes more than the object really holds, never less. That makes the di
 
 from __future__ import annotations
 
+import enum
 import gc
 import sys
 import types
 from collections.abc import Iterable
 
 _SKIP = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType,
-         types.CodeType, types.FrameType)
+         types.CodeType, types.FrameType, enum.Enum)
 
 
 def shared_ids(roots: Iterable[object]) -> set[int]:

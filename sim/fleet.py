@@ -46,7 +46,7 @@ from ..transfer.config import Timeouts
 from ..transfer.layout import KVLayout
 from ..transfer.poll import KVPoll
 from ..transfer.protocol.actions import PeerKey, PostWrite, PublishWatermark, Released, Scatter, Send, StatusChanged
-from ..transfer.protocol.decode_plan import RoomPlan
+from ..transfer.protocol.decode_plan import PlanCache, RoomPlan
 from ..transfer.protocol.decode_room import DecodeRoom
 from ..transfer.protocol.head_mapping import HeadMapping, compute_assignments
 from ..transfer.protocol.kinds import FailureKind
@@ -159,6 +159,7 @@ class Rank:
     served: dict[int, frozenset[tuple[int, int]]] = field(default_factory=dict)
     parked: dict[int, list[Parked]] = field(default_factory=dict)
     fanout: WatermarkFanout = field(default_factory=WatermarkFanout)   # decode: who was told the watermark
+    plans: PlanCache = field(default_factory=PlanCache)   # decode: one plan per shape, shared by its rooms
 
 
 @dataclass(eq=False)
@@ -428,11 +429,12 @@ class Fleet:
         staged = rank.ring is not None and len(pranks) != rank.layout.tp_size and not model.mla
         mpp = max_piece_pages([hpb * a.num_heads for _, a in assigns], cfg.buffer_bytes, cfg.ring_bytes,
                               cfg.ring_align) if staged else 0
-        return RoomPlan(writers=assigns, notices=tuple(self.ranks[pranks[p]].key for p in notices), staged=staged,
-                        head_page_bytes=hpb, num_layers=model.layers, max_piece_pages=mpp,
-                        ring_epoch=rank.key.incarnation, ring_size=cfg.ring_bytes, buffer_bytes=cfg.buffer_bytes,
-                        piece_bytes=cfg.buffer_bytes if staged else 0, ring_align=cfg.ring_align,
-                        prefill_tp=len(pranks), decode_tp=rank.layout.tp_size)
+        # the rank's planner hands every room of one shape the same (immutable) plan
+        return rank.plans.intern(RoomPlan(
+            writers=assigns, notices=tuple(self.ranks[pranks[p]].key for p in notices), staged=staged,
+            head_page_bytes=hpb, num_layers=model.layers, max_piece_pages=mpp, ring_epoch=rank.key.incarnation,
+            ring_size=cfg.ring_bytes, buffer_bytes=cfg.buffer_bytes, piece_bytes=cfg.buffer_bytes if staged else 0,
+            ring_align=cfg.ring_align, prefill_tp=len(pranks), decode_tp=rank.layout.tp_size))
 
     def _connect(self, d: int, p: int, staging: bool) -> None:
         dr = self.ranks[d]

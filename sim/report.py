@@ -38,8 +38,10 @@ def pct(xs: list[float], q: float) -> float:
 
 def room_memory(fleet: Fleet, sample: int = 200) -> dict[str, Any]:
     """Bytes each of up to `sample` rooms in flight holds, per side, and how many were in flight."""
+    # a rank's plans (decode_plan.PlanCache) are shared by its rooms of one shape, like its layout
     shared = shared_ids([fleet.cfg.timeouts, fleet.op_ids, EarlierUses(), SHARED_EMPTY, list(fleet._layouts.values()),
-                         list(fleet._mappings.values()), [r.key for r in fleet.ranks], list(KVPoll)])
+                         list(fleet._mappings.values()), [r.key for r in fleet.ranks], list(KVPoll),
+                         [r.plans for r in fleet.ranks]])
     out: dict[str, Any] = {}
     for side in ("prefill", "decode"):
         rooms = [r for rank in fleet.ranks if rank.side == side and rank.alive for r in rank.rooms.values()

@@ -5,9 +5,11 @@ rooms), a GQA and an MLA model. docs/scale.md has the figures at fleet size."""
 
 import sys
 
+from kvstage.sim.deep_size import deep_size
 from kvstage.sim.fleet import Fleet, FleetConfig, Model
 from kvstage.sim.report import room_memory
 from kvstage.transfer.poll import KVPoll
+from kvstage.transfer.protocol.flows import FlowState
 
 MIXED = FleetConfig(prefill_engines=4, decode_engines=4, prefill_tp=(8, 4), decode_tp=(1, 2, 4, 8),
                     models=(Model(name="gqa-p16", mla=False, heads=8, layers=4, page_size=16),
@@ -40,3 +42,17 @@ def test_rooms_keep_their_attributes_in_a_shared_key_dictionary():
     for room in rooms[::50]:
         assert len(vars(room)) < 30, (type(room).__name__, sorted(vars(room)))
         assert sys.getsizeof(vars(room)) < 600, (type(room).__name__, sys.getsizeof(vars(room)))
+
+
+class _Holder:
+    __slots__ = ("state",)
+
+    def __init__(self, state: object):
+        self.state = state
+
+
+def test_an_enum_member_is_not_counted_as_a_rooms_own():
+    """One object per member in the process (a flow's FlowState): holding it costs a room its
+    pointer only, as holding None does; a value of the room's own still counts."""
+    assert deep_size(_Holder(FlowState.WRITING)) == deep_size(_Holder(None))
+    assert deep_size(_Holder([1000, 2000])) > deep_size(_Holder(None))

@@ -21,7 +21,7 @@ from ...bootstrap.rendezvous import RankGone
 from ..poll import KVPoll
 from ..protocol import peering
 from ..protocol.actions import PeerKey
-from ..protocol.decode_plan import PathInputs
+from ..protocol.decode_plan import PathInputs, PlanCache
 from ..protocol.decode_room import DecodeRoom, PlanRefused, WriterOffer, plan_room
 from ..protocol.head_mapping import HeadMapping
 from ..protocol.kinds import FailureKind
@@ -82,6 +82,7 @@ class EnginePlanner:
         self.engine_of: dict[int, str] = {}          # room -> source key
         self._fallback_logged: set[tuple[str, str]] = set()
         self._costs: dict[int, WriterCosts | None] = {}   # prefill incarnation -> the costs its HelloAck sent
+        self._plans = PlanCache()                    # one plan per shape, shared by its rooms (decode_plan.py)
 
     # -- engines ----------------------------------------------------------------------------------
     def engine(self, source: PrefillSource, now: float) -> EngineView:
@@ -188,6 +189,7 @@ class EnginePlanner:
                          draft_pools=need.draft_pools, path=self._path_inputs([peers[w] for w in need.writers]))
         if isinstance(plan, PlanRefused):
             return self.book.apply(room, room.on_plan_failed(plan.kind, plan.reason, now))
+        plan = self._plans.intern(plan)
         if cfg.staging and not plan.can_stage:
             self._log_fallback(view.engine_id, need.mapping, [peers[w] for w in need.writers])
         self.book.apply(room, room.on_plan(plan, now))

@@ -1,10 +1,19 @@
 """Decode side: how a room from a prefill engine moves (staged or direct, piece sizes), decided
-once its prefill ranks are connected. Pure."""
+once its prefill ranks are connected. Pure.
+
+A plan is immutable (a frozen dataclass of tuples and read-only maps), so the rooms of one
+shape share one: a decode rank holds thousands of rooms in flight but meets few shapes
+(prefill engine, TP pair, pages and piece sizes). `PlanCache.intern` hands every room of a
+shape the same plan object (docs/scale.md, "Memory per room")."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from types import MappingProxyType
+from typing import Protocol
 
+import msgspec
 import numpy as np
 
 from ..layout import KVLayout
@@ -27,9 +36,16 @@ class PathInputs:
     scatter_bytes_per_s: float | None = None
 
 
+_NO_STAGES: Mapping[int, range] = MappingProxyType({})   # no PP: every writer writes every layer
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RoomPlan:
-    """Who writes this decode rank's part of a room, and how (decided when peers connected)."""
+    """Who writes this decode rank's part of a room, and how (decided when peers connected).
+
+    Immutable, so rooms may share it (PlanCache): `writer_layers` is kept as a read-only map,
+    and `writer_bytes` / `writer_ranks` (derived: each writer's bytes per page, by TP rank, in
+    the order of `writers`) are made once per plan, not per room."""
 
     writers: tuple[tuple[PeerKey, Assignment], ...]
     notices: tuple[PeerKey, ...] = ()             # prefill ranks told about the room, not writing
@@ -45,13 +61,23 @@ class RoomPlan:
     decode_tp: int = 0
     ring_size: int = 0                            # staged: the ring and the smallest writer buffer, which
     buffer_bytes: int = 0                         # the last piece's pool bytes must fit besides its pages
-    writer_layers: dict[int, range] = field(default_factory=dict)   # writer rank -> its PP stage's layers
-                                                                    # (absent: every layer)
+    writer_layers: Mapping[int, range] = field(default_factory=lambda: _NO_STAGES)   # writer rank -> its PP
+                                                  # stage's layers (absent: every layer); read-only (a dict is copied)
     draft_pools: int = 0          # the prefill's draft entries of their own geometry (pools, draft_kv.py)
     can_stage: bool = False       # the staged path is possible (ring, writers' buffers, not MLA): piece
                                   # sizes are set, so for_pages may choose it for any TP sizes
     path: PathInputs | None = None   # the costs the choice per request weighs (None: `staged` as planned)
     choice: PathChoice | None = None  # the path this room's request took and why (for_pages)
+    writer_bytes: Mapping[int, int] = field(init=False, repr=False, compare=False)   # writer rank -> bytes per page
+    writer_ranks: tuple[int, ...] = field(init=False, repr=False, compare=False)     # writer ranks, plan order
+
+    def __post_init__(self) -> None:
+        if type(self.writer_layers) is not MappingProxyType:
+            object.__setattr__(self, "writer_layers", MappingProxyType(dict(self.writer_layers)) if self.writer_layers
+                               else _NO_STAGES)
+        object.__setattr__(self, "writer_ranks", tuple(p.tp_rank for p, _ in self.writers))
+        object.__setattr__(self, "writer_bytes", MappingProxyType(
+            {p.tp_rank: self.writer_page_bytes(a) for p, a in self.writers}))
 
     def for_pages(self, dst_pages: np.ndarray, page_size: int, num_kv: int) -> RoomPlan:
         """This plan for a request of these destination pages: staged or direct by the lower
@@ -90,6 +116,58 @@ class RoomPlan:
             return self.max_piece_pages
         return (max_piece_pages(writer_page_bytes, self.piece_bytes, self.ring_size, self.ring_align)
                 or max_piece_pages(writer_page_bytes, self.buffer_bytes, self.ring_size, self.ring_align))
+
+
+def plan_key(plan: RoomPlan) -> tuple[object, ...]:
+    """What makes two plans one shape: every field that says how the room moves (its writers
+    and their heads, the notices, path, piece sizes, ring, TP pair, PP stages, path inputs and
+    choice). Two plans with equal keys are equal; the derived fields follow from these."""
+    return tuple(_key_part(getattr(plan, f.name)) for f in fields(plan) if f.compare)
+
+
+def _key_part(v: object) -> object:
+    """A plan field as a hashable value equal for equal fields."""
+    if isinstance(v, Mapping):
+        return tuple(sorted(v.items()))
+    if isinstance(v, PathInputs):   # its writers' costs hold lists: their encoding stands for them
+        return (v.mode, v.mem_kind, v.scatter_bytes_per_s, msgspec.json.encode(v.writers))
+    return v
+
+
+class Plans(Protocol):
+    """What a decode rank's planner offers its rooms' set-up: one plan object per shape."""
+
+    def intern(self, plan: RoomPlan) -> RoomPlan: ...
+
+
+class PlanCache:
+    """The plans a decode rank handed out, one per shape (plan_key): `intern` returns the plan
+    kept for a shape equal to `plan`'s, else keeps `plan`. Bounded: past `limit` shapes the
+    oldest is forgotten (its rooms keep their plan; a new room of it gets a new one), so plans
+    of peers gone (their incarnations never come back) do not pile up. Sharing is safe because
+    a plan is immutable; a room's path choice (RoomPlan.for_pages) makes a new plan only when
+    the plan has path inputs."""
+
+    __slots__ = ("_plans", "limit")
+
+    def __init__(self, limit: int = 1024):
+        if limit <= 0:
+            raise ValueError(f"a plan cache keeps at least one plan, not {limit}")
+        self.limit = limit
+        self._plans: dict[tuple[object, ...], RoomPlan] = {}
+
+    def intern(self, plan: RoomPlan) -> RoomPlan:
+        key = plan_key(plan)
+        kept = self._plans.get(key)
+        if kept is not None:
+            return kept
+        if len(self._plans) >= self.limit:
+            del self._plans[next(iter(self._plans))]   # the oldest shape
+        self._plans[key] = plan
+        return plan
+
+    def __len__(self) -> int:
+        return len(self._plans)
 
 
 @dataclass(frozen=True)

@@ -131,18 +131,23 @@ class WriterState:
 
 
 def landed_key(rank: int, chunk: int, piece: int) -> int:
-    """One int for a writer's (chunk, piece): the room's `landed` map's key (a tuple costs more)."""
-    assert 0 <= chunk < 1 << 24 and 0 <= piece < 1 << 24, (chunk, piece)
-    return rank << 48 | chunk << 24 | piece
+    """One int for a writer's (chunk, piece): the room's `landed` map's key (a tuple costs more).
+    The rank in the low bits: chunk 0's piece 0 (a whole request in one piece) is the rank
+    itself, a small int CPython caches (no bytes of its own); the rest fit 28 or 32 bytes."""
+    assert 0 <= chunk < 1 << 24 and 0 <= piece < 1 << 24 and 0 <= rank < 1 << 16, (rank, chunk, piece)
+    return (chunk << 24 | piece) << 16 | rank
 
 
 @dataclass(kw_only=True, slots=True)
 class Allocation:
+    """A chunk's ring space: its pages and layers, and its pieces' regions until freed. The
+    pieces themselves (their pages, ring start and bytes, for a repeated grant) are the
+    tracker's (DecodeRoom._grant), not kept twice."""
+
     chunk: int
     page_start: int
     num_pages: int
     layers: range
-    pieces: list[Piece]
     regions: dict[int, Region]                    # piece index -> region, until freed
 
 
@@ -246,10 +251,11 @@ class DecodeRoom(RoomBase):
         self.pool_copies = {r: request_copies(writer_segments(self.pools, p.prefill_tp, p.decode_tp,
                                                               self.writers[r].assignment), None, self.pool_items)
                             for r in last_stage} if self.pool_items else {}
-        self.tracker = RoomTracker(n, {r: self._plan.writer_page_bytes(w.assignment) for r, w in self.writers.items()},
-                                   {r: block_bytes(c) for r, c in self.pool_copies.items()},
+        # the plan's writers' bytes and ranks: one map and tuple for every room of the plan
+        self.tracker = RoomTracker(n, p.writer_bytes, {r: block_bytes(c) for r, c in self.pool_copies.items()},
                                    num_layers=entries, writer_layers=p.writer_layers,
-                                   held=self.layout.layers if self.layout.pp_size > 1 else None)
+                                   held=self.layout.layers if self.layout.pp_size > 1 else None,
+                                   writers=p.writer_ranks)
         self.meta_sent = True
         self._retry_at = now + self.timeouts.heartbeat
         return self._metas(self._all_prefill()) + self._move(RoomEvent.METADATA_OUT, now)
@@ -282,6 +288,8 @@ class DecodeRoom(RoomBase):
         if not self._plan.staged:
             return self.fail(FailureKind.PROTOCOL, f"{peer} asked for ring space in a direct-path room", now)
         layers = range(req.layer_start, req.layer_start + req.num_layers)
+        if self.tracker is not None and layers == self.tracker.all_layers:
+            layers = self.tracker.all_layers   # one range for the room's every-layer chunks and pieces
         alloc = self.allocs.get(req.chunk)
         if alloc is not None:
             if (alloc.page_start, alloc.num_pages, alloc.layers) != (req.page_start, req.num_pages, layers):
@@ -304,18 +312,21 @@ class DecodeRoom(RoomBase):
         if isinstance(planned, PiecesRefused):
             return self.fail(FailureKind.STAGING, planned.reason, now)
         writers = t.writers_of(layers)
-        pieces = [Piece(i, p.page_start, p.num_pages, p.region.start, p.region.nbytes) for i, p in enumerate(planned)]
         regions = {i: p.region for i, p in enumerate(planned)}
         for i, p in enumerate(planned):
-            t.expect_piece(req.chunk, i, p.page_start, p.num_pages, p.region.start, writers, layers)
+            t.expect_piece(req.chunk, i, p.page_start, p.num_pages, p.region.start, writers, layers,
+                           region_nbytes=p.region.nbytes)
         alloc = Allocation(chunk=req.chunk, page_start=req.page_start, num_pages=req.num_pages, layers=layers,
-                           pieces=pieces, regions=regions)
+                           regions=regions)
         self.allocs[req.chunk] = alloc
         return [self._grant(peer, alloc)]
 
     def _grant(self, peer: PeerKey, alloc: Allocation) -> Send:
+        """The chunk's grant, the same every time it is asked for: its pieces in index order."""
+        pieces = [Piece(p.index, p.page_start, p.num_pages, p.ring_start, p.region_nbytes)
+                  for p in self._tracker.pieces() if p.chunk == alloc.chunk]
         return Send(peer, AllocGrant(src=self.me, dst=peer.incarnation, room=self.room, session=self.session,
-                                     chunk=alloc.chunk, epoch=self._plan.ring_epoch, pieces=list(alloc.pieces)))
+                                     chunk=alloc.chunk, epoch=self._plan.ring_epoch, pieces=pieces))
 
     # -- arrivals ---------------------------------------------------------------------------
     def on_tag(self, peer: PeerKey, tag: Tag, now: float) -> TagResult:

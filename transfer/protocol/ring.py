@@ -29,7 +29,7 @@ class Watermark(NamedTuple):
         return self.round * size + self.tail
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Region:
     start: int   # linear position
     nbytes: int

@@ -60,12 +60,22 @@ class ExpectedPiece:
     layers: range
     ring_start: int
     writers: tuple[int, ...]
-    landed: tuple[int, ...] = ()   # the writers landed, in arrival order (a tuple: 8 writers in 120 bytes, a set 728)
+    landed_mask: int = 0           # bit w: writer w landed (writers 0 to 7 in a cached small int, no bytes of
+                                   # its own; a tuple of 8 took 120 bytes, a set 728)
     scattered: bool = False
+    region_nbytes: int = 0         # staged: its ring region's bytes (its grant says them again, AllocGrant)
 
     @property
     def key(self) -> tuple[int, int]:
         return (self.chunk, self.index)
+
+    def has_landed(self, writer: int) -> bool:
+        return bool(self.landed_mask >> writer & 1)
+
+    @property
+    def all_landed(self) -> bool:
+        """Every writer of the piece landed (only its writers are ever marked)."""
+        return self.landed_mask.bit_count() == len(self.writers)
 
 
 class RoomTracker:
@@ -76,12 +86,16 @@ class RoomTracker:
                  "_direct_seen", "_groups")
 
     def __init__(self, num_pages: int, writer_page_bytes: Mapping[int, int], final_extra: Mapping[int, int] = {},
-                 num_layers: int = 1, writer_layers: Mapping[int, range] = {}, held: range | None = None):
+                 num_layers: int = 1, writer_layers: Mapping[int, range] = {}, held: range | None = None,
+                 writers: tuple[int, ...] | None = None):
         """`writer_page_bytes`: expected writer rank -> bytes it writes per page of the room
-        (every layer); `final_extra`: writer rank -> state pool bytes its write of the last
-        page of the last layer also carries; `writer_layers`: writer rank -> the layers it
-        writes, its PP stage's (absent: every layer); `held`: the layers this decode rank
-        holds, its own PP stage's (None: every layer), the ones the room must cover."""
+        (every layer; a read-only map, MappingProxyType, is kept as given: the rooms of one
+        plan share it, RoomPlan.writer_bytes; any other is copied); `final_extra`: writer rank
+        -> state pool bytes its write of the last page of the last layer also carries;
+        `writer_layers`: writer rank -> the layers it writes, its PP stage's (absent: every
+        layer); `held`: the layers this decode rank holds, its own PP stage's (None: every
+        layer), the ones the room must cover; `writers`: the ranks of `writer_page_bytes` in
+        its order, when the caller shares one tuple among rooms (RoomPlan.writer_ranks)."""
         if num_pages <= 0:
             raise ValueError("a room has at least one page")
         if not writer_page_bytes:
@@ -90,7 +104,8 @@ class RoomTracker:
             raise ValueError(f"a writer's bytes per page are not split evenly over {num_layers} layers")
         self.num_pages = num_pages
         self.num_layers = num_layers
-        self.writer_page_bytes = dict(writer_page_bytes)
+        self.writer_page_bytes: Mapping[int, int] = (writer_page_bytes if type(writer_page_bytes) is MappingProxyType
+                                                     else dict(writer_page_bytes))
         self.final_extra: Mapping[int, int] = dict(final_extra) if final_extra else _NONE
         self._all_layers = range(num_layers)
         self._held = held if held is not None else self._all_layers
@@ -98,7 +113,10 @@ class RoomTracker:
             raise ValueError(f"held layers {self._held} outside the room's {num_layers} layers")
         self._stage_layers = {w: held for w, held in writer_layers.items()   # PP only: a writer absent holds all
                               if w in self.writer_page_bytes and held != self._all_layers} or _NO_STAGES
-        self._writers = tuple(self.writer_page_bytes)   # a writer's index in the direct path's arrays
+        if writers is not None and writers != tuple(self.writer_page_bytes):
+            raise ValueError(f"writers {writers} are not the writers {tuple(self.writer_page_bytes)} in their order")
+        self._writers = writers if writers is not None else tuple(self.writer_page_bytes)   # a writer's index in
+                                                                                           # the direct path's arrays
         # direct path, made on its first arrival: cells covered (writer index, page, layer), and per writer
         self._covered: np.ndarray | None = None
         self._covered_count: list[int] | None = None
@@ -113,6 +131,11 @@ class RoomTracker:
     def writer_layers(self) -> dict[int, range]:
         """Writer rank -> the layers it writes (its PP stage's)."""
         return {w: self.layers_of(w) for w in self.writer_page_bytes}
+
+    @property
+    def all_layers(self) -> range:
+        """range(num_layers), one object per tracker (its pieces of every layer share it)."""
+        return self._all_layers
 
     def layers_of(self, writer: int) -> range:
         return self._stage_layers.get(writer, self._all_layers)
@@ -145,8 +168,10 @@ class RoomTracker:
         return self._all_layers if layers is None else layers
 
     def expect_piece(self, chunk: int, index: int, page_start: int, num_pages: int,
-                     ring_start: int, writers: Sequence[int], layers: range | None = None) -> ExpectedPiece:
-        """Record an allocated piece. Raises ValueError if it cannot belong to this room."""
+                     ring_start: int, writers: Sequence[int], layers: range | None = None,
+                     region_nbytes: int = 0) -> ExpectedPiece:
+        """Record an allocated piece (`region_nbytes`: its ring region's bytes, kept for the
+        room's grants). Raises ValueError if it cannot belong to this room."""
         lay = self._layers(layers)
         self._check_range(page_start, num_pages)
         if not self.layers_ok(lay):
@@ -159,7 +184,8 @@ class RoomTracker:
             raise ValueError(f"piece writers {sorted(writers)} are not this room's writers")
         named = tuple(writers)
         piece = ExpectedPiece(chunk=chunk, index=index, page_start=page_start, num_pages=num_pages, layers=lay,
-                              ring_start=ring_start, writers=self._writers if named == self._writers else named)
+                              ring_start=ring_start, writers=self._writers if named == self._writers else named,
+                              region_nbytes=region_nbytes)
         if self._pieces is None or self._planned is None:
             self._pieces, self._planned = {}, np.zeros((self.num_pages, self.num_layers), dtype=bool)
         if piece.key in self._pieces:
@@ -184,17 +210,17 @@ class RoomTracker:
             return Arrival(Outcome.REJECTED,
                            f"chunk {chunk} piece {index} from writer {writer}: (pages start, count, layers "
                            f"start, count, bytes, ring) {got} does not match the allocation {want}")
-        if writer in piece.landed:
+        if piece.has_landed(writer):
             return Arrival(Outcome.DUPLICATE, piece=piece)
-        piece.landed += (writer,)
-        if len(piece.landed) == len(piece.writers):
+        piece.landed_mask |= 1 << writer
+        if piece.all_landed:
             return Arrival(Outcome.PIECE_LANDED, piece=piece)
         return Arrival(Outcome.ACCEPTED, piece=piece)
 
     def mark_scattered(self, piece: ExpectedPiece) -> None:
         if piece.scattered:
             return
-        if len(piece.landed) != len(piece.writers):
+        if not piece.all_landed:
             raise ValueError(f"piece {piece.key} scattered before all writers landed")
         piece.scattered = True
         self._scattered_cells += piece.num_pages * len(piece.layers)

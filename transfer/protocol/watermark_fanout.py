@@ -64,5 +64,5 @@ def pending_parts(rooms: Iterable[DecodeRoom]) -> Iterator[tuple[int, int]]:
                 if piece is None:
                     continue
                 for w in piece.writers:
-                    if w not in piece.landed and w in room.writers:
+                    if not piece.has_landed(w) and w in room.writers:
                         yield room.writers[w].peer.incarnation, region.end
