@@ -46,7 +46,7 @@ from ..transfer.config import Timeouts
 from ..transfer.layout import KVLayout
 from ..transfer.poll import KVPoll
 from ..transfer.protocol.actions import PeerKey, PostWrite, PublishWatermark, Released, Scatter, Send, StatusChanged
-from ..transfer.protocol.decode_plan import PlanCache, RoomPlan
+from ..transfer.protocol.decode_plan import RoomPlan, SharedPlans
 from ..transfer.protocol.decode_room import DecodeRoom
 from ..transfer.protocol.head_mapping import HeadMapping, compute_assignments
 from ..transfer.protocol.kinds import FailureKind
@@ -159,7 +159,7 @@ class Rank:
     served: dict[int, frozenset[tuple[int, int]]] = field(default_factory=dict)
     parked: dict[int, list[Parked]] = field(default_factory=dict)
     fanout: WatermarkFanout = field(default_factory=WatermarkFanout)   # decode: who was told the watermark
-    plans: PlanCache = field(default_factory=PlanCache)   # decode: one plan per shape, shared by its rooms
+    plans: SharedPlans = field(default_factory=SharedPlans)   # decode: one plan per shape, shared by its rooms
 
 
 @dataclass(eq=False)

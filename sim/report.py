@@ -38,7 +38,7 @@ def pct(xs: list[float], q: float) -> float:
 
 def room_memory(fleet: Fleet, sample: int = 200) -> dict[str, Any]:
     """Bytes each of up to `sample` rooms in flight holds, per side, and how many were in flight."""
-    # a rank's plans (decode_plan.PlanCache) are shared by its rooms of one shape, like its layout
+    # a rank's plans (decode_plan.SharedPlans) are shared by its rooms of one shape, like its layout
     shared = shared_ids([fleet.cfg.timeouts, fleet.op_ids, EarlierUses(), SHARED_EMPTY, list(fleet._layouts.values()),
                          list(fleet._mappings.values()), [r.key for r in fleet.ranks], list(KVPoll),
                          [r.plans for r in fleet.ranks]])

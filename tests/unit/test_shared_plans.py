@@ -1,4 +1,4 @@
-"""Plans shared by the rooms of one shape (issue 52, memory per room; decode_plan.PlanCache):
+"""Plans shared by the rooms of one shape (issue 52, memory per room; decode_plan.SharedPlans):
 a decode rank hands every room of one shape the same immutable plan, and rooms of different
 shapes different ones; a shared plan cannot be changed through any room; the cache stays
 bounded; a room's tracker shares its plan's writer map; and a chunk's repeated grant, now made
@@ -18,7 +18,7 @@ from kvstage.transfer.config import Timeouts
 from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.poll import KVPoll
 from kvstage.transfer.protocol.actions import PeerKey, PostWrite, Scatter, Send
-from kvstage.transfer.protocol.decode_plan import PathInputs, PlanCache, RoomPlan
+from kvstage.transfer.protocol.decode_plan import PathInputs, RoomPlan, SharedPlans
 from kvstage.transfer.protocol.decode_room import DecodeRoom, TagVerdict
 from kvstage.transfer.protocol.head_mapping import compute_assignments
 from kvstage.transfer.protocol.messages import AllocGrant, AllocRequest, RoomMeta
@@ -91,7 +91,7 @@ COSTS = WriterCosts(writes=[WriteCost(backend="nixl", mem_kind="DRAM", per_write
     dict(path=PathInputs(mode=PathMode.AUTO, writers=(COSTS,))),
 ], ids=lambda c: next(iter(c)))
 def test_a_cache_hands_out_one_plan_per_shape(change):
-    cache = PlanCache()
+    cache = SharedPlans()
     first = cache.intern(plan())
     assert cache.intern(plan()) is first                      # an equal plan built again: the kept one
     other = cache.intern(plan(**change))
@@ -101,7 +101,7 @@ def test_a_cache_hands_out_one_plan_per_shape(change):
 
 def test_path_inputs_with_equal_costs_are_one_shape():
     """The engine's plans carry the writers' measured costs (lists inside): equal costs, one plan."""
-    cache = PlanCache()
+    cache = SharedPlans()
     a = cache.intern(plan(path=PathInputs(mode=PathMode.AUTO, writers=(COSTS,))))
     assert cache.intern(plan(path=PathInputs(mode=PathMode.AUTO, writers=(WriterCosts(
         writes=list(COSTS.writes), gather_bytes_per_s=1e10),)))) is a
@@ -123,13 +123,13 @@ def test_a_shared_plan_cannot_be_changed_through_a_room():
 
 
 def test_the_cache_is_bounded_and_forgets_the_oldest_shape():
-    cache = PlanCache(limit=2)
+    cache = SharedPlans(limit=2)
     a, b = cache.intern(plan(ring_epoch=1)), cache.intern(plan(ring_epoch=2))
     c = cache.intern(plan(ring_epoch=3))
     assert len(cache) == 2 and cache.intern(plan(ring_epoch=2)) is b and cache.intern(plan(ring_epoch=3)) is c
     assert cache.intern(plan(ring_epoch=1)) is not a           # forgotten: a new room gets a new (equal) plan
     with pytest.raises(ValueError):
-        PlanCache(limit=0)
+        SharedPlans(limit=0)
 
 
 def decode(p: RoomPlan) -> DecodeRoom:

@@ -3,7 +3,7 @@ once its prefill ranks are connected. Pure.
 
 A plan is immutable (a frozen dataclass of tuples and read-only maps), so the rooms of one
 shape share one: a decode rank holds thousands of rooms in flight but meets few shapes
-(prefill engine, TP pair, pages and piece sizes). `PlanCache.intern` hands every room of a
+(prefill engine, TP pair, pages and piece sizes). `SharedPlans.intern` hands every room of a
 shape the same plan object (docs/scale.md, "Memory per room")."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ _NO_STAGES: Mapping[int, range] = MappingProxyType({})   # no PP: every writer w
 class RoomPlan:
     """Who writes this decode rank's part of a room, and how (decided when peers connected).
 
-    Immutable, so rooms may share it (PlanCache): `writer_layers` is kept as a read-only map,
+    Immutable, so rooms may share it (SharedPlans): `writer_layers` is kept as a read-only map,
     and `writer_bytes` / `writer_ranks` (derived: each writer's bytes per page, by TP rank, in
     the order of `writers`) are made once per plan, not per room."""
 
@@ -140,7 +140,7 @@ class Plans(Protocol):
     def intern(self, plan: RoomPlan) -> RoomPlan: ...
 
 
-class PlanCache:
+class SharedPlans:
     """The plans a decode rank handed out, one per shape (plan_key): `intern` returns the plan
     kept for a shape equal to `plan`'s, else keeps `plan`. Bounded: past `limit` shapes the
     oldest is forgotten (its rooms keep their plan; a new room of it gets a new one), so plans
