@@ -98,10 +98,12 @@ class TransferWorkers:
 
     def __init__(self, buffers: Sequence[StagingBuffer], k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None,
                  page_size: int, submit: SubmitWrite, report: Report, pools: dict | None = None,
-                 inline_max_bytes: int = 0, own_streams: bool = True):
+                 inline_max_bytes: int = 0, own_streams: bool = True, write_range_bytes: int | None = None):
         """`inline_max_bytes`: the largest piece `run_here` takes (0: every piece to a worker).
         `own_streams`: on a GPU, each thread that gathers does so on a stream of its own
-        (copy_streams.py)."""
+        (copy_streams.py). `write_range_bytes`: the largest range of a piece's write (0: one
+        range; None: WRITE_RANGE_BYTES of the buffers' memory kind)."""
+        self._range = write_range([b.kind for b in buffers], write_range_bytes)
         self._buffers = list(buffers)
         self._own_streams = own_streams
         self.spaces = [BufferSpace(b.nbytes) for b in self._buffers]   # the parts of each buffer in flight
@@ -202,8 +204,7 @@ class TransferWorkers:
                 space.give(taken)   # the backend has let go of the part
                 report(op_id, room, ok, reason, gather_s, tag)
 
-            src = np.array([[buf.addr + at, job.nbytes, buf.device]], dtype=np.uint64)
-            dst = np.array([[job.dst_addr, job.nbytes, job.dst_device]], dtype=np.uint64)
+            src, dst = write_rows(buf.addr + at, buf.device, job.dst_addr, job.dst_device, job.nbytes, self._range)
             try:
                 self._submit(job.peer, src, dst, tag, on_done, job.on_posted, dst_kind=job.dst_kind, room=room)
             except Exception as exc:  # noqa: BLE001 - not posted (the engine is stopping): its room fails
@@ -213,6 +214,37 @@ class TransferWorkers:
             return _reported_on_completion
 
         return work
+
+
+#: the largest range of one staged write, by the staging buffer's memory kind: a piece's write is
+#: cut into ranges of at most this many bytes, posted as one write (one tag); 0: one range. On one
+#: H200, UCX cuda_ipc moved 64 MiB as one range in 0.58 ms and as four ranges of 16 MiB in 0.33
+#: ms; on CPU memory the cut showed no gain (docs/staging_kernels.md, "Staged writes in ranges").
+WRITE_RANGE_BYTES = {"VRAM": 16 << 20, "DRAM": 0}
+
+
+def write_range(kinds: Sequence[str], option: int | None) -> int:
+    """The largest range of a staged write from buffers of memory `kinds`: `option` when given
+    (0: one range), else WRITE_RANGE_BYTES of the kinds (the largest)."""
+    if option is not None:
+        if option < 0:
+            raise ValueError(f"write_range_bytes must be >= 0, got {option}")
+        return option
+    return max((WRITE_RANGE_BYTES[k] for k in kinds), default=0)
+
+
+def write_rows(src_addr: int, src_device: int, dst_addr: int, dst_device: int, nbytes: int,
+               most: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The (src, dst) descriptor rows of one staged write of `nbytes` contiguous bytes: ranges of
+    `most` bytes (the last one shorter; 0: one range), in order, the same offsets on both sides."""
+    if nbytes <= 0 or most < 0:
+        raise ValueError(f"a write moves a positive number of bytes in ranges of a size >= 0, got {nbytes}, {most}")
+    most = most or nbytes
+    offsets = np.arange(0, nbytes, most, dtype=np.uint64)
+    sizes = np.minimum(np.uint64(most), np.uint64(nbytes) - offsets)
+    src = np.stack([np.uint64(src_addr) + offsets, sizes, np.full_like(offsets, src_device)], axis=1)
+    dst = np.stack([np.uint64(dst_addr) + offsets, sizes, np.full_like(offsets, dst_device)], axis=1)
+    return src, dst
 
 
 def _reported_on_completion() -> None:

@@ -12,10 +12,11 @@ import time
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 import torch
 
 from kvstage.staging.buffers import StagingBuffer
-from kvstage.staging.workers import GatherJob, TransferWorkers
+from kvstage.staging.workers import WRITE_RANGE_BYTES, GatherJob, TransferWorkers, write_range, write_rows
 from kvstage.transfer.backends import ArrivedTag, Backend, Registration, WriteHandle, WriteState
 from kvstage.transfer.backends.faults import FaultPlan, FaultyBackend
 from kvstage.transfer.engine.backend_owner import BackendOwner
@@ -121,6 +122,67 @@ def test_transfer_worker_submits_the_ring_kind_of_its_job():
         buf.close()
     assert reports == [(True, None, b"t")]   # the tag it wrote, for WriterDone to repeat
     assert submitted == [("decode-0", "VRAM")]
+
+
+def test_a_piece_is_written_in_ranges_of_at_most_the_write_range():
+    """A staged piece goes out as ONE write (one tag) whose rows cut it into ranges of at most
+    `write_range_bytes`, the same offsets on both sides (staging/workers.py, write_rows)."""
+    page_size, heads, head_dim = 2, 2, 4
+    k = [torch.arange(4 * page_size * heads * head_dim, dtype=torch.float32).reshape(-1, heads, head_dim)]
+    v = [k[0] + 1000]
+    nbytes = 3 * 2 * page_size * heads * head_dim * 4   # three pages of K and of V: 384 bytes
+    rows: list[tuple[np.ndarray, np.ndarray, bytes]] = []
+    finished = threading.Event()
+
+    def submit(peer, src, dst, tag, on_done, on_posted=None, *, dst_kind=None, room=None):
+        rows.append((src, dst, tag))
+        on_done(True, None)
+
+    buf = StagingBuffer.host(1 << 16)
+    workers = TransferWorkers([buf], k, v, page_size, submit, lambda *a: finished.set(), write_range_bytes=160)
+    try:
+        workers.submit(GatherJob(op_id=1, room=7, peer="decode-0", pages=np.array([0, 3, 1]), heads=(0, heads),
+                                 nbytes=nbytes, dst_addr=1 << 20, dst_device=3, tag=b"t", layers=range(1)))
+        assert finished.wait(10), "the worker never reported"
+    finally:
+        workers.stop()
+        buf.close()
+    [(src, dst, tag)] = rows
+    assert tag == b"t"
+    assert src[:, 1].tolist() == dst[:, 1].tolist() == [160, 160, 64]
+    assert (src[:, 0] - src[0, 0]).tolist() == (dst[:, 0] - (1 << 20)).tolist() == [0, 160, 320]
+    assert dst[:, 2].tolist() == [3, 3, 3]
+    assert src[0, 0] >= buf.addr and src[-1, 0] + src[-1, 1] <= buf.addr + buf.nbytes
+
+
+def test_write_rows_cut_a_range_and_refuse_nothing_to_write():
+    src, dst = write_rows(1000, 0, 5000, 1, 40, 16)
+    assert src.tolist() == [[1000, 16, 0], [1016, 16, 0], [1032, 8, 0]]
+    assert dst.tolist() == [[5000, 16, 1], [5016, 16, 1], [5032, 8, 1]]
+    assert src.dtype == dst.dtype == np.uint64
+    assert write_rows(1000, 0, 5000, 1, 16, 16)[0].tolist() == [[1000, 16, 0]]
+    assert write_rows(1000, 0, 5000, 1, 5)[0].tolist() == [[1000, 5, 0]]   # 0, the default: one row
+    with pytest.raises(ValueError, match="positive"):
+        write_rows(1000, 0, 5000, 1, 0)
+
+
+def test_the_write_range_follows_the_staging_buffers_memory_kind():
+    """VRAM buffers cut a piece's write (WRITE_RANGE_BYTES["VRAM"]); host buffers write it as one
+    range; the option overrides both."""
+    k = [torch.zeros(8, 2, 4)]
+    buf = StagingBuffer.host(1 << 12)
+    try:
+        for option, want in ((None, WRITE_RANGE_BYTES["DRAM"]), (0, 0), (4096, 4096)):
+            workers = TransferWorkers([buf], k, None, 2, None, None, write_range_bytes=option)
+            workers.stop()
+            assert workers._range == want
+        assert write_range(["VRAM"], None) == WRITE_RANGE_BYTES["VRAM"] == 16 << 20
+        assert write_range(["VRAM"], 0) == 0
+    finally:
+        buf.close()
+    assert WRITE_RANGE_BYTES["DRAM"] == 0
+    with pytest.raises(ValueError, match="write_range_bytes"):
+        TransferWorkers([], k, None, 2, None, None, write_range_bytes=-1)
 
 
 # ------------------------------------------------------------------ the engine's write queue, stand-in parts
