@@ -266,7 +266,7 @@ class Planner:
         return 0
 
     def plan(self, direction: Direction, k: Any, v: Any, pages: Any, page_size: Any, heads: Any,
-             region: Any, room: Any = None) -> CopyPlan:
+             region: Any, room: Hashable | None = None) -> CopyPlan:
         """Validate one call (ValueError/TypeError naming what is wrong) and work out its copy.
 
         The page list is validated, indexed and (for a cache on a device) uploaded once per room
@@ -286,7 +286,7 @@ class Planner:
         return CopyPlan(direction=direction, prep=prep, h0=h0, h1=h1, n=n, pages=plan_pages, region=region,
                         nbytes=nbytes)
 
-    def forget_room(self, room: Any) -> None:
+    def forget_room(self, room: Hashable) -> None:
         """Drop the page lists kept for `room` (it was released)."""
         self.plans.forget(room)
 

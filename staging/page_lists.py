@@ -9,12 +9,16 @@ starts with `what` (the call it came from) and names the bad value.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, TypeAlias
 
 import numpy as np
 import torch
 
-__all__ = ["check_pages"]
+__all__ = ["PageList", "check_pages"]
+
+#: what a caller may give as a page list (checked by `check_pages`)
+PageList: TypeAlias = Sequence[int] | np.ndarray | torch.Tensor
 
 
 def check_pages(pages: Any, limit: int, what: str, *, unique: bool, host_only: bool = False,
