@@ -45,7 +45,7 @@ class Direction(Enum):
         return "out" if self is Direction.GATHER else "src"
 
 
-def check_int(name: str, value: Any, minimum: int) -> int:
+def check_int(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
@@ -131,7 +131,7 @@ def check_heads(heads: Any, num_heads: int, what: str) -> tuple[int, int]:
     return h0, h1
 
 
-def check_region(region: Any, device: torch.device, need: int, name: str, what: str) -> None:
+def check_region(region: object, device: torch.device, need: int, name: str, what: str) -> None:
     if not isinstance(region, torch.Tensor):
         raise ValueError(f"{what}: {name} must be a torch.Tensor, got {type(region).__name__}")
     if region.dtype != torch.uint8 or region.dim() != 1:

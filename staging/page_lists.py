@@ -10,7 +10,7 @@ starts with `what` (the call it came from) and names the bad value.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, TypeAlias
+from typing import TypeAlias
 
 import numpy as np
 import torch
@@ -21,7 +21,7 @@ __all__ = ["PageList", "check_pages"]
 PageList: TypeAlias = Sequence[int] | np.ndarray | torch.Tensor
 
 
-def check_pages(pages: Any, limit: int, what: str, *, unique: bool, host_only: bool = False,
+def check_pages(pages: object, limit: int, what: str, *, unique: bool, host_only: bool = False,
                 copy: bool = False) -> np.ndarray:
     """`pages` as a 1-D int64 numpy array, every index in [0, `limit`).
 

@@ -156,7 +156,7 @@ def _addr(a: np.ndarray) -> int:
     return addr
 
 
-def slice_of(pages: Any) -> np.ndarray | None:
+def slice_of(pages: object) -> np.ndarray | None:
     """The array that owns `pages`' memory when `pages` is a contiguous 1-D integer slice of a
     contiguous 1-D array (a piece of a room's page list: the protocol cuts pieces out of the
     room's array), else None."""
@@ -170,7 +170,7 @@ def slice_of(pages: Any) -> np.ndarray | None:
     return base
 
 
-def value_key(pages: Any) -> tuple[str, bytes] | None:
+def value_key(pages: object) -> tuple[str, bytes] | None:
     """(dtype, bytes) of a 1-D integer page list on the host, or None when it is not one (a
     device tensor, a float list, ...: those are validated per call, and raise there)."""
     if isinstance(pages, torch.Tensor):
