@@ -87,12 +87,12 @@ $(LINT_STAMP): requirements/lint.txt | $(STAMP)
 	touch $(LINT_STAMP)
 
 # mypy finds the package `kvstage` (the repository root) through build/mypy/kvstage, a link to the
-# root (pyproject.toml's [tool.mypy]); strict on all three: transfer/protocol/, wire.py and
-# transfer/engine/.
+# root (pyproject.toml's [tool.mypy]); strict on transfer/, staging/ and wire.py (but for the
+# configuration modules pyproject.toml's `exclude` names).
 lint: $(STAMP) $(LINT_STAMP)
 	$(VENV)/bin/ruff check .
 	mkdir -p build/mypy && ln -sfn ../.. build/mypy/kvstage
-	$(VENV)/bin/mypy -p kvstage.transfer.protocol -m kvstage.wire -p kvstage.transfer.engine
+	$(VENV)/bin/mypy -p kvstage.transfer -p kvstage.staging -m kvstage.wire
 	cd build/mypy && PYTHONPATH=. ../../$(VENV)/bin/lint-imports --config ../../pyproject.toml
 
 gpu-check: apt $(STAMP)

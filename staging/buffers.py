@@ -12,9 +12,14 @@ allocator keeps the memory until the last view is gone.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .host_memory import HostMemory
+
+if TYPE_CHECKING:  # staging stays importable on its own
+    from ..transfer.backends.base import MemRegion
 
 __all__ = ["StagingBuffer"]
 
@@ -75,7 +80,7 @@ class StagingBuffer:
             )
         return self.tensor[offset: offset + nbytes]
 
-    def mem_region(self):
+    def mem_region(self) -> MemRegion:
         """This buffer as a `transfer.backends.base.MemRegion` to register with a backend."""
         from ..transfer.backends.base import MemRegion  # lazy: keeps staging importable on its own
 
@@ -101,7 +106,7 @@ class StagingBuffer:
     def __enter__(self) -> StagingBuffer:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:

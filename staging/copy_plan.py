@@ -45,7 +45,7 @@ class Direction(Enum):
         return "out" if self is Direction.GATHER else "src"
 
 
-def check_int(name: str, value: Any, minimum: int) -> int:
+def check_int(name: str, value: object, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if value < minimum:
@@ -131,7 +131,7 @@ def check_heads(heads: Any, num_heads: int, what: str) -> tuple[int, int]:
     return h0, h1
 
 
-def check_region(region: Any, device: torch.device, need: int, name: str, what: str) -> None:
+def check_region(region: object, device: torch.device, need: int, name: str, what: str) -> None:
     if not isinstance(region, torch.Tensor):
         raise ValueError(f"{what}: {name} must be a torch.Tensor, got {type(region).__name__}")
     if region.dtype != torch.uint8 or region.dim() != 1:
@@ -266,7 +266,7 @@ class Planner:
         return 0
 
     def plan(self, direction: Direction, k: Any, v: Any, pages: Any, page_size: Any, heads: Any,
-             region: Any, room: Any = None) -> CopyPlan:
+             region: Any, room: Hashable | None = None) -> CopyPlan:
         """Validate one call (ValueError/TypeError naming what is wrong) and work out its copy.
 
         The page list is validated, indexed and (for a cache on a device) uploaded once per room
@@ -286,7 +286,7 @@ class Planner:
         return CopyPlan(direction=direction, prep=prep, h0=h0, h1=h1, n=n, pages=plan_pages, region=region,
                         nbytes=nbytes)
 
-    def forget_room(self, room: Any) -> None:
+    def forget_room(self, room: Hashable) -> None:
         """Drop the page lists kept for `room` (it was released)."""
         self.plans.forget(room)
 

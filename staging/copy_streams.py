@@ -39,5 +39,5 @@ def use_own_stream(device: torch.device, enabled: bool) -> bool:
     thread, before its first copy (PyTorch's current stream is per thread)."""
     if not enabled or device.type != "cuda":
         return False
-    torch.cuda.set_stream(torch.cuda.Stream(device))
+    torch.cuda.set_stream(torch.cuda.Stream(device))  # type: ignore[no-untyped-call]  # torch leaves Stream() unannotated
     return True

@@ -54,15 +54,31 @@ releases the GIL during the copies.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Hashable, Sequence
+from typing import Protocol
 
 import torch
 
 from .copy_plan import CopyPlan, Direction, PlanCache, Planner, PreparedCache, region_nbytes
 from .copy_units import alignment
+from .page_lists import PageList
 
-__all__ = ["Gatherer", "Scatterer", "PlanCache", "region_nbytes"]
+__all__ = ["Gatherer", "GathersKV", "Scatterer", "ScattersKV", "PlanCache", "region_nbytes"]
+
+
+class GathersKV(Protocol):
+    """What gathers a cache's pages into a region: `Gatherer`, or the Triton kernels'
+    `TritonGatherer` (staging/kernels.py picks one)."""
+
+    def gather(self, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None, pages: PageList,
+               page_size: int, heads: tuple[int, int], out: torch.Tensor, *, room: Hashable | None = None) -> int: ...
+
+
+class ScattersKV(Protocol):
+    """What scatters a region into a cache's pages: `Scatterer`, or `TritonScatterer`."""
+
+    def scatter(self, src: torch.Tensor, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None,
+                pages: PageList, page_size: int, heads: tuple[int, int], *, room: Hashable | None = None) -> int: ...
 
 #: Plain slice copies replace the index kernels for page lists made of few runs of consecutive
 #: pages: scatter for up to two runs, gather for ONE run (bench_gather.py: with more runs, one
@@ -159,8 +175,8 @@ class Gatherer(_TorchCopier):
     reshaped in place at the same address (resize_, as_strided_) is not re-validated.
     """
 
-    def gather(self, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None, pages: Any,
-               page_size: int, heads: tuple[int, int], out: torch.Tensor, *, room: Any = None) -> int:
+    def gather(self, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None, pages: PageList,
+               page_size: int, heads: tuple[int, int], out: torch.Tensor, *, room: Hashable | None = None) -> int:
         """Write the region of `pages` x `heads` of cache (k, v) into `out[:nbytes]`; return nbytes.
 
         `out` is a 1-D uint8 tensor on the cache's device (e.g. a StagingBuffer region); `heads`
@@ -180,7 +196,7 @@ class Scatterer(_TorchCopier):
     """
 
     def scatter(self, src: torch.Tensor, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None,
-                pages: Any, page_size: int, heads: tuple[int, int], *, room: Any = None) -> int:
+                pages: PageList, page_size: int, heads: tuple[int, int], *, room: Hashable | None = None) -> int:
         """Copy the region in `src[:nbytes]` into `pages` x `heads` of cache (k, v); return nbytes.
 
         `heads` is the range [h0, h1) of the DESTINATION cache's local heads; `pages` are

@@ -91,7 +91,7 @@ class StagingHandler:
     def __enter__(self) -> StagingHandler:
         return self.open()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _allocate(self, nbytes: int) -> StagingBuffer:
@@ -126,4 +126,6 @@ class StagingHandler:
 
     # -- decode: the ring -------------------------------------------------------------------------
     def ring_view(self, offset: int, nbytes: int) -> torch.Tensor:
+        if self.ring is None:
+            raise ValueError("StagingHandler has no ring (closed, or a handler without one)")
         return self.ring.region(offset, nbytes)

@@ -191,7 +191,7 @@ class HostMemory:
     def __enter__(self) -> HostMemory:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:

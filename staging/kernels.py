@@ -19,11 +19,20 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+from types import ModuleType
+from typing import TYPE_CHECKING, TypeAlias
 
 import torch
 
 from ..transfer.protocol.kinds import StrKind
-from .gather_scatter import Gatherer, Scatterer
+from .gather_scatter import Gatherer, GathersKV, Scatterer, ScattersKV
+
+if TYPE_CHECKING:  # imported only when chosen: triton may be missing
+    from .triton_kernels import TritonGatherer, TritonScatterer
+
+#: the gatherer and scatterer classes a worker builds (both take `Planner`'s arguments)
+GathererClass: TypeAlias = "type[Gatherer] | type[TritonGatherer]"
+ScattererClass: TypeAlias = "type[Scatterer] | type[TritonScatterer]"
 
 __all__ = ["ENV_VAR", "CHOICES", "KernelChoice", "requested_kernels", "kernel_choice", "gatherer_class", "scatterer_class", "make_gatherer",
            "make_scatterer"]
@@ -54,7 +63,7 @@ def requested_kernels() -> KernelChoice:
     return KernelChoice(value)
 
 
-def _triton_module(device: torch.device, required: bool):
+def _triton_module(device: torch.device, required: bool) -> ModuleType | None:
     """The Triton kernels module, or None (auto only) when triton cannot be imported."""
     global _warned_fallback
     try:
@@ -71,7 +80,7 @@ def _triton_module(device: torch.device, required: bool):
     return triton_kernels
 
 
-def _triton_for(device):
+def _triton_for(device: torch.device | str) -> ModuleType | None:
     """The Triton kernels module for a cache on `device`, or None for the torch path."""
     device = torch.device(device)
     requested = requested_kernels()
@@ -85,28 +94,34 @@ def _triton_for(device):
     return mod
 
 
-def kernel_choice(device) -> KernelChoice:
+def kernel_choice(device: torch.device | str) -> KernelChoice:
     """TORCH or TRITON for a KV cache on `device` (see the module docstring)."""
     return KernelChoice.TORCH if _triton_for(device) is None else KernelChoice.TRITON
 
 
-def gatherer_class(device) -> type:
+def gatherer_class(device: torch.device | str) -> GathererClass:
     """The Gatherer class to build per worker thread for a cache on `device`."""
     mod = _triton_for(device)
-    return Gatherer if mod is None else mod.TritonGatherer
+    if mod is None:
+        return Gatherer
+    triton_class: type[TritonGatherer] = mod.TritonGatherer
+    return triton_class
 
 
-def scatterer_class(device) -> type:
+def scatterer_class(device: torch.device | str) -> ScattererClass:
     """The Scatterer class to build per scatter thread for a cache on `device`."""
     mod = _triton_for(device)
-    return Scatterer if mod is None else mod.TritonScatterer
+    if mod is None:
+        return Scatterer
+    triton_class: type[TritonScatterer] = mod.TritonScatterer
+    return triton_class
 
 
-def make_gatherer(device):
+def make_gatherer(device: torch.device | str) -> GathersKV:
     """A new gatherer for a cache on `device` (Gatherer or TritonGatherer)."""
     return gatherer_class(device)()
 
 
-def make_scatterer(device):
+def make_scatterer(device: torch.device | str) -> ScattersKV:
     """A new scatterer for a cache on `device` (Scatterer or TritonScatterer)."""
     return scatterer_class(device)()

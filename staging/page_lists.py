@@ -9,15 +9,19 @@ starts with `what` (the call it came from) and names the bad value.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TypeAlias
 
 import numpy as np
 import torch
 
-__all__ = ["check_pages"]
+__all__ = ["PageList", "check_pages"]
+
+#: what a caller may give as a page list (checked by `check_pages`)
+PageList: TypeAlias = Sequence[int] | np.ndarray | torch.Tensor
 
 
-def check_pages(pages: Any, limit: int, what: str, *, unique: bool, host_only: bool = False,
+def check_pages(pages: object, limit: int, what: str, *, unique: bool, host_only: bool = False,
                 copy: bool = False) -> np.ndarray:
     """`pages` as a 1-D int64 numpy array, every index in [0, `limit`).
 

@@ -152,10 +152,11 @@ class _WholeList:
 
 
 def _addr(a: np.ndarray) -> int:
-    return a.__array_interface__["data"][0]
+    addr: int = a.__array_interface__["data"][0]
+    return addr
 
 
-def slice_of(pages: Any) -> np.ndarray | None:
+def slice_of(pages: object) -> np.ndarray | None:
     """The array that owns `pages`' memory when `pages` is a contiguous 1-D integer slice of a
     contiguous 1-D array (a piece of a room's page list: the protocol cuts pieces out of the
     room's array), else None."""
@@ -169,7 +170,7 @@ def slice_of(pages: Any) -> np.ndarray | None:
     return base
 
 
-def value_key(pages: Any) -> tuple[str, bytes] | None:
+def value_key(pages: object) -> tuple[str, bytes] | None:
     """(dtype, bytes) of a 1-D integer page list on the host, or None when it is not one (a
     device tensor, a float list, ...: those are validated per call, and raise there)."""
     if isinstance(pages, torch.Tensor):
@@ -188,6 +189,10 @@ def value_key(pages: Any) -> tuple[str, bytes] | None:
     return arr.dtype.str, arr.tobytes()
 
 
+#: a kept list's key within its room: its value, or the whole list a piece is a slice of
+_Key = tuple[Hashable, ...]
+
+
 class PlanCache:
     """Validated page lists per room, found by value; bounded and thread-safe (module docstring)."""
 
@@ -196,7 +201,7 @@ class PlanCache:
             raise ValueError("a PlanCache keeps at least one list of one room")
         self.max_rooms, self.per_room, self.max_bytes = max_rooms, per_room, max_bytes
         self._lock = threading.Lock()
-        self._rooms: OrderedDict[Hashable, OrderedDict[tuple, PageIndex | _WholeList]] = OrderedDict()
+        self._rooms: OrderedDict[Hashable, OrderedDict[_Key, PageIndex | _WholeList]] = OrderedDict()
         self._bytes = 0
         self.hits = self.misses = 0
 
@@ -246,7 +251,7 @@ class PlanCache:
         with self._lock:
             return whole.index.part(at, pages.size)
 
-    def _get(self, room: Hashable, key: tuple) -> PageIndex | _WholeList | None:
+    def _get(self, room: Hashable, key: _Key) -> PageIndex | _WholeList | None:
         with self._lock:
             bucket = self._rooms.get(room)
             hit = bucket.get(key) if bucket is not None else None
@@ -258,7 +263,7 @@ class PlanCache:
             self._rooms.move_to_end(room)
             return hit
 
-    def _put(self, room: Hashable, key: tuple, entry: PageIndex | _WholeList) -> None:
+    def _put(self, room: Hashable, key: _Key, entry: PageIndex | _WholeList) -> None:
         with self._lock:
             bucket = self._rooms.get(room)
             if bucket is None:

@@ -16,16 +16,18 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:  # staging stays importable without the protocol package
-    from ..transfer.protocol.pool_parts import PoolCopy
+    from ..transfer.protocol.pool_parts import PoolCopy, PoolSegment
+    from ..transfer.state_pools import StatePool
 
 
 class PoolBytes:
     """A rank's state pools with each tensor viewed once as uint8 `[num_items, item bytes]`."""
 
-    def __init__(self, pools: Mapping):
+    def __init__(self, pools: Mapping[str, StatePool]) -> None:
         self._pools = pools
         self._rows: dict[tuple[str, int], torch.Tensor] = {}
 
@@ -36,7 +38,7 @@ class PoolBytes:
         p = self._pools[pool]
         return p.tensors[0].device != other or bool(getattr(p, "own_writes", False))
 
-    def span(self, segment, heads: tuple[int, int] | None) -> tuple[torch.Tensor, int, int]:
+    def span(self, segment: PoolSegment, heads: tuple[int, int] | None) -> tuple[torch.Tensor, int, int]:
         """The tensor's byte rows and the byte range [a, b) of `heads` (all of an item for None)
         within each row."""
         key = (segment.pool, segment.tensor)
@@ -55,12 +57,15 @@ class PoolBytes:
         return rows, a, b
 
 
-def _as_bytes(pools) -> PoolBytes:
+def _as_bytes(pools: PoolBytes | Mapping[str, StatePool]) -> PoolBytes:
     return pools if isinstance(pools, PoolBytes) else PoolBytes(pools)
 
 
-def _item_rows(rows: torch.Tensor, items, a: int, b: int, segment) -> list[torch.Tensor]:
+def _item_rows(rows: torch.Tensor, items: np.ndarray | None, a: int, b: int,
+               segment: PoolSegment) -> list[torch.Tensor]:
     """Each item's bytes [a, b) as a view (plain indexing: no torch op, no GIL hand-off)."""
+    if items is None:
+        raise ValueError(f"pool {segment.pool!r} tensor {segment.tensor}: the copy names no items on this side")
     n = rows.shape[0]
     out = []
     for i in items:
@@ -71,13 +76,13 @@ def _item_rows(rows: torch.Tensor, items, a: int, b: int, segment) -> list[torch
     return out
 
 
-def gather_pools(pools, copies: Sequence, out: torch.Tensor, offset: int, dst: bool = False) -> int:
+def gather_pools(pools: PoolBytes | Mapping[str, StatePool], copies: Sequence[PoolCopy], out: torch.Tensor, offset: int, dst: bool = False) -> int:
     """Append each copy's source items (their head range, for a heads pool) to the uint8 `out`
     at byte `offset`, in order; returns the bytes written. `dst`: the destination side's items
     instead (the decode rank digesting what landed). `pools`: a PoolBytes (or the pools dict)."""
     pb = _as_bytes(pools)
-    same: tuple[list, list] = ([], [])      # (destinations, sources) in one kind of memory
-    across: tuple[list, list] = ([], [])    # through the bounce buffer
+    same: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])   # (destinations, sources) in one kind of memory
+    across: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])   # through the bounce buffer
     pos = offset
     for c in copies:
         seg = c.segment
@@ -106,11 +111,11 @@ class LandedBlock:
     copy: PoolCopy           # the copy whose bytes these are
 
 
-def scatter_pools(pools, landed: Sequence[LandedBlock]) -> None:
+def scatter_pools(pools: PoolBytes | Mapping[str, StatePool], landed: Sequence[LandedBlock]) -> None:
     """Copy each landed block into its destination items."""
     pb = _as_bytes(pools)
-    same: tuple[list, list] = ([], [])      # (destinations, sources) in one kind of memory
-    across: tuple[list, list] = ([], [])    # through the bounce buffer
+    same: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])   # (destinations, sources) in one kind of memory
+    across: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])   # through the bounce buffer
     for block in landed:
         view, c = block.view, block.copy
         seg = c.segment
@@ -140,7 +145,7 @@ def copy_across(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     host = src_dev if src_dev.type == "cpu" else dst_dev
     sizes = [s.numel() for s in srcs]
     bounce = torch.empty(sum(sizes), dtype=torch.uint8, device=host, pin_memory=gpu is not None and host.type == "cpu")
-    parts = list(bounce.split(sizes))
+    parts = list(torch.split(bounce, sizes))
     if host == src_dev:    # host -> (device): gather on the host, then one copy list out
         torch.cat(srcs, out=bounce)
         torch._foreach_copy_(dsts, parts, non_blocking=gpu is not None)

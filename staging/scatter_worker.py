@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -19,13 +20,16 @@ import torch
 from ..hop_trace import TRACE, Hop
 from .copy_streams import use_own_stream
 from .digests import digest
-from .gather_scatter import Scatterer
+from .gather_scatter import ScattersKV
 from .job_threads import JobThreads
 from .kernels import scatterer_class
 from .plan_cache import PlanCache
 from .pool_copies import LandedBlock, PoolBytes, scatter_pools
 from .thread_meter import ThreadMeter
 from .workers import LayerSlices, time_split
+
+if TYPE_CHECKING:  # staging stays importable without the transfer package
+    from ..transfer.state_pools import StatePool
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +75,8 @@ class ScatterWorker:
     """One thread on one job queue (job_threads.py)."""
 
     def __init__(self, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None, page_size: int,
-                 report: Report, pools: dict | None = None, inline_max_bytes: int = 0, own_streams: bool = True):
+                 report: Report, pools: Mapping[str, StatePool] | None = None, inline_max_bytes: int = 0,
+                 own_streams: bool = True) -> None:
         """`inline_max_bytes`: the largest job `run_here` takes (0: every job goes to the thread).
         `own_streams`: on a GPU, the scatter thread and the control thread scatter on streams of
         their own (copy_streams.py)."""
@@ -142,7 +147,7 @@ class ScatterWorker:
 
         return work
 
-    def _scatter(self, scatterer: Scatterer, layers: LayerSlices, job: ScatterJob,
+    def _scatter(self, scatterer: ScattersKV, layers: LayerSlices, job: ScatterJob,
                  device: torch.device) -> tuple[bool, str | None, float | None]:
         """(ok, why not, when its copies were all queued: perf_counter, None when it failed)."""
         try:

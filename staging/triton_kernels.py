@@ -29,10 +29,9 @@ Launch geometry: grid ``(cdiv(rows, BLOCK_R), blocks)``; each program copies a t
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import triton
@@ -40,6 +39,7 @@ import triton.language as tl
 
 from .copy_plan import CopyPlan, Direction, Planner
 from .copy_units import Unit, alignment, unit_for
+from .page_lists import PageList
 
 __all__ = ["KernelLaunch", "TritonGatherer", "TritonScatterer", "copy_rows_kernel", "interpreted", "kernel_launch",
            "tile_shape"]
@@ -50,9 +50,11 @@ _MAX_BLOCK_W = 1024
 _NUM_WARPS = 4
 
 
-@triton.jit
-def copy_rows_kernel(table_ptr, region_ptr, index_ptr, rows, items_per_index, heads, h0, span, row_words,
-                     GATHER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
+# Triton has no type information, and it reads the kernel's annotations itself (tl.constexpr, or
+# none: a value it specialises on), so the kernel's other arguments stay unannotated
+@triton.jit  # type: ignore[untyped-decorator]
+def copy_rows_kernel(table_ptr, region_ptr, index_ptr, rows, items_per_index, heads, h0, span,  # type: ignore[no-untyped-def]
+                     row_words, GATHER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_W: tl.constexpr):
     """GATHER: region[blk, j, :span] = tensor_blk[row(j), h0:h0 + span / row_words, :] (in words);
     otherwise the reverse, writing those words of the tensor and nothing else."""
     pid_r = tl.program_id(0)
@@ -111,22 +113,35 @@ class KernelLaunch:
                                     BLOCK_W=self.block_w, num_warps=_NUM_WARPS)
 
 
-def _geometry(plan: CopyPlan, unit: Unit) -> tuple[torch.Tensor, int, int, int, int]:
-    """(address table, row_words, span, BLOCK_R, BLOCK_W) of the plan's cache and head range in
-    `unit` words: worked out once per cache, head range and word, kept with the memoised cache."""
+@dataclass(frozen=True, kw_only=True)
+class _Geometry:
+    """A cache's head range in words of one size, as the kernel takes it."""
+
+    table: torch.Tensor      # int64 data_ptr of every tensor, region order (all K layers, then all V)
+    row_words: int
+    span: int
+    block_r: int
+    block_w: int
+
+
+def _geometry(plan: CopyPlan, unit: Unit) -> _Geometry:
+    """The geometry of the plan's cache and head range in `unit` words: worked out once per
+    cache, head range and word, kept with the memoised cache."""
     prep = plan.prep
     key = ("triton_geometry", plan.h0, plan.h1, unit.nbytes)
     geo = prep.extras.get(key)
-    if geo is None:
+    if not isinstance(geo, _Geometry):
         cache = prep.cache
         table = prep.extras.get("triton_table")
-        if not isinstance(table, torch.Tensor):  # data_ptr of every tensor, region order (all K layers, then all V)
-            table = prep.extras["triton_table"] = torch.tensor(
-                [t.data_ptr() for t in cache.tensors], dtype=torch.int64, device=cache.device)
+        if not isinstance(table, torch.Tensor):
+            table = torch.tensor([t.data_ptr() for t in cache.tensors], dtype=torch.int64, device=cache.device)
+            prep.extras["triton_table"] = table
         row_words = cache.row_bytes // unit.nbytes
         span = (plan.h1 - plan.h0) * row_words
-        geo = prep.extras[key] = (table, row_words, span, *tile_shape(span))
-    return geo  # type: ignore[return-value]
+        block_r, block_w = tile_shape(span)
+        geo = _Geometry(table=table, row_words=row_words, span=span, block_r=block_r, block_w=block_w)
+        prep.extras[key] = geo
+    return geo
 
 
 def kernel_launch(plan: CopyPlan) -> KernelLaunch:
@@ -138,17 +153,17 @@ def kernel_launch(plan: CopyPlan) -> KernelLaunch:
     unit = prep.unit
     if alignment(plan.region) < unit.nbytes:
         unit = unit_for(prep.cache.row_bytes, (*prep.cache.tensors, plan.region))
-    table, row_words, span, block_r, block_w = _geometry(plan, unit)
+    geo = _geometry(plan, unit)
     rows = plan.n * prep.page_size
     region = plan.region if plan.region.numel() == plan.nbytes else plan.region[:plan.nbytes]
-    return KernelLaunch(grid=(-(-rows // block_r), len(prep.cache.tensors)), table=table,
+    return KernelLaunch(grid=(-(-rows // geo.block_r), len(prep.cache.tensors)), table=geo.table,
                         region=region.view(unit.dtype), index=plan.pages, rows=rows,
-                        items_per_index=prep.page_size, heads=prep.cache.num_heads, h0=plan.h0, span=span,
-                        row_words=row_words, gather=plan.direction is Direction.GATHER, block_r=block_r,
-                        block_w=block_w)
+                        items_per_index=prep.page_size, heads=prep.cache.num_heads, h0=plan.h0, span=geo.span,
+                        row_words=geo.row_words, gather=plan.direction is Direction.GATHER, block_r=geo.block_r,
+                        block_w=geo.block_w)
 
 
-def _on(device: torch.device) -> AbstractContextManager[Any]:
+def _on(device: torch.device) -> AbstractContextManager[object]:
     """Launch on the cache's GPU (Triton launches on the current device)."""
     if device.type == "cuda":
         return torch.cuda.device(device)
@@ -171,8 +186,8 @@ class _TritonCopier(Planner):
 class TritonGatherer(_TritonCopier):
     """`Gatherer` with one fused launch per region. One per worker thread: NOT thread-safe."""
 
-    def gather(self, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None, pages: Any, page_size: int,
-               heads: tuple[int, int], out: torch.Tensor, *, room: Any = None) -> int:
+    def gather(self, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None, pages: PageList, page_size: int,
+               heads: tuple[int, int], out: torch.Tensor, *, room: Hashable | None = None) -> int:
         """Same arguments, checks, result and return value as `Gatherer.gather`. Queued on the
         current stream: synchronize before handing `out` to a backend."""
         return self._copy(self.plan(Direction.GATHER, k, v, pages, page_size, heads, out, room))
@@ -181,7 +196,7 @@ class TritonGatherer(_TritonCopier):
 class TritonScatterer(_TritonCopier):
     """`Scatterer` with one fused launch per region; writes only the destination head range."""
 
-    def scatter(self, src: torch.Tensor, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None, pages: Any,
-                page_size: int, heads: tuple[int, int], *, room: Any = None) -> int:
+    def scatter(self, src: torch.Tensor, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None, pages: PageList,
+                page_size: int, heads: tuple[int, int], *, room: Hashable | None = None) -> int:
         """Same arguments, checks, result and return value as `Scatterer.scatter`."""
         return self._copy(self.plan(Direction.SCATTER, k, v, pages, page_size, heads, src, room))

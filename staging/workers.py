@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 import torch
@@ -28,12 +29,16 @@ from .buffer_space import BufferSpace
 from .buffers import StagingBuffer
 from .copy_streams import use_own_stream
 from .digests import digest
-from .gather_scatter import Gatherer
+from .gather_scatter import GathersKV
 from .job_threads import JobThreads
 from .kernels import gatherer_class
 from .plan_cache import PlanCache
 from .pool_copies import PoolBytes, gather_pools
 from .thread_meter import ThreadMeter
+
+if TYPE_CHECKING:  # staging stays importable without the protocol package
+    from ..transfer.protocol.pool_parts import PoolCopy
+    from ..transfer.state_pools import StatePool
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +57,10 @@ class GatherJob:
     dst_device: int
     tag: bytes
     dst_kind: str | None = None   # the ring's memory kind as the decode rank advertised it
-    pools: tuple = ()             # state pool copies appended after the KV bytes (the last piece)
+    pools: tuple[PoolCopy, ...] = ()   # state pool copies appended after the KV bytes (the last piece)
     on_posted: Callable[[], object] | None = None   # runs on the backend's owner as it takes the write
     seal: Callable[[int], bytes] | None = None   # verify: the tag carrying the gathered bytes' digest
-    ready: tuple = ()         # the caller's readiness objects: synchronize()d before the gather
+    ready: tuple[object, ...] = ()   # the caller's readiness objects: synchronize()d before the gather
 
 
 # submit(peer, src, dst, tag, on_done, dst_kind=kind) posts one write on the backend's thread
@@ -66,11 +71,24 @@ SubmitWrite = Callable[..., None]
 Report = Callable[[int, int, bool, str | None, float, bytes], None]
 
 
-def wait_ready(ready: tuple) -> None:
+class Synchronizes(Protocol):
+    """A readiness object: a CUDA event or stream, or anything else with `synchronize()`."""
+
+    def synchronize(self) -> object: ...
+
+
+def wait_ready(ready: Sequence[object]) -> None:
     """Block until the caller's layers are written (a CUDA event, or anything with
     synchronize()): the worker waits, never the caller's thread."""
     for r in ready:
-        r.synchronize()
+        cast(Synchronizes, r).synchronize()   # send() checked that each has synchronize()
+
+
+class _PieceWork(Protocol):
+    """One piece's gather, into the buffer part `at` (None: a part taken on the way); returns
+    its report, to call once nothing of the piece is held (`TransferWorkers._piece_work`)."""
+
+    def __call__(self, job: GatherJob, at: int | None = None) -> Callable[[], None]: ...
 
 
 class LayerSlices:
@@ -97,7 +115,7 @@ class TransferWorkers:
     """One thread per staging buffer, all on one job queue (job_threads.py)."""
 
     def __init__(self, buffers: Sequence[StagingBuffer], k: Sequence[torch.Tensor], v: Sequence[torch.Tensor] | None,
-                 page_size: int, submit: SubmitWrite, report: Report, pools: dict | None = None,
+                 page_size: int, submit: SubmitWrite, report: Report, pools: Mapping[str, StatePool] | None = None,
                  inline_max_bytes: int = 0, own_streams: bool = True, write_range_bytes: int | None = None):
         """`inline_max_bytes`: the largest piece `run_here` takes (0: every piece to a worker).
         `own_streams`: on a GPU, each thread that gathers does so on a stream of its own
@@ -108,7 +126,7 @@ class TransferWorkers:
         self._own_streams = own_streams
         self.spaces = [BufferSpace(b.nbytes) for b in self._buffers]   # the parts of each buffer in flight
         self.inline_max_bytes = inline_max_bytes
-        self._here: list[Callable[[GatherJob, int | None], Callable[[], None]]] = []   # run_here's, made on first use
+        self._here: list[_PieceWork] = []   # run_here's, made on first use
         self._pools = PoolBytes(pools or {})  # tensors viewed as bytes once, not per request
         self._k, self._v, self._page_size = tuple(k), (tuple(v) if v is not None else None), page_size
         self._submit, self._report = submit, report
@@ -162,7 +180,7 @@ class TransferWorkers:
         use_own_stream(self._k[0].device, self._own_streams)
         return self._piece_work(index, self._gatherer_class(self.plans, caches_fixed=True))
 
-    def _piece_work(self, index: int, gatherer: Gatherer) -> Callable[[GatherJob, int | None], Callable[[], None]]:
+    def _piece_work(self, index: int, gatherer: GathersKV) -> _PieceWork:
         """How one piece is done with buffer `index` and `gatherer` (one thread's own): into the
         part `at` when the caller took it, else into a part taken here (waiting for one)."""
         buf, space, device = self._buffers[index], self.spaces[index], self._k[0].device

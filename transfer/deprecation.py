@@ -29,7 +29,7 @@ def accepts_old_positional(*names: str, keep: int = 0) -> Callable[[T], T]:
     keywords. More positional arguments than `keep + len(names)` raise `TypeError`."""
 
     def wrap(cls: T) -> T:
-        init = cls.__init__
+        init = cls.__init__  # type: ignore[misc]  # the decorated class's own __init__, wrapped below
 
         @functools.wraps(init)
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -50,7 +50,7 @@ def accepts_old_positional(*names: str, keep: int = 0) -> Callable[[T], T]:
                 args = args[:keep]
             init(self, *args, **kwargs)
 
-        cls.__init__ = __init__  # type: ignore[misc]
+        cls.__init__ = __init__  # type: ignore[misc]  # a class decorator replaces __init__ on purpose
         return cls
 
     return wrap

@@ -73,8 +73,10 @@ class KVBuffers:
         for name, tensors, want in groups:
             expected_tail = draft_tail if name.startswith("draft") else target_tail
             if len(tensors) != want:
+                layers = layout.stage
+                assert layers is not None, "set by KVLayout.__post_init__"
                 stage = "" if want == layout.num_layers or name.startswith("draft") else \
-                    f" (PP stage {layout.pp_rank}: layers [{layout.stage.start}, {layout.stage.stop}))"
+                    f" (PP stage {layout.pp_rank}: layers [{layers.start}, {layers.stop}))"
                 what = "DraftKV.num_layers is" if name.startswith("draft") else "layout has"
                 raise ValueError(f"{name} has {len(tensors)} layers, {what} {want}{stage}")
             for i, t in enumerate(tensors):

@@ -7,7 +7,8 @@ against them. Pure: no tensors (the tensors are state_pools.py's `StatePool`), s
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import msgspec
 import numpy as np
@@ -70,7 +71,14 @@ def pool_mismatches(mine: Sequence[PoolSpec], theirs: Sequence[PoolSpec]) -> lis
     return out
 
 
-def check_items(name: str, items: object, pools: dict, side: str) -> np.ndarray:
+class CountsItems(Protocol):
+    """A registered pool as the item checks see it (`state_pools.StatePool`)."""
+
+    @property
+    def num_items(self) -> int: ...
+
+
+def check_items(name: str, items: object, pools: Mapping[str, CountsItems], side: str) -> np.ndarray:
     """One pool's item indices of a request, as int64; ValueError on bad input."""
     if isinstance(name, str) and name.startswith(DRAFT_POOL_PREFIX):
         raise ValueError(f"{side}: pool {name!r} is the draft KV's own: kvstage names its items from the pages sent")
@@ -89,7 +97,7 @@ def check_items(name: str, items: object, pools: dict, side: str) -> np.ndarray:
     return arr
 
 
-def check_pool_items(pool_items: object, pools: dict, side: str) -> dict[str, np.ndarray]:
+def check_pool_items(pool_items: object, pools: Mapping[str, CountsItems], side: str) -> dict[str, np.ndarray]:
     """A request's {pool name: item indices}, validated against this rank's pools."""
     if pool_items is None:
         return {}

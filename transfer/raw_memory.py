@@ -10,14 +10,19 @@ CUDA array interface (no CuPy needed).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .layout import KVLayout
 
 
 class _CudaArray:
     """The smallest object torch.as_tensor accepts for a raw device address."""
 
-    def __init__(self, ptr: int, nbytes: int):
+    def __init__(self, ptr: int, nbytes: int) -> None:
         self.__cuda_array_interface__ = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False),
                                          "version": 3, "strides": None}
 
@@ -33,7 +38,8 @@ def tensor_at(ptr: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...],
     return raw.view(dtype).view(shape)
 
 
-def check_pointers(layout, data_ptrs, data_lens, item_lens) -> int:
+def check_pointers(layout: KVLayout, data_ptrs: Sequence[int], data_lens: Sequence[int],
+                   item_lens: Sequence[int]) -> int:
     """Validate SGLang-style pointer lists against the layout; return the page count. Raises
     ValueError naming the first entry that is wrong."""
     target = len(layout.layers) - layout.draft_layers
@@ -50,7 +56,7 @@ def check_pointers(layout, data_ptrs, data_lens, item_lens) -> int:
         for i, x in enumerate(seq):
             if isinstance(x, bool) or not isinstance(x, int) or x <= 0:
                 raise ValueError(f"{name}[{i}] must be a positive int, got {x!r}")
-    pages = None
+    pages = 0
     for i, (ptr, nbytes, item) in enumerate(zip(data_ptrs, data_lens, item_lens)):
         if i >= target * layout.num_kv and item != draft_page:
             raise ValueError(f"item_lens[{i}]={item}: one page of one draft entry is {draft_page} bytes on this rank "
@@ -62,7 +68,7 @@ def check_pointers(layout, data_ptrs, data_lens, item_lens) -> int:
             raise ValueError(f"data_lens[{i}]={nbytes} is not a whole number of {item}-byte pages")
         if ptr % layout.elem_size:
             raise ValueError(f"data_ptrs[{i}]={ptr:#x} is not aligned to the {layout.elem_size}-byte dtype")
-        if pages is None:
+        if i == 0:
             pages = nbytes // item
         elif nbytes // item != pages:
             raise ValueError(f"data_lens[{i}] holds {nbytes // item} pages, data_lens[0] holds {pages}")

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .backends.base import MemRegion
 from .protocol.hello_admission import KV_REGION, pool_region_name
+
+if TYPE_CHECKING:
+    from .kv_buffers import KVBuffers
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,7 +43,7 @@ def _spans(tensors: Sequence[torch.Tensor], device: torch.device, kind: str) -> 
     )
 
 
-def buffer_regions(buffers) -> list[Region]:
+def buffer_regions(buffers: KVBuffers) -> list[Region]:
     """The KV region, then one region per state pool (pools by name) of validated KVBuffers."""
     kv = Region(
         name=KV_REGION,

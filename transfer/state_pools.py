@@ -17,11 +17,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import KW_ONLY, dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from .draft_kv import draft_pool_name
 from .pool_spec import SHARDINGS, PoolSpec
+
+if TYPE_CHECKING:
+    from .layout import KVLayout
 
 __all__ = ["StatePool", "draft_pools", "memory_kind"]
 
@@ -52,7 +56,7 @@ class StatePool:
         """The pool's memory kind: "VRAM" for CUDA memory, "DRAM" for host memory."""
         return memory_kind(self.device)
 
-    def spec(self, name: str, layout) -> PoolSpec:
+    def spec(self, name: str, layout: KVLayout) -> PoolSpec:
         """Validate against `layout` (this rank's TP size and rank); set num_items. Raises
         ValueError naming the pool and tensor."""
         where = f"pool {name!r}"
@@ -81,7 +85,9 @@ class StatePool:
             raise ValueError(f"{where}: heads is only for sharding='heads'")
         if not isinstance(self.own_writes, bool):
             raise ValueError(f"{where}: own_writes must be a bool, got {self.own_writes!r}")
-        items, dtypes, rows = None, [], []
+        items: int | None = None
+        dtypes: list[str] = []
+        rows: list[list[int]] = []
         for i, t in enumerate(self.tensors):
             at = f"{where} tensor {i}"
             if not isinstance(t, torch.Tensor):
@@ -105,6 +111,7 @@ class StatePool:
                 raise ValueError(f"{at} holds no items")
             dtypes.append(str(t.dtype).removeprefix("torch."))
             rows.append(list(t.shape[2:] if self.sharding == "heads" else t.shape[1:]))
+        assert items is not None   # the tensors are a non-empty list, each checked above
         self.num_items = int(items)
         return PoolSpec(name=name, sharding=self.sharding, heads=heads, dtypes=dtypes, rows=rows, blocks=blocks)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import cast
 
 from . import config_values as check
 from .config_values import from_env
@@ -50,10 +51,11 @@ class Timeouts:
         unknown = set(overrides) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"unknown timeouts: {', '.join(sorted(unknown))}")
-        vals = {}
+        vals: dict[str, float] = {}
         for f in fields(cls):
             checker = _quarantine if f.name == "quarantine" else check.positive
-            vals[f.name] = from_env(f"KVSTAGE_TIMEOUT_{f.name.upper()}", f.default, float, checker)
+            default = cast(float, f.default)   # every field has a float default
+            vals[f.name] = from_env(f"KVSTAGE_TIMEOUT_{f.name.upper()}", default, float, checker)
         vals.update(overrides)
         return cls(**vals)
 
@@ -70,7 +72,7 @@ class Timeouts:
 
 def _quarantine(name: str, value: object) -> float:
     """-1 (automatic) or a finite number of seconds >= 0."""
-    check.real(name, value)
-    if value != -1 and not (math.isfinite(value) and value >= 0):
+    seconds = check.real(name, value)
+    if seconds != -1 and not (math.isfinite(seconds) and seconds >= 0):
         raise ValueError(f"{name}={value!r} must be -1 (automatic) or finite and >= 0")
-    return value
+    return seconds

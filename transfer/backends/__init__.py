@@ -49,7 +49,7 @@ _IMPLEMENTATIONS = {
 }
 
 
-def create_backend(kind: str, name: str, host: str = "127.0.0.1", **options) -> Backend:
+def create_backend(kind: str, name: str, host: str = "127.0.0.1", **options: object) -> Backend:
     """Build the backend named by `kind` ("nixl" or "mooncake").
 
     `name` labels this endpoint (NIXL makes it unique per process life; Mooncake's peer name is
@@ -67,4 +67,5 @@ def create_backend(kind: str, name: str, host: str = "127.0.0.1", **options) -> 
     except ImportError as exc:  # the library, or a shared library it links, is missing
         raise BackendError(f"the {kind!r} backend needs {package}; importing {top!r} failed: {exc}") from exc
     cls = getattr(module, class_name)
-    return cls(name, host, **options)
+    backend: Backend = cls(name, host, **options)
+    return backend

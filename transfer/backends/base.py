@@ -17,6 +17,7 @@ import enum
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -60,7 +61,7 @@ class WriteHandle:
     handle: object = None
     state: WriteState = WriteState.PENDING
     reason: str | None = None
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)   # each backend's own entries, read back by it
 
 
 @dataclass(frozen=True)

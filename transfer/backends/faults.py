@@ -13,6 +13,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -27,37 +28,40 @@ class FaultPlan:
     reorder_tags: float = 0.0       # probability it is held back and delivered later, shuffled
     corrupt_tags: float = 0.0       # probability a byte of it is flipped
     fail_writes: float = 0.0        # probability a completed write is reported failed
-    corrupt_rooms: list = field(default_factory=list)  # rooms whose tags lie about their ring offset
+    corrupt_rooms: list[int] = field(default_factory=list)  # rooms whose tags lie about their ring offset
     corrupt_data: float = 0.0       # receiving rank: probability a landed write gets a byte flipped
-    hold_write_rooms: list = field(default_factory=list)  # rooms whose writes stay in flight ...
+    hold_write_rooms: list[int] = field(default_factory=list)  # rooms whose writes stay in flight ...
     hold_write_s: float = 0.0       # ... this long before they reach the backend (then they land)
     drop_msgs: float = 0.0          # control plane: probability a message is not sent
     dup_msgs: float = 0.0           # ... sent twice
     reorder_msgs: float = 0.0       # ... held back and sent later
     corrupt_msgs: float = 0.0       # ... a byte flipped
-    drop_msg_types: list = field(default_factory=list)  # control plane: message types never sent ("WritePosted")
+    drop_msg_types: list[str] = field(default_factory=list)  # control plane: message types never sent ("WritePosted")
     hold_s: float = 0.05            # how long held items wait at most
     seed: int = 0
 
     @classmethod
-    def from_dict(cls, d: dict) -> FaultPlan:
+    def from_dict(cls, d: dict[str, Any]) -> FaultPlan:
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown fault settings: {sorted(unknown)}")
         return cls(**d)
 
 
-class _Holder:
+T = TypeVar("T")
+
+
+class _Holder(Generic[T]):
     """Items held back for a random while, released shuffled."""
 
-    def __init__(self, rng: random.Random, hold_s: float):
+    def __init__(self, rng: random.Random, hold_s: float) -> None:
         self.rng, self.hold_s = rng, hold_s
-        self.items: list[tuple[float, object]] = []
+        self.items: list[tuple[float, T]] = []
 
-    def hold(self, item: object) -> None:
+    def hold(self, item: T) -> None:
         self.items.append((time.monotonic() + self.rng.uniform(0, self.hold_s), item))
 
-    def due(self, force: bool = False) -> list:
+    def due(self, force: bool = False) -> list[T]:
         now = time.monotonic()
         ready = [x for x in self.items if force or x[0] <= now]
         self.items = [x for x in self.items if not (force or x[0] <= now)]
@@ -76,14 +80,14 @@ def _flip(rng: random.Random, data: bytes) -> bytes:
 
 class FaultyBackend(Backend):
     def __init__(self, inner: Backend, plan: FaultPlan, retag: Callable[[bytes], bytes | None] | None = None,
-                 room_of: Callable[[bytes], int] | None = None):
+                 room_of: Callable[[bytes], int] | None = None) -> None:
         """`retag(tag) -> tag` rewrites a tag of a room in plan.corrupt_rooms (None: leave it);
         `room_of(tag)` names the room of a write (for plan.hold_write_rooms)."""
         self.inner, self.plan, self._retag, self._room_of = inner, plan, retag, room_of
         self.kind = inner.kind
         self.memory_kinds = inner.memory_kinds
         self._rng = random.Random(plan.seed)
-        self._held = _Holder(self._rng, plan.hold_s)
+        self._held: _Holder[ArrivedTag] = _Holder(self._rng, plan.hold_s)
         self._arrived = 0   # notifications drained from the real backend, for drop_every_tag
         self._failed: set[int] = set()
         self.injected: dict[str, int] = {}
@@ -136,7 +140,8 @@ class FaultyBackend(Backend):
     def _unheld(self, handle: WriteHandle) -> WriteHandle | None:
         """The real write behind a held one once its hold is over (None while held)."""
         if "inner" in handle.extra:
-            return handle.extra["inner"]
+            posted: WriteHandle = handle.extra["inner"]
+            return posted
         until, peer, src, dst, tag, dst_kind = handle.extra["held"]
         if time.monotonic() < until:
             return None
@@ -203,10 +208,10 @@ class FaultyBackend(Backend):
 class ControlFaults:
     """The control-plane half: applied by ControlSocket to every frame it sends."""
 
-    def __init__(self, plan: FaultPlan):
+    def __init__(self, plan: FaultPlan) -> None:
         self.plan = plan
         self._rng = random.Random(plan.seed + 1)
-        self._held = _Holder(self._rng, plan.hold_s)
+        self._held: _Holder[tuple[str, list[bytes]]] = _Holder(self._rng, plan.hold_s)
 
     def outgoing(self, endpoint: str, frames: list[bytes], kind: str = "") -> list[tuple[str, list[bytes]]]:
         """What to actually send now for one frame of message type `kind` (possibly nothing, or

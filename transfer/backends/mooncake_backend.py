@@ -46,6 +46,7 @@ import queue
 import secrets
 import threading
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import numpy as np
 
@@ -80,12 +81,21 @@ TAG_PREFIX = "kvstage1:"
 IDENTITY_FORMAT = "mooncake/1"
 
 
+# (segment name, source addresses, destination addresses, lengths, TransferOpcode, TransferNotify)
+_WriteArgs = tuple[str, list[int], list[int], list[int], object, object]
+
+
+def _job_of(handle: WriteHandle) -> _Job | None:
+    """The submit-thread job behind one of this backend's writes (None once released)."""
+    return cast("_Job | None", handle.handle)   # this backend's WriteHandles carry its _Job
+
+
 class _Job:
     """One write handed to a submit thread. `done` is set once `result`/`error` are final."""
 
     __slots__ = ("args", "done", "result", "error", "cancelled", "lock", "started", "on_complete")
 
-    def __init__(self, args: tuple, on_complete: Callable[[], None] | None = None):
+    def __init__(self, args: _WriteArgs, on_complete: Callable[[], None] | None = None) -> None:
         self.args = args
         self.on_complete = on_complete   # called on the submit thread once done is set
         self.done = threading.Event()
@@ -352,7 +362,8 @@ class MooncakeBackend(Backend):
         if self._engine is None:
             return
         try:
-            ret = self._engine.batch_unregister_memory(list(registration.handle or ()))
+            addrs = cast("list[int] | None", registration.handle)   # register() keeps the addresses there
+            ret = self._engine.batch_unregister_memory(list(addrs or ()))
         except Exception as exc:
             raise BackendError(f"Mooncake deregistration failed: {exc}") from exc
         if ret != 0:
@@ -405,8 +416,9 @@ class MooncakeBackend(Backend):
         if peer not in self._peers:
             return
         for h in self._inflight.values():
-            if h.peer == peer and h.handle is not None:
-                h.handle.cancel()
+            job = _job_of(h)
+            if h.peer == peer and job is not None:
+                job.cancel()
         del self._peers[peer]
         self._peer_instance.pop(peer, None)   # what Mooncake cached stays in _cached
         self._route.pop(peer, None)
@@ -456,7 +468,7 @@ class MooncakeBackend(Backend):
         return handle
 
     def poll_write(self, handle: WriteHandle) -> WriteState:
-        job = handle.handle
+        job = _job_of(handle)
         if handle.state is not WriteState.PENDING or job is None or not job.done.is_set():
             return handle.state
         if job.cancelled:
@@ -487,7 +499,7 @@ class MooncakeBackend(Backend):
         threading.Event set once Mooncake has returned. To reuse the source memory safely, keep
         polling a PENDING write until it ends instead of releasing it (or wait for that event).
         """
-        job = handle.handle
+        job = _job_of(handle)
         if job is None:
             return
         self.poll_write(handle)
@@ -556,7 +568,7 @@ class MooncakeBackend(Backend):
                 self.deregister(reg)
             except BackendError:
                 pass
-        self._engine = None  # type: ignore[assignment]
+        self._engine = None
 
     def __del__(self) -> None:
         # Dropped without close(): let the idle submit threads end (they hold the engine).

@@ -25,6 +25,7 @@ import secrets
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import numpy as np
 
@@ -54,7 +55,7 @@ try:  # the exception types live in the bindings of whichever nixl-cuXX package 
     _InvalidParam = _bindings.nixlInvalidParamError
     _RemoteDisconnect = _bindings.nixlRemoteDisconnectError
 except (KeyError, AttributeError):  # pragma: no cover - other NIXL builds
-    _NotFound = _InvalidParam = _RemoteDisconnect = ()  # type: ignore[assignment]
+    _NotFound = _InvalidParam = _RemoteDisconnect = ()
 
 
 def _quiet_nixl_python_logging() -> None:
@@ -167,7 +168,8 @@ class NixlBackend(Backend):
         if self._closed and getattr(self, "_agent", None) is None:
             return
         errors = []
-        for _, dlist in registration.handle or ():
+        done = cast("list[tuple[str, object]] | None", registration.handle)   # register()'s (kind, NIXL list)s
+        for _, dlist in done or ():
             try:
                 self._agent.deregister_memory(dlist, backends=self._plugins)
             except Exception as exc:
@@ -203,7 +205,7 @@ class NixlBackend(Backend):
 
     def _load(self, peer_identity: bytes) -> str:
         try:
-            name = self._agent.add_remote_agent(bytes(peer_identity))
+            name: str | bytes = self._agent.add_remote_agent(bytes(peer_identity))
         except Exception as exc:
             raise BackendError(f"cannot load peer metadata ({len(peer_identity)} bytes): {_describe(exc)}") from exc
         if isinstance(name, (bytes, bytearray)):  # NIXL 1.5 returns the agent name as bytes
@@ -384,7 +386,7 @@ class NixlBackend(Backend):
             self._tags = []
             # Drop the agent now (not at interpreter teardown); handles not yet released keep
             # the C++ agent alive through their own reference until they are collected.
-            self._agent = None  # type: ignore[assignment]
+            self._agent = None
 
     def __repr__(self) -> str:
         return f"NixlBackend(name={self._name!r}, peers={len(self._peers)}, closed={self._closed})"

@@ -19,6 +19,7 @@ import msgspec
 import torch
 
 from ...staging.digests import gathered_digest
+from ...staging.gather_scatter import GathersKV
 from ...staging.handler import StagingHandler
 from ...staging.kernels import gatherer_class
 from ...staging.scatter_worker import PartDigest
@@ -39,10 +40,10 @@ class Integrity:
         self.layout, self.buffers, self.tags, self.handler, self.stats = layout, buffers, tags, handler, stats
         self.corrupt_data = corrupt_data
         self._rng = random.Random(seed + 7)
-        self._gatherer: object = None   # staging/kernels.py: a Gatherer, made on first use
+        self._gatherer: GathersKV | None = None   # staging/kernels.py: a Gatherer, made on first use
         self.corrupted_rooms: set[int] = set()
 
-    def _gather(self) -> object:
+    def _gather(self) -> GathersKV:
         if self._gatherer is None:
             self._gatherer = gatherer_class(self.buffers.device)()
         return self._gatherer

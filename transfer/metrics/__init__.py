@@ -9,7 +9,11 @@ managers in one process (tests) never share or clash.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ...staging.thread_meter import ThreadMeter
 
 log = logging.getLogger("kvstage")
 
@@ -20,8 +24,8 @@ class MetricsExporter:
     """The registry, the collector over stats(), the histograms (`observer`, for the control
     thread) and the HTTP server of one manager."""
 
-    def __init__(self, host: str, port: int, labels: dict[str, str], stats: Callable[[], dict],
-                 option: str = "metrics_port"):
+    def __init__(self, host: str, port: int, labels: dict[str, str], stats: Callable[[], Mapping[str, Any]],
+                 option: str = "metrics_port") -> None:
         try:
             from prometheus_client import CollectorRegistry, make_wsgi_app
         except ImportError as exc:
@@ -44,7 +48,7 @@ class MetricsExporter:
         log.info("kvstage metrics at http://%s:%d/metrics", host, self.port)
 
     @property
-    def meters(self) -> list:
+    def meters(self) -> list[ThreadMeter]:
         """The HTTP thread's wake-ups and CPU (staging/thread_meter.py), for stats()."""
         return [self._server.meter] if self._server is not None else []
 

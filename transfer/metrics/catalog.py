@@ -8,7 +8,9 @@ requests end. docs/operations.md lists the same metrics (a unit test keeps the t
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 BOTH = ("prefill", "decode")
 PATHS = ("staged", "direct")
@@ -326,7 +328,7 @@ def for_role(role: str, metrics: tuple[Metric, ...] = ALL) -> tuple[Metric, ...]
     return tuple(m for m in metrics if role in m.roles)
 
 
-def samples(metric: Metric, stats: dict) -> list[tuple[str | None, float]] | None:
+def samples(metric: Metric, stats: Mapping[str, Any]) -> list[tuple[str | None, float]] | None:
     """(label value, number) pairs of a counter or gauge in a stats() snapshot; None when the
     snapshot lacks it (a gauge whose part this rank does not have, e.g. no staging ring).
     A group read as one number is its sum."""

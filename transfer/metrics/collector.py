@@ -5,7 +5,8 @@ a second count of anything. Imported only when metrics are on (it needs promethe
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.core import Metric as Family
@@ -19,7 +20,7 @@ class StatsCollector:
     """`stats` returns a `KVManager.stats()` snapshot; `labels` are the rank's own (role, engine,
     rank, backend), put on every series."""
 
-    def __init__(self, stats: Callable[[], dict], labels: dict[str, str]):
+    def __init__(self, stats: Callable[[], Mapping[str, Any]], labels: dict[str, str]) -> None:
         self._stats = stats
         self._labels = labels
         self._metrics = catalog.for_role(labels["role"], catalog.STATS_METRICS)
@@ -38,17 +39,17 @@ class StatsCollector:
             raise
         yield from (f for f in families if f is not None)
 
-    def _family(self, m: catalog.Metric) -> Family:
+    def _family(self, m: catalog.Metric) -> CounterMetricFamily | GaugeMetricFamily:
         names = list(self._labels) + ([m.label] if m.label else [])
         cls = CounterMetricFamily if m.kind == "counter" else GaugeMetricFamily
         return cls(m.name, m.help, labels=names)
 
-    def _fill(self, m: catalog.Metric, snapshot: dict) -> Family | None:
+    def _fill(self, m: catalog.Metric, snapshot: Mapping[str, Any]) -> CounterMetricFamily | GaugeMetricFamily | None:
         values = catalog.samples(m, snapshot)
         if values is None:
             return None
         family = self._family(m)
         own = list(self._labels.values())
         for label, value in values:
-            family.add_metric(own + ([label] if m.label else []), value)
+            family.add_metric(own + ([label] if m.label and label is not None else []), value)
         return family

@@ -10,18 +10,18 @@ from . import catalog
 
 
 class RequestHistograms:
-    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]):
+    def __init__(self, registry: CollectorRegistry, labels: dict[str, str]) -> None:
         self._labels = labels
         names = list(labels) + ["path"]
         mine = {m.name for m in catalog.for_role(labels["role"], catalog.HISTOGRAMS)}
-        made = {}
+        made: dict[str, Histogram] = {}
         for m in catalog.HISTOGRAMS:
             if m.name in mine:
                 buckets = catalog.SECONDS_BUCKETS if m.name.endswith("_seconds") else catalog.COUNT_BUCKETS
                 made[m.name] = Histogram(m.name, m.help, names, buckets=buckets, registry=registry)
-        self._transfer = made.get("kvstage_transfer_seconds")
+        self._transfer = made["kvstage_transfer_seconds"]         # both roles have these two
+        self._writes = made["kvstage_request_backend_writes"]
         self._write = made.get("kvstage_write_seconds")
-        self._writes = made.get("kvstage_request_backend_writes")
         self._descriptors = made.get("kvstage_request_descriptors")
         for h in made.values():       # both paths shown from the start, at 0, for dashboards
             for path in catalog.PATHS:

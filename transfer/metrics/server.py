@@ -11,10 +11,15 @@ import os
 import selectors
 import socket
 import threading
+from collections.abc import Iterable
 from socketserver import ThreadingMixIn
+from typing import TYPE_CHECKING
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from ...staging.thread_meter import ThreadMeter
+
+if TYPE_CHECKING:  # wsgiref.types is new in Python 3.11
+    from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 log = logging.getLogger("kvstage")
 
@@ -30,13 +35,13 @@ class _Server6(_Server):
 
 
 class _QuietHandler(WSGIRequestHandler):
-    def log_message(self, format, *args) -> None:  # noqa: A002 - the stdlib's signature
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the stdlib's signature
         pass                                         # one line per scrape on stderr is noise
 
 
-def guarded(app):
+def guarded(app: WSGIApplication) -> WSGIApplication:
     """`app` at PATHS only; an exception in it is logged and answered with a 500."""
-    def wsgi(environ, start_response):
+    def wsgi(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         if environ.get("PATH_INFO", "") not in PATHS:
             start_response("404 Not Found", [("Content-Type", "text/plain")])
             return [b"kvstage serves its metrics at /metrics\n"]
@@ -52,7 +57,7 @@ def guarded(app):
 class MetricsServer:
     """Binds at construction (so a port in use fails the caller at once: OSError) and serves."""
 
-    def __init__(self, host: str, port: int, app):
+    def __init__(self, host: str, port: int, app: WSGIApplication) -> None:
         server = _Server6 if ":" in host else _Server
         self._httpd = make_server(host, port, guarded(app), server_class=server, handler_class=_QuietHandler)
         self.port: int = self._httpd.server_port
