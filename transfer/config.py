@@ -5,6 +5,10 @@ Every knob has a documented default (docs/configuration.md); an explicit argumen
 environment, which wins over the default. `EngineConfig.resolved()` applies that order once and
 validates: the `ResolvedConfig` it returns has a concrete value in every field, so nothing past
 it asks "was this given?" again.
+
+The core reads only `KVSTAGE_*` variables. A serving framework's own names for the same knobs
+(SGLang's staging switch and ring size) are the adapter's to read and pass as arguments
+(adapters/sglang/plugin.py `engine_options`).
 """
 
 from __future__ import annotations
@@ -25,9 +29,9 @@ from .timeouts import Timeouts
 
 __all__ = ["EngineConfig", "ResolvedConfig", "Timeouts", "env_flag"]
 
-STAGING_ENV = "SGLANG_DISAGG_STAGING_BUFFER"
+STAGING_ENV = "KVSTAGE_STAGING"
 VERIFY_ENV = "KVSTAGE_VERIFY"
-RING_MB_ENV = "SGLANG_DISAGG_STAGING_POOL_SIZE_MB"
+RING_MB_ENV = "KVSTAGE_RING_MB"
 WORKERS_ENV = "KVSTAGE_STAGING_WORKERS"
 BUFFER_MB_ENV = "KVSTAGE_STAGING_BUFFER_MB"
 PIECE_MB_ENV = "KVSTAGE_STAGING_PIECE_MB"
@@ -69,7 +73,7 @@ class EngineConfig:
     bootstrap: str | None = None             # the rendezvous: "host:port" of a bootstrap server, or
                                              # "etcd://host:port[,...][/namespace]"; None: KVSTAGE_BOOTSTRAP
     backend: str = "nixl"                    # or "mooncake"
-    staging: bool | None = None              # None: read SGLANG_DISAGG_STAGING_BUFFER
+    staging: bool | None = None              # None: read KVSTAGE_STAGING
     host: str = "127.0.0.1"                  # address this rank binds and advertises
     auth_token: str | None = None            # None: read KVSTAGE_AUTH_TOKEN
     ctrl_port: int | None = None             # control-plane port (0 picks a free one); None: env
@@ -77,7 +81,7 @@ class EngineConfig:
                                              # rank come back on its old address (docs/operations.md)
     staging_workers: int | None = None       # prefill transfer workers; env KVSTAGE_STAGING_WORKERS, 2
     staging_buffer_mb: float | None = None   # per-worker buffer; env KVSTAGE_STAGING_BUFFER_MB, 64
-    ring_mb: float | None = None             # decode ring; env SGLANG_DISAGG_STAGING_POOL_SIZE_MB, 256
+    ring_mb: float | None = None             # decode ring; env KVSTAGE_RING_MB, 256
     staging_piece_mb: float | None = None    # largest writer part of one piece (pipelining); env
                                              # KVSTAGE_STAGING_PIECE_MB, 32
     timeouts: Timeouts | None = None         # None: Timeouts.from_env()

@@ -1,6 +1,6 @@
 """EngineConfig and Timeouts: every bad value is a ValueError naming the option or variable,
 and every good value comes back unchanged (nothing silently replaced by a default); the resolved
-configuration has a value in every field."""
+configuration has a value in every field, and the core reads only KVSTAGE_* variables."""
 
 from __future__ import annotations
 
@@ -28,7 +28,9 @@ from kvstage.transfer.protocol.kinds import Role
 from kvstage.transfer.protocol.path_choice import PathMode
 
 MAX_MB = 1 << 20
-ENVS = (STAGING_ENV, RING_MB_ENV, WORKERS_ENV, BUFFER_MB_ENV, PIECE_MB_ENV, CTRL_PORT_ENV)
+# SGLang's names for the staging switch and the ring's size: its adapter reads them, never the core
+SGLANG_ENVS = ("SGLANG_DISAGG_STAGING_BUFFER", "SGLANG_DISAGG_STAGING_POOL_SIZE_MB")
+ENVS = (STAGING_ENV, RING_MB_ENV, WORKERS_ENV, BUFFER_MB_ENV, PIECE_MB_ENV, CTRL_PORT_ENV, *SGLANG_ENVS)
 
 
 @pytest.fixture(autouse=True)
@@ -283,6 +285,23 @@ def test_copy_streams_are_on_unless_turned_off(monkeypatch):
     assert cfg(copy_streams=True).resolved().copy_streams is True
     with pytest.raises(ValueError, match="copy_streams"):
         cfg(copy_streams="sometimes").resolved()
+
+
+def test_the_core_reads_its_own_variables_not_sglangs(monkeypatch):
+    """KVSTAGE_STAGING and KVSTAGE_RING_MB set what SGLang's variables set before; SGLang's, even
+    bad values, change nothing (adapters/sglang/plugin.py maps them onto EngineConfig's arguments)."""
+    monkeypatch.setenv("SGLANG_DISAGG_STAGING_BUFFER", "1")
+    monkeypatch.setenv("SGLANG_DISAGG_STAGING_POOL_SIZE_MB", "16")
+    r = cfg().resolved()
+    assert (r.staging, r.ring_mb) == (False, 256.0)
+    monkeypatch.setenv("SGLANG_DISAGG_STAGING_POOL_SIZE_MB", "nan")
+    assert cfg().resolved().ring_mb == 256.0
+    monkeypatch.setenv("KVSTAGE_STAGING", "1")
+    monkeypatch.setenv("KVSTAGE_RING_MB", "16")
+    r = cfg().resolved()
+    assert (r.staging, r.ring_mb) == (True, 16.0)
+    with pytest.raises(ValueError, match=r"staging on \(KVSTAGE_STAGING / EngineConfig.staging\)"):
+        cfg(staging=False, path="staged").resolved()
 
 
 # the fields of the resolved configuration where None is a value of its own, not "unset"
