@@ -40,7 +40,7 @@ from kvstage.support.vllm_servers import (
     wait_healthy,
 )
 
-ENV = {"SGLANG_DISAGG_STAGING_POOL_SIZE_MB": "16", "KVSTAGE_STAGING_BUFFER_MB": "8"}
+ENV = {"KVSTAGE_RING_MB": "16", "KVSTAGE_STAGING_BUFFER_MB": "8"}
 
 
 def tree_cpu(p: Proc) -> float:

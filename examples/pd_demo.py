@@ -32,7 +32,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-tp", type=int, default=2)
     p.add_argument("--backend", choices=["nixl", "mooncake"], default="nixl")
     p.add_argument("--staging", dest="staging", action="store_true", default=True,
-                   help="staged path (SGLANG_DISAGG_STAGING_BUFFER=1)")
+                   help="staged path (EngineConfig.staging=True)")
     p.add_argument("--no-staging", dest="staging", action="store_false", help="direct path only")
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--heads", type=int, default=8, help="global KV heads")
@@ -45,7 +45,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=4096)
     p.add_argument("--chunk-tokens", type=int, default=1024, help="chunked-prefill chunk size")
     p.add_argument("--inflight", type=int, default=4, help="requests in flight per rank")
-    p.add_argument("--ring-mb", type=float, default=64, help="decode staging ring (SGLANG_DISAGG_STAGING_POOL_SIZE_MB)")
+    p.add_argument("--ring-mb", type=float, default=64, help="decode staging ring (EngineConfig.ring_mb)")
     p.add_argument("--buffer-mb", type=float, default=32, help="per-worker prefill staging buffer")
     p.add_argument("--workers", type=int, default=2, help="prefill transfer workers")
     p.add_argument("--seed", type=int, default=0)

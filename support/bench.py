@@ -8,7 +8,7 @@
 For each transport (NIXL with UCX's default transports, NIXL with UCX_TLS=tcp, Mooncake tcp):
   raw      the backend alone: the request's bytes as ONE write between two processes (the ceiling)
   staged   kvstage, heterogeneous TP (prefill TP 1 -> decode TP 2: each decode rank gets half the
-           heads), SGLANG_DISAGG_STAGING_BUFFER on and the staged path forced (KVSTAGE_PATH=staged):
+           heads), staging on (EngineConfig.staging) and the staged path forced (KVSTAGE_PATH=staged):
            one write per rank pair per chunk
   direct   kvstage, the same requests with staging off: one descriptor per (layer, K/V, token)
   equal    kvstage, equal TP (1 -> 1), pages contiguous on both sides, staging on and the path

@@ -71,8 +71,9 @@ def env_for(extra_path: tuple = (), **extra) -> dict:
     paths = [str(SHIMS), *map(str, extra_path), os.environ.get("PYTHONPATH")]
     env = dict(os.environ, SGLANG_USE_CPU_ENGINE="1", HF_HUB_OFFLINE="1", SGLANG_HOST_IP="127.0.0.1",
                PYTHONPATH=os.pathsep.join(p for p in paths if p), **extra)
-    if "SGLANG_DISAGG_STAGING_BUFFER" not in extra:
-        env.pop("SGLANG_DISAGG_STAGING_BUFFER", None)
+    for name in ("SGLANG_DISAGG_STAGING_BUFFER", "KVSTAGE_SGLANG_STAGING", "KVSTAGE_STAGING"):
+        if name not in extra:   # the staging switch is what the test says, never inherited
+            env.pop(name, None)
     return env
 
 

@@ -1,14 +1,21 @@
-"""Engine configuration: the public `EngineConfig` and its environment defaults (its deadlines,
-`Timeouts`, are in timeouts.py and exported here too).
+"""Engine configuration: the public input `EngineConfig`, and `ResolvedConfig`, what the engine
+reads (its deadlines, `Timeouts`, are in timeouts.py and exported here too).
 
 Every knob has a documented default (docs/configuration.md); an explicit argument wins over the
-environment, which wins over the default.
+environment, which wins over the default. `EngineConfig.resolved()` applies that order once and
+validates: the `ResolvedConfig` it returns has a concrete value in every field, so nothing past
+it asks "was this given?" again.
+
+The core reads only `KVSTAGE_*` variables. A serving framework's own names for the same knobs
+(SGLang's staging switch and ring size) are the adapter's to read and pass as arguments
+(adapters/sglang/plugin.py `engine_options`).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
+from typing import Any
 
 from ..bootstrap.address import check_host
 from ..bootstrap.rendezvous import check_address
@@ -17,13 +24,14 @@ from . import config_values as check
 from .config_values import from_env
 from .deprecation import accepts_old_positional
 from .protocol.kinds import Role
+from .protocol.path_choice import PathMode
 from .timeouts import Timeouts
 
-__all__ = ["EngineConfig", "Timeouts", "env_flag"]
+__all__ = ["EngineConfig", "ResolvedConfig", "Timeouts", "env_flag"]
 
-STAGING_ENV = "SGLANG_DISAGG_STAGING_BUFFER"
+STAGING_ENV = "KVSTAGE_STAGING"
 VERIFY_ENV = "KVSTAGE_VERIFY"
-RING_MB_ENV = "SGLANG_DISAGG_STAGING_POOL_SIZE_MB"
+RING_MB_ENV = "KVSTAGE_RING_MB"
 WORKERS_ENV = "KVSTAGE_STAGING_WORKERS"
 BUFFER_MB_ENV = "KVSTAGE_STAGING_BUFFER_MB"
 PIECE_MB_ENV = "KVSTAGE_STAGING_PIECE_MB"
@@ -65,7 +73,7 @@ class EngineConfig:
     bootstrap: str | None = None             # the rendezvous: "host:port" of a bootstrap server, or
                                              # "etcd://host:port[,...][/namespace]"; None: KVSTAGE_BOOTSTRAP
     backend: str = "nixl"                    # or "mooncake"
-    staging: bool | None = None              # None: read SGLANG_DISAGG_STAGING_BUFFER
+    staging: bool | None = None              # None: read KVSTAGE_STAGING
     host: str = "127.0.0.1"                  # address this rank binds and advertises
     auth_token: str | None = None            # None: read KVSTAGE_AUTH_TOKEN
     ctrl_port: int | None = None             # control-plane port (0 picks a free one); None: env
@@ -73,7 +81,7 @@ class EngineConfig:
                                              # rank come back on its old address (docs/operations.md)
     staging_workers: int | None = None       # prefill transfer workers; env KVSTAGE_STAGING_WORKERS, 2
     staging_buffer_mb: float | None = None   # per-worker buffer; env KVSTAGE_STAGING_BUFFER_MB, 64
-    ring_mb: float | None = None             # decode ring; env SGLANG_DISAGG_STAGING_POOL_SIZE_MB, 256
+    ring_mb: float | None = None             # decode ring; env KVSTAGE_RING_MB, 256
     staging_piece_mb: float | None = None    # largest writer part of one piece (pipelining); env
                                              # KVSTAGE_STAGING_PIECE_MB, 32
     timeouts: Timeouts | None = None         # None: Timeouts.from_env()
@@ -108,8 +116,8 @@ class EngineConfig:
                                              # its copies on a non-blocking stream of its own, not the legacy
                                              # default stream (staging/copy_streams.py); env KVSTAGE_COPY_STREAMS, on
 
-    def resolved(self) -> EngineConfig:
-        """A copy with every None filled from the environment, validated: a bad value raises
+    def resolved(self) -> ResolvedConfig:
+        """Every None filled from the environment or the default, validated: a bad value raises
         ValueError naming the option or variable, never turns into another value."""
         if self.role not in tuple(Role):
             raise ValueError(f"role must be 'prefill' or 'decode', got {self.role!r}")
@@ -136,9 +144,10 @@ class EngineConfig:
             raise ValueError(f"timeouts must be a Timeouts instance or None, got {timeouts!r}")
         staging = env_flag(STAGING_ENV) if self.staging is None else check.flag("staging", self.staging)
         path = self._path(staging)
-        return replace(
-            self,
+        return ResolvedConfig(
             role=Role(self.role),
+            engine_id=self.engine_id,
+            backend=self.backend,
             staging=staging,
             path=path,
             calibrate=(env_flag(CALIBRATE_ENV, True) if self.calibrate is None
@@ -166,11 +175,13 @@ class EngineConfig:
                                            MAX_MB << 10),
             backend_options=options,
             timeouts=timeouts,
+            faults=self.faults,
+            dp_rank=self.dp_rank,
             metrics_port=(from_env(METRICS_PORT_ENV, None, int, check.port) if self.metrics_port is None
                           else check.port("metrics_port", self.metrics_port)),
         )
 
-    def _path(self, staging: bool) -> str:
+    def _path(self, staging: bool) -> PathMode:
         """auto, staged or direct; "staged" needs staging on (the decode side's ring, the prefill
         side's buffers): a ValueError naming both options otherwise."""
         explicit = self.path is not None
@@ -181,7 +192,7 @@ class EngineConfig:
         if value == "staged" and not staging:
             raise ValueError(f"{option}='staged' needs staging on ({STAGING_ENV} / EngineConfig.staging): "
                              f"without it this rank has no {'staging ring' if self.role == Role.DECODE else 'staging buffers'}")
-        return value
+        return PathMode(value)
 
     def _count(self, option: str, env: str, default: int) -> int:
         def workers(name: str, value: object) -> int:
@@ -200,6 +211,50 @@ class EngineConfig:
             return check.positive(name, value, MAX_MB)
         value = getattr(self, option)
         return from_env(env, default, float, size) if value is None else size(option, value)
+
+    @property
+    def token_bytes(self) -> bytes | None:
+        return self.auth_token.encode() if self.auth_token else None
+
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolvedConfig:
+    """One rank's configuration as the engine reads it (`KVManager.config`, `EngineContext.cfg`):
+    `EngineConfig.resolved()`'s answer, each field given, read from the environment or defaulted,
+    and checked (docs/configuration.md says what each means). Frozen; no field means "unset".
+    Three may be None because None is one of their values: `auth_token` (no shared secret,
+    frames unsigned), `faults` (no injected faults), `metrics_port` (no metrics server). The path
+    costs, the other input that may be absent, are measured at start, not configured
+    (EngineContext.calibration)."""
+
+    role: Role
+    engine_id: str
+    bootstrap: str                   # a checked rendezvous address: "host:port" or "etcd://..."
+    backend: str                     # "nixl" or "mooncake"
+    staging: bool
+    host: str                        # an IPv6 literal without brackets
+    auth_token: str | None           # None: no shared secret
+    ctrl_port: int                   # 0: a free port
+    staging_workers: int
+    staging_buffer_mb: float
+    ring_mb: float
+    staging_piece_mb: float
+    timeouts: Timeouts
+    backend_options: dict[str, Any]
+    faults: dict[str, Any] | None    # None: no injected faults
+    dp_rank: int
+    metrics_port: int | None         # None: no metrics server (0: any free port)
+    verify: bool
+    layer_group: int
+    layerwise_min_tokens: int
+    layer_batching: bool
+    inline_scatter_kb: int
+    inline_gather_kb: int
+    path: PathMode
+    calibrate: bool
+    credits: bool
+    copy_streams: bool
 
     @property
     def token_bytes(self) -> bytes | None:

@@ -47,7 +47,7 @@ from .geometry import (
     kv_memory_device,
     unsupported_features,
 )
-from .plugin import staging_enabled
+from .plugin import engine_options
 from .rendezvous import address_from_route, instance_address, route_answer, shared_rendezvous
 from .state import StateMap
 
@@ -104,9 +104,11 @@ class KvstageKVManager(CommonKVManager):
                 rendezvous = self._own_server.address
             engine_id = f"sglang-decode@{self.local_ip}:{server_args.port}/dp{self.attn_dp_rank}"
         backend = _backend_name()
+        # SGLang's staging switch and ring size are mapped here (plugin.engine_options); the core
+        # reads only KVSTAGE_* variables
         config = EngineConfig(role="prefill" if self.is_prefill else "decode", engine_id=engine_id,
-                              bootstrap=rendezvous, backend=backend, staging=staging_enabled(),
-                              host=self.local_ip, dp_rank=dp_rank)
+                              bootstrap=rendezvous, backend=backend, host=self.local_ip, dp_rank=dp_rank,
+                              **engine_options())
         self.engine = KVManager(config, layout, buffers)
         # decode: host KV destinations (--disaggregation-decode-host-receive-threshold below 1).
         # SGLang's host pool has the device KV's layout; kvstage sees it as a second cache, in

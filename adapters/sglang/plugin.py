@@ -6,7 +6,13 @@
 - get_kv_class returns the classes of `conn.py` for it (an AROUND hook; other backends pass);
 - SGLANG_DISAGG_STAGING_BUFFER, which SGLang refuses for any backend but mooncake and nixl and
   which would also switch on SGLang's own staging machinery, is taken over for backend kvstage
-  before SGLang validates its arguments: it becomes KVSTAGE_SGLANG_STAGING, read by kvstage.
+  before SGLang validates its arguments: it becomes KVSTAGE_SGLANG_STAGING, read by this adapter.
+
+kvstage's core reads only KVSTAGE_* variables (transfer/config.py). SGLang's names for its knobs
+are read here and passed to EngineConfig as arguments (`engine_options`): the staging switch
+(SGLANG_DISAGG_STAGING_BUFFER, or KVSTAGE_SGLANG_STAGING once moved) as `staging`, the decode
+ring's size (SGLANG_DISAGG_STAGING_POOL_SIZE_MB) as `ring_mb`. One that is unset is left to the
+core (KVSTAGE_STAGING, KVSTAGE_RING_MB, else the default).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from . import BACKEND
 
 STAGING_ENV = "KVSTAGE_SGLANG_STAGING"
 SGLANG_STAGING_ENV = "SGLANG_DISAGG_STAGING_BUFFER"
+SGLANG_RING_MB_ENV = "SGLANG_DISAGG_STAGING_POOL_SIZE_MB"
 _TRUE = ("1", "true", "yes", "y", "on")
 
 
@@ -69,8 +76,31 @@ def take_staging_flag(server_args, *args, **kwargs):
     return None
 
 
-def staging_enabled() -> bool:
-    """kvstage's staged path for backend kvstage: KVSTAGE_SGLANG_STAGING, else the SGLang flag
-    itself (processes that never went through SGLang's argument handling, e.g. tests)."""
-    flag = os.environ.get(STAGING_ENV, os.environ.get(SGLANG_STAGING_ENV, ""))
+def staging_flag() -> bool | None:
+    """kvstage's staged path as SGLang's flag says: KVSTAGE_SGLANG_STAGING (where
+    take_staging_flag moved it), else SGLANG_DISAGG_STAGING_BUFFER itself (processes that never
+    went through SGLang's argument handling, e.g. tests). On for 1/true/yes/y/on (any case), off
+    for any other value, as SGLang reads its flag; None when neither is set or both are empty."""
+    flag = os.environ.get(STAGING_ENV) or os.environ.get(SGLANG_STAGING_ENV) or ""
+    if not flag.strip():
+        return None
     return flag.strip().lower() in _TRUE
+
+
+def ring_mb() -> float | None:
+    """The decode ring's size in MB from SGLANG_DISAGG_STAGING_POOL_SIZE_MB, checked as
+    EngineConfig.ring_mb is (a finite number in (0, 1048576]; a bad value is a ValueError naming
+    the variable); None when unset or empty."""
+    from kvstage.transfer import config_values as check
+    from kvstage.transfer.config import MAX_MB
+
+    def size(name: str, value: object) -> float:
+        return check.positive(name, value, MAX_MB)
+    return check.from_env(SGLANG_RING_MB_ENV, None, float, size)
+
+
+def engine_options() -> dict[str, object]:
+    """SGLang's variables as EngineConfig arguments (`staging`, `ring_mb`), only those set: an
+    unset one is left to kvstage's own variable or default."""
+    options: dict[str, object] = {"staging": staging_flag(), "ring_mb": ring_mb()}
+    return {k: v for k, v in options.items() if v is not None}

@@ -1,9 +1,13 @@
 """EngineConfig and Timeouts: every bad value is a ValueError naming the option or variable,
-and every good value comes back unchanged (nothing silently replaced by a default)."""
+and every good value comes back unchanged (nothing silently replaced by a default); the resolved
+configuration has a value in every field, and the core reads only KVSTAGE_* variables."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import types
+import typing
 
 import pytest
 from hypothesis import given
@@ -17,11 +21,16 @@ from kvstage.transfer.config import (
     STAGING_ENV,
     WORKERS_ENV,
     EngineConfig,
+    ResolvedConfig,
     Timeouts,
 )
+from kvstage.transfer.protocol.kinds import Role
+from kvstage.transfer.protocol.path_choice import PathMode
 
 MAX_MB = 1 << 20
-ENVS = (STAGING_ENV, RING_MB_ENV, WORKERS_ENV, BUFFER_MB_ENV, PIECE_MB_ENV, CTRL_PORT_ENV)
+# SGLang's names for the staging switch and the ring's size: its adapter reads them, never the core
+SGLANG_ENVS = ("SGLANG_DISAGG_STAGING_BUFFER", "SGLANG_DISAGG_STAGING_POOL_SIZE_MB")
+ENVS = (STAGING_ENV, RING_MB_ENV, WORKERS_ENV, BUFFER_MB_ENV, PIECE_MB_ENV, CTRL_PORT_ENV, *SGLANG_ENVS)
 
 
 @pytest.fixture(autouse=True)
@@ -276,3 +285,43 @@ def test_copy_streams_are_on_unless_turned_off(monkeypatch):
     assert cfg(copy_streams=True).resolved().copy_streams is True
     with pytest.raises(ValueError, match="copy_streams"):
         cfg(copy_streams="sometimes").resolved()
+
+
+def test_the_core_reads_its_own_variables_not_sglangs(monkeypatch):
+    """KVSTAGE_STAGING and KVSTAGE_RING_MB set what SGLang's variables set before; SGLang's, even
+    bad values, change nothing (adapters/sglang/plugin.py maps them onto EngineConfig's arguments)."""
+    monkeypatch.setenv("SGLANG_DISAGG_STAGING_BUFFER", "1")
+    monkeypatch.setenv("SGLANG_DISAGG_STAGING_POOL_SIZE_MB", "16")
+    r = cfg().resolved()
+    assert (r.staging, r.ring_mb) == (False, 256.0)
+    monkeypatch.setenv("SGLANG_DISAGG_STAGING_POOL_SIZE_MB", "nan")
+    assert cfg().resolved().ring_mb == 256.0
+    monkeypatch.setenv("KVSTAGE_STAGING", "1")
+    monkeypatch.setenv("KVSTAGE_RING_MB", "16")
+    r = cfg().resolved()
+    assert (r.staging, r.ring_mb) == (True, 16.0)
+    with pytest.raises(ValueError, match=r"staging on \(KVSTAGE_STAGING / EngineConfig.staging\)"):
+        cfg(staging=False, path="staged").resolved()
+
+
+# the fields of the resolved configuration where None is a value of its own, not "unset"
+NONE_MEANS = {"auth_token": "no shared secret", "faults": "no injected faults", "metrics_port": "no metrics server"}
+
+
+def test_the_resolved_configuration_has_a_value_in_every_field():
+    """Frozen and keyword-only; None only where it is a value (NONE_MEANS), each other field of
+    EngineConfig resolved to a concrete type: the engine never asks "was this given?"."""
+    hints = typing.get_type_hints(ResolvedConfig)
+    optional = {name for name, hint in hints.items()
+                if isinstance(hint, types.UnionType) and type(None) in typing.get_args(hint)}
+    assert optional == set(NONE_MEANS)
+    assert {f.name for f in dataclasses.fields(ResolvedConfig)} == {f.name for f in dataclasses.fields(EngineConfig)}
+    params = ResolvedConfig.__dataclass_params__
+    assert params.frozen and all(f.kw_only for f in dataclasses.fields(ResolvedConfig))
+    r = cfg(role="decode").resolved()
+    assert isinstance(r, ResolvedConfig) and r.role is Role.DECODE and r.path is PathMode.AUTO
+    for name, hint in hints.items():
+        if name not in NONE_MEANS:
+            assert isinstance(getattr(r, name), typing.get_origin(hint) or hint), name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.staging = True

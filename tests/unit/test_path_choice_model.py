@@ -210,7 +210,7 @@ def _cfg(role: str = "decode", **kw):
 
 @pytest.fixture
 def no_path_env(monkeypatch):
-    for name in ("KVSTAGE_PATH", "KVSTAGE_CALIBRATE", "SGLANG_DISAGG_STAGING_BUFFER"):
+    for name in ("KVSTAGE_PATH", "KVSTAGE_CALIBRATE", "KVSTAGE_STAGING"):
         monkeypatch.delenv(name, raising=False)
     return monkeypatch
 
@@ -229,7 +229,7 @@ def test_the_path_option_and_its_variable(no_path_env):
 
 @pytest.mark.parametrize("role, what", [("decode", "staging ring"), ("prefill", "staging buffers")])
 def test_a_forced_staged_path_without_staging_fails_at_start_naming_the_options(no_path_env, role, what):
-    with pytest.raises(ValueError, match=rf"path='staged' needs staging on \(SGLANG_DISAGG_STAGING_BUFFER.*no {what}"):
+    with pytest.raises(ValueError, match=rf"path='staged' needs staging on \(KVSTAGE_STAGING / EngineConfig.staging\).*no {what}"):
         _cfg(role, path="staged", staging=False)
     no_path_env.setenv("KVSTAGE_PATH", "staged")
     with pytest.raises(ValueError, match="KVSTAGE_PATH='staged' needs staging on"):

@@ -1,5 +1,5 @@
 """The SGLang adapter's pure parts, without SGLang installed: the enum member, the staging
-switch hand-over, and KVArgs -> kvstage layout (the SGLang-facing classes are tested in
+switch hand-over, SGLang's variables mapped onto EngineConfig, and KVArgs -> kvstage layout (the SGLang-facing classes are tested in
 tests/sglang_adapter by `make test-sglang`)."""
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def test_staging_flag_moves_to_kvstage_for_backend_kvstage(monkeypatch, flag, wa
     plugin.take_staging_flag(SimpleNamespace(disaggregation_transfer_backend="kvstage"))
     assert plugin.SGLANG_STAGING_ENV not in os.environ      # SGLang neither refuses nor acts on it
     assert os.environ[plugin.STAGING_ENV] == want
-    assert plugin.staging_enabled() is (want == "1")
+    assert plugin.engine_options()["staging"] is (want == "1")
 
 
 def test_staging_flag_left_alone_for_other_backends(monkeypatch):
@@ -44,6 +44,43 @@ def test_staging_flag_left_alone_for_other_backends(monkeypatch):
     monkeypatch.setenv(plugin.SGLANG_STAGING_ENV, "1")
     plugin.take_staging_flag(SimpleNamespace(disaggregation_transfer_backend="mooncake"))
     assert os.environ[plugin.SGLANG_STAGING_ENV] == "1" and plugin.STAGING_ENV not in os.environ
+
+
+SGLANG_AND_KVSTAGE_ENVS = (plugin.STAGING_ENV, plugin.SGLANG_STAGING_ENV, plugin.SGLANG_RING_MB_ENV,
+                           "KVSTAGE_STAGING", "KVSTAGE_RING_MB")
+
+
+@pytest.mark.parametrize("moved", [False, True], ids=["as-set", "moved-by-sglang"])
+def test_sglang_variables_become_engine_config_arguments(monkeypatch, moved):
+    """SGLang's staging switch and ring size reach the engine as EngineConfig's `staging` and
+    `ring_mb` (the core reads only KVSTAGE_*): set, whether or not SGLang's argument handling
+    moved the switch first; unset, left to kvstage's own variables."""
+    from kvstage.transfer.config import EngineConfig
+
+    for name in SGLANG_AND_KVSTAGE_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    base = dict(role="decode", engine_id="e", bootstrap="127.0.0.1:8998")
+    assert plugin.engine_options() == {}
+    r = EngineConfig(**base).resolved()
+    assert (r.staging, r.ring_mb) == (False, 256.0)
+    monkeypatch.setenv(plugin.SGLANG_STAGING_ENV, "1")
+    monkeypatch.setenv(plugin.SGLANG_RING_MB_ENV, "16")
+    if moved:
+        plugin.take_staging_flag(SimpleNamespace(disaggregation_transfer_backend="kvstage"))
+    assert plugin.engine_options() == {"staging": True, "ring_mb": 16.0}
+    r = EngineConfig(**base, **plugin.engine_options()).resolved()
+    assert (r.staging, r.ring_mb) == (True, 16.0)
+    monkeypatch.setenv("KVSTAGE_RING_MB", "32")                  # SGLang's name wins in SGLang
+    assert EngineConfig(**base, **plugin.engine_options()).resolved().ring_mb == 16.0
+    monkeypatch.delenv(plugin.SGLANG_RING_MB_ENV)
+    assert EngineConfig(**base, **plugin.engine_options()).resolved().ring_mb == 32.0
+
+
+@pytest.mark.parametrize("raw", ["nan", "0", "-3", "x", "inf"])
+def test_a_bad_sglang_ring_size_names_sglangs_variable(monkeypatch, raw):
+    monkeypatch.setenv(plugin.SGLANG_RING_MB_ENV, raw)
+    with pytest.raises(ValueError, match=plugin.SGLANG_RING_MB_ENV):
+        plugin.engine_options()
 
 
 def kv_args(layers=3, heads=2, total=8, page=16, head_bytes=256, **kw):

@@ -30,7 +30,7 @@ MAX_NEW = 12
 PROMPTS = [list(range(5, 11)), list(range(3, 36)), list(range(40, 97)), [7] * 5 + list(range(100, 170))]
 # a decode prefix-cache hit: the decode holds the first pages of PROMPTS[2] after its PD run
 EXTENDED = PROMPTS[2] + list(range(200, 230))
-ENV = {"SGLANG_DISAGG_STAGING_POOL_SIZE_MB": "16", "KVSTAGE_STAGING_BUFFER_MB": "8",
+ENV = {"KVSTAGE_RING_MB": "16", "KVSTAGE_STAGING_BUFFER_MB": "8",
        # layer-wise sending (the connector's default) with a write per layer even for these short
        # prompts (kvstage's defaults group 4 layers, send prompts under 512 tokens per chunk, and
        # merge the direct path's ready layers while a write is in flight)

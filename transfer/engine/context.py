@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Protocol
 
 from ...staging.handler import StagingHandler
-from ..config import EngineConfig, Timeouts
+from ..config import ResolvedConfig, Timeouts
 from ..kv_buffers import KVBuffers
 from ..layout import KVLayout, LayoutSummary
 from ..protocol.direct_ranges import CacheGeometry
+from ..protocol.kinds import Role
 from ..protocol.tags import TagCodec
 from .backend_owner import BackendOwner
 from .calibration import Calibration
@@ -47,7 +48,7 @@ class NoObserver:
 
 @dataclass(kw_only=True)
 class EngineContext:
-    cfg: EngineConfig
+    cfg: ResolvedConfig
     layout: KVLayout
     buffers: KVBuffers
     me: int                       # this rank's incarnation
@@ -66,12 +67,12 @@ class EngineContext:
     calibration: Calibration | None = None   # the path costs measured at start (None: not measured)
 
     @property
-    def role(self) -> str:
+    def role(self) -> Role:
         return self.cfg.role
 
     @property
     def t(self) -> Timeouts:
-        return cast(Timeouts, self.cfg.timeouts)   # a resolved config has them
+        return self.cfg.timeouts
 
 
 def local_geometry(layout: KVLayout, buffers: KVBuffers) -> CacheGeometry:

@@ -14,7 +14,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from ...bootstrap import RankRecord
 from ...bootstrap.rendezvous import RankGone
@@ -27,7 +27,7 @@ from ..protocol.head_mapping import HeadMapping
 from ..protocol.kinds import FailureKind
 from ..protocol.leases import Lease
 from ..protocol.messages import Hello, HelloAck, KVMemory, PoolMemory, RingInfo, RoomFailed, WatermarkUpdate
-from ..protocol.path_choice import PathMode, WriterCosts
+from ..protocol.path_choice import WriterCosts
 from ..protocol.peering import LookupState
 from ..protocol.room_uses import tombstone_obsolete
 from ..protocol.routing import PeerState
@@ -183,9 +183,9 @@ class EnginePlanner:
         plan = plan_room(self.ctx.layout, need.mapping,
                          {w: WriterOffer(peers[w].key, peers[w].staging, peers[w].buffer_bytes, need.layers[w])
                           for w in need.writers},
-                         {n: peers[n].key for n in need.notices}, staging=bool(cfg.staging),
+                         {n: peers[n].key for n in need.notices}, staging=cfg.staging,
                          ring_size=ring.size if ring else 0, ring_align=ring.align if ring else 1,
-                         piece_cap=int(cast(float, cfg.staging_piece_mb) * (1 << 20)), epoch=self.ctx.me,
+                         piece_cap=int(cfg.staging_piece_mb * (1 << 20)), epoch=self.ctx.me,
                          draft_pools=need.draft_pools, path=self._path_inputs([peers[w] for w in need.writers]))
         if isinstance(plan, PlanRefused):
             return self.book.apply(room, room.on_plan_failed(plan.kind, plan.reason, now))
@@ -198,7 +198,7 @@ class EnginePlanner:
         """What the path choice of a room weighs (protocol/path_choice.py): the configured mode,
         the writers' measured costs, this rank's KV memory kind and scatter rate."""
         cal = self.ctx.calibration
-        return PathInputs(mode=PathMode(self.ctx.cfg.path or "auto"),
+        return PathInputs(mode=self.ctx.cfg.path,
                           writers=tuple(self._costs.get(p.key.incarnation) for p in writers),
                           mem_kind="VRAM" if self.ctx.buffers.device.type == "cuda" else "DRAM",
                           scatter_bytes_per_s=cal.scatter_bytes_per_s if cal is not None else None)
@@ -308,7 +308,7 @@ class EnginePlanner:
                      stage_stop=stage.stop if stage else 0, ctrl_endpoint=ctx.sock.endpoint, backend=ctx.cfg.backend,
                      backend_identity=ctx.identity, layout=ctx.summary, kv=kv, ring=ring,
                      staging=bool(ctx.cfg.staging and ring is not None), lease_s=ctx.t.lease, conn=conn,
-                     verify=bool(ctx.cfg.verify))
+                     verify=ctx.cfg.verify)
 
     def on_HelloAck(self, peer: Peer, msg: HelloAck, now: float) -> None:
         if msg.conn and msg.conn != peer.conn:

@@ -42,7 +42,7 @@ from ...staging.thread_meter import ThreadMeter
 from ...staging.workers import TransferWorkers
 from ...wire import Codec
 from ..backends.faults import ControlFaults, FaultPlan
-from ..config import EngineConfig
+from ..config import ResolvedConfig
 from ..kv_buffers import KVBuffers
 from ..layout import KVLayout
 from ..poll import KVPoll
@@ -103,7 +103,7 @@ class Lateness:
 
 
 class EngineLoop:
-    def __init__(self, cfg: EngineConfig, layout: KVLayout, buffers: KVBuffers, me: int,
+    def __init__(self, cfg: ResolvedConfig, layout: KVLayout, buffers: KVBuffers, me: int,
                  backend: BackendOwner, backend_name: str, identity: bytes, handler: StagingHandler,
                  stats: Stats, lookup: Callable[[PrefillSource, float], list[RankRecord]],
                  codec: Codec[PeerMessage], ctx: zmq.Context[zmq.Socket[bytes]],
@@ -115,7 +115,7 @@ class EngineLoop:
         self.waiter: ReadyWaiter | None = None
         sock: ControlSocket | None = None
         try:
-            sock = ControlSocket(ctx, cfg.host, cast(int, cfg.ctrl_port), codec, control_faults)  # resolved: set
+            sock = ControlSocket(ctx, cfg.host, cfg.ctrl_port, codec, control_faults)
             self._build(cfg, layout, buffers, me, backend, backend_name, identity, handler, stats, lookup, sock,
                         observer, calibration)
         except BaseException:
@@ -127,7 +127,7 @@ class EngineLoop:
             raise
         self.thread = threading.Thread(target=self._run, name="kvstage-ctrl", daemon=True)
 
-    def _build(self, cfg: EngineConfig, layout: KVLayout, buffers: KVBuffers, me: int, backend: BackendOwner,
+    def _build(self, cfg: ResolvedConfig, layout: KVLayout, buffers: KVBuffers, me: int, backend: BackendOwner,
                backend_name: str, identity: bytes, handler: StagingHandler, stats: Stats,
                lookup: Callable[[PrefillSource, float], list[RankRecord]], sock: ControlSocket,
                observer: Observer | None,
@@ -138,7 +138,7 @@ class EngineLoop:
         function of this method that returns it once construction is over."""
         plan = FaultPlan.from_dict(cfg.faults) if cfg.faults else None
         tags = TagCodec(cfg.token_bytes)
-        integrity = Integrity(verify=bool(cfg.verify), layout=layout, buffers=buffers, tags=tags, handler=handler,
+        integrity = Integrity(verify=cfg.verify, layout=layout, buffers=buffers, tags=tags, handler=handler,
                               stats=stats, corrupt_data=plan.corrupt_data if plan else 0.0,
                               seed=plan.seed if plan else 0)
         self.ctx = c = EngineContext(cfg=cfg, layout=layout, buffers=buffers, me=me, backend=backend,
@@ -149,12 +149,12 @@ class EngineLoop:
         if cfg.role == Role.PREFILL and handler.buffers:
             self.workers = TransferWorkers(handler.buffers, buffers.entry_k, buffers.entry_v, layout.page_size,
                                            backend.submit_write, gather_report(c), buffers.pools,
-                                           inline_max_bytes=cast(int, cfg.inline_gather_kb) << 10,
-                                           own_streams=bool(cfg.copy_streams))
+                                           inline_max_bytes=cfg.inline_gather_kb << 10,
+                                           own_streams=cfg.copy_streams)
         elif cfg.role != Role.PREFILL and handler.ring is not None:
             self.scatter = ScatterWorker(buffers.entry_k, buffers.entry_v, layout.page_size, scatter_report(c),
-                                         buffers.pools, inline_max_bytes=cast(int, cfg.inline_scatter_kb) << 10,
-                                         own_streams=bool(cfg.copy_streams))
+                                         buffers.pools, inline_max_bytes=cfg.inline_scatter_kb << 10,
+                                         own_streams=cfg.copy_streams)
         side: RoleSide[Any]
         self.book: RoomBook[Any]
         self.peers = peers = PeerTable(c, listeners=lambda: (writes, side))  # staged pieces fail before rooms
@@ -163,7 +163,7 @@ class EngineLoop:
             self.waiter = ReadyWaiter(self.post)
             writes = WriteQueue(c, peers, prefill_book, self.workers, self.waiter)
             side = PrefillSide(c, peers, prefill_book, writes, LayerGrouping(
-                size=cfg.layer_group or 0, min_tokens=cfg.layerwise_min_tokens or 0, batch=bool(cfg.layer_batching)))
+                size=cfg.layer_group, min_tokens=cfg.layerwise_min_tokens, batch=cfg.layer_batching))
             self.book = prefill_book
         else:
             decode_book: RoomBook[DecodeRoom] = RoomBook(c, peers, side=lambda: side, writes=lambda: writes)

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 import zmq
@@ -25,7 +25,7 @@ from ...staging.warmup import warm_kernels
 from ..backends import create_backend
 from ..backends.base import Backend, Registration
 from ..backends.faults import ControlFaults, FaultPlan, FaultyBackend
-from ..config import METRICS_PORT_ENV, EngineConfig, Timeouts
+from ..config import METRICS_PORT_ENV, EngineConfig, ResolvedConfig, Timeouts
 from ..kv_buffers import KVBuffers
 from ..layout import KVLayout
 from ..pool_spec import check_pool_items
@@ -105,10 +105,10 @@ class KVManager:
 
     @property
     def _timeouts(self) -> Timeouts:
-        return cast(Timeouts, self.config.timeouts)   # a resolved config has them
+        return self.config.timeouts
 
     # -- start-up, one step each (STARTUP_STEPS); each pushes its own undo ----------------------------
-    def _start_metrics(self, cfg: EngineConfig) -> None:
+    def _start_metrics(self, cfg: ResolvedConfig) -> None:
         """First of all, so a port in use or a missing prometheus-client fails at once."""
         if cfg.metrics_port is None:
             return
@@ -120,13 +120,13 @@ class KVManager:
         self._stack.callback(self._metrics.close)
         self.metrics_port = self._metrics.port
 
-    def _start_backend(self, cfg: EngineConfig) -> None:
+    def _start_backend(self, cfg: ResolvedConfig) -> None:
         plan = FaultPlan.from_dict(cfg.faults) if cfg.faults else None
         # owned by this thread until the control thread starts, and again once it stopped
         self._backend = BackendOwner(self._make_backend(cfg, plan), wake=lambda: self._loop.post(Wake()))
         self._stack.callback(self._backend.close)
 
-    def _start_regions(self, cfg: EngineConfig) -> None:
+    def _start_regions(self, cfg: ResolvedConfig) -> None:
         """The KV layers and each state pool, each registered as its own region with its own
         memory kind (transfer/regions.py)."""
         regions = buffer_regions(self.buffers)
@@ -141,10 +141,9 @@ class KVManager:
     def _deregister(self, reg: Registration) -> None:
         self._backend.call(lambda b: b.deregister(reg))
 
-    def _start_staging(self, cfg: EngineConfig) -> None:
-        staged = bool(cfg.staging) and not self.layout.mla and cfg.path != PathMode.DIRECT   # forced direct: no ring, no buffers
-        workers = cast(int, cfg.staging_workers)             # a resolved config has every size
-        buffer_mb, ring_mb = cast(float, cfg.staging_buffer_mb), cast(float, cfg.ring_mb)
+    def _start_staging(self, cfg: ResolvedConfig) -> None:
+        staged = cfg.staging and not self.layout.mla and cfg.path != PathMode.DIRECT   # forced direct: no ring, no buffers
+        workers, buffer_mb, ring_mb = cfg.staging_workers, cfg.staging_buffer_mb, cfg.ring_mb
         self._handler = StagingHandler(
             cfg.role, lambda r: self._backend.call(lambda b: b.register(r)), self._deregister,
             epoch=self.incarnation, device=self.buffers.device,
@@ -157,7 +156,7 @@ class KVManager:
         if staged:
             self._warm_kernels(cfg)
 
-    def _warm_kernels(self, cfg: EngineConfig) -> None:
+    def _warm_kernels(self, cfg: ResolvedConfig) -> None:
         """Every gather/scatter kernel this layout can use, built (or loaded from Triton's cache)
         now rather than in the first staged request (staging/warmup.py); nothing on CPU."""
         b, lay = self.buffers, self.layout
@@ -173,7 +172,7 @@ class KVManager:
             log.info("kvstage %s: %d kernel variants ready in %.2f s", self.name, launches, seconds)
             self._stats.set("kernel_warmup_s", seconds)
 
-    def _calibrate(self, cfg: EngineConfig, staged: bool) -> Calibration | None:
+    def _calibrate(self, cfg: ResolvedConfig, staged: bool) -> Calibration | None:
         """The path costs (calibration.py), measured when the choice needs them: staging on and
         the path not forced. None otherwise (the rank plans by the fixed rule)."""
         if not (staged and cfg.calibrate and cfg.path == PathMode.AUTO):
@@ -190,22 +189,22 @@ class KVManager:
         self._stats.set("calibration_s", cal.seconds)
         return cal
 
-    def _start_control_context(self, cfg: EngineConfig) -> None:
+    def _start_control_context(self, cfg: ResolvedConfig) -> None:
         self._ctx = zmq.Context()
         self._stack.callback(self._close_context)
 
-    def _start_bootstrap_client(self, cfg: EngineConfig) -> None:
-        # a server, or etcd (a resolved config names one)
-        self._bootstrap = open_rendezvous(cast(str, cfg.bootstrap), token=cfg.token_bytes)
+    def _start_bootstrap_client(self, cfg: ResolvedConfig) -> None:
+        # a server, or etcd
+        self._bootstrap = open_rendezvous(cfg.bootstrap, token=cfg.token_bytes)
         self._stack.callback(self._bootstrap.close)
 
-    def _start_sources(self, cfg: EngineConfig) -> None:
+    def _start_sources(self, cfg: ResolvedConfig) -> None:
         # other rendezvous, lazily; a decode rank hears of prefill ranks the rendezvous dropped (etcd)
         on_gone = self._rank_gone if cfg.role == Role.DECODE else None
         self._sources = SourceResolver(self._bootstrap, cfg.token_bytes, on_gone=on_gone)
         self._stack.callback(self._sources.close)
 
-    def _start_control_loop(self, cfg: EngineConfig) -> None:
+    def _start_control_loop(self, cfg: ResolvedConfig) -> None:
         plan = FaultPlan.from_dict(cfg.faults) if cfg.faults else None
         self._loop = EngineLoop(cfg, self.layout, self.buffers, self.incarnation, self._backend,
                                 self._backend.call(lambda b: b.name), self._backend.call(lambda b: b.identity()),
@@ -216,10 +215,10 @@ class KVManager:
         self._stack.callback(self._stop_loop)
         self.endpoint = self._loop.endpoint
 
-    def _start_control_thread(self, cfg: EngineConfig) -> None:
+    def _start_control_thread(self, cfg: ResolvedConfig) -> None:
         self._loop.start()   # stopped by _stop_loop, pushed with the loop
 
-    def _start_registration(self, cfg: EngineConfig) -> None:
+    def _start_registration(self, cfg: ResolvedConfig) -> None:
         self._info = RankInfo(
             engine_id=cfg.engine_id, role=cfg.role, tp_size=self.layout.ranks, tp_rank=self.layout.rank,
             ctrl_endpoint=self.endpoint, backend=cfg.backend, backend_identity=self._backend.call(lambda b: b.name),
@@ -228,11 +227,11 @@ class KVManager:
             pools=self._pools(), incarnation=self.incarnation, dp_rank=cfg.dp_rank)
         self._register(self._timeouts.bootstrap)
 
-    def _start_keepalive(self, cfg: EngineConfig) -> None:
+    def _start_keepalive(self, cfg: ResolvedConfig) -> None:
         # stopped by the bootstrap client's close(); close() deregisters first
         self._bootstrap.start_keepalive(self._info, interval_s=self._timeouts.heartbeat)
 
-    def _make_backend_options(self, cfg: EngineConfig) -> dict[str, Any]:
+    def _make_backend_options(self, cfg: ResolvedConfig) -> dict[str, Any]:
         options = dict(cfg.backend_options)
         if cfg.backend == "mooncake":
             # a Mooncake write cannot be cancelled once inside the engine: bound how long it may
@@ -242,7 +241,7 @@ class KVManager:
             options.setdefault("transfer_timeout_s", self._timeouts.write)
         return options
 
-    def _make_backend(self, cfg: EngineConfig, plan: FaultPlan | None) -> Backend:
+    def _make_backend(self, cfg: ResolvedConfig, plan: FaultPlan | None) -> Backend:
         backend = create_backend(cfg.backend, self.name, cfg.host, **self._make_backend_options(cfg))
         if plan is None:
             return backend
@@ -445,7 +444,7 @@ class KVManager:
         self.close()
 
 
-def check_kernels(cfg: EngineConfig, layout: KVLayout, buffers: KVBuffers) -> None:
+def check_kernels(cfg: ResolvedConfig, layout: KVLayout, buffers: KVBuffers) -> None:
     """KVSTAGE_STAGING_KERNELS, checked before anything is created: its value on every rank,
     and the choice against the KV cache's device where this rank stages (prefill workers
     gather, the decode ring scatters). ValueError (RuntimeError: triton asked for by name but

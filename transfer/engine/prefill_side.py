@@ -100,7 +100,7 @@ class PrefillSide:
             log.info("decode rank %s reconnects after it was lost", key)
         adm = admit_hello(msg, PrefillFacts(
             summary=ctx.summary, tp_size=ctx.layout.tp_size, total_kv_heads=ctx.layout.total_kv_heads,
-            mla=ctx.layout.mla, num_layers=ctx.layout.num_layers, verify=bool(ctx.cfg.verify),
+            mla=ctx.layout.mla, num_layers=ctx.layout.num_layers, verify=ctx.cfg.verify,
             backend=ctx.cfg.backend, memory_kinds=tuple(ctx.backend.call(lambda b: b.memory_kinds))))
         peer = Peer(key=key, role="decode", tp_size=msg.tp_size, endpoint=msg.ctrl_endpoint,
                     lease=Lease(ctx.t.lease, now), kv=stage_memory(msg.kv, adm.stage) if adm.ok else msg.kv,

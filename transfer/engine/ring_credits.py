@@ -70,7 +70,7 @@ class DecodeCredits:
         self._ledger_made = True
         ring = self.ctx.handler.allocator
         if self.ctx.cfg.credits and ring is not None:
-            cap = int(float(self.ctx.cfg.staging_piece_mb or 0) * MIB) or ring.size
+            cap = int(self.ctx.cfg.staging_piece_mb * MIB) or ring.size
             self.ledger = CreditLedger(ring, floor=credit_floor(ring.size, cap, ring.align))
 
     def connected(self, peer: Peer, msg: HelloAck) -> None:
@@ -227,7 +227,7 @@ class PrefillCredits:
         """Whether this rank takes credits from the decode rank that sent `msg` (its HelloAck says so)."""
         if not (self.ctx.cfg.credits and peer.staging and msg.ring is not None):
             return False
-        cap = int(float(self.ctx.cfg.staging_piece_mb or 0) * MIB)
+        cap = int(self.ctx.cfg.staging_piece_mb * MIB)
         buffers = self.ctx.handler.buffer_bytes
         self._piece_bytes = min(buffers, cap) if cap else buffers
         if self._piece_bytes <= 0:
