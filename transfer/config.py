@@ -85,8 +85,8 @@ class EngineConfig:
     staging_piece_mb: float | None = None    # largest writer part of one piece (pipelining); env
                                              # KVSTAGE_STAGING_PIECE_MB, 32
     timeouts: Timeouts | None = None         # None: Timeouts.from_env()
-    backend_options: dict = field(default_factory=dict)
-    faults: dict | None = None               # tests and drills only: transfer.backends.faults.FaultPlan
+    backend_options: dict[str, object] = field(default_factory=dict)
+    faults: dict[str, object] | None = None               # tests and drills only: transfer.backends.faults.FaultPlan
     dp_rank: int = 0                         # prefill: data-parallel rank of this engine in its serving
                                              # instance (decode ranks may name it by rendezvous server + DP rank)
     metrics_port: int | None = None          # Prometheus /metrics on host:port (0: any free port); None: env

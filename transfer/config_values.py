@@ -38,24 +38,26 @@ def count(name: str, value: object, lo: int = 1, hi: int | None = None) -> int:
     """An int (not a bool, not a float) in lo..hi."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be an int, got {value!r}")
-    if value < lo or (hi is not None and value > hi):
+    number = int(value)
+    if number < lo or (hi is not None and number > hi):
         raise ValueError(f"{name}={value!r} is outside {lo}..{hi if hi is not None else 'inf'}")
-    return int(value)
+    return number
 
 
 def positive(name: str, value: object, hi: float = math.inf) -> float:
     """A finite real number in (0, hi]."""
-    real(name, value)
-    if not (math.isfinite(value) and 0 < value <= hi):
+    number = real(name, value)
+    if not (math.isfinite(number) and 0 < number <= hi):
         bound = f"at most {hi:g}" if math.isfinite(hi) else "finite"
         raise ValueError(f"{name}={value!r} must be > 0 and {bound}")
-    return value
+    return value  # type: ignore[return-value]  # the caller's number as given (an int stays an int)
 
 
 def real(name: str, value: object) -> float:
+    """A real number (not a bool), as given."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    return value
+    return value  # type: ignore[return-value]  # a numbers.Real: int, float, numpy scalars
 
 
 def port(name: str, value: object) -> int:
