@@ -215,17 +215,17 @@ def _op(staged: bool) -> WriteOp:
 
 def _queue(peer) -> WriteQueue:
     geo = CacheGeometry((1 << 20, 1 << 21), page_size=2, token_stride=16, head_bytes=16, num_kv=2)
-    ctx = SimpleNamespace(
-        geometry=geo, stats=Stats(), t=SimpleNamespace(write=5.0), backend=RecordingOwner(),
-        tags=SimpleNamespace(encode=lambda tag: tag), post=lambda ev: None,
-        layout=SimpleNamespace(page_size=2, head_bytes=16, num_kv=2, layers=range(1), local=lambda layers: layers),
-        handler=SimpleNamespace(region_free=lambda inc, start, n: True),
-        buffers=SimpleNamespace(kind="DRAM", pools={}),
-        integrity=SimpleNamespace(direct_tags=lambda op, groups: [op.tag] * groups, sealer=lambda tag: None))
     book = SimpleNamespace(get={7: SimpleNamespace(state=None)}.get, status={})
     workers = SimpleNamespace(jobs=[], takes_here=lambda job: False)   # every piece to a worker
     workers.submit = workers.jobs.append
-    return WriteQueue(ctx, {11: peer}, book, workers)
+    return WriteQueue(
+        me=1, peers={11: peer}, book=book, write_timeout=5.0, watermark_timeout=5.0, stats=Stats(),
+        backend=RecordingOwner(), staging=SimpleNamespace(region_free=lambda inc, start, n: True),
+        tags=SimpleNamespace(encode=lambda tag: tag),
+        integrity=SimpleNamespace(direct_tags=lambda op, groups: [op.tag] * groups, sealer=lambda tag: None),
+        observer=None, post=lambda ev: None, geometry=geo,
+        layout=SimpleNamespace(page_size=2, head_bytes=16, num_kv=2, layers=range(1), local=lambda layers: layers),
+        buffers=SimpleNamespace(kind="DRAM", pools={}), workers=workers)
 
 
 def _peer():
@@ -239,7 +239,7 @@ def _peer():
 def test_direct_write_carries_the_peer_kv_mem_kind():
     q = _queue(_peer())
     q.post(_op(staged=False), time.monotonic())
-    assert q.ctx.backend.kinds == ["VRAM"]
+    assert q.backend.kinds == ["VRAM"]
 
 
 def test_staged_job_carries_the_peer_ring_mem_kind():

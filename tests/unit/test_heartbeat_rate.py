@@ -6,9 +6,10 @@ lease; engine/liveness.py follows it."""
 from types import SimpleNamespace
 
 import pytest
+from engine_parts import peer_table
 
 from kvstage.transfer.engine.liveness import Liveness
-from kvstage.transfer.engine.peers import Peer, PeerTable
+from kvstage.transfer.engine.peers import Peer
 from kvstage.transfer.engine.stats import Stats
 from kvstage.transfer.protocol.actions import PeerKey
 from kvstage.transfer.protocol.leases import HEARTBEATS_PER_S, Lease, heartbeat_interval
@@ -33,15 +34,15 @@ def run_liveness(n_peers: int, seconds: float, peer_every: float = TICK) -> dict
     peer -> when it was sent a heartbeat."""
     now = 0.0
     sent: dict[int, list[float]] = {}
-    ctx = SimpleNamespace(role="prefill", me=1, stats=Stats(), t=SimpleNamespace(lease=LEASE, heartbeat=BASE, connect=3.0),
-                          handler=SimpleNamespace(allocator=None, unsubscribe=lambda inc: None),
-                          sock=SimpleNamespace(send=lambda ep, msg: sent.setdefault(msg.dst, []).append(now) or True,
-                                               forget=lambda ep: None))
-    peers = PeerTable(ctx, listeners=lambda: [])
+    stats = Stats()
+    sock = SimpleNamespace(send=lambda ep, msg: sent.setdefault(msg.dst, []).append(now) or True, forget=lambda ep: None)
+    peers = peer_table(me=1, sock=sock, stats=stats)
     for i in range(n_peers):
         peers.peers[100 + i] = Peer(key=PeerKey("d", i, 100 + i), role="decode", tp_size=8, endpoint=f"tcp://d:{i}",
                                     lease=Lease(LEASE, 0.0), state="connected")
-    liveness = Liveness(ctx, peers, SimpleNamespace(writes_to_peers=True, on_heartbeat=lambda peer, msg, now: None))
+    liveness = Liveness(me=1, peers=peers, timeouts=SimpleNamespace(lease=LEASE, heartbeat=BASE, connect=3.0),
+                        stats=stats, ring=SimpleNamespace(allocator=None), side=SimpleNamespace(writes_to_peers=True),
+                        heartbeats=SimpleNamespace(on_heartbeat=lambda peer, msg, now: None))
     every = round(peer_every / TICK)
     for step in range(round(seconds / TICK)):
         now = step * TICK

@@ -1,5 +1,5 @@
-"""The one worker loop of the staging threads (staging/job_threads.py), and the declared
-interface of the role's side (transfer/engine/interfaces.py) against its two implementations."""
+"""The one worker loop of the staging threads (staging/job_threads.py). The declared interfaces
+of the role's sides are checked in test_engine_parts.py."""
 
 import gc
 import threading
@@ -7,9 +7,6 @@ import time
 import weakref
 
 from kvstage.staging.job_threads import JobThreads
-from kvstage.transfer.engine.decode_side import DecodeSide
-from kvstage.transfer.engine.interfaces import PeerLossListener, RoleSide, RoomHooks
-from kvstage.transfer.engine.prefill_side import PrefillSide
 
 
 class Job:
@@ -68,22 +65,3 @@ def test_a_job_is_let_go_before_its_outcome_is_reported():
     _wait(lambda: len(alive_at_report) == 2)
     threads.stop()
     assert alive_at_report == [False, False]
-
-
-def _members(proto) -> set[str]:
-    names = set()
-    for cls in proto.__mro__:
-        if cls in (object,) or not getattr(cls, "_is_protocol", False) or cls.__name__ in ("Protocol", "Generic"):
-            continue
-        names |= {n for n in vars(cls) if not n.startswith("_")}
-    return names
-
-
-def test_both_sides_have_every_member_of_the_declared_role_side():
-    members = _members(RoleSide)
-    assert _members(RoomHooks) | _members(PeerLossListener) <= members
-    assert {"handlers", "events", "on_hello", "on_tag", "tick", "closing", "stuck_rooms"} <= members
-    instance_attrs = {"handlers", "events"}   # set in the constructors
-    for side in (PrefillSide, DecodeSide):
-        missing = {m for m in members - instance_attrs if not hasattr(side, m)}
-        assert not missing, (side.__name__, missing)

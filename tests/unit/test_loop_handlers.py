@@ -3,12 +3,12 @@ exception inside the loop does to the rooms."""
 
 from types import SimpleNamespace
 
+from engine_parts import peer_table, prefill_parts
+
 from kvstage.transfer.backends.base import ArrivedTag
 from kvstage.transfer.engine.liveness import Liveness
 from kvstage.transfer.engine.loop import EngineLoop
-from kvstage.transfer.engine.peers import Peer, PeerTable
-from kvstage.transfer.engine.prefill_side import PrefillSide
-from kvstage.transfer.engine.rooms import RoomBook
+from kvstage.transfer.engine.peers import Peer
 from kvstage.transfer.engine.routing import FrameRouter
 from kvstage.transfer.engine.stats import Stats
 from kvstage.transfer.protocol.actions import PeerKey
@@ -17,22 +17,26 @@ from kvstage.transfer.protocol.messages import Goodbye, Hello, KVMemory
 from kvstage.transfer.protocol.tags import TagCodec, TagKind, make_tag
 
 
-def prefill_parts(rooms: dict, backend=None):
+def prefill_rank_parts(rooms: dict, backend=None):
+    """A prefill rank's parts, and the bits of its context the tests read (stats, tags, backend)."""
     ctx = SimpleNamespace(role="prefill", stats=Stats(), tags=TagCodec(None), backend=backend)
-    peers = PeerTable(ctx, listeners=lambda: [side])
+    peers, book, side = prefill_parts(stats=ctx.stats, backend=backend)
     key = PeerKey("other", 0, 77)
     peers.peers[77] = Peer(key=key, role="decode", tp_size=1, endpoint="tcp://x:1", lease=Lease(5.0, 0.0),
                            state="connected", backend_name="b")
     peers.by_backend["b"] = 77
-    book = RoomBook(ctx, peers, side=lambda: side, writes=lambda: None)
     book.rooms.update(rooms)
-    side = PrefillSide(ctx, peers, book, writes=None)
     return ctx, peers, book, side
 
 
+def router_of(ctx, peers, handlers, *, failures=None, hello=None, landed=None):
+    return FrameRouter(me=getattr(ctx, "me", 1), role=ctx.role, peers=peers, tags=getattr(ctx, "tags", None),
+                       stats=ctx.stats, handlers=handlers, failures=failures, hello=hello, landed=landed)
+
+
 def test_tag_at_a_prefill_rank_for_an_active_room_has_its_own_drop_reason():
-    ctx, peers, book, side = prefill_parts({5: object()})  # room 5 is active here
-    router = FrameRouter(ctx, peers, side, {})
+    ctx, peers, book, side = prefill_rank_parts({5: object()})  # room 5 is active here
+    router = router_of(ctx, peers, {}, failures=side, hello=side)   # a prefill rank: no TagSink
     tag = make_tag(TagKind.DIRECT, room=5, session=1, epoch=1, src=77, writer=0, chunk=0, piece=0,
                    page_start=0, num_pages=1, nbytes=8, layers=range(1))
     router.on_tags([ArrivedTag("b", ctx.tags.encode(tag))])
@@ -55,7 +59,7 @@ class Raising:
 
 def bare_loop(rooms: dict, backend=None) -> EngineLoop:
     loop = EngineLoop.__new__(EngineLoop)
-    loop.ctx, loop.peers, loop.book, loop.side = prefill_parts(rooms, backend)
+    loop.ctx, loop.peers, loop.book, loop.side = prefill_rank_parts(rooms, backend)
     return loop
 
 
@@ -95,14 +99,13 @@ class RecordingSocket:
 
 
 def decode_router(peer_conn: int):
-    ctx = SimpleNamespace(role="decode", me=5, stats=Stats(), sock=RecordingSocket(),
-                          handler=SimpleNamespace(unsubscribe=lambda inc: None))
-    peers = PeerTable(ctx, listeners=lambda: [])
+    ctx = SimpleNamespace(role="decode", me=5, stats=Stats(), sock=RecordingSocket())
+    peers = peer_table(me=5, sock=ctx.sock, stats=ctx.stats)
     peer = Peer(key=PeerKey("pf", 0, 77), role="prefill", tp_size=1, endpoint="tcp://p:1", lease=Lease(5.0, 0.0),
                 state="connected", backend_name="b", conn=peer_conn)
     peers.add(peer, 0.0)
-    liveness = Liveness(ctx, peers, side=None)
-    return ctx, peers, peer, FrameRouter(ctx, peers, None, liveness.handlers)
+    liveness = Liveness(me=5, peers=peers, timeouts=None, stats=ctx.stats, ring=None, side=None, heartbeats=None)
+    return ctx, peers, peer, router_of(ctx, peers, liveness.handlers)
 
 
 def test_a_late_goodbye_of_an_earlier_connection_leaves_the_new_one_alone():
@@ -125,18 +128,17 @@ class ConnectingBackend:
     def fence(self, peer, until):
         pass
 
+    def disconnect(self, name):
+        pass
+
 
 def test_a_hello_with_a_newer_connection_replaces_the_old_one_and_an_older_one_is_dropped():
-    ctx = SimpleNamespace(role="prefill", me=5, stats=Stats(), sock=RecordingSocket(), backend=ConnectingBackend(),
-                          t=SimpleNamespace(lease=5.0), summary=SimpleNamespace(mismatches=lambda other: [], pools=[]),
-                          cfg=SimpleNamespace(backend="nixl", engine_id="pf", staging=False, verify=False),
-                          layout=SimpleNamespace(tp_size=1, tp_rank=0, num_layers=2, total_kv_heads=1, mla=False),
-                          backend_name="me",
-                          handler=SimpleNamespace(buffers=[], buffer_bytes=0, unsubscribe=lambda inc: None))
-    ctx.backend.disconnect = lambda name: None
-    peers = PeerTable(ctx, listeners=lambda: [side])
-    book = RoomBook(ctx, peers, side=lambda: side, writes=lambda: None)
-    side = PrefillSide(ctx, peers, book, writes=None)
+    ctx = SimpleNamespace(stats=Stats(), sock=RecordingSocket())
+    backend = ConnectingBackend()
+    peers, _, side = prefill_parts(
+        me=5, stats=ctx.stats, sock=ctx.sock, backend=backend, links=backend, timeouts=SimpleNamespace(lease=5.0, heartbeat=1.0),
+        summary=SimpleNamespace(mismatches=lambda other: [], pools=[]),
+        layout=SimpleNamespace(tp_size=1, tp_rank=0, num_layers=2, total_kv_heads=1, mla=False))
 
     def hello(conn):
         return Hello(src=77, dst=5, engine_id="dec", role="decode", tp_size=1, tp_rank=0, ctrl_endpoint="tcp://d:1",
@@ -160,14 +162,15 @@ def test_a_hello_with_a_newer_connection_replaces_the_old_one_and_an_older_one_i
 # -- leases judged on what the control thread could have heard (issue 49) ------------------------
 def test_a_held_up_control_thread_does_not_take_its_lateness_for_the_peers_silence():
     sent = []
-    ctx = SimpleNamespace(role="decode", me=1, stats=Stats(), t=SimpleNamespace(lease=5.0, heartbeat=1.0, connect=3.0),
-                          handler=SimpleNamespace(allocator=None, unsubscribe=lambda inc: None),
-                          sock=SimpleNamespace(send=lambda ep, msg: sent.append(msg) or True, forget=lambda ep: None))
-    peers = PeerTable(ctx, listeners=lambda: [])
+    ctx = SimpleNamespace(stats=Stats(), sock=SimpleNamespace(send=lambda ep, msg: sent.append(msg) or True,
+                                                              forget=lambda ep: None))
+    peers = peer_table(me=1, sock=ctx.sock, stats=ctx.stats)
     peer = Peer(key=PeerKey("pf", 0, 77), role="prefill", tp_size=1, endpoint="tcp://p:1", lease=Lease(5.0, 0.0),
                 state="connected")
     peers.peers[77] = peer
-    liveness = Liveness(ctx, peers, SimpleNamespace(writes_to_peers=False))
+    liveness = Liveness(me=1, peers=peers, timeouts=SimpleNamespace(lease=5.0, heartbeat=1.0, connect=3.0),
+                        stats=ctx.stats, ring=SimpleNamespace(allocator=None), side=SimpleNamespace(writes_to_peers=False),
+                        heartbeats=None)
     liveness.tick(12.0, looked=0.5)       # held up from 0.5 to 12 s: the peer's heartbeats may be waiting
     assert peer.state == "connected"
     assert ctx.stats.snapshot()["heard_gap_max_s"] == 12.0 and ctx.stats.snapshot()["silence_max_s"] == 0.5

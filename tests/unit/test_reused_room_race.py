@@ -9,19 +9,15 @@ it), and the Quiesced it is answered with promises that nothing of that session 
 the sender must fail when it is created, before it posts a single write.
 """
 
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from engine_parts import prefill_parts
 
-from kvstage.transfer.config import Timeouts
 from kvstage.transfer.engine.events import NewSender, SendChunk
 from kvstage.transfer.engine.handles import RoomStatus
-from kvstage.transfer.engine.peers import Peer, PeerTable
-from kvstage.transfer.engine.prefill_side import PrefillSide
-from kvstage.transfer.engine.rooms import RoomBook
-from kvstage.transfer.engine.stats import Stats
+from kvstage.transfer.engine.peers import Peer
 from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.poll import KVPoll
 from kvstage.transfer.protocol.actions import PeerKey
@@ -64,16 +60,11 @@ class Writes:
 
 
 def prefill_rank():
-    ctx = SimpleNamespace(role="prefill", stats=Stats(), me=ME, layout=LAYOUT, t=Timeouts(), sock=Sock(),
-                          summary=SimpleNamespace(pools=[]),
-                          observer=SimpleNamespace(request_done=lambda *args: None))
-    writes = Writes()
-    peers = PeerTable(ctx, listeners=lambda: [side])
+    sock, writes = Sock(), Writes()
+    peers, _, side = prefill_parts(me=ME, layout=LAYOUT, sock=sock, writes=writes)
     peers.peers[DEC.incarnation] = Peer(key=DEC, role="decode", tp_size=1, endpoint="tcp://decode:1",
                                         lease=Lease(5.0, 0.0), state="connected", backend_name="b")
-    book = RoomBook(ctx, peers, side=lambda: side, writes=lambda: writes)
-    side = PrefillSide(ctx, peers, book, writes=writes)
-    return side, writes, ctx.sock
+    return side, writes, sock
 
 
 def meta(session):
@@ -158,7 +149,7 @@ def test_four_uses_of_an_id_each_ended_on_both_sides_before_the_next():
     previous use never had a sender here: docs/protocol.md, room-id reuse.)"""
     side, writes, sock = prefill_rank()
     peer = side.peers.get(DEC.incarnation)
-    lease = side.ctx.t.lease
+    lease = side.t.lease
     ended = []
 
     # use 0 (session 1): failed before its metadata went out; the failure comes before the sender
@@ -233,9 +224,9 @@ def test_metadata_parked_for_a_sender_that_never_comes_fails_its_decode_room():
     side.on_RoomMeta(peer, meta(2), 0.2)
     assert side.pending[ROOM] and sock.sent[-1].session == 2   # parked for a next sender, acknowledged
     sent = len(sock.sent)
-    side.tick(0.2 + side.ctx.t.metadata)   # not yet: it may still come
+    side.tick(0.2 + side.t.metadata)   # not yet: it may still come
     assert len(sock.sent) == sent and side.pending[ROOM]
-    side.tick(0.3 + side.ctx.t.metadata)
+    side.tick(0.3 + side.t.metadata)
     told = [m for m in sock.sent[sent:] if m.session == 2]
     assert [type(m) for m in told] == [RoomFailed, Quiesced], told
     assert told[0].kind == "timeout" and "no prefill sender" in told[0].reason

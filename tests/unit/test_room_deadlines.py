@@ -10,7 +10,6 @@ has no room deadline: a peer that stops answering there is ended by its lease
 """
 
 import itertools
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ import torch
 from kvstage.transfer.config import Timeouts
 from kvstage.transfer.engine.decode_planning import EnginePlanner, EngineView
 from kvstage.transfer.engine.prefill_sources import PrefillSource
-from kvstage.transfer.engine.rooms import RoomBook
+from kvstage.transfer.engine.rooms import DecodeBook
 from kvstage.transfer.engine.stats import Stats
 from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.poll import KVPoll
@@ -188,9 +187,10 @@ class FakeSide:
 def test_a_decode_room_whose_prefill_engine_never_answers_fails_at_its_plan_deadline(init):
     """Bootstrapping: the prefill engine's lookup or connection never completes; the planner
     ends the room bootstrap + connect after its creation (before the room deadline, after init)."""
-    ctx = SimpleNamespace(role="decode", stats=Stats(), t=TO)
-    book = RoomBook(ctx, peers=None, side=FakeSide, writes=lambda: SimpleNamespace(cancel_room=lambda room, now: None))
-    planner = EnginePlanner(ctx, peers=None, book=book, lookup=lambda source, timeout: [])
+    stats = Stats()
+    book = DecodeBook(outbox=None, stats=stats, observer=None, hooks=FakeSide)
+    planner = EnginePlanner(me=1, layout=None, timeouts=TO, stats=stats, post=None, sock=None, ring=None, facts=None,
+                            hello=None, peers=None, book=book, lookup=lambda source, timeout: [])
     r = decode()
     if init:
         r.init(np.arange(N), 0.0)

@@ -138,6 +138,11 @@ class BackendOwner:
             self._cmds.put(w)
             self._wake()
 
+    def draining_bytes(self) -> int:
+        """Source bytes of the writes given up on that the library may still read (their staging
+        buffers and pages are not reused yet). The owner thread."""
+        return sum(int(w.src[:, 1].sum()) for w in self.draining)
+
     def fence(self, peer: str, until: float | None) -> None:
         """Writes to `peer` are not driven after `until` (time.monotonic); None: no fence."""
         with self._lock:

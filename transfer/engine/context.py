@@ -1,15 +1,14 @@
-"""What every part of a rank's control thread shares, built once at start-up.
+"""What a rank's control thread is built from, gathered once at start-up.
 
 The control plane is split by job (peers, frame routing, rooms, the write queue, the prefill
-and decode sides, liveness); each part keeps a reference to this one context instead of to the
-others, so the parts stay small and only the control thread ever touches them.
+and decode sides, liveness). Only the loop (loop.py, which builds the parts) takes this whole
+bag: each part receives, in its constructor, the few things it uses, as the small Protocols of
+interfaces.py (an Outbox, Counters, a WritePort...) and plain values (`me`, the Timeouts).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 from ...staging.handler import StagingHandler
 from ..config import ResolvedConfig, Timeouts
@@ -22,22 +21,14 @@ from .backend_owner import BackendOwner
 from .calibration import Calibration
 from .control_socket import ControlSocket
 from .integrity import Integrity
+from .interfaces import Observer, Post
 from .stats import Stats
 
 FINISHED_MEMORY = 65536    # finished rooms and lost peers remembered, for late messages about them
 
 
-class Observer(Protocol):
-    """Where the control thread reports each backend write and each request as they end; the
-    metrics exporter (transfer/metrics) puts its histograms here."""
-
-    def write_done(self, path: str, seconds: float) -> None: ...
-
-    def request_done(self, path: str, seconds: float | None, writes: int, descriptors: int | None) -> None: ...
-
-
 class NoObserver:
-    """The Observer without metrics: nothing."""
+    """The Observer (interfaces.py) without metrics: nothing."""
 
     def write_done(self, path: str, seconds: float) -> None:
         pass
@@ -61,7 +52,7 @@ class EngineContext:
     tags: TagCodec
     summary: LayoutSummary
     geometry: CacheGeometry
-    post: Callable[[object], None]   # hand an event to the control thread (any thread may call it)
+    post: Post                    # hand an event to the control thread (any thread may call it)
     integrity: Integrity          # digests (verify) and the corrupt_data fault
     observer: Observer            # histograms of writes and requests (metrics on), else NoObserver
     calibration: Calibration | None = None   # the path costs measured at start (None: not measured)

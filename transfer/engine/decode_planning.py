@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 from ...bootstrap import RankRecord
 from ...bootstrap.rendezvous import RankGone
+from ..config import Timeouts
+from ..layout import KVLayout
 from ..poll import KVPoll
 from ..protocol import peering
 from ..protocol.actions import PeerKey
@@ -27,15 +29,16 @@ from ..protocol.head_mapping import HeadMapping
 from ..protocol.kinds import FailureKind
 from ..protocol.leases import Lease
 from ..protocol.messages import Hello, HelloAck, KVMemory, PoolMemory, RingInfo, RoomFailed, WatermarkUpdate
-from ..protocol.path_choice import WriterCosts
+from ..protocol.path_choice import PathMode, WriterCosts
 from ..protocol.peering import LookupState
 from ..protocol.room_uses import tombstone_obsolete
 from ..protocol.routing import PeerState
 from .context import EngineContext
 from .events import LookupDone
+from .interfaces import Counters, Post, RingOwner, Sockets
 from .peers import Peer, PeerTable
 from .prefill_sources import PrefillSource
-from .rooms import RoomBook
+from .rooms import DecodeBook
 
 if TYPE_CHECKING:
     from ..state_pools import StatePool
@@ -74,10 +77,32 @@ class EngineView:
         return self.engine_id or self.source.key
 
 
+@dataclass(frozen=True, kw_only=True)
+class PlanFacts:
+    """What a decode rank's plans weigh of its configuration and hardware: plain values taken
+    once at start (EngineConfig, the calibration)."""
+
+    staging: bool                         # EngineConfig.staging: staging asked for here
+    piece_cap: int                        # the largest staged piece in bytes (0: no cap)
+    path: PathMode                        # EngineConfig.path
+    mem_kind: str                         # this rank's KV memory: "VRAM" or "DRAM"
+    scatter_bytes_per_s: float | None     # the measured scatter rate (calibration.py; None: not measured)
+
+
 class EnginePlanner:
-    def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook[DecodeRoom],
-                 lookup: Callable[[PrefillSource, float], list[RankRecord]]):
-        self.ctx, self.peers, self.book, self._lookup = ctx, peers, book, lookup
+    """Decode rank `me`'s prefill engines and rooms' plans. `layout`: this rank's cache;
+    `timeouts`: bootstrap, connect, lease, metadata; `stats` counts drops; `post` hands a
+    lookup's result to the control thread (from the lookup's thread); `sock` sends a first
+    Hello (`hello(conn)` makes it) and a refusal to a peer not connected; `ring`: the staging
+    ring, if any; `facts`: what the plans weigh; `lookup(source, timeout)`: the bootstrap
+    server's records of a prefill engine (blocks: on a lookup thread)."""
+
+    def __init__(self, *, me: int, layout: KVLayout, timeouts: Timeouts, stats: Counters, post: Post,
+                 sock: Sockets, ring: RingOwner, facts: PlanFacts, hello: Callable[[int], Hello], peers: PeerTable,
+                 book: DecodeBook, lookup: Callable[[PrefillSource, float], list[RankRecord]]):
+        self.me, self.layout, self.t, self.stats, self.post = me, layout, timeouts, stats, post
+        self.sock, self.ring, self.facts, self._hello = sock, ring, facts, hello
+        self.peers, self.book, self._lookup = peers, book, lookup
         self.engines: dict[str, EngineView] = {}      # source key -> view
         self.engine_of: dict[int, str] = {}          # room -> source key
         self._fallback_logged: set[tuple[str, str]] = set()
@@ -100,10 +125,10 @@ class EnginePlanner:
 
     def _do_lookup(self, source: PrefillSource) -> None:
         try:
-            records = self._lookup(source, self.ctx.t.bootstrap)
-            self.ctx.post(LookupDone(source.key, list(records), None))
+            records = self._lookup(source, self.t.bootstrap)
+            self.post(LookupDone(source.key, list(records), None))
         except Exception as exc:  # noqa: BLE001 - reported to the rooms waiting for it
-            self.ctx.post(LookupDone(source.key, None, f"{type(exc).__name__}: {exc}"))
+            self.post(LookupDone(source.key, None, f"{type(exc).__name__}: {exc}"))
 
     def on_lookup(self, ev: LookupDone, now: float) -> None:
         view = self.engines.get(ev.engine_id)   # the source key
@@ -136,7 +161,7 @@ class EnginePlanner:
                                                                          started_room=room.room,
                                                                          started_session=room.session)]
             if len(kept) < len(other.tombstones):
-                self.ctx.stats.count("dropped_messages", "obsolete_tombstone")
+                self.stats.count("dropped_messages", "obsolete_tombstone")
                 other.tombstones = kept
         self.engine_of[room.room] = source.key
         view = self.engine(source, now)
@@ -179,38 +204,36 @@ class EnginePlanner:
         if verdict.gate is peering.Gate.WAIT:
             return
         view.rooms.discard(room.room)
-        ring, cfg = self.ctx.handler.allocator, self.ctx.cfg
-        plan = plan_room(self.ctx.layout, need.mapping,
+        ring, facts = self.ring.allocator, self.facts
+        plan = plan_room(self.layout, need.mapping,
                          {w: WriterOffer(peers[w].key, peers[w].staging, peers[w].buffer_bytes, need.layers[w])
                           for w in need.writers},
-                         {n: peers[n].key for n in need.notices}, staging=cfg.staging,
+                         {n: peers[n].key for n in need.notices}, staging=facts.staging,
                          ring_size=ring.size if ring else 0, ring_align=ring.align if ring else 1,
-                         piece_cap=int(cfg.staging_piece_mb * (1 << 20)), epoch=self.ctx.me,
+                         piece_cap=facts.piece_cap, epoch=self.me,
                          draft_pools=need.draft_pools, path=self._path_inputs([peers[w] for w in need.writers]))
         if isinstance(plan, PlanRefused):
             return self.book.apply(room, room.on_plan_failed(plan.kind, plan.reason, now))
         plan = self._plans.intern(plan)
-        if cfg.staging and not plan.can_stage:
+        if facts.staging and not plan.can_stage:
             self._log_fallback(view.engine_id, need.mapping, [peers[w] for w in need.writers])
         self.book.apply(room, room.on_plan(plan, now))
 
     def _path_inputs(self, writers: list[Peer]) -> PathInputs:
         """What the path choice of a room weighs (protocol/path_choice.py): the configured mode,
         the writers' measured costs, this rank's KV memory kind and scatter rate."""
-        cal = self.ctx.calibration
-        return PathInputs(mode=self.ctx.cfg.path,
-                          writers=tuple(self._costs.get(p.key.incarnation) for p in writers),
-                          mem_kind="VRAM" if self.ctx.buffers.device.type == "cuda" else "DRAM",
-                          scatter_bytes_per_s=cal.scatter_bytes_per_s if cal is not None else None)
+        facts = self.facts
+        return PathInputs(mode=facts.path, writers=tuple(self._costs.get(p.key.incarnation) for p in writers),
+                          mem_kind=facts.mem_kind, scatter_bytes_per_s=facts.scatter_bytes_per_s)
 
     def _needed(self, view: EngineView) -> peering.NeededRanks:
         """The engine's ranks this decode rank deals with; ValueError when its TP size cannot
         share the heads or its PP stages do not tile the model."""
-        stages = peering.read_stages(view.name, view.records, self.ctx.layout.num_layers)
-        return peering.needed_ranks(stages.tp_size, self.ctx.layout, stages.layers, stages.draft_pools)
+        stages = peering.read_stages(view.name, view.records, self.layout.num_layers)
+        return peering.needed_ranks(stages.tp_size, self.layout, stages.layers, stages.draft_pools)
 
     def _log_fallback(self, engine_id: str, mapping: HeadMapping, writers: list[Peer]) -> None:
-        why = peering.fallback_reason(self.ctx.handler.allocator is not None, self.ctx.layout.mla,
+        why = peering.fallback_reason(self.ring.allocator is not None, self.layout.mla,
                                       mapping.prefill_tp, mapping.decode_tp,
                                       [p.key.tp_rank for p in writers if not p.staging])
         if (engine_id, why) not in self._fallback_logged:
@@ -222,9 +245,9 @@ class EnginePlanner:
         for rec in view.records:
             peer = self.peers.of_rank(view.engine_id, rec.tp_rank)
             if peer is not None:
-                self.ctx.sock.send(peer.endpoint, RoomFailed(
-                    src=self.ctx.me, dst=peer.key.incarnation, room=room.room, session=room.session, kind=FailureKind.LAYOUT,
-                    reason=f"decode rank {self.ctx.layout.rank} refused: {reason}"))
+                self.sock.send(peer.endpoint, RoomFailed(
+                    src=self.me, dst=peer.key.incarnation, room=room.room, session=room.session, kind=FailureKind.LAYOUT,
+                    reason=f"decode rank {self.layout.rank} refused: {reason}"))
 
     def _tell_connected(self, view: EngineView, room: DecodeRoom, kind: str, reason: str) -> None:
         """A room failed because its engine's lookup failed: the ranks of that engine this rank is
@@ -232,7 +255,7 @@ class EnginePlanner:
         this reason, rather than at their metadata deadline. The others cannot be reached."""
         for peer in self.peers.connected():
             if peer.key.engine_id == view.engine_id:
-                self.peers.send(peer.key, RoomFailed(src=self.ctx.me, dst=peer.key.incarnation, room=room.room,
+                self.peers.send(peer.key, RoomFailed(src=self.me, dst=peer.key.incarnation, room=room.room,
                                                      session=room.session, kind=kind, reason=reason))
 
     def tombstone(self, room: DecodeRoom, kind: str, reason: str, now: float) -> None:
@@ -261,13 +284,13 @@ class EnginePlanner:
             ranks = range(len(view.records))
         keep = []
         for stone in view.tombstones:
-            if now - stone.since > self.ctx.t.metadata:
+            if now - stone.since > self.t.metadata:
                 continue
             waiting = False
             for rank in ranks:
                 peer = self.ensure_peer(view, rank, now)
                 if peer.state == PeerState.CONNECTED:
-                    self.peers.send(peer.key, RoomFailed(src=self.ctx.me, dst=peer.key.incarnation, room=stone.room,
+                    self.peers.send(peer.key, RoomFailed(src=self.me, dst=peer.key.incarnation, room=stone.room,
                                                          session=stone.session, kind=stone.kind, reason=stone.reason))
                 elif peer.state == PeerState.CONNECTING:
                     waiting = True
@@ -282,37 +305,14 @@ class EnginePlanner:
         if peer is not None and peering.reuse_peer(peer.key.incarnation, peer.state, rec.incarnation):
             return peer
         peer = Peer(key=PeerKey(view.engine_id, rank, rec.incarnation), role="prefill", tp_size=rec.tp_size,
-                    endpoint=rec.ctrl_endpoint, lease=Lease(self.ctx.t.lease, now), since=now, conn=next(_CONNECTIONS))
+                    endpoint=rec.ctrl_endpoint, lease=Lease(self.t.lease, now), since=now, conn=next(_CONNECTIONS))
         self.peers.add(peer, now)
-        self.ctx.sock.send(peer.endpoint, self._hello(peer.conn))
+        self.sock.send(peer.endpoint, self._hello(peer.conn))
         return peer
-
-    def _hello(self, conn: int) -> Hello:
-        ctx = self.ctx
-        b = ctx.buffers
-        entry_v = b.entry_v
-        kv = KVMemory(k_addrs=[t.data_ptr() for t in b.entry_k],
-                      v_addrs=[t.data_ptr() for t in entry_v] if entry_v is not None else [],
-                      num_pages=b.num_pages, page_stride=ctx.layout.page_bytes,
-                      token_stride=ctx.layout.token_bytes, mem_kind="VRAM" if b.device.type == "cuda" else "DRAM",
-                      device=ctx.geometry.device, pools=pool_memory(b.pools))
-        ring = None
-        if ctx.handler.ring is not None and ctx.handler.allocator is not None:
-            r = ctx.handler.ring
-            ring = RingInfo(addr=r.addr, size=ctx.handler.allocator.size, epoch=ctx.me, mem_kind=r.kind,
-                            device=r.device)
-        lay = ctx.layout
-        stage = lay.stage if lay.pp_size > 1 else None   # decode PP: its stage (stage_mapping.py)
-        return Hello(src=ctx.me, engine_id=ctx.cfg.engine_id, role=ctx.role, tp_size=lay.tp_size,
-                     tp_rank=lay.rank, pp_size=lay.pp_size, stage_start=stage.start if stage else 0,
-                     stage_stop=stage.stop if stage else 0, ctrl_endpoint=ctx.sock.endpoint, backend=ctx.cfg.backend,
-                     backend_identity=ctx.identity, layout=ctx.summary, kv=kv, ring=ring,
-                     staging=bool(ctx.cfg.staging and ring is not None), lease_s=ctx.t.lease, conn=conn,
-                     verify=ctx.cfg.verify)
 
     def on_HelloAck(self, peer: Peer, msg: HelloAck, now: float) -> None:
         if msg.conn and msg.conn != peer.conn:
-            self.ctx.stats.count("dropped_messages", "stale_connection")  # answers an older Hello
+            self.stats.count("dropped_messages", "stale_connection")  # answers an older Hello
             return
         if peer.state != PeerState.CONNECTING:
             return
@@ -325,17 +325,17 @@ class EnginePlanner:
         self._costs[peer.key.incarnation] = msg.costs
         if self.peers.came_back(peer.key.incarnation):
             log.info("prefill rank %s reconnected after it was lost", peer.key)
-        allocator = self.ctx.handler.allocator
+        allocator = self.ring.allocator
         if allocator is not None and peer.staging:
             wm = allocator.watermark  # a new subscriber gets the watermark at once
-            self.peers.send(peer.key, WatermarkUpdate(src=self.ctx.me, dst=peer.key.incarnation, epoch=self.ctx.me,
+            self.peers.send(peer.key, WatermarkUpdate(src=self.me, dst=peer.key.incarnation, epoch=self.me,
                                                       round=wm.round, tail=wm.tail))
         self.changed(peer.key.engine_id, now)
 
     def connect_failed(self, peer: Peer, now: float) -> None:
         """Rooms keep waiting (the rank may be restarting): look the engine up again; each room
         gives up at its own plan deadline (see plan_deadlines)."""
-        reason = f"no answer from prefill rank {peer.key.tp_rank} at {peer.endpoint} within {self.ctx.t.connect:g} s"
+        reason = f"no answer from prefill rank {peer.key.tp_rank} at {peer.endpoint} within {self.t.connect:g} s"
         log.warning("connecting to %s failed: %s", peer.key, reason)
         views = self._views_of(peer.key.engine_id)
         self.peers.lost(peer, reason, now)
@@ -366,7 +366,7 @@ class EnginePlanner:
 
     def plan_deadlines(self, now: float) -> None:
         """Rooms that could not reach their prefill ranks in time fail, saying why."""
-        limit = self.ctx.t.bootstrap + self.ctx.t.connect
+        limit = self.t.bootstrap + self.t.connect
         for view in self.engines.values():
             for room_id in list(view.rooms):
                 room = self.book.get(room_id)
@@ -377,6 +377,32 @@ class EnginePlanner:
                     why = view.error or f"prefill engine {view.name} not ready"
                     self.book.apply(room, room.on_plan_failed(
                         FailureKind.CONNECT, f"no connection to the prefill ranks of this room within {limit:g} s: {why}", now))
+
+
+def decode_hello(ctx: EngineContext, conn: int) -> Hello:
+    """The Hello decode rank `ctx.me` sends a prefill rank on connection `conn`: where its KV
+    memory and ring are, its layout and identity. An assembly helper: the loop (loop.py) hands
+    the planner this function bound to its context, read at each call."""
+    b = ctx.buffers
+    entry_v = b.entry_v
+    kv = KVMemory(k_addrs=[t.data_ptr() for t in b.entry_k],
+                  v_addrs=[t.data_ptr() for t in entry_v] if entry_v is not None else [],
+                  num_pages=b.num_pages, page_stride=ctx.layout.page_bytes,
+                  token_stride=ctx.layout.token_bytes, mem_kind="VRAM" if b.device.type == "cuda" else "DRAM",
+                  device=ctx.geometry.device, pools=pool_memory(b.pools))
+    ring = None
+    if ctx.handler.ring is not None and ctx.handler.allocator is not None:
+        r = ctx.handler.ring
+        ring = RingInfo(addr=r.addr, size=ctx.handler.allocator.size, epoch=ctx.me, mem_kind=r.kind,
+                        device=r.device)
+    lay = ctx.layout
+    stage = lay.stage if lay.pp_size > 1 else None   # decode PP: its stage (stage_mapping.py)
+    return Hello(src=ctx.me, engine_id=ctx.cfg.engine_id, role=ctx.role, tp_size=lay.tp_size,
+                 tp_rank=lay.rank, pp_size=lay.pp_size, stage_start=stage.start if stage else 0,
+                 stage_stop=stage.stop if stage else 0, ctrl_endpoint=ctx.sock.endpoint, backend=ctx.cfg.backend,
+                 backend_identity=ctx.identity, layout=ctx.summary, kv=kv, ring=ring,
+                 staging=ctx.cfg.staging and ring is not None, lease_s=ctx.t.lease, conn=conn,
+                 verify=ctx.cfg.verify)
 
 
 def pool_memory(pools: dict[str, StatePool]) -> list[PoolMemory]:

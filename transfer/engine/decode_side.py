@@ -12,20 +12,19 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from ...bootstrap import RankRecord
 from ...bootstrap.rendezvous import RankGone
 from ...staging.pool_copies import LandedBlock
 from ...staging.scatter_worker import LandedPart, ScatterJob, ScatterWorker
 from ...wire import WireError
+from ..config import Timeouts
+from ..layout import KVLayout, LayoutSummary
 from ..poll import KVPoll
-from ..protocol.actions import Action, ReleaseCredit, Scatter, Send, SettleCredits, StatusChanged
+from ..protocol.actions import Action, ReleaseCredit, Scatter, Send, StatusChanged
 from ..protocol.decode_room import DecodeRoom, TagVerdict
 from ..protocol.kinds import FailureKind
 from ..protocol.messages import (
     AllocRequest,
     CreditReturn,
-    Heartbeat,
-    Hello,
     HelloAck,
     MetaAck,
     Quiesced,
@@ -41,40 +40,59 @@ from ..protocol.quiet import Arrival, ExpectedWrites
 from ..protocol.ring import RingAllocator
 from ..protocol.room_uses import RoomUse, ended_answer
 from ..protocol.routing import PeerState
-from ..protocol.tags import Tag, TagKind
+from ..protocol.tags import Tag, TagCodec, TagKind
 from ..protocol.watermark_fanout import WatermarkFanout, pending_parts
-from .context import EngineContext
 from .decode_planning import EnginePlanner
 from .events import Abort, InitReceiver, LookupDone, NewReceiver, ScatterDone
-from .interfaces import EventHandler, MessageHandler
+from .interfaces import (
+    Counters,
+    DecodeStaging,
+    EventHandler,
+    ExpectedTags,
+    LandedChecks,
+    MessageHandler,
+    Post,
+)
 from .peers import Peer, PeerTable
-from .prefill_sources import PrefillSource
 from .ring_credits import DecodeCredits
-from .rooms import RoomBook
+from .rooms import DecodeBook
 
 
-def scatter_report(ctx: EngineContext) -> Callable[..., None]:
+def scatter_report(stats: Counters, post: Post) -> Callable[..., None]:
     """How the scatter thread reports a piece, from its thread: its time counted, then a
     ScatterDone event to the control thread."""
     def report(room: int, key: tuple[int, int], ok: bool, reason: str | None, seconds: float,
                kind: str = FailureKind.SCATTER) -> None:
-        ctx.stats.add("scatter_s", seconds)
-        ctx.post(ScatterDone(room=room, key=key, ok=ok, reason=reason, kind=kind))
+        stats.add("scatter_s", seconds)
+        post(ScatterDone(room=room, key=key, ok=ok, reason=reason, kind=kind))
     return report
 
 
 class DecodeSide:
     writes_to_peers = False   # only prefill ranks write; a decode rank's leases are liveness only
 
-    def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook[DecodeRoom],
-                 lookup: Callable[[PrefillSource, float], list[RankRecord]], scatterer: ScatterWorker | None):
-        """`scatterer`: the scatter thread of a rank with a staging ring, else None."""
-        self.ctx, self.peers, self.book, self.scatterer = ctx, peers, book, scatterer
-        self.planner = EnginePlanner(ctx, peers, book, lookup)
+    def __init__(self, *, me: int, layout: KVLayout, summary: LayoutSummary, timeouts: Timeouts, quarantine: float,
+                 stats: Counters, tags: TagCodec, staging: DecodeStaging, integrity: LandedChecks,
+                 expected_tags: ExpectedTags, credits: bool, piece_cap: int, peers: PeerTable, book: DecodeBook,
+                 planner: EnginePlanner, scatterer: ScatterWorker | None):
+        """Rank `me` with `layout` (its `summary`: the pools), by `timeouts`; `quarantine`: how
+        long a lost writer's memory stays out of use (Timeouts.quarantine_for the backend);
+        `tags` decodes a repeated tag, `staging` is the ring, `integrity` checks landed writes,
+        `expected_tags` is where the backend learns how many announced writes it polls for;
+        `credits`, `piece_cap`: the ring credits' EngineConfig.credits and piece cap in bytes;
+        `planner` plans the rooms. `scatterer`: the scatter thread of a rank with a staging
+        ring, else None."""
+        self.me, self.layout, self.summary, self.t, self.quarantine = me, layout, summary, timeouts, quarantine
+        self.stats, self.tags, self.staging, self.integrity = stats, tags, staging, integrity
+        self.expected_tags = expected_tags
+        self.peers, self.book, self.scatterer = peers, book, scatterer
+        self.planner = planner
         self.eager_rooms: set[int] = set()       # Transferring: writes towards them may come
         self.expected = ExpectedWrites()         # writes announced towards this rank, tags not in
         self.fanout = WatermarkFanout()          # who was told the ring's watermark (protocol/watermark_fanout.py)
-        self.credits = DecodeCredits(ctx, peers, book, self.publish_watermark)   # ring credits (ring_credits.py)
+        self.credits = DecodeCredits(   # ring credits (ring_credits.py)
+            me=me, peers=peers, book=book, stats=stats, ring=staging, credits=credits, piece_cap=piece_cap,
+            heartbeat=timeouts.heartbeat, publish=self.publish_watermark)
         self.handlers: dict[type, MessageHandler] = {
             HelloAck: self.on_HelloAck, MetaAck: self.on_MetaAck, AllocRequest: self.on_AllocRequest,
             WriterDone: self.on_WriterDone, Quiesced: self.on_Quiesced, RoomFailed: self.on_RoomFailed,
@@ -84,21 +102,15 @@ class DecodeSide:
             NewReceiver: self.new_receiver, InitReceiver: self.init_receiver, Abort: self.abort,
             ScatterDone: self.on_scattered, LookupDone: self.planner.on_lookup, RankGone: self.planner.rank_gone}
 
-    def on_hello(self, msg: Hello, now: float) -> None:
-        self.ctx.stats.count("dropped_messages", "unexpected")  # decode ranks connect, they are not connected to
-
     def on_HelloAck(self, peer: Peer, msg: HelloAck, now: float) -> None:
         if msg.ok and peer.state == PeerState.CONNECTING and (not msg.conn or msg.conn == peer.conn):
             self.credits.connected(peer, msg)   # before the planner sends the waiting rooms' metadata
         self.planner.on_HelloAck(peer, msg, now)
 
-    def on_heartbeat(self, peer: Peer, msg: Heartbeat, now: float) -> None:
-        pass
-
     # -- the caller's events --------------------------------------------------------------------
     def new_receiver(self, ev: NewReceiver, now: float) -> None:
-        room = DecodeRoom(room=ev.room, session=ev.session, me=self.ctx.me, layout=self.ctx.layout, now=now,
-                          timeouts=self.ctx.t, pools=tuple(self.ctx.summary.pools))
+        room = DecodeRoom(room=ev.room, session=ev.session, me=self.me, layout=self.layout, now=now,
+                          timeouts=self.t, pools=tuple(self.summary.pools))
         self.book.add(room, ev.status)
         self.planner.add_room(room, ev.source, now)
 
@@ -110,7 +122,7 @@ class DecodeSide:
     def abort(self, ev: Abort, now: float) -> None:
         room = self.book.get(ev.room)
         if room is not None:
-            self.book.apply(room, room.abort(self.ctx.handler.allocator, now))
+            self.book.apply(room, room.abort(self.staging.allocator, now))
 
     def on_scattered(self, ev: ScatterDone, now: float) -> None:
         room = self.book.get(ev.room)
@@ -132,15 +144,15 @@ class DecodeSide:
 
     def on_AllocRequest(self, peer: Peer, msg: AllocRequest, now: float) -> None:
         room = self.book.get(msg.room)
-        a = self.ctx.handler.allocator
+        a = self.staging.allocator
         if room is not None and a is not None:
             wm = a.watermark
             if self.fanout.before_grant(peer.key.incarnation, wm.linear(a.size)):   # its view may be old
-                self.peers.send(peer.key, WatermarkUpdate(src=self.ctx.me, dst=peer.key.incarnation, epoch=self.ctx.me,
+                self.peers.send(peer.key, WatermarkUpdate(src=self.me, dst=peer.key.incarnation, epoch=self.me,
                                                           round=wm.round, tail=wm.tail))
             self.book.apply(room, room.on_alloc_request(peer.key, msg, a, now))
-            self.ctx.stats.maximum("ring_high_water_bytes", min(a.high_water, a.size))
-            self.ctx.stats.maximum("ring_backlog_high_water_bytes", a.high_water)
+            self.stats.maximum("ring_high_water_bytes", min(a.high_water, a.size))
+            self.stats.maximum("ring_backlog_high_water_bytes", a.high_water)
         elif room is None:
             self._answer_finished(peer, msg.room, msg.session)
 
@@ -163,37 +175,37 @@ class DecodeSide:
         notification arrived, unless that notification already did (each tag counts once,
         whichever path brought it: `stats()["tags_again"]`)."""
         try:
-            tag = self.ctx.tags.decode(raw)
+            tag = self.tags.decode(raw)
         except WireError as exc:
-            self.ctx.stats.count("dropped_tags", exc.kind)
+            self.stats.count("dropped_tags", exc.kind)
             return
         room = self.book.get(msg.room)
         if room is None or tag.room != msg.room or tag.session != msg.session:
-            self.ctx.stats.count("tags_again", "other_room")
+            self.stats.count("tags_again", "other_room")
             return
         if room.holds_tag(peer.key, tag):
-            self.ctx.stats.count("tags_again", "already_in")
+            self.stats.count("tags_again", "already_in")
             return
-        self.ctx.stats.count("tags_again", "recovered")
+        self.stats.count("tags_again", "recovered")
         self.on_tag(peer, tag, now)
 
     def on_WritePosted(self, peer: Peer, msg: WritePosted, now: float) -> None:
         """A writer's backend took a write towards this rank: poll until its tag is in."""
         room = self.book.get(msg.room)
         if room is None or room.session != msg.session or msg.room not in self.eager_rooms:
-            self.ctx.stats.count("write_announcements", "not_waiting")  # say, its tag ended the room
+            self.stats.count("write_announcements", "not_waiting")  # say, its tag ended the room
             return
         verdict = self.expected.announce(msg.room, (peer.key.incarnation, msg.chunk, msg.piece, msg.group))
-        self.ctx.stats.count("write_announcements", verdict.value)
+        self.stats.count("write_announcements", verdict.value)
         self._expecting()
 
     def _expecting(self) -> None:
-        self.ctx.backend.expecting = self.expected.outstanding
+        self.expected_tags.expecting = self.expected.outstanding
 
     def on_Quiesced(self, peer: Peer, msg: Quiesced, now: float) -> None:
         room = self.book.get(msg.room)
         if room is not None:
-            self.book.apply(room, room.on_quiesced(peer.key, msg.session, self.ctx.handler.allocator, now))
+            self.book.apply(room, room.on_quiesced(peer.key, msg.session, self.staging.allocator, now))
 
     def on_RoomFailed(self, peer: Peer, msg: RoomFailed, now: float) -> None:
         room = self.book.get(msg.room)
@@ -204,17 +216,17 @@ class DecodeSide:
         """A writer still asks about a room that is over here: repeat the outcome."""
         done = self.book.finished.get(room_id)
         if done is None:
-            self.ctx.stats.count("dropped_messages", "unknown_room")
+            self.stats.count("dropped_messages", "unknown_room")
             return
         state, kind, why, last_session = done
-        me, dst = self.ctx.me, peer.key.incarnation
+        me, dst = self.me, peer.key.incarnation
         answer = ended_answer(succeeded=state is KVPoll.Success, kind=kind, reason=why, last_session=last_session,
                               session=session, room=room_id)
         if answer.kind is None:
             self.peers.send(peer.key, RoomDone(src=me, dst=dst, room=room_id, session=session))
         else:
             if answer.use is RoomUse.OTHER:
-                self.ctx.stats.count("dropped_messages", "other_use")
+                self.stats.count("dropped_messages", "other_use")
             self.peers.send(peer.key, RoomFailed(src=me, dst=dst, room=room_id, session=session, kind=answer.kind,
                                                  reason=answer.reason))
 
@@ -222,62 +234,59 @@ class DecodeSide:
     def on_tag(self, peer: Peer, tag: Tag, now: float) -> None:
         room = self.book.get(tag.room)
         if room is None:
-            self.ctx.stats.count("dropped_tags", "finished_room")
+            self.stats.count("dropped_tags", "finished_room")
             return
         # a direct write split by memory kind is checked once, with its last group
-        corrupt = self.ctx.integrity.on_landed(room, tag) if room.completes_write(tag) else None
+        corrupt = self.integrity.on_landed(room, tag) if room.completes_write(tag) else None
         if corrupt is not None:  # never counted as landed: the room fails before it could succeed
             self.book.apply(room, room.fail(FailureKind.CORRUPT, corrupt, now))
             return
         arrival = self.expected.landed(tag.room, (peer.key.incarnation, tag.chunk, tag.piece, tag.group))
         if arrival is not Arrival.REPEATED:
-            self.ctx.stats.count("tags_by_arrival", arrival.value)
+            self.stats.count("tags_by_arrival", arrival.value)
         self._expecting()
         if tag.kind is TagKind.CREDIT:   # a piece its writer placed in one of its ring credits
             result = room.on_credit_tag(peer.key, tag, self.credits.claim(peer, tag), self._ring().size, now)
-            self.ctx.stats.count("credit_tags", str(result.verdict))
+            self.stats.count("credit_tags", str(result.verdict))
         else:
             result = room.on_tag(peer.key, tag, now)
         verdict, actions = result.verdict, result.actions
         if verdict == TagVerdict.OK and tag.kind is TagKind.STAGED:
             self.credits.wrote(peer, tag)
         if verdict == TagVerdict.OK:
-            self.ctx.stats.add("bytes_received", tag.nbytes)
-            self.ctx.stats.count("bytes_received_by_path", "direct" if tag.kind is TagKind.DIRECT else "staged",
+            self.stats.add("bytes_received", tag.nbytes)
+            self.stats.count("bytes_received_by_path", "direct" if tag.kind is TagKind.DIRECT else "staged",
                                  tag.nbytes)
-            self.ctx.stats.add("tags_received")
+            self.stats.add("tags_received")
             self._stamp(tag.room, "first_write", now)
             self._stamp(tag.room, "last_write", now)
         elif verdict == TagVerdict.PARTIAL:
-            self.ctx.stats.add("tags_received")
+            self.stats.add("tags_received")
             self._stamp(tag.room, "first_write", now)
         else:
-            self.ctx.stats.count("dropped_tags", verdict)
+            self.stats.count("dropped_tags", verdict)
         self.book.apply(room, actions)
 
     def scatter(self, s: Scatter) -> None:
-        view = self.ctx.handler.ring_view
+        view = self.staging.ring_view
         parts = tuple(LandedPart(view(p.region_offset, p.nbytes), p.dst_heads) for p in s.parts)
         pools = tuple(LandedBlock(view(p.ring_offset, p.copy.nbytes), p.copy) for p in s.pools)
-        checks = self.ctx.integrity.scatter_checks(s)
+        checks = self.integrity.scatter_checks(s)
         assert self.scatterer is not None, "a scatter on a rank without a staging ring"
         # the piece's model layers as indices into this rank's tensors (a decode PP stage's own)
-        job = ScatterJob(room=s.room, key=s.key, pages=s.dst_pages, layers=self.ctx.layout.local(s.layers),
+        job = ScatterJob(room=s.room, key=s.key, pages=s.dst_pages, layers=self.layout.local(s.layers),
                          parts=parts, pools=pools,
                          checks=checks)
         del parts, pools, checks   # the job holds the ring views, and nothing else once it is done
         if self.scatterer.takes_here(job):   # a small piece: no hand-off to the scatter thread and back
-            self.ctx.stats.count("scatters", "inline")
+            self.stats.count("scatters", "inline")
             self.scatterer.run_here(job)     # its ScatterDone comes back through the event queue
         else:
-            self.ctx.stats.count("scatters", "thread")
+            self.stats.count("scatters", "thread")
             self.scatterer.submit(job)
 
     def release_credit(self, a: ReleaseCredit) -> None:
         self.credits.release(a.peer, a.span)
-
-    def settle_credits(self, a: SettleCredits) -> None:
-        raise RuntimeError("a decode room holds no credits of its own")
 
     def meta_out(self, room: DecodeRoom, a: Send) -> None:
         assert isinstance(a.msg, RoomMeta)
@@ -285,7 +294,7 @@ class DecodeSide:
 
     def _ring(self) -> RingAllocator:
         """The staging ring's allocator: there is one wherever a piece was staged."""
-        a = self.ctx.handler.allocator
+        a = self.staging.allocator
         assert a is not None, "a staged piece on a rank without a staging ring"
         return a
 
@@ -294,12 +303,12 @@ class DecodeSide:
         here their view does not allow yet; protocol/watermark_fanout.py)."""
         a = self._ring()
         wm = a.watermark
-        self.ctx.stats.set("ring_live_bytes", a.live_bytes)
+        self.stats.set("ring_live_bytes", a.live_bytes)
         self.credits.issue()   # the space freed may hold a credit a rank waits for
         for inc in self.fanout.publish(pending_parts(self.book.rooms.values()), wm.linear(a.size), a.size):
             peer = self.peers.get(inc)
             if peer is not None and peer.state == PeerState.CONNECTED and peer.staging:
-                self.peers.send(peer.key, WatermarkUpdate(src=self.ctx.me, dst=inc, epoch=self.ctx.me,
+                self.peers.send(peer.key, WatermarkUpdate(src=self.me, dst=inc, epoch=self.me,
                                                           round=wm.round, tail=wm.tail))
 
     # -- hooks: rooms, peers, time, closing -----------------------------------------------------
@@ -324,14 +333,11 @@ class DecodeSide:
         self.expected.forget(room_id)
         self._expecting()
 
-    def forget_finished(self, room_id: int) -> None:
-        pass
-
     def peer_lost(self, peer: Peer, reason: str, now: float, clean: bool) -> None:
         self.fanout.forget(peer.key.incarnation)
-        quarantine = 0.0 if clean else self.ctx.t.quarantine_for(self.ctx.cfg.backend)
+        quarantine = 0.0 if clean else self.quarantine
         for room in list(self.book.rooms.values()):
-            self.book.apply(room, room.on_peer_lost(peer.key, reason, self.ctx.handler.allocator, now, quarantine))
+            self.book.apply(room, room.on_peer_lost(peer.key, reason, self.staging.allocator, now, quarantine))
         self.credits.peer_lost(peer, quarantine, now)
         self.planner.peer_lost(peer, now)
 
@@ -340,7 +346,7 @@ class DecodeSide:
 
     def tick_rooms(self, now: float) -> None:
         for room in list(self.book.rooms.values()):
-            self.book.apply(room, room.tick(self.ctx.handler.allocator, now))
+            self.book.apply(room, room.tick(self.staging.allocator, now))
 
     def tick(self, now: float) -> None:
         self.planner.plan_deadlines(now)
@@ -348,7 +354,7 @@ class DecodeSide:
 
     def closing(self, room: DecodeRoom, now: float) -> list[Action]:
         return (room.fail(FailureKind.CLOSED, "the kvstage manager is closing", now)
-                + room.abort(self.ctx.handler.allocator, now))
+                + room.abort(self.staging.allocator, now))
 
     def room_state(self) -> dict[str, int]:
         views = self.planner.engines.values()
@@ -365,7 +371,7 @@ class DecodeSide:
         """Memory that failed rooms keep until no write can land in it any more (their writers
         quiesced, or a lost writer's quarantine passed): ring regions, and on the direct path the
         destination cache pages."""
-        layout = self.ctx.layout
+        layout = self.layout
         page = layout.page_bytes * layout.num_kv * layout.num_entries
         held = 0
         for room in self.book.rooms.values():

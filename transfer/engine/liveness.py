@@ -8,24 +8,31 @@ memory may have been handed to someone else by now.
 
 from __future__ import annotations
 
-from typing import Any
-
+from ..config import Timeouts
 from ..protocol.leases import heartbeat_interval
 from ..protocol.messages import Goodbye, Heartbeat
 from ..protocol.routing import PeerState
-from .context import EngineContext
-from .interfaces import MessageHandler, RoleSide
+from .interfaces import Counters, HeartbeatSink, LeaseHooks, MessageHandler, RingOwner
 from .peers import Peer, PeerTable
 
 
 class Liveness:
-    def __init__(self, ctx: EngineContext, peers: PeerTable, side: RoleSide[Any]):
-        self.ctx, self.peers, self.side = ctx, peers, side
+    """The leases of rank `me`'s peers (`peers`), by `timeouts` (lease, connect, heartbeat);
+    `side` (the role's) is told a connection never came up and says whether this role writes to
+    its peers; `heartbeats` (the prefill side; None on a decode rank) hears each heartbeat after
+    it renewed a lease; `ring` (the staging handler) is where a decode rank's ring watermark is
+    read for its heartbeats; `stats` takes the heard gap and silence maxima."""
+
+    def __init__(self, *, me: int, peers: PeerTable, timeouts: Timeouts, stats: Counters, ring: RingOwner,
+                 side: LeaseHooks, heartbeats: HeartbeatSink | None):
+        self.me, self.peers, self.t, self.stats, self.ring = me, peers, timeouts, stats, ring
+        self.side, self.heartbeats = side, heartbeats
         self.handlers: dict[type, MessageHandler] = {Heartbeat: self.on_Heartbeat, Goodbye: self.on_Goodbye}
 
     def on_Heartbeat(self, peer: Peer, msg: Heartbeat, now: float) -> None:
         peer.lease.on_heartbeat(msg.seq, msg.ack, now)
-        self.side.on_heartbeat(peer, msg, now)
+        if self.heartbeats is not None:
+            self.heartbeats.on_heartbeat(peer, msg, now)
 
     def on_Goodbye(self, peer: Peer, msg: Goodbye, now: float) -> None:
         self.peers.lost(peer, f"it said goodbye: {msg.reason or 'closing'}", now, tell=False, clean=msg.clean)
@@ -33,13 +40,13 @@ class Liveness:
     def tick(self, now: float, looked: float | None = None) -> None:
         """`looked`: when the control thread last read its socket to the end (leases.py: a
         peer's silence counts up to then, so our own lateness is not taken for the peer's)."""
-        t = self.ctx.t
+        t = self.t
         for peer in list(self.peers.peers.values()):
             if peer.state == PeerState.CONNECTING and min(now, looked if looked is not None else now) - peer.since > t.connect:
                 self.side.connect_failed(peer, now)
             elif peer.state == PeerState.CONNECTED:
-                self.ctx.stats.maximum("heard_gap_max_s", round(now - peer.lease.last_heard, 4))  # up to now
-                self.ctx.stats.maximum("silence_max_s", round(peer.lease.silence(now, looked), 4))  # as judged
+                self.stats.maximum("heard_gap_max_s", round(now - peer.lease.last_heard, 4))  # up to now
+                self.stats.maximum("silence_max_s", round(peer.lease.silence(now, looked), 4))  # as judged
                 if not peer.lease.alive(now, looked):
                     self.peers.lost(peer, f"silent for {t.lease:g} s (lease expired)", now)
                 elif self.side.writes_to_peers and not peer.lease.may_write(now):
@@ -51,8 +58,8 @@ class Liveness:
         peers; pair_interval, no more often than the peer heartbeats us). Decode ranks with a
         ring piggyback its watermark, so a lost WatermarkUpdate costs at most one interval."""
         connected = self.peers.connected()
-        own = heartbeat_interval(len(connected), base=self.ctx.t.heartbeat, lease=self.ctx.t.lease)
-        allocator = self.ctx.handler.allocator
+        own = heartbeat_interval(len(connected), base=self.t.heartbeat, lease=self.t.lease)
+        allocator = self.ring.allocator
         wm = allocator.watermark if allocator is not None else None
         for peer in connected:
             if now < peer.lease.beat_due:
@@ -61,5 +68,5 @@ class Liveness:
             seq, ack = peer.lease.next_heartbeat(now)
             extra = {}
             if wm is not None and peer.staging:
-                extra = {"wm_epoch": self.ctx.me, "wm_round": wm.round, "wm_tail": wm.tail}
-            self.peers.send(peer.key, Heartbeat(src=self.ctx.me, dst=peer.key.incarnation, seq=seq, ack=ack, **extra))
+                extra = {"wm_epoch": self.me, "wm_round": wm.round, "wm_tail": wm.tail}
+            self.peers.send(peer.key, Heartbeat(src=self.me, dst=peer.key.incarnation, seq=seq, ack=ack, **extra))

@@ -24,6 +24,7 @@ the rooms it concerns (kind "internal") and the loop goes on.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import select
@@ -46,28 +47,28 @@ from ..config import ResolvedConfig
 from ..kv_buffers import KVBuffers
 from ..layout import KVLayout
 from ..poll import KVPoll
-from ..protocol.decode_room import DecodeRoom
 from ..protocol.kinds import FailureKind, Role
 from ..protocol.layer_sends import LayerGrouping
 from ..protocol.messages import Goodbye, PeerMessage
-from ..protocol.prefill_room import PrefillRoom
 from ..protocol.quiet import MIN_EAGER_WAIT, Activity, activity, next_wait
 from ..protocol.routing import PeerState
 from ..protocol.tags import TagCodec
 from .backend_owner import BackendOwner, Step
 from .calibration import Calibration
-from .context import EngineContext, NoObserver, Observer, local_geometry
+from .context import EngineContext, NoObserver, local_geometry
 from .control_socket import MAX_BATCH, ControlSocket
+from .decode_planning import EnginePlanner, PlanFacts, decode_hello
 from .decode_side import DecodeSide, scatter_report
 from .events import Call, EventQueue, LayersReady, Wake, WriteDone
 from .integrity import Integrity
-from .interfaces import RoleSide, Room
+from .interfaces import HeartbeatSink, HelloSink, Observer, RoleSide, Room, TagSink
 from .liveness import Liveness
 from .peers import PeerTable
-from .prefill_side import PrefillSide
+from .prefill_side import PrefillRank, PrefillSide
 from .prefill_sources import PrefillSource
 from .ready_waiter import ReadyWaiter
-from .rooms import RoomBook
+from .ring_credits import piece_cap_bytes
+from .rooms import DecodeBook, PrefillBook, RoomBook
 from .routing import FrameRouter
 from .stats import Stats
 from .write_queue import WriteQueue, gather_report
@@ -103,6 +104,19 @@ class Lateness:
 
 
 class EngineLoop:
+    """The control thread of one rank, and the assembly of its parts (`_build`): the only place
+    that takes the whole EngineContext apart and hands each part what it uses."""
+
+    # the parts, built by _build_prefill or _build_decode
+    peers: PeerTable
+    book: RoomBook[Any]
+    side: RoleSide[Any]
+    writes: WriteQueue | None                # a prefill rank's; a decode rank writes nowhere
+    credit_bytes: Callable[[], int]          # ring bytes lent out as credits (a decode rank's ring)
+    _heartbeats: HeartbeatSink | None        # the prefill side
+    _hello: HelloSink | None                 # the prefill side: decode ranks connect to it
+    _landed: TagSink | None                  # the decode side: prefill ranks write to it
+
     def __init__(self, cfg: ResolvedConfig, layout: KVLayout, buffers: KVBuffers, me: int,
                  backend: BackendOwner, backend_name: str, identity: bytes, handler: StagingHandler,
                  stats: Stats, lookup: Callable[[PrefillSource, float], list[RankRecord]],
@@ -148,35 +162,30 @@ class EngineLoop:
                                      observer=observer or NoObserver(), calibration=calibration)
         if cfg.role == Role.PREFILL and handler.buffers:
             self.workers = TransferWorkers(handler.buffers, buffers.entry_k, buffers.entry_v, layout.page_size,
-                                           backend.submit_write, gather_report(c), buffers.pools,
+                                           backend.submit_write, gather_report(stats, self.post), buffers.pools,
                                            inline_max_bytes=cfg.inline_gather_kb << 10,
                                            own_streams=cfg.copy_streams)
         elif cfg.role != Role.PREFILL and handler.ring is not None:
-            self.scatter = ScatterWorker(buffers.entry_k, buffers.entry_v, layout.page_size, scatter_report(c),
+            self.scatter = ScatterWorker(buffers.entry_k, buffers.entry_v, layout.page_size,
+                                         scatter_report(stats, self.post),
                                          buffers.pools, inline_max_bytes=cfg.inline_scatter_kb << 10,
                                          own_streams=cfg.copy_streams)
-        side: RoleSide[Any]
-        self.book: RoomBook[Any]
-        self.peers = peers = PeerTable(c, listeners=lambda: (writes, side))  # staged pieces fail before rooms
         if cfg.role == Role.PREFILL:
-            prefill_book: RoomBook[PrefillRoom] = RoomBook(c, peers, side=lambda: side, writes=lambda: writes)
-            self.waiter = ReadyWaiter(self.post)
-            writes = WriteQueue(c, peers, prefill_book, self.workers, self.waiter)
-            side = PrefillSide(c, peers, prefill_book, writes, LayerGrouping(
-                size=cfg.layer_group, min_tokens=cfg.layerwise_min_tokens, batch=cfg.layer_batching))
-            self.book = prefill_book
+            self._build_prefill(c)
         else:
-            decode_book: RoomBook[DecodeRoom] = RoomBook(c, peers, side=lambda: side, writes=lambda: writes)
-            writes = WriteQueue(c, peers, cast("RoomBook[PrefillRoom]", decode_book), None)  # never given a write
-            side = DecodeSide(c, peers, decode_book, lookup, self.scatter)
-            self.book = decode_book
-        self.writes, self.side = writes, side
-        self.liveness = Liveness(c, peers, side)
-        self.router = FrameRouter(c, peers, side, {**self.liveness.handlers, **side.handlers})
+            self._build_decode(c, lookup)
+        side = self.side
+        self.liveness = Liveness(me=me, peers=self.peers, timeouts=c.t, stats=stats, ring=handler, side=side,
+                                 heartbeats=self._heartbeats)
+        self.router = FrameRouter(me=me, role=cfg.role, peers=self.peers, tags=tags, stats=stats,
+                                  handlers={**self.liveness.handlers, **side.handlers}, failures=side,
+                                  hello=self._hello, landed=self._landed)
+        writes = self.writes
         self.on_event: dict[type, Callable[[Any, float], None]] = {
-            **side.events, WriteDone: writes.on_write_done, LayersReady: writes.layers_ready,
-            Wake: lambda ev, now: None,  # step() runs after the events
+            **side.events, Wake: lambda ev, now: None,  # step() runs after the events
             Call: lambda ev, now: ev.done(ev.fn(self))}
+        if writes is not None:
+            self.on_event.update({WriteDone: writes.on_write_done, LayersReady: writes.layers_ready})
         self._next_tick = 0.0
         self.looked = time.monotonic()          # the start of the last complete read of the socket
         self._closing_since: float | None = None
@@ -186,6 +195,53 @@ class EngineLoop:
         self.meter = ThreadMeter("ctrl")             # wake-ups = rounds of the loop
         self._starved = Lateness()                   # how late the loop ran, for stats()
         self.steps: dict[str, int] = {a.value: 0 for a in Activity}  # backend steps, by what was in flight
+
+    def _build_prefill(self, c: EngineContext) -> None:
+        """A prefill rank's parts: the book, the write queue and the side call each other (each
+        gets the ones built after it as a `Later`)."""
+        cfg, stats = c.cfg, c.stats
+        peers = PeerTable(me=c.me, sock=c.sock, stats=stats, staging=c.handler, links=c.backend,
+                          listeners=lambda: (writes, side))   # staged pieces fail before rooms
+        book = PrefillBook(outbox=peers, stats=stats, observer=c.observer, hooks=lambda: side, writes=lambda: writes)
+        self.waiter = ReadyWaiter(self.post)
+        writes = WriteQueue(me=c.me, peers=peers, book=book, write_timeout=c.t.write,
+                            watermark_timeout=c.t.watermark, stats=stats, backend=c.backend, staging=c.handler,
+                            tags=c.tags, integrity=c.integrity, observer=c.observer, post=self.post,
+                            geometry=c.geometry, layout=c.layout, buffers=c.buffers, workers=self.workers,
+                            waiter=self.waiter)
+        rank = PrefillRank(engine_id=cfg.engine_id, backend=cfg.backend, backend_name=c.backend_name,
+                           verify=cfg.verify, staging=cfg.staging,
+                           costs=c.calibration.writer if c.calibration else None, credits=cfg.credits,
+                           piece_cap=piece_cap_bytes(cfg.staging_piece_mb))
+        side = PrefillSide(me=c.me, rank=rank, layout=c.layout, summary=c.summary, timeouts=c.t, stats=stats,
+                           sock=c.sock, backend=c.backend, staging=c.handler, peers=peers, book=book, writes=writes,
+                           grouping=LayerGrouping(size=cfg.layer_group, min_tokens=cfg.layerwise_min_tokens,
+                                                  batch=cfg.layer_batching))
+        self.peers, self.book, self.writes, self.side = peers, book, writes, side
+        self._heartbeats, self._hello, self._landed = side, side, None
+        self.credit_bytes = lambda: 0   # only a decode rank's ring is lent out as credits
+
+    def _build_decode(self, c: EngineContext, lookup: Callable[[PrefillSource, float], list[RankRecord]]) -> None:
+        """A decode rank's parts: no write queue (a decode rank writes nowhere); the book and the
+        side call each other."""
+        cfg, stats = c.cfg, c.stats
+        peers = PeerTable(me=c.me, sock=c.sock, stats=stats, staging=c.handler, links=None, listeners=lambda: (side,))
+        book = DecodeBook(outbox=peers, stats=stats, observer=c.observer, hooks=lambda: side)
+        piece_cap = piece_cap_bytes(cfg.staging_piece_mb)
+        cal = c.calibration
+        planner = EnginePlanner(
+            me=c.me, layout=c.layout, timeouts=c.t, stats=stats, post=self.post, sock=c.sock, ring=c.handler,
+            facts=PlanFacts(staging=cfg.staging, piece_cap=piece_cap, path=cfg.path,
+                            mem_kind="VRAM" if c.buffers.device.type == "cuda" else "DRAM",
+                            scatter_bytes_per_s=cal.scatter_bytes_per_s if cal is not None else None),
+            hello=functools.partial(decode_hello, c), peers=peers, book=book, lookup=lookup)
+        side = DecodeSide(me=c.me, layout=c.layout, summary=c.summary, timeouts=c.t,
+                          quarantine=c.t.quarantine_for(cfg.backend), stats=stats, tags=c.tags, staging=c.handler,
+                          integrity=c.integrity, expected_tags=c.backend, credits=cfg.credits,
+                          piece_cap=piece_cap, peers=peers, book=book, planner=planner, scatterer=self.scatter)
+        self.peers, self.book, self.writes, self.side = peers, book, None, side
+        self._heartbeats, self._hello, self._landed = None, None, side
+        self.credit_bytes = side.credit_bytes
 
     @property
     def endpoint(self) -> str:
@@ -203,10 +259,15 @@ class EngineLoop:
     def room_state(self) -> dict[str, int]:
         """How much per-room state the control thread holds (all zero once every room ended and
         was released, apart from the bounded memory of finished rooms)."""
+        w = self.writes
         return {"rooms": len(self.book.rooms), "statuses": len(self.book.status),
-                "write_deadlines": len(self.writes.deadlines), "staged_waiting": len(self.writes.staged),
-                "writes_posted": len(self.writes.posted_at), "direct_rows": len(self.writes.kv_rows),
+                "write_deadlines": len(w.deadlines) if w else 0, "staged_waiting": len(w.staged) if w else 0,
+                "writes_posted": len(w.posted_at) if w else 0, "direct_rows": len(w.kv_rows) if w else 0,
                 **self.side.room_state()}
+
+    def staged_waiting(self) -> int:
+        """Staged pieces waiting for ring space (a prefill rank's; 0 on a decode rank)."""
+        return len(self.writes.staged) if self.writes is not None else 0
 
     def start(self) -> None:
         self.thread.start()
@@ -312,7 +373,8 @@ class EngineLoop:
 
     def _tick(self, now: float) -> None:
         self.side.tick_rooms(now)
-        self.writes.tick(now)
+        if self.writes is not None:
+            self.writes.tick(now)
         self.side.tick(now)
         self.liveness.tick(now, self.looked)
         if self._closing_since is not None:

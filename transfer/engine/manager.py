@@ -461,8 +461,8 @@ def _live_stats(loop: EngineLoop) -> Snapshot:
         out.update(ring_bytes=a.size, ring_live_bytes=a.live_bytes, ring_live_regions=a.live_regions,
                    ring_held_bytes=a.held_bytes,
                    ring_occupied_bytes=a.occupied_bytes, ring_high_water_bytes=min(a.high_water, a.size),
-                   ring_backlog_high_water_bytes=a.high_water, ring_credit_bytes=loop.side.credit_bytes())
-    out["staged_pieces_waiting"] = len(loop.writes.staged)
+                   ring_backlog_high_water_bytes=a.high_water, ring_credit_bytes=loop.credit_bytes())
+    out["staged_pieces_waiting"] = loop.staged_waiting()
     out["quarantined_bytes"] = loop.side.quarantined_bytes()
     out["room_state"] = loop.room_state()
     out["backend_steps"] = dict(loop.steps)

@@ -14,13 +14,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..protocol.actions import PeerKey
-from ..protocol.kinds import Role
 from ..protocol.leases import Lease
 from ..protocol.messages import Goodbye, KVMemory, PeerMessage, RingInfo
 from ..protocol.routing import PeerState
 from ..protocol.stage_mapping import DecodeStage
-from .context import FINISHED_MEMORY, EngineContext
-from .interfaces import Later, PeerLossListener
+from .context import FINISHED_MEMORY
+from .interfaces import Counters, Later, PeerLinks, PeerLossListener, Sockets, Unsubscribe
 
 log = logging.getLogger("kvstage")
 
@@ -46,11 +45,15 @@ class Peer:
 
 
 class PeerTable:
-    """`listeners`: who is told when a connection ends, in order (built after the table: they
-    use it)."""
+    """The peers of rank `me`. `sock` sends to an endpoint (a Goodbye) and forgets its socket,
+    `stats` counts drops and losses, `staging` drops a lost peer's watermark subscription,
+    `links` (a prefill rank's backend; None on a decode rank, which writes nowhere) drops its
+    backend connection. `listeners`: who is told when a connection ends, in order (built after
+    the table: they use it). The table is the parts' Outbox (interfaces.py)."""
 
-    def __init__(self, ctx: EngineContext, *, listeners: Later[Sequence[PeerLossListener]]):
-        self.ctx = ctx
+    def __init__(self, *, me: int, sock: Sockets, stats: Counters, staging: Unsubscribe, links: PeerLinks | None,
+                 listeners: Later[Sequence[PeerLossListener]]):
+        self.me, self.sock, self.stats, self.staging, self.links = me, sock, stats, staging, links
         self._listeners = listeners
         self.peers: dict[int, Peer] = {}
         self.by_rank: dict[tuple[str, int], int] = {}
@@ -103,9 +106,8 @@ class PeerTable:
     def lost(self, peer: Peer, reason: str, now: float, tell: bool = True, clean: bool = False) -> None:
         if peer.state == PeerState.LOST:
             return
-        ctx = self.ctx
         if tell:  # it may be alive but frozen or cut off: when it wakes up it learns at once
-            ctx.sock.send(peer.endpoint, Goodbye(src=ctx.me, dst=peer.key.incarnation, conn=peer.conn,
+            self.sock.send(peer.endpoint, Goodbye(src=self.me, dst=peer.key.incarnation, conn=peer.conn,
                                                  reason=f"you were declared lost: {reason}"))
         log.warning("peer %s lost: %s", peer.key, reason)
         was = peer.state
@@ -121,11 +123,11 @@ class PeerTable:
             self._told_gone.pop(old, None)
         if peer.backend_name:
             self.by_backend.pop(peer.backend_name, None)
-            if ctx.role == Role.PREFILL:
-                ctx.backend.disconnect(peer.backend_name)  # its pending writes fail
-        ctx.handler.unsubscribe(peer.key.incarnation)
-        ctx.sock.forget(peer.endpoint)
-        ctx.stats.count("peers_lost", str(PeerState.CONNECTING if was == PeerState.CONNECTING else PeerState.CONNECTED))
+            if self.links is not None:
+                self.links.disconnect(peer.backend_name)  # its pending writes fail
+        self.staging.unsubscribe(peer.key.incarnation)
+        self.sock.forget(peer.endpoint)
+        self.stats.count("peers_lost", str(PeerState.CONNECTING if was == PeerState.CONNECTING else PeerState.CONNECTED))
         for listener in self._listeners():
             listener.peer_lost(peer, reason, now, clean)
 
@@ -133,10 +135,10 @@ class PeerTable:
     def send(self, key: PeerKey, msg: PeerMessage) -> None:
         peer = self.peers.get(key.incarnation)
         if peer is None or peer.state == PeerState.LOST:
-            self.ctx.stats.count("dropped_messages", "to_lost_peer")
+            self.stats.count("dropped_messages", "to_lost_peer")
             return
-        if not self.ctx.sock.send(peer.endpoint, msg):
-            self.ctx.stats.count("dropped_messages", "send_queue_full")
+        if not self.sock.send(peer.endpoint, msg):
+            self.stats.count("dropped_messages", "send_queue_full")
 
     def tell_gone(self, incarnation: int, now: float) -> None:
         """A peer we declared lost still talks to us: tell it (at most once a second), so it
@@ -146,5 +148,5 @@ class PeerTable:
             return
         self._told_gone[incarnation] = now
         endpoint, conn = where
-        self.ctx.sock.send(endpoint, Goodbye(src=self.ctx.me, dst=incarnation, conn=conn,
+        self.sock.send(endpoint, Goodbye(src=self.me, dst=incarnation, conn=conn,
                                              reason=f"you were declared lost: {self.gone[incarnation]}"))

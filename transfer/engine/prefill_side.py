@@ -11,9 +11,12 @@ from __future__ import annotations
 import itertools
 import logging
 from collections import defaultdict
+from dataclasses import dataclass
 
+from ..config import Timeouts
+from ..layout import KVLayout, LayoutSummary
 from ..poll import KVPoll
-from ..protocol.actions import Action, PeerKey, ReleaseCredit, Scatter, Send, SettleCredits, StatusChanged
+from ..protocol.actions import Action, PeerKey, SettleCredits
 from ..protocol.hello_admission import PrefillFacts, admit_hello
 from ..protocol.kinds import FailureKind, Role
 from ..protocol.layer_sends import PER_CHUNK, LayerGrouping
@@ -32,19 +35,25 @@ from ..protocol.messages import (
     RoomMeta,
     WatermarkUpdate,
 )
+from ..protocol.path_choice import WriterCosts
 from ..protocol.prefill_room import PrefillRoom
 from ..protocol.ring import Watermark
 from ..protocol.room_uses import EarlierUses, Parked, RoomUse, unserved_answer, use_without_sender
 from ..protocol.routing import HelloVerdict, PeerState, hello_verdict
 from ..protocol.stage_mapping import stage_memory
-from ..protocol.tags import Tag
-from .context import EngineContext
 from .events import Abort, InitSender, NewSender, SendChunk, UnitReady
-from .interfaces import EventHandler, MessageHandler
+from .interfaces import (
+    Counters,
+    EventHandler,
+    MessageHandler,
+    PrefillBackend,
+    PrefillStaging,
+    PrefillWrites,
+    Sockets,
+)
 from .peers import Peer, PeerTable
 from .ring_credits import PrefillCredits
-from .rooms import RoomBook
-from .write_queue import WriteQueue
+from .rooms import PrefillBook
 
 log = logging.getLogger("kvstage")
 
@@ -52,20 +61,43 @@ _OP_IDS = itertools.count(1)  # write ids, unique in the process
 MAX_PENDING_ROOMS = 65536
 
 
+@dataclass(frozen=True, kw_only=True)
+class PrefillRank:
+    """What a prefill rank says of itself as decode ranks connect (admission, HelloAck): plain
+    values of its configuration, taken once at start."""
+
+    engine_id: str
+    backend: str                  # the backend's kind (EngineConfig.backend: "nixl", "mooncake")
+    backend_name: str             # its name in the backend, for the decode rank's notifications
+    verify: bool                  # EngineConfig.verify: digests on
+    staging: bool                 # EngineConfig.staging: staging asked for here
+    costs: WriterCosts | None     # the measured write costs (calibration.py; None: not measured)
+    credits: bool                 # EngineConfig.credits
+    piece_cap: int                # the largest staged piece in bytes (0: no cap)
+
+
 class PrefillSide:
     writes_to_peers = True   # a peer whose write lease ran out is lost
 
-    def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook[PrefillRoom], writes: WriteQueue,
-                 grouping: LayerGrouping = PER_CHUNK):
-        """`grouping`: how layer-wise sends become writes (EngineConfig.layer_group and
-        layerwise_min_tokens)."""
-        self.ctx, self.peers, self.book, self.writes = ctx, peers, book, writes
+    def __init__(self, *, me: int, rank: PrefillRank, layout: KVLayout, summary: LayoutSummary, timeouts: Timeouts,
+                 stats: Counters, sock: Sockets, backend: PrefillBackend, staging: PrefillStaging, peers: PeerTable,
+                 book: PrefillBook, writes: PrefillWrites, grouping: LayerGrouping = PER_CHUNK):
+        """Rank `me` (`rank`: what it says of itself) with `layout` (its `summary`, what a decode
+        rank's must match), by `timeouts`; `sock` sends a HelloAck to a peer not connected yet,
+        `backend` connects and fences decode ranks, `staging` follows their rings' watermarks;
+        `writes` (the write queue) takes staged pieces whose ring space freed up. `grouping`: how
+        layer-wise sends become writes (EngineConfig.layer_group and layerwise_min_tokens)."""
+        self.me, self.rank, self.layout, self.summary, self.t = me, rank, layout, summary, timeouts
+        self.stats, self.sock, self.backend, self.staging = stats, sock, backend, staging
+        self.peers, self.book, self.writes = peers, book, writes
         self.grouping = grouping
         self.served: dict[int, frozenset[tuple[int, int]]] = {}          # room that succeeded -> its (decode incarnation, session)s
         self.used_sessions: dict[int, EarlierUses] = {}  # finished room -> its uses' sessions (stale for the next)
         self.pending: dict[int, list[Parked]] = defaultdict(list)  # room -> messages that came before its sender
         self.pending_since: dict[int, float] = {}
-        self.credits = PrefillCredits(ctx, peers, book, lambda inc, now: self.writes.dispatch(inc, now))   # ring credits
+        self.credits = PrefillCredits(   # ring credits
+            me=me, peers=peers, book=book, stats=stats, staging=staging, credits=rank.credits,
+            piece_cap=rank.piece_cap, heartbeat=timeouts.heartbeat, dispatch=lambda inc, now: self.writes.dispatch(inc, now))
         self.handlers: dict[type, MessageHandler] = {
             RoomMeta: self.on_RoomMeta, AllocGrant: self.on_AllocGrant, WatermarkUpdate: self.on_WatermarkUpdate,
             RoomDone: self.on_RoomDone, RoomFailed: self.on_RoomFailed, CreditGrant: self.credits.on_grant,
@@ -77,9 +109,8 @@ class PrefillSide:
     # -- the connection handshake ---------------------------------------------------------------
     def on_hello(self, msg: Hello, now: float) -> None:
         """A decode rank connects."""
-        ctx = self.ctx
-        if msg.role != Role.DECODE or msg.dst not in (0, ctx.me):
-            ctx.stats.count("dropped_messages", "unexpected")
+        if msg.role != Role.DECODE or msg.dst not in (0, self.me):
+            self.stats.count("dropped_messages", "unexpected")
             return
         key = PeerKey(msg.engine_id, msg.tp_rank, msg.src)
         old = self.peers.get(msg.src)
@@ -88,73 +119,70 @@ class PrefillSide:
             assert old is not None
             return self._send_ack(old, True, "")  # a retried Hello
         if verdict == HelloVerdict.STALE:
-            ctx.stats.count("dropped_messages", "stale_connection")
+            self.stats.count("dropped_messages", "stale_connection")
             return
         if verdict == HelloVerdict.REPLACE:  # its side of the old connection is over: so is ours
             assert old is not None
             self.peers.lost(old, "it connected again (it had declared the connection lost)", now, tell=False)
         if msg.src in self.peers.replaced:
-            ctx.stats.count("dropped_messages", "stale_peer")
+            self.stats.count("dropped_messages", "stale_peer")
             return
         if self.peers.came_back(msg.src):
             log.info("decode rank %s reconnects after it was lost", key)
+        layout, rank = self.layout, self.rank
         adm = admit_hello(msg, PrefillFacts(
-            summary=ctx.summary, tp_size=ctx.layout.tp_size, total_kv_heads=ctx.layout.total_kv_heads,
-            mla=ctx.layout.mla, num_layers=ctx.layout.num_layers, verify=ctx.cfg.verify,
-            backend=ctx.cfg.backend, memory_kinds=tuple(ctx.backend.call(lambda b: b.memory_kinds))))
+            summary=self.summary, tp_size=layout.tp_size, total_kv_heads=layout.total_kv_heads,
+            mla=layout.mla, num_layers=layout.num_layers, verify=rank.verify,
+            backend=rank.backend, memory_kinds=tuple(self.backend.call(lambda b: b.memory_kinds))))
         peer = Peer(key=key, role="decode", tp_size=msg.tp_size, endpoint=msg.ctrl_endpoint,
-                    lease=Lease(ctx.t.lease, now), kv=stage_memory(msg.kv, adm.stage) if adm.ok else msg.kv,
+                    lease=Lease(self.t.lease, now), kv=stage_memory(msg.kv, adm.stage) if adm.ok else msg.kv,
                     ring=msg.ring, since=now, conn=msg.conn, stage=adm.stage)
         self.peers.add(peer, now)
         problems = list(adm.problems)
         if not problems:
             try:
-                peer.backend_name = ctx.backend.call(lambda b: b.connect(msg.backend_identity))
+                peer.backend_name = self.backend.call(lambda b: b.connect(msg.backend_identity))
             except Exception as exc:  # noqa: BLE001
                 problems.append(f"backend connect failed: {exc}")
         if problems:
             peer.state, peer.reason = PeerState.REJECTED, "; ".join(problems)
             log.error("rejecting decode rank %s: %s", key, peer.reason)
-            ctx.stats.count("failures_by_kind", FailureKind.LAYOUT if not peer.backend_name else FailureKind.CONNECT)
+            self.stats.count("failures_by_kind", FailureKind.LAYOUT if not peer.backend_name else FailureKind.CONNECT)
             return self._send_ack(peer, False, peer.reason)
         self.peers.connected_via(peer, peer.backend_name)
-        ctx.backend.fence(peer.backend_name, peer.lease.fence_base + peer.lease.lease_s)
-        peer.staging = bool(msg.staging and msg.ring is not None and ctx.handler.buffers)
+        self.backend.fence(peer.backend_name, peer.lease.fence_base + peer.lease.lease_s)
+        peer.staging = bool(msg.staging and msg.ring is not None and self.staging.buffers)
         if peer.staging and msg.ring is not None:
-            ctx.handler.subscribe(key.incarnation, msg.ring.epoch, msg.ring.size)
+            self.staging.subscribe(key.incarnation, msg.ring.epoch, msg.ring.size)
             peer.credits = self.credits.connected(peer, msg)
-        elif ctx.cfg.staging:
+        elif rank.staging:
             log.info("staging off towards decode rank %s: %s", key,
                      "it has no staging ring" if msg.ring is None or not msg.staging else "no staging buffers here")
         self._send_ack(peer, True, "")
 
     def _send_ack(self, peer: Peer, ok: bool, reason: str) -> None:
-        ctx = self.ctx
-        ctx.sock.send(peer.endpoint, HelloAck(
-            src=ctx.me, dst=peer.key.incarnation, ok=ok, reason=reason, engine_id=ctx.cfg.engine_id,
-            tp_size=ctx.layout.tp_size, tp_rank=ctx.layout.tp_rank, backend_name=ctx.backend_name,
-            staging=bool(ok and peer.staging), buffer_bytes=ctx.handler.buffer_bytes, lease_s=ctx.t.lease,
-            conn=peer.conn, costs=ctx.calibration.writer if ok and peer.staging and ctx.calibration else None,
+        rank = self.rank
+        self.sock.send(peer.endpoint, HelloAck(
+            src=self.me, dst=peer.key.incarnation, ok=ok, reason=reason, engine_id=rank.engine_id,
+            tp_size=self.layout.tp_size, tp_rank=self.layout.tp_rank, backend_name=rank.backend_name,
+            staging=bool(ok and peer.staging), buffer_bytes=self.staging.buffer_bytes, lease_s=self.t.lease,
+            conn=peer.conn, costs=rank.costs if ok and peer.staging else None,
             credits=bool(ok and peer.credits)))
-
-    def on_tag(self, peer: Peer, tag: Tag, now: float) -> None:
-        """Only decode ranks are written to: a confused or forged peer."""
-        self.ctx.stats.count("dropped_tags", "tag_at_prefill_rank")
 
     def on_heartbeat(self, peer: Peer, msg: Heartbeat, now: float) -> None:
         """A heartbeat renews the write fence and may carry the decode ring's watermark."""
         if not peer.backend_name:
             return
-        self.ctx.backend.fence(peer.backend_name, peer.lease.fence_base + peer.lease.lease_s)
-        if msg.wm_epoch and self.ctx.handler.on_watermark(peer.key.incarnation, msg.wm_epoch,
+        self.backend.fence(peer.backend_name, peer.lease.fence_base + peer.lease.lease_s)
+        if msg.wm_epoch and self.staging.on_watermark(peer.key.incarnation, msg.wm_epoch,
                                                           Watermark(msg.wm_round, msg.wm_tail)):
             self.writes.dispatch(peer.key.incarnation, now)
 
     # -- the caller's events --------------------------------------------------------------------
     def new_sender(self, ev: NewSender, now: float) -> None:
-        room = PrefillRoom(room=ev.room, num_pages=ev.num_pages, layout=self.ctx.layout, me=self.ctx.me, now=now,
-                           timeouts=self.ctx.t, op_ids=_OP_IDS, stale=self.used_sessions.pop(ev.room, EarlierUses()),
-                           pools=tuple(self.ctx.summary.pools), pool_items=ev.pool_items,
+        room = PrefillRoom(room=ev.room, num_pages=ev.num_pages, layout=self.layout, me=self.me, now=now,
+                           timeouts=self.t, op_ids=_OP_IDS, stale=self.used_sessions.pop(ev.room, EarlierUses()),
+                           pools=tuple(self.summary.pools), pool_items=ev.pool_items,
                            grouping=self.grouping, credits=self.credits)
         self.book.add(room, ev.status)
         self.served.pop(ev.room, None)
@@ -189,7 +217,7 @@ class PrefillSide:
         if room is not None:
             return self._item(room, item, now)
         key, msg = item.peer, item.msg
-        me = self.ctx.me
+        me = self.me
         if not item.is_meta:
             # nothing of ours for this room is in flight to that peer (finished, or never started):
             # say so, in case an earlier Quiesced was lost; a failure parked below fails the
@@ -204,10 +232,10 @@ class PrefillSide:
                                             kind=kind_, reason=f"the prefill sender of this room has finished: {why}"))
             self.peers.send(key, Quiesced(src=me, dst=key.incarnation, room=room_id, session=msg.session))
         if use is not RoomUse.NEXT:  # SERVED: metadata this room already served (and acked) again: no news
-            self.ctx.stats.count("dropped_messages", "finished_room")
+            self.stats.count("dropped_messages", "finished_room")
             return
         if len(self.pending) >= MAX_PENDING_ROOMS and room_id not in self.pending:
-            self.ctx.stats.count("dropped_messages", "too_many_pending_rooms")
+            self.stats.count("dropped_messages", "too_many_pending_rooms")
             return
         self.pending[room_id].append(item)
         self.pending_since.setdefault(room_id, now)
@@ -217,7 +245,7 @@ class PrefillSide:
         if isinstance(msg, RoomMeta):
             use = room.meta_use(key, msg.session)
             if use is RoomUse.STALE:  # a retransmission from the id's earlier use, acked late
-                self.ctx.stats.count("dropped_messages", "stale_room_meta")
+                self.stats.count("dropped_messages", "stale_room_meta")
                 return
             if use is RoomUse.NEXT:  # this use is over at that decode rank: keep it for the next sender
                 self.pending[room.room].append(item)
@@ -233,7 +261,7 @@ class PrefillSide:
 
     def on_RoomMeta(self, peer: Peer, msg: RoomMeta, now: float) -> None:
         self._input(msg.room, Parked(peer.key, msg), now)  # the write goes out first
-        self.peers.send(peer.key, MetaAck(src=self.ctx.me, dst=peer.key.incarnation, room=msg.room,
+        self.peers.send(peer.key, MetaAck(src=self.me, dst=peer.key.incarnation, room=msg.room,
                                           session=msg.session))
 
     def on_AllocGrant(self, peer: Peer, msg: AllocGrant, now: float) -> None:
@@ -242,7 +270,7 @@ class PrefillSide:
             self.book.apply(room, room.on_grant(peer.key, msg, now))
 
     def on_WatermarkUpdate(self, peer: Peer, msg: WatermarkUpdate, now: float) -> None:
-        if self.ctx.handler.on_watermark(peer.key.incarnation, msg.epoch, Watermark(msg.round, msg.tail)):
+        if self.staging.on_watermark(peer.key.incarnation, msg.epoch, Watermark(msg.round, msg.tail)):
             self.writes.dispatch(peer.key.incarnation, now)
 
     def on_RoomDone(self, peer: Peer, msg: RoomDone, now: float) -> None:
@@ -255,9 +283,6 @@ class PrefillSide:
         self._input(msg.room, Parked(peer.key, msg), now)
 
     # -- hooks: rooms, peers, time, closing -----------------------------------------------------
-    def status_changed(self, room: PrefillRoom, a: StatusChanged) -> None:
-        pass
-
     def released(self, room: PrefillRoom) -> None:
         self.writes.forget_room(room.room)
         for flow in room.flows.values():   # the last room towards a peer lets its credits go
@@ -271,20 +296,8 @@ class PrefillSide:
         self.served.pop(room_id, None)
         self.used_sessions.pop(room_id, None)
 
-    def scatter(self, a: Scatter) -> None:
-        raise RuntimeError("a prefill room asked for a scatter")
-
-    def publish_watermark(self) -> None:
-        raise RuntimeError("a prefill room asked to publish a watermark")
-
-    def release_credit(self, a: ReleaseCredit) -> None:
-        raise RuntimeError("a prefill room released a decode ring's credit")
-
     def settle_credits(self, a: SettleCredits) -> None:
         self.credits.settle(a.peer)
-
-    def meta_out(self, room: PrefillRoom, a: Send) -> None:
-        pass
 
     def peer_lost(self, peer: Peer, reason: str, now: float, clean: bool) -> None:
         self.credits.peer_lost(peer)
@@ -301,16 +314,16 @@ class PrefillSide:
     def tick(self, now: float) -> None:
         self.credits.tick(now)
         for room_id, since in list(self.pending_since.items()):
-            if now - since > self.ctx.t.metadata:
+            if now - since > self.t.metadata:
                 for item in self.pending.pop(room_id, []):   # their decode rooms must not wait for it
                     answer = unserved_answer(item, now - since)
                     if answer is not None:
                         self._fail_unserved(item, *answer)
                 del self.pending_since[room_id]
-                self.ctx.stats.count("dropped_messages", "meta_without_sender")
+                self.stats.count("dropped_messages", "meta_without_sender")
 
     def _fail_unserved(self, item: Parked, kind: str, reason: str) -> None:
-        key, msg, me = item.peer, item.msg, self.ctx.me
+        key, msg, me = item.peer, item.msg, self.me
         self.peers.send(key, RoomFailed(src=me, dst=key.incarnation, room=msg.room, session=msg.session, kind=kind,
                                         reason=reason))
         self.peers.send(key, Quiesced(src=me, dst=key.incarnation, room=msg.room, session=msg.session))
@@ -321,14 +334,10 @@ class PrefillSide:
     def room_state(self) -> dict[str, int]:
         return {"parked_rooms": len(self.pending)}
 
-    def credit_bytes(self) -> int:
-        """Only a decode rank's ring is lent out as credits."""
-        return 0
-
     def quarantined_bytes(self) -> int:
         """Source bytes of writes given up on that the backend may still read (Mooncake cannot
         cancel a write inside its engine): their staging buffers and pages are not reused yet."""
-        return sum(int(w.src[:, 1].sum()) for w in self.ctx.backend.draining)
+        return self.backend.draining_bytes()
 
     def stuck_rooms(self) -> list[int]:
         """Rooms an internal error may leave stuck: those with writes in flight."""

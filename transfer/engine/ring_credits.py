@@ -33,16 +33,20 @@ from ..protocol.credits import ClaimVerdict, CreditSpan, GrantVerdict, WriteRef
 from ..protocol.decode_room import DecodeRoom
 from ..protocol.kinds import FailureKind
 from ..protocol.messages import CreditAck, CreditGrant, CreditReturn, CreditWrite, Hello, HelloAck, RoomMeta
-from ..protocol.prefill_room import PrefillRoom
 from ..protocol.ring import Watermark
 from ..protocol.tags import Tag
-from .context import EngineContext
-from .peers import Peer, PeerTable
-from .rooms import RoomBook
+from .interfaces import Counters, Outbox, RingOwner, Watermarks
+from .peers import Peer
+from .rooms import DecodeBook, PrefillBook
 
 log = logging.getLogger("kvstage")
 
 MIB = 1 << 20
+
+
+def piece_cap_bytes(piece_mb: float) -> int:
+    """ResolvedConfig.staging_piece_mb in bytes (0: no cap)."""
+    return int(piece_mb * MIB)
 
 
 def credit_floor(ring_size: int, piece_cap: int, align: int) -> int:
@@ -53,12 +57,16 @@ def credit_floor(ring_size: int, piece_cap: int, align: int) -> int:
 
 
 class DecodeCredits:
-    """The ring credits of a decode rank (`ledger` None: credits off here, or no ring)."""
+    """The ring credits of decode rank `me` (`ledger` None: credits off here, or no ring)."""
 
-    def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook[DecodeRoom],
-                 publish: Callable[[], None]):
-        """`publish`: tell the writers the ring's watermark moved (DecodeSide.publish_watermark)."""
-        self.ctx, self.peers, self.book, self.publish = ctx, peers, book, publish
+    def __init__(self, *, me: int, peers: Outbox, book: DecodeBook, stats: Counters, ring: RingOwner,
+                 credits: bool, piece_cap: int, heartbeat: float, publish: Callable[[], None]):
+        """`ring`: the staging handler's ring; `credits`: EngineConfig.credits; `piece_cap`: the
+        largest staged piece in bytes (0: no cap); `heartbeat`: how often grants no write used are
+        sent again; `publish`: tell the writers the ring's watermark moved
+        (DecodeSide.publish_watermark)."""
+        self.me, self.peers, self.book, self.stats, self.ring = me, peers, book, stats, ring
+        self.credits_on, self.piece_cap, self.heartbeat, self.publish = credits, piece_cap, heartbeat, publish
         self.ledger: CreditLedger | None = None   # made at the first connection (credits on, a ring here)
         self._ledger_made = False
         self.takers: dict[int, PeerKey] = {}            # incarnation -> a rank connected to the ledger
@@ -68,9 +76,9 @@ class DecodeCredits:
 
     def _make_ledger(self) -> None:
         self._ledger_made = True
-        ring = self.ctx.handler.allocator
-        if self.ctx.cfg.credits and ring is not None:
-            cap = int(self.ctx.cfg.staging_piece_mb * MIB) or ring.size
+        ring = self.ring.allocator
+        if self.credits_on and ring is not None:
+            cap = self.piece_cap or ring.size
             self.ledger = CreditLedger(ring, floor=credit_floor(ring.size, cap, ring.align))
 
     def connected(self, peer: Peer, msg: HelloAck) -> None:
@@ -84,7 +92,7 @@ class DecodeCredits:
             self.ledger.connect(peer.key)
         except ValueError as exc:   # the ring cannot hold one more piece: this rank goes the grant path
             log.warning("no ring credits for prefill rank %s: %s", peer.key, exc)
-            self.ctx.stats.count("credits", "refused_connection")
+            self.stats.count("credits", "refused_connection")
             return
         self.takers[peer.key.incarnation] = peer.key
 
@@ -111,13 +119,13 @@ class DecodeCredits:
         self._send_grants(self.ledger.issue())
 
     def _send_grants(self, issued: Iterable[Issued]) -> None:
-        a = self.ctx.handler.allocator
+        a = self.ring.allocator
         assert a is not None, "credits are given only from a ring"
         wm = a.watermark
         for c in issued:
             key = cast(PeerKey, c.peer)   # the ledger is given PeerKeys (claim(), below)
-            self.ctx.stats.count("credits", "granted")
-            self.peers.send(key, CreditGrant(src=self.ctx.me, dst=key.incarnation, epoch=self.ctx.me,
+            self.stats.count("credits", "granted")
+            self.peers.send(key, CreditGrant(src=self.me, dst=key.incarnation, epoch=self.me,
                                                 credit=c.credit, start=c.start, nbytes=c.nbytes, wm_round=wm.round,
                                                 wm_tail=wm.tail))
 
@@ -139,22 +147,22 @@ class DecodeCredits:
         self.issue()
 
     def on_return(self, peer: Peer, msg: CreditReturn, now: float) -> None:
-        if self.ledger is None or msg.epoch != self.ctx.me:
-            self.ctx.stats.count("dropped_messages", "stale_credit_return")
+        if self.ledger is None or msg.epoch != self.me:
+            self.stats.count("dropped_messages", "stale_credit_return")
             return
         res = self.ledger.on_return(peer.key, msg.credit, [WriteRef(room=w.room, session=w.session, start=w.start,
                                                                     nbytes=w.nbytes) for w in msg.writes])
-        self.peers.send(peer.key, CreditAck(src=self.ctx.me, dst=peer.key.incarnation, epoch=msg.epoch,
+        self.peers.send(peer.key, CreditAck(src=self.me, dst=peer.key.incarnation, epoch=msg.epoch,
                                             credit=msg.credit))
         if not res.ok:   # the rooms that wrote into it fail; the region stays out of use until it is lost
             log.error("bad credit return from %s: %s", peer.key, res.reason)
-            self.ctx.stats.count("credits", "bad_return")
+            self.stats.count("credits", "bad_return")
             for room_id, session in res.rooms:
                 room = self.book.get(room_id)
                 if room is not None and room.session == session:
                     self.book.apply(room, room.fail(FailureKind.PROTOCOL, f"ring credit: {res.reason}", now))
             return
-        self.ctx.stats.count("credits", "returned")
+        self.stats.count("credits", "returned")
         if res.freed:
             self.publish()
         self.issue()
@@ -194,20 +202,23 @@ class DecodeCredits:
             return
         if self.lost_at:
             self._close_lost(now)
-        if now - self.resent_at >= self.ctx.t.heartbeat:   # a grant may have been lost
+        if now - self.resent_at >= self.heartbeat:   # a grant may have been lost
             self.resent_at = now
             for key in self.takers.values():
                 self._send_grants(self.ledger.unacknowledged(key))
 
 
 class PrefillCredits:
-    """The ring credits decode peers gave this prefill rank: the rooms' CreditPurses."""
+    """The ring credits decode peers gave prefill rank `me`: the rooms' CreditPurses."""
 
-    def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook[PrefillRoom],
-                 dispatch: Callable[[int, float], None]):
-        """`dispatch(peer incarnation, now)`: staged writes towards that peer may go (its
-        watermark moved)."""
-        self.ctx, self.peers, self.book, self.dispatch = ctx, peers, book, dispatch
+    def __init__(self, *, me: int, peers: Outbox, book: PrefillBook, stats: Counters, staging: Watermarks,
+                 credits: bool, piece_cap: int, heartbeat: float, dispatch: Callable[[int, float], None]):
+        """`staging`: the staging handler (a decode peer's watermark, a staging buffer's size);
+        `credits`: EngineConfig.credits; `piece_cap`: the largest staged piece in bytes (0: no
+        cap); `heartbeat`: how often returns not acknowledged are sent again; `dispatch(peer
+        incarnation, now)`: staged writes towards that peer may go (its watermark moved)."""
+        self.me, self.peers, self.book, self.stats, self.staging = me, peers, book, stats, staging
+        self.credits_on, self.piece_cap, self.heartbeat, self.dispatch = credits, piece_cap, heartbeat, dispatch
         self._piece_bytes = 0   # set at the first connection: a worker's buffer, and the piece cap
         self.purses: dict[int, tuple[PeerKey, CreditPurse]] = {}
         # per decode peer (incarnation): the rooms that took its metadata and have not ended, the
@@ -225,10 +236,10 @@ class PrefillCredits:
 
     def connected(self, peer: Peer, msg: Hello) -> bool:
         """Whether this rank takes credits from the decode rank that sent `msg` (its HelloAck says so)."""
-        if not (self.ctx.cfg.credits and peer.staging and msg.ring is not None):
+        if not (self.credits_on and peer.staging and msg.ring is not None):
             return False
-        cap = int(self.ctx.cfg.staging_piece_mb * MIB)
-        buffers = self.ctx.handler.buffer_bytes
+        cap = self.piece_cap
+        buffers = self.staging.buffer_bytes
         self._piece_bytes = min(buffers, cap) if cap else buffers
         if self._piece_bytes <= 0:
             return False
@@ -238,10 +249,10 @@ class PrefillCredits:
     def on_grant(self, peer: Peer, msg: CreditGrant, now: float) -> None:
         purse = self.purse(peer.key)
         if purse is None:
-            self.ctx.stats.count("dropped_messages", "credit_without_purse")
+            self.stats.count("dropped_messages", "credit_without_purse")
             return
         verdict = purse.on_grant(credit=msg.credit, epoch=msg.epoch, start=msg.start, nbytes=msg.nbytes)
-        self.ctx.stats.count("credits", f"grant_{verdict}")
+        self.stats.count("credits", f"grant_{verdict}")
         if verdict is GrantVerdict.MISMATCH:
             reason = (f"ring credit {msg.credit} [{msg.start}, +{msg.nbytes}) from decode rank {peer.key} does not fit "
                       "its ring or overlaps a credit held")
@@ -251,7 +262,7 @@ class PrefillCredits:
                 if flow is not None and flow.peer == peer.key:
                     self.book.apply(room, room.fail(FailureKind.PROTOCOL, reason, now))
             return
-        if verdict is GrantVerdict.OK and self.ctx.handler.on_watermark(peer.key.incarnation, msg.epoch,
+        if verdict is GrantVerdict.OK and self.staging.on_watermark(peer.key.incarnation, msg.epoch,
                                                                         Watermark(msg.wm_round, msg.wm_tail)):
             self.dispatch(peer.key.incarnation, now)
 
@@ -292,8 +303,8 @@ class PrefillCredits:
 
     def _send_returns(self, peer: PeerKey, purse: CreditPurse) -> None:
         for back in purse.returns():
-            self.ctx.stats.count("credits", "returned")
-            self.peers.send(peer, CreditReturn(src=self.ctx.me, dst=peer.incarnation, epoch=purse.epoch,
+            self.stats.count("credits", "returned")
+            self.peers.send(peer, CreditReturn(src=self.me, dst=peer.incarnation, epoch=purse.epoch,
                                                credit=back.credit,
                                                writes=[CreditWrite(w.room, w.session, w.start, w.nbytes)
                                                        for w in back.writes]))
@@ -305,7 +316,7 @@ class PrefillCredits:
             held[1].lost()
 
     def tick(self, now: float) -> None:
-        if self.purses and now - self.resent_at >= self.ctx.t.heartbeat:   # a return may have been lost
+        if self.purses and now - self.resent_at >= self.heartbeat:   # a return may have been lost
             self.resent_at = now
             for key, _ in list(self.purses.values()):
                 self.settle(key)

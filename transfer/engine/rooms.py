@@ -1,9 +1,10 @@
 """The rooms (requests) of this rank and the carrying out of their state machines' actions.
 
 Every room state machine returns actions; `RoomBook.apply` is where they happen: messages go
-to peers, writes to the write queue, scatters and watermarks to the decode side, and statuses
-to the caller's handle. A released room is remembered for a while (`finished`) so late
-messages about it get a true answer.
+to peers and statuses to the caller's handle (both roles), writes to the write queue
+(`PrefillBook`), scatters, watermarks and credits to the decode side (`DecodeBook`). A
+released room is remembered for a while (`finished`) so late messages about it get a true
+answer.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 import sys
 import time
 from collections import OrderedDict
-from typing import Generic, NamedTuple, NoReturn
+from typing import ClassVar, Generic, NamedTuple, NoReturn
 
 from ...hop_trace import TRACE, Hop
 from ..poll import KVPoll
@@ -30,12 +31,23 @@ from ..protocol.actions import (
     SettleCredits,
     StatusChanged,
 )
-from ..protocol.kinds import Role, TransferPath
+from ..protocol.decode_room import DecodeRoom
+from ..protocol.kinds import TransferPath
 from ..protocol.messages import RoomMeta
-from .context import FINISHED_MEMORY, EngineContext
+from ..protocol.prefill_room import PrefillRoom
+from .context import FINISHED_MEMORY
 from .handles import RoomStatus
-from .interfaces import Later, R, RoomHooks, WriteSink
-from .peers import PeerTable
+from .interfaces import (
+    Counters,
+    DecodeRoomHooks,
+    Later,
+    Observer,
+    Outbox,
+    PrefillRoomHooks,
+    R,
+    RoomHooks,
+    WriteSink,
+)
 
 if sys.version_info >= (3, 11):
     from typing import assert_never
@@ -44,10 +56,6 @@ else:  # pragma: no cover - Python 3.10 (requires-python), whose typing lacks it
         raise AssertionError(f"unhandled action {value!r}")
 
 log = logging.getLogger("kvstage")
-
-# the states a room enters once its metadata is through: a prefill room has every decode rank's
-# metadata (WaitingForInput or Transferring), a decode room sent its own (Transferring)
-METADATA_STATES = {"prefill": (KVPoll.WaitingForInput, KVPoll.Transferring), "decode": (KVPoll.Transferring,)}
 
 
 class FinishedRoom(NamedTuple):
@@ -60,15 +68,25 @@ class FinishedRoom(NamedTuple):
     session: int         # the decode room's own session; 0 on a prefill rank
 
 
-class RoomBook(Generic[R]):
-    """The rooms of one role (`R`: PrefillRoom or DecodeRoom). `side` (the role's half, built
-    after the book: it uses it) gets the RoomHooks; `writes` (the write queue, built after the
-    book too) gets post() and cancel_room()."""
+# the actions only one role's rooms return: the role's book (PrefillBook, DecodeBook) carries them out
+RoleAction = PostWrite | AwaitUnit | SettleCredits | Scatter | PublishWatermark | ReleaseCredit
 
-    def __init__(self, ctx: EngineContext, peers: PeerTable, *, side: Later[RoomHooks[R]],
-                 writes: Later[WriteSink]):
-        self.ctx, self.peers = ctx, peers
-        self._side, self._writes = side, writes
+
+class RoomBook(Generic[R]):
+    """The rooms of one role (`R`: PrefillRoom or DecodeRoom) and what both roles do with their
+    actions; PrefillBook and DecodeBook carry out the actions only their role's rooms return.
+    `outbox` sends the rooms' messages, `stats` and `observer` take the counters and histograms
+    of a request's end, `hooks` (the role's side, built after the book: it uses it) is told a
+    room was released."""
+
+    # the states a room enters once its metadata is through (the request's "metadata" stamp)
+    METADATA_STATES: ClassVar[tuple[KVPoll, ...]] = ()
+    # whether a request's descriptors are reported to the observer (the writer's count)
+    REPORTS_DESCRIPTORS: ClassVar[bool] = False
+
+    def __init__(self, *, outbox: Outbox, stats: Counters, observer: Observer, hooks: Later[RoomHooks[R]]):
+        self.outbox, self.stats, self.observer = outbox, stats, observer
+        self._hooks = hooks
         self.rooms: dict[int, R] = {}
         self.status: dict[int, RoomStatus] = {}
         self.finished: OrderedDict[int, FinishedRoom] = OrderedDict()
@@ -83,40 +101,41 @@ class RoomBook(Generic[R]):
 
     def apply(self, room: R, actions: list[Action]) -> None:
         failed = False
-        for a in actions:   # Action is a closed union: every kind has its case (assert_never)
+        for a in actions:   # Action is a closed union: every kind has its case here or in _role_action
             match a:
                 case Send():
-                    if type(a.msg) is RoomMeta:
-                        self._side().meta_out(room, a)
-                    self.peers.send(a.peer, a.msg)
-                case PostWrite():
-                    self._writes().post(a.op, time.monotonic())
-                case AwaitUnit():
-                    self._writes().await_unit(a)
-                case Scatter():
-                    self._side().scatter(a)
-                case PublishWatermark():
-                    self._side().publish_watermark()
-                case ReleaseCredit():
-                    self._side().release_credit(a)
-                case SettleCredits():
-                    self._side().settle_credits(a)
+                    self._send(room, a)
                 case StatusChanged():
                     self._status_changed(room, a)
                     failed |= a.state is KVPoll.Failed and not a.released
                 case Released():
                     self._released(room)
                 case Dropped():
-                    self.ctx.stats.count("dropped_messages", a.reason)
+                    self.stats.count("dropped_messages", a.reason)
                 case DecodePrefix():
                     status = self.status.get(room.room)
                     if status is not None:
                         status.decode_prefix_pages = a.pages
                 case _:
-                    assert_never(a)
+                    self._role_action(room, a)
         if failed:
-            # pieces still waiting for ring space are never started (after the room's own messages)
-            self._writes().cancel_room(room.room, time.monotonic())
+            self._failed(room.room)
+
+    def _send(self, room: R, a: Send) -> None:
+        self.outbox.send(a.peer, a.msg)
+
+    def _role_action(self, room: R, a: RoleAction) -> None:
+        """An action only one role's rooms return (the role's book carries it out)."""
+        raise NotImplementedError
+
+    def _failed(self, room_id: int) -> None:
+        """The room just failed (after its own messages went out)."""
+
+    def _after_status(self, room: R, a: StatusChanged) -> None:
+        """After the caller's status and the counters took the room's new state."""
+
+    def _forget(self, room_id: int) -> None:
+        """A finished room dropped out of the bounded memory of finished rooms."""
 
     def _status_changed(self, room: R, a: StatusChanged) -> None:
         status = self.status.get(room.room)
@@ -124,12 +143,12 @@ class RoomBook(Generic[R]):
             TRACE.hop(Hop.STATUS, room.room, a.state.name + (" (released)" if a.released else ""))
         if status is not None:
             ended = a.state in (KVPoll.Success, KVPoll.Failed)
-            if a.state in METADATA_STATES[self.ctx.role]:
+            if a.state in self.METADATA_STATES:
                 status.timeline.stamp("metadata", time.monotonic())
             status.update(a.state, a.failure, a.failure_kind, a.released, room.totals() if ended else None)
         if a.released:
             return
-        stats = self.ctx.stats
+        stats = self.stats
         if a.state is KVPoll.Success:
             stats.count("rooms", "success")
             if status is not None:
@@ -139,7 +158,7 @@ class RoomBook(Generic[R]):
             stats.count("failures_by_kind", a.failure_kind or "unknown")
             stats.count("rooms_failed_by_kind", a.failure_kind or "unknown")
             log.warning("room %s failed (%s): %s", room.room, a.failure_kind, a.failure)
-        self._side().status_changed(room, a)
+        self._after_status(room, a)
 
     def _observe(self, status: RoomStatus) -> None:
         """A request succeeded: its duration from init() and what its writes took, for the
@@ -151,14 +170,14 @@ class RoomBook(Generic[R]):
         init = status.timeline.get("init")
         seconds = None if init is None or end.ended_at is None else end.ended_at - init
         if totals.path_reason:   # decode: which path the choice took, and its predicted and actual time
-            stats = self.ctx.stats
+            stats = self.stats
             stats.count("path_choices", str(totals.path))
             stats.count("path_reasons", totals.path_reason)
             if totals.predicted_s is not None and seconds is not None:
                 stats.sum_in("path_predicted_s", str(totals.path), totals.predicted_s)
                 stats.sum_in("path_actual_s", str(totals.path), seconds)
-        self.ctx.observer.request_done(totals.path, seconds, totals.writes,
-                                       status.descriptors if self.ctx.role == Role.PREFILL else None)
+        self.observer.request_done(totals.path, seconds, totals.writes,
+                                   status.descriptors if self.REPORTS_DESCRIPTORS else None)
 
     def _released(self, room: R) -> None:
         self.rooms.pop(room.room, None)
@@ -166,13 +185,83 @@ class RoomBook(Generic[R]):
         self.finished[room.room] = FinishedRoom(state=room.state, kind=room.failure_kind or "gone",
                                                 reason=room.failure or "it succeeded",
                                                 session=getattr(room, "session", 0))
-        side = self._side()
-        side.released(room)
+        self._hooks().released(room)
         while len(self.finished) > FINISHED_MEMORY:
             gone, _ = self.finished.popitem(last=False)
-            side.forget_finished(gone)
+            self._forget(gone)
 
     def fail(self, room_id: int, kind: str, reason: str, now: float) -> None:
         room = self.rooms.get(room_id)
         if room is not None:
             self.apply(room, room.fail(kind, reason, now))
+
+
+def _foreign(role: str, a: RoleAction) -> NoReturn:
+    """The protocol's Action union is shared by both roles' rooms: one that only the other role's
+    rooms return is a bug in the room state machine."""
+    raise RuntimeError(f"a {role} room returned {type(a).__name__}, an action of the other role")
+
+
+class PrefillBook(RoomBook[PrefillRoom]):
+    """The prefill rooms: their writes go to `writes` (the write queue, built after the book),
+    their credits' settling and the end of their memory to the prefill side."""
+
+    METADATA_STATES = (KVPoll.WaitingForInput, KVPoll.Transferring)   # every decode rank's metadata is in
+    REPORTS_DESCRIPTORS = True
+
+    def __init__(self, *, outbox: Outbox, stats: Counters, observer: Observer, hooks: Later[PrefillRoomHooks],
+                 writes: Later[WriteSink]):
+        super().__init__(outbox=outbox, stats=stats, observer=observer, hooks=hooks)
+        self._prefill_hooks, self._writes = hooks, writes
+
+    def _role_action(self, room: PrefillRoom, a: RoleAction) -> None:
+        match a:
+            case PostWrite():
+                self._writes().post(a.op, time.monotonic())
+            case AwaitUnit():
+                self._writes().await_unit(a)
+            case SettleCredits():
+                self._prefill_hooks().settle_credits(a)
+            case Scatter() | PublishWatermark() | ReleaseCredit():
+                _foreign("prefill", a)
+            case _:
+                assert_never(a)
+
+    def _failed(self, room_id: int) -> None:
+        # pieces still waiting for ring space are never started
+        self._writes().cancel_room(room_id, time.monotonic())
+
+    def _forget(self, room_id: int) -> None:
+        self._prefill_hooks().forget_finished(room_id)
+
+
+class DecodeBook(RoomBook[DecodeRoom]):
+    """The decode rooms: their scatters, watermarks, credits, outgoing metadata and new states go
+    to the decode side (built after the book). A decode room posts no write."""
+
+    METADATA_STATES = (KVPoll.Transferring,)   # its own metadata went out
+
+    def __init__(self, *, outbox: Outbox, stats: Counters, observer: Observer, hooks: Later[DecodeRoomHooks]):
+        super().__init__(outbox=outbox, stats=stats, observer=observer, hooks=hooks)
+        self._decode_hooks = hooks
+
+    def _send(self, room: DecodeRoom, a: Send) -> None:
+        if type(a.msg) is RoomMeta:
+            self._decode_hooks().meta_out(room, a)
+        self.outbox.send(a.peer, a.msg)
+
+    def _role_action(self, room: DecodeRoom, a: RoleAction) -> None:
+        match a:
+            case Scatter():
+                self._decode_hooks().scatter(a)
+            case PublishWatermark():
+                self._decode_hooks().publish_watermark()
+            case ReleaseCredit():
+                self._decode_hooks().release_credit(a)
+            case PostWrite() | AwaitUnit() | SettleCredits():
+                _foreign("decode", a)
+            case _:
+                assert_never(a)
+
+    def _after_status(self, room: DecodeRoom, a: StatusChanged) -> None:
+        self._decode_hooks().status_changed(room, a)

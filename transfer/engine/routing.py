@@ -9,42 +9,52 @@ wrote it and its tag decoded before the role's side sees it.
 from __future__ import annotations
 
 import time
-from typing import Any, cast
+from typing import cast
 
 from ...hop_trace import TRACE, Hop
 from ...wire import WireError
 from ..backends.base import ArrivedTag
 from ..protocol.messages import Hello, PeerMessage, RoomFailed
 from ..protocol.routing import RouteAction, route_frame
-from .context import EngineContext
-from .interfaces import MessageHandler, RoleSide
+from ..protocol.tags import TagCodec
+from .interfaces import Counters, FailureSink, HelloSink, MessageHandler, TagSink
 from .peers import PeerTable
 
 
 class FrameRouter:
-    def __init__(self, ctx: EngineContext, peers: PeerTable, side: RoleSide[Any],
-                 handlers: dict[type, MessageHandler]):
-        self.ctx, self.peers, self.side = ctx, peers, side
-        self.handlers = handlers
+    """Rank `me`'s (of `role`) incoming frames and notifications: `handlers` by message type (the
+    role's side's and liveness's), `failures` (the role's side) for a RoomFailed of a refused
+    peer, `hello` for a Hello (the prefill side; None on a decode rank, which is not connected
+    to), `landed` for a decoded notification (the decode side; None on a prefill rank, which is
+    not written to). `tags` decodes notifications, `stats` counts drops."""
+
+    def __init__(self, *, me: int, role: str, peers: PeerTable, tags: TagCodec, stats: Counters,
+                 handlers: dict[type, MessageHandler], failures: FailureSink, hello: HelloSink | None,
+                 landed: TagSink | None):
+        self.me, self.role, self.peers, self.tags, self.stats = me, role, peers, tags, stats
+        self.handlers, self.failures, self.hello, self.landed = handlers, failures, hello, landed
         self._handled = frozenset(handlers)
 
     def on_frame(self, item: object, now: float) -> None:
         if isinstance(item, WireError):
-            self.ctx.stats.count("dropped_messages", item.kind)
+            self.stats.count("dropped_messages", item.kind)
             return
         msg = cast(PeerMessage, item)
         peer = self.peers.get(msg.src)
-        route = route_frame(type(msg), role=self.ctx.role, me=self.ctx.me, dst=msg.dst,
+        route = route_frame(type(msg), role=self.role, me=self.me, dst=msg.dst,
                             peer_state=peer.state if peer is not None else None,
                             src_gone=msg.src in self.peers.gone, src_replaced=msg.src in self.peers.replaced,
                             handled=self._handled, conn=getattr(msg, "conn", 0),
                             peer_conn=peer.conn if peer is not None else 0)
         if route.action == RouteAction.HELLO:
-            return self.side.on_hello(cast(Hello, msg), now)
+            if self.hello is None:   # decode ranks connect, they are not connected to
+                self.stats.count("dropped_messages", "unexpected")
+                return
+            return self.hello.on_hello(cast(Hello, msg), now)
         if route.action == RouteAction.TELL_GONE:
             self.peers.tell_gone(msg.src, now)
         if route.reason:
-            self.ctx.stats.count("dropped_messages", route.reason)
+            self.stats.count("dropped_messages", route.reason)
         if peer is None:   # route_frame hears from and delivers to known peers only
             return
         if route.heard:
@@ -52,7 +62,7 @@ class FrameRouter:
         if route.action == RouteAction.DELIVER:
             self.handlers[type(msg)](peer, msg, now)
         elif route.action == RouteAction.REJECTED_FAILURE:
-            self.side.on_RoomFailed(peer, cast(RoomFailed, msg), now)
+            self.failures.on_RoomFailed(peer, cast(RoomFailed, msg), now)
 
     def on_tags(self, tags: list[ArrivedTag]) -> None:
         """Notifications of writes that landed in this rank's memory."""
@@ -60,13 +70,16 @@ class FrameRouter:
         for arrived in tags:
             peer = self.peers.of_backend(arrived.peer)
             if peer is None:
-                self.ctx.stats.count("dropped_tags", "unknown_sender")
+                self.stats.count("dropped_tags", "unknown_sender")
                 continue
             try:
-                tag = self.ctx.tags.decode(arrived.tag)
+                tag = self.tags.decode(arrived.tag)
             except WireError as exc:
-                self.ctx.stats.count("dropped_tags", exc.kind)
+                self.stats.count("dropped_tags", exc.kind)
                 continue
             if TRACE.on:
                 TRACE.hop(Hop.BACKEND_TAG, tag.room, f"chunk {tag.chunk} piece {tag.piece}")
-            self.side.on_tag(peer, tag, now)
+            if self.landed is None:   # only decode ranks are written to: a confused or forged peer
+                self.stats.count("dropped_tags", "tag_at_prefill_rank")
+                continue
+            self.landed.on_tag(peer, tag, now)

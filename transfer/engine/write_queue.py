@@ -20,29 +20,44 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from ...staging.workers import GatherJob, Report, TransferWorkers
+from ..kv_buffers import KVBuffers
+from ..layout import KVLayout
 from ..poll import KVPoll
 from ..protocol.actions import AwaitUnit, WriteOp
 from ..protocol.direct_ranges import CacheGeometry, DirectRowsCache, direct_descriptors, pool_descriptor_parts
 from ..protocol.kinds import FailureKind
 from ..protocol.messages import KVMemory, WritePosted
-from ..protocol.prefill_room import PrefillRoom
 from ..protocol.routing import PeerState
+from ..protocol.tags import TagCodec
 from ..protocol.write_groups import DescriptorPart, WriteGroup, group_parts
 from ..protocol.write_queue import Readiness, StagedQueue, WriteDeadlines
-from .context import EngineContext
 from .events import LayersReady, UnitReady, WriteDone
-from .peers import Peer, PeerTable
+from .interfaces import Counters, Observer, PeerOutbox, PieceCounters, Post, StagedRegions, WritePort, WriteSeals
+from .peers import Peer
 from .ready_waiter import ReadyJob, ReadyWaiter
-from .rooms import RoomBook
+from .rooms import PrefillBook
 
 
 class WriteQueue:
-    """`workers`: the transfer workers of a prefill rank with staging buffers, else None."""
+    """The writes of prefill rank `me`'s rooms (`book`) towards its decode peers (`peers`)."""
 
-    def __init__(self, ctx: EngineContext, peers: PeerTable, book: RoomBook[PrefillRoom],
-                 workers: TransferWorkers | None, waiter: ReadyWaiter | None = None):
-        """`waiter`: a prefill rank's thread that waits on direct writes' readiness objects."""
-        self.ctx, self.peers, self.book, self.workers, self.waiter = ctx, peers, book, workers, waiter
+    def __init__(self, *, me: int, peers: PeerOutbox, book: PrefillBook, write_timeout: float,
+                 watermark_timeout: float, stats: PieceCounters, backend: WritePort, staging: StagedRegions,
+                 tags: TagCodec, integrity: WriteSeals, observer: Observer, post: Post, geometry: CacheGeometry,
+                 layout: KVLayout, buffers: KVBuffers, workers: TransferWorkers | None,
+                 waiter: ReadyWaiter | None = None):
+        """`write_timeout`, `watermark_timeout`: Timeouts.write and .watermark; `backend` takes
+        the writes, `staging` says whether a decode ring's region is free, `integrity` tags and
+        seals them, `observer` times them, `post` reports a direct write's completion as a
+        WriteDone event; `geometry`, `layout`, `buffers`: this rank's cache, the writes' source.
+        `workers`: the transfer workers of a rank with staging buffers, else None; `waiter`: the
+        thread that waits on direct writes' readiness objects."""
+        self.me, self.peers, self.book, self.stats = me, peers, book, stats
+        self.write_s, self.watermark_s = write_timeout, watermark_timeout
+        self.backend, self.staging, self.tags, self.integrity = backend, staging, tags, integrity
+        self.observer, self.post_event = observer, post
+        self.geometry, self.layout, self.buffers = geometry, layout, buffers
+        self.workers, self.waiter = workers, waiter
         self.not_ready: dict[int, WriteOp] = {}  # direct writes whose layers the waiter is waiting for
         self.staged = StagedQueue()
         self.deadlines = WriteDeadlines()
@@ -50,7 +65,6 @@ class WriteQueue:
         self.kv_rows = DirectRowsCache()        # per (room, decode peer): a layer-wise chunk's rows
 
     def post(self, op: WriteOp, now: float) -> None:
-        ctx = self.ctx
         peer = self.peers.get(op.peer.incarnation)
         if peer is None or peer.state != PeerState.CONNECTED:
             return self._finish(op.room, op.op_id, False, "decode peer is not connected", now)
@@ -58,43 +72,43 @@ class WriteQueue:
             return self._finish(op.room, op.op_id, False, "the lease with the decode peer expired", now)
         if op.staged:
             self.staged.add(op.peer.incarnation, op, now)
-            ctx.stats.add("watermark_waits_started")
+            self.stats.add("watermark_waits_started")
             return self.dispatch(op.peer.incarnation, now)
         if op.ready:
             assert self.waiter is not None, "a prefill rank has a readiness waiter"
             self.not_ready[op.op_id] = op
-            self.deadlines.start(op.op_id, op.room, now + ctx.t.write)
+            self.deadlines.start(op.op_id, op.room, now + self.write_s)
             op_id, room = op.op_id, op.room
             return self.waiter.submit(ReadyJob(ready=op.ready, event=lambda error: LayersReady(
                 op_id=op_id, room=room, error=error)))
         groups = self._direct_groups(op, peer)
-        ctx.stats.add("write_requests", len(groups))
-        ctx.stats.add("descriptors", sum(len(g.src) for g in groups))
+        self.stats.add("write_requests", len(groups))
+        self.stats.add("descriptors", sum(len(g.src) for g in groups))
         self._count(op, sum(len(g.src) for g in groups), writes=len(groups))
-        self.deadlines.start(op.op_id, op.room, now + ctx.t.write)
+        self.deadlines.start(op.op_id, op.room, now + self.write_s)
         room, op_id = op.room, op.op_id
 
         def posted(group: int) -> None:  # on this thread; the deadline counts from the post, not the queue
             at = self._posted(op_id, room, group)
-            self.deadlines.restart(op_id, at + ctx.t.write)
+            self.deadlines.restart(op_id, at + self.write_s)
 
-        tags = tuple(ctx.integrity.direct_tags(op, len(groups)))
-        done = AllWritesDone(len(groups), lambda ok, reason: ctx.post(
+        tags = tuple(self.integrity.direct_tags(op, len(groups)))
+        done = AllWritesDone(len(groups), lambda ok, reason: self.post_event(
             WriteDone(op_id=op_id, room=room, ok=ok, reason=reason, tags=tags)))
         for i, (g, tag) in enumerate(zip(groups, tags)):
-            ctx.backend.submit_write(peer.backend_name, g.src, g.dst, tag, done.one, functools.partial(posted, i),
+            self.backend.submit_write(peer.backend_name, g.src, g.dst, tag, done.one, functools.partial(posted, i),
                                      dst_kind=g.dst_kind, room=room)
-        ctx.stats.add("bytes_posted", op.nbytes)
+        self.stats.add("bytes_posted", op.nbytes)
 
     def _direct_groups(self, op: WriteOp, peer: Peer) -> list[WriteGroup]:
         """The backend writes of a direct op: its KV ranges and, on the write carrying the last
         page, its pool items, grouped so that no write mixes memory kinds (write_groups.py)."""
-        b, kv = self.ctx.buffers, _memory(peer)
+        b, kv = self.buffers, _memory(peer)
         dst_pages = op.dst_pages
         assert dst_pages is not None, "a direct write without destination pages"
-        src_geo, dst_geo = self.ctx.geometry, self._peer_geometry(peer)
-        src_layers = self.ctx.layout.local(op.layers)
-        if op.layers == self.ctx.layout.layers:   # every layer: one write per chunk, nothing to share
+        src_geo, dst_geo = self.geometry, self._peer_geometry(peer)
+        src_layers = self.layout.local(op.layers)
+        if op.layers == self.layout.layers:   # every layer: one write per chunk, nothing to share
             src, dst = direct_descriptors(src_geo.of_layers(src_layers), dst_geo.of_layers(op.layers),
                                           op.src_pages, dst_pages, op.src_heads, op.dst_heads)
         else:   # a layer-wise room's write: the chunk's rows are computed once (DirectRowsCache)
@@ -111,12 +125,12 @@ class WriteQueue:
 
     def _peer_geometry(self, peer: Peer) -> CacheGeometry:
         kv = _memory(peer)
-        return CacheGeometry(tuple(kv.k_addrs) + tuple(kv.v_addrs), self.ctx.layout.page_size, kv.token_stride,
-                             self.ctx.layout.head_bytes, kv.device, num_kv=self.ctx.layout.num_kv)
+        return CacheGeometry(tuple(kv.k_addrs) + tuple(kv.v_addrs), self.layout.page_size, kv.token_stride,
+                             self.layout.head_bytes, kv.device, num_kv=self.layout.num_kv)
 
     def dispatch(self, peer_inc: int, now: float) -> None:
         """Hand every waiting piece whose ring region is free to a transfer worker."""
-        ctx = self.ctx
+        stats = self.stats
         peer = self.peers.get(peer_inc)   # known while it has pieces waiting: a lost peer's are dropped
 
         def room_live(room_id: int) -> bool:
@@ -124,37 +138,37 @@ class WriteQueue:
             return room is not None and room.state is not KVPoll.Failed
 
         def region_free(op: WriteOp) -> bool:
-            return ctx.handler.region_free(peer_inc, op.ring_start + op.writer_offset, op.nbytes)
+            return self.staging.region_free(peer_inc, op.ring_start + op.writer_offset, op.nbytes)
 
         for verdict, op, since in self.staged.take_ready(peer_inc, room_live, region_free):
             if verdict == Readiness.CANCEL:
                 self._finish(op.room, op.op_id, False, "cancelled: the room failed", now)
                 continue
             if since != now:
-                ctx.stats.add("watermark_waits")
-                ctx.stats.add("watermark_wait_s", now - since)
-            ctx.stats.add("write_requests")
-            ctx.stats.add("descriptors")
-            ctx.stats.add("staged_writes")
-            ctx.stats.add("staged_bytes", op.nbytes)
-            ctx.stats.staged_write((peer_inc, op.room, op.chunk, op.piece))
+                stats.add("watermark_waits")
+                stats.add("watermark_wait_s", now - since)
+            stats.add("write_requests")
+            stats.add("descriptors")
+            stats.add("staged_writes")
+            stats.add("staged_bytes", op.nbytes)
+            stats.staged_write((peer_inc, op.room, op.chunk, op.piece))
             self._count(op, 1)
-            self.deadlines.start(op.op_id, op.room, now + ctx.t.write)
+            self.deadlines.start(op.op_id, op.room, now + self.write_s)
             assert self.workers is not None and peer is not None and peer.ring is not None, \
                 "a staged piece without transfer workers here or a ring there"
             ring = peer.ring
             job = GatherJob(
                 op_id=op.op_id, room=op.room, peer=peer.backend_name, pages=op.src_pages,
-                layers=ctx.layout.local(op.layers),
+                layers=self.layout.local(op.layers),
                 ready=op.ready, heads=op.src_heads,
                 nbytes=op.nbytes, dst_addr=ring.addr + op.ring_start % ring.size + op.writer_offset,
-                dst_device=ring.device, tag=ctx.tags.encode(op.tag), dst_kind=ring.mem_kind, pools=op.pools,
+                dst_device=ring.device, tag=self.tags.encode(op.tag), dst_kind=ring.mem_kind, pools=op.pools,
                 on_posted=functools.partial(self._posted, op.op_id, op.room),
-                seal=ctx.integrity.sealer(op.tag))
+                seal=self.integrity.sealer(op.tag))
             if self.workers.takes_here(job) and self.workers.run_here(job):   # no hand-off there and back
-                ctx.stats.count("gathers", "inline")
+                stats.count("gathers", "inline")
             else:
-                ctx.stats.count("gathers", "thread")
+                stats.count("gathers", "thread")
                 self.workers.submit(job)
 
     def await_unit(self, a: AwaitUnit) -> None:
@@ -197,23 +211,23 @@ class WriteQueue:
         op = room.ops.get(ev.op_id) if room is not None else None
         if ev.ok and op is not None:
             path = "staged" if op.staged else "direct"
-            self.ctx.stats.add("bytes_sent", op.nbytes)
-            self.ctx.stats.count("bytes_sent_by_path", path, op.nbytes)
+            self.stats.add("bytes_sent", op.nbytes)
+            self.stats.count("bytes_sent_by_path", path, op.nbytes)
             if posted_at is not None:
-                self.ctx.observer.write_done(path, now - posted_at)
+                self.observer.write_done(path, now - posted_at)
             status = self.book.status.get(ev.room)
             if status is not None:
                 status.timeline.stamp("last_write", now)
         elif not ev.ok:
-            self.ctx.stats.count("write_failures", "failed")
+            self.stats.count("write_failures", "failed")
         self._finish(ev.room, ev.op_id, ev.ok, ev.reason, now, ev.tags)
 
     def _count(self, op: WriteOp, descriptors: int, writes: int = 1) -> None:
         """The backend writes of `op` (one, or one per pair of memory kinds) with `descriptors`
         ranges in all, by path and for its request."""
         path = "staged" if op.staged else "direct"
-        self.ctx.stats.count("write_requests_by_path", path, writes)
-        self.ctx.stats.count("descriptors_by_path", path, descriptors)
+        self.stats.count("write_requests_by_path", path, writes)
+        self.stats.count("descriptors_by_path", path, descriptors)
         status = self.book.status.get(op.room)
         if status is not None:
             status.descriptors += descriptors
@@ -236,19 +250,19 @@ class WriteQueue:
         if op is None:
             return
         tag = op.tag
-        self.peers.send(op.peer, WritePosted(src=self.ctx.me, dst=op.peer.incarnation, room=room_id,
+        self.peers.send(op.peer, WritePosted(src=self.me, dst=op.peer.incarnation, room=room_id,
                                              session=tag.session, chunk=tag.chunk, piece=tag.piece, group=group))
-        self.ctx.stats.add("writes_announced")
+        self.stats.add("writes_announced")
 
     def tick(self, now: float) -> None:
-        t = self.ctx.t
+        write_s, watermark_s = self.write_s, self.watermark_s
         for op_id, room_id in self.deadlines.expired(now):
             waiting = self.not_ready.pop(op_id, None)
             if waiting is not None:   # nothing was posted: the room may let go of it now
-                self._finish(room_id, op_id, False, f"its layers were not ready within {t.write:g} s", now)
-            self.book.fail(room_id, FailureKind.TIMEOUT, f"a write did not complete within {t.write:g} s", now)
-        for op in self.staged.expire(now, t.watermark):
-            self._finish(op.room, op.op_id, False, f"the decode ring stayed full for {t.watermark:g} s", now)
+                self._finish(room_id, op_id, False, f"its layers were not ready within {write_s:g} s", now)
+            self.book.fail(room_id, FailureKind.TIMEOUT, f"a write did not complete within {write_s:g} s", now)
+        for op in self.staged.expire(now, watermark_s):
+            self._finish(op.room, op.op_id, False, f"the decode ring stayed full for {watermark_s:g} s", now)
 
     def _finish(self, room_id: int, op_id: int, ok: bool, reason: str | None, now: float,
                 tags: tuple[bytes, ...] = ()) -> None:
@@ -263,12 +277,12 @@ def _memory(peer: Peer) -> KVMemory:
     return peer.kv
 
 
-def gather_report(ctx: EngineContext) -> Report:
+def gather_report(stats: Counters, post: Post) -> Report:
     """How the transfer workers report a staged write, from their threads: its gather time
     counted, then a WriteDone event to the control thread."""
     def report(op_id: int, room: int, ok: bool, reason: str | None, gather_s: float, tag: bytes) -> None:
-        ctx.stats.add("gather_s", gather_s)
-        ctx.post(WriteDone(op_id=op_id, room=room, ok=ok, reason=reason, tags=(tag,) if tag else ()))
+        stats.add("gather_s", gather_s)
+        post(WriteDone(op_id=op_id, room=room, ok=ok, reason=reason, tags=(tag,) if tag else ()))
     return report
 
 
