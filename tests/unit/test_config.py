@@ -259,32 +259,22 @@ class _Compiled:
         return False
 
 
-def test_ring_credits_are_on_unless_turned_off(monkeypatch):
-    """On by default since their finding of 2026-11-27 was fixed (docs/protocol.md, "Ring
-    credits"); the option, then KVSTAGE_CREDITS, turns them off."""
-    from kvstage.transfer.config import CREDITS_ENV
+@pytest.mark.parametrize("option, env", [("credits", "CREDITS_ENV"), ("copy_streams", "COPY_STREAMS_ENV")])
+def test_on_by_default_flags_turn_off_by_option_then_variable(monkeypatch, option, env):
+    """Ring credits (on since their finding of 2026-11-27 was fixed: docs/protocol.md, "Ring
+    credits") and each copying thread on a CUDA stream of its own (staging/copy_streams.py): on
+    unless the option, then its variable, turns them off; a word that is not a flag is refused."""
+    from kvstage.transfer import config
 
-    monkeypatch.delenv(CREDITS_ENV, raising=False)
-    assert cfg().resolved().credits is True
-    assert cfg(credits=False).resolved().credits is False
-    monkeypatch.setenv(CREDITS_ENV, "0")
-    assert cfg().resolved().credits is False
-    assert cfg(credits=True).resolved().credits is True
-
-
-def test_copy_streams_are_on_unless_turned_off(monkeypatch):
-    """Each copying thread on a CUDA stream of its own (staging/copy_streams.py) unless the option,
-    then KVSTAGE_COPY_STREAMS, turns it off."""
-    from kvstage.transfer.config import COPY_STREAMS_ENV
-
-    monkeypatch.delenv(COPY_STREAMS_ENV, raising=False)
-    assert cfg().resolved().copy_streams is True
-    assert cfg(copy_streams=False).resolved().copy_streams is False
-    monkeypatch.setenv(COPY_STREAMS_ENV, "0")
-    assert cfg().resolved().copy_streams is False
-    assert cfg(copy_streams=True).resolved().copy_streams is True
-    with pytest.raises(ValueError, match="copy_streams"):
-        cfg(copy_streams="sometimes").resolved()
+    name = getattr(config, env)
+    monkeypatch.delenv(name, raising=False)
+    assert getattr(cfg().resolved(), option) is True
+    assert getattr(cfg(**{option: False}).resolved(), option) is False
+    monkeypatch.setenv(name, "0")
+    assert getattr(cfg().resolved(), option) is False
+    assert getattr(cfg(**{option: True}).resolved(), option) is True
+    with pytest.raises(ValueError, match=option):
+        cfg(**{option: "sometimes"}).resolved()
 
 
 def test_the_core_reads_its_own_variables_not_sglangs(monkeypatch):

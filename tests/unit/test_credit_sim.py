@@ -53,22 +53,28 @@ def test_lost_credit_messages_are_resent_and_nothing_leaks(seed):
     w.check()
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_aborts_dead_ranks_and_reused_room_ids_give_their_credits_back(seed):
-    """Requests aborted mid-transfer, a prefill rank that dies with writes in flight, and room
-    ids used again (a new session) while writes of their earlier use may still land."""
-    w = CreditWorld(P=4, ring_bytes=4096, piece_bytes=1024, seed=seed)
-    reqs = add_requests(w, 10)
+def abort_reuse_and_kill(w, reqs, next_sizes):
+    """Run `w` a random while, abort 3 unfinished requests and use each id again (a new session,
+    `next_sizes`) while writes of its earlier use may still land, kill a prefill rank with writes
+    in flight, then run to the end and check every rule."""
     for _ in range(w.rng.randint(5, 40)):
         if not w.step():
             break
     for r in w.rng.sample(reqs, 3):
         if len(r.done) < len(r.sizes):
             w.abort(r)
-            w.add_request(r.rank, r.room, r.session + 1000, [512, 64])   # the id's next use
+            w.add_request(r.rank, r.room, r.session + 1000, next_sizes)   # the id's next use
     w.kill(w.rng.randrange(w.P))
     w.run(max_ticks=2000)
     w.check()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_aborts_dead_ranks_and_reused_room_ids_give_their_credits_back(seed):
+    """Requests aborted mid-transfer, a prefill rank that dies with writes in flight, and room
+    ids used again (a new session) while writes of their earlier use may still land."""
+    w = CreditWorld(P=4, ring_bytes=4096, piece_bytes=1024, seed=seed)
+    abort_reuse_and_kill(w, add_requests(w, 10), [512, 64])
 
 
 def test_a_rank_that_writes_outside_its_credit_fails_only_its_own_request():
@@ -111,14 +117,4 @@ def test_chunks_larger_than_their_credit_write_what_fits_and_ask_for_the_rest(cf
 @pytest.mark.parametrize("seed", range(4))
 def test_split_chunks_of_aborted_dead_and_reused_rooms_give_credits_and_grants_back(seed):
     w = CreditWorld(P=4, ring_bytes=4096, piece_bytes=1024, seed=seed, chunks=True, drop_msgs=0.1)
-    reqs = add_requests(w, 10, max_pieces=6)
-    for _ in range(w.rng.randint(5, 40)):
-        if not w.step():
-            break
-    for r in w.rng.sample(reqs, 3):
-        if len(r.done) < len(r.sizes):
-            w.abort(r)
-            w.add_request(r.rank, r.room, r.session + 1000, [512, 1024, 64])   # the id's next use
-    w.kill(w.rng.randrange(w.P))
-    w.run(max_ticks=2000)
-    w.check()
+    abort_reuse_and_kill(w, add_requests(w, 10, max_pieces=6), [512, 1024, 64])
