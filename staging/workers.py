@@ -235,9 +235,8 @@ class TransferWorkers:
 
 
 #: the largest range of one staged write, by the staging buffer's memory kind: a piece's write is
-#: cut into ranges of at most this many bytes, posted as one write (one tag); 0: one range. On one
-#: H200, UCX cuda_ipc moved 64 MiB as one range in 0.58 ms and as four ranges of 16 MiB in 0.33
-#: ms; on CPU memory the cut showed no gain (docs/staging_kernels.md, "Staged writes in ranges").
+#: cut into ranges of at most this many bytes, posted as one write (one tag); 0: one range. Why
+#: these values, measured: docs/staging_kernels.md, "Staged writes in ranges".
 WRITE_RANGE_BYTES = {"VRAM": 16 << 20, "DRAM": 0}
 
 
