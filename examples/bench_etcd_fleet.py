@@ -21,6 +21,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import random
 import statistics
 import sys
@@ -31,6 +32,10 @@ from kvstage.bootstrap import BootstrapError, RankInfo, open_rendezvous
 from kvstage.support.etcd_cluster import EtcdCluster
 
 TP = 8
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process failed or exited before it reported."""
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -67,7 +72,17 @@ def pct(xs: list[float], q: float) -> float:
 
 
 def worker(w: int, a: argparse.Namespace, url: str, engines: int, cmd: mp.Queue, out: mp.Queue) -> None:
-    """One process of --clients ranks: registers them, times lookups, reports rank-gone notices."""
+    """One process of --clients ranks; an error ends it with a ("failed", w, reason) report, so the
+    main process stops at once instead of waiting for a report that will not come."""
+    try:
+        run_worker(w, a, url, engines, cmd, out)
+    except BaseException as exc:
+        out.put(("failed", w, f"{type(exc).__name__}: {exc}"[:500]))
+        raise SystemExit(1) from None
+
+
+def run_worker(w: int, a: argparse.Namespace, url: str, engines: int, cmd: mp.Queue, out: mp.Queue) -> None:
+    """Registers the process' ranks, times lookups, reports rank-gone notices."""
     first = w * a.clients
     clients = [open_rendezvous(url) for _ in range(a.clients)]
     heard: list[tuple[str, int, float]] = []
@@ -151,82 +166,115 @@ def main(argv=None) -> int:
                  "members": a.members, "load_1min_start": round(os.getloadavg()[0], 2)}
     with EtcdCluster(a.members) as ec:   # started by the with
         url = ec.url(f"fleet{os.getpid()}", ttl=a.ttl)
-        before = etcd_usage(ec)
+        usage = {"start": etcd_usage(ec)}
         cmds = [ctx.Queue() for _ in range(a.procs)]
         out = ctx.Queue()
         procs = [ctx.Process(target=worker, args=(w, a, url, engines, cmds[w], out), daemon=True)
                  for w in range(a.procs)]
+        fleet = Fleet(procs=procs, cmds=cmds, out=out)
         t0 = time.perf_counter()
         for p in procs:
             p.start()
-
-        def collect(kind: str, n: int, timeout: float = 600) -> dict:
-            got = {}
-            while len(got) < n:
-                k, w, data = out.get(timeout=timeout)
-                assert k == kind, (k, kind)
-                got[w] = data
-            return got
-        got = collect("registered", a.procs).values()
-        reg = [x for v, _ in got for x in v]
-        res["register_refused"] = sum(len(r) for _, r in got)
-        res["register_refused_examples"] = sorted({x for _, r in got for x in r})[:3]
-        res["register_all_s"] = round(time.perf_counter() - t0, 2)
-        res["register_ms"] = {"p50": round(pct(reg, 50) * 1e3, 2), "p99": round(pct(reg, 99) * 1e3, 2)}
-        after_reg = etcd_usage(ec)
-        for c in cmds:
-            c.put("lookup")
-        t1 = time.perf_counter()
-        lat = [x for v in collect("looked_up", a.procs).values() for x in v]
-        took = time.perf_counter() - t1
-        res["lookups"] = len(lat)
-        res["lookup_ms"] = {"p50": round(pct(lat, 50) * 1e3, 2), "p90": round(pct(lat, 90) * 1e3, 2),
-                            "p99": round(pct(lat, 99) * 1e3, 2), "max": round(max(lat, default=0) * 1e3, 2),
-                            "mean": round(statistics.fmean(lat) * 1e3, 2) if lat else 0.0}
-        res["lookups_per_s"] = round(len(lat) / took, 1)
-        after_lookup = etcd_usage(ec)
-        victim = a.procs - 1
-        target = f"e{-(-victim * a.clients // TP)}"   # the first engine all of whose ranks the victim holds
-        for w in range(victim):
-            cmds[w].put(target)
-        collect("watching", victim)
-        time.sleep(a.ttl / 3 + 0.5)   # past the victims' next keepalive, so their leases are fresh
-        t_kill = time.time()
-        procs[victim].kill()
-        procs[victim].join()
-        want = victim * a.clients * TP   # every other client hears of each of its ranks
-        deadline = time.monotonic() + a.ttl + 30
-        delays: list[float] = []
-        while time.monotonic() < deadline:
-            time.sleep(0.5)
-            for w in range(victim):
-                cmds[w].put("report")
-            heard = collect("heard", victim)
-            delays = [t - t_kill for v in heard.values() for (e, _, t) in v if e == target]
-            if len(delays) >= want:
-                break
-        res["watch"] = {"engine": target, "notices_expected": want, "notices": len(delays),
-                        "delay_after_kill_s": {"min": round(min(delays, default=0), 2),
-                                               "p50": round(pct(delays, 50), 2), "p99": round(pct(delays, 99), 2),
-                                               "max": round(max(delays, default=0), 2)},
-                        "goal_s": a.ttl + 2}
-        end = etcd_usage(ec)
-        for w in range(victim):
-            cmds[w].put("stop")
-        for p in procs[:victim]:
-            p.join(60)
-    res["etcd"] = {"start": before, "after_register": after_reg, "after_lookups": after_lookup, "end": end,
-                   "cpu_s_total": round(sum(m["cpu_s"] for m in end) - sum(m["cpu_s"] for m in before), 2),
-                   "rss_mib_max": max(m["rss_mib"] for m in end)}
+        try:
+            ok = measure(a, res, ec, fleet, usage, t0)
+        except WorkerFailed as exc:   # the figures so far, and why the run stopped
+            res["failed"] = str(exc)
+            ok = False
+        usage["end"] = etcd_usage(ec)
+    res["etcd"] = {**usage,
+                   "cpu_s_total": round(sum(m["cpu_s"] for m in usage["end"])
+                                        - sum(m["cpu_s"] for m in usage["start"]), 2),
+                   "rss_mib_max": max(m["rss_mib"] for m in usage["end"])}
     res["load_1min_end"] = round(os.getloadavg()[0], 2)
     text = json.dumps(res, indent=1)
     print(text)
     if a.json:
         with open(a.json, "w") as f:
             f.write(text + "\n")
-    ok = res["watch"]["notices"] >= want and res["watch"]["delay_after_kill_s"]["max"] <= a.ttl + 2
     return 0 if ok else 1
 
+
+class Fleet:
+    """The worker processes, their command queues and the one report queue."""
+
+    def __init__(self, *, procs: list, cmds: list, out: mp.Queue) -> None:
+        self.procs, self.cmds, self.out = procs, cmds, out
+        self.killed: set[int] = set()
+
+    def collect(self, kind: str, n: int, timeout: float = 600) -> dict:
+        """`n` reports of `kind`. A worker's failure report, or a worker gone without one (but the
+        one killed on purpose), raises WorkerFailed with its reason at once."""
+        got: dict = {}
+        deadline = time.monotonic() + timeout
+        while len(got) < n:
+            try:
+                k, w, data = self.out.get(timeout=1.0)
+            except queue.Empty:
+                dead = [w for w, p in enumerate(self.procs) if p.exitcode is not None and w not in self.killed]
+                if dead:
+                    raise WorkerFailed(f"waiting for {kind!r}: workers {dead} exited without a report") from None
+                if time.monotonic() > deadline:
+                    raise WorkerFailed(f"no {kind!r} report from every worker in {timeout:.0f} s") from None
+                continue
+            if k == "failed":
+                raise WorkerFailed(f"worker {w} failed while the run waited for {kind!r}: {data}")
+            assert k == kind, (k, kind)
+            got[w] = data
+        return got
+
+
+def measure(a: argparse.Namespace, res: dict, ec: EtcdCluster, fleet: Fleet, usage: dict, t0: float) -> bool:
+    """Registration, lookups, then the kill and the rank-gone notices; the figures go into `res`,
+    etcd's usage at each stage into `usage`. True when every notice came within TTL + 2 s."""
+    got = fleet.collect("registered", a.procs).values()
+    reg = [x for v, _ in got for x in v]
+    res["register_refused"] = sum(len(r) for _, r in got)
+    res["register_refused_examples"] = sorted({x for _, r in got for x in r})[:3]
+    res["register_all_s"] = round(time.perf_counter() - t0, 2)
+    res["register_ms"] = {"p50": round(pct(reg, 50) * 1e3, 2), "p99": round(pct(reg, 99) * 1e3, 2)}
+    usage["after_register"] = etcd_usage(ec)
+    for c in fleet.cmds:
+        c.put("lookup")
+    t1 = time.perf_counter()
+    lat = [x for v in fleet.collect("looked_up", a.procs).values() for x in v]
+    took = time.perf_counter() - t1
+    res["lookups"] = len(lat)
+    res["lookup_ms"] = {"p50": round(pct(lat, 50) * 1e3, 2), "p90": round(pct(lat, 90) * 1e3, 2),
+                        "p99": round(pct(lat, 99) * 1e3, 2), "max": round(max(lat, default=0) * 1e3, 2),
+                        "mean": round(statistics.fmean(lat) * 1e3, 2) if lat else 0.0}
+    res["lookups_per_s"] = round(len(lat) / took, 1)
+    usage["after_lookups"] = etcd_usage(ec)
+    victim = a.procs - 1
+    target = f"e{-(-victim * a.clients // TP)}"   # the first engine all of whose ranks the victim holds
+    for w in range(victim):
+        fleet.cmds[w].put(target)
+    fleet.collect("watching", victim)
+    time.sleep(a.ttl / 3 + 0.5)   # past the victims' next keepalive, so their leases are fresh
+    t_kill = time.time()
+    fleet.killed.add(victim)
+    fleet.procs[victim].kill()
+    fleet.procs[victim].join()
+    want = victim * a.clients * TP   # every other client hears of each of its ranks
+    deadline = time.monotonic() + a.ttl + 30
+    delays: list[float] = []
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        for w in range(victim):
+            fleet.cmds[w].put("report")
+        heard = fleet.collect("heard", victim)
+        delays = [t - t_kill for v in heard.values() for (e, _, t) in v if e == target]
+        if len(delays) >= want:
+            break
+    res["watch"] = {"engine": target, "notices_expected": want, "notices": len(delays),
+                    "delay_after_kill_s": {"min": round(min(delays, default=0), 2),
+                                           "p50": round(pct(delays, 50), 2), "p99": round(pct(delays, 99), 2),
+                                           "max": round(max(delays, default=0), 2)},
+                    "goal_s": a.ttl + 2}
+    for w in range(victim):
+        fleet.cmds[w].put("stop")
+    for p in fleet.procs[:victim]:
+        p.join(60)
+    return res["watch"]["notices"] >= want and res["watch"]["delay_after_kill_s"]["max"] <= a.ttl + 2
 
 if __name__ == "__main__":
     sys.exit(main())
