@@ -26,7 +26,7 @@ from ..protocol.actions import PeerKey
 from ..protocol.decode_plan import PathInputs, SharedPlans
 from ..protocol.decode_room import DecodeRoom, PlanRefused, WriterOffer, plan_room
 from ..protocol.head_mapping import HeadMapping
-from ..protocol.kinds import FailureKind
+from ..protocol.kinds import FailureKind, Role
 from ..protocol.leases import Lease
 from ..protocol.messages import Hello, HelloAck, KVMemory, PoolMemory, RingInfo, RoomFailed, WatermarkUpdate
 from ..protocol.path_choice import PathMode, WriterCosts
@@ -304,7 +304,7 @@ class EnginePlanner:
         peer = self.peers.of_rank(view.engine_id, rank)
         if peer is not None and peering.reuse_peer(peer.key.incarnation, peer.state, rec.incarnation):
             return peer
-        peer = Peer(key=PeerKey(view.engine_id, rank, rec.incarnation), role="prefill", tp_size=rec.tp_size,
+        peer = Peer(key=PeerKey(view.engine_id, rank, rec.incarnation), role=Role.PREFILL, tp_size=rec.tp_size,
                     endpoint=rec.ctrl_endpoint, lease=Lease(self.t.lease, now), since=now, conn=next(_CONNECTIONS))
         self.peers.add(peer, now)
         self.sock.send(peer.endpoint, self._hello(peer.conn))

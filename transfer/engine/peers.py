@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..protocol.actions import PeerKey
+from ..protocol.kinds import Role
 from ..protocol.leases import Lease
 from ..protocol.messages import Goodbye, KVMemory, PeerMessage, RingInfo
 from ..protocol.routing import PeerState
@@ -27,7 +28,7 @@ log = logging.getLogger("kvstage")
 @dataclass(kw_only=True)
 class Peer:
     key: PeerKey
-    role: str
+    role: Role
     tp_size: int
     endpoint: str
     lease: Lease

@@ -134,7 +134,7 @@ class PrefillSide:
             summary=self.summary, tp_size=layout.tp_size, total_kv_heads=layout.total_kv_heads,
             mla=layout.mla, num_layers=layout.num_layers, verify=rank.verify,
             backend=rank.backend, memory_kinds=tuple(self.backend.call(lambda b: b.memory_kinds))))
-        peer = Peer(key=key, role="decode", tp_size=msg.tp_size, endpoint=msg.ctrl_endpoint,
+        peer = Peer(key=key, role=Role.DECODE, tp_size=msg.tp_size, endpoint=msg.ctrl_endpoint,
                     lease=Lease(self.t.lease, now), kv=stage_memory(msg.kv, adm.stage) if adm.ok else msg.kv,
                     ring=msg.ring, since=now, conn=msg.conn, stage=adm.stage)
         self.peers.add(peer, now)

@@ -14,6 +14,7 @@ from typing import cast
 from ...hop_trace import TRACE, Hop
 from ...wire import WireError
 from ..backends.base import ArrivedTag
+from ..protocol.kinds import Role
 from ..protocol.messages import Hello, PeerMessage, RoomFailed
 from ..protocol.routing import RouteAction, route_frame
 from ..protocol.tags import TagCodec
@@ -28,7 +29,7 @@ class FrameRouter:
     to), `landed` for a decoded notification (the decode side; None on a prefill rank, which is
     not written to). `tags` decodes notifications, `stats` counts drops."""
 
-    def __init__(self, *, me: int, role: str, peers: PeerTable, tags: TagCodec, stats: Counters,
+    def __init__(self, *, me: int, role: Role, peers: PeerTable, tags: TagCodec, stats: Counters,
                  handlers: dict[type, MessageHandler], failures: FailureSink, hello: HelloSink | None,
                  landed: TagSink | None):
         self.me, self.role, self.peers, self.tags, self.stats = me, role, peers, tags, stats
@@ -46,12 +47,12 @@ class FrameRouter:
                             src_gone=msg.src in self.peers.gone, src_replaced=msg.src in self.peers.replaced,
                             handled=self._handled, conn=getattr(msg, "conn", 0),
                             peer_conn=peer.conn if peer is not None else 0)
-        if route.action == RouteAction.HELLO:
+        if route.action is RouteAction.HELLO:
             if self.hello is None:   # decode ranks connect, they are not connected to
                 self.stats.count("dropped_messages", "unexpected")
                 return
             return self.hello.on_hello(cast(Hello, msg), now)
-        if route.action == RouteAction.TELL_GONE:
+        if route.action is RouteAction.TELL_GONE:
             self.peers.tell_gone(msg.src, now)
         if route.reason:
             self.stats.count("dropped_messages", route.reason)
@@ -59,10 +60,13 @@ class FrameRouter:
             return
         if route.heard:
             peer.lease.heard(now)
-        if route.action == RouteAction.DELIVER:
-            self.handlers[type(msg)](peer, msg, now)
-        elif route.action == RouteAction.REJECTED_FAILURE:
-            self.failures.on_RoomFailed(peer, cast(RoomFailed, msg), now)
+        match route.action:
+            case RouteAction.DELIVER:
+                self.handlers[type(msg)](peer, msg, now)
+            case RouteAction.REJECTED_FAILURE:
+                self.failures.on_RoomFailed(peer, cast(RoomFailed, msg), now)
+            case RouteAction.HELLO | RouteAction.TELL_GONE | RouteAction.DROP:
+                pass   # handled above, or nothing to deliver
 
     def on_tags(self, tags: list[ArrivedTag]) -> None:
         """Notifications of writes that landed in this rank's memory."""

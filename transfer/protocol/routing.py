@@ -45,7 +45,7 @@ class Route:
     heard: bool = False
 
 
-def route_frame(kind: type[PeerMessage], *, role: str, me: int, dst: int, peer_state: PeerState | None,
+def route_frame(kind: type[PeerMessage], *, role: Role, me: int, dst: int, peer_state: PeerState | None,
                 src_gone: bool, src_replaced: bool, handled: Collection[type[PeerMessage]], conn: int = 0,
                 peer_conn: int = 0) -> Route:
     """`kind`: the message's type; `peer_state`: None when the sender is not a current peer;
