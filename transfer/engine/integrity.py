@@ -26,7 +26,7 @@ from ...staging.scatter_worker import PartDigest
 from ..kv_buffers import KVBuffers
 from ..layout import KVLayout
 from ..protocol.actions import Scatter, WriteOp
-from ..protocol.decode_room import DecodeRoom, PageSpan, RingSpan
+from ..protocol.decode.room import DecodeRoom, PageSpan, RingSpan
 from ..protocol.tags import Tag, TagCodec
 from .stats import Stats
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from ..protocol.decode_room import DecodeRoom
-from ..protocol.prefill_room import PrefillRoom
+from ..protocol.decode.room import DecodeRoom
+from ..protocol.prefill.room import PrefillRoom
 
 if TYPE_CHECKING:
     import numpy as np
@@ -62,8 +62,8 @@ EventHandler = Callable[[Any, float], None]
 
 
 class Room(Protocol):
-    """What the room book reads of a room state machine (protocol/prefill_room.py,
-    protocol/decode_room.py); the role's side knows its own room type."""
+    """What the room book reads of a room state machine (protocol/prefill/room.py,
+    protocol/decode/room.py); the role's side knows its own room type."""
 
     @property
     def room(self) -> int: ...

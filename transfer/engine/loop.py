@@ -48,8 +48,8 @@ from ..kv_buffers import KVBuffers
 from ..layout import KVLayout
 from ..poll import KVPoll
 from ..protocol.kinds import FailureKind, Role
-from ..protocol.layer_sends import LayerGrouping
 from ..protocol.messages import Goodbye, PeerMessage
+from ..protocol.prefill.layer_sends import LayerGrouping
 from ..protocol.quiet import MIN_EAGER_WAIT, Activity, activity, next_wait
 from ..protocol.routing import PeerState
 from ..protocol.tags import TagCodec

@@ -19,7 +19,6 @@ from ..poll import KVPoll
 from ..protocol.actions import Action, PeerKey, SettleCredits
 from ..protocol.hello_admission import PrefillFacts, admit_hello
 from ..protocol.kinds import FailureKind, Role
-from ..protocol.layer_sends import PER_CHUNK, LayerGrouping
 from ..protocol.leases import Lease
 from ..protocol.messages import (
     AllocGrant,
@@ -36,7 +35,8 @@ from ..protocol.messages import (
     WatermarkUpdate,
 )
 from ..protocol.path_choice import WriterCosts
-from ..protocol.prefill_room import PrefillRoom
+from ..protocol.prefill.layer_sends import PER_CHUNK, LayerGrouping
+from ..protocol.prefill.room import PrefillRoom
 from ..protocol.ring import Watermark
 from ..protocol.room_uses import EarlierUses, Parked, RoomUse, unserved_answer, use_without_sender
 from ..protocol.routing import HelloVerdict, PeerState, hello_verdict

@@ -31,10 +31,10 @@ from ..protocol.actions import (
     SettleCredits,
     StatusChanged,
 )
-from ..protocol.decode_room import DecodeRoom
+from ..protocol.decode.room import DecodeRoom
 from ..protocol.kinds import TransferPath
 from ..protocol.messages import RoomMeta
-from ..protocol.prefill_room import PrefillRoom
+from ..protocol.prefill.room import PrefillRoom
 from .context import FINISHED_MEMORY
 from .handles import RoomStatus
 from .interfaces import (

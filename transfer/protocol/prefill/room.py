@@ -13,11 +13,11 @@ flight any more says so (Quiesced), so the decode side can reuse the memory.
 Control messages may be lost: it re-sends an AllocRequest until the grant arrives and its
 WriterDone until the decode side confirms; duplicates it receives are ignored.
 
-Ring credits (credit_writes.py): a staged chunk towards a decode rank that gave this rank
+Ring credits (prefill/credits.py): a staged chunk towards a decode rank that gave this rank
 credits, of which this rank is the only writer, is cut into pieces here and the first of them
 that fit the credits are written into them at once, without asking for ring space; the rest
 of the chunk (all of it when not even its first piece fits) goes the grant path, its
-remainder under a chunk number of its own (credit_writes.remainder_number).
+remainder under a chunk number of its own (credits.py: remainder_number).
 
 Room ids are reused: a failure or metadata is bound to engine + session + use (see
 docs/protocol.md and room_uses.py); one of an earlier use of the id, or of another engine or
@@ -32,28 +32,28 @@ from dataclasses import replace
 import msgspec
 import numpy as np
 
-from ..draft_kv import is_draft_pool, request_draft_items
-from ..layout import KVLayout
-from ..poll import KVPoll
-from ..pool_spec import PoolSpec
-from ..timeouts import Timeouts
-from .actions import Action, DecodePrefix, Dropped, PeerKey, PostWrite, RoomTotals, Send, SettleCredits, WriteOp
+from ...draft_kv import is_draft_pool, request_draft_items
+from ...layout import KVLayout
+from ...poll import KVPoll
+from ...pool_spec import PoolSpec
+from ...timeouts import Timeouts
+from ..actions import Action, DecodePrefix, Dropped, PeerKey, PostWrite, RoomTotals, Send, SettleCredits, WriteOp
+from ..direct_ranges import direct_nbytes
+from ..head_mapping import Assignment, HeadMapping, compute_assignments
+from ..kinds import FailureKind, TransferPath
+from ..lifecycle import PREFILL_TRANSITIONS, RoomEvent
+from ..messages import AllocGrant, AllocRequest, Piece, Quiesced, RoomFailed, RoomMeta, TagsAgain, WriterDone
+from ..pool_parts import block_bytes, counts_mismatch, final_part, request_copies, writer_segments
+from ..room_base import RoomBase
+from ..room_uses import Bound, EarlierUses, RoomUse, failure_use, meta_use
+from ..stage_mapping import DecodeStage, decode_coverage, flow_layers, uncovered
+from ..tags import TagKind
 from .chunk_writes import ChunkWrites, direct_writes, granted_writes
-from .credit_writes import CreditPurses, chunk_number, cut_pieces, remainder_number
-from .direct_ranges import direct_nbytes
+from .credits import CreditPurses, chunk_number, cut_pieces, remainder_number
 from .flow_timers import due_again, overdue
 from .flows import CONFIRMED_STATES, UNCHECKED_STATES, Chunk, Flow, FlowEvent, FlowState, past_prefix
-from .head_mapping import Assignment, HeadMapping, compute_assignments
-from .kinds import FailureKind, TransferPath
 from .layer_sends import PER_CHUNK, LayerGrouper, LayerGrouping, SendLedger, Unit
-from .lifecycle import PREFILL_TRANSITIONS, RoomEvent
-from .messages import AllocGrant, AllocRequest, Piece, Quiesced, RoomFailed, RoomMeta, TagsAgain, WriterDone
-from .pool_parts import block_bytes, counts_mismatch, final_part, request_copies, writer_segments
-from .room_base import RoomBase
-from .room_uses import Bound, EarlierUses, RoomUse, failure_use, meta_use
 from .send_checks import check_late_items, check_page_count
-from .stage_mapping import DecodeStage, decode_coverage, flow_layers, uncovered
-from .tags import TagKind
 from .write_batching import UnitBatcher, plan_units
 
 
@@ -301,7 +301,7 @@ class PrefillRoom(RoomBase):
 
     def on_grant(self, peer: PeerKey, grant: AllocGrant, now: float) -> list[Action]:
         """Ring space for a chunk this rank asked for: the whole chunk, or (a number from
-        credit_writes.remainder_number) the remainder of one whose first pieces went into credits."""
+        credits.remainder_number) the remainder of one whose first pieces went into credits."""
         flow = self._flow_of(peer, grant.session)
         own, remainder = chunk_number(grant.chunk, splits=self._splits)
         index, stage = divmod(own, self.layout.pp_size)
@@ -444,7 +444,7 @@ class PrefillRoom(RoomBase):
     def _asked(self, flow: Flow, index: int) -> tuple[Chunk, int]:
         """What the grant path is asked for of sendable chunk `index`, and under which number:
         the whole chunk under its own, or the pages after those written into credits under its
-        remainder's (credit_writes.py)."""
+        remainder's (prefill/credits.py)."""
         chunk = self._clip_sendable(flow, index)
         taken = flow.remainders.get(index)
         if taken is None:
@@ -463,7 +463,7 @@ class PrefillRoom(RoomBase):
     @property
     def _splits(self) -> bool:
         """Whether this room numbers remainders (none of its chunks' own numbers can reach
-        credit_writes.REMAINDER)."""
+        credits.REMAINDER)."""
         return self.num_pages is not None and self._remainder_number(0) is not None
 
     def _writer_done(self, flow: Flow) -> Send:

@@ -32,13 +32,13 @@ from typing import cast
 
 import numpy as np
 
-from ..draft_kv import draft_pool_name, request_draft_items
-from ..layout import KVLayout
-from ..poll import KVPoll
-from ..pool_spec import PoolSpec
-from ..timeouts import Timeouts
-from . import credits as credit_rules
-from .actions import (
+from ...draft_kv import draft_pool_name, request_draft_items
+from ...layout import KVLayout
+from ...poll import KVPoll
+from ...pool_spec import PoolSpec
+from ...timeouts import Timeouts
+from .. import credits as credit_rules
+from ..actions import (
     Action,
     PartCheck,
     PeerKey,
@@ -50,18 +50,18 @@ from .actions import (
     ScatterPart,
     Send,
 )
+from ..credits import CreditSpan
+from ..head_mapping import Assignment
+from ..kinds import FailureKind, StrKind, TransferPath, remote_kind
+from ..lifecycle import DECODE_TRANSITIONS, RoomEvent
+from ..messages import AllocGrant, AllocRequest, Piece, RoomDone, RoomMeta, WriterDone, encode_pages
+from ..pool_parts import PoolCopy, block_bytes, part_offsets, request_copies, writer_segments
+from ..ring import Region, RingAllocator
+from ..room_base import RoomBase
+from ..tags import Tag, TagKind
 from .chunk_pieces import PiecesRefused, chunk_pieces
-from .credit_ledger import Claim
-from .credits import CreditSpan
-from .decode_plan import PlanRefused, RoomPlan, WriterOffer, plan_room
-from .head_mapping import Assignment
-from .kinds import FailureKind, StrKind, TransferPath, remote_kind
-from .lifecycle import DECODE_TRANSITIONS, RoomEvent
-from .messages import AllocGrant, AllocRequest, Piece, RoomDone, RoomMeta, WriterDone, encode_pages
-from .pool_parts import PoolCopy, block_bytes, part_offsets, request_copies, writer_segments
-from .ring import Region, RingAllocator
-from .room_base import RoomBase
-from .tags import Tag, TagKind
+from .credits import Claim
+from .plan import PlanRefused, RoomPlan, WriterOffer, plan_room
 from .tracker import ExpectedPiece, Outcome, RoomTracker
 
 __all__ = ["DecodeRoom", "PageSpan", "PlanRefused", "RingSpan", "RoomPlan", "TagResult", "TagVerdict", "WriterOffer",
