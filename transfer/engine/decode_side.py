@@ -19,7 +19,7 @@ from ...wire import WireError
 from ..config import Timeouts
 from ..layout import KVLayout, LayoutSummary
 from ..poll import KVPoll
-from ..protocol.actions import Action, ReleaseCredit, Scatter, Send, StatusChanged
+from ..protocol.actions import DecodeAction, ReleaseCredit, Scatter, Send, StatusChanged
 from ..protocol.decode.room import DecodeRoom, TagVerdict
 from ..protocol.decode.watermark_fanout import WatermarkFanout, pending_parts
 from ..protocol.kinds import FailureKind
@@ -352,7 +352,7 @@ class DecodeSide:
         self.planner.plan_deadlines(now)
         self.credits.tick(now)
 
-    def closing(self, room: DecodeRoom, now: float) -> list[Action]:
+    def closing(self, room: DecodeRoom, now: float) -> list[DecodeAction]:
         return (room.fail(FailureKind.CLOSED, "the kvstage manager is closing", now)
                 + room.abort(self.staging.allocator, now))
 

@@ -109,8 +109,8 @@ class EngineLoop:
 
     # the parts, built by _build_prefill or _build_decode
     peers: PeerTable
-    book: RoomBook[Any]
-    side: RoleSide[Any]
+    book: RoomBook[Any, Any]
+    side: RoleSide[Any, Any]
     writes: WriteQueue | None                # a prefill rank's; a decode rank writes nowhere
     credit_bytes: Callable[[], int]          # ring bytes lent out as credits (a decode rank's ring)
     _heartbeats: HeartbeatSink | None        # the prefill side
@@ -248,7 +248,7 @@ class EngineLoop:
         return self.ctx.sock.endpoint
 
     @property
-    def rooms(self) -> Mapping[int, Room]:
+    def rooms(self) -> Mapping[int, Room[Any]]:
         return self.book.rooms
 
     def meters(self) -> list[ThreadMeter]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ..config import Timeouts
 from ..layout import KVLayout, LayoutSummary
 from ..poll import KVPoll
-from ..protocol.actions import Action, PeerKey, SettleCredits
+from ..protocol.actions import PeerKey, PrefillAction, SettleCredits
 from ..protocol.hello_admission import PrefillFacts, admit_hello
 from ..protocol.kinds import FailureKind, Role
 from ..protocol.leases import Lease
@@ -328,7 +328,7 @@ class PrefillSide:
                                         reason=reason))
         self.peers.send(key, Quiesced(src=me, dst=key.incarnation, room=msg.room, session=msg.session))
 
-    def closing(self, room: PrefillRoom, now: float) -> list[Action]:
+    def closing(self, room: PrefillRoom, now: float) -> list[PrefillAction]:
         return room.fail(FailureKind.CLOSED, "the kvstage manager is closing", now)
 
     def room_state(self) -> dict[str, int]:
