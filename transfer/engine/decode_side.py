@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from ...bootstrap.rendezvous import RankGone
 from ...staging.pool_copies import LandedBlock
-from ...staging.scatter_worker import LandedPart, ScatterJob, ScatterWorker
+from ...staging.workers import LandedPart, ScatterJob, ScatterWorker
 from ...wire import WireError
 from ..config import Timeouts
 from ..layout import KVLayout, LayoutSummary

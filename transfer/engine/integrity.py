@@ -22,7 +22,7 @@ from ...staging.digests import gathered_digest
 from ...staging.gather_scatter import GathersKV
 from ...staging.handler import StagingHandler
 from ...staging.kernels import gatherer_class
-from ...staging.scatter_worker import PartDigest
+from ...staging.workers import PartDigest
 from ..kv_buffers import KVBuffers
 from ..layout import KVLayout
 from ..protocol.actions import Scatter, WriteOp

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from ...staging.scatter_worker import PartDigest
+    from ...staging.workers import PartDigest
     from ..backends.base import Backend
     from ..poll import KVPoll
     from ..protocol.actions import (

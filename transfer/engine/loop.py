@@ -38,9 +38,8 @@ import zmq
 from ...bootstrap import RankRecord
 from ...hop_trace import TRACE, Hop
 from ...staging.handler import StagingHandler
-from ...staging.scatter_worker import ScatterWorker
 from ...staging.thread_meter import ThreadMeter
-from ...staging.workers import TransferWorkers
+from ...staging.workers import ScatterWorker, TransferWorkers
 from ...wire import Codec
 from ..backends.faults import ControlFaults, FaultPlan
 from ..config import ResolvedConfig

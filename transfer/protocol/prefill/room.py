@@ -52,8 +52,7 @@ from .chunk_writes import ChunkWrites, direct_writes, granted_writes
 from .credits import CreditPurses, chunk_number, cut_pieces, remainder_number
 from .flow_timers import due_again, overdue
 from .flows import CONFIRMED_STATES, UNCHECKED_STATES, Chunk, Flow, FlowEvent, FlowState, past_prefix
-from .layer_sends import PER_CHUNK, LayerGrouper, LayerGrouping, SendLedger, Unit
-from .send_checks import check_late_items, check_page_count
+from .layer_sends import PER_CHUNK, LayerGrouper, LayerGrouping, SendLedger, Unit, check_late_items, check_page_count
 from .write_batching import UnitBatcher, plan_units
 
 
