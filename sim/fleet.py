@@ -2,7 +2,7 @@
 and D decode engines of mixed TP sizes, many requests in flight, no byte moved.
 
 Each request goes from one prefill engine to one decode engine of the same model. Every rank of
-both engines holds a room (transfer/protocol/prefill_room.py, decode_room.py); the simulator is
+both engines holds a room (transfer/protocol/prefill/room.py, decode/room.py); the simulator is
 the engine shell around them: it delivers their messages through a seeded network model
 (network.py), lands their writes, hands tags to the decode rooms, scatters staged pieces out of
 the decode ranks' rings (transfer/protocol/ring.py, through a `RingPath`), ticks them, kills ranks and
@@ -46,8 +46,9 @@ from ..transfer.config import Timeouts
 from ..transfer.layout import KVLayout
 from ..transfer.poll import KVPoll
 from ..transfer.protocol.actions import PeerKey, PostWrite, PublishWatermark, Released, Scatter, Send, StatusChanged
-from ..transfer.protocol.decode_plan import RoomPlan, SharedPlans
-from ..transfer.protocol.decode_room import DecodeRoom
+from ..transfer.protocol.decode.plan import RoomPlan, SharedPlans
+from ..transfer.protocol.decode.room import DecodeRoom
+from ..transfer.protocol.decode.watermark_fanout import WatermarkFanout, pending_parts
 from ..transfer.protocol.head_mapping import HeadMapping, compute_assignments
 from ..transfer.protocol.kinds import FailureKind
 from ..transfer.protocol.leases import Lease, heartbeat_interval, pair_interval
@@ -66,10 +67,9 @@ from ..transfer.protocol.messages import (
 )
 from ..transfer.protocol.peering import LookupState, needs_lookup
 from ..transfer.protocol.pieces import max_piece_pages
-from ..transfer.protocol.prefill_room import PrefillRoom
+from ..transfer.protocol.prefill.room import PrefillRoom
 from ..transfer.protocol.ring import RemoteWatermark, RingAllocator, Watermark
 from ..transfer.protocol.room_uses import EarlierUses, Parked, RoomUse, ended_answer, use_without_sender
-from ..transfer.protocol.watermark_fanout import WatermarkFanout, pending_parts
 from ..wire import MAC_BYTES
 from .network import Network, NetworkModel
 
@@ -114,7 +114,7 @@ class FleetConfig:
     timeouts: Timeouts = Timeouts()
     tick_s: float = 0.25                    # the control loop's tick (deadlines, retransmissions)
     watermark_to_all: bool = False          # every move to every staging peer (the shell before
-                                            # protocol/watermark_fanout.py), not to the writers in flight
+                                            # protocol/decode/watermark_fanout.py), not to the writers in flight
     seed: int = 0
 
 

@@ -1,5 +1,5 @@
-"""The one worker loop of the staging threads: the prefill transfer workers (workers.py) and the
-decode scatter thread (scatter_worker.py) each run it.
+"""The one worker loop of the staging threads: the prefill transfer workers and the
+decode scatter thread (both in workers.py) each run it.
 
 Threads block on one job queue; each takes a job, does it, and reports the outcome only after it
 let go of the job (a scatter job holds views of the ring: they are dropped before the control

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 
-import kvstage.staging.scatter_worker as scatter_worker
+import kvstage.staging.workers as workers
 from kvstage.staging.copy_streams import use_own_stream
 from kvstage.staging.gather_scatter import Gatherer
-from kvstage.staging.scatter_worker import LandedPart, ScatterJob, ScatterWorker
+from kvstage.staging.workers import LandedPart, ScatterJob, ScatterWorker
 
 DEV = torch.device("cuda", 0)
 NON_BLOCKING = 0x1   # cudaStreamNonBlocking
@@ -78,7 +78,7 @@ def test_the_scatter_thread_copies_on_the_stream_the_option_says(monkeypatch, ow
         streams.put((threading.current_thread().name, torch.cuda.current_stream(device)))
         return took
 
-    monkeypatch.setattr(scatter_worker, "use_own_stream", spy)
+    monkeypatch.setattr(workers, "use_own_stream", spy)
     reports: queue.SimpleQueue = queue.SimpleQueue()
     worker = ScatterWorker(dst_k, dst_v, page, report=lambda *a: reports.put(a), own_streams=own)
     try:

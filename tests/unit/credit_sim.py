@@ -1,5 +1,5 @@
 """An in-memory world for ring credits: P prefill ranks writing single-writer staged pieces into
-one decode ring, through the pure credit rules (transfer/protocol/credit_ledger.py, credit_purse.py) and
+one decode ring, through the pure credit rules (transfer/protocol/decode/credits.py, prefill/credits.py) and
 the grant fallback, with real ring bytes, FIFO control channels that may lose messages, writes
 and tags that land in any order, aborts, dying prefill ranks and reused room ids.
 
@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvstage.transfer.protocol.credit_ledger import CreditLedger
-from kvstage.transfer.protocol.credit_purse import CreditPurse
 from kvstage.transfer.protocol.credits import ClaimVerdict, CreditSpan, GrantVerdict, WriteRef
+from kvstage.transfer.protocol.decode.credits import CreditLedger
 from kvstage.transfer.protocol.messages import CreditAck, CreditGrant, CreditReturn, CreditWrite
+from kvstage.transfer.protocol.prefill.credits import CreditPurse
 from kvstage.transfer.protocol.ring import Region, RemoteWatermark, RingAllocator, Watermark
 
 EPOCH = 7
@@ -116,7 +116,7 @@ class CreditWorld:
     rejected: list = field(default_factory=list)           # (rank, verdict, reason)
     credit_writes: int = 0
     grant_writes: int = 0
-    chunks: bool = False             # gather several pieces at once, as a chunk (prefill_room._credit_writes)
+    chunks: bool = False             # gather several pieces at once, as a chunk (PrefillRoom._credit_writes)
     mixed: int = 0                   # chunks whose first pieces went by credit and the rest by grant
 
     def __post_init__(self):

@@ -30,9 +30,8 @@ from kvstage.transfer.protocol.actions import (
     Send,
     StatusChanged,
 )
-from kvstage.transfer.protocol.decode_room import DecodeRoom, RoomPlan
+from kvstage.transfer.protocol.decode.room import DecodeRoom, RoomPlan
 from kvstage.transfer.protocol.head_mapping import compute_assignments
-from kvstage.transfer.protocol.layer_sends import PER_CHUNK, LayerGrouping
 from kvstage.transfer.protocol.messages import (
     AllocGrant,
     AllocRequest,
@@ -45,7 +44,8 @@ from kvstage.transfer.protocol.messages import (
     WriterDone,
 )
 from kvstage.transfer.protocol.pieces import max_piece_pages
-from kvstage.transfer.protocol.prefill_room import PrefillRoom
+from kvstage.transfer.protocol.prefill.layer_sends import PER_CHUNK, LayerGrouping
+from kvstage.transfer.protocol.prefill.room import PrefillRoom
 from kvstage.transfer.protocol.ring import RemoteWatermark, RingAllocator, Watermark
 
 SENTINEL = 0xA5  # the bytes of decode pages that hold a prefix: no write may touch them

@@ -1,11 +1,11 @@
-"""A staged chunk's pieces (transfer/protocol/chunk_pieces.py): they tile the chunk's pages in
+"""A staged chunk's pieces (transfer/protocol/decode/chunk_pieces.py): they tile the chunk's pages in
 order, none holds more pages than the plan's piece size, each one's ring region holds its pages
 of every writer, and the request's last piece also every writer's state pool block."""
 
-from kvstage.transfer.protocol.chunk_pieces import PiecesRefused, chunk_pieces
-from kvstage.transfer.protocol.decode_plan import RoomPlan
+from kvstage.transfer.protocol.decode.chunk_pieces import PiecesRefused, chunk_pieces
+from kvstage.transfer.protocol.decode.plan import RoomPlan
+from kvstage.transfer.protocol.decode.tracker import RoomTracker
 from kvstage.transfer.protocol.ring import RingAllocator
-from kvstage.transfer.protocol.tracker import RoomTracker
 
 PAGE = {0: 256, 1: 512}            # two writers' bytes per page (all of one layer)
 POOLS = {0: 1024, 1: 256}          # their pool blocks, with the last page

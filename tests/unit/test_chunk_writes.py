@@ -1,4 +1,4 @@
-"""The writes of one chunk towards one decode rank (transfer/protocol/chunk_writes.py): direct
+"""The writes of one chunk towards one decode rank (transfer/protocol/prefill/chunk_writes.py): direct
 parts split by descriptor count, staged writes per granted piece, the pools on the write that
 ends at the request's last page, and grants that do not match the chunk refused with a reason."""
 
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 from kvstage.transfer.protocol.actions import PeerKey
-from kvstage.transfer.protocol.chunk_writes import ChunkWrites, direct_writes, granted_writes
-from kvstage.transfer.protocol.flows import Chunk
 from kvstage.transfer.protocol.head_mapping import Assignment
 from kvstage.transfer.protocol.messages import AllocGrant, Piece
+from kvstage.transfer.protocol.prefill.chunk_writes import ChunkWrites, direct_writes, granted_writes
+from kvstage.transfer.protocol.prefill.flows import Chunk
 from kvstage.transfer.protocol.tags import TagKind
 
 PEER = PeerKey("d", 0, 77)
@@ -84,7 +84,7 @@ def test_a_grant_that_does_not_fit_the_chunk_is_refused_with_nothing_made(pieces
 
 
 def test_a_room_refusing_a_grant_fails_and_keeps_no_write_of_it():
-    """The room (prefill_room.py) fails on a grant that does not fit, and holds none of its
+    """The room (prefill/room.py) fails on a grant that does not fit, and holds none of its
     pieces as in flight: nothing was posted, so it releases at once."""
     import torch
 
@@ -93,7 +93,7 @@ def test_a_room_refusing_a_grant_fails_and_keeps_no_write_of_it():
     from kvstage.transfer.poll import KVPoll
     from kvstage.transfer.protocol.actions import StatusChanged
     from kvstage.transfer.protocol.messages import RoomMeta
-    from kvstage.transfer.protocol.prefill_room import PrefillRoom
+    from kvstage.transfer.protocol.prefill.room import PrefillRoom
 
     layout = KVLayout(num_layers=2, total_kv_heads=2, head_dim=4, dtype=torch.uint8, page_size=2, tp_size=1,
                       tp_rank=0, mla=False)

@@ -27,14 +27,13 @@ from kvstage.transfer.protocol.actions import (
     Send,
     SettleCredits,
 )
-from kvstage.transfer.protocol.credit_ledger import CreditLedger
-from kvstage.transfer.protocol.credit_purse import CreditPurse
-from kvstage.transfer.protocol.credit_writes import REMAINDER, chunk_number, cut_pieces, remainder_number
 from kvstage.transfer.protocol.credits import ClaimVerdict, WriteRef
-from kvstage.transfer.protocol.decode_room import DecodeRoom, RoomPlan, TagVerdict
+from kvstage.transfer.protocol.decode.credits import CreditLedger
+from kvstage.transfer.protocol.decode.room import DecodeRoom, RoomPlan, TagVerdict
 from kvstage.transfer.protocol.head_mapping import compute_assignments
 from kvstage.transfer.protocol.messages import AllocGrant, AllocRequest, HelloAck, Quiesced, RoomMeta, peer_codec
-from kvstage.transfer.protocol.prefill_room import PrefillRoom
+from kvstage.transfer.protocol.prefill.credits import REMAINDER, CreditPurse, chunk_number, cut_pieces, remainder_number
+from kvstage.transfer.protocol.prefill.room import PrefillRoom
 from kvstage.transfer.protocol.ring import RingAllocator
 from kvstage.transfer.protocol.tags import TagKind
 from kvstage.wire import sign

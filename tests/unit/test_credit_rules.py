@@ -1,10 +1,8 @@
-"""The pure rules of ring credits (transfer/protocol/credits.py, credit_ledger.py, credit_purse.py), one
+"""The pure rules of ring credits (transfer/protocol/credits.py, decode/credits.py, prefill/credits.py), one
 at a time; tests/unit/test_credit_sim.py runs them together over random interleavings."""
 
 import pytest
 
-from kvstage.transfer.protocol.credit_ledger import CreditLedger
-from kvstage.transfer.protocol.credit_purse import CreditPurse
 from kvstage.transfer.protocol.credits import (
     ClaimVerdict,
     CreditState,
@@ -14,7 +12,9 @@ from kvstage.transfer.protocol.credits import (
     check_move,
     credit_target,
 )
+from kvstage.transfer.protocol.decode.credits import CreditLedger
 from kvstage.transfer.protocol.messages import CreditAck, CreditGrant, CreditReturn, CreditWrite, peer_codec
+from kvstage.transfer.protocol.prefill.credits import CreditPurse
 from kvstage.transfer.protocol.ring import RingAllocator
 
 KIB = 1024

@@ -12,7 +12,7 @@ from kvstage.transfer.kv_buffers import KVBuffers
 from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.protocol import peering
 from kvstage.transfer.protocol.actions import PeerKey
-from kvstage.transfer.protocol.decode_plan import PlanRefused, WriterOffer, plan_room
+from kvstage.transfer.protocol.decode.plan import PlanRefused, WriterOffer, plan_room
 from kvstage.transfer.protocol.head_mapping import compute_assignments
 
 

@@ -13,7 +13,7 @@ from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.pool_spec import check_pool_items
 from kvstage.transfer.protocol import peering
 from kvstage.transfer.protocol.actions import PeerKey
-from kvstage.transfer.protocol.decode_plan import PlanRefused, WriterOffer, plan_room
+from kvstage.transfer.protocol.decode.plan import PlanRefused, WriterOffer, plan_room
 from kvstage.transfer.protocol.head_mapping import compute_assignments
 from kvstage.transfer.protocol.pool_parts import writers_mismatch
 from kvstage.transfer.state_pools import StatePool

@@ -25,8 +25,8 @@ def enum_values() -> dict[str, str]:
     out: dict[str, str] = {}
     for folder in CORE:
         package = "kvstage." + folder.replace("/", ".")
-        for mod in pkgutil.iter_modules([str(ROOT / folder)]):
-            module = importlib.import_module(f"{package}.{mod.name}")
+        for mod in pkgutil.walk_packages([str(ROOT / folder)], f"{package}."):   # the role packages too
+            module = importlib.import_module(mod.name)
             for _, cls in inspect.getmembers(module, inspect.isclass):
                 if issubclass(cls, StrKind) and cls is not StrKind and cls.__module__ == module.__name__:
                     for member in cls:
@@ -56,7 +56,7 @@ def spelled(tree: ast.AST, values: dict[str, str]) -> list[tuple[int, str, str]]
 
 
 def core_files() -> list[Path]:
-    return sorted(p for folder in CORE for p in (ROOT / folder).glob("*.py"))
+    return sorted(p for folder in CORE for p in (ROOT / folder).rglob("*.py"))
 
 
 @pytest.mark.parametrize("path", core_files(), ids=lambda p: str(p.relative_to(ROOT)))

@@ -1,4 +1,4 @@
-"""A prefill room's flow (one decode rank) moves only along FLOW_TRANSITIONS (protocol/flows.py),
+"""A prefill room's flow (one decode rank) moves only along FLOW_TRANSITIONS (protocol/prefill/flows.py),
 h11 style: every legal move is walked, on the table and with a real room's inputs; every other
 (state, event) pair raises IllegalTransition and changes nothing; the table is the product of
 this rank's writing and the decode rank's confirmation (a hypothesis walk checks it)."""
@@ -16,7 +16,9 @@ from kvstage.transfer.config import Timeouts
 from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.poll import KVPoll
 from kvstage.transfer.protocol.actions import PeerKey, PostWrite, Send
-from kvstage.transfer.protocol.flows import (
+from kvstage.transfer.protocol.lifecycle import IllegalTransition
+from kvstage.transfer.protocol.messages import RoomMeta, WriterDone
+from kvstage.transfer.protocol.prefill.flows import (
     CONFIRMED_STATES,
     FLOW_TRANSITIONS,
     UNCHECKED_STATES,
@@ -24,9 +26,7 @@ from kvstage.transfer.protocol.flows import (
     FlowEvent,
     FlowState,
 )
-from kvstage.transfer.protocol.lifecycle import IllegalTransition
-from kvstage.transfer.protocol.messages import RoomMeta, WriterDone
-from kvstage.transfer.protocol.prefill_room import PrefillRoom
+from kvstage.transfer.protocol.prefill.room import PrefillRoom
 
 S, E = FlowState, FlowEvent
 LAYOUT = KVLayout(num_layers=2, total_kv_heads=2, head_dim=4, dtype=torch.uint8, page_size=2, tp_size=1, tp_rank=0,

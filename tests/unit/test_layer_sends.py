@@ -1,10 +1,10 @@
-"""The rules of layer-wise input (transfer/protocol/layer_sends.py): which (page, layer) pairs a
+"""The rules of layer-wise input (transfer/protocol/prefill/layer_sends.py): which (page, layer) pairs a
 send covers, what is refused, and how sends become write units."""
 
 import numpy as np
 import pytest
 
-from kvstage.transfer.protocol.layer_sends import LayerGrouper, SendLedger, SendStep, check_layers, group_size
+from kvstage.transfer.protocol.prefill.layer_sends import LayerGrouper, SendLedger, SendStep, check_layers, group_size
 
 STAGE = range(0, 6)
 

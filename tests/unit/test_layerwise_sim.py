@@ -9,7 +9,7 @@ import pytest
 from protocol_sim import Geometry, World
 
 from kvstage.transfer.poll import KVPoll
-from kvstage.transfer.protocol.layer_sends import LayerGrouping
+from kvstage.transfer.protocol.prefill.layer_sends import LayerGrouping
 
 LAYERS = 6
 SENDS = {"per_layer": [range(i, i + 1) for i in range(LAYERS)],

@@ -12,8 +12,8 @@ import pytest
 HEAVY = ("torch", "kvstage.transfer.engine", "kvstage.staging", "zmq")
 
 
-@pytest.mark.parametrize("module", ["kvstage", "kvstage.wire", "kvstage.transfer.protocol.prefill_room",
-                                    "kvstage.transfer.protocol.decode_room", "kvstage.transfer.layout"])
+@pytest.mark.parametrize("module", ["kvstage", "kvstage.wire", "kvstage.transfer.protocol.prefill.room",
+                                    "kvstage.transfer.protocol.decode.room", "kvstage.transfer.layout"])
 def test_a_pure_part_loads_no_torch_and_no_engine(module):
     code = (f"import sys, {module}\n"
             f"print(','.join(m for m in {HEAVY!r} if m in sys.modules))")

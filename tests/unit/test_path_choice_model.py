@@ -13,7 +13,7 @@ import torch
 
 from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.protocol.actions import PeerKey
-from kvstage.transfer.protocol.decode_plan import PathInputs, PlanRefused, RoomPlan, WriterOffer, plan_room
+from kvstage.transfer.protocol.decode.plan import PathInputs, PlanRefused, RoomPlan, WriterOffer, plan_room
 from kvstage.transfer.protocol.head_mapping import compute_assignments
 from kvstage.transfer.protocol.messages import HelloAck, peer_codec
 from kvstage.transfer.protocol.path_choice import (

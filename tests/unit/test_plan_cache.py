@@ -17,8 +17,7 @@ from kvstage.staging import triton_kernels as tk
 from kvstage.staging.copy_plan import Direction
 from kvstage.staging.gather_scatter import Gatherer, Scatterer, region_nbytes
 from kvstage.staging.plan_cache import PlanCache
-from kvstage.staging.scatter_worker import LandedPart, ScatterJob, ScatterWorker
-from kvstage.staging.workers import TransferWorkers
+from kvstage.staging.workers import LandedPart, ScatterJob, ScatterWorker, TransferWorkers
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not tk.interpreted() else "cpu")
 LAYERS, PAGES, PS, HEADS, HD = 2, 12, 2, 4, 8

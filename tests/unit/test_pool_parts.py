@@ -231,9 +231,9 @@ def test_counts_mismatch():
 
 
 def test_the_last_piece_is_split_so_its_pool_blocks_fit_the_ring_and_buffers():
-    from kvstage.transfer.protocol.chunk_pieces import fit_pools
-    from kvstage.transfer.protocol.decode_room import RoomPlan
-    from kvstage.transfer.protocol.tracker import RoomTracker
+    from kvstage.transfer.protocol.decode.chunk_pieces import fit_pools
+    from kvstage.transfer.protocol.decode.room import RoomPlan
+    from kvstage.transfer.protocol.decode.tracker import RoomTracker
 
     tracker = RoomTracker(10, {0: 100, 1: 100}, {0: 300, 1: 50})   # pages of 200 B, 350 B of pools
 

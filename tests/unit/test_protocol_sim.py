@@ -212,7 +212,7 @@ def test_plan_room_decides_the_path_and_refuses_impossible_pages():
 
     from kvstage.transfer.layout import KVLayout
     from kvstage.transfer.protocol.actions import PeerKey
-    from kvstage.transfer.protocol.decode_room import WriterOffer, plan_room
+    from kvstage.transfer.protocol.decode.room import WriterOffer, plan_room
     from kvstage.transfer.protocol.head_mapping import compute_assignments
 
     lay = KVLayout(num_layers=2, total_kv_heads=8, head_dim=16, dtype=torch.bfloat16, page_size=4, tp_size=2, tp_rank=0)  # decode rank 0 of TP 2

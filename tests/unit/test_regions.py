@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvstage.transfer.protocol.decode.tracker import Outcome, RoomTracker
 from kvstage.transfer.protocol.hello_admission import unwritable_peer_kinds
-from kvstage.transfer.protocol.tracker import Outcome, RoomTracker
 from kvstage.transfer.protocol.write_groups import DescriptorPart, group_parts
 from kvstage.transfer.regions import buffer_regions, unregistrable
 from kvstage.transfer.state_pools import StatePool

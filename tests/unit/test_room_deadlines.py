@@ -23,12 +23,12 @@ from kvstage.transfer.engine.stats import Stats
 from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.poll import KVPoll
 from kvstage.transfer.protocol.actions import PeerKey, PostWrite
-from kvstage.transfer.protocol.decode_room import DecodeRoom, RoomPlan
+from kvstage.transfer.protocol.decode.room import DecodeRoom, RoomPlan
 from kvstage.transfer.protocol.head_mapping import compute_assignments
 from kvstage.transfer.protocol.kinds import FailureKind
 from kvstage.transfer.protocol.leases import Lease
 from kvstage.transfer.protocol.messages import RoomMeta, WriterDone
-from kvstage.transfer.protocol.prefill_room import PrefillRoom
+from kvstage.transfer.protocol.prefill.room import PrefillRoom
 
 B, W, T, F = KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Failed
 LAYOUT = KVLayout(num_layers=2, total_kv_heads=2, head_dim=4, dtype=torch.uint8, page_size=2, tp_size=1, tp_rank=0,

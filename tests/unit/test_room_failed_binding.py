@@ -14,7 +14,7 @@ from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.poll import KVPoll
 from kvstage.transfer.protocol.actions import Dropped, PeerKey, Send
 from kvstage.transfer.protocol.messages import Quiesced, RoomMeta
-from kvstage.transfer.protocol.prefill_room import PrefillRoom
+from kvstage.transfer.protocol.prefill.room import PrefillRoom
 from kvstage.transfer.protocol.room_uses import EarlierUses
 
 LAYOUT = KVLayout(

@@ -12,7 +12,7 @@ from kvstage.transfer.config import Timeouts
 from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.poll import KVPoll
 from kvstage.transfer.protocol.actions import PeerKey, PostWrite, Send, StatusChanged
-from kvstage.transfer.protocol.decode_room import DecodeRoom, RoomPlan
+from kvstage.transfer.protocol.decode.room import DecodeRoom, RoomPlan
 from kvstage.transfer.protocol.head_mapping import compute_assignments
 from kvstage.transfer.protocol.lifecycle import (
     DECODE_TRANSITIONS,
@@ -22,7 +22,7 @@ from kvstage.transfer.protocol.lifecycle import (
     RoomEvent,
 )
 from kvstage.transfer.protocol.messages import RoomDone, RoomMeta
-from kvstage.transfer.protocol.prefill_room import PrefillRoom
+from kvstage.transfer.protocol.prefill.room import PrefillRoom
 
 B, W, T, S, F = KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Success, KVPoll.Failed
 LAYOUT = KVLayout(num_layers=2, total_kv_heads=2, head_dim=4, dtype=torch.uint8, page_size=2, tp_size=1, tp_rank=0, mla=False)   # one prefill rank, one decode rank

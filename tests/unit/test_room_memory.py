@@ -9,7 +9,7 @@ from kvstage.sim.deep_size import deep_size
 from kvstage.sim.fleet import Fleet, FleetConfig, Model
 from kvstage.sim.report import room_memory
 from kvstage.transfer.poll import KVPoll
-from kvstage.transfer.protocol.flows import FlowState
+from kvstage.transfer.protocol.prefill.flows import FlowState
 
 MIXED = FleetConfig(prefill_engines=4, decode_engines=4, prefill_tp=(8, 4), decode_tp=(1, 2, 4, 8),
                     models=(Model(name="gqa-p16", mla=False, heads=8, layers=4, page_size=16),

@@ -10,7 +10,7 @@ import torch
 
 from kvstage.staging.digests import digest
 from kvstage.staging.gather_scatter import Gatherer
-from kvstage.staging.scatter_worker import LandedPart, PartDigest, ScatterJob, ScatterWorker
+from kvstage.staging.workers import LandedPart, PartDigest, ScatterJob, ScatterWorker
 from kvstage.transfer.protocol.kinds import FailureKind
 
 PAGE, HEADS, HEAD_BYTES, PAGES = 2, 4, 8, 6

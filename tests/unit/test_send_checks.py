@@ -1,4 +1,4 @@
-"""A sender's input rules, written once (protocol/send_checks.py, protocol/layer_sends.py): the
+"""A sender's input rules, written once (protocol/prefill/layer_sends.py): the
 prefill room refuses what the caller's handle refuses, in the same words."""
 
 import itertools
@@ -10,8 +10,8 @@ import torch
 from kvstage.transfer.config import Timeouts
 from kvstage.transfer.engine.handles import KVSender, RoomStatus
 from kvstage.transfer.layout import KVLayout
-from kvstage.transfer.protocol.prefill_room import PrefillRoom
-from kvstage.transfer.protocol.send_checks import check_late_items, check_page_count
+from kvstage.transfer.protocol.prefill.layer_sends import check_late_items, check_page_count
+from kvstage.transfer.protocol.prefill.room import PrefillRoom
 
 LAYOUT = KVLayout(num_layers=2, total_kv_heads=2, head_dim=4, dtype=torch.uint8, page_size=2, tp_size=1, tp_rank=0, mla=False)
 

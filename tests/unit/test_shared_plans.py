@@ -1,4 +1,4 @@
-"""Plans shared by the rooms of one shape (issue 52, memory per room; decode_plan.SharedPlans):
+"""Plans shared by the rooms of one shape (issue 52, memory per room; decode/plan.py SharedPlans):
 a decode rank hands every room of one shape the same immutable plan, and rooms of different
 shapes different ones; a shared plan cannot be changed through any room; the cache stays
 bounded; a room's tracker shares its plan's writer map; and a chunk's repeated grant, now made
@@ -18,12 +18,12 @@ from kvstage.transfer.config import Timeouts
 from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.poll import KVPoll
 from kvstage.transfer.protocol.actions import PeerKey, PostWrite, Scatter, Send
-from kvstage.transfer.protocol.decode_plan import PathInputs, RoomPlan, SharedPlans
-from kvstage.transfer.protocol.decode_room import DecodeRoom, TagVerdict
+from kvstage.transfer.protocol.decode.plan import PathInputs, RoomPlan, SharedPlans
+from kvstage.transfer.protocol.decode.room import DecodeRoom, TagVerdict
 from kvstage.transfer.protocol.head_mapping import compute_assignments
 from kvstage.transfer.protocol.messages import AllocGrant, AllocRequest, RoomMeta
 from kvstage.transfer.protocol.path_choice import PathMode, WriteCost, WriterCosts
-from kvstage.transfer.protocol.prefill_room import PrefillRoom
+from kvstage.transfer.protocol.prefill.room import PrefillRoom
 from kvstage.transfer.protocol.ring import RingAllocator
 
 MIXED = FleetConfig(prefill_engines=3, decode_engines=3, prefill_tp=(8, 4), decode_tp=(1, 2, 8),

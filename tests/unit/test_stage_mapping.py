@@ -19,8 +19,9 @@ from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.poll import KVPoll
 from kvstage.transfer.protocol import peering
 from kvstage.transfer.protocol.actions import PeerKey, PostWrite, Send
+from kvstage.transfer.protocol.decode.tracker import RoomTracker
 from kvstage.transfer.protocol.messages import KVMemory, RoomMeta
-from kvstage.transfer.protocol.prefill_room import PrefillRoom
+from kvstage.transfer.protocol.prefill.room import PrefillRoom
 from kvstage.transfer.protocol.stage_mapping import (
     DecodeStage,
     by_model_layer,
@@ -31,7 +32,6 @@ from kvstage.transfer.protocol.stage_mapping import (
     sources_of,
     stage_memory,
 )
-from kvstage.transfer.protocol.tracker import RoomTracker
 
 
 def tiling(bounds: list[int]) -> tuple[range, ...]:

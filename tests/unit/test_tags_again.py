@@ -12,10 +12,10 @@ import torch
 from kvstage.transfer.config import Timeouts
 from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.protocol.actions import PeerKey, PostWrite, Send
-from kvstage.transfer.protocol.decode_room import DecodeRoom, RoomPlan
+from kvstage.transfer.protocol.decode.room import DecodeRoom, RoomPlan
 from kvstage.transfer.protocol.head_mapping import compute_assignments
 from kvstage.transfer.protocol.messages import RoomMeta, TagsAgain
-from kvstage.transfer.protocol.prefill_room import PrefillRoom
+from kvstage.transfer.protocol.prefill.room import PrefillRoom
 
 LAYOUT = KVLayout(num_layers=2, total_kv_heads=2, head_dim=4, dtype=torch.uint8, page_size=2, tp_size=1, tp_rank=0)
 PREF, DEC = PeerKey("prefill", 0, 1000), PeerKey("decode", 0, 2000)

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvstage.transfer.protocol.tracker import Outcome, RoomTracker
+from kvstage.transfer.protocol.decode.tracker import Outcome, RoomTracker
 
 
 def staged_room():

@@ -318,8 +318,7 @@ def test_triton_missing(monkeypatch, caplog):
 
 
 def test_workers_fail_at_construction_on_a_bad_setting(monkeypatch):
-    from kvstage.staging.scatter_worker import ScatterWorker
-    from kvstage.staging.workers import TransferWorkers
+    from kvstage.staging.workers import ScatterWorker, TransferWorkers
 
     monkeypatch.setenv(kernels.ENV_VAR, "fast")
     k, v = make_cache(1, True, 2, 2, 2, 8, torch.bfloat16, 0)
@@ -357,7 +356,7 @@ def test_cpu_workers_do_not_import_triton():
     """The CPU product path (auto) never imports triton: rank processes stay light."""
     code = ("import sys, torch\n"
             "from kvstage.staging.kernels import make_gatherer, make_scatterer\n"
-            "from kvstage.staging.scatter_worker import ScatterWorker\n"
+            "from kvstage.staging.workers import ScatterWorker\n"
             "from kvstage.staging.workers import TransferWorkers\n"
             "make_gatherer('cpu'); make_scatterer('cpu')\n"
             "print('triton' in sys.modules)\n")

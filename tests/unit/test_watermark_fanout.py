@@ -1,8 +1,8 @@
-"""Who a decode rank tells that its ring's watermark moved (transfer/protocol/watermark_fanout.py):
+"""Who a decode rank tells that its ring's watermark moved (transfer/protocol/decode/watermark_fanout.py):
 a writer hears the watermark before its grant, and a move only when it may unblock one of its
 regions; the rest of the fleet hears nothing."""
 
-from kvstage.transfer.protocol.watermark_fanout import WatermarkFanout
+from kvstage.transfer.protocol.decode.watermark_fanout import WatermarkFanout
 
 SIZE = 1000
 

@@ -1,4 +1,4 @@
-"""Writes that size themselves on the direct path (transfer/protocol/write_batching.py and the
+"""Writes that size themselves on the direct path (transfer/protocol/prefill/write_batching.py and the
 batching PrefillRoom): units wait for their layers, the next write starts only when the previous
 one completed and takes every ready unit at the front, merged; a unit that is not ready holds
 back every unit behind it; nothing is reported done while a unit is held."""
@@ -13,10 +13,10 @@ from kvstage.transfer.config import Timeouts
 from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.poll import KVPoll
 from kvstage.transfer.protocol.actions import AwaitUnit, PeerKey, PostWrite, Send
-from kvstage.transfer.protocol.layer_sends import LayerGrouping, Unit
 from kvstage.transfer.protocol.messages import RoomMeta, WriterDone
-from kvstage.transfer.protocol.prefill_room import PrefillRoom
-from kvstage.transfer.protocol.write_batching import UnitBatcher, merge_units
+from kvstage.transfer.protocol.prefill.layer_sends import LayerGrouping, Unit
+from kvstage.transfer.protocol.prefill.room import PrefillRoom
+from kvstage.transfer.protocol.prefill.write_batching import UnitBatcher, merge_units
 
 PAGES = np.arange(10, 14)
 

@@ -23,8 +23,8 @@ from ..layout import KVLayout
 from ..poll import KVPoll
 from ..protocol import peering
 from ..protocol.actions import PeerKey
-from ..protocol.decode_plan import PathInputs, SharedPlans
-from ..protocol.decode_room import DecodeRoom, PlanRefused, WriterOffer, plan_room
+from ..protocol.decode.plan import PathInputs, SharedPlans
+from ..protocol.decode.room import DecodeRoom, PlanRefused, WriterOffer, plan_room
 from ..protocol.head_mapping import HeadMapping
 from ..protocol.kinds import FailureKind, Role
 from ..protocol.leases import Lease
@@ -107,7 +107,7 @@ class EnginePlanner:
         self.engine_of: dict[int, str] = {}          # room -> source key
         self._fallback_logged: set[tuple[str, str]] = set()
         self._costs: dict[int, WriterCosts | None] = {}   # prefill incarnation -> the costs its HelloAck sent
-        self._plans = SharedPlans()                    # one plan per shape, shared by its rooms (decode_plan.py)
+        self._plans = SharedPlans()                    # one plan per shape, shared by its rooms (decode/plan.py)
 
     # -- engines ----------------------------------------------------------------------------------
     def engine(self, source: PrefillSource, now: float) -> EngineView:

@@ -14,13 +14,14 @@ from collections.abc import Callable
 
 from ...bootstrap.rendezvous import RankGone
 from ...staging.pool_copies import LandedBlock
-from ...staging.scatter_worker import LandedPart, ScatterJob, ScatterWorker
+from ...staging.workers import LandedPart, ScatterJob, ScatterWorker
 from ...wire import WireError
 from ..config import Timeouts
 from ..layout import KVLayout, LayoutSummary
 from ..poll import KVPoll
-from ..protocol.actions import Action, ReleaseCredit, Scatter, Send, StatusChanged
-from ..protocol.decode_room import DecodeRoom, TagVerdict
+from ..protocol.actions import DecodeAction, ReleaseCredit, Scatter, Send, StatusChanged
+from ..protocol.decode.room import DecodeRoom, TagVerdict
+from ..protocol.decode.watermark_fanout import WatermarkFanout, pending_parts
 from ..protocol.kinds import FailureKind
 from ..protocol.messages import (
     AllocRequest,
@@ -41,7 +42,6 @@ from ..protocol.ring import RingAllocator
 from ..protocol.room_uses import RoomUse, ended_answer
 from ..protocol.routing import PeerState
 from ..protocol.tags import Tag, TagCodec, TagKind
-from ..protocol.watermark_fanout import WatermarkFanout, pending_parts
 from .decode_planning import EnginePlanner
 from .events import Abort, InitReceiver, LookupDone, NewReceiver, ScatterDone
 from .interfaces import (
@@ -89,7 +89,7 @@ class DecodeSide:
         self.planner = planner
         self.eager_rooms: set[int] = set()       # Transferring: writes towards them may come
         self.expected = ExpectedWrites()         # writes announced towards this rank, tags not in
-        self.fanout = WatermarkFanout()          # who was told the ring's watermark (protocol/watermark_fanout.py)
+        self.fanout = WatermarkFanout()          # who was told the ring's watermark (protocol/decode/watermark_fanout.py)
         self.credits = DecodeCredits(   # ring credits (ring_credits.py)
             me=me, peers=peers, book=book, stats=stats, ring=staging, credits=credits, piece_cap=piece_cap,
             heartbeat=timeouts.heartbeat, publish=self.publish_watermark)
@@ -300,7 +300,7 @@ class DecodeSide:
 
     def publish_watermark(self) -> None:
         """The ring's watermark moved: tell the writers it may unblock (those with a granted region
-        here their view does not allow yet; protocol/watermark_fanout.py)."""
+        here their view does not allow yet; protocol/decode/watermark_fanout.py)."""
         a = self._ring()
         wm = a.watermark
         self.stats.set("ring_live_bytes", a.live_bytes)
@@ -352,7 +352,7 @@ class DecodeSide:
         self.planner.plan_deadlines(now)
         self.credits.tick(now)
 
-    def closing(self, room: DecodeRoom, now: float) -> list[Action]:
+    def closing(self, room: DecodeRoom, now: float) -> list[DecodeAction]:
         return (room.fail(FailureKind.CLOSED, "the kvstage manager is closing", now)
                 + room.abort(self.staging.allocator, now))
 

@@ -20,8 +20,7 @@ from ...staging.page_lists import check_pages
 from ..outcome import KVTransferError, TransferMetrics
 from ..poll import KVPoll
 from ..pool_spec import check_pool_items
-from ..protocol.layer_sends import SendLedger
-from ..protocol.send_checks import check_late_items, check_page_count
+from ..protocol.prefill.layer_sends import SendLedger, check_late_items, check_page_count
 from ..timeline import TimelineRecorder
 from .events import Abort, InitReceiver, InitSender, SendChunk
 

@@ -22,11 +22,11 @@ from ...staging.digests import gathered_digest
 from ...staging.gather_scatter import GathersKV
 from ...staging.handler import StagingHandler
 from ...staging.kernels import gatherer_class
-from ...staging.scatter_worker import PartDigest
+from ...staging.workers import PartDigest
 from ..kv_buffers import KVBuffers
 from ..layout import KVLayout
 from ..protocol.actions import Scatter, WriteOp
-from ..protocol.decode_room import DecodeRoom, PageSpan, RingSpan
+from ..protocol.decode.room import DecodeRoom, PageSpan, RingSpan
 from ..protocol.tags import Tag, TagCodec
 from .stats import Stats
 

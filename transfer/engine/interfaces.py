@@ -28,18 +28,17 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from ..protocol.decode_room import DecodeRoom
-from ..protocol.prefill_room import PrefillRoom
+from ..protocol.decode.room import DecodeRoom
+from ..protocol.prefill.room import PrefillRoom
 
 if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from ...staging.scatter_worker import PartDigest
+    from ...staging.workers import PartDigest
     from ..backends.base import Backend
     from ..poll import KVPoll
     from ..protocol.actions import (
-        Action,
         AwaitUnit,
         PeerKey,
         ReleaseCredit,
@@ -61,9 +60,13 @@ MessageHandler = Callable[["Peer", Any, float], None]
 EventHandler = Callable[[Any, float], None]
 
 
-class Room(Protocol):
-    """What the room book reads of a room state machine (protocol/prefill_room.py,
-    protocol/decode_room.py); the role's side knows its own room type."""
+A_co = TypeVar("A_co", covariant=True)
+
+
+class Room(Protocol[A_co]):
+    """What the room book reads of a room state machine (protocol/prefill/room.py,
+    protocol/decode/room.py), whose actions are `A_co` (its role's union, protocol/actions.py);
+    the role's side knows its own room type."""
 
     @property
     def room(self) -> int: ...
@@ -79,12 +82,12 @@ class Room(Protocol):
 
     def totals(self) -> RoomTotals: ...
 
-    def fail(self, kind: str, reason: str, now: float) -> list[Action]: ...
+    def fail(self, kind: str, reason: str, now: float) -> Sequence[A_co]: ...
 
 
 T = TypeVar("T")
-R = TypeVar("R", bound=Room)
-R_contra = TypeVar("R_contra", bound=Room, contravariant=True)
+R = TypeVar("R", bound="Room[Any]")
+R_contra = TypeVar("R_contra", bound="Room[Any]", contravariant=True)
 
 
 class PeerLossListener(Protocol):
@@ -210,7 +213,7 @@ class LeaseHooks(Protocol):
         """A peer stayed `connecting` past the connect timeout."""
 
 
-class RoleSide(RoomHooks[R_contra], PeerLossListener, LeaseHooks, FailureSink, Protocol[R_contra]):
+class RoleSide(RoomHooks[R_contra], PeerLossListener, LeaseHooks, FailureSink, Protocol[R_contra, A_co]):
     """The role's half of a rank (PrefillSide, DecodeSide): only what both roles do, for the
     loop (loop.py). Besides RoomHooks, PeerLossListener, LeaseHooks and FailureSink:"""
 
@@ -230,8 +233,9 @@ class RoleSide(RoomHooks[R_contra], PeerLossListener, LeaseHooks, FailureSink, P
     def tick(self, now: float) -> None:
         """At each tick, after the rooms and the write queue: the side's own deadlines."""
 
-    def closing(self, room: R_contra, now: float) -> list[Action]:
-        """The manager closes: what the room must do (its actions are carried out at once)."""
+    def closing(self, room: R_contra, now: float) -> Sequence[A_co]:
+        """The manager closes: what the room must do (its actions, of the role's union, are
+        carried out at once)."""
 
     def room_state(self) -> dict[str, int]:
         """How much per-room state the side holds (stats()["room_state"]); zero once every

@@ -38,9 +38,8 @@ import zmq
 from ...bootstrap import RankRecord
 from ...hop_trace import TRACE, Hop
 from ...staging.handler import StagingHandler
-from ...staging.scatter_worker import ScatterWorker
 from ...staging.thread_meter import ThreadMeter
-from ...staging.workers import TransferWorkers
+from ...staging.workers import ScatterWorker, TransferWorkers
 from ...wire import Codec
 from ..backends.faults import ControlFaults, FaultPlan
 from ..config import ResolvedConfig
@@ -48,8 +47,8 @@ from ..kv_buffers import KVBuffers
 from ..layout import KVLayout
 from ..poll import KVPoll
 from ..protocol.kinds import FailureKind, Role
-from ..protocol.layer_sends import LayerGrouping
 from ..protocol.messages import Goodbye, PeerMessage
+from ..protocol.prefill.layer_sends import LayerGrouping
 from ..protocol.quiet import MIN_EAGER_WAIT, Activity, activity, next_wait
 from ..protocol.routing import PeerState
 from ..protocol.tags import TagCodec
@@ -109,8 +108,8 @@ class EngineLoop:
 
     # the parts, built by _build_prefill or _build_decode
     peers: PeerTable
-    book: RoomBook[Any]
-    side: RoleSide[Any]
+    book: RoomBook[Any, Any]
+    side: RoleSide[Any, Any]
     writes: WriteQueue | None                # a prefill rank's; a decode rank writes nowhere
     credit_bytes: Callable[[], int]          # ring bytes lent out as credits (a decode rank's ring)
     _heartbeats: HeartbeatSink | None        # the prefill side
@@ -248,7 +247,7 @@ class EngineLoop:
         return self.ctx.sock.endpoint
 
     @property
-    def rooms(self) -> Mapping[int, Room]:
+    def rooms(self) -> Mapping[int, Room[Any]]:
         return self.book.rooms
 
     def meters(self) -> list[ThreadMeter]:

@@ -16,10 +16,9 @@ from dataclasses import dataclass
 from ..config import Timeouts
 from ..layout import KVLayout, LayoutSummary
 from ..poll import KVPoll
-from ..protocol.actions import Action, PeerKey, SettleCredits
+from ..protocol.actions import PeerKey, PrefillAction, SettleCredits
 from ..protocol.hello_admission import PrefillFacts, admit_hello
 from ..protocol.kinds import FailureKind, Role
-from ..protocol.layer_sends import PER_CHUNK, LayerGrouping
 from ..protocol.leases import Lease
 from ..protocol.messages import (
     AllocGrant,
@@ -36,7 +35,8 @@ from ..protocol.messages import (
     WatermarkUpdate,
 )
 from ..protocol.path_choice import WriterCosts
-from ..protocol.prefill_room import PrefillRoom
+from ..protocol.prefill.layer_sends import PER_CHUNK, LayerGrouping
+from ..protocol.prefill.room import PrefillRoom
 from ..protocol.ring import Watermark
 from ..protocol.room_uses import EarlierUses, Parked, RoomUse, unserved_answer, use_without_sender
 from ..protocol.routing import HelloVerdict, PeerState, hello_verdict
@@ -328,7 +328,7 @@ class PrefillSide:
                                         reason=reason))
         self.peers.send(key, Quiesced(src=me, dst=key.incarnation, room=msg.room, session=msg.session))
 
-    def closing(self, room: PrefillRoom, now: float) -> list[Action]:
+    def closing(self, room: PrefillRoom, now: float) -> list[PrefillAction]:
         return room.fail(FailureKind.CLOSED, "the kvstage manager is closing", now)
 
     def room_state(self) -> dict[str, int]:

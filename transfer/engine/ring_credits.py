@@ -27,12 +27,12 @@ from collections.abc import Callable, Iterable
 from typing import cast
 
 from ..protocol.actions import PeerKey
-from ..protocol.credit_ledger import Claim, CreditLedger, Issued
-from ..protocol.credit_purse import CreditPurse
 from ..protocol.credits import ClaimVerdict, CreditSpan, GrantVerdict, WriteRef
-from ..protocol.decode_room import DecodeRoom
+from ..protocol.decode.credits import Claim, CreditLedger, Issued
+from ..protocol.decode.room import DecodeRoom
 from ..protocol.kinds import FailureKind
 from ..protocol.messages import CreditAck, CreditGrant, CreditReturn, CreditWrite, Hello, HelloAck, RoomMeta
+from ..protocol.prefill.credits import CreditPurse
 from ..protocol.ring import Watermark
 from ..protocol.tags import Tag
 from .interfaces import Counters, Outbox, RingOwner, Watermarks

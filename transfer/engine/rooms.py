@@ -1,10 +1,12 @@
 """The rooms (requests) of this rank and the carrying out of their state machines' actions.
 
-Every room state machine returns actions; `RoomBook.apply` is where they happen: messages go
-to peers and statuses to the caller's handle (both roles), writes to the write queue
-(`PrefillBook`), scatters, watermarks and credits to the decode side (`DecodeBook`). A
-released room is remembered for a while (`finished`) so late messages about it get a true
-answer.
+Every room state machine returns actions of its role's union (protocol/actions.py:
+`PrefillAction`, `DecodeAction`); each role's book's `apply` is where they happen, one `match`
+exhaustive over that union (mypy checks it with assert_never): the shared actions (messages to
+peers, statuses to the caller's handle) go to `RoomBook._shared`, the same for both roles; writes
+go to the write queue (`PrefillBook`), scatters, watermarks and credits to the decode side
+(`DecodeBook`). A released room is remembered for a while (`finished`) so late messages about it
+get a true answer.
 """
 
 from __future__ import annotations
@@ -13,28 +15,31 @@ import logging
 import sys
 import time
 from collections import OrderedDict
-from typing import ClassVar, Generic, NamedTuple, NoReturn
+from collections.abc import Sequence
+from typing import ClassVar, Generic, NamedTuple, NoReturn, TypeVar
 
 from ...hop_trace import TRACE, Hop
 from ..poll import KVPoll
 from ..protocol.actions import (
-    Action,
     AwaitUnit,
+    DecodeAction,
     DecodePrefix,
     Dropped,
     PostWrite,
+    PrefillAction,
     PublishWatermark,
     ReleaseCredit,
     Released,
     Scatter,
     Send,
     SettleCredits,
+    SharedAction,
     StatusChanged,
 )
-from ..protocol.decode_room import DecodeRoom
+from ..protocol.decode.room import DecodeRoom
 from ..protocol.kinds import TransferPath
 from ..protocol.messages import RoomMeta
-from ..protocol.prefill_room import PrefillRoom
+from ..protocol.prefill.room import PrefillRoom
 from .context import FINISHED_MEMORY
 from .handles import RoomStatus
 from .interfaces import (
@@ -68,13 +73,13 @@ class FinishedRoom(NamedTuple):
     session: int         # the decode room's own session; 0 on a prefill rank
 
 
-# the actions only one role's rooms return: the role's book (PrefillBook, DecodeBook) carries them out
-RoleAction = PostWrite | AwaitUnit | SettleCredits | Scatter | PublishWatermark | ReleaseCredit
+A = TypeVar("A", PrefillAction, DecodeAction)
 
 
-class RoomBook(Generic[R]):
-    """The rooms of one role (`R`: PrefillRoom or DecodeRoom) and what both roles do with their
-    actions; PrefillBook and DecodeBook carry out the actions only their role's rooms return.
+class RoomBook(Generic[R, A]):
+    """The rooms of one role (`R`: PrefillRoom or DecodeRoom, whose actions are `A`:
+    PrefillAction or DecodeAction) and what both roles do with the shared actions; PrefillBook and
+    DecodeBook carry out their own union, each in one exhaustive `match` (`apply`).
     `outbox` sends the rooms' messages, `stats` and `observer` take the counters and histograms
     of a request's end, `hooks` (the role's side, built after the book: it uses it) is told a
     room was released."""
@@ -99,34 +104,29 @@ class RoomBook(Generic[R]):
         self.status[room.room] = status
         self.finished.pop(room.room, None)
 
-    def apply(self, room: R, actions: list[Action]) -> None:
-        failed = False
-        for a in actions:   # Action is a closed union: every kind has its case here or in _role_action
-            match a:
-                case Send():
-                    self._send(room, a)
-                case StatusChanged():
-                    self._status_changed(room, a)
-                    failed |= a.state is KVPoll.Failed and not a.released
-                case Released():
-                    self._released(room)
-                case Dropped():
-                    self.stats.count("dropped_messages", a.reason)
-                case DecodePrefix():
-                    status = self.status.get(room.room)
-                    if status is not None:
-                        status.decode_prefix_pages = a.pages
-                case _:
-                    self._role_action(room, a)
-        if failed:
-            self._failed(room.room)
+    def apply(self, room: R, actions: Sequence[A]) -> None:
+        """Carry out a room's actions, in order (the role's book: one `match` over its union)."""
+        raise NotImplementedError
+
+    def _shared(self, room: R, a: SharedAction) -> bool:
+        """Carry out an action both roles' rooms return; True when the room just failed (the
+        book tells `_failed` once the room's other actions went out)."""
+        match a:
+            case Send():
+                self._send(room, a)
+            case StatusChanged():
+                self._status_changed(room, a)
+                return a.state is KVPoll.Failed and not a.released
+            case Released():
+                self._released(room)
+            case Dropped():
+                self.stats.count("dropped_messages", a.reason)
+            case _:
+                assert_never(a)
+        return False
 
     def _send(self, room: R, a: Send) -> None:
         self.outbox.send(a.peer, a.msg)
-
-    def _role_action(self, room: R, a: RoleAction) -> None:
-        """An action only one role's rooms return (the role's book carries it out)."""
-        raise NotImplementedError
 
     def _failed(self, room_id: int) -> None:
         """The room just failed (after its own messages went out)."""
@@ -196,13 +196,7 @@ class RoomBook(Generic[R]):
             self.apply(room, room.fail(kind, reason, now))
 
 
-def _foreign(role: str, a: RoleAction) -> NoReturn:
-    """The protocol's Action union is shared by both roles' rooms: one that only the other role's
-    rooms return is a bug in the room state machine."""
-    raise RuntimeError(f"a {role} room returned {type(a).__name__}, an action of the other role")
-
-
-class PrefillBook(RoomBook[PrefillRoom]):
+class PrefillBook(RoomBook[PrefillRoom, PrefillAction]):
     """The prefill rooms: their writes go to `writes` (the write queue, built after the book),
     their credits' settling and the end of their memory to the prefill side."""
 
@@ -214,18 +208,26 @@ class PrefillBook(RoomBook[PrefillRoom]):
         super().__init__(outbox=outbox, stats=stats, observer=observer, hooks=hooks)
         self._prefill_hooks, self._writes = hooks, writes
 
-    def _role_action(self, room: PrefillRoom, a: RoleAction) -> None:
-        match a:
-            case PostWrite():
-                self._writes().post(a.op, time.monotonic())
-            case AwaitUnit():
-                self._writes().await_unit(a)
-            case SettleCredits():
-                self._prefill_hooks().settle_credits(a)
-            case Scatter() | PublishWatermark() | ReleaseCredit():
-                _foreign("prefill", a)
-            case _:
-                assert_never(a)
+    def apply(self, room: PrefillRoom, actions: Sequence[PrefillAction]) -> None:
+        failed = False
+        for a in actions:
+            match a:
+                case Send() | StatusChanged() | Released() | Dropped():
+                    failed |= self._shared(room, a)
+                case PostWrite():
+                    self._writes().post(a.op, time.monotonic())
+                case AwaitUnit():
+                    self._writes().await_unit(a)
+                case SettleCredits():
+                    self._prefill_hooks().settle_credits(a)
+                case DecodePrefix():
+                    status = self.status.get(room.room)
+                    if status is not None:
+                        status.decode_prefix_pages = a.pages
+                case _:
+                    assert_never(a)
+        if failed:
+            self._failed(room.room)
 
     def _failed(self, room_id: int) -> None:
         # pieces still waiting for ring space are never started
@@ -235,7 +237,7 @@ class PrefillBook(RoomBook[PrefillRoom]):
         self._prefill_hooks().forget_finished(room_id)
 
 
-class DecodeBook(RoomBook[DecodeRoom]):
+class DecodeBook(RoomBook[DecodeRoom, DecodeAction]):
     """The decode rooms: their scatters, watermarks, credits, outgoing metadata and new states go
     to the decode side (built after the book). A decode room posts no write."""
 
@@ -250,18 +252,22 @@ class DecodeBook(RoomBook[DecodeRoom]):
             self._decode_hooks().meta_out(room, a)
         self.outbox.send(a.peer, a.msg)
 
-    def _role_action(self, room: DecodeRoom, a: RoleAction) -> None:
-        match a:
-            case Scatter():
-                self._decode_hooks().scatter(a)
-            case PublishWatermark():
-                self._decode_hooks().publish_watermark()
-            case ReleaseCredit():
-                self._decode_hooks().release_credit(a)
-            case PostWrite() | AwaitUnit() | SettleCredits():
-                _foreign("decode", a)
-            case _:
-                assert_never(a)
+    def apply(self, room: DecodeRoom, actions: Sequence[DecodeAction]) -> None:
+        failed = False
+        for a in actions:
+            match a:
+                case Send() | StatusChanged() | Released() | Dropped():
+                    failed |= self._shared(room, a)
+                case Scatter():
+                    self._decode_hooks().scatter(a)
+                case PublishWatermark():
+                    self._decode_hooks().publish_watermark()
+                case ReleaseCredit():
+                    self._decode_hooks().release_credit(a)
+                case _:
+                    assert_never(a)
+        if failed:
+            self._failed(room.room)
 
     def _after_status(self, room: DecodeRoom, a: StatusChanged) -> None:
         self._decode_hooks().status_changed(room, a)

@@ -1,7 +1,9 @@
 """What the room state machines decide, for the engine shell to carry out.
 
 A state machine method takes an input (a message, a completion, the current time) and
-returns a list of these actions; it never performs IO itself.
+returns a list of these actions; it never performs IO itself. Each role's rooms return their own
+union (`PrefillAction`, `DecodeAction`): both hold the `SharedAction`s, and neither holds the
+other role's, so a room returning the other role's action is a type error, not a run-time one.
 """
 
 from __future__ import annotations
@@ -183,5 +185,14 @@ class Dropped:
     reason: str
 
 
-Action = (Send | PostWrite | AwaitUnit | Scatter | PublishWatermark | StatusChanged | Released | Dropped
-          | DecodePrefix | ReleaseCredit | SettleCredits)
+SharedAction = Send | StatusChanged | Released | Dropped
+"""What both roles' rooms return (room_base.py decides them): the room book carries them out the
+same way for both roles."""
+
+PrefillAction = SharedAction | PostWrite | AwaitUnit | SettleCredits | DecodePrefix
+"""Everything a prefill room (prefill/room.py) returns: the shared actions and the prefill-only
+ones. The prefill book's `match` is exhaustive over it (mypy checks it with assert_never)."""
+
+DecodeAction = SharedAction | Scatter | PublishWatermark | ReleaseCredit
+"""Everything a decode room (decode/room.py) returns: the shared actions and the decode-only
+ones. The decode book's `match` is exhaustive over it (mypy checks it with assert_never)."""

@@ -9,7 +9,7 @@ space. When a credit is used up, or the rank has nothing left to write to that d
 gives the credit back (`CreditReturn`), naming every write it made into it; the decode rank
 frees the region once each of those writes was scattered or its request ended.
 
-The rules, decided here and in credit_ledger.py (decode) and credit_purse.py (prefill):
+The rules, decided here and in decode/credits.py (decode) and prefill/credits.py (prefill):
 
 - **Sizing** (`credit_target`): credits go where requests are. A rank with no staged request
   towards the decode rank gets no credit; one with requests gets what its requests still have
@@ -30,7 +30,7 @@ The rules, decided here and in credit_ledger.py (decode) and credit_purse.py (pr
   A grant allocates all parts of a piece at once and has no such cycle.
 - **Fallback**: a write that does not fit its rank's credits goes the grant path
   (AllocRequest / AllocGrant) exactly as without credits; of a chunk, the pieces after the
-  first that does not fit go there together, as its remainder (credit_writes.py).
+  first that does not fit go there together, as its remainder (prefill/credits.py).
 
 Pure: no memory, no time; positions are linear ring positions as in ring.py.
 """

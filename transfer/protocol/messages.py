@@ -224,7 +224,7 @@ class TagsAgain(RoomMessage, kw_only=True, frozen=True):
     once: a lost notification (Mooncake only logs a notify that fails) costs a heartbeat, not the
     request. Sent only while the decode rank may be waiting for one of those tags: the room is
     unconfirmed, the writer finished writing or still has writes to complete, and none was
-    posted or completed for a heartbeat (prefill_room.PrefillRoom._tags_again)."""
+    posted or completed for a heartbeat (PrefillRoom._tags_again, prefill/room.py)."""
 
     tags: list[bytes]
 

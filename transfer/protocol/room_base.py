@@ -2,25 +2,29 @@
 
 Each side says which lifecycle table it follows (lifecycle.py), whom a failure is told to and
 what happens after it; the status moves, the failure notices and the release report are
-written once, here.
+written once, here, as shared actions (actions.SharedAction) in the role's own list.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import ClassVar, Generic, TypeVar
 
 from ..layout import KVLayout
 from ..poll import KVPoll
 from ..pool_spec import PoolSpec
 from ..timeouts import Timeouts
-from .actions import Action, PeerKey, Released, Send, StatusChanged
+from .actions import DecodeAction, PeerKey, PrefillAction, Released, Send, StatusChanged
 from .kinds import remote_kind
 from .lifecycle import FINAL, RoomEvent, Transitions, next_state
 from .messages import RoomFailed
 
+A = TypeVar("A", PrefillAction, DecodeAction)
+"""The actions of the room's role: a prefill room is a RoomBase[PrefillAction], a decode room a
+RoomBase[DecodeAction] (mypy checks this base once for each)."""
 
-class RoomBase:
+
+class RoomBase(Generic[A]):
     """Memory: a rank holds one room per request in flight, thousands. CPython keeps an
     instance's attributes in a dictionary whose keys all instances share (a few bytes per
     attribute) only while the class has fewer than 30 of them; past that each room gets a
@@ -50,7 +54,7 @@ class RoomBase:
         return self.state in FINAL
 
     # -- status -----------------------------------------------------------------------------
-    def _move(self, event: RoomEvent, now: float) -> list[Action]:
+    def _move(self, event: RoomEvent, now: float) -> list[A]:
         """Move the status along the side's table (IllegalTransition when it has no such
         move); report it unless it stayed the same."""
         state = next_state(self.TRANSITIONS, type(self).__name__, self.room, self.state, event)
@@ -59,12 +63,12 @@ class RoomBase:
         self.state = state
         return [StatusChanged(state=state, failure=self.failure, failure_kind=self.failure_kind)] + self._entered(state, now)
 
-    def _entered(self, state: KVPoll, now: float) -> list[Action]:
+    def _entered(self, state: KVPoll, now: float) -> list[A]:
         """What a side does on entering `state` (after reporting it)."""
         return []
 
     # -- failure ----------------------------------------------------------------------------
-    def fail(self, kind: str, reason: str, now: float, origin: PeerKey | None = None) -> list[Action]:
+    def fail(self, kind: str, reason: str, now: float, origin: PeerKey | None = None) -> list[A]:
         """Fail the room and tell every peer of the room but the one the failure came from."""
         if self.ended:
             return []
@@ -74,7 +78,7 @@ class RoomBase:
                 if peer != origin]
         return out + self._after_failure(now)
 
-    def _fail_remote(self, peer: PeerKey, kind: str, reason: str, now: float) -> list[Action]:
+    def _fail_remote(self, peer: PeerKey, kind: str, reason: str, now: float) -> list[A]:
         """A peer failed the room with `kind`: fail it here as remote_<kind>, naming the peer."""
         return self.fail(remote_kind(kind), f"{self.PEER_SIDE} rank {peer.tp_rank} ({peer.engine_id}): {reason}", now,
                          origin=peer)
@@ -83,7 +87,7 @@ class RoomBase:
         """(peer, session) of every peer a failure is told to."""
         raise NotImplementedError
 
-    def _after_failure(self, now: float) -> list[Action]:
+    def _after_failure(self, now: float) -> list[A]:
         return []
 
     def _failed_msg(self, peer: PeerKey, session: int) -> RoomFailed:
@@ -91,7 +95,7 @@ class RoomBase:
                           kind=self.failure_kind or "failed", reason=self.failure or "")
 
     # -- release ----------------------------------------------------------------------------
-    def _release(self) -> list[Action]:
+    def _release(self) -> list[A]:
         """The room's memory is no longer touched: say so (the shell may forget the room)."""
         self.released = True
         return [StatusChanged(state=self.state, failure=self.failure, failure_kind=self.failure_kind, released=True),

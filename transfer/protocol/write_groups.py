@@ -7,7 +7,7 @@ items, and a pool may sit in another kind of memory than the KV (host aux rows b
 cache), on either side. So the write's descriptors are grouped by (source kind, destination
 kind); a pool with `own_writes` gets a group of its own whatever its kinds. Each group is one
 backend write with the logical write's tag, numbered `group` of `groups`; the decode rank counts
-the logical write once every group landed (protocol/tracker.py, docs/protocol.md).
+the logical write once every group landed (protocol/decode/tracker.py, docs/protocol.md).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .actions import AwaitUnit
+from ..actions import AwaitUnit
 from .layer_sends import LayerGrouper, LayerGrouping, Unit, group_size
 
 __all__ = ["UnitBatcher", "merge_units", "plan_units"]

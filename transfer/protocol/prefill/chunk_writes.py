@@ -6,7 +6,7 @@ seconds at a time), each part with its own tag. Staged: one write per ring piece
 granted, this writer's part at its offset inside the piece. The write ending at the request's
 last page of the model's last entry also carries the state pool items (pool_parts.py).
 
-Pure: the room (prefill_room.py) keeps the state, decides when a chunk is written and posts
+Pure: the room (prefill/room.py) keeps the state, decides when a chunk is written and posts
 the operations these return.
 """
 
@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .actions import PeerKey, WriteOp
+from ..actions import PeerKey, WriteOp
+from ..head_mapping import Assignment
+from ..messages import AllocGrant
+from ..pool_parts import PoolCopy, block_bytes
+from ..tags import Tag, TagKind, make_tag
 from .flows import Chunk
-from .head_mapping import Assignment
-from .messages import AllocGrant
-from .pool_parts import PoolCopy, block_bytes
-from .tags import Tag, TagKind, make_tag
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,7 +78,7 @@ def granted_writes(w: ChunkWrites, grant: AllocGrant, *,
     """The chunk's staged writes, one per granted piece, or why the grant does not match the
     chunk. `last_part(kv_bytes)`: this writer's offset and pool copies in the piece carrying the
     pools (None: the request moves none). `kind` CREDIT: pieces the room cut itself, each placed
-    in a ring credit (credit_writes.py)."""
+    in a ring credit (prefill/credits.py)."""
     a, chunk = w.assignment, w.chunk
     pos = chunk.page_start
     out: list[WriteOp] = []

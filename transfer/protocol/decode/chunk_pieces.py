@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .decode_plan import RoomPlan
-from .pieces import plan_pieces
-from .ring import Region, RingAllocator, TooLarge
+from ..pieces import plan_pieces
+from ..ring import Region, RingAllocator, TooLarge
+from .plan import RoomPlan
 from .tracker import RoomTracker
 
 

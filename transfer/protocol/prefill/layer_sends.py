@@ -1,5 +1,12 @@
-"""Layer-wise input of a prefill sender: which (page, layer) pairs a send() names, and how sends
-become the units the room writes. Pure.
+"""A prefill sender's input: which (page, layer) pairs a send() names, the rules each call must
+keep, and how sends become the units the room writes. Pure.
+
+The rules are written once: the caller's handle (KVSender) checks them to raise in the caller's
+thread, and the prefill room checks them again on the control thread, with the same words. A
+sender gets its page count once (at creation or with init(), `check_page_count`), then sends
+(`SendLedger` checks each: pages and layers in request order, the last one the send that
+completes every (page, layer)); items of a pool init() did not name may come with the last send
+(`check_late_items`).
 
 A send names pages (in request order) and a range of layers; the current `send(pages)` is every
 layer this rank holds (its PP stage's range). Each layer advances through the request's pages
@@ -17,11 +24,13 @@ whatever is left when the input is complete goes out as it is.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["PER_CHUNK", "LayerGrouper", "LayerGrouping", "SendLedger", "SendStep", "Unit", "check_layers", "group_size"]
+__all__ = ["PER_CHUNK", "LayerGrouper", "LayerGrouping", "SendLedger", "SendStep", "Unit", "check_late_items", "check_layers",
+           "check_page_count", "group_size"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,6 +46,29 @@ class LayerGrouping:
 
 
 PER_CHUNK = LayerGrouping()   # every layer of a chunk in one write, as without layer-wise sending
+
+
+def check_page_count(room: int, current: int | None, num_pages: object) -> int:
+    """init(): the page count of a sender created without one. Raises ValueError."""
+    if current is not None:
+        raise ValueError(f"room {room}: init() called twice, or on a sender created with num_pages")
+    if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
+        raise ValueError(f"room {room}: num_pages must be a positive int, got {num_pages!r}")
+    return num_pages
+
+
+def check_late_items(room: int, given: Mapping[str, object], late: Mapping[str, object] | None, last: bool) -> None:
+    """send(pool_items=...): items of pools init() did not name, on the request's last send
+    only (the write carrying them is the last). Raises ValueError."""
+    if not late:
+        return
+    if not last:
+        raise ValueError(f"room {room}: pool_items come with the last send only (this send leaves pages or layers "
+                         f"unsent)")
+    twice = sorted(set(late) & set(given))
+    if twice:
+        raise ValueError(f"room {room}: items of pool(s) {', '.join(twice)} were given at init() and again with the "
+                         f"last send")
 
 
 def check_layers(room: int, layers: object, stage: range) -> range:

@@ -32,14 +32,14 @@ from typing import cast
 
 import numpy as np
 
-from ..draft_kv import draft_pool_name, request_draft_items
-from ..layout import KVLayout
-from ..poll import KVPoll
-from ..pool_spec import PoolSpec
-from ..timeouts import Timeouts
-from . import credits as credit_rules
-from .actions import (
-    Action,
+from ...draft_kv import draft_pool_name, request_draft_items
+from ...layout import KVLayout
+from ...poll import KVPoll
+from ...pool_spec import PoolSpec
+from ...timeouts import Timeouts
+from .. import credits as credit_rules
+from ..actions import (
+    DecodeAction,
     PartCheck,
     PeerKey,
     PoolPlacement,
@@ -50,18 +50,18 @@ from .actions import (
     ScatterPart,
     Send,
 )
+from ..credits import CreditSpan
+from ..head_mapping import Assignment
+from ..kinds import FailureKind, StrKind, TransferPath, remote_kind
+from ..lifecycle import DECODE_TRANSITIONS, RoomEvent
+from ..messages import AllocGrant, AllocRequest, Piece, RoomDone, RoomMeta, WriterDone, encode_pages
+from ..pool_parts import PoolCopy, block_bytes, part_offsets, request_copies, writer_segments
+from ..ring import Region, RingAllocator
+from ..room_base import RoomBase
+from ..tags import Tag, TagKind
 from .chunk_pieces import PiecesRefused, chunk_pieces
-from .credit_ledger import Claim
-from .credits import CreditSpan
-from .decode_plan import PlanRefused, RoomPlan, WriterOffer, plan_room
-from .head_mapping import Assignment
-from .kinds import FailureKind, StrKind, TransferPath, remote_kind
-from .lifecycle import DECODE_TRANSITIONS, RoomEvent
-from .messages import AllocGrant, AllocRequest, Piece, RoomDone, RoomMeta, WriterDone, encode_pages
-from .pool_parts import PoolCopy, block_bytes, part_offsets, request_copies, writer_segments
-from .ring import Region, RingAllocator
-from .room_base import RoomBase
-from .tags import Tag, TagKind
+from .credits import Claim
+from .plan import PlanRefused, RoomPlan, WriterOffer, plan_room
 from .tracker import ExpectedPiece, Outcome, RoomTracker
 
 __all__ = ["DecodeRoom", "PageSpan", "PlanRefused", "RingSpan", "RoomPlan", "TagResult", "TagVerdict", "WriterOffer",
@@ -116,7 +116,7 @@ class TagVerdict(StrKind):
 @dataclass(frozen=True)
 class TagResult:
     verdict: TagVerdict
-    actions: list[Action]
+    actions: list[DecodeAction]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -165,7 +165,7 @@ def _layers(tag: Tag) -> range:
     return range(tag.layer_start, tag.layer_start + tag.num_layers)
 
 
-class DecodeRoom(RoomBase):
+class DecodeRoom(RoomBase[DecodeAction]):
     TRANSITIONS = DECODE_TRANSITIONS
     PEER_SIDE = "prefill"
 
@@ -210,7 +210,7 @@ class DecodeRoom(RoomBase):
         return self.dst_pages
 
     # -- set-up -----------------------------------------------------------------------------
-    def on_plan(self, plan: RoomPlan, now: float) -> list[Action]:
+    def on_plan(self, plan: RoomPlan, now: float) -> list[DecodeAction]:
         if self.ended or self.plan is not None:
             return []
         self.plan = plan
@@ -218,11 +218,11 @@ class DecodeRoom(RoomBase):
         out = self._move(RoomEvent.PLANNED, now)
         return out + self._start(now)
 
-    def on_plan_failed(self, kind: str, reason: str, now: float) -> list[Action]:
+    def on_plan_failed(self, kind: str, reason: str, now: float) -> list[DecodeAction]:
         return self.fail(kind, reason, now)
 
     def init(self, dst_pages: np.ndarray, now: float, prefix_pages: int = 0,
-             pool_items: dict[str, np.ndarray] | None = None) -> list[Action]:
+             pool_items: dict[str, np.ndarray] | None = None) -> list[DecodeAction]:
         """Destination pages (validated by the caller's handle) for the request's pages past the
         `prefix_pages` this rank already holds (its prefix cache): those are never written."""
         if self.dst_pages is not None:
@@ -235,7 +235,7 @@ class DecodeRoom(RoomBase):
             return []
         return self._start(now)
 
-    def _start(self, now: float) -> list[Action]:
+    def _start(self, now: float) -> list[DecodeAction]:
         if self.plan is None or self.dst_pages is None or self.meta_sent:
             return []
         n = int(self._dst.size)
@@ -263,7 +263,7 @@ class DecodeRoom(RoomBase):
     def _all_prefill(self) -> list[PeerKey]:
         return [p for p, _ in self._plan.writers] + list(self._plan.notices)
 
-    def _metas(self, peers: list[PeerKey]) -> list[Action]:
+    def _metas(self, peers: list[PeerKey]) -> list[DecodeAction]:
         n = int(self._dst.size)
         writers = {p for p, _ in self._plan.writers}
         pages = b"" if self._plan.staged else encode_pages(self._dst)
@@ -278,7 +278,7 @@ class DecodeRoom(RoomBase):
             self.acked |= 1 << peer.tp_rank
 
     # -- staged: allocation -----------------------------------------------------------------
-    def on_alloc_request(self, peer: PeerKey, req: AllocRequest, ring: RingAllocator, now: float) -> list[Action]:
+    def on_alloc_request(self, peer: PeerKey, req: AllocRequest, ring: RingAllocator, now: float) -> list[DecodeAction]:
         w = self._writer(peer)
         if w is None or req.session != self.session:
             return []
@@ -334,7 +334,7 @@ class DecodeRoom(RoomBase):
         verdict, actions = self._on_tag(peer, tag, now)
         return TagResult(verdict, actions)
 
-    def _on_tag(self, peer: PeerKey, tag: Tag, now: float) -> tuple[TagVerdict, list[Action]]:
+    def _on_tag(self, peer: PeerKey, tag: Tag, now: float) -> tuple[TagVerdict, list[DecodeAction]]:
         w = self._writer(peer)
         if w is None or tag.session != self.session or tag.src != peer.incarnation or self.tracker is None:
             return TagVerdict.STALE, []
@@ -381,7 +381,7 @@ class DecodeRoom(RoomBase):
         return TagResult(verdict, actions)
 
     def _on_credit_tag(self, peer: PeerKey, tag: Tag, claim: Claim, ring_size: int,
-                       now: float) -> tuple[TagVerdict, list[Action], bool]:
+                       now: float) -> tuple[TagVerdict, list[DecodeAction], bool]:
         w = self._writer(peer)
         if w is None or tag.session != self.session or tag.src != peer.incarnation or self.tracker is None:
             return TagVerdict.STALE, [], False
@@ -508,11 +508,11 @@ class DecodeRoom(RoomBase):
                        checks=checks)
 
     def on_scattered(self, key: tuple[int, int], ok: bool, reason: str | None, ring: RingAllocator,
-                     now: float, kind: str = FailureKind.SCATTER) -> list[Action]:
+                     now: float, kind: str = FailureKind.SCATTER) -> list[DecodeAction]:
         if self.scattering.pop(key, None) is None:
             return []
         chunk, index = key
-        out: list[Action] = []
+        out: list[DecodeAction] = []
         if ok and not self.ended:
             piece = next(p for p in self._tracker.pieces() if p.key == key)
             self._tracker.mark_scattered(piece)
@@ -527,7 +527,7 @@ class DecodeRoom(RoomBase):
             out += self._free(ring, [self.allocs[chunk].regions.pop(index)])
         return out + self._check_complete(now) + self._maybe_release(ring, now)
 
-    def on_writer_done(self, peer: PeerKey, msg: WriterDone, now: float) -> list[Action]:
+    def on_writer_done(self, peer: PeerKey, msg: WriterDone, now: float) -> list[DecodeAction]:
         w = self._writer(peer)
         if w is None or msg.session != self.session:
             return []
@@ -538,30 +538,30 @@ class DecodeRoom(RoomBase):
             w.done_at, w.done_writes = now, msg.writes
         return []
 
-    def _outcome(self, peer: PeerKey) -> list[Action]:
+    def _outcome(self, peer: PeerKey) -> list[DecodeAction]:
         if self.state is KVPoll.Success:
             return [Send(peer, RoomDone(src=self.me, dst=peer.incarnation, room=self.room, session=self.session))]
         return [Send(peer, self._failed_msg(peer, self.session))]
 
     # -- failures ---------------------------------------------------------------------------
-    def on_room_failed(self, peer: PeerKey, session: int, kind: str, reason: str, now: float) -> list[Action]:
+    def on_room_failed(self, peer: PeerKey, session: int, kind: str, reason: str, now: float) -> list[DecodeAction]:
         if session != self.session or (self._writer(peer) is None and peer not in (self._plan.notices if self.plan else ())):
             return []
         return self._fail_remote(peer, kind, reason, now)
 
-    def on_quiesced(self, peer: PeerKey, session: int, ring: RingAllocator | None, now: float) -> list[Action]:
+    def on_quiesced(self, peer: PeerKey, session: int, ring: RingAllocator | None, now: float) -> list[DecodeAction]:
         w = self._writer(peer)
         if w is None or session != self.session:
             return []
         w.stopped = True
-        out: list[Action] = []
+        out: list[DecodeAction] = []
         if not self.ended:  # it gave up on the room and its failure notice was lost
             out = self.fail(remote_kind("failed"), f"prefill rank {peer.tp_rank} ({peer.engine_id}) stopped writing this "
                                                    "room", now, origin=peer)
         return out + self._maybe_release(ring, now)
 
     def on_peer_lost(self, peer: PeerKey, reason: str, ring: RingAllocator | None, now: float,
-                     quarantine: float = 0.0) -> list[Action]:
+                     quarantine: float = 0.0) -> list[DecodeAction]:
         """`quarantine`: how long a write the lost writer already posted may still land (its
         backend's stall bound); its memory is not reused before."""
         w = self._writer(peer)
@@ -576,16 +576,16 @@ class DecodeRoom(RoomBase):
             out = self.fail(FailureKind.PEER_LOST, f"prefill rank {peer.tp_rank} ({peer}) lost: {reason}", now)
         return out + self._maybe_release(ring, now)
 
-    def abort(self, ring: RingAllocator | None, now: float) -> list[Action]:
+    def abort(self, ring: RingAllocator | None, now: float) -> list[DecodeAction]:
         return self.fail(FailureKind.ABORTED, "aborted by the decode caller", now) + self._maybe_release(ring, now)
 
-    def tick(self, ring: RingAllocator | None, now: float) -> list[Action]:
+    def tick(self, ring: RingAllocator | None, now: float) -> list[DecodeAction]:
         out = self._retransmit(now)
         if self.ended:
             return out + self._maybe_release(ring, now)
         return out + self._deadlines(now)
 
-    def _retransmit(self, now: float) -> list[Action]:
+    def _retransmit(self, now: float) -> list[DecodeAction]:
         """What a lost message would otherwise leave waiting for a deadline."""
         if not self.meta_sent or self.released or now < self._retry_at:
             return []
@@ -596,7 +596,7 @@ class DecodeRoom(RoomBase):
             return self._metas([p for p in self._all_prefill() if not self.acked >> p.tp_rank & 1])
         return []
 
-    def _deadlines(self, now: float) -> list[Action]:
+    def _deadlines(self, now: float) -> list[DecodeAction]:
         t = self.timeouts
         if self.inited_at is not None and now - self.inited_at > t.room:
             return self.fail(FailureKind.TIMEOUT, f"room not complete {t.room:g} s after init", now)
@@ -627,23 +627,23 @@ class DecodeRoom(RoomBase):
         w = self.writers.get(peer.tp_rank)
         return w if w is not None and w.peer == peer else None
 
-    def _check_complete(self, now: float) -> list[Action]:
+    def _check_complete(self, now: float) -> list[DecodeAction]:
         if self.ended or self.tracker is None or not self._tracker.complete:
             return []
-        out: list[Action] = []
+        out: list[DecodeAction] = []
         for w in self.writers.values():
             out.append(Send(w.peer, RoomDone(src=self.me, dst=w.peer.incarnation, room=self.room,
                                              session=self.session)))
         return out + self._move(RoomEvent.SUCCEED, now)
 
-    def _free(self, ring: RingAllocator | None, regions: list[Region]) -> list[Action]:
+    def _free(self, ring: RingAllocator | None, regions: list[Region]) -> list[DecodeAction]:
         moved = False
         for region in regions:
             assert ring is not None, "ring regions are only held with a ring"
             moved |= ring.free(region) is not None
         return [PublishWatermark()] if moved else []
 
-    def _maybe_release(self, ring: RingAllocator | None, now: float) -> list[Action]:
+    def _maybe_release(self, ring: RingAllocator | None, now: float) -> list[DecodeAction]:
         if self.released or not self.ended or self.scattering:
             return []
         if self.state is KVPoll.Failed and self.meta_sent and not all(w.stopped and now >= w.quiet_after
@@ -652,10 +652,10 @@ class DecodeRoom(RoomBase):
         leftover = [r for a in self.allocs.values() for r in a.regions.values()]
         for a in self.allocs.values():
             a.regions.clear()
-        out: list[Action] = [ReleaseCredit(c.peer, c.span) for c in self.credit_pieces.values()]
+        out: list[DecodeAction] = [ReleaseCredit(c.peer, c.span) for c in self.credit_pieces.values()]
         self.credit_pieces.clear()
         out += self._free(ring, leftover) if leftover else []
         return out + self._release()
 
-    def _entered(self, state: KVPoll, now: float) -> list[Action]:
+    def _entered(self, state: KVPoll, now: float) -> list[DecodeAction]:
         return self._maybe_release(None, now) if state is KVPoll.Success else []

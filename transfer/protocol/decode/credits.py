@@ -29,7 +29,7 @@ import bisect
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
-from .credits import (
+from ..credits import (
     ClaimVerdict,
     CreditSpan,
     CreditState,
@@ -39,7 +39,7 @@ from .credits import (
     credit_target,
     fair_cap,
 )
-from .ring import Region, RingAllocator
+from ..ring import Region, RingAllocator
 
 Peer = Hashable
 OPEN_PER_RANK = 2   # a rank gets its next credit while it still writes into the current one

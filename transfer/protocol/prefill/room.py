@@ -13,11 +13,11 @@ flight any more says so (Quiesced), so the decode side can reuse the memory.
 Control messages may be lost: it re-sends an AllocRequest until the grant arrives and its
 WriterDone until the decode side confirms; duplicates it receives are ignored.
 
-Ring credits (credit_writes.py): a staged chunk towards a decode rank that gave this rank
+Ring credits (prefill/credits.py): a staged chunk towards a decode rank that gave this rank
 credits, of which this rank is the only writer, is cut into pieces here and the first of them
 that fit the credits are written into them at once, without asking for ring space; the rest
 of the chunk (all of it when not even its first piece fits) goes the grant path, its
-remainder under a chunk number of its own (credit_writes.remainder_number).
+remainder under a chunk number of its own (credits.py: remainder_number).
 
 Room ids are reused: a failure or metadata is bound to engine + session + use (see
 docs/protocol.md and room_uses.py); one of an earlier use of the id, or of another engine or
@@ -32,32 +32,31 @@ from dataclasses import replace
 import msgspec
 import numpy as np
 
-from ..draft_kv import is_draft_pool, request_draft_items
-from ..layout import KVLayout
-from ..poll import KVPoll
-from ..pool_spec import PoolSpec
-from ..timeouts import Timeouts
-from .actions import Action, DecodePrefix, Dropped, PeerKey, PostWrite, RoomTotals, Send, SettleCredits, WriteOp
+from ...draft_kv import is_draft_pool, request_draft_items
+from ...layout import KVLayout
+from ...poll import KVPoll
+from ...pool_spec import PoolSpec
+from ...timeouts import Timeouts
+from ..actions import DecodePrefix, Dropped, PeerKey, PostWrite, PrefillAction, RoomTotals, Send, SettleCredits, WriteOp
+from ..direct_ranges import direct_nbytes
+from ..head_mapping import Assignment, HeadMapping, compute_assignments
+from ..kinds import FailureKind, TransferPath
+from ..lifecycle import PREFILL_TRANSITIONS, RoomEvent
+from ..messages import AllocGrant, AllocRequest, Piece, Quiesced, RoomFailed, RoomMeta, TagsAgain, WriterDone
+from ..pool_parts import block_bytes, counts_mismatch, final_part, request_copies, writer_segments
+from ..room_base import RoomBase
+from ..room_uses import Bound, EarlierUses, RoomUse, failure_use, meta_use
+from ..stage_mapping import DecodeStage, decode_coverage, flow_layers, uncovered
+from ..tags import TagKind
 from .chunk_writes import ChunkWrites, direct_writes, granted_writes
-from .credit_writes import CreditPurses, chunk_number, cut_pieces, remainder_number
-from .direct_ranges import direct_nbytes
+from .credits import CreditPurses, chunk_number, cut_pieces, remainder_number
 from .flow_timers import due_again, overdue
 from .flows import CONFIRMED_STATES, UNCHECKED_STATES, Chunk, Flow, FlowEvent, FlowState, past_prefix
-from .head_mapping import Assignment, HeadMapping, compute_assignments
-from .kinds import FailureKind, TransferPath
-from .layer_sends import PER_CHUNK, LayerGrouper, LayerGrouping, SendLedger, Unit
-from .lifecycle import PREFILL_TRANSITIONS, RoomEvent
-from .messages import AllocGrant, AllocRequest, Piece, Quiesced, RoomFailed, RoomMeta, TagsAgain, WriterDone
-from .pool_parts import block_bytes, counts_mismatch, final_part, request_copies, writer_segments
-from .room_base import RoomBase
-from .room_uses import Bound, EarlierUses, RoomUse, failure_use, meta_use
-from .send_checks import check_late_items, check_page_count
-from .stage_mapping import DecodeStage, decode_coverage, flow_layers, uncovered
-from .tags import TagKind
+from .layer_sends import PER_CHUNK, LayerGrouper, LayerGrouping, SendLedger, Unit, check_late_items, check_page_count
 from .write_batching import UnitBatcher, plan_units
 
 
-class PrefillRoom(RoomBase):
+class PrefillRoom(RoomBase[PrefillAction]):
     TRANSITIONS = PREFILL_TRANSITIONS
     PEER_SIDE = "decode"
     failed_by: tuple[int, int] | None = None   # (incarnation, session) that failed us; an instance attribute once set
@@ -103,7 +102,7 @@ class PrefillRoom(RoomBase):
         self.credits = credits
 
     # -- inputs -----------------------------------------------------------------------------
-    def init(self, num_pages: int, now: float, pool_items: dict[str, np.ndarray] | None = None) -> list[Action]:
+    def init(self, num_pages: int, now: float, pool_items: dict[str, np.ndarray] | None = None) -> list[PrefillAction]:
         """The page count, for a sender created without one. Raises ValueError on bad input,
         unchanged. Metadata that came first is checked against it now."""
         self.num_pages = check_page_count(self.room, self.num_pages, num_pages)
@@ -125,7 +124,7 @@ class PrefillRoom(RoomBase):
         return self.ledger.sent_everywhere
 
     def add_chunk(self, pages: np.ndarray, last: bool | None, now: float, layers: range | None = None,
-                  ready: tuple[object, ...] = (), pool_items: dict[str, np.ndarray] | None = None) -> list[Action]:
+                  ready: tuple[object, ...] = (), pool_items: dict[str, np.ndarray] | None = None) -> list[PrefillAction]:
         """The next pages of the request for `layers` (None: every layer of this rank), in
         order; `last` None: the request's input is complete when every (page, layer) was sent.
         `pool_items`: items of pools init() did not name, with the last send only. Raises
@@ -146,7 +145,7 @@ class PrefillRoom(RoomBase):
         units = self.grouper.add(step, pages, ready)
         if self.ended:
             return []  # input still accounted for, nothing more is written
-        waits: list[Action] = []
+        waits: list[PrefillAction] = []
         for u in units:
             if self.batcher is None:
                 self._add_unit(u)
@@ -165,7 +164,7 @@ class PrefillRoom(RoomBase):
         self.chunks.append(Chunk(index=len(self.chunks), page_start=u.page_start, pages=u.pages, layers=u.layers,
                                  ready=u.ready))
 
-    def on_unit_ready(self, seq: int, error: str | None, now: float) -> list[Action]:
+    def on_unit_ready(self, seq: int, error: str | None, now: float) -> list[PrefillAction]:
         """The shell waited for a held unit's readiness objects (AwaitUnit); `error`: why that
         failed."""
         if self.ended or self.batcher is None or not self.batcher.unit_ready(seq):
@@ -183,7 +182,7 @@ class PrefillRoom(RoomBase):
         return None if flow is None else Bound(flow.peer, flow.session)
 
     def add_meta(self, peer: PeerKey, decode_tp: int, meta: RoomMeta, now: float,
-                 stage: DecodeStage | None = None) -> list[Action]:
+                 stage: DecodeStage | None = None) -> list[PrefillAction]:
         """Metadata from decode rank `peer` (its engine rank in `peer.tp_rank`) of TP size
         `decode_tp` (one stage's); `stage`: its PP stage (None: no PP there, every layer)."""
         if self.ended:
@@ -225,7 +224,7 @@ class PrefillRoom(RoomBase):
                     layers=None if stage is None else flow_layers(self.layout.layers, stage),
                     assignment=self._mapping.find(self.layout.tp_rank, peer.tp_rank % self._mapping.decode_tp))
         self.flows[peer.tp_rank] = flow
-        prefix_news: list[Action] = []
+        prefix_news: list[PrefillAction] = []
         if self.prefix is None:
             self.prefix = meta.prefix_pages
             prefix_news = [DecodePrefix(self.prefix)]
@@ -245,12 +244,12 @@ class PrefillRoom(RoomBase):
             bad = self._check_meta(flow, meta, now)
             if bad:
                 return prefix_news + bad
-        out: list[Action] = prefix_news
+        out: list[PrefillAction] = prefix_news
         if self._all_metas():
             out += self._move(RoomEvent.INPUT if self.chunks or self.last else RoomEvent.METADATA_IN, now)
         return out + self._pump(now)
 
-    def _unpairable(self, peer: PeerKey, meta: RoomMeta, why: str, now: float) -> list[Action]:
+    def _unpairable(self, peer: PeerKey, meta: RoomMeta, why: str, now: float) -> list[PrefillAction]:
         """Decode stages this rank cannot pair with: the room fails here, at the decode ranks it
         heard from and at this one, with both layouts."""
         reason = (f"prefill {self._layout_text()} cannot pair with the decode engine's stages: {why} "
@@ -272,7 +271,7 @@ class PrefillRoom(RoomBase):
         entry (the model's; a decode PP stage's own last layer)."""
         return flow.layers is None or flow.layers.stop == flow.stage_stop
 
-    def _check_meta(self, flow: Flow, meta: RoomMeta, now: float) -> list[Action]:
+    def _check_meta(self, flow: Flow, meta: RoomMeta, now: float) -> list[PrefillAction]:
         """The decode rank's page count (and direct destination pages) against ours: [] when
         they agree (the flow moves CHECKED), else the room fails."""
         flow.meta = None
@@ -299,9 +298,9 @@ class PrefillRoom(RoomBase):
         flow.move(FlowEvent.CHECKED)
         return []
 
-    def on_grant(self, peer: PeerKey, grant: AllocGrant, now: float) -> list[Action]:
+    def on_grant(self, peer: PeerKey, grant: AllocGrant, now: float) -> list[PrefillAction]:
         """Ring space for a chunk this rank asked for: the whole chunk, or (a number from
-        credit_writes.remainder_number) the remainder of one whose first pieces went into credits."""
+        credits.remainder_number) the remainder of one whose first pieces went into credits."""
         flow = self._flow_of(peer, grant.session)
         own, remainder = chunk_number(grant.chunk, splits=self._splits)
         index, stage = divmod(own, self.layout.pp_size)
@@ -319,13 +318,13 @@ class PrefillRoom(RoomBase):
             if self.pool_items else None))
         if isinstance(ops, str):
             return self.fail(FailureKind.PROTOCOL, ops, now)
-        out: list[Action] = [self._post(flow, op) for op in ops]
+        out: list[PrefillAction] = [self._post(flow, op) for op in ops]
         flow.granted.add(index)
         flow.active_at = now
         return out
 
     def on_write_done(self, op_id: int, ok: bool, reason: str | None, now: float,
-                      tags: tuple[bytes, ...] = ()) -> list[Action]:
+                      tags: tuple[bytes, ...] = ()) -> list[PrefillAction]:
         """A write ended. `tags`: the signed tags its backend writes carried (TagsAgain repeats
         them, in case a notification was lost)."""
         op = self.ops.pop(op_id, None)
@@ -341,7 +340,7 @@ class PrefillRoom(RoomBase):
         return self._write_done(flow, op, ok, reason, now, tags)
 
     def _write_done(self, flow: Flow, op: WriteOp, ok: bool, reason: str | None, now: float,
-                    tags: tuple[bytes, ...]) -> list[Action]:
+                    tags: tuple[bytes, ...]) -> list[PrefillAction]:
         if not ok and flow.state in CONFIRMED_STATES:
             # the decode rank already has every byte (it confirmed the room): a write reported
             # failed now was released after it landed (e.g. the peer left and was disconnected)
@@ -356,7 +355,7 @@ class PrefillRoom(RoomBase):
         flow.active_at = now
         return self._pump(now) + self._maybe_release()   # a batching room's next write
 
-    def on_room_done(self, peer: PeerKey, session: int, now: float) -> list[Action]:
+    def on_room_done(self, peer: PeerKey, session: int, now: float) -> list[PrefillAction]:
         flow = self._flow_of(peer, session)
         if flow is None or self.ended:
             return []
@@ -364,7 +363,7 @@ class PrefillRoom(RoomBase):
         return self._check_done(now)
 
     def on_room_failed(self, peer: PeerKey, session: int, kind: str, reason: str, now: float,
-                       early: bool = False) -> list[Action]:
+                       early: bool = False) -> list[PrefillAction]:
         """`early`: it arrived before this sender existed (parked by the shell)."""
         flow = self._flow_of(peer, session)
         if flow is None:
@@ -380,7 +379,7 @@ class PrefillRoom(RoomBase):
         self.failed_by = (peer.incarnation, session)
         return self._fail_remote(peer, kind, reason, now)
 
-    def on_peer_lost(self, peer: PeerKey, reason: str, now: float) -> list[Action]:
+    def on_peer_lost(self, peer: PeerKey, reason: str, now: float) -> list[PrefillAction]:
         flow = self.flows.get(peer.tp_rank)
         if flow is None or flow.peer != peer:
             return []
@@ -391,15 +390,15 @@ class PrefillRoom(RoomBase):
         # writes to a lost peer will never be confirmed; the shell fails those in flight
         return self.fail(FailureKind.PEER_LOST, f"decode rank {peer.tp_rank} ({peer}) lost: {reason}", now)
 
-    def abort(self, now: float) -> list[Action]:
+    def abort(self, now: float) -> list[PrefillAction]:
         return self.fail(FailureKind.ABORTED, "aborted by the prefill caller", now)
 
-    def tick(self, now: float) -> list[Action]:
+    def tick(self, now: float) -> list[PrefillAction]:
         if self.ended:
             return []
         return self._retransmit(now) + self._bind_early(now) + self._deadlines(now)
 
-    def _bind_early(self, now: float) -> list[Action]:
+    def _bind_early(self, now: float) -> list[PrefillAction]:
         """A parked failure whose decode rank sent no metadata of another session within a lease
         of this sender's creation is this use's: its decode room failed before its metadata went
         out (an earlier use whose prefill sender was never created here would be followed by new
@@ -410,11 +409,11 @@ class PrefillRoom(RoomBase):
         self.early.clear()
         return self.on_room_failed(peer, session, kind, f"{reason} (before its room metadata went out)", now)
 
-    def _retransmit(self, now: float) -> list[Action]:
+    def _retransmit(self, now: float) -> list[PrefillAction]:
         return [self._writer_done(flow) if chunk is None else self._alloc_request(flow, chunk)
                 for flow, chunk in due_again(self.flows.values(), self.timeouts.heartbeat, now)] + self._tags_again(now)
 
-    def _tags_again(self, now: float) -> list[Action]:
+    def _tags_again(self, now: float) -> list[PrefillAction]:
         """The tags of a flow's completed writes once more (TagsAgain), at most once a heartbeat,
         while its decode rank may be waiting for one of them: the room is unconfirmed, the flow
         finished writing (WriterDone sent) or has writes still to complete (staged: perhaps
@@ -423,7 +422,7 @@ class PrefillRoom(RoomBase):
         heartbeat. A flow that keeps completing writes, was confirmed, or waits for its next
         chunk with nothing in flight (the decode rank waits for nothing of it) sends none."""
         beat = self.timeouts.heartbeat
-        out: list[Action] = []
+        out: list[PrefillAction] = []
         for flow in self.flows.values():
             if (flow.state in CONFIRMED_STATES or not flow.landed_tags
                     or (flow.state is not FlowState.DONE_SENT and not flow.inflight)
@@ -444,7 +443,7 @@ class PrefillRoom(RoomBase):
     def _asked(self, flow: Flow, index: int) -> tuple[Chunk, int]:
         """What the grant path is asked for of sendable chunk `index`, and under which number:
         the whole chunk under its own, or the pages after those written into credits under its
-        remainder's (credit_writes.py)."""
+        remainder's (prefill/credits.py)."""
         chunk = self._clip_sendable(flow, index)
         taken = flow.remainders.get(index)
         if taken is None:
@@ -463,14 +462,14 @@ class PrefillRoom(RoomBase):
     @property
     def _splits(self) -> bool:
         """Whether this room numbers remainders (none of its chunks' own numbers can reach
-        credit_writes.REMAINDER)."""
+        credits.REMAINDER)."""
         return self.num_pages is not None and self._remainder_number(0) is not None
 
     def _writer_done(self, flow: Flow) -> Send:
         return Send(flow.peer, WriterDone(src=self.me, dst=flow.peer.incarnation, room=self.room,
                                           session=flow.session, writes=flow.writes, nbytes=flow.nbytes))
 
-    def _deadlines(self, now: float) -> list[Action]:
+    def _deadlines(self, now: float) -> list[PrefillAction]:
         t = self.timeouts
         if not self._all_metas() and now - self.created > t.metadata:
             who = f"decode rank(s) {sorted(self.expected - set(self.flows))}" if self.mapping else "any decode rank"
@@ -490,7 +489,7 @@ class PrefillRoom(RoomBase):
     def _told_of_failure(self) -> list[tuple[PeerKey, int]]:
         return [(flow.peer, flow.session) for flow in self.flows.values()]
 
-    def _after_failure(self, now: float) -> list[Action]:
+    def _after_failure(self, now: float) -> list[PrefillAction]:
         for flow in self.flows.values():
             flow.move(FlowEvent.FAIL)
         if self.batcher is not None:
@@ -583,14 +582,14 @@ class PrefillRoom(RoomBase):
             self.sendable += past_prefix(self.chunks[self._synced:], self.prefix, len(self.sendable))
             self._synced = len(self.chunks)
 
-    def _pump(self, now: float) -> list[Action]:
+    def _pump(self, now: float) -> list[PrefillAction]:
         if self.ended or not self._all_metas():
             return []  # nothing is written before every decode rank's metadata agreed (pages, prefix)
         if self.batcher is not None and not self.ops:   # its previous write completed: the next one
             for u in self.batcher.take():
                 self._add_unit(u)
         self._sync_sendable()
-        out: list[Action] = []
+        out: list[PrefillAction] = []
         for flow in self.flows.values():
             a = flow.assignment
             if a is None:
@@ -622,7 +621,7 @@ class PrefillRoom(RoomBase):
                 flow.issued += 1
         return out + self._check_done(now)
 
-    def _credit_writes(self, flow: Flow, a: Assignment, chunk: Chunk) -> list[Action] | None:
+    def _credit_writes(self, flow: Flow, a: Assignment, chunk: Chunk) -> list[PrefillAction] | None:
         """The chunk's writes into the decode rank's credits, posted at once: all its pieces, or
         the first that fit (its remainder then recorded in `flow.remainders`, for the grant
         path); None: the whole chunk goes the grant path (no credits from that rank, several
@@ -658,7 +657,7 @@ class PrefillRoom(RoomBase):
             flow.remainders[chunk.index] = cut[len(spans)][0] - chunk.page_start
         placed = [replace(op, ring_start=sp.start, credit=sp, tag=msgspec.structs.replace(op.tag, ring_start=sp.start))
                   for op, sp in zip(ops, spans)]
-        out: list[Action] = [self._post(flow, op) for op in placed]
+        out: list[PrefillAction] = [self._post(flow, op) for op in placed]
         return out + [SettleCredits(flow.peer)]
 
     def wants_credits(self, peer: PeerKey) -> bool:
@@ -675,7 +674,7 @@ class PrefillRoom(RoomBase):
                            head_page_bytes=self._bytes_per_page(1, chunk.layers),
                            pools_at=self._pages_to_send if self._final(self._pages_to_send, chunk.layers, flow) else None)
 
-    def _direct_writes(self, flow: Flow, a: Assignment, chunk: Chunk) -> list[Action]:
+    def _direct_writes(self, flow: Flow, a: Assignment, chunk: Chunk) -> list[PrefillAction]:
         whole = self._mapping.prefill_tp == self._mapping.decode_tp or self.layout.mla
         assert flow.dst_pages is not None, "a direct flow has its destination pages from its metadata"
         m = self._mapping
@@ -691,10 +690,10 @@ class PrefillRoom(RoomBase):
                 and (self.batcher is None or len(self.batcher) == 0)
                 and (not flow.staged or len(flow.granted) == len(self.sendable)))
 
-    def _check_done(self, now: float) -> list[Action]:
+    def _check_done(self, now: float) -> list[PrefillAction]:
         if self.ended or not self._all_metas():
             return []
-        out: list[Action] = []
+        out: list[PrefillAction] = []
         for flow in self.flows.values():
             if flow.assignment is None or flow.state not in (FlowState.WRITING, FlowState.CONFIRMED_WRITING):
                 continue
@@ -707,10 +706,10 @@ class PrefillRoom(RoomBase):
             out += self._move(RoomEvent.SUCCEED, now) + self._maybe_release()
         return out
 
-    def _maybe_release(self) -> list[Action]:
+    def _maybe_release(self) -> list[PrefillAction]:
         if self.released or not self.ended or self.ops:
             return []
-        out: list[Action] = []
+        out: list[PrefillAction] = []
         if self.state is KVPoll.Failed:
             for flow in self.flows.values():
                 if flow.assignment is not None:

@@ -16,12 +16,12 @@ from typing import Protocol
 import msgspec
 import numpy as np
 
-from ..layout import KVLayout
-from .actions import PeerKey
-from .head_mapping import Assignment, HeadMapping
-from .kinds import FailureKind
-from .path_choice import PATH_ENV, PathChoice, PathMode, RequestShape, WriterCosts, choose_path, fixed_rule
-from .pieces import max_piece_pages
+from ...layout import KVLayout
+from ..actions import PeerKey
+from ..head_mapping import Assignment, HeadMapping
+from ..kinds import FailureKind
+from ..path_choice import PATH_ENV, PathChoice, PathMode, RequestShape, WriterCosts, choose_path, fixed_rule
+from ..pieces import max_piece_pages
 
 
 @dataclass(frozen=True, kw_only=True)

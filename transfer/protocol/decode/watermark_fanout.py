@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from .decode_room import DecodeRoom
+from .room import DecodeRoom
 
 
 class WatermarkFanout:

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .actions import PeerKey
-from .head_mapping import Assignment
-from .kinds import StrKind
-from .lifecycle import IllegalTransition
-from .messages import RoomMeta
+from ..actions import PeerKey
+from ..head_mapping import Assignment
+from ..kinds import StrKind
+from ..lifecycle import IllegalTransition
+from ..messages import RoomMeta
 
 __all__ = ["CONFIRMED_STATES", "FLOW_TRANSITIONS", "UNCHECKED_STATES", "Chunk", "Flow", "FlowEvent", "FlowState",
            "past_prefix"]

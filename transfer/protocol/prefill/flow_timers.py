@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ..timeouts import Timeouts
+from ...timeouts import Timeouts
 from .flows import Flow, FlowState
 
 __all__ = ["due_again", "overdue"]
