@@ -14,7 +14,8 @@ from typing import Any
 from ..transfer.poll import KVPoll
 from ..transfer.protocol.decode.tracker import SHARED_EMPTY
 from ..transfer.protocol.leases import heartbeat_interval, pair_interval
-from ..transfer.protocol.room_uses import EarlierUses
+from ..transfer.protocol.prefill.flows import NO_ENTRIES
+from ..transfer.protocol.room_uses import NO_EARLIER_USES
 from .deep_size import deep_size, shared_ids
 from .fleet import Fleet
 
@@ -38,8 +39,10 @@ def pct(xs: list[float], q: float) -> float:
 
 def room_memory(fleet: Fleet, sample: int = 200) -> dict[str, Any]:
     """Bytes each of up to `sample` rooms in flight holds, per side, and how many were in flight."""
-    # a rank's plans (decode/plan.py SharedPlans) are shared by its rooms of one shape, like its layout
-    shared = shared_ids([fleet.cfg.timeouts, fleet.op_ids, EarlierUses(), SHARED_EMPTY, list(fleet._layouts.values()),
+    # a rank's plans (decode/plan.py SharedPlans) are shared by its rooms of one shape, like its layout;
+    # the shared empty maps (tracker's, flows') and the no-earlier-uses record, by every room of the process
+    shared = shared_ids([fleet.cfg.timeouts, fleet.op_ids, NO_EARLIER_USES, SHARED_EMPTY, NO_ENTRIES,
+                         list(fleet._layouts.values()),
                          list(fleet._mappings.values()), [r.key for r in fleet.ranks], list(KVPoll),
                          [r.plans for r in fleet.ranks]])
     out: dict[str, Any] = {}

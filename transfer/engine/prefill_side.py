@@ -38,7 +38,7 @@ from ..protocol.path_choice import WriterCosts
 from ..protocol.prefill.layer_sends import PER_CHUNK, LayerGrouping
 from ..protocol.prefill.room import PrefillRoom
 from ..protocol.ring import Watermark
-from ..protocol.room_uses import EarlierUses, Parked, RoomUse, unserved_answer, use_without_sender
+from ..protocol.room_uses import NO_EARLIER_USES, EarlierUses, Parked, RoomUse, unserved_answer, use_without_sender
 from ..protocol.routing import HelloVerdict, PeerState, hello_verdict
 from ..protocol.stage_mapping import stage_memory
 from .events import Abort, InitSender, NewSender, SendChunk, UnitReady
@@ -181,7 +181,7 @@ class PrefillSide:
     # -- the caller's events --------------------------------------------------------------------
     def new_sender(self, ev: NewSender, now: float) -> None:
         room = PrefillRoom(room=ev.room, num_pages=ev.num_pages, layout=self.layout, me=self.me, now=now,
-                           timeouts=self.t, op_ids=_OP_IDS, stale=self.used_sessions.pop(ev.room, EarlierUses()),
+                           timeouts=self.t, op_ids=_OP_IDS, stale=self.used_sessions.pop(ev.room, NO_EARLIER_USES),
                            pools=tuple(self.summary.pools), pool_items=ev.pool_items,
                            grouping=self.grouping, credits=self.credits)
         self.book.add(room, ev.status)

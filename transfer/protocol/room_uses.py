@@ -40,7 +40,10 @@ class RoomUse(StrKind):
 
 @dataclass(frozen=True, slots=True)
 class EarlierUses:
-    """Per decode incarnation, the highest session an earlier use of one room id dealt with."""
+    """Per decode incarnation, the highest session an earlier use of one room id dealt with.
+
+    Never changed once made (`plus` makes a new one), so one instance may serve many rooms:
+    NO_EARLIER_USES, for every room id without an earlier use."""
 
     last: dict[int, int] = field(default_factory=dict)
 
@@ -57,6 +60,10 @@ class EarlierUses:
         for inc, session in pairs:
             last[inc] = max(session, last.get(inc, 0))
         return EarlierUses(last)
+
+
+NO_EARLIER_USES = EarlierUses()   # a room id used for the first time: shared by every such room (memory
+                                  # measurements leave it out, sim/report.py)
 
 
 @dataclass(frozen=True, slots=True)

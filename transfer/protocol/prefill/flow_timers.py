@@ -18,8 +18,8 @@ def due_again(flows: Iterable[Flow], retry: float, now: float) -> list[tuple[Flo
     out: list[tuple[Flow, int | None]] = []
     for flow in flows:
         for chunk, first in flow.requested_at.items():
-            if chunk not in flow.granted and now - flow.asked_again.get(chunk, first) >= retry:
-                flow.asked_again[chunk] = now
+            if not flow.is_granted(chunk) and now - flow.asked_again.get(chunk, first) >= retry:
+                flow.note_asked_again(chunk, now)
                 out.append((flow, chunk))
         if flow.state is not FlowState.DONE_SENT:
             continue
@@ -36,7 +36,7 @@ def overdue(flows: Iterable[Flow], t: Timeouts, now: float) -> str | None:
     rank's confirmation after its last write; None if none did."""
     for flow in flows:
         for chunk, asked in flow.requested_at.items():
-            if chunk not in flow.granted and now - asked > t.watermark:
+            if not flow.is_granted(chunk) and now - asked > t.watermark:
                 return f"no ring allocation for chunk {chunk} from {flow.peer} within {t.watermark:g} s"
         if (flow.state is FlowState.DONE_SENT and flow.done_sent_at is not None
                 and now - flow.done_sent_at > t.arrival + t.scatter):

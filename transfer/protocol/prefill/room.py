@@ -27,6 +27,7 @@ session than the flow it would hit, is dropped.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
 from dataclasses import replace
 
 import msgspec
@@ -45,18 +46,33 @@ from ..lifecycle import PREFILL_TRANSITIONS, RoomEvent
 from ..messages import AllocGrant, AllocRequest, Piece, Quiesced, RoomFailed, RoomMeta, TagsAgain, WriterDone
 from ..pool_parts import block_bytes, counts_mismatch, final_part, request_copies, writer_segments
 from ..room_base import RoomBase
-from ..room_uses import Bound, EarlierUses, RoomUse, failure_use, meta_use
+from ..room_uses import NO_EARLIER_USES, Bound, EarlierUses, RoomUse, failure_use, meta_use
 from ..stage_mapping import DecodeStage, decode_coverage, flow_layers, uncovered
 from ..tags import TagKind
 from .chunk_writes import ChunkWrites, direct_writes, granted_writes
 from .credits import CreditPurses, chunk_number, cut_pieces, remainder_number
 from .flow_timers import due_again, overdue
-from .flows import CONFIRMED_STATES, UNCHECKED_STATES, Chunk, Flow, FlowEvent, FlowState, past_prefix
+from .flows import (
+    CONFIRMED_STATES,
+    NO_ENTRIES,
+    UNCHECKED_STATES,
+    Chunk,
+    Flow,
+    FlowEvent,
+    FlowState,
+    own_dict,
+    past_prefix,
+)
 from .layer_sends import PER_CHUNK, LayerGrouper, LayerGrouping, SendLedger, Unit, check_late_items, check_page_count
 from .write_batching import UnitBatcher, plan_units
 
 
 class PrefillRoom(RoomBase[PrefillAction]):
+    """Memory (a rank holds one per request in flight): besides the class attributes
+    (room_base.py), the maps most rooms leave empty (parked failures, pool items, each flow's
+    per-chunk maps, flows.py) are the shared read-only NO_ENTRIES until written, the decode
+    ranks expected a tuple, and a room id's first use shares NO_EARLIER_USES."""
+
     TRANSITIONS = PREFILL_TRANSITIONS
     PEER_SIDE = "decode"
     failed_by: tuple[int, int] | None = None   # (incarnation, session) that failed us; an instance attribute once set
@@ -64,6 +80,9 @@ class PrefillRoom(RoomBase[PrefillAction]):
     # room_base.py): decode engine rank -> its stage, and whether those cover this rank's layers
     decode_stages: dict[int, DecodeStage] | None = None
     covered: bool = True
+    # failures parked before this sender existed, (decode rank, session) -> (kind, reason): the
+    # shared empty map until one is parked, then a dict of the instance's own (flows.own_dict)
+    early: Mapping[tuple[PeerKey, int], tuple[str, str]] = NO_ENTRIES
 
     def __init__(self, *, room: int, num_pages: int | None, layout: KVLayout, me: int, now: float,
                  timeouts: Timeouts, op_ids: itertools.count[int] | None = None, max_ranges: int = 65536,
@@ -93,12 +112,11 @@ class PrefillRoom(RoomBase[PrefillAction]):
         self.last = False
         self.mapping: HeadMapping | None = None
         self.decode_engine: str | None = None
-        self.expected: set[int] = set()
+        self.expected: tuple[int, ...] = ()   # decode engine ranks this rank hears from (sorted), once known
         self.flows: dict[int, Flow] = {}
         self.ops: dict[int, WriteOp] = {}
-        self.stale = stale if stale is not None else EarlierUses()   # sessions of earlier uses of this id
-        self.early: dict[tuple[PeerKey, int], tuple[str, str]] = {}  # failures parked before this sender
-        self.pool_items: dict[str, np.ndarray] = pool_items or {}
+        self.stale = stale if stale is not None else NO_EARLIER_USES   # sessions of earlier uses of this id
+        self.pool_items: Mapping[str, np.ndarray] = pool_items or NO_ENTRIES   # no pools: the shared empty map
         self.credits = credits
 
     # -- inputs -----------------------------------------------------------------------------
@@ -107,7 +125,7 @@ class PrefillRoom(RoomBase[PrefillAction]):
         unchanged. Metadata that came first is checked against it now."""
         self.num_pages = check_page_count(self.room, self.num_pages, num_pages)
         self.ledger.set_page_count(num_pages)
-        self.pool_items = pool_items or {}
+        self.pool_items = pool_items or NO_ENTRIES
         if self.ended:
             return []
         for flow in list(self.flows.values()):
@@ -199,7 +217,7 @@ class PrefillRoom(RoomBase[PrefillAction]):
             self.mapping = compute_assignments(self.layout.tp_size, decode_tp, self.layout.total_kv_heads,
                                                self.layout.mla)
             self.decode_engine = peer.engine_id
-            self.expected = set(self._mapping.decode_peers_of(self.layout.tp_rank))
+            self.expected = tuple(sorted(set(self._mapping.decode_peers_of(self.layout.tp_rank))))
         if self.decode_stages if stage is None else (self.flows and not self.decode_stages):
             return self._unpairable(peer, meta, f"decode rank {peer.tp_rank} has {stage.text() if stage else 'no PP'} "
                                               f"and others of its engine {'have no PP' if stage else 'have PP'}", now)
@@ -209,7 +227,7 @@ class PrefillRoom(RoomBase[PrefillAction]):
             if cov.error:
                 return self._unpairable(peer, meta, cov.error, now)
             self.decode_stages = {**(self.decode_stages or {}), peer.tp_rank: stage}
-            self.expected, self.covered = set(cov.expected), cov.complete
+            self.expected, self.covered = tuple(sorted(cov.expected)), cov.complete
         if peer.tp_rank not in self.expected:
             return [Send(peer, RoomFailed(src=self.me, dst=peer.incarnation, room=self.room, session=meta.session,
                                           kind=FailureKind.PROTOCOL, reason=f"prefill rank {self.layout.tp_rank} does not "
@@ -233,11 +251,9 @@ class PrefillRoom(RoomBase[PrefillAction]):
             return self.fail(FailureKind.PROTOCOL, f"decode ranks of room {self.room} disagree on the prefix they hold: "
                                          f"{self.prefix} pages, then {meta.prefix_pages} from decode rank "
                                          f"{peer.tp_rank}", now)
-        early = self.early.pop((peer, meta.session), None)
+        early = self._take_parked(peer, meta.session)
         if early is not None:  # its decode room failed before this metadata reached us
             return self.on_room_failed(peer, meta.session, *early, now)
-        for key in [k for k in self.early if k[0] == peer]:
-            del self.early[key]  # that decode rank's earlier session: an earlier use of the id
         if self.num_pages is None:
             flow.meta = meta  # checked at init()
         else:
@@ -248,6 +264,20 @@ class PrefillRoom(RoomBase[PrefillAction]):
         if self._all_metas():
             out += self._move(RoomEvent.INPUT if self.chunks or self.last else RoomEvent.METADATA_IN, now)
         return out + self._pump(now)
+
+    def _take_parked(self, peer: PeerKey, session: int) -> tuple[str, str] | None:
+        """The failure parked for `peer`'s `session` (kind, reason), no longer parked; None when
+        there is none, and then any parked for that decode rank's other sessions (an earlier use
+        of the id's) are dropped."""
+        if not self.early:
+            return None
+        parked = own_dict(self.early)
+        self.early = parked
+        found = parked.pop((peer, session), None)
+        if found is None:
+            for key in [k for k in parked if k[0] == peer]:
+                del parked[key]
+        return found
 
     def _unpairable(self, peer: PeerKey, meta: RoomMeta, why: str, now: float) -> list[PrefillAction]:
         """Decode stages this rank cannot pair with: the room fails here, at the decode ranks it
@@ -285,7 +315,7 @@ class PrefillRoom(RoomBase[PrefillAction]):
         mismatch = counts_mismatch(self.pool_items, theirs)
         if mismatch and flow.assignment is not None and self._gets_pools(flow):
             return self.fail(FailureKind.POOL, f"decode rank {rank}: {mismatch}", now)
-        flow.pool_dst = meta.items()
+        flow.pool_dst = meta.items() or NO_ENTRIES   # no pools: the shared empty map
         if not 0 <= meta.prefix_pages < self.num_pages:
             return self.fail(FailureKind.PROTOCOL, f"decode rank {rank} holds a prefix of {meta.prefix_pages} pages of a "
                                          f"{self.num_pages}-page request: at least one page must be sent", now)
@@ -304,7 +334,7 @@ class PrefillRoom(RoomBase[PrefillAction]):
         flow = self._flow_of(peer, grant.session)
         own, remainder = chunk_number(grant.chunk, splits=self._splits)
         index, stage = divmod(own, self.layout.pp_size)
-        if flow is None or self.ended or index in flow.granted:
+        if flow is None or self.ended or flow.is_granted(index):
             return []  # a repeated grant (we asked twice): already acted upon
         if not flow.staged or index not in flow.requested_at or stage != self.layout.pp_rank \
                 or remainder != (index in flow.remainders):
@@ -319,7 +349,7 @@ class PrefillRoom(RoomBase[PrefillAction]):
         if isinstance(ops, str):
             return self.fail(FailureKind.PROTOCOL, ops, now)
         out: list[PrefillAction] = [self._post(flow, op) for op in ops]
-        flow.granted.add(index)
+        flow.grant(index)
         flow.active_at = now
         return out
 
@@ -331,7 +361,7 @@ class PrefillRoom(RoomBase[PrefillAction]):
         if op is None:
             return []
         flow = self.flows[op.peer.tp_rank]
-        flow.inflight.discard(op_id)
+        flow.writes_in_flight -= 1
         if op.credit is not None:   # its credit may go back once nothing of it is in flight
             purse = self.credits.purse(op.peer) if self.credits is not None else None
             if purse is not None and purse.holds(op.credit):
@@ -351,7 +381,7 @@ class PrefillRoom(RoomBase[PrefillAction]):
             return out + self._maybe_release()
         flow.writes += 1
         flow.nbytes += op.nbytes
-        flow.landed_tags.extend(tags)
+        flow.note_tags(tags)
         flow.active_at = now
         return self._pump(now) + self._maybe_release()   # a batching room's next write
 
@@ -374,7 +404,9 @@ class PrefillRoom(RoomBase[PrefillAction]):
             if self.mapping is not None and peer.tp_rank not in self.expected:
                 return []
             if early:
-                self.early[(peer, session)] = (kind, reason)
+                parked = own_dict(self.early)
+                parked[(peer, session)] = (kind, reason)
+                self.early = parked
                 return []
         self.failed_by = (peer.incarnation, session)
         return self._fail_remote(peer, kind, reason, now)
@@ -406,7 +438,7 @@ class PrefillRoom(RoomBase[PrefillAction]):
         if not self.early or now - self.created <= self.timeouts.lease:
             return []
         (peer, session), (kind, reason) = next(iter(self.early.items()))
-        self.early.clear()
+        self.early = NO_ENTRIES
         return self.on_room_failed(peer, session, kind, f"{reason} (before its room metadata went out)", now)
 
     def _retransmit(self, now: float) -> list[PrefillAction]:
@@ -425,7 +457,7 @@ class PrefillRoom(RoomBase[PrefillAction]):
         out: list[PrefillAction] = []
         for flow in self.flows.values():
             if (flow.state in CONFIRMED_STATES or not flow.landed_tags
-                    or (flow.state is not FlowState.DONE_SENT and not flow.inflight)
+                    or (flow.state is not FlowState.DONE_SENT and not flow.writes_in_flight)
                     or now - flow.active_at < beat or now - flow.tags_again_at < beat):
                 continue
             flow.tags_again_at = now
@@ -472,7 +504,7 @@ class PrefillRoom(RoomBase[PrefillAction]):
     def _deadlines(self, now: float) -> list[PrefillAction]:
         t = self.timeouts
         if not self._all_metas() and now - self.created > t.metadata:
-            who = f"decode rank(s) {sorted(self.expected - set(self.flows))}" if self.mapping else "any decode rank"
+            who = f"decode rank(s) {[r for r in self.expected if r not in self.flows]}" if self.mapping else "any decode rank"
             if self.mapping is not None and self.decode_stages and not self.covered:
                 who += (f"; this prefill {self._layout_text()} heard from "
                         f"{', '.join(st.text() for st in self.decode_stages.values())}, which leave its layers "
@@ -534,7 +566,7 @@ class PrefillRoom(RoomBase[PrefillAction]):
         return flow
 
     def _all_metas(self) -> bool:
-        return self.mapping is not None and self.covered and self.expected <= set(self.flows)
+        return self.mapping is not None and self.covered and all(r in self.flows for r in self.expected)
 
     def _clip(self, flow: Flow, chunk: Chunk) -> Chunk | None:
         """The chunk as written to `flow`'s decode rank: only the layers its stage holds
@@ -574,7 +606,7 @@ class PrefillRoom(RoomBase[PrefillAction]):
 
     def _post(self, flow: Flow, op: WriteOp) -> PostWrite:
         self.ops[op.op_id] = op
-        flow.inflight.add(op.op_id)
+        flow.writes_in_flight += 1
         return PostWrite(op)
 
     def _sync_sendable(self) -> None:
@@ -597,7 +629,7 @@ class PrefillRoom(RoomBase[PrefillAction]):
             while flow.issued < len(self.sendable):
                 clipped = self._clip(flow, self.sendable[flow.issued])
                 if clipped is None:   # none of the decode stage's layers: nothing to write there
-                    flow.granted.add(self.sendable[flow.issued].index)
+                    flow.grant(self.sendable[flow.issued].index)
                     flow.issued += 1
                     continue
                 chunk = clipped
@@ -609,9 +641,9 @@ class PrefillRoom(RoomBase[PrefillAction]):
                         out += taken
                         flow.active_at = now
                     if taken is not None and chunk.index not in flow.remainders:
-                        flow.granted.add(chunk.index)
+                        flow.grant(chunk.index)
                     else:   # the whole chunk, or its remainder, goes the grant path
-                        flow.requested_at[chunk.index] = now
+                        flow.note_asked(chunk.index, now)
                         out.append(self._alloc_request(flow, chunk.index))
                         if taken is None and self.credits is not None and self.credits.purse(flow.peer) is not None:
                             out.append(SettleCredits(flow.peer))   # credits it retired may go back
@@ -654,7 +686,7 @@ class PrefillRoom(RoomBase[PrefillAction]):
         if not spans:
             return None
         if len(spans) < len(ops):   # the rest of the chunk goes the grant path (its remainder)
-            flow.remainders[chunk.index] = cut[len(spans)][0] - chunk.page_start
+            flow.note_remainder(chunk.index, cut[len(spans)][0] - chunk.page_start)
         placed = [replace(op, ring_start=sp.start, credit=sp, tag=msgspec.structs.replace(op.tag, ring_start=sp.start))
                   for op, sp in zip(ops, spans)]
         out: list[PrefillAction] = [self._post(flow, op) for op in placed]
@@ -686,9 +718,9 @@ class PrefillRoom(RoomBase[PrefillAction]):
         return [self._post(flow, op) for op in ops]
 
     def _flow_finished_writing(self, flow: Flow) -> bool:
-        return (self.last and flow.issued == len(self.sendable) and not flow.inflight
+        return (self.last and flow.issued == len(self.sendable) and not flow.writes_in_flight
                 and (self.batcher is None or len(self.batcher) == 0)
-                and (not flow.staged or len(flow.granted) == len(self.sendable)))
+                and (not flow.staged or flow.granted_count == len(self.sendable)))
 
     def _check_done(self, now: float) -> list[PrefillAction]:
         if self.ended or not self._all_metas():
