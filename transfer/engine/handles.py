@@ -53,12 +53,27 @@ class Ended:
     ended_at: float | None
 
 
-class RoomStatus:
-    """Written by the control thread, read by the caller."""
+def release_gil() -> None:
+    """Let another Python thread take the interpreter now: `time.sleep(0)` drops the GIL."""
+    time.sleep(0)
 
-    def __init__(self) -> None:
+
+class RoomStatus:
+    """Written by the control thread, read by the caller.
+
+    A caller blocked in `wait()` is woken when the room ends or is released. Waking it only
+    makes its thread runnable: it still needs the interpreter (the GIL), which CPython hands
+    over only when the thread holding it blocks or after its switch interval, so a caller would
+    wait for the rest of the control thread's round. `update` therefore gives the interpreter
+    away (`hand_over`, by default `release_gil`) right after it woke a waiting caller, and only
+    then; it never does when nobody waits (a caller that polls) or on a change nobody waits for.
+    """
+
+    def __init__(self, hand_over: Callable[[], None] = release_gil) -> None:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
+        self._hand_over = hand_over
+        self._waiting = 0                   # callers blocked in wait() (the lock guards it)
         self.state = KVPoll.Bootstrapping
         self.failure: str | None = None
         self.failure_kind: str | None = None
@@ -79,8 +94,11 @@ class RoomStatus:
             if totals is not None and self.ended_at is None:
                 self.totals, self.ended_at = totals, time.monotonic()
                 self.timeline.stamp("ended", self.ended_at)
-            if released or state in (KVPoll.Success, KVPoll.Failed):  # all that waiters wait for
+            woke = self._waiting > 0 and (released or state in (KVPoll.Success, KVPoll.Failed))
+            if woke:   # all that waiters wait for
                 self._changed.notify_all()
+        if woke:
+            self._hand_over()
 
     def ended(self) -> Ended:
         with self._lock:
@@ -92,7 +110,11 @@ class RoomStatus:
 
     def wait(self, predicate: Callable[[RoomStatus], bool], timeout: float | None) -> bool:
         with self._lock:
-            return self._changed.wait_for(lambda: predicate(self), timeout)
+            self._waiting += 1
+            try:
+                return self._changed.wait_for(lambda: predicate(self), timeout)
+            finally:
+                self._waiting -= 1
 
 
 class _Handle:
