@@ -92,3 +92,24 @@ def test_a_peer_running_the_other_lease_mode_is_lost_with_that_reason():
                          side=side, heartbeats=None)
     rank_pair.on_EngineBeat(peers.peers[77], EngineBeat(src=77, dst=1), 0.1)
     assert lost and "engine-pair leases and this rank rank-pair" in lost[0]
+
+
+def test_a_silent_sibling_has_its_queued_beats_dropped_once_a_lease_and_the_engine_looked_up_again(monkeypatch):
+    from kvstage.transfer.engine import engine_liveness
+    monkeypatch.setattr(engine_liveness.threading, "Thread",   # the lookup runs at once, in this thread
+                        lambda target, name, daemon: SimpleNamespace(start=target))
+    r = prefill_rank()
+    forgot = []
+    r.live.sock = SimpleNamespace(send=lambda ep, msg: True, forget=forgot.append)
+    r.live.on_siblings(SiblingsFound([SimpleNamespace(incarnation=5, ctrl_endpoint="tcp://s:5")], None), 0.0)
+    r.live._looking, r.live._look_at, r.live._looked_up = False, float("inf"), 0.0
+    looked = []
+    r.live._do_lookup = lambda: looked.append(True)   # the lookup thread's work, counted
+    now = 0.0
+    while now < 3 * LEASE + 0.05:
+        r.live.tick(now)
+        if looked and r.live._looking:            # the lookup answers at once: the same sibling
+            r.live.on_siblings(SiblingsFound([SimpleNamespace(incarnation=5, ctrl_endpoint="tcp://s:5")], None), now)
+        now = round(now + 0.1, 1)
+    assert forgot and all(ep == "tcp://s:5" for ep in forgot)
+    assert 2 <= len(forgot) <= 3 and 2 <= len(looked) <= 3, (forgot, looked)   # once a lease past the first

@@ -71,6 +71,8 @@ class EngineLiveness:
         self.endpoints: dict[int, str] = {}     # sibling incarnation -> its control endpoint
         self._looking = False
         self._look_at = now                     # when to look our siblings up (again)
+        self._looked_up = -float("inf")         # when the last lookup started
+        self._dropped: dict[int, float] = {}    # silent sibling -> when its queued beats were dropped
         self.handlers: dict[type, MessageHandler] = {EngineBeat: self.on_EngineBeat, Heartbeat: self.on_Heartbeat,
                                                      Goodbye: self.on_Goodbye}
         self.events: dict[type, EventHandler] = {SiblingsFound: self.on_siblings}
@@ -121,9 +123,11 @@ class EngineLiveness:
 
     # -- the tick -------------------------------------------------------------------------------
     def tick(self, now: float, looked: float | None = None) -> None:
+        self._silent_siblings(now)
         if not self._looking and now >= self._look_at:
             self._look_at = float("inf")
             self._looking = True
+            self._looked_up = now
             threading.Thread(target=self._do_lookup, name="kvstage-siblings", daemon=True).start()
         upto = now if looked is None else min(now, looked)
         self._link(now, upto)
@@ -146,6 +150,20 @@ class EngineLiveness:
                 if peer is not None:
                     self.peers.send(peer.key, out.beat)
                     self.stats.count("heartbeats_sent", "engine")
+
+    def _silent_siblings(self, now: float) -> None:
+        """A sibling silent past the lease (dead, not restarted yet): the beats queued to it are
+        dropped once a lease (its socket is closed; the next beat opens it again), and our engine
+        is looked up again, at most once a lease, in case it came back as a new incarnation."""
+        for rank, sib in self.leases.siblings.items():
+            endpoint = self.endpoints.get(rank)
+            if endpoint is None or now - sib.seen.heard <= self.t.lease:
+                self._dropped.pop(rank, None)
+                continue
+            if now - self._dropped.get(rank, -float("inf")) > self.t.lease:
+                self._dropped[rank] = now
+                self.sock.forget(endpoint)
+                self._look_at = min(self._look_at, max(now, self._looked_up + self.t.lease))
 
     def _move_fences(self) -> None:
         """Each remote rank's write fence where its acknowledgements put it: the peer's lease
