@@ -37,7 +37,8 @@ Per manager, pp (prefill or decode): the engine's pipeline-parallel stages, the 
 evenly as they go (the first stages take one more) or as stage_layers lists ([[0, 2], [2, 6]]);
 rank is then the engine rank, pp_rank * tp + tp_rank.
 Per manager, layer_group, layerwise_min_tokens and layer_batching: EngineConfig's.
-Per manager, path ("auto", "staged", "direct") and calibrate: EngineConfig's (docs/path_choice.md).
+Per manager, path ("auto", "staged", "direct") and calibrate: EngineConfig's (docs/path_choice.md);
+leases ("rank", "engine"): EngineConfig.leases (docs/configuration.md).
 Per manager, dp_rank is the prefill engine's data-parallel rank (EngineConfig.dp_rank).
 Geometry draft: draft KV entries (KVLayout.draft) after the layers; a decode rank
 fills its draft entries with the byte UNWRITTEN at start, checks only the entries the prefill has
@@ -148,7 +149,7 @@ def build(spec: dict, bootstrap: str) -> tuple[KVManager, KVLayout, KVBuffers, K
                        metrics_port=spec.get("metrics_port"), verify=spec.get("verify"),
                        layer_group=spec.get("layer_group"), layerwise_min_tokens=spec.get("layerwise_min_tokens"),
                        layer_batching=spec.get("layer_batching"), path=spec.get("path"),
-                       calibrate=spec.get("calibrate"), credits=spec.get("credits"))
+                       calibrate=spec.get("calibrate"), credits=spec.get("credits"), leases=spec.get("leases"))
     mgr = KVManager(cfg, layout, buffers)
     pattern = KVPattern(layout, seed=spec.get("pattern_seed", 7))
     pattern.draft = DraftPattern(layout, seed=spec.get("pattern_seed", 7)) if layout.draft_own_geometry else None

@@ -23,6 +23,7 @@ from ..bootstrap.rendezvous import from_env as from_bootstrap_env
 from . import config_values as check
 from .config_values import from_env
 from .deprecation import accepts_old_positional
+from .protocol.engine_leases import LeaseMode, check_engine_timeouts
 from .protocol.kinds import Role
 from .protocol.path_choice import PathMode
 from .timeouts import Timeouts
@@ -46,6 +47,7 @@ INLINE_GATHER_KB_ENV = "KVSTAGE_INLINE_GATHER_KB"
 PATH_ENV = "KVSTAGE_PATH"             # auto | staged | direct (protocol/path_choice.py)
 CALIBRATE_ENV = "KVSTAGE_CALIBRATE"   # measure the path costs at start (on by default)
 CREDITS_ENV = "KVSTAGE_CREDITS"       # staged: ring credits instead of a grant per chunk (on by default)
+LEASES_ENV = "KVSTAGE_LEASES"         # rank | engine: one lease per pair of ranks or of engines
 COPY_STREAMS_ENV = "KVSTAGE_COPY_STREAMS"   # CUDA: each copying thread on a stream of its own (on by default)
 DEFAULT_INLINE_SCATTER_KB = 256    # decode: pieces up to this size are scattered on the control thread
 DEFAULT_INLINE_GATHER_KB = 256     # prefill: pieces up to this size are gathered and posted by the control thread
@@ -116,6 +118,10 @@ class EngineConfig:
                                              # its copies on a non-blocking stream of its own, not the legacy
                                              # default stream (staging/copy_streams.py); env KVSTAGE_COPY_STREAMS, on
 
+    leases: str | None = None                # "rank" (one lease per pair of connected ranks) or "engine" (one
+                                             # per pair of engines, the ranks of an engine vouching for each
+                                             # other: docs/scale.md#engine-pair-leases); env KVSTAGE_LEASES, rank
+
     def resolved(self) -> ResolvedConfig:
         """Every None filled from the environment or the default, validated: a bad value raises
         ValueError naming the option or variable, never turns into another value."""
@@ -144,12 +150,14 @@ class EngineConfig:
             raise ValueError(f"timeouts must be a Timeouts instance or None, got {timeouts!r}")
         staging = env_flag(STAGING_ENV) if self.staging is None else check.flag("staging", self.staging)
         path = self._path(staging)
+        leases = self._leases(timeouts)
         return ResolvedConfig(
             role=Role(self.role),
             engine_id=self.engine_id,
             backend=self.backend,
             staging=staging,
             path=path,
+            leases=leases,
             calibrate=(env_flag(CALIBRATE_ENV, True) if self.calibrate is None
                        else check.flag("calibrate", self.calibrate)),
             verify=env_flag(VERIFY_ENV) if self.verify is None else check.flag("verify", self.verify),
@@ -193,6 +201,18 @@ class EngineConfig:
             raise ValueError(f"{option}='staged' needs staging on ({STAGING_ENV} / EngineConfig.staging): "
                              f"without it this rank has no {'staging ring' if self.role == Role.DECODE else 'staging buffers'}")
         return PathMode(value)
+
+    def _leases(self, timeouts: Timeouts) -> LeaseMode:
+        """rank or engine; engine needs its beats to fit in the lease (a ValueError naming both)."""
+        explicit = self.leases is not None
+        value = self.leases if explicit else os.environ.get(LEASES_ENV, "rank").strip().lower() or "rank"
+        option = "leases" if explicit else LEASES_ENV
+        if value not in tuple(LeaseMode):
+            raise ValueError(f"{option}={value!r} must be 'rank' or 'engine'")
+        mode = LeaseMode(value)
+        if mode is LeaseMode.ENGINE:
+            check_engine_timeouts(timeouts.heartbeat, timeouts.lease)
+        return mode
 
     def _count(self, option: str, env: str, default: int) -> int:
         def workers(name: str, value: object) -> int:
@@ -252,6 +272,7 @@ class ResolvedConfig:
     inline_scatter_kb: int
     inline_gather_kb: int
     path: PathMode
+    leases: LeaseMode
     calibrate: bool
     credits: bool
     copy_streams: bool

@@ -315,3 +315,23 @@ def test_the_resolved_configuration_has_a_value_in_every_field():
             assert isinstance(getattr(r, name), typing.get_origin(hint) or hint), name
     with pytest.raises(dataclasses.FrozenInstanceError):
         r.staging = True
+
+
+def test_lease_mode_from_the_option_or_the_environment(monkeypatch):
+    from kvstage.transfer.config import LEASES_ENV
+    from kvstage.transfer.protocol.engine_leases import LeaseMode
+    from kvstage.transfer.timeouts import Timeouts
+    monkeypatch.delenv(LEASES_ENV, raising=False)
+    assert cfg().resolved().leases is LeaseMode.RANK                  # the default: rank-pair leases
+    monkeypatch.setenv(LEASES_ENV, "Engine")
+    assert cfg().resolved().leases is LeaseMode.ENGINE
+    assert cfg(leases="rank").resolved().leases is LeaseMode.RANK     # the argument wins
+    monkeypatch.setenv(LEASES_ENV, "ranks")
+    with pytest.raises(ValueError, match=LEASES_ENV):
+        cfg().resolved()
+    with pytest.raises(ValueError, match="leases='pair'"):
+        cfg(leases="pair").resolved()
+    # engine-pair beats must fit in the lease: heartbeat <= lease / 8, said in the options' names
+    with pytest.raises(ValueError, match="timeouts.heartbeat <= timeouts.lease / 8"):
+        cfg(leases="engine", timeouts=Timeouts(heartbeat=1.0, lease=6.0)).resolved()
+    assert cfg(leases="engine", timeouts=Timeouts(heartbeat=0.25, lease=2.0)).resolved().leases is LeaseMode.ENGINE

@@ -49,7 +49,7 @@ if TYPE_CHECKING:
         StatusChanged,
         WriteOp,
     )
-    from ..protocol.messages import Heartbeat, Hello, PeerMessage, RoomFailed
+    from ..protocol.messages import EngineBeat, Heartbeat, Hello, PeerMessage, RoomFailed
     from ..protocol.ring import RingAllocator, Watermark
     from ..protocol.tags import Tag
     from .peers import Peer
@@ -199,6 +199,40 @@ class HeartbeatSink(Protocol):
 
     def on_heartbeat(self, peer: Peer, msg: Heartbeat, now: float) -> None:
         """After liveness renewed the peer's lease with the heartbeat."""
+
+
+class WriteFences(Protocol):
+    """Where a prefill rank's write fences are kept (backend_owner.BackendOwner.fence): writes to
+    a peer are not driven past its fence. Engine-pair leases move them (engine_liveness.py)."""
+
+    def fence(self, peer: str, until: float | None) -> None:
+        """Writes to `peer` (its backend name) are not driven after `until` (time.monotonic)."""
+
+
+class SiblingBeats(Protocol):
+    """Where a beat from a rank of this rank's own engine goes (engine_liveness.py): such a rank
+    is no peer of the peer table, so the frame router hands it over before routing. Control
+    thread."""
+
+    def on_sibling_beat(self, msg: EngineBeat, now: float) -> None:
+        """A beat whose `sibling` flag is set."""
+
+
+class LivenessPart(Protocol):
+    """The part that keeps the peers' leases (liveness.Liveness, rank-pair leases;
+    engine_liveness.EngineLiveness, engine-pair leases), for the loop: its message handlers and
+    events, and its tick. Control thread."""
+
+    @property
+    def handlers(self) -> dict[type, MessageHandler]:
+        """The peer messages it handles, by type."""
+
+    @property
+    def events(self) -> dict[type, EventHandler]:
+        """The control-thread events it handles, by type."""
+
+    def tick(self, now: float, looked: float | None = None) -> None:
+        """Judge the leases (silence up to `looked`) and send the heartbeats due."""
 
 
 class LeaseHooks(Protocol):

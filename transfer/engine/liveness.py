@@ -3,16 +3,19 @@ peer stays silent or never answers.
 
 Each connected peer has a Lease (protocol/leases.py): heard from within the lease, or lost. A
 prefill rank also stops writing to a decode rank whose acknowledgements stopped, since its
-memory may have been handed to someone else by now.
+memory may have been handed to someone else by now. These are rank-pair leases (EngineConfig.leases
+"rank", the default); engine_liveness.py keeps one lease per pair of engines instead. A peer that
+sends an EngineBeat runs the other mode: it is declared lost with that reason (every engine of a
+fleet must run the same).
 """
 
 from __future__ import annotations
 
 from ..config import Timeouts
 from ..protocol.leases import heartbeat_interval
-from ..protocol.messages import Goodbye, Heartbeat
+from ..protocol.messages import EngineBeat, Goodbye, Heartbeat
 from ..protocol.routing import PeerState
-from .interfaces import Counters, HeartbeatSink, LeaseHooks, MessageHandler, RingOwner
+from .interfaces import Counters, EventHandler, HeartbeatSink, LeaseHooks, MessageHandler, RingOwner
 from .peers import Peer, PeerTable
 
 
@@ -27,12 +30,18 @@ class Liveness:
                  side: LeaseHooks, heartbeats: HeartbeatSink | None):
         self.me, self.peers, self.t, self.stats, self.ring = me, peers, timeouts, stats, ring
         self.side, self.heartbeats = side, heartbeats
-        self.handlers: dict[type, MessageHandler] = {Heartbeat: self.on_Heartbeat, Goodbye: self.on_Goodbye}
+        self.handlers: dict[type, MessageHandler] = {Heartbeat: self.on_Heartbeat, Goodbye: self.on_Goodbye,
+                                                     EngineBeat: self.on_EngineBeat}
+        self.events: dict[type, EventHandler] = {}
 
     def on_Heartbeat(self, peer: Peer, msg: Heartbeat, now: float) -> None:
+        self.stats.count("heartbeats_received", "rank")
         peer.lease.on_heartbeat(msg.seq, msg.ack, now)
         if self.heartbeats is not None:
             self.heartbeats.on_heartbeat(peer, msg, now)
+
+    def on_EngineBeat(self, peer: Peer, msg: EngineBeat, now: float) -> None:
+        self.peers.lost(peer, MODE_MISMATCH.format(theirs="engine", ours="rank"), now)
 
     def on_Goodbye(self, peer: Peer, msg: Goodbye, now: float) -> None:
         self.peers.lost(peer, f"it said goodbye: {msg.reason or 'closing'}", now, tell=False, clean=msg.clean)
@@ -70,3 +79,8 @@ class Liveness:
             if wm is not None and peer.staging:
                 extra = {"wm_epoch": self.me, "wm_round": wm.round, "wm_tail": wm.tail}
             self.peers.send(peer.key, Heartbeat(src=self.me, dst=peer.key.incarnation, seq=seq, ack=ack, **extra))
+            self.stats.count("heartbeats_sent", "rank")
+
+
+MODE_MISMATCH = ("it runs {theirs}-pair leases and this rank {ours}-pair leases (EngineConfig.leases, "
+                 "KVSTAGE_LEASES): every engine of a fleet must run the same")

@@ -46,6 +46,7 @@ from ..config import ResolvedConfig
 from ..kv_buffers import KVBuffers
 from ..layout import KVLayout
 from ..poll import KVPoll
+from ..protocol.engine_leases import LeaseMode
 from ..protocol.kinds import FailureKind, Role
 from ..protocol.messages import Goodbye, PeerMessage
 from ..protocol.prefill.layer_sends import LayerGrouping
@@ -58,9 +59,10 @@ from .context import EngineContext, NoObserver, local_geometry
 from .control_socket import MAX_BATCH, ControlSocket
 from .decode_planning import EnginePlanner, PlanFacts, decode_hello
 from .decode_side import DecodeSide, scatter_report
+from .engine_liveness import EngineLiveness
 from .events import Call, EventQueue, LayersReady, Wake, WriteDone
 from .integrity import Integrity
-from .interfaces import HeartbeatSink, HelloSink, Observer, RoleSide, Room, TagSink
+from .interfaces import HeartbeatSink, HelloSink, LivenessPart, Observer, RoleSide, Room, TagSink
 from .liveness import Liveness
 from .peers import PeerTable
 from .prefill_side import PrefillRank, PrefillSide
@@ -121,7 +123,11 @@ class EngineLoop:
                  stats: Stats, lookup: Callable[[PrefillSource, float], list[RankRecord]],
                  codec: Codec[PeerMessage], ctx: zmq.Context[zmq.Socket[bytes]],
                  control_faults: ControlFaults | None = None, observer: Observer | None = None,
-                 calibration: Calibration | None = None):
+                 calibration: Calibration | None = None,
+                 siblings: Callable[[float], list[RankRecord]] | None = None):
+        """`lookup(source, timeout)`: a prefill engine's records (decode side); `siblings(timeout)`:
+        our own engine's records at our rendezvous (engine-pair leases; both block, called on
+        lookup threads)."""
         self.events = EventQueue()
         self.workers: TransferWorkers | None = None
         self.scatter: ScatterWorker | None = None
@@ -130,7 +136,7 @@ class EngineLoop:
         try:
             sock = ControlSocket(ctx, cfg.host, cfg.ctrl_port, codec, control_faults)
             self._build(cfg, layout, buffers, me, backend, backend_name, identity, handler, stats, lookup, sock,
-                        observer, calibration)
+                        observer, calibration, siblings)
         except BaseException:
             # nothing may outlive a failed construction: an open socket blocks Context.term()
             self.stop_workers()
@@ -144,7 +150,8 @@ class EngineLoop:
                backend_name: str, identity: bytes, handler: StagingHandler, stats: Stats,
                lookup: Callable[[PrefillSource, float], list[RankRecord]], sock: ControlSocket,
                observer: Observer | None,
-               calibration: Calibration | None = None) -> None:
+               calibration: Calibration | None = None,
+               siblings: Callable[[float], list[RankRecord]] | None = None) -> None:
         """Every part gets what it uses in its constructor, built in dependency order. Three pairs
         call each other (the peer table and its listeners, the room book and the write queue, the
         book and the role's side): the part built first gets the later one as a `Later`, a
@@ -174,14 +181,22 @@ class EngineLoop:
         else:
             self._build_decode(c, lookup)
         side = self.side
-        self.liveness = Liveness(me=me, peers=self.peers, timeouts=c.t, stats=stats, ring=handler, side=side,
-                                 heartbeats=self._heartbeats)
+        engine_liveness: EngineLiveness | None = None
+        if cfg.leases is LeaseMode.ENGINE:
+            if siblings is None:
+                raise ValueError("engine-pair leases need a lookup of this rank's own engine (siblings)")
+            engine_liveness = EngineLiveness(
+                me=me, engine_id=cfg.engine_id, peers=self.peers, timeouts=c.t, stats=stats, side=side, sock=sock,
+                fences=backend if cfg.role == Role.PREFILL else None,
+                lookup=siblings, post=self.post, now=time.monotonic())
+        self.liveness: LivenessPart = engine_liveness or Liveness(
+            me=me, peers=self.peers, timeouts=c.t, stats=stats, ring=handler, side=side, heartbeats=self._heartbeats)
         self.router = FrameRouter(me=me, role=cfg.role, peers=self.peers, tags=tags, stats=stats,
                                   handlers={**self.liveness.handlers, **side.handlers}, failures=side,
-                                  hello=self._hello, landed=self._landed)
+                                  hello=self._hello, landed=self._landed, siblings=engine_liveness)
         writes = self.writes
         self.on_event: dict[type, Callable[[Any, float], None]] = {
-            **side.events, Wake: lambda ev, now: None,  # step() runs after the events
+            **side.events, **self.liveness.events, Wake: lambda ev, now: None,  # step() runs after the events
             Call: lambda ev, now: ev.done(ev.fn(self))}
         if writes is not None:
             self.on_event.update({WriteDone: writes.on_write_done, LayersReady: writes.layers_ready})

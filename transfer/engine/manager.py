@@ -5,6 +5,7 @@ the opposite order, deregistering memory only once no peer can still write to it
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import logging
 import secrets
@@ -211,7 +212,8 @@ class KVManager:
                                 self._handler, self._stats, self._sources.lookup,
                                 peer_codec(cfg.token_bytes), self._ctx, ControlFaults(plan) if plan else None,
                                 observer=self._metrics.observer if self._metrics is not None else None,
-                                calibration=self._calibration)
+                                calibration=self._calibration,
+                                siblings=functools.partial(self._bootstrap.lookup, cfg.engine_id))
         self._stack.callback(self._stop_loop)
         self.endpoint = self._loop.endpoint
 

@@ -15,10 +15,10 @@ from ...hop_trace import TRACE, Hop
 from ...wire import WireError
 from ..backends.base import ArrivedTag
 from ..protocol.kinds import Role
-from ..protocol.messages import Hello, PeerMessage, RoomFailed
+from ..protocol.messages import EngineBeat, Hello, PeerMessage, RoomFailed
 from ..protocol.routing import RouteAction, route_frame
 from ..protocol.tags import TagCodec
-from .interfaces import Counters, FailureSink, HelloSink, MessageHandler, TagSink
+from .interfaces import Counters, FailureSink, HelloSink, MessageHandler, SiblingBeats, TagSink
 from .peers import PeerTable
 
 
@@ -27,13 +27,16 @@ class FrameRouter:
     role's side's and liveness's), `failures` (the role's side) for a RoomFailed of a refused
     peer, `hello` for a Hello (the prefill side; None on a decode rank, which is not connected
     to), `landed` for a decoded notification (the decode side; None on a prefill rank, which is
-    not written to). `tags` decodes notifications, `stats` counts drops."""
+    not written to). `tags` decodes notifications, `stats` counts drops. `siblings` takes the
+    beats of our own engine's ranks, which are no peers (engine-pair leases, engine_liveness.py;
+    None with rank-pair leases: such a beat is dropped as from an unknown peer)."""
 
     def __init__(self, *, me: int, role: Role, peers: PeerTable, tags: TagCodec, stats: Counters,
                  handlers: dict[type, MessageHandler], failures: FailureSink, hello: HelloSink | None,
-                 landed: TagSink | None):
+                 landed: TagSink | None, siblings: SiblingBeats | None = None):
         self.me, self.role, self.peers, self.tags, self.stats = me, role, peers, tags, stats
         self.handlers, self.failures, self.hello, self.landed = handlers, failures, hello, landed
+        self.siblings = siblings
         self._handled = frozenset(handlers)
 
     def on_frame(self, item: object, now: float) -> None:
@@ -41,6 +44,8 @@ class FrameRouter:
             self.stats.count("dropped_messages", item.kind)
             return
         msg = cast(PeerMessage, item)
+        if self.siblings is not None and isinstance(msg, EngineBeat) and msg.sibling:
+            return self.siblings.on_sibling_beat(msg, now)
         peer = self.peers.get(msg.src)
         route = route_frame(type(msg), role=self.role, me=self.me, dst=msg.dst,
                             peer_state=peer.state if peer is not None else None,

@@ -30,6 +30,7 @@ Number = Literal[
 Group = Literal[
     "bytes_received_by_path", "bytes_sent_by_path", "credit_tags", "credits", "descriptors_by_path",
     "dropped_events", "dropped_messages", "dropped_tags", "failures_by_kind", "faults_injected", "gathers",
+    "heartbeats_received", "heartbeats_sent", "sibling_lookups",
     "internal_errors", "path_choices", "path_reasons", "peers_lost", "rooms", "rooms_failed_by_kind", "scatters",
     "tags_again", "tags_by_arrival", "write_announcements", "write_failures", "write_requests_by_path",
     # sums of seconds by label

@@ -65,6 +65,23 @@ from .leases import HEARTBEATS_PER_S
 from .messages import Ack, EngineBeat, Vouch
 
 
+class LeaseMode(StrKind):
+    """Which liveness a rank runs (EngineConfig.leases, env KVSTAGE_LEASES): every engine of a
+    fleet runs the same one."""
+
+    RANK = "rank"           # one lease per pair of connected ranks (leases.py, Heartbeat)
+    ENGINE = "engine"       # one lease per pair of engines, the ranks of an engine vouching for each other
+
+
+def check_engine_timeouts(heartbeat: float, lease: float) -> None:
+    """Engine-pair leases need the beats to fit in the lease (EngineLeases' own check, said in
+    the configuration's names): ValueError otherwise."""
+    if heartbeat > lease / 8:
+        raise ValueError(f"engine-pair leases (leases='engine', KVSTAGE_LEASES) need timeouts.heartbeat <= "
+                         f"timeouts.lease / 8 (a beat relayed through a sibling and a peer engine must still "
+                         f"fit in the lease twice), got heartbeat={heartbeat:g}, lease={lease:g}")
+
+
 class BeatKind(StrKind):
     SIBLING = "sibling"     # to a rank of our own engine
     ENGINE = "engine"       # to a rank of a peer engine
@@ -155,13 +172,17 @@ class EngineLeases:
         for r in ranks - set(self.siblings) - {self.me}:
             self.siblings[r] = _Sibling(seen=_Seen(0, now), beat_due=now)
 
-    def connect(self, rank: int, engine: str, now: float) -> None:
-        """A remote rank we are now connected to: its lease and our fence start now."""
+    def connect(self, rank: int, engine: str, now: float, since: float | None = None) -> None:
+        """A remote rank we are now connected to: its lease starts now, our fence at `since`
+        (None: now), when the connection's lease began here (no later than now: a fence may only
+        start earlier than the peer's lease of us, never later)."""
         if engine == self.engine:
             raise ValueError("a rank of our own engine is a sibling, not a remote rank")
+        if since is not None and since > now:
+            raise ValueError("a fence cannot start after now")
         old = self.relayed.pop(rank, None)
         seen = _Seen(old.seq, max(old.heard, now)) if old is not None else _Seen(0, now)
-        self.remotes[rank] = _Remote(engine=engine, fence=now, seen=seen)
+        self.remotes[rank] = _Remote(engine=engine, fence=now if since is None else since, seen=seen)
 
     def disconnect(self, rank: int) -> None:
         self.remotes.pop(rank, None)

@@ -97,6 +97,12 @@ class Lease:
             for old in [s for s in self._sent if s < ack]:
                 del self._sent[old]
 
+    def fence_from(self, base: float) -> None:
+        """The fence rests on `base`, the time of a stamp of ours the peer acknowledged through
+        engine-pair leases (engine_leases.py: the same rule); it only moves forward."""
+        if base > self.fence_base:
+            self.fence_base = base
+
     def silence(self, now: float, looked: float | None = None) -> float:
         """How long the peer has been silent as far as we could have heard it: up to `looked`
         (the last complete read of our socket, None: `now`), never past `now`."""

@@ -302,9 +302,11 @@ class EngineBeat(PeerMessage, kw_only=True, frozen=True):
     carries. `links`: a beat to a sibling names, per peer engine, the ranks of it the sender is
     connected to, and `everies` the slot length each of those engines told it (both empty in a
     beat to another engine); `every`: a beat to another engine gives the sender engine's own slot
-    length, so the two engines settle on the longer. Defined for the engine-pair lease; not in
-    PEER_MESSAGES (the engine does not speak it yet, docs/scale.md#heartbeats): adding it there
-    is a new wire version."""
+    length, so the two engines settle on the longer. Sent only by ranks that run engine-pair
+    leases (EngineConfig.leases, KVSTAGE_LEASES=engine; engine/engine_liveness.py); a new message
+    of the union, at the current wire version: every other message's bytes are unchanged, and a
+    rank of a build without it refuses the frame as malformed (the peer is then lost for
+    silence, as with any mismatch of the lease mode)."""
 
     vouches: list[Vouch] = []
     acks: list[Ack] = []
@@ -317,7 +319,8 @@ class EngineBeat(PeerMessage, kw_only=True, frozen=True):
 PEER_MESSAGES: tuple[type[PeerMessage], ...] = (
     Hello, HelloAck, RoomMeta, MetaAck, AllocRequest, AllocGrant, WatermarkUpdate,
     WriterDone, RoomDone, RoomFailed, Quiesced, Heartbeat, Goodbye, WritePosted, TagsAgain,
-    CreditGrant, CreditReturn, CreditAck)   # the credit messages are new: the others' bytes are unchanged
+    CreditGrant, CreditReturn, CreditAck,   # the credit messages are new: the others' bytes are unchanged
+    EngineBeat)                             # new too (engine-pair leases): the others' bytes are unchanged
 
 
 def peer_codec(token: bytes | None, max_frame: int | None = None) -> Codec[PeerMessage]:
