@@ -176,6 +176,33 @@ def describe_pairing(prefill: DCPLayout, decode: DCPLayout) -> DCPPairing | str:
     return f"{both}: DCP {prefill.dcp_size} -> {decode.dcp_size} is not served (prefill DCP must be 1 or equal the decode's)"
 
 
+def engine_refusal(prefill: DCPLayout, decode: DCPLayout) -> str | None:
+    """Why kvstage's engine cannot move a request between these two DCP groups (None: it can).
+
+    Every pairing `describe_pairing` refuses, with its reason (naming both layouts); and, for now,
+    every served pairing with DCP > 1 on either side: the token mapping is pure and tested, but the
+    engine's rooms, writes and tags are not wired to it yet (docs/protocol.md, "Decode context
+    parallel"). The prefill rank fails such a request on both sides with this reason when the
+    decode rank's metadata arrives (prefill/room.py, PrefillRoom.add_meta)."""
+    pairing = describe_pairing(prefill, decode)
+    if isinstance(pairing, str):
+        return pairing
+    if prefill.dcp_size == decode.dcp_size == 1:
+        return None
+    return (f"{prefill.describe('prefill')} -> {decode.describe('decode')}: decode context parallel is not wired "
+            f"into kvstage's engine yet (the token mapping is; docs/protocol.md)")
+
+
+def check_dcp_rank(dcp_size: int, dcp_rank: int, tp_size: int, tp_rank: int) -> str | None:
+    """What is wrong with a rank's declared DCP size and rank (None: nothing): the size must
+    divide the TP size and the rank be ``tp_rank % dcp_size`` (KVLayout.dcp_rank)."""
+    if dcp_size < 1 or tp_size % dcp_size:
+        return f"dcp_size {dcp_size} must be >= 1 and divide tp_size {tp_size}"
+    if dcp_rank != tp_rank % dcp_size:
+        return f"dcp_rank {dcp_rank} of TP rank {tp_rank} must be tp_rank % dcp_size = {tp_rank % dcp_size}"
+    return None
+
+
 def _slots(pages: tuple[int, ...], index: np.ndarray, page_size: int) -> np.ndarray:
     """Pool slots of local indices `index` into a rank's page list."""
     arr = np.asarray(pages, dtype=np.int64)

@@ -49,6 +49,7 @@ from ..room_base import RoomBase
 from ..room_uses import NO_EARLIER_USES, Bound, EarlierUses, RoomUse, failure_use, meta_use
 from ..stage_mapping import DecodeStage, decode_coverage, flow_layers, uncovered
 from ..tags import TagKind
+from ..token_mapping import DCPLayout, engine_refusal
 from .chunk_writes import ChunkWrites, direct_writes, granted_writes
 from .credits import CreditPurses, chunk_number, cut_pieces, remainder_number
 from .flow_timers import due_again, overdue
@@ -200,15 +201,22 @@ class PrefillRoom(RoomBase[PrefillAction]):
         return None if flow is None else Bound(flow.peer, flow.session)
 
     def add_meta(self, peer: PeerKey, decode_tp: int, meta: RoomMeta, now: float,
-                 stage: DecodeStage | None = None) -> list[PrefillAction]:
+                 stage: DecodeStage | None = None, dcp: DCPLayout | None = None) -> list[PrefillAction]:
         """Metadata from decode rank `peer` (its engine rank in `peer.tp_rank`) of TP size
-        `decode_tp` (one stage's); `stage`: its PP stage (None: no PP there, every layer)."""
+        `decode_tp` (one stage's); `stage`: its PP stage (None: no PP there, every layer); `dcp`:
+        its DCP group (None: no DCP there). A DCP pairing the engine cannot move
+        (token_mapping.engine_refusal) fails the room here and at the decode rank, with the reason."""
         if self.ended:
             if self.state is KVPoll.Failed:
                 # never wrote to a peer it had not heard from: it may reuse its memory at once
                 return [Send(peer, self._failed_msg(peer, meta.session)),
                         Send(peer, Quiesced(src=self.me, dst=peer.incarnation, room=self.room, session=meta.session))]
             return []
+        if self.layout.dcp_size > 1 or (dcp is not None and dcp.dcp_size > 1):   # DCP 1 both sides: nothing to judge
+            theirs = dcp or DCPLayout(dcp_size=1, page_size=self.layout.page_size, mla=self.layout.mla)
+            refusal = engine_refusal(self.layout.dcp(), theirs)
+            if refusal is not None:
+                return self._refuse(peer, meta, refusal, now)
         if self.decode_engine is not None and peer.engine_id != self.decode_engine:
             return [Send(peer, RoomFailed(src=self.me, dst=peer.incarnation, room=self.room, session=meta.session,
                                           kind=FailureKind.PROTOCOL, reason=f"room {self.room} is already bound to "
@@ -285,6 +293,11 @@ class PrefillRoom(RoomBase[PrefillAction]):
         reason = (f"prefill {self._layout_text()} cannot pair with the decode engine's stages: {why} "
                   f"(decode stages heard from: "
                   f"{', '.join(st.text() for st in (self.decode_stages or {}).values()) or 'none before it'})")
+        return self._refuse(peer, meta, reason, now)
+
+    def _refuse(self, peer: PeerKey, meta: RoomMeta, reason: str, now: float) -> list[PrefillAction]:
+        """A decode rank this rank cannot pair with: the room fails here, at the decode ranks it
+        heard from and at this one, with `reason` (a LAYOUT failure)."""
         # never written to (its flow was not made): it may reuse its memory at once
         told = [Send(peer, RoomFailed(src=self.me, dst=peer.incarnation, room=self.room, session=meta.session,
                                       kind=FailureKind.LAYOUT, reason=reason)),
