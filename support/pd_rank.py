@@ -39,6 +39,7 @@ rank is then the engine rank, pp_rank * tp + tp_rank.
 Per manager, layer_group, layerwise_min_tokens and layer_batching: EngineConfig's.
 Per manager, path ("auto", "staged", "direct") and calibrate: EngineConfig's (docs/path_choice.md).
 Per manager, dp_rank is the prefill engine's data-parallel rank (EngineConfig.dp_rank).
+Per manager, dcp: the engine's decode context parallel size (KVLayout.dcp_size; MLA geometry).
 Geometry draft: draft KV entries (KVLayout.draft) after the layers; a decode rank
 fills its draft entries with the byte UNWRITTEN at start, checks only the entries the prefill has
 (prefill_draft: the prefill's draft count, default its own) and records per room whether its
@@ -111,7 +112,7 @@ def build(spec: dict, bootstrap: str) -> tuple[KVManager, KVLayout, KVBuffers, K
     layout = KVLayout(num_layers=g["layers"], total_kv_heads=g["heads"], head_dim=g["head_dim"],
                       dtype=DTYPES[g["dtype"]], page_size=g["page_size"], tp_size=spec["tp"],
                       tp_rank=tp_rank, mla=g.get("mla", False), pp_size=pp, pp_rank=pp_rank,
-                      stage=stage_layers(spec, g["layers"], pp)[pp_rank],
+                      stage=stage_layers(spec, g["layers"], pp)[pp_rank], dcp_size=spec.get("dcp", 1),
                       draft=DraftKV(num_layers=g["draft"], total_kv_heads=g.get("draft_heads"),
                                     head_dim=g.get("draft_head_dim")) if g.get("draft") else None)
     shape = (g["pages"] * layout.page_size, layout.local_heads, layout.head_dim)
