@@ -137,3 +137,62 @@ def test_without_dcp_the_room_writes_as_before():
     d0 = PeerKey("dec", 0, 2000)
     acts = r.add_meta(d0, 1, meta(d0), 1.0, dcp=lay(1))
     assert r.state is not KVPoll.Failed and [a for a in acts if isinstance(a, PostWrite)]
+
+
+# -- the direct path's pure parts: one pair's runs, their descriptor rows, a rank's share ----------
+
+def test_one_pair_from_its_own_page_lists_is_the_whole_mappings_flow():
+    from kvstage.transfer.protocol.token_mapping import build_pair, build_token_mapping
+
+    pre, dec = lay(1, page_size=4), lay(2, page_size=4)
+    whole = build_token_mapping(prefill=pre, decode=dec, num_tokens=37, prefix=8, prefill_pages=((9, 3, 4, 5, 1, 7, 8, 10),),
+                                decode_pages=((2, 6, 0, 13), (11, 4, 5, 12)))
+    for d, dst in enumerate(((2, 6, 0, 13), (11, 4, 5, 12))):
+        one = build_pair(prefill=pre, decode=dec, num_tokens=37, prefix=8, src_pages=(9, 3, 4, 5, 1, 7, 8, 10),
+                         dst_pages=dst, decode_rank=d)
+        ref = whole.for_decode(d)
+        assert one.runs() == ref.runs() and one.piece == ref.piece and one.piece_runs == ref.piece_runs
+
+
+def test_a_ranks_share_of_tokens_and_pages():
+    from kvstage.transfer.protocol.token_mapping import local_pages, local_tokens
+
+    dec = lay(2, page_size=4)
+    assert [local_tokens(dec, d, 37, 8) for d in range(2)] == [15, 14]   # tokens 8..36: even 8..36, odd 9..35
+    assert local_pages(dec, 37) == 5 and local_pages(dec, 40) == 5 and local_pages(dec, 41) == 6
+
+
+@pytest.mark.parametrize(("num_tokens", "prefix"), [(37, 8), (1, 0), (16, 0), (17, 16)])
+def test_token_rows_copy_each_token_to_its_rank_and_slot_and_touch_nothing_else(num_tokens, prefix):
+    """Prefill DCP 1 -> decode DCP 2, page size 4, one MLA layer of 3 bytes a token: the rows
+    copied byte for byte put token t at decode rank t % 2, local slot t // 2, and leave every
+    other byte (the prefix, the final partial page's tail, other pages) as it was."""
+    from kvstage.transfer.protocol.direct_ranges import CacheGeometry, token_rows
+    from kvstage.transfer.protocol.token_mapping import build_pair, local_pages
+
+    ps, tb, n = 4, 3, 2
+    pre, dec = lay(1, page_size=ps), lay(n, page_size=ps)
+    rng = np.random.default_rng(num_tokens)
+    src_pages = tuple(int(x) for x in rng.permutation(20)[: -(-(num_tokens - prefix) // ps)])
+    src = rng.integers(1, 255, size=20 * ps * tb, dtype=np.uint8)
+    src_tok = {}   # global token -> its bytes in the prefill cache
+    for t in range(prefix, num_tokens):
+        slot = src_pages[(t - prefix) // ps] * ps + (t - prefix) % ps
+        src_tok[t] = src[slot * tb:(slot + 1) * tb]
+    geo = CacheGeometry(bases=(0,), page_size=ps, token_stride=tb, head_bytes=tb)
+    need = local_pages(dec, num_tokens) - prefix // (ps * n)
+    for d in range(n):
+        dst_pages = tuple(int(x) for x in rng.permutation(20)[:need])
+        before = np.zeros(20 * ps * tb, dtype=np.uint8)
+        dst = before.copy()
+        pair = build_pair(prefill=pre, decode=dec, num_tokens=num_tokens, prefix=prefix, src_pages=src_pages,
+                          dst_pages=dst_pages, decode_rank=d)
+        rows = token_rows(geo, geo, pair.src_slot, pair.dst_slot, pair.length)
+        for s_off, d_off, length in zip(rows.src_off, rows.dst_off, rows.lengths, strict=True):
+            dst[int(d_off):int(d_off + length)] = src[int(s_off):int(s_off + length)]
+        want = before.copy()
+        for t in range(prefix + (d - prefix) % n, num_tokens, n):
+            local = t // n - prefix // n
+            slot = dst_pages[local // ps] * ps + local % ps
+            want[slot * tb:(slot + 1) * tb] = src_tok[t]
+        assert np.array_equal(dst, want), d
