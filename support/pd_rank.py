@@ -436,23 +436,28 @@ def init_receiver(st: dict) -> None:
     """init(); with prefix_pages k, the first k pages stand for this rank's prefix cache: they
     get their own marker pattern (which must survive), and only the rest is asked for."""
     k = prefix_of(st)
+    tokens = {"num_tokens": st["spec"]["dcp_tokens"]} if st["spec"].get("dcp_tokens") else {}
+    if tokens:   # decode context parallel: the room's pages start zeroed, so a byte written off its slot shows
+        for t in st["tensors"]:
+            t.view(torch.uint8).view(-1, st["pattern"].layout.page_bytes)[torch.as_tensor(st["pages"][k:])] = 0
     if k:
         st["pattern"].fill(st["tensors"], st["room"] ^ PREFIX_MARK, st["pages"][:k])
         st["prefix_filled"] = True
-        st["handle"].init(st["pages"][k:], prefix_pages=k, pool_items=st["items"] or None)
+        st["handle"].init(st["pages"][k:], prefix_pages=k, pool_items=st["items"] or None, **tokens)
     else:
-        st["handle"].init(st["pages"], pool_items=st["items"] or None)
+        st["handle"].init(st["pages"], pool_items=st["items"] or None, **tokens)
 
 
 def new_sender(mgr: KVManager, r: dict, st: dict):
     late = r.get("late_init")
     st["inited"], st["seen_before_init"] = not late, set()
     items = None if r.get("pool_items_with_last") else (st["items"] or None)
+    tokens = {"num_tokens": r["dcp_tokens"]} if r.get("dcp_tokens") else {}
     if not late:
-        return mgr.sender(r["room"], len(st["pages"]), pool_items=items)
+        return mgr.sender(r["room"], len(st["pages"]), pool_items=items, **tokens)
     h = mgr.sender(r["room"])
     if late == "now":
-        h.init(len(st["pages"]), pool_items=items)
+        h.init(len(st["pages"]), pool_items=items, **tokens)
         st["inited"] = True
     return h
 
@@ -644,8 +649,11 @@ def finish(spec: dict, st: dict, pattern: KVPattern, tensors) -> dict:
             rows = torch.as_tensor(np.asarray(st["pages"][k:], dtype=np.int64))
             rec["unwritten_intact"] = all(bool((tensors[t].view(torch.uint8).view(-1, page)[rows] == UNWRITTEN).all())
                                           for t in extra)
-        err = pattern.check(tensors, st["spec"].get("pattern_key", st["room"]), st["pages"][k:], first=k,
-                            only=sent if extra else None)
+        if st["spec"].get("dcp_tokens"):
+            err = check_dcp(st, pattern, tensors, rec)
+        else:
+            err = pattern.check(tensors, st["spec"].get("pattern_key", st["room"]), st["pages"][k:], first=k,
+                                only=sent if extra else None)
         if err is None and pattern.draft is not None:
             n = spec.get("prefill_draft", pattern.layout.draft_entries)
             err = pattern.draft.check(st["buffers"], st["spec"].get("pattern_key", st["room"]), st["pages"][k:], k, n)
@@ -658,6 +666,26 @@ def finish(spec: dict, st: dict, pattern: KVPattern, tensors) -> dict:
         rec["verified"] = err is None
         rec["error"] = err
     return rec
+
+
+def check_dcp(st: dict, pattern: KVPattern, tensors, rec: dict) -> str | None:
+    """Decode context parallel (room spec dcp_tokens: the request's token count): this rank's
+    local slot s past its prefix holds token s * dcp_size + dcp_rank, bit-exact, and every other
+    slot of its pages past the prefix (the final partial page's tail) is still zero
+    (rec["dcp_rest_untouched"])."""
+    lay = pattern.layout
+    n, d, ps, k = lay.dcp_size, lay.dcp_rank, lay.page_size, prefix_of(st)
+    start = k * ps * n
+    tokens = np.arange(start + (d - start) % n, st["spec"]["dcp_tokens"], n, dtype=np.int64)
+    local = tokens // n - k * ps
+    dst = np.asarray(st["pages"][k:], dtype=np.int64)
+    slots = dst[local // ps] * ps + local % ps
+    every = (dst[:, None] * ps + np.arange(ps)).ravel()
+    rest = torch.as_tensor(np.setdiff1d(every, slots))
+    rec["dcp_tokens"] = int(tokens.size)
+    rec["dcp_rest_untouched"] = all(bool((t.view(torch.uint8).view(-1, lay.token_bytes)[rest] == 0).all())
+                                    for t in tensors)
+    return pattern.check_tokens(tensors, st["spec"].get("pattern_key", st["room"]), slots, tokens)
 
 
 _HOG_STOP = threading.Event()

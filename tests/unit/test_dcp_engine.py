@@ -1,7 +1,8 @@
 """Decode context parallel in the engine's pure parts: a rank's DCP declared in its KVLayout,
 carried in its Hello (wire version 6), checked at admission, and judged per request by the
 prefill room, which fails a pairing the engine cannot move on both sides with the reason naming
-both layouts (token_mapping.engine_refusal)."""
+both layouts (token_mapping.engine_refusal) and writes a served one's tokens (1 -> N, N -> N) in
+one direct write per decode rank, which the decode room expects to the byte."""
 
 from __future__ import annotations
 
@@ -89,17 +90,14 @@ def lay(n: int, is_mla: bool = True, page_size: int = 2) -> DCPLayout:
     return DCPLayout(dcp_size=n, page_size=page_size, mla=is_mla)
 
 
-def test_the_engine_moves_dcp_1_both_sides_and_names_both_layouts_otherwise():
-    assert engine_refusal(lay(1), lay(1)) is None
+def test_the_engine_moves_the_served_pairings_and_names_both_layouts_otherwise():
+    for p, d in ((1, 1), (1, 2), (2, 2), (1, 4)):
+        assert engine_refusal(lay(p), lay(d)) is None
     assert engine_refusal(lay(1, is_mla=False), lay(1, is_mla=False)) is None
     both = "prefill DCP 2 (page_size 2, MLA) -> decode DCP 4 (page_size 2, MLA)"
     assert engine_refusal(lay(2), lay(4)) == f"{both}: DCP 2 -> 4 is not served (prefill DCP must be 1 or equal the decode's)"
     assert "DCP on the prefill side only is not served" in (engine_refusal(lay(2), lay(1)) or "")
-    # served by the token mapping, not yet moved by the engine: refused, named as such
-    for p, d in ((1, 2), (2, 2)):
-        reason = engine_refusal(lay(p), lay(d)) or ""
-        assert reason.startswith(f"prefill DCP {p} (page_size 2, MLA) -> decode DCP {d} (page_size 2, MLA): ")
-        assert "not wired into kvstage's engine yet" in reason
+    assert "page sizes differ" in (engine_refusal(lay(1), lay(2, page_size=4)) or "")
 
 
 # -- the prefill room ------------------------------------------------------------------------------
@@ -117,7 +115,6 @@ def meta(peer: PeerKey) -> RoomMeta:
 @pytest.mark.parametrize(("prefill_dcp", "decode_dcp", "words"), [
     (2, 4, "DCP 2 -> 4 is not served"),
     (2, 1, "DCP on the prefill side only is not served"),
-    (1, 2, "not wired into kvstage's engine yet"),
 ])
 def test_a_pairing_the_engine_cannot_move_fails_the_room_on_both_sides_with_the_reason(prefill_dcp, decode_dcp, words):
     r = room(mla(tp=2, rank=0, dcp=prefill_dcp))
@@ -196,3 +193,87 @@ def test_token_rows_copy_each_token_to_its_rank_and_slot_and_touch_nothing_else(
             slot = dst_pages[local // ps] * ps + local % ps
             want[slot * tb:(slot + 1) * tb] = src_tok[t]
         assert np.array_equal(dst, want), d
+
+
+# -- the rooms on the direct path ------------------------------------------------------------------
+
+def dcp_meta(peer: PeerKey, pages: list[int], prefix: int = 0) -> RoomMeta:
+    return RoomMeta(src=peer.incarnation, dst=1000, room=7, session=peer.incarnation, num_pages=prefix + len(pages),
+                    staged=False, dst_pages=np.asarray(pages, dtype="<i8").tobytes(), prefix_pages=prefix)
+
+
+def test_a_prefill_room_writes_each_decode_dcp_rank_its_tokens_in_one_exact_write():
+    """7 tokens (pages of 2) from prefill DCP 1 -> decode DCP 2: rank 0 gets tokens 0, 2, 4, 6,
+    rank 1 tokens 1, 3, 5, each token from its prefill slot to its local slot, once the last
+    send is in; 16 bytes a token (2 layers of one 8-byte latent)."""
+    r = PrefillRoom(room=7, num_pages=4, layout=mla(tp=1), me=1000, now=0.0, timeouts=Timeouts(metadata=50),
+                    op_ids=itertools.count(1), num_tokens=7)
+    d0, d1 = PeerKey("dec", 0, 2000), PeerKey("dec", 1, 2001)
+    assert not [a for a in r.add_meta(d0, 2, dcp_meta(d0, [3, 4]), 1.0, dcp=lay(2)) if isinstance(a, PostWrite)]
+    r.add_meta(d1, 2, dcp_meta(d1, [5, 9]), 1.0, dcp=lay(2))
+    assert not [a for a in r.add_chunk(np.array([10, 11]), False, 1.5) if isinstance(a, PostWrite)]
+    ops = {a.op.peer.tp_rank: a.op for a in r.add_chunk(np.array([12, 13]), True, 2.0) if isinstance(a, PostWrite)}
+    assert sorted(ops) == [0, 1] and r.state is not KVPoll.Failed
+    runs = {d: [tuple(int(x) for x in arr) for arr in op.token_runs] for d, op in ops.items()}
+    assert runs[0] == [(20, 22, 24, 26), (6, 7, 8, 9), (1, 1, 1, 1)]   # slots 20.. of pages 10-13 -> pages 3, 4
+    assert runs[1] == [(21, 23, 25), (10, 11, 18), (1, 1, 1)]          # -> pages 5 (slots 10, 11) and 9 (18)
+    assert (ops[0].nbytes, ops[1].nbytes) == (64, 48)
+    assert (ops[1].tag.page_start, ops[1].tag.num_pages, ops[1].tag.nbytes) == (0, 2, 48)
+
+
+def test_a_decode_prefix_is_in_local_pages_and_a_rank_owning_no_token_gets_no_write():
+    """17 tokens with a decode prefix of one local page (8 tokens of page size 2 x DCP 4): the
+    prefill skips its first 4 pages; tokens 8..16 go to ranks 0..3 and rank 0 gets 8, 12, 16."""
+    r = PrefillRoom(room=7, num_pages=9, layout=mla(tp=1), me=1000, now=0.0, timeouts=Timeouts(metadata=50),
+                    op_ids=itertools.count(1), num_tokens=17)
+    peers = [PeerKey("dec", d, 2000 + d) for d in range(4)]
+    for d, p in enumerate(peers):
+        r.add_meta(p, 4, dcp_meta(p, [40 + 2 * d, 41 + 2 * d], prefix=1), 1.0, dcp=lay(4))
+    assert r.prefix == 4
+    ops = {a.op.peer.tp_rank: a.op for a in r.add_chunk(np.arange(100, 109), True, 2.0) if isinstance(a, PostWrite)}
+    assert {d: int(op.token_runs[2].sum()) for d, op in ops.items()} == {0: 3, 1: 2, 2: 2, 3: 2}
+    assert [int(x) for x in ops[0].token_runs[0]] == [208, 212, 216]   # tokens 8, 12, 16: prefill pages 104, 106, 108
+    assert [int(x) for x in ops[0].token_runs[1]] == [80, 81, 82]       # local slots 0-2 past the prefix: pages 40, 41
+
+    one = PrefillRoom(room=7, num_pages=1, layout=mla(tp=1), me=1000, now=0.0, timeouts=Timeouts(metadata=50),
+                      op_ids=itertools.count(1), num_tokens=1)
+    for d, p in enumerate(peers[:2]):
+        one.add_meta(p, 2, dcp_meta(p, [d]), 1.0, dcp=lay(2))
+    ops = [a.op for a in one.add_chunk(np.array([5]), True, 2.0) if isinstance(a, PostWrite)]
+    assert [op.peer.tp_rank for op in ops] == [0]   # token 0 only: rank 1 owns none
+
+
+def test_equal_dcp_writes_each_rank_its_own_local_slots():
+    """Prefill TP 2 DCP 2 -> decode TP 2 DCP 2: prefill rank 1 writes decode rank 1 its local
+    slots one for one (9 tokens: rank 1 holds 1, 3, 5, 7 in 2 pages)."""
+    r = PrefillRoom(room=7, num_pages=3, layout=mla(tp=2, rank=1, dcp=2), me=1000, now=0.0,
+                    timeouts=Timeouts(metadata=50), op_ids=itertools.count(1), num_tokens=9)
+    d1 = PeerKey("dec", 1, 2001)
+    r.add_meta(d1, 2, dcp_meta(d1, [6, 2, 8]), 1.0, dcp=lay(2))
+    ops = [a.op for a in r.add_chunk(np.array([4, 5, 7]), True, 2.0) if isinstance(a, PostWrite)]
+    assert len(ops) == 1 and [[int(x) for x in arr] for arr in ops[0].token_runs] == [[8, 10], [12, 4], [2, 2]]
+    assert ops[0].nbytes == 4 * 16
+
+
+def test_the_request_token_count_and_page_counts_must_agree_or_the_room_fails_with_both_layouts():
+    r = PrefillRoom(room=7, num_pages=4, layout=mla(tp=1), me=1000, now=0.0, timeouts=Timeouts(metadata=50),
+                    op_ids=itertools.count(1))
+    d0 = PeerKey("dec", 0, 2000)
+    r.add_meta(d0, 2, dcp_meta(d0, [3, 4]), 1.0, dcp=lay(2))
+    assert r.state is KVPoll.Failed and "needs the request's token count on the prefill side" in r.failure
+    r = PrefillRoom(room=7, num_pages=4, layout=mla(tp=1), me=1000, now=0.0, timeouts=Timeouts(metadata=50),
+                    op_ids=itertools.count(1), num_tokens=9)
+    r.add_meta(d0, 2, dcp_meta(d0, [3, 4]), 1.0, dcp=lay(2))
+    assert r.state is KVPoll.Failed and "9 tokens take 5 pages on this prefill rank, it was given 4" in r.failure
+    assert "prefill DCP 1 (page_size 2, MLA) -> decode DCP 2 (page_size 2, MLA)" in r.failure
+
+
+def test_a_dcp_tracker_takes_one_write_of_exactly_its_tokens():
+    from kvstage.transfer.protocol.decode.tracker import Outcome, RoomTracker
+
+    t = RoomTracker(2, {0: 64}, num_layers=2, token_bytes={0: 48})   # 3 tokens of 16 bytes in 2 pages of 2
+    assert t.arrive_direct(0, 0, 0, 2, 64, layers=range(2)).outcome is Outcome.REJECTED   # whole pages: no
+    assert t.arrive_direct(0, 0, 0, 1, 32, layers=range(2)).outcome is Outcome.REJECTED   # a part: no
+    assert not t.complete
+    assert t.arrive_direct(0, 0, 0, 2, 48, layers=range(2)).outcome is Outcome.ACCEPTED and t.complete
+    assert RoomTracker(1, {0: 32}, num_layers=2, token_bytes={0: 0}).complete   # owns no token: nothing to wait for

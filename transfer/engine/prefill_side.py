@@ -186,7 +186,7 @@ class PrefillSide:
         room = PrefillRoom(room=ev.room, num_pages=ev.num_pages, layout=self.layout, me=self.me, now=now,
                            timeouts=self.t, op_ids=_OP_IDS, stale=self.used_sessions.pop(ev.room, NO_EARLIER_USES),
                            pools=tuple(self.summary.pools), pool_items=ev.pool_items,
-                           grouping=self.grouping, credits=self.credits)
+                           grouping=self.grouping, credits=self.credits, num_tokens=ev.num_tokens)
         self.book.add(room, ev.status)
         self.served.pop(ev.room, None)
         for item in self.pending.pop(ev.room, []):
@@ -196,7 +196,7 @@ class PrefillSide:
     def init_sender(self, ev: InitSender, now: float) -> None:
         room = self.book.get(ev.room)
         if room is not None:
-            self.book.apply(room, room.init(ev.num_pages, now, ev.pool_items))
+            self.book.apply(room, room.init(ev.num_pages, now, ev.pool_items, num_tokens=ev.num_tokens))
 
     def send_chunk(self, ev: SendChunk, now: float) -> None:
         room = self.book.get(ev.room)

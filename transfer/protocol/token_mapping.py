@@ -179,18 +179,13 @@ def describe_pairing(prefill: DCPLayout, decode: DCPLayout) -> DCPPairing | str:
 def engine_refusal(prefill: DCPLayout, decode: DCPLayout) -> str | None:
     """Why kvstage's engine cannot move a request between these two DCP groups (None: it can).
 
-    Every pairing `describe_pairing` refuses, with its reason (naming both layouts); and, for now,
-    every served pairing with DCP > 1 on either side: the token mapping is pure and tested, but the
-    engine's rooms, writes and tags are not wired to it yet (docs/protocol.md, "Decode context
-    parallel"). The prefill rank fails such a request on both sides with this reason when the
-    decode rank's metadata arrives (prefill/room.py, PrefillRoom.add_meta)."""
+    Every pairing `describe_pairing` refuses, with its reason (naming both layouts). The engine
+    moves the served ones (1 -> N, N -> N, MLA) on the direct path, which is the only path of an
+    MLA model (docs/protocol.md, "Decode context parallel"). The prefill rank fails a refused
+    request on both sides with this reason when the decode rank's metadata arrives
+    (prefill/room.py, PrefillRoom.add_meta)."""
     pairing = describe_pairing(prefill, decode)
-    if isinstance(pairing, str):
-        return pairing
-    if prefill.dcp_size == decode.dcp_size == 1:
-        return None
-    return (f"{prefill.describe('prefill')} -> {decode.describe('decode')}: decode context parallel is not wired "
-            f"into kvstage's engine yet (the token mapping is; docs/protocol.md)")
+    return pairing if isinstance(pairing, str) else None
 
 
 def check_dcp_rank(dcp_size: int, dcp_rank: int, tp_size: int, tp_rank: int) -> str | None:
