@@ -88,6 +88,21 @@ class KVPattern:
                         f"local head {bad[2]}, byte {bad[3]} ({int((got != want).sum())} bytes wrong)")
         return None
 
+    def fill_tokens(self, tensors: list[torch.Tensor], room: int, slots: np.ndarray, tokens: np.ndarray) -> None:
+        """Write the pattern of the request's token `tokens[i]` into cache slot `slots[i]` of every
+        tensor (a prefill rank of a DCP group holds its tokens at its local slots)."""
+        ps = self.layout.page_size
+        tok = np.asarray(tokens, dtype=np.int64)
+        if tok.size == 0:
+            return
+        first, last = int(tok.min()) // ps, int(tok.max()) // ps
+        keys = self._keys(room, last - first + 1, first)
+        rows, offs = torch.as_tensor(tok // ps - first), torch.as_tensor(tok % ps)
+        where = torch.as_tensor(np.asarray(slots, dtype=np.int64))
+        for t, tensor in enumerate(tensors):
+            want = self._expected(t, keys).reshape(last - first + 1, ps, -1)[rows, offs]
+            tensor.view(torch.uint8).view(-1, self.layout.token_bytes)[where.to(tensor.device)] = want.to(tensor.device)
+
     def check_tokens(self, tensors: list[torch.Tensor], room: int, slots: np.ndarray, tokens: np.ndarray) -> str | None:
         """None when cache slot `slots[i]` holds exactly the pattern of the request's token
         `tokens[i]` (its page tokens[i] // page_size, offset tokens[i] % page_size), in every

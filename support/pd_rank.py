@@ -389,7 +389,9 @@ def start_room(mgr: KVManager, spec: dict, r: dict, pages: np.ndarray, pattern: 
           "rank": spec["rank"], "items": items or {}, "buffers": buffers, "verify": verifies(spec, r["room"])}
     if spec["role"] == "prefill":
         if verifies(spec, r["room"]):
-            if not r.get("layer_sends"):   # layer-wise: each send's layers are filled once it is ready
+            if r.get("dcp_tokens") and pattern.layout.dcp_size > 1:   # a prefill DCP rank: its tokens
+                fill_dcp(r, pattern, tensors, pages)
+            elif not r.get("layer_sends"):   # layer-wise: each send's layers are filled once it is ready
                 pattern.fill(tensors, r.get("pattern_key", r["room"]), pages)
             if pattern.draft is not None:  # a draft of its own geometry moves with the last piece
                 pattern.draft.fill(buffers, r.get("pattern_key", r["room"]), pages, pattern.layout.draft_entries)
@@ -668,18 +670,34 @@ def finish(spec: dict, st: dict, pattern: KVPattern, tensors) -> dict:
     return rec
 
 
+def dcp_slots(pattern: KVPattern, pages: np.ndarray, num_tokens: int, prefix_pages: int = 0):
+    """(slots, tokens): a DCP rank's local slots past its prefix pages and the request's tokens
+    they hold, token t = local slot * dcp_size + dcp_rank (token_mapping.py)."""
+    lay = pattern.layout
+    n, d, ps = lay.dcp_size, lay.dcp_rank, lay.page_size
+    start = prefix_pages * ps * n
+    tokens = np.arange(start + (d - start) % n, num_tokens, n, dtype=np.int64)
+    local = tokens // n - prefix_pages * ps
+    dst = np.asarray(pages[prefix_pages:], dtype=np.int64)
+    return dst[local // ps] * ps + local % ps, tokens
+
+
+def fill_dcp(r: dict, pattern: KVPattern, tensors, pages: np.ndarray) -> None:
+    """A prefill rank of a DCP group (room spec dcp_tokens): each of its local slots gets the
+    pattern of the token it holds."""
+    slots, tokens = dcp_slots(pattern, pages, r["dcp_tokens"])
+    pattern.fill_tokens(tensors, r.get("pattern_key", r["room"]), slots, tokens)
+
+
 def check_dcp(st: dict, pattern: KVPattern, tensors, rec: dict) -> str | None:
     """Decode context parallel (room spec dcp_tokens: the request's token count): this rank's
     local slot s past its prefix holds token s * dcp_size + dcp_rank, bit-exact, and every other
     slot of its pages past the prefix (the final partial page's tail) is still zero
     (rec["dcp_rest_untouched"])."""
     lay = pattern.layout
-    n, d, ps, k = lay.dcp_size, lay.dcp_rank, lay.page_size, prefix_of(st)
-    start = k * ps * n
-    tokens = np.arange(start + (d - start) % n, st["spec"]["dcp_tokens"], n, dtype=np.int64)
-    local = tokens // n - k * ps
+    ps, k = lay.page_size, prefix_of(st)
+    slots, tokens = dcp_slots(pattern, st["pages"], st["spec"]["dcp_tokens"], k)
     dst = np.asarray(st["pages"][k:], dtype=np.int64)
-    slots = dst[local // ps] * ps + local % ps
     every = (dst[:, None] * ps + np.arange(ps)).ravel()
     rest = torch.as_tensor(np.setdiff1d(every, slots))
     rec["dcp_tokens"] = int(tokens.size)
