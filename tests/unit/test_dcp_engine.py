@@ -277,3 +277,44 @@ def test_a_dcp_tracker_takes_one_write_of_exactly_its_tokens():
     assert not t.complete
     assert t.arrive_direct(0, 0, 0, 2, 48, layers=range(2)).outcome is Outcome.ACCEPTED and t.complete
     assert RoomTracker(1, {0: 32}, num_layers=2, token_bytes={0: 0}).complete   # owns no token: nothing to wait for
+
+
+def dcp_decode_room(rank: int = 1):
+    from kvstage.transfer.protocol.decode.plan import RoomPlan
+    from kvstage.transfer.protocol.decode.room import DecodeRoom
+    from kvstage.transfer.protocol.head_mapping import compute_assignments
+
+    lay = mla(tp=2, rank=rank, dcp=2)
+    a = compute_assignments(1, 2, 1, True).find(0, rank)
+    plan = RoomPlan(writers=((PeerKey("pre", 0, 900), a),), notices=(), staged=False,
+                    head_page_bytes=lay.num_kv * lay.num_layers * lay.page_size * lay.head_bytes)
+    room = DecodeRoom(room=7, session=55, me=2001, layout=lay, now=0.0, timeouts=Timeouts(metadata=50))
+    room.on_plan(plan, 0.0)
+    return room
+
+
+def test_a_decode_dcp_room_expects_its_own_tokens_to_the_byte():
+    """Decode DCP rank 1 of 2, pages of 2, 9 tokens past a prefix of one local page (4 tokens):
+    tokens 5 and 7 are its, 16 bytes each; its RoomMeta names its local pages."""
+    r = dcp_decode_room()
+    acts = r.init(np.array([6, 8]), 1.0, prefix_pages=1, num_tokens=9)
+    assert r.state is not KVPoll.Failed and r.tracker.token_bytes == {0: 32}
+    metas = [a.msg for a in acts if isinstance(a, Send) and type(a.msg).__name__ == "RoomMeta"]
+    assert [(m.num_pages, m.prefix_pages, m.pages().tolist()) for m in metas] == [(3, 1, [6, 8])]
+
+
+@pytest.mark.parametrize(("pages", "prefix", "tokens", "words"), [
+    ([6, 8], 0, None, "needs the request's token count (init(num_tokens=...))"),
+    ([6], 0, 9, "9 tokens take 3 pages on every DCP rank, this rank was given 0 prefix pages and 1 more"),
+])
+def test_a_decode_dcp_room_without_its_token_count_or_with_the_wrong_pages_fails_naming_why(pages, prefix, tokens,
+                                                                                             words):
+    r = dcp_decode_room()
+    r.init(np.array(pages), 1.0, prefix_pages=prefix, num_tokens=tokens)
+    assert r.state is KVPoll.Failed and words in r.failure and "decode DCP rank 1 of 2" in r.failure
+
+
+def test_a_decode_dcp_rank_owning_none_of_the_tokens_succeeds_once_its_metadata_is_out():
+    r = dcp_decode_room(rank=1)
+    r.init(np.array([3]), 1.0, num_tokens=1)
+    assert r.state is KVPoll.Success
