@@ -318,3 +318,19 @@ def test_a_decode_dcp_rank_owning_none_of_the_tokens_succeeds_once_its_metadata_
     r = dcp_decode_room(rank=1)
     r.init(np.array([3]), 1.0, num_tokens=1)
     assert r.state is KVPoll.Success
+
+
+def test_a_dcp_write_over_the_descriptor_cap_goes_in_layer_groups_the_tracker_adds_up():
+    from kvstage.transfer.protocol.decode.tracker import Outcome, RoomTracker
+
+    r = PrefillRoom(room=7, num_pages=4, layout=mla(tp=1), me=1000, now=0.0, timeouts=Timeouts(metadata=50),
+                    op_ids=itertools.count(1), num_tokens=7, max_ranges=4)   # 4 runs a layer: one layer a write
+    d0, d1 = PeerKey("dec", 0, 2000), PeerKey("dec", 1, 2001)
+    r.add_meta(d0, 2, dcp_meta(d0, [3, 4]), 1.0, dcp=lay(2))
+    r.add_meta(d1, 2, dcp_meta(d1, [5, 9]), 1.0, dcp=lay(2))
+    ops = [a.op for a in r.add_chunk(np.arange(10, 14), True, 2.0) if isinstance(a, PostWrite) and a.op.peer == d0]
+    assert [(op.layers, op.chunk, op.nbytes) for op in ops] == [(range(0, 1), 0, 32), (range(1, 2), 1, 32)]
+    t = RoomTracker(2, {0: 64}, num_layers=2, token_bytes={0: 64})
+    for op in ops:
+        assert t.arrive_direct(0, op.chunk, 0, 2, op.nbytes, layers=op.layers).outcome is Outcome.ACCEPTED
+    assert t.complete

@@ -96,9 +96,10 @@ class RoomTracker:
         layer); `held`: the layers this decode rank holds, its own PP stage's (None: every
         layer), the ones the room must cover; `writers`: the ranks of `writer_page_bytes` in
         its order, when the caller shares one tuple among rooms (RoomPlan.writer_ranks).
-        `token_bytes` (decode context parallel, direct): writer rank -> the exact bytes it writes,
-        in one write of every page and layer (this rank's tokens of the request, a last page
-        partly filled: token_mapping.local_tokens); None: whole pages."""
+        `token_bytes` (decode context parallel, direct): writer rank -> the exact bytes it writes
+        over every layer (this rank's tokens of the request, a last page partly filled:
+        token_mapping.local_tokens), in writes of every page and a range of layers each, their
+        bytes in proportion; None: whole pages."""
         if num_pages <= 0:
             raise ValueError("a room has at least one page")
         if not writer_page_bytes:
@@ -257,12 +258,12 @@ class RoomTracker:
             return Arrival(Outcome.REJECTED, f"writer {writer} wrote layers [{lay.start}, {lay.stop}), its PP stage "
                                              f"holds [{held.start}, {held.stop})")
         want = self.bytes_of(writer, num_pages, lay) + self._extra(writer, page_start, num_pages, lay)
-        if self.token_bytes is not None:   # DCP: one write of every page and layer, of this rank's tokens
-            if page_start != 0 or num_pages != self.num_pages or lay != self._held:
-                return Arrival(Outcome.REJECTED, f"writer {writer} wrote pages [{page_start}, {page_start + num_pages}) "
-                                                 f"of layers [{lay.start}, {lay.stop}): a decode context parallel "
-                                                 f"room takes one write of its {self.num_pages} pages and every layer")
-            want = self.token_bytes.get(writer, -1)
+        if self.token_bytes is not None:   # DCP: writes of every page and some layers, of this rank's tokens
+            if page_start != 0 or num_pages != self.num_pages:
+                return Arrival(Outcome.REJECTED, f"writer {writer} wrote pages [{page_start}, {page_start + num_pages}): "
+                                                 f"a decode context parallel room takes writes of all of its "
+                                                 f"{self.num_pages} pages")
+            want = self.token_bytes.get(writer, -1) * len(lay) // len(self._held)
         if nbytes != want:
             return Arrival(Outcome.REJECTED, f"writer {writer} sent {nbytes} bytes for {num_pages} pages of "
                                              f"{len(lay)} layers, expected {want}")

@@ -389,8 +389,10 @@ class PrefillRoom(RoomBase[PrefillAction]):
         return []
 
     def _dcp_write(self, flow: Flow, a: Assignment) -> list[PrefillAction]:
-        """Decode context parallel, direct: one write of every layer carrying the decode rank's
-        tokens of the request (token_mapping.build_pair's runs), once the last send is in."""
+        """Decode context parallel, direct: the writes carrying the decode rank's tokens of the
+        request (token_mapping.build_pair's runs), once the last send is in: one of every layer,
+        or, where that would exceed `max_ranges` descriptors, one per group of layers that fits
+        (each numbered as a chunk of its own; a run is one descriptor per layer and tensor)."""
         assert self.dcp is not None and self.num_tokens is not None and self.prefix is not None
         assert flow.dst_pages is not None, "a direct flow has its destination pages from its metadata"
         lay = self.layout
@@ -401,16 +403,21 @@ class PrefillRoom(RoomBase[PrefillAction]):
         flow.issued = len(self.sendable)
         if not pair.num_tokens:   # the decode rank owns none of the tokens (a request shorter than its DCP group)
             return []
-        layers = lay.layers
-        nbytes = pair.num_tokens * self._bytes_per_page(a.num_heads, layers) // lay.page_size
-        tag = make_tag(TagKind.DIRECT, room=self.room, session=flow.session, epoch=flow.peer.incarnation, src=self.me,
-                       writer=lay.rank, chunk=0, piece=0, page_start=0, num_pages=int(flow.dst_pages.size),
-                       layers=layers, nbytes=nbytes)
-        op = WriteOp(op_id=next(self._op_ids), room=self.room, peer=flow.peer, staged=False, chunk=0, piece=0,
-                     src_pages=np.asarray(src), dst_pages=flow.dst_pages, src_heads=a.src_heads, dst_heads=a.dst_heads,
-                     nbytes=nbytes, tag=tag, layers=layers, ready=tuple(r for c in self.sendable for r in c.ready),
-                     token_runs=(pair.src_slot, pair.dst_slot, pair.length))
-        return [self._post(flow, op)]
+        ready = tuple(r for c in self.sendable for r in c.ready)
+        runs = (pair.src_slot, pair.dst_slot, pair.length)
+        step = max(1, self.max_ranges // (int(pair.length.size) * lay.num_kv))
+        out: list[PrefillAction] = []
+        for part, first in enumerate(range(lay.layers.start, lay.layers.stop, step)):
+            layers = range(first, min(first + step, lay.layers.stop))
+            nbytes = pair.num_tokens * self._bytes_per_page(a.num_heads, layers) // lay.page_size
+            tag = make_tag(TagKind.DIRECT, room=self.room, session=flow.session, epoch=flow.peer.incarnation,
+                           src=self.me, writer=lay.rank, chunk=part, piece=0, page_start=0,
+                           num_pages=int(flow.dst_pages.size), layers=layers, nbytes=nbytes)
+            op = WriteOp(op_id=next(self._op_ids), room=self.room, peer=flow.peer, staged=False, chunk=part, piece=0,
+                         src_pages=np.asarray(src), dst_pages=flow.dst_pages, src_heads=a.src_heads,
+                         dst_heads=a.dst_heads, nbytes=nbytes, tag=tag, layers=layers, ready=ready, token_runs=runs)
+            out.append(self._post(flow, op))
+        return out
 
     def on_grant(self, peer: PeerKey, grant: AllocGrant, now: float) -> list[PrefillAction]:
         """Ring space for a chunk this rank asked for: the whole chunk, or (a number from
