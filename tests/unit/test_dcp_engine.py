@@ -334,3 +334,17 @@ def test_a_dcp_write_over_the_descriptor_cap_goes_in_layer_groups_the_tracker_ad
     for op in ops:
         assert t.arrive_direct(0, op.chunk, 0, 2, op.nbytes, layers=op.layers).outcome is Outcome.ACCEPTED
     assert t.complete
+
+
+@pytest.mark.parametrize("extra", [{"pp_size": 2, "pp_rank": 0, "stage": range(0, 1)}, {"draft": "draft"}],
+                         ids=["pp", "draft"])
+def test_a_prefill_with_pp_or_a_draft_facing_decode_dcp_fails_the_room_naming_it(extra):
+    from kvstage.transfer.draft_kv import DraftKV
+
+    if extra.get("draft"):
+        extra = {"draft": DraftKV(num_layers=1)}
+    r = PrefillRoom(room=7, num_pages=4, layout=mla(tp=1, **extra), me=1000, now=0.0, timeouts=Timeouts(metadata=50),
+                    op_ids=itertools.count(1), num_tokens=7)
+    d0 = PeerKey("dec", 0, 2000)
+    r.add_meta(d0, 2, dcp_meta(d0, [3, 4]), 1.0, dcp=lay(2))
+    assert r.state is KVPoll.Failed and "from a prefill without PP (no staging, state pools or draft)" in r.failure
