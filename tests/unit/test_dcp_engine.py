@@ -348,3 +348,16 @@ def test_a_prefill_with_pp_or_a_draft_facing_decode_dcp_fails_the_room_naming_it
     d0 = PeerKey("dec", 0, 2000)
     r.add_meta(d0, 2, dcp_meta(d0, [3, 4]), 1.0, dcp=lay(2))
     assert r.state is KVPoll.Failed and "from a prefill without PP (no staging, state pools or draft)" in r.failure
+
+
+def test_equal_dcp_a_prefill_rank_told_of_a_room_it_does_not_write_only_takes_note():
+    """Prefill TP 4 DCP 2 -> decode TP 2 DCP 2: decode rank d is written by prefill rank d % 4,
+    so prefill rank 3 writes nobody; decode rank 3 % 2 = 1 tells it of the room (a notice: the
+    same DCP rank, as the DCP size divides both TP sizes), and it fails nothing and writes nothing."""
+    r = PrefillRoom(room=7, num_pages=3, layout=mla(tp=4, rank=3, dcp=2), me=1000, now=0.0,
+                    timeouts=Timeouts(metadata=50), op_ids=itertools.count(1), num_tokens=9)
+    d1 = PeerKey("dec", 1, 2001)
+    acts = r.add_meta(d1, 2, dcp_meta(d1, [6, 2, 8]), 1.0, dcp=lay(2))
+    acts += r.add_chunk(np.array([4, 5, 7]), True, 2.0)
+    assert r.state is not KVPoll.Failed, r.failure
+    assert not [a for a in acts if isinstance(a, PostWrite)]

@@ -375,7 +375,7 @@ class PrefillRoom(RoomBase[PrefillAction]):
         if meta.staged or self.pool_items or meta.pool_items or self.layout.draft is not None or self.layout.pp_size > 1:
             return self.fail(FailureKind.LAYOUT, f"{both}: decode context parallel moves the KV only, direct, from a "
                                                  f"prefill without PP (no staging, state pools or draft)", now)
-        if mine.dcp_size > 1 and rank % theirs.dcp_size != self.layout.dcp_rank:
+        if flow.assignment is not None and mine.dcp_size > 1 and rank % theirs.dcp_size != self.layout.dcp_rank:
             return self.fail(FailureKind.LAYOUT, f"{both}: prefill DCP rank {self.layout.dcp_rank} would write decode "
                                                  f"DCP rank {rank % theirs.dcp_size}", now)
         if flow.assignment is not None:
