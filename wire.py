@@ -23,8 +23,9 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-WIRE_VERSION = 5   # 2: layer ranges in AllocRequest and tags (layer-wise sending); 3: HelloAck.costs (path choice);
-                   # 4: HelloAck.credits and credit tags (ring credits); 5: Hello.pp_size/stage_* (decode PP)
+WIRE_VERSION = 6   # 2: layer ranges in AllocRequest and tags (layer-wise sending); 3: HelloAck.costs (path choice);
+                   # 4: HelloAck.credits and credit tags (ring credits); 5: Hello.pp_size/stage_* (decode PP);
+                   # 6: Hello.dcp_size/dcp_rank (decode context parallel)
 MAC_BYTES = 16
 DEFAULT_MAX_FRAME = 4 << 20  # bytes; a NIXL agent's metadata is a few KiB
 TOKEN_ENV = "KVSTAGE_AUTH_TOKEN"

@@ -88,6 +88,43 @@ class KVPattern:
                         f"local head {bad[2]}, byte {bad[3]} ({int((got != want).sum())} bytes wrong)")
         return None
 
+    def fill_tokens(self, tensors: list[torch.Tensor], room: int, slots: np.ndarray, tokens: np.ndarray) -> None:
+        """Write the pattern of the request's token `tokens[i]` into cache slot `slots[i]` of every
+        tensor (a prefill rank of a DCP group holds its tokens at its local slots)."""
+        ps = self.layout.page_size
+        tok = np.asarray(tokens, dtype=np.int64)
+        if tok.size == 0:
+            return
+        first, last = int(tok.min()) // ps, int(tok.max()) // ps
+        keys = self._keys(room, last - first + 1, first)
+        rows, offs = torch.as_tensor(tok // ps - first), torch.as_tensor(tok % ps)
+        where = torch.as_tensor(np.asarray(slots, dtype=np.int64))
+        for t, tensor in enumerate(tensors):
+            want = self._expected(t, keys).reshape(last - first + 1, ps, -1)[rows, offs]
+            tensor.view(torch.uint8).view(-1, self.layout.token_bytes)[where.to(tensor.device)] = want.to(tensor.device)
+
+    def check_tokens(self, tensors: list[torch.Tensor], room: int, slots: np.ndarray, tokens: np.ndarray) -> str | None:
+        """None when cache slot `slots[i]` holds exactly the pattern of the request's token
+        `tokens[i]` (its page tokens[i] // page_size, offset tokens[i] % page_size), in every
+        tensor, else what differs: the bytes a decode context parallel rank holds, each token
+        at its own local slot (token_mapping.py)."""
+        ps = self.layout.page_size
+        tok = np.asarray(tokens, dtype=np.int64)
+        if tok.size == 0:
+            return None
+        first, last = int(tok.min()) // ps, int(tok.max()) // ps
+        keys = self._keys(room, last - first + 1, first)
+        rows, offs = torch.as_tensor(tok // ps - first), torch.as_tensor(tok % ps)
+        where = torch.as_tensor(np.asarray(slots, dtype=np.int64))
+        for t, tensor in enumerate(tensors):
+            want = self._expected(t, keys).reshape(last - first + 1, ps, -1)[rows, offs]
+            got = tensor.view(torch.uint8).view(-1, self.layout.token_bytes)[where.to(tensor.device)].cpu()
+            if not torch.equal(got, want):
+                bad = int((got != want).any(dim=1).nonzero()[0])
+                return (f"room {room}: tensor {t} differs first at token {int(tok[bad])} (slot {int(where[bad])}); "
+                        f"{int((got != want).any(dim=1).sum())} tokens wrong")
+        return None
+
 
 def _paged(t: torch.Tensor, layout: KVLayout) -> torch.Tensor:
     """A [num_pages, page_size, local_heads, head_bytes] uint8 view of one cache tensor."""

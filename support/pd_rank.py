@@ -40,6 +40,7 @@ Per manager, layer_group, layerwise_min_tokens and layer_batching: EngineConfig'
 Per manager, path ("auto", "staged", "direct") and calibrate: EngineConfig's (docs/path_choice.md);
 leases ("rank", "engine"): EngineConfig.leases (docs/configuration.md).
 Per manager, dp_rank is the prefill engine's data-parallel rank (EngineConfig.dp_rank).
+Per manager, dcp: the engine's decode context parallel size (KVLayout.dcp_size; MLA geometry).
 Geometry draft: draft KV entries (KVLayout.draft) after the layers; a decode rank
 fills its draft entries with the byte UNWRITTEN at start, checks only the entries the prefill has
 (prefill_draft: the prefill's draft count, default its own) and records per room whether its
@@ -112,7 +113,7 @@ def build(spec: dict, bootstrap: str) -> tuple[KVManager, KVLayout, KVBuffers, K
     layout = KVLayout(num_layers=g["layers"], total_kv_heads=g["heads"], head_dim=g["head_dim"],
                       dtype=DTYPES[g["dtype"]], page_size=g["page_size"], tp_size=spec["tp"],
                       tp_rank=tp_rank, mla=g.get("mla", False), pp_size=pp, pp_rank=pp_rank,
-                      stage=stage_layers(spec, g["layers"], pp)[pp_rank],
+                      stage=stage_layers(spec, g["layers"], pp)[pp_rank], dcp_size=spec.get("dcp", 1),
                       draft=DraftKV(num_layers=g["draft"], total_kv_heads=g.get("draft_heads"),
                                     head_dim=g.get("draft_head_dim")) if g.get("draft") else None)
     shape = (g["pages"] * layout.page_size, layout.local_heads, layout.head_dim)
@@ -389,7 +390,9 @@ def start_room(mgr: KVManager, spec: dict, r: dict, pages: np.ndarray, pattern: 
           "rank": spec["rank"], "items": items or {}, "buffers": buffers, "verify": verifies(spec, r["room"])}
     if spec["role"] == "prefill":
         if verifies(spec, r["room"]):
-            if not r.get("layer_sends"):   # layer-wise: each send's layers are filled once it is ready
+            if r.get("dcp_tokens") and pattern.layout.dcp_size > 1:   # a prefill DCP rank: its tokens
+                fill_dcp(r, pattern, tensors, pages)
+            elif not r.get("layer_sends"):   # layer-wise: each send's layers are filled once it is ready
                 pattern.fill(tensors, r.get("pattern_key", r["room"]), pages)
             if pattern.draft is not None:  # a draft of its own geometry moves with the last piece
                 pattern.draft.fill(buffers, r.get("pattern_key", r["room"]), pages, pattern.layout.draft_entries)
@@ -436,23 +439,28 @@ def init_receiver(st: dict) -> None:
     """init(); with prefix_pages k, the first k pages stand for this rank's prefix cache: they
     get their own marker pattern (which must survive), and only the rest is asked for."""
     k = prefix_of(st)
+    tokens = {"num_tokens": st["spec"]["dcp_tokens"]} if st["spec"].get("dcp_tokens") else {}
+    if tokens:   # decode context parallel: the room's pages start zeroed, so a byte written off its slot shows
+        for t in st["tensors"]:
+            t.view(torch.uint8).view(-1, st["pattern"].layout.page_bytes)[torch.as_tensor(st["pages"][k:])] = 0
     if k:
         st["pattern"].fill(st["tensors"], st["room"] ^ PREFIX_MARK, st["pages"][:k])
         st["prefix_filled"] = True
-        st["handle"].init(st["pages"][k:], prefix_pages=k, pool_items=st["items"] or None)
+        st["handle"].init(st["pages"][k:], prefix_pages=k, pool_items=st["items"] or None, **tokens)
     else:
-        st["handle"].init(st["pages"], pool_items=st["items"] or None)
+        st["handle"].init(st["pages"], pool_items=st["items"] or None, **tokens)
 
 
 def new_sender(mgr: KVManager, r: dict, st: dict):
     late = r.get("late_init")
     st["inited"], st["seen_before_init"] = not late, set()
     items = None if r.get("pool_items_with_last") else (st["items"] or None)
+    tokens = {"num_tokens": r["dcp_tokens"]} if r.get("dcp_tokens") else {}
     if not late:
-        return mgr.sender(r["room"], len(st["pages"]), pool_items=items)
+        return mgr.sender(r["room"], len(st["pages"]), pool_items=items, **tokens)
     h = mgr.sender(r["room"])
     if late == "now":
-        h.init(len(st["pages"]), pool_items=items)
+        h.init(len(st["pages"]), pool_items=items, **tokens)
         st["inited"] = True
     return h
 
@@ -644,8 +652,11 @@ def finish(spec: dict, st: dict, pattern: KVPattern, tensors) -> dict:
             rows = torch.as_tensor(np.asarray(st["pages"][k:], dtype=np.int64))
             rec["unwritten_intact"] = all(bool((tensors[t].view(torch.uint8).view(-1, page)[rows] == UNWRITTEN).all())
                                           for t in extra)
-        err = pattern.check(tensors, st["spec"].get("pattern_key", st["room"]), st["pages"][k:], first=k,
-                            only=sent if extra else None)
+        if st["spec"].get("dcp_tokens"):
+            err = check_dcp(st, pattern, tensors, rec)
+        else:
+            err = pattern.check(tensors, st["spec"].get("pattern_key", st["room"]), st["pages"][k:], first=k,
+                                only=sent if extra else None)
         if err is None and pattern.draft is not None:
             n = spec.get("prefill_draft", pattern.layout.draft_entries)
             err = pattern.draft.check(st["buffers"], st["spec"].get("pattern_key", st["room"]), st["pages"][k:], k, n)
@@ -658,6 +669,42 @@ def finish(spec: dict, st: dict, pattern: KVPattern, tensors) -> dict:
         rec["verified"] = err is None
         rec["error"] = err
     return rec
+
+
+def dcp_slots(pattern: KVPattern, pages: np.ndarray, num_tokens: int, prefix_pages: int = 0):
+    """(slots, tokens): a DCP rank's local slots past its prefix pages and the request's tokens
+    they hold, token t = local slot * dcp_size + dcp_rank (token_mapping.py)."""
+    lay = pattern.layout
+    n, d, ps = lay.dcp_size, lay.dcp_rank, lay.page_size
+    start = prefix_pages * ps * n
+    tokens = np.arange(start + (d - start) % n, num_tokens, n, dtype=np.int64)
+    local = tokens // n - prefix_pages * ps
+    dst = np.asarray(pages[prefix_pages:], dtype=np.int64)
+    return dst[local // ps] * ps + local % ps, tokens
+
+
+def fill_dcp(r: dict, pattern: KVPattern, tensors, pages: np.ndarray) -> None:
+    """A prefill rank of a DCP group (room spec dcp_tokens): each of its local slots gets the
+    pattern of the token it holds."""
+    slots, tokens = dcp_slots(pattern, pages, r["dcp_tokens"])
+    pattern.fill_tokens(tensors, r.get("pattern_key", r["room"]), slots, tokens)
+
+
+def check_dcp(st: dict, pattern: KVPattern, tensors, rec: dict) -> str | None:
+    """Decode context parallel (room spec dcp_tokens: the request's token count): this rank's
+    local slot s past its prefix holds token s * dcp_size + dcp_rank, bit-exact, and every other
+    slot of its pages past the prefix (the final partial page's tail) is still zero
+    (rec["dcp_rest_untouched"])."""
+    lay = pattern.layout
+    ps, k = lay.page_size, prefix_of(st)
+    slots, tokens = dcp_slots(pattern, st["pages"], st["spec"]["dcp_tokens"], k)
+    dst = np.asarray(st["pages"][k:], dtype=np.int64)
+    every = (dst[:, None] * ps + np.arange(ps)).ravel()
+    rest = torch.as_tensor(np.setdiff1d(every, slots))
+    rec["dcp_tokens"] = int(tokens.size)
+    rec["dcp_rest_untouched"] = all(bool((t.view(torch.uint8).view(-1, lay.token_bytes)[rest] == 0).all())
+                                    for t in tensors)
+    return pattern.check_tokens(tensors, st["spec"].get("pattern_key", st["room"]), slots, tokens)
 
 
 _HOG_STOP = threading.Event()

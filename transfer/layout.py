@@ -14,6 +14,7 @@ from .deprecation import accepts_old_positional
 from .draft_kv import DraftKV, DraftShape, draft_mismatch, is_draft_pool
 from .page_format import PageFormat, parse_page_format
 from .pool_spec import PoolSpec, pool_mismatches
+from .protocol.token_mapping import DCPLayout
 
 if TYPE_CHECKING:
     import torch
@@ -107,6 +108,12 @@ class KVLayout:
     then copies of a head sit on consecutive ranks and rank r holds head r // (tp_size //
     total_kv_heads). MLA has one replicated latent "head" and no V tensor.
 
+    Decode context parallel (DCP, token_mapping.py): `dcp_size` > 1 splits a request's tokens
+    over the ranks of a DCP group (MLA only, as SGLang's): token t lives on DCP rank ``t % dcp_size``
+    at local slot ``t // dcp_size``, and this rank's pages hold its local slots only. Its DCP
+    rank is ``tp_rank % dcp_size`` (consecutive TP ranks form the group, as in SGLang and vLLM),
+    so `dcp_size` must divide `tp_size`; not with PP nor a draft (not served).
+
     Pipeline parallelism (prefill only): stage `pp_rank` of `pp_size` holds the model's layers
     `stage` (None: all of them) and its buffers hold only those, in order; `num_layers` stays
     the model's. The stages of an engine must tile [0, num_layers), which the decode side
@@ -133,6 +140,7 @@ class KVLayout:
     pp_rank: int = 0
     stage: range | None = None
     draft: DraftKV | None = None
+    dcp_size: int = 1
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "total_kv_heads", "head_dim", "page_size", "tp_size", "pp_size"):
@@ -164,6 +172,19 @@ class KVLayout:
                 f"or tp_size a multiple of total_kv_heads (head replication)")
         if self.draft is not None:
             self._check_draft()
+        self._check_dcp()
+
+    def _check_dcp(self) -> None:
+        _positive_int("dcp_size", self.dcp_size)
+        if self.dcp_size == 1:
+            return
+        if not self.mla:
+            raise ValueError(f"dcp_size={self.dcp_size}: decode context parallel is served for MLA only (as SGLang's)")
+        if self.tp_size % self.dcp_size:
+            raise ValueError(f"dcp_size={self.dcp_size} must divide tp_size={self.tp_size} (a DCP group is "
+                             f"consecutive TP ranks)")
+        if self.pp_size > 1 or self.draft is not None:
+            raise ValueError(f"dcp_size={self.dcp_size} with {'PP' if self.pp_size > 1 else 'draft KV'} is not served")
 
     def _check_draft(self) -> None:
         d = self.draft
@@ -243,6 +264,15 @@ class KVLayout:
     def ranks(self) -> int:
         """Ranks of the engine (tp_size * pp_size)."""
         return self.tp_size * self.pp_size
+
+    @property
+    def dcp_rank(self) -> int:
+        """This rank's index in its DCP group: it holds the tokens t with t % dcp_size == dcp_rank."""
+        return self.tp_rank % self.dcp_size
+
+    def dcp(self) -> DCPLayout:
+        """This rank's token-axis geometry (token_mapping.py)."""
+        return DCPLayout(dcp_size=self.dcp_size, page_size=self.page_size, mla=self.mla)
 
     @property
     def replication(self) -> int:

@@ -399,7 +399,8 @@ def decode_hello(ctx: EngineContext, conn: int) -> Hello:
     stage = lay.stage if lay.pp_size > 1 else None   # decode PP: its stage (stage_mapping.py)
     return Hello(src=ctx.me, engine_id=ctx.cfg.engine_id, role=ctx.role, tp_size=lay.tp_size,
                  tp_rank=lay.rank, pp_size=lay.pp_size, stage_start=stage.start if stage else 0,
-                 stage_stop=stage.stop if stage else 0, ctrl_endpoint=ctx.sock.endpoint, backend=ctx.cfg.backend,
+                 stage_stop=stage.stop if stage else 0, dcp_size=lay.dcp_size, dcp_rank=lay.dcp_rank,
+                 ctrl_endpoint=ctx.sock.endpoint, backend=ctx.cfg.backend,
                  backend_identity=ctx.identity, layout=ctx.summary, kv=kv, ring=ring,
                  staging=ctx.cfg.staging and ring is not None, lease_s=ctx.t.lease, conn=conn,
                  verify=ctx.cfg.verify)

@@ -117,7 +117,7 @@ class DecodeSide:
     def init_receiver(self, ev: InitReceiver, now: float) -> None:
         room = self.book.get(ev.room)
         if room is not None:
-            self.book.apply(room, room.init(ev.pages, now, ev.prefix_pages, ev.pool_items))
+            self.book.apply(room, room.init(ev.pages, now, ev.prefix_pages, ev.pool_items, ev.num_tokens))
 
     def abort(self, ev: Abort, now: float) -> None:
         room = self.book.get(ev.room)

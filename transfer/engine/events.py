@@ -80,6 +80,7 @@ class NewSender:
     num_pages: int | None     # None: given later by InitSender
     status: RoomStatus
     pool_items: dict[str, np.ndarray] | None = None
+    num_tokens: int | None = None         # the request's tokens (decode context parallel)
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ class InitSender:
     room: int
     num_pages: int
     pool_items: dict[str, np.ndarray] | None = None
+    num_tokens: int | None = None         # the request's tokens (decode context parallel)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,6 +115,7 @@ class InitReceiver:
     pages: np.ndarray
     prefix_pages: int = 0
     pool_items: dict[str, np.ndarray] | None = None
+    num_tokens: int | None = None         # the request's tokens (decode context parallel)
 
 
 @dataclass(frozen=True)

@@ -206,6 +206,12 @@ class _Handle:
         return f"<{type(self).__name__} room={self.room} {now.state.name}{': ' + failure if failure else ''}>"
 
 
+def check_num_tokens(room: int, num_tokens: object) -> None:
+    """A request's token count: None (not given) or a positive int."""
+    if num_tokens is not None and (isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0):
+        raise ValueError(f"room {room}: num_tokens must be a positive int, got {num_tokens!r}")
+
+
 class KVSender(_Handle):
     """Prefill side of one request: give it the page count (at creation or with init()), then
     feed it chunk by chunk with send()."""
@@ -239,16 +245,19 @@ class KVSender(_Handle):
         cache); they are not sent. None until the decode side's metadata arrived."""
         return self._status.decode_prefix_pages
 
-    def init(self, num_pages: int, pool_items: PoolItemsArg | None = None) -> None:
+    def init(self, num_pages: int, pool_items: PoolItemsArg | None = None, *, num_tokens: int | None = None) -> None:
         """The request's page count on this rank, for a sender created without one, and its
         items of the state pools ({pool name: [item, ...]}, moved with the last page). Allowed in
-        any state: before the decode side's metadata arrived, the request waits for it."""
+        any state: before the decode side's metadata arrived, the request waits for it.
+        `num_tokens`: the request's token count, needed when the decode engine has decode
+        context parallel (each decode rank receives exactly its tokens; docs/api.md)."""
         if TRACE.on:
             TRACE.hop(Hop.HANDLE_CALL, self.room, "sender init()")
         check_page_count(self.room, self.num_pages, num_pages)
+        check_num_tokens(self.room, num_tokens)
         items = check_pool_items(pool_items, self._pools, f"room {self.room} init()")
         started = self._mark_init()
-        self._post(InitSender(self.room, num_pages, items))
+        self._post(InitSender(self.room, num_pages, items, num_tokens))
         self._init_items = items
         self.num_pages = num_pages
         self._ledger.set_page_count(num_pages)
@@ -302,13 +311,17 @@ class KVReceiver(_Handle):
         self._pools = pools or {}
         self._inited = False
 
-    def init(self, dst_pages: object, prefix_pages: int = 0, pool_items: PoolItemsArg | None = None) -> None:
+    def init(self, dst_pages: object, prefix_pages: int = 0, pool_items: PoolItemsArg | None = None, *,
+             num_tokens: int | None = None) -> None:
         """Page indices in this rank's cache for the request, in request order. With
         `prefix_pages` k, this rank already holds the request's first k pages (its prefix
         cache) and `dst_pages` are the pages for the rest: the prefill side skips the first k,
         and nothing is written to the pages holding them. `pool_items`: this rank's items of
         the state pools for the request ({pool name: [item, ...]}, as many per pool as the
-        prefill side names); they are in place, bit-exact, when the request succeeds."""
+        prefill side names); they are in place, bit-exact, when the request succeeds.
+        With decode context parallel (KVLayout.dcp_size > 1): `dst_pages` and `prefix_pages` are
+        this rank's local pages (its share of the request's virtual pages of page_size x
+        dcp_size tokens) and `num_tokens`, the request's token count, is needed."""
         if TRACE.on:
             TRACE.hop(Hop.HANDLE_CALL, self.room, "receiver init()")
         if self._inited:
@@ -319,8 +332,10 @@ class KVReceiver(_Handle):
                           copy=True)
         if arr.size == 0:
             raise ValueError(f"room {self.room}: init() needs at least one page past the prefix")
+        check_num_tokens(self.room, num_tokens)
         items = check_pool_items(pool_items, self._pools, f"room {self.room} init()")
         started = self._mark_init()
-        self._post(InitReceiver(room=self.room, pages=arr, prefix_pages=prefix_pages, pool_items=items))
+        self._post(InitReceiver(room=self.room, pages=arr, prefix_pages=prefix_pages, pool_items=items,
+                                num_tokens=num_tokens))
         self._inited = True
         self._started = started

@@ -39,7 +39,7 @@ from ..regions import buffer_regions, unregistrable
 from .backend_owner import BackendOwner
 from .calibration import Calibration, calibrate
 from .events import Call, NewReceiver, NewSender, Wake
-from .handles import KVReceiver, KVSender, PoolItemsArg, RoomStatus
+from .handles import KVReceiver, KVSender, PoolItemsArg, RoomStatus, check_num_tokens
 from .loop import EngineLoop
 from .prefill_sources import SourceResolver, make_source
 from .stats import Snapshot, Stats, meter_stats
@@ -288,21 +288,24 @@ class KVManager:
                 time.sleep(0.2)
 
     # -- per-request handles -----------------------------------------------------------------------
-    def sender(self, room: int, num_pages: int | None = None, pool_items: PoolItemsArg | None = None) -> KVSender:
+    def sender(self, room: int, num_pages: int | None = None, pool_items: PoolItemsArg | None = None, *,
+               num_tokens: int | None = None) -> KVSender:
         """Prefill side of a request; num_pages = pages of this request held by this rank, or
         None when not known yet (give it, and `pool_items`, later with the sender's init());
-        `pool_items`: its items of the state pools ({pool name: [item, ...]})."""
+        `pool_items`: its items of the state pools ({pool name: [item, ...]}); `num_tokens`: the
+        request's token count, needed when the decode engine has decode context parallel."""
         self._check("prefill", room)
         if num_pages is not None and (isinstance(num_pages, bool) or not isinstance(num_pages, int)
                                       or num_pages <= 0):
             raise ValueError(f"num_pages must be a positive int or None, got {num_pages!r}")
-        if num_pages is None and pool_items is not None:
-            raise ValueError("pool_items come with the page count: give both to sender() or to init()")
+        if num_pages is None and (pool_items is not None or num_tokens is not None):
+            raise ValueError("pool_items and num_tokens come with the page count: give them to sender() or to init()")
+        check_num_tokens(room, num_tokens)
         items = check_pool_items(pool_items, self.buffers.pools, f"room {room} sender()")
         status = self._claim(room)
         handle = KVSender(self._post, self.num_pages, room, num_pages, status, self._forget, self.buffers.pools,
                           layers=self.layout.layers, pool_items=items)
-        self._post(NewSender(room=room, num_pages=num_pages, status=status, pool_items=items))
+        self._post(NewSender(room=room, num_pages=num_pages, status=status, pool_items=items, num_tokens=num_tokens))
         return handle
 
     def receiver(self, room: int, prefill_engine: str | None = None, *, bootstrap: str | None = None,

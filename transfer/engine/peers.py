@@ -19,6 +19,7 @@ from ..protocol.leases import Lease
 from ..protocol.messages import Goodbye, KVMemory, PeerMessage, RingInfo
 from ..protocol.routing import PeerState
 from ..protocol.stage_mapping import DecodeStage
+from ..protocol.token_mapping import DCPLayout
 from .context import FINISHED_MEMORY
 from .interfaces import Counters, Later, PeerLinks, PeerLossListener, Sockets, Unsubscribe
 
@@ -43,6 +44,7 @@ class Peer:
     since: float = 0.0
     conn: int = 0                      # the connection's number (decode numbers them; 0: not known)
     stage: DecodeStage | None = None   # prefill side: the decode rank's PP stage (None: no PP there)
+    dcp: DCPLayout | None = None       # prefill side: the decode rank's DCP group (token_mapping.py)
 
 
 class PeerTable:

@@ -41,6 +41,7 @@ from ..protocol.ring import Watermark
 from ..protocol.room_uses import NO_EARLIER_USES, EarlierUses, Parked, RoomUse, unserved_answer, use_without_sender
 from ..protocol.routing import HelloVerdict, PeerState, hello_verdict
 from ..protocol.stage_mapping import stage_memory
+from ..protocol.token_mapping import DCPLayout
 from .events import Abort, InitSender, NewSender, SendChunk, UnitReady
 from .interfaces import (
     Counters,
@@ -136,7 +137,9 @@ class PrefillSide:
             backend=rank.backend, memory_kinds=tuple(self.backend.call(lambda b: b.memory_kinds))))
         peer = Peer(key=key, role=Role.DECODE, tp_size=msg.tp_size, endpoint=msg.ctrl_endpoint,
                     lease=Lease(self.t.lease, now), kv=stage_memory(msg.kv, adm.stage) if adm.ok else msg.kv,
-                    ring=msg.ring, since=now, conn=msg.conn, stage=adm.stage)
+                    ring=msg.ring, since=now, conn=msg.conn, stage=adm.stage,
+                    dcp=DCPLayout(dcp_size=msg.dcp_size, page_size=msg.layout.page_size, mla=msg.layout.mla)
+                    if msg.dcp_size > 1 else None)
         self.peers.add(peer, now)
         problems = list(adm.problems)
         if not problems:
@@ -183,7 +186,7 @@ class PrefillSide:
         room = PrefillRoom(room=ev.room, num_pages=ev.num_pages, layout=self.layout, me=self.me, now=now,
                            timeouts=self.t, op_ids=_OP_IDS, stale=self.used_sessions.pop(ev.room, NO_EARLIER_USES),
                            pools=tuple(self.summary.pools), pool_items=ev.pool_items,
-                           grouping=self.grouping, credits=self.credits)
+                           grouping=self.grouping, credits=self.credits, num_tokens=ev.num_tokens)
         self.book.add(room, ev.status)
         self.served.pop(ev.room, None)
         for item in self.pending.pop(ev.room, []):
@@ -193,7 +196,7 @@ class PrefillSide:
     def init_sender(self, ev: InitSender, now: float) -> None:
         room = self.book.get(ev.room)
         if room is not None:
-            self.book.apply(room, room.init(ev.num_pages, now, ev.pool_items))
+            self.book.apply(room, room.init(ev.num_pages, now, ev.pool_items, num_tokens=ev.num_tokens))
 
     def send_chunk(self, ev: SendChunk, now: float) -> None:
         room = self.book.get(ev.room)
@@ -255,7 +258,7 @@ class PrefillSide:
             if peer is None or peer.state != PeerState.CONNECTED:
                 return
             self.credits.took_meta(room.room, key)
-            self.book.apply(room, room.add_meta(key, peer.tp_size, msg, now, stage=peer.stage))
+            self.book.apply(room, room.add_meta(key, peer.tp_size, msg, now, stage=peer.stage, dcp=peer.dcp))
         else:
             self.book.apply(room, room.on_room_failed(key, msg.session, msg.kind, msg.reason, now, early=early))
 

@@ -24,7 +24,14 @@ from ..kv_buffers import KVBuffers
 from ..layout import KVLayout
 from ..poll import KVPoll
 from ..protocol.actions import AwaitUnit, WriteOp
-from ..protocol.direct_ranges import CacheGeometry, DirectRowsCache, direct_descriptors, pool_descriptor_parts
+from ..protocol.direct_ranges import (
+    CacheGeometry,
+    DirectRowsCache,
+    direct_descriptors,
+    pool_descriptor_parts,
+    rows_of,
+    token_rows,
+)
 from ..protocol.kinds import FailureKind
 from ..protocol.messages import KVMemory, WritePosted
 from ..protocol.routing import PeerState
@@ -108,7 +115,10 @@ class WriteQueue:
         assert dst_pages is not None, "a direct write without destination pages"
         src_geo, dst_geo = self.geometry, self._peer_geometry(peer)
         src_layers = self.layout.local(op.layers)
-        if op.layers == self.layout.layers:   # every layer: one write per chunk, nothing to share
+        if op.token_runs is not None:   # decode context parallel: token runs (token_mapping.py)
+            src, dst = rows_of(token_rows(src_geo, dst_geo, *op.token_runs), src_geo.of_layers(src_layers),
+                               dst_geo.of_layers(op.layers))
+        elif op.layers == self.layout.layers:   # every layer: one write per chunk, nothing to share
             src, dst = direct_descriptors(src_geo.of_layers(src_layers), dst_geo.of_layers(op.layers),
                                           op.src_pages, dst_pages, op.src_heads, op.dst_heads)
         else:   # a layer-wise room's write: the chunk's rows are computed once (DirectRowsCache)

@@ -60,6 +60,8 @@ class WriteOp:
     layers: range                      # the layers it moves (a layer-wise send: a group of them)
     ready: tuple[object, ...] = ()     # waited on (synchronize()) before the layers are read
     credit: CreditSpan | None = None   # staged into a ring credit: its place there (ring_start is its start)
+    token_runs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None   # direct, decode context parallel: the
+                                       # runs (source slot, destination slot, tokens) it moves instead of whole pages
 
     @property
     def num_pages(self) -> int:

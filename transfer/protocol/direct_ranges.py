@@ -97,6 +97,20 @@ def tensor_rows(src: CacheGeometry, dst: CacheGeometry, src_pages: np.ndarray, d
                       np.full(s_tok.shape, nheads * src.head_bytes, dtype=np.uint64))
 
 
+def token_rows(src: CacheGeometry, dst: CacheGeometry, src_slot: np.ndarray, dst_slot: np.ndarray,
+               length: np.ndarray) -> TensorRows:
+    """The ranges moving whole tokens inside one tensor: run i moves `length[i]` tokens from pool
+    slot `src_slot[i]` on to slot `dst_slot[i]` on (consecutive slots on both sides), one range a
+    run (decode context parallel: token_mapping.PairTokens' arrays). Both caches hold the same
+    heads per token (MLA's one latent head)."""
+    if src.token_stride != dst.token_stride or src.page_size != dst.page_size:
+        raise ValueError(f"token runs between caches of different token or page sizes ({src.token_stride} vs "
+                         f"{dst.token_stride} bytes a token)")
+    stride = np.uint64(src.token_stride)
+    return TensorRows(np.asarray(src_slot, dtype=np.uint64) * stride, np.asarray(dst_slot, dtype=np.uint64) * stride,
+                      np.asarray(length, dtype=np.uint64) * stride)
+
+
 def rows_of(rows: TensorRows, src: CacheGeometry, dst: CacheGeometry) -> tuple[np.ndarray, np.ndarray]:
     """Source and destination N x 3 (address, length, device) arrays: `rows` in every tensor of
     the two caches, tensor by tensor (K of each layer, then V of each)."""

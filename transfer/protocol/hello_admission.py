@@ -20,6 +20,7 @@ from ..layout import LayoutSummary
 from .messages import Hello
 from .pool_parts import writers_mismatch
 from .stage_mapping import DecodeStage, decode_stage_of
+from .token_mapping import check_dcp_rank
 
 #: The names a rank's registered regions go by (regions.py builds them; the reasons below name them).
 KV_REGION = "kv"
@@ -63,6 +64,9 @@ def admit_hello(msg: Hello, me: PrefillFacts) -> Admission:
                                       stage_start=msg.stage_start, stage_stop=msg.stage_stop,
                                       num_layers=me.num_layers)
     problems += me.summary.mismatches(msg.layout)
+    dcp = check_dcp_rank(msg.dcp_size, msg.dcp_rank, msg.tp_size, msg.tp_rank % msg.tp_size if msg.tp_size > 0 else 0)
+    if dcp:   # a pairing of two well-formed DCP groups is judged per request (PrefillRoom.add_meta)
+        problems.append(f"decode context parallel: {dcp}")
     if not problems and me.summary.pools:
         problems += [p for p in [writers_mismatch(me.summary.pools, me.tp_size, msg.tp_size, me.total_kv_heads,
                                                   me.mla)] if p]

@@ -87,6 +87,10 @@ class Hello(PeerMessage, kw_only=True, frozen=True):
     pp_size: int = 1
     stage_start: int = 0
     stage_stop: int = 0
+    # since version 6 (decode context parallel, token_mapping.py): the decode rank's DCP group size
+    # and its rank in it (KVLayout.dcp_size / dcp_rank); 1 and 0 without DCP
+    dcp_size: int = 1
+    dcp_rank: int = 0
 
 
 class HelloAck(PeerMessage, kw_only=True, frozen=True):

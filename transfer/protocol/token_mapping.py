@@ -176,6 +176,28 @@ def describe_pairing(prefill: DCPLayout, decode: DCPLayout) -> DCPPairing | str:
     return f"{both}: DCP {prefill.dcp_size} -> {decode.dcp_size} is not served (prefill DCP must be 1 or equal the decode's)"
 
 
+def engine_refusal(prefill: DCPLayout, decode: DCPLayout) -> str | None:
+    """Why kvstage's engine cannot move a request between these two DCP groups (None: it can).
+
+    Every pairing `describe_pairing` refuses, with its reason (naming both layouts). The engine
+    moves the served ones (1 -> N, N -> N, MLA) on the direct path, which is the only path of an
+    MLA model (docs/protocol.md, "Decode context parallel"). The prefill rank fails a refused
+    request on both sides with this reason when the decode rank's metadata arrives
+    (prefill/room.py, PrefillRoom.add_meta)."""
+    pairing = describe_pairing(prefill, decode)
+    return pairing if isinstance(pairing, str) else None
+
+
+def check_dcp_rank(dcp_size: int, dcp_rank: int, tp_size: int, tp_rank: int) -> str | None:
+    """What is wrong with a rank's declared DCP size and rank (None: nothing): the size must
+    divide the TP size and the rank be ``tp_rank % dcp_size`` (KVLayout.dcp_rank)."""
+    if dcp_size < 1 or tp_size % dcp_size:
+        return f"dcp_size {dcp_size} must be >= 1 and divide tp_size {tp_size}"
+    if dcp_rank != tp_rank % dcp_size:
+        return f"dcp_rank {dcp_rank} of TP rank {tp_rank} must be tp_rank % dcp_size = {tp_rank % dcp_size}"
+    return None
+
+
 def _slots(pages: tuple[int, ...], index: np.ndarray, page_size: int) -> np.ndarray:
     """Pool slots of local indices `index` into a rank's page list."""
     arr = np.asarray(pages, dtype=np.int64)
@@ -233,45 +255,8 @@ def build_token_mapping(
     if not prefix <= start <= stop <= num_tokens:
         raise ValueError(f"{both}: window [{start}, {stop}) outside the tokens [{prefix}, {num_tokens}) to move")
 
-    pairs = []
-    for d in range(n):
-        piece = range(start + (d - start) % n, stop, n)
-        p = d if pairing is DCPPairing.EQUAL else 0
-        tokens = np.arange(piece.start, piece.stop, n, dtype=np.int64)
-        src_index = tokens // prefill.dcp_size - prefix // prefill.dcp_size
-        dst_index = tokens // n - prefix // n
-        src = _slots(prefill_pages[p], src_index, ps)
-        dst = _slots(decode_pages[d], dst_index, ps)
-        if tokens.size:
-            breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
-            starts = np.concatenate(([0], breaks))
-            lengths = np.diff(np.concatenate((starts, [tokens.size])))
-        else:
-            starts = lengths = np.empty(0, dtype=np.int64)
-        # the piece lands slot after slot: runs of consecutive destination slots
-        if dst.size:
-            pbreaks = np.flatnonzero(np.diff(dst) != 1) + 1
-            pstarts = np.concatenate(([0], pbreaks))
-            plens = np.diff(np.concatenate((pstarts, [dst.size])))
-        else:
-            pstarts = plens = np.empty(0, dtype=np.int64)
-        piece_runs = tuple(
-            PieceRun(piece_offset=int(k), dst_page=int(dst[k]) // ps, dst_offset=int(dst[k]) % ps, length=int(m))
-            for k, m in zip(pstarts, plens, strict=True)
-        )
-        pairs.append(
-            PairTokens(
-                prefill_rank=p,
-                decode_rank=d,
-                page_size=ps,
-                first_token=tokens[starts],
-                src_slot=src[starts],
-                dst_slot=dst[starts],
-                length=lengths.astype(np.int64),
-                piece=piece,
-                piece_runs=piece_runs,
-            )
-        )
+    pairs = tuple(_pair(pairing, prefill, decode, prefix, start, stop, prefill_pages, decode_pages, d)
+                  for d in range(n))
     return TokenMapping(
         pairing=pairing,
         prefill=prefill,
@@ -279,5 +264,90 @@ def build_token_mapping(
         num_tokens=num_tokens,
         prefix=prefix,
         window=(start, stop),
-        pairs=tuple(pairs),
+        pairs=pairs,
     )
+
+
+def _pair(pairing: DCPPairing, prefill: DCPLayout, decode: DCPLayout, prefix: int, start: int, stop: int,
+          prefill_pages: tuple[tuple[int, ...], ...], decode_pages: tuple[tuple[int, ...], ...], d: int) -> PairTokens:
+    """The flow writing decode rank `d`: tokens [start, stop) of it (page lists already checked)."""
+    ps, n = decode.page_size, decode.dcp_size
+    piece = range(start + (d - start) % n, stop, n)
+    p = d if pairing is DCPPairing.EQUAL else 0
+    tokens = np.arange(piece.start, piece.stop, n, dtype=np.int64)
+    src_index = tokens // prefill.dcp_size - prefix // prefill.dcp_size
+    dst_index = tokens // n - prefix // n
+    src = _slots(prefill_pages[p], src_index, ps)
+    dst = _slots(decode_pages[d], dst_index, ps)
+    if tokens.size:
+        breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
+        starts = np.concatenate(([0], breaks))
+        lengths = np.diff(np.concatenate((starts, [tokens.size])))
+    else:
+        starts = lengths = np.empty(0, dtype=np.int64)
+    # the piece lands slot after slot: runs of consecutive destination slots
+    if dst.size:
+        pbreaks = np.flatnonzero(np.diff(dst) != 1) + 1
+        pstarts = np.concatenate(([0], pbreaks))
+        plens = np.diff(np.concatenate((pstarts, [dst.size])))
+    else:
+        pstarts = plens = np.empty(0, dtype=np.int64)
+    piece_runs = tuple(
+        PieceRun(piece_offset=int(k), dst_page=int(dst[k]) // ps, dst_offset=int(dst[k]) % ps, length=int(m))
+        for k, m in zip(pstarts, plens, strict=True)
+    )
+    return PairTokens(
+        prefill_rank=p,
+        decode_rank=d,
+        page_size=ps,
+        first_token=tokens[starts],
+        src_slot=src[starts],
+        dst_slot=dst[starts],
+        length=lengths.astype(np.int64),
+        piece=piece,
+        piece_runs=piece_runs,
+    )
+
+
+def build_pair(
+    *,
+    prefill: DCPLayout,
+    decode: DCPLayout,
+    num_tokens: int,
+    prefix: int,
+    src_pages: tuple[int, ...],
+    dst_pages: tuple[int, ...],
+    decode_rank: int,
+) -> PairTokens:
+    """The one flow writing `decode_rank`, from the page lists of its two ends only: what a
+    prefill rank needs for one decode rank (it knows no other rank's pages). Equal to
+    ``build_token_mapping(...).for_decode(decode_rank)`` for any page lists of the other ranks;
+    raises ValueError as it does (the other ranks' lists are checked as if of the right length)."""
+    pairing = describe_pairing(prefill, decode)
+    if isinstance(pairing, str):
+        raise ValueError(pairing)
+    if not 0 <= decode_rank < decode.dcp_size:
+        raise ValueError(f"decode DCP rank {decode_rank} outside the decode DCP group of {decode.dcp_size}")
+    p = decode_rank if pairing is DCPPairing.EQUAL else 0
+    new = num_tokens - prefix
+    src_need, dst_need = -(-new // (prefill.page_size * prefill.dcp_size)), -(-new // (decode.page_size * decode.dcp_size))
+    filler_src, filler_dst = tuple(range(max(src_need, 0))), tuple(range(max(dst_need, 0)))
+    mapping = build_token_mapping(
+        prefill=prefill, decode=decode, num_tokens=num_tokens, prefix=prefix,
+        prefill_pages=tuple(src_pages if r == p else filler_src for r in range(prefill.dcp_size)),
+        decode_pages=tuple(dst_pages if r == decode_rank else filler_dst for r in range(decode.dcp_size)),
+    )
+    return mapping.for_decode(decode_rank)
+
+
+def local_tokens(decode: DCPLayout, decode_rank: int, num_tokens: int, prefix: int) -> int:
+    """How many of the tokens [prefix, num_tokens) decode DCP rank `decode_rank` holds: those
+    with ``t % dcp_size == decode_rank``."""
+    n = decode.dcp_size
+    return len(range(prefix + (decode_rank - prefix) % n, num_tokens, n))
+
+
+def local_pages(layout: DCPLayout, num_tokens: int) -> int:
+    """Pages every rank of a DCP group holds for `num_tokens` tokens (its share of the request's
+    virtual pages of ``page_size * dcp_size`` tokens)."""
+    return -(-num_tokens // (layout.page_size * layout.dcp_size))

@@ -59,6 +59,7 @@ from ..pool_parts import PoolCopy, block_bytes, part_offsets, request_copies, wr
 from ..ring import Region, RingAllocator
 from ..room_base import RoomBase
 from ..tags import Tag, TagKind
+from ..token_mapping import local_pages, local_tokens
 from .chunk_pieces import PiecesRefused, chunk_pieces
 from .credits import Claim
 from .plan import PlanRefused, RoomPlan, WriterOffer, plan_room
@@ -192,6 +193,7 @@ class DecodeRoom(RoomBase[DecodeAction]):
         self.writes_in = 0
         self.pool_items: dict[str, np.ndarray] = {}          # this request's items of the state pools
         self.pool_copies: dict[int, tuple[PoolCopy, ...]] = {}  # writer rank -> its pool copies (last page)
+        self.num_tokens: int | None = None                   # the request's tokens (decode context parallel)
 
     # What on_plan and init give, for the inputs that only come after them.
     @property
@@ -222,11 +224,15 @@ class DecodeRoom(RoomBase[DecodeAction]):
         return self.fail(kind, reason, now)
 
     def init(self, dst_pages: np.ndarray, now: float, prefix_pages: int = 0,
-             pool_items: dict[str, np.ndarray] | None = None) -> list[DecodeAction]:
+             pool_items: dict[str, np.ndarray] | None = None, num_tokens: int | None = None) -> list[DecodeAction]:
         """Destination pages (validated by the caller's handle) for the request's pages past the
-        `prefix_pages` this rank already holds (its prefix cache): those are never written."""
+        `prefix_pages` this rank already holds (its prefix cache): those are never written.
+        With decode context parallel (KVLayout.dcp_size > 1) the pages are this rank's local
+        pages (its share of the request's virtual pages, token_mapping.py) and `num_tokens`, the
+        request's token count, is needed: this rank expects exactly its tokens."""
         if self.dst_pages is not None:
             raise ValueError(f"room {self.room}: init() called twice")
+        self.num_tokens = num_tokens
         self.dst_pages = dst_pages
         self.prefix = prefix_pages
         self.pool_items = pool_items or {}
@@ -251,14 +257,37 @@ class DecodeRoom(RoomBase[DecodeAction]):
         self.pool_copies = {r: request_copies(writer_segments(self.pools, p.prefill_tp, p.decode_tp,
                                                               self.writers[r].assignment), None, self.pool_items)
                             for r in last_stage} if self.pool_items else {}
+        token_bytes = None
+        if self.layout.dcp_size > 1:
+            dcp = self._dcp_bytes(p, n)
+            if isinstance(dcp, str):
+                return self.fail(FailureKind.LAYOUT, dcp, now)
+            token_bytes = dcp
         # the plan's writers' bytes and ranks: one map and tuple for every room of the plan
         self.tracker = RoomTracker(n, p.writer_bytes, {r: block_bytes(c) for r, c in self.pool_copies.items()},
                                    num_layers=entries, writer_layers=p.writer_layers,
                                    held=self.layout.layers if self.layout.pp_size > 1 else None,
-                                   writers=p.writer_ranks)
+                                   writers=p.writer_ranks, token_bytes=token_bytes)
         self.meta_sent = True
         self._retry_at = now + self.timeouts.heartbeat
-        return self._metas(self._all_prefill()) + self._move(RoomEvent.METADATA_OUT, now)
+        out = self._metas(self._all_prefill()) + self._move(RoomEvent.METADATA_OUT, now)
+        return out + (self._check_complete(now) if token_bytes is not None else [])
+
+    def _dcp_bytes(self, p: RoomPlan, n: int) -> dict[int, int] | str:
+        """Decode context parallel: each writer's exact bytes (this rank's tokens of the
+        request past the prefix, token_mapping.local_tokens), or why the room cannot move."""
+        lay, dcp = self.layout, self.layout.dcp()
+        where = f"decode DCP rank {lay.dcp_rank} of {lay.dcp_size} (page_size {lay.page_size}, MLA)"
+        if self.num_tokens is None:
+            return f"{where}: a decode context parallel room needs the request's token count (init(num_tokens=...))"
+        want = local_pages(dcp, self.num_tokens)
+        if self.prefix + n != want:
+            return (f"{where}: {self.num_tokens} tokens take {want} pages on every DCP rank, this rank was given "
+                    f"{self.prefix} prefix pages and {n} more")
+        if p.staged or self.pool_items or p.draft_pools:
+            return f"{where}: decode context parallel moves the KV only, direct (no staging, state pools or draft)"
+        tokens = local_tokens(dcp, lay.dcp_rank, self.num_tokens, self.prefix * lay.page_size * lay.dcp_size)
+        return {w: tokens * b // lay.page_size for w, b in p.writer_bytes.items()}
 
     def _all_prefill(self) -> list[PeerKey]:
         return [p for p, _ in self._plan.writers] + list(self._plan.notices)

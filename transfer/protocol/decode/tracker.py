@@ -83,11 +83,11 @@ class RoomTracker:
 
     __slots__ = ("num_pages", "num_layers", "writer_page_bytes", "final_extra", "_all_layers", "_stage_layers",
                  "_held", "_writers", "_covered", "_covered_count", "_pieces", "_planned", "_scattered_cells",
-                 "_direct_seen", "_groups")
+                 "_direct_seen", "_groups", "token_bytes")
 
     def __init__(self, num_pages: int, writer_page_bytes: Mapping[int, int], final_extra: Mapping[int, int] = {},
                  num_layers: int = 1, writer_layers: Mapping[int, range] = {}, held: range | None = None,
-                 writers: tuple[int, ...] | None = None):
+                 writers: tuple[int, ...] | None = None, token_bytes: Mapping[int, int] | None = None):
         """`writer_page_bytes`: expected writer rank -> bytes it writes per page of the room
         (every layer; a read-only map, MappingProxyType, is kept as given: the rooms of one
         plan share it, RoomPlan.writer_bytes; any other is copied); `final_extra`: writer rank
@@ -95,7 +95,11 @@ class RoomTracker:
         `writer_layers`: writer rank -> the layers it writes, its PP stage's (absent: every
         layer); `held`: the layers this decode rank holds, its own PP stage's (None: every
         layer), the ones the room must cover; `writers`: the ranks of `writer_page_bytes` in
-        its order, when the caller shares one tuple among rooms (RoomPlan.writer_ranks)."""
+        its order, when the caller shares one tuple among rooms (RoomPlan.writer_ranks).
+        `token_bytes` (decode context parallel, direct): writer rank -> the exact bytes it writes
+        over every layer (this rank's tokens of the request, a last page partly filled:
+        token_mapping.local_tokens), in writes of every page and a range of layers each, their
+        bytes in proportion; None: whole pages."""
         if num_pages <= 0:
             raise ValueError("a room has at least one page")
         if not writer_page_bytes:
@@ -104,6 +108,7 @@ class RoomTracker:
             raise ValueError(f"a writer's bytes per page are not split evenly over {num_layers} layers")
         self.num_pages = num_pages
         self.num_layers = num_layers
+        self.token_bytes = token_bytes
         self.writer_page_bytes: Mapping[int, int] = (writer_page_bytes if type(writer_page_bytes) is MappingProxyType
                                                      else dict(writer_page_bytes))
         self.final_extra: Mapping[int, int] = dict(final_extra) if final_extra else _NONE
@@ -253,6 +258,12 @@ class RoomTracker:
             return Arrival(Outcome.REJECTED, f"writer {writer} wrote layers [{lay.start}, {lay.stop}), its PP stage "
                                              f"holds [{held.start}, {held.stop})")
         want = self.bytes_of(writer, num_pages, lay) + self._extra(writer, page_start, num_pages, lay)
+        if self.token_bytes is not None:   # DCP: writes of every page and some layers, of this rank's tokens
+            if page_start != 0 or num_pages != self.num_pages:
+                return Arrival(Outcome.REJECTED, f"writer {writer} wrote pages [{page_start}, {page_start + num_pages}): "
+                                                 f"a decode context parallel room takes writes of all of its "
+                                                 f"{self.num_pages} pages")
+            want = self.token_bytes.get(writer, -1) * len(lay) // len(self._held)
         if nbytes != want:
             return Arrival(Outcome.REJECTED, f"writer {writer} sent {nbytes} bytes for {num_pages} pages of "
                                              f"{len(lay)} layers, expected {want}")
@@ -296,6 +307,8 @@ class RoomTracker:
         """Every byte of the room is in place (staged: scattered; direct: landed)."""
         if self._pieces or self._scattered_cells:
             return self._scattered_cells == self.num_pages * len(self._held)
+        if self.token_bytes is not None and not any(self.token_bytes.values()):
+            return True   # decode context parallel: a rank owning none of the request's tokens gets no write
         return all(n == self.num_pages * len(self.layers_of(w)) for w, n in zip(self._writers, self._counts()))
 
     @property

@@ -48,7 +48,8 @@ from ..pool_parts import block_bytes, counts_mismatch, final_part, request_copie
 from ..room_base import RoomBase
 from ..room_uses import NO_EARLIER_USES, Bound, EarlierUses, RoomUse, failure_use, meta_use
 from ..stage_mapping import DecodeStage, decode_coverage, flow_layers, uncovered
-from ..tags import TagKind
+from ..tags import TagKind, make_tag
+from ..token_mapping import DCPLayout, build_pair, engine_refusal, local_pages
 from .chunk_writes import ChunkWrites, direct_writes, granted_writes
 from .credits import CreditPurses, chunk_number, cut_pieces, remainder_number
 from .flow_timers import due_again, overdue
@@ -88,11 +89,13 @@ class PrefillRoom(RoomBase[PrefillAction]):
                  timeouts: Timeouts, op_ids: itertools.count[int] | None = None, max_ranges: int = 65536,
                  stale: EarlierUses | None = None, pools: tuple[PoolSpec, ...] = (),
                  pool_items: dict[str, np.ndarray] | None = None, grouping: LayerGrouping = PER_CHUNK,
-                 credits: CreditPurses | None = None):
+                 credits: CreditPurses | None = None, num_tokens: int | None = None):
         """`num_pages` None: the page count comes later, with init() (serving engines create the
         sender when the request arrives, before they know it). `pools`: the state pools' specs;
         `pool_items`: this request's items of them (validated by the caller's handle).
-        `credits`: the ring credits decode peers gave this rank (None: every staged chunk asks)."""
+        `credits`: the ring credits decode peers gave this rank (None: every staged chunk asks).
+        `num_tokens`: the request's token count (needed when either side has decode context
+        parallel; may come with init() instead)."""
         if num_pages is not None and num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         super().__init__(room=room, me=me, layout=layout, now=now, timeouts=timeouts, pools=pools)
@@ -118,12 +121,18 @@ class PrefillRoom(RoomBase[PrefillAction]):
         self.stale = stale if stale is not None else NO_EARLIER_USES   # sessions of earlier uses of this id
         self.pool_items: Mapping[str, np.ndarray] = pool_items or NO_ENTRIES   # no pools: the shared empty map
         self.credits = credits
+        self.num_tokens = num_tokens
+        self.dcp: DCPLayout | None = None   # the decode engine's DCP group, when either side has DCP > 1
 
     # -- inputs -----------------------------------------------------------------------------
-    def init(self, num_pages: int, now: float, pool_items: dict[str, np.ndarray] | None = None) -> list[PrefillAction]:
-        """The page count, for a sender created without one. Raises ValueError on bad input,
-        unchanged. Metadata that came first is checked against it now."""
+    def init(self, num_pages: int, now: float, pool_items: dict[str, np.ndarray] | None = None,
+             num_tokens: int | None = None) -> list[PrefillAction]:
+        """The page count (and the token count, decode context parallel), for a sender created
+        without one. Raises ValueError on bad input, unchanged. Metadata that came first is
+        checked against it now."""
         self.num_pages = check_page_count(self.room, self.num_pages, num_pages)
+        if num_tokens is not None:
+            self.num_tokens = num_tokens
         self.ledger.set_page_count(num_pages)
         self.pool_items = pool_items or NO_ENTRIES
         if self.ended:
@@ -200,15 +209,23 @@ class PrefillRoom(RoomBase[PrefillAction]):
         return None if flow is None else Bound(flow.peer, flow.session)
 
     def add_meta(self, peer: PeerKey, decode_tp: int, meta: RoomMeta, now: float,
-                 stage: DecodeStage | None = None) -> list[PrefillAction]:
+                 stage: DecodeStage | None = None, dcp: DCPLayout | None = None) -> list[PrefillAction]:
         """Metadata from decode rank `peer` (its engine rank in `peer.tp_rank`) of TP size
-        `decode_tp` (one stage's); `stage`: its PP stage (None: no PP there, every layer)."""
+        `decode_tp` (one stage's); `stage`: its PP stage (None: no PP there, every layer); `dcp`:
+        its DCP group (None: no DCP there). A DCP pairing the engine cannot move
+        (token_mapping.engine_refusal) fails the room here and at the decode rank, with the reason."""
         if self.ended:
             if self.state is KVPoll.Failed:
                 # never wrote to a peer it had not heard from: it may reuse its memory at once
                 return [Send(peer, self._failed_msg(peer, meta.session)),
                         Send(peer, Quiesced(src=self.me, dst=peer.incarnation, room=self.room, session=meta.session))]
             return []
+        if self.layout.dcp_size > 1 or (dcp is not None and dcp.dcp_size > 1):   # DCP 1 both sides: nothing to judge
+            theirs = dcp or DCPLayout(dcp_size=1, page_size=self.layout.page_size, mla=self.layout.mla)
+            refusal = engine_refusal(self.layout.dcp(), theirs)
+            if refusal is not None:
+                return self._refuse(peer, meta, refusal, now)
+            self.dcp = theirs
         if self.decode_engine is not None and peer.engine_id != self.decode_engine:
             return [Send(peer, RoomFailed(src=self.me, dst=peer.incarnation, room=self.room, session=meta.session,
                                           kind=FailureKind.PROTOCOL, reason=f"room {self.room} is already bound to "
@@ -243,13 +260,16 @@ class PrefillRoom(RoomBase[PrefillAction]):
                     assignment=self._mapping.find(self.layout.tp_rank, peer.tp_rank % self._mapping.decode_tp))
         self.flows[peer.tp_rank] = flow
         prefix_news: list[PrefillAction] = []
+        # decode context parallel: the decode rank's prefix is in its local pages, each page_size
+        # x its DCP size tokens; this rank's are page_size x its own DCP size tokens
+        prefix = meta.prefix_pages if self.dcp is None else meta.prefix_pages * self.dcp.dcp_size // self.layout.dcp_size
         if self.prefix is None:
-            self.prefix = meta.prefix_pages
+            self.prefix = prefix
             prefix_news = [DecodePrefix(self.prefix)]
             self._add_draft_items()
-        elif meta.prefix_pages != self.prefix:  # every decode rank is told (this one has its flow now)
+        elif prefix != self.prefix:  # every decode rank is told (this one has its flow now)
             return self.fail(FailureKind.PROTOCOL, f"decode ranks of room {self.room} disagree on the prefix they hold: "
-                                         f"{self.prefix} pages, then {meta.prefix_pages} from decode rank "
+                                         f"{self.prefix} pages, then {prefix} from decode rank "
                                          f"{peer.tp_rank}", now)
         early = self._take_parked(peer, meta.session)
         if early is not None:  # its decode room failed before this metadata reached us
@@ -285,6 +305,11 @@ class PrefillRoom(RoomBase[PrefillAction]):
         reason = (f"prefill {self._layout_text()} cannot pair with the decode engine's stages: {why} "
                   f"(decode stages heard from: "
                   f"{', '.join(st.text() for st in (self.decode_stages or {}).values()) or 'none before it'})")
+        return self._refuse(peer, meta, reason, now)
+
+    def _refuse(self, peer: PeerKey, meta: RoomMeta, reason: str, now: float) -> list[PrefillAction]:
+        """A decode rank this rank cannot pair with: the room fails here, at the decode ranks it
+        heard from and at this one, with `reason` (a LAYOUT failure)."""
         # never written to (its flow was not made): it may reuse its memory at once
         told = [Send(peer, RoomFailed(src=self.me, dst=peer.incarnation, room=self.room, session=meta.session,
                                       kind=FailureKind.LAYOUT, reason=reason)),
@@ -306,6 +331,8 @@ class PrefillRoom(RoomBase[PrefillAction]):
         they agree (the flow moves CHECKED), else the room fails."""
         flow.meta = None
         rank = flow.peer.tp_rank
+        if self.dcp is not None:
+            return self._check_dcp_meta(flow, meta, now)
         if meta.num_pages != self.num_pages:
             return self.fail(FailureKind.PROTOCOL, f"decode rank {rank} expects {meta.num_pages} pages, this "
                                          f"prefill rank was given {self.num_pages}", now)
@@ -327,6 +354,70 @@ class PrefillRoom(RoomBase[PrefillAction]):
             flow.dst_pages = pages
         flow.move(FlowEvent.CHECKED)
         return []
+
+    def _check_dcp_meta(self, flow: Flow, meta: RoomMeta, now: float) -> list[PrefillAction]:
+        """Decode context parallel (token_mapping.py): the decode rank's local pages against the
+        request's token count, which both sides must have."""
+        assert self.dcp is not None and self.num_pages is not None
+        mine, theirs = self.layout.dcp(), self.dcp
+        both = f"{mine.describe('prefill')} -> {theirs.describe('decode')}"
+        rank, tokens = flow.peer.tp_rank, self.num_tokens
+        if tokens is None:
+            return self.fail(FailureKind.LAYOUT, f"{both}: decode context parallel needs the request's token count on "
+                                                 f"the prefill side (sender(num_tokens=...) or init(num_tokens=...))", now)
+        if self.num_pages != local_pages(mine, tokens):
+            return self.fail(FailureKind.LAYOUT, f"{both}: {tokens} tokens take {local_pages(mine, tokens)} pages on "
+                                                 f"this prefill rank, it was given {self.num_pages}", now)
+        if meta.num_pages != local_pages(theirs, tokens) or not 0 <= meta.prefix_pages < meta.num_pages:
+            return self.fail(FailureKind.PROTOCOL, f"{both}: decode rank {rank} holds {meta.num_pages} pages with a "
+                                                   f"prefix of {meta.prefix_pages} for {tokens} tokens, which take "
+                                                   f"{local_pages(theirs, tokens)} pages on each decode DCP rank", now)
+        if meta.staged or self.pool_items or meta.pool_items or self.layout.draft is not None or self.layout.pp_size > 1:
+            return self.fail(FailureKind.LAYOUT, f"{both}: decode context parallel moves the KV only, direct, from a "
+                                                 f"prefill without PP (no staging, state pools or draft)", now)
+        if flow.assignment is not None and mine.dcp_size > 1 and rank % theirs.dcp_size != self.layout.dcp_rank:
+            return self.fail(FailureKind.LAYOUT, f"{both}: prefill DCP rank {self.layout.dcp_rank} would write decode "
+                                                 f"DCP rank {rank % theirs.dcp_size}", now)
+        if flow.assignment is not None:
+            pages = meta.pages()
+            if pages.size != meta.num_pages - meta.prefix_pages:
+                return self.fail(FailureKind.PROTOCOL, f"decode rank {rank} sent {pages.size} destination pages "
+                                                       f"for {meta.num_pages} pages past a prefix of {meta.prefix_pages}",
+                                 now)
+            flow.dst_pages = pages
+        flow.move(FlowEvent.CHECKED)
+        return []
+
+    def _dcp_write(self, flow: Flow, a: Assignment) -> list[PrefillAction]:
+        """Decode context parallel, direct: the writes carrying the decode rank's tokens of the
+        request (token_mapping.build_pair's runs), once the last send is in: one of every layer,
+        or, where that would exceed `max_ranges` descriptors, one per group of layers that fits
+        (each numbered as a chunk of its own; a run is one descriptor per layer and tensor)."""
+        assert self.dcp is not None and self.num_tokens is not None and self.prefix is not None
+        assert flow.dst_pages is not None, "a direct flow has its destination pages from its metadata"
+        lay = self.layout
+        src = self.ledger.pages[self.prefix:]
+        pair = build_pair(prefill=lay.dcp(), decode=self.dcp, num_tokens=self.num_tokens,
+                          prefix=self.prefix * lay.page_size * lay.dcp_size, src_pages=tuple(src.tolist()),
+                          dst_pages=tuple(flow.dst_pages.tolist()), decode_rank=flow.peer.tp_rank % self.dcp.dcp_size)
+        flow.issued = len(self.sendable)
+        if not pair.num_tokens:   # the decode rank owns none of the tokens (a request shorter than its DCP group)
+            return []
+        ready = tuple(r for c in self.sendable for r in c.ready)
+        runs = (pair.src_slot, pair.dst_slot, pair.length)
+        step = max(1, self.max_ranges // (int(pair.length.size) * lay.num_kv))
+        out: list[PrefillAction] = []
+        for part, first in enumerate(range(lay.layers.start, lay.layers.stop, step)):
+            layers = range(first, min(first + step, lay.layers.stop))
+            nbytes = pair.num_tokens * self._bytes_per_page(a.num_heads, layers) // lay.page_size
+            tag = make_tag(TagKind.DIRECT, room=self.room, session=flow.session, epoch=flow.peer.incarnation,
+                           src=self.me, writer=lay.rank, chunk=part, piece=0, page_start=0,
+                           num_pages=int(flow.dst_pages.size), layers=layers, nbytes=nbytes)
+            op = WriteOp(op_id=next(self._op_ids), room=self.room, peer=flow.peer, staged=False, chunk=part, piece=0,
+                         src_pages=np.asarray(src), dst_pages=flow.dst_pages, src_heads=a.src_heads,
+                         dst_heads=a.dst_heads, nbytes=nbytes, tag=tag, layers=layers, ready=ready, token_runs=runs)
+            out.append(self._post(flow, op))
+        return out
 
     def on_grant(self, peer: PeerKey, grant: AllocGrant, now: float) -> list[PrefillAction]:
         """Ring space for a chunk this rank asked for: the whole chunk, or (a number from
@@ -625,6 +716,10 @@ class PrefillRoom(RoomBase[PrefillAction]):
         for flow in self.flows.values():
             a = flow.assignment
             if a is None:
+                continue
+            if self.dcp is not None:   # decode context parallel: one write once the last send is in
+                if self.last and flow.issued < len(self.sendable) and (self.batcher is None or len(self.batcher) == 0):
+                    out += self._dcp_write(flow, a)
                 continue
             while flow.issued < len(self.sendable):
                 clipped = self._clip(flow, self.sendable[flow.issued])

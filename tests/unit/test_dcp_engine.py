@@ -1,0 +1,363 @@
+"""Decode context parallel in the engine's pure parts: a rank's DCP declared in its KVLayout,
+carried in its Hello (wire version 6), checked at admission, and judged per request by the
+prefill room, which fails a pairing the engine cannot move on both sides with the reason naming
+both layouts (token_mapping.engine_refusal) and writes a served one's tokens (1 -> N, N -> N) in
+one direct write per decode rank, which the decode room expects to the byte."""
+
+from __future__ import annotations
+
+import itertools
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from kvstage.transfer.config import Timeouts
+from kvstage.transfer.layout import KVLayout
+from kvstage.transfer.poll import KVPoll
+from kvstage.transfer.protocol.actions import PeerKey, PostWrite, Send
+from kvstage.transfer.protocol.hello_admission import PrefillFacts, admit_hello
+from kvstage.transfer.protocol.messages import Hello, KVMemory, RoomMeta, peer_codec
+from kvstage.transfer.protocol.prefill.room import PrefillRoom
+from kvstage.transfer.protocol.token_mapping import DCPLayout, check_dcp_rank, engine_refusal
+from kvstage.wire import WIRE_VERSION
+
+
+def mla(tp: int = 2, rank: int = 0, dcp: int = 1, **kw) -> KVLayout:
+    return KVLayout(num_layers=2, total_kv_heads=1, head_dim=8, dtype=torch.uint8, page_size=2, tp_size=tp,
+                    tp_rank=rank, mla=True, dcp_size=dcp, **kw)
+
+
+# -- the layout ------------------------------------------------------------------------------------
+
+def test_a_dcp_rank_is_its_tp_rank_modulo_the_dcp_size():
+    assert [mla(tp=4, rank=r, dcp=2).dcp_rank for r in range(4)] == [0, 1, 0, 1]
+    assert mla(tp=4, rank=3, dcp=4).dcp() == DCPLayout(dcp_size=4, page_size=2, mla=True)
+    assert mla(tp=2, rank=1).dcp_rank == 0   # no DCP: every rank holds every token
+
+
+@pytest.mark.parametrize(("kw", "words"), [
+    ({"dcp": 0}, "dcp_size must be positive"),
+    ({"tp": 4, "dcp": 3}, "dcp_size=3 must divide tp_size=4"),
+    ({"dcp": 2, "pp_size": 2, "stage": range(0, 1)}, "with PP is not served"),
+])
+def test_an_impossible_dcp_layout_is_named(kw, words):
+    with pytest.raises(ValueError, match=words):
+        mla(**kw)
+
+
+def test_dcp_is_refused_beside_gqa():
+    with pytest.raises(ValueError, match="MLA only"):
+        KVLayout(num_layers=2, total_kv_heads=2, head_dim=8, dtype=torch.uint8, page_size=2, tp_size=2, tp_rank=0,
+                 dcp_size=2)
+
+
+# -- the Hello and its admission -------------------------------------------------------------------
+
+def hello(**kw) -> Hello:
+    lay = mla()
+    kv = KVMemory(k_addrs=[1, 2], v_addrs=[], num_pages=10, page_stride=16, token_stride=8)
+    base = dict(src=7, engine_id="d", role="decode", tp_size=2, tp_rank=1, ctrl_endpoint="tcp://h:1", backend="nixl",
+                backend_identity=b"md", layout=lay.summary(), kv=kv)
+    return Hello(**(base | kw))
+
+
+def facts() -> PrefillFacts:
+    return PrefillFacts(summary=mla().summary(), tp_size=1, total_kv_heads=1, mla=True, num_layers=2, verify=False,
+                        backend="nixl", memory_kinds=("DRAM",))
+
+
+def test_the_hello_carries_the_dcp_group_and_round_trips():
+    codec = peer_codec(None)
+    msg = codec.decode(codec.encode(hello(dcp_size=2, dcp_rank=1)))
+    assert (msg.dcp_size, msg.dcp_rank, msg.v) == (2, 1, WIRE_VERSION) and WIRE_VERSION == 6
+    old = msgspec.msgpack.decode(codec.encode(hello())[0])
+    assert (old["dcp_size"], old["dcp_rank"]) == (1, 0)   # no DCP: the defaults
+
+
+def test_a_well_formed_dcp_hello_is_admitted_and_a_malformed_one_is_named():
+    assert admit_hello(hello(dcp_size=2, dcp_rank=1), facts()).ok
+    adm = admit_hello(hello(dcp_size=2, dcp_rank=0), facts())
+    assert adm.problems == ("decode context parallel: dcp_rank 0 of TP rank 1 must be tp_rank % dcp_size = 1",)
+    assert "must be >= 1 and divide tp_size 2" in admit_hello(hello(dcp_size=4, dcp_rank=1), facts()).problems[0]
+    assert check_dcp_rank(1, 0, 3, 2) is None
+
+
+# -- the engine's verdict per pairing --------------------------------------------------------------
+
+def lay(n: int, is_mla: bool = True, page_size: int = 2) -> DCPLayout:
+    return DCPLayout(dcp_size=n, page_size=page_size, mla=is_mla)
+
+
+def test_the_engine_moves_the_served_pairings_and_names_both_layouts_otherwise():
+    for p, d in ((1, 1), (1, 2), (2, 2), (1, 4)):
+        assert engine_refusal(lay(p), lay(d)) is None
+    assert engine_refusal(lay(1, is_mla=False), lay(1, is_mla=False)) is None
+    both = "prefill DCP 2 (page_size 2, MLA) -> decode DCP 4 (page_size 2, MLA)"
+    assert engine_refusal(lay(2), lay(4)) == f"{both}: DCP 2 -> 4 is not served (prefill DCP must be 1 or equal the decode's)"
+    assert "DCP on the prefill side only is not served" in (engine_refusal(lay(2), lay(1)) or "")
+    assert "page sizes differ" in (engine_refusal(lay(1), lay(2, page_size=4)) or "")
+
+
+# -- the prefill room ------------------------------------------------------------------------------
+
+def room(layout: KVLayout) -> PrefillRoom:
+    return PrefillRoom(room=7, num_pages=2, layout=layout, me=1000, now=0.0, timeouts=Timeouts(metadata=50),
+                       op_ids=itertools.count(1))
+
+
+def meta(peer: PeerKey) -> RoomMeta:
+    return RoomMeta(src=peer.incarnation, dst=1000, room=7, session=peer.incarnation, num_pages=2, staged=False,
+                    dst_pages=np.arange(2, dtype="<i8").tobytes())
+
+
+@pytest.mark.parametrize(("prefill_dcp", "decode_dcp", "words"), [
+    (2, 4, "DCP 2 -> 4 is not served"),
+    (2, 1, "DCP on the prefill side only is not served"),
+])
+def test_a_pairing_the_engine_cannot_move_fails_the_room_on_both_sides_with_the_reason(prefill_dcp, decode_dcp, words):
+    r = room(mla(tp=2, rank=0, dcp=prefill_dcp))
+    r.add_chunk(np.arange(2), True, 0.5)
+    d0 = PeerKey("dec", 0, 2000)
+    acts = r.add_meta(d0, 4, meta(d0), 1.0, dcp=lay(decode_dcp))
+    assert r.state is KVPoll.Failed and words in r.failure
+    assert f"prefill DCP {prefill_dcp} (page_size 2, MLA) -> decode DCP {decode_dcp} (page_size 2, MLA)" in r.failure
+    assert not [a for a in acts if isinstance(a, PostWrite)]
+    told = [(a.peer, type(a.msg).__name__, getattr(a.msg, "reason", "")) for a in acts if isinstance(a, Send)]
+    assert (d0, "RoomFailed", r.failure) in told and (d0, "Quiesced", "") in told
+
+
+def test_without_dcp_the_room_writes_as_before():
+    r = room(mla(tp=1, rank=0))
+    r.add_chunk(np.arange(2), True, 0.5)
+    d0 = PeerKey("dec", 0, 2000)
+    acts = r.add_meta(d0, 1, meta(d0), 1.0, dcp=lay(1))
+    assert r.state is not KVPoll.Failed and [a for a in acts if isinstance(a, PostWrite)]
+
+
+# -- the direct path's pure parts: one pair's runs, their descriptor rows, a rank's share ----------
+
+def test_one_pair_from_its_own_page_lists_is_the_whole_mappings_flow():
+    from kvstage.transfer.protocol.token_mapping import build_pair, build_token_mapping
+
+    pre, dec = lay(1, page_size=4), lay(2, page_size=4)
+    whole = build_token_mapping(prefill=pre, decode=dec, num_tokens=37, prefix=8, prefill_pages=((9, 3, 4, 5, 1, 7, 8, 10),),
+                                decode_pages=((2, 6, 0, 13), (11, 4, 5, 12)))
+    for d, dst in enumerate(((2, 6, 0, 13), (11, 4, 5, 12))):
+        one = build_pair(prefill=pre, decode=dec, num_tokens=37, prefix=8, src_pages=(9, 3, 4, 5, 1, 7, 8, 10),
+                         dst_pages=dst, decode_rank=d)
+        ref = whole.for_decode(d)
+        assert one.runs() == ref.runs() and one.piece == ref.piece and one.piece_runs == ref.piece_runs
+
+
+def test_a_ranks_share_of_tokens_and_pages():
+    from kvstage.transfer.protocol.token_mapping import local_pages, local_tokens
+
+    dec = lay(2, page_size=4)
+    assert [local_tokens(dec, d, 37, 8) for d in range(2)] == [15, 14]   # tokens 8..36: even 8..36, odd 9..35
+    assert local_pages(dec, 37) == 5 and local_pages(dec, 40) == 5 and local_pages(dec, 41) == 6
+
+
+@pytest.mark.parametrize(("num_tokens", "prefix"), [(37, 8), (1, 0), (16, 0), (17, 16)])
+def test_token_rows_copy_each_token_to_its_rank_and_slot_and_touch_nothing_else(num_tokens, prefix):
+    """Prefill DCP 1 -> decode DCP 2, page size 4, one MLA layer of 3 bytes a token: the rows
+    copied byte for byte put token t at decode rank t % 2, local slot t // 2, and leave every
+    other byte (the prefix, the final partial page's tail, other pages) as it was."""
+    from kvstage.transfer.protocol.direct_ranges import CacheGeometry, token_rows
+    from kvstage.transfer.protocol.token_mapping import build_pair, local_pages
+
+    ps, tb, n = 4, 3, 2
+    pre, dec = lay(1, page_size=ps), lay(n, page_size=ps)
+    rng = np.random.default_rng(num_tokens)
+    src_pages = tuple(int(x) for x in rng.permutation(20)[: -(-(num_tokens - prefix) // ps)])
+    src = rng.integers(1, 255, size=20 * ps * tb, dtype=np.uint8)
+    src_tok = {}   # global token -> its bytes in the prefill cache
+    for t in range(prefix, num_tokens):
+        slot = src_pages[(t - prefix) // ps] * ps + (t - prefix) % ps
+        src_tok[t] = src[slot * tb:(slot + 1) * tb]
+    geo = CacheGeometry(bases=(0,), page_size=ps, token_stride=tb, head_bytes=tb)
+    need = local_pages(dec, num_tokens) - prefix // (ps * n)
+    for d in range(n):
+        dst_pages = tuple(int(x) for x in rng.permutation(20)[:need])
+        before = np.zeros(20 * ps * tb, dtype=np.uint8)
+        dst = before.copy()
+        pair = build_pair(prefill=pre, decode=dec, num_tokens=num_tokens, prefix=prefix, src_pages=src_pages,
+                          dst_pages=dst_pages, decode_rank=d)
+        rows = token_rows(geo, geo, pair.src_slot, pair.dst_slot, pair.length)
+        for s_off, d_off, length in zip(rows.src_off, rows.dst_off, rows.lengths, strict=True):
+            dst[int(d_off):int(d_off + length)] = src[int(s_off):int(s_off + length)]
+        want = before.copy()
+        for t in range(prefix + (d - prefix) % n, num_tokens, n):
+            local = t // n - prefix // n
+            slot = dst_pages[local // ps] * ps + local % ps
+            want[slot * tb:(slot + 1) * tb] = src_tok[t]
+        assert np.array_equal(dst, want), d
+
+
+# -- the rooms on the direct path ------------------------------------------------------------------
+
+def dcp_meta(peer: PeerKey, pages: list[int], prefix: int = 0) -> RoomMeta:
+    return RoomMeta(src=peer.incarnation, dst=1000, room=7, session=peer.incarnation, num_pages=prefix + len(pages),
+                    staged=False, dst_pages=np.asarray(pages, dtype="<i8").tobytes(), prefix_pages=prefix)
+
+
+def test_a_prefill_room_writes_each_decode_dcp_rank_its_tokens_in_one_exact_write():
+    """7 tokens (pages of 2) from prefill DCP 1 -> decode DCP 2: rank 0 gets tokens 0, 2, 4, 6,
+    rank 1 tokens 1, 3, 5, each token from its prefill slot to its local slot, once the last
+    send is in; 16 bytes a token (2 layers of one 8-byte latent)."""
+    r = PrefillRoom(room=7, num_pages=4, layout=mla(tp=1), me=1000, now=0.0, timeouts=Timeouts(metadata=50),
+                    op_ids=itertools.count(1), num_tokens=7)
+    d0, d1 = PeerKey("dec", 0, 2000), PeerKey("dec", 1, 2001)
+    assert not [a for a in r.add_meta(d0, 2, dcp_meta(d0, [3, 4]), 1.0, dcp=lay(2)) if isinstance(a, PostWrite)]
+    r.add_meta(d1, 2, dcp_meta(d1, [5, 9]), 1.0, dcp=lay(2))
+    assert not [a for a in r.add_chunk(np.array([10, 11]), False, 1.5) if isinstance(a, PostWrite)]
+    ops = {a.op.peer.tp_rank: a.op for a in r.add_chunk(np.array([12, 13]), True, 2.0) if isinstance(a, PostWrite)}
+    assert sorted(ops) == [0, 1] and r.state is not KVPoll.Failed
+    runs = {d: [tuple(int(x) for x in arr) for arr in op.token_runs] for d, op in ops.items()}
+    assert runs[0] == [(20, 22, 24, 26), (6, 7, 8, 9), (1, 1, 1, 1)]   # slots 20.. of pages 10-13 -> pages 3, 4
+    assert runs[1] == [(21, 23, 25), (10, 11, 18), (1, 1, 1)]          # -> pages 5 (slots 10, 11) and 9 (18)
+    assert (ops[0].nbytes, ops[1].nbytes) == (64, 48)
+    assert (ops[1].tag.page_start, ops[1].tag.num_pages, ops[1].tag.nbytes) == (0, 2, 48)
+
+
+def test_a_decode_prefix_is_in_local_pages_and_a_rank_owning_no_token_gets_no_write():
+    """17 tokens with a decode prefix of one local page (8 tokens of page size 2 x DCP 4): the
+    prefill skips its first 4 pages; tokens 8..16 go to ranks 0..3 and rank 0 gets 8, 12, 16."""
+    r = PrefillRoom(room=7, num_pages=9, layout=mla(tp=1), me=1000, now=0.0, timeouts=Timeouts(metadata=50),
+                    op_ids=itertools.count(1), num_tokens=17)
+    peers = [PeerKey("dec", d, 2000 + d) for d in range(4)]
+    for d, p in enumerate(peers):
+        r.add_meta(p, 4, dcp_meta(p, [40 + 2 * d, 41 + 2 * d], prefix=1), 1.0, dcp=lay(4))
+    assert r.prefix == 4
+    ops = {a.op.peer.tp_rank: a.op for a in r.add_chunk(np.arange(100, 109), True, 2.0) if isinstance(a, PostWrite)}
+    assert {d: int(op.token_runs[2].sum()) for d, op in ops.items()} == {0: 3, 1: 2, 2: 2, 3: 2}
+    assert [int(x) for x in ops[0].token_runs[0]] == [208, 212, 216]   # tokens 8, 12, 16: prefill pages 104, 106, 108
+    assert [int(x) for x in ops[0].token_runs[1]] == [80, 81, 82]       # local slots 0-2 past the prefix: pages 40, 41
+
+    one = PrefillRoom(room=7, num_pages=1, layout=mla(tp=1), me=1000, now=0.0, timeouts=Timeouts(metadata=50),
+                      op_ids=itertools.count(1), num_tokens=1)
+    for d, p in enumerate(peers[:2]):
+        one.add_meta(p, 2, dcp_meta(p, [d]), 1.0, dcp=lay(2))
+    ops = [a.op for a in one.add_chunk(np.array([5]), True, 2.0) if isinstance(a, PostWrite)]
+    assert [op.peer.tp_rank for op in ops] == [0]   # token 0 only: rank 1 owns none
+
+
+def test_equal_dcp_writes_each_rank_its_own_local_slots():
+    """Prefill TP 2 DCP 2 -> decode TP 2 DCP 2: prefill rank 1 writes decode rank 1 its local
+    slots one for one (9 tokens: rank 1 holds 1, 3, 5, 7 in 2 pages)."""
+    r = PrefillRoom(room=7, num_pages=3, layout=mla(tp=2, rank=1, dcp=2), me=1000, now=0.0,
+                    timeouts=Timeouts(metadata=50), op_ids=itertools.count(1), num_tokens=9)
+    d1 = PeerKey("dec", 1, 2001)
+    r.add_meta(d1, 2, dcp_meta(d1, [6, 2, 8]), 1.0, dcp=lay(2))
+    ops = [a.op for a in r.add_chunk(np.array([4, 5, 7]), True, 2.0) if isinstance(a, PostWrite)]
+    assert len(ops) == 1 and [[int(x) for x in arr] for arr in ops[0].token_runs] == [[8, 10], [12, 4], [2, 2]]
+    assert ops[0].nbytes == 4 * 16
+
+
+def test_the_request_token_count_and_page_counts_must_agree_or_the_room_fails_with_both_layouts():
+    r = PrefillRoom(room=7, num_pages=4, layout=mla(tp=1), me=1000, now=0.0, timeouts=Timeouts(metadata=50),
+                    op_ids=itertools.count(1))
+    d0 = PeerKey("dec", 0, 2000)
+    r.add_meta(d0, 2, dcp_meta(d0, [3, 4]), 1.0, dcp=lay(2))
+    assert r.state is KVPoll.Failed and "needs the request's token count on the prefill side" in r.failure
+    r = PrefillRoom(room=7, num_pages=4, layout=mla(tp=1), me=1000, now=0.0, timeouts=Timeouts(metadata=50),
+                    op_ids=itertools.count(1), num_tokens=9)
+    r.add_meta(d0, 2, dcp_meta(d0, [3, 4]), 1.0, dcp=lay(2))
+    assert r.state is KVPoll.Failed and "9 tokens take 5 pages on this prefill rank, it was given 4" in r.failure
+    assert "prefill DCP 1 (page_size 2, MLA) -> decode DCP 2 (page_size 2, MLA)" in r.failure
+
+
+def test_a_dcp_tracker_takes_one_write_of_exactly_its_tokens():
+    from kvstage.transfer.protocol.decode.tracker import Outcome, RoomTracker
+
+    t = RoomTracker(2, {0: 64}, num_layers=2, token_bytes={0: 48})   # 3 tokens of 16 bytes in 2 pages of 2
+    assert t.arrive_direct(0, 0, 0, 2, 64, layers=range(2)).outcome is Outcome.REJECTED   # whole pages: no
+    assert t.arrive_direct(0, 0, 0, 1, 32, layers=range(2)).outcome is Outcome.REJECTED   # a part: no
+    assert not t.complete
+    assert t.arrive_direct(0, 0, 0, 2, 48, layers=range(2)).outcome is Outcome.ACCEPTED and t.complete
+    assert RoomTracker(1, {0: 32}, num_layers=2, token_bytes={0: 0}).complete   # owns no token: nothing to wait for
+
+
+def dcp_decode_room(rank: int = 1):
+    from kvstage.transfer.protocol.decode.plan import RoomPlan
+    from kvstage.transfer.protocol.decode.room import DecodeRoom
+    from kvstage.transfer.protocol.head_mapping import compute_assignments
+
+    lay = mla(tp=2, rank=rank, dcp=2)
+    a = compute_assignments(1, 2, 1, True).find(0, rank)
+    plan = RoomPlan(writers=((PeerKey("pre", 0, 900), a),), notices=(), staged=False,
+                    head_page_bytes=lay.num_kv * lay.num_layers * lay.page_size * lay.head_bytes)
+    room = DecodeRoom(room=7, session=55, me=2001, layout=lay, now=0.0, timeouts=Timeouts(metadata=50))
+    room.on_plan(plan, 0.0)
+    return room
+
+
+def test_a_decode_dcp_room_expects_its_own_tokens_to_the_byte():
+    """Decode DCP rank 1 of 2, pages of 2, 9 tokens past a prefix of one local page (4 tokens):
+    tokens 5 and 7 are its, 16 bytes each; its RoomMeta names its local pages."""
+    r = dcp_decode_room()
+    acts = r.init(np.array([6, 8]), 1.0, prefix_pages=1, num_tokens=9)
+    assert r.state is not KVPoll.Failed and r.tracker.token_bytes == {0: 32}
+    metas = [a.msg for a in acts if isinstance(a, Send) and type(a.msg).__name__ == "RoomMeta"]
+    assert [(m.num_pages, m.prefix_pages, m.pages().tolist()) for m in metas] == [(3, 1, [6, 8])]
+
+
+@pytest.mark.parametrize(("pages", "prefix", "tokens", "words"), [
+    ([6, 8], 0, None, "needs the request's token count (init(num_tokens=...))"),
+    ([6], 0, 9, "9 tokens take 3 pages on every DCP rank, this rank was given 0 prefix pages and 1 more"),
+])
+def test_a_decode_dcp_room_without_its_token_count_or_with_the_wrong_pages_fails_naming_why(pages, prefix, tokens,
+                                                                                             words):
+    r = dcp_decode_room()
+    r.init(np.array(pages), 1.0, prefix_pages=prefix, num_tokens=tokens)
+    assert r.state is KVPoll.Failed and words in r.failure and "decode DCP rank 1 of 2" in r.failure
+
+
+def test_a_decode_dcp_rank_owning_none_of_the_tokens_succeeds_once_its_metadata_is_out():
+    r = dcp_decode_room(rank=1)
+    r.init(np.array([3]), 1.0, num_tokens=1)
+    assert r.state is KVPoll.Success
+
+
+def test_a_dcp_write_over_the_descriptor_cap_goes_in_layer_groups_the_tracker_adds_up():
+    from kvstage.transfer.protocol.decode.tracker import Outcome, RoomTracker
+
+    r = PrefillRoom(room=7, num_pages=4, layout=mla(tp=1), me=1000, now=0.0, timeouts=Timeouts(metadata=50),
+                    op_ids=itertools.count(1), num_tokens=7, max_ranges=4)   # 4 runs a layer: one layer a write
+    d0, d1 = PeerKey("dec", 0, 2000), PeerKey("dec", 1, 2001)
+    r.add_meta(d0, 2, dcp_meta(d0, [3, 4]), 1.0, dcp=lay(2))
+    r.add_meta(d1, 2, dcp_meta(d1, [5, 9]), 1.0, dcp=lay(2))
+    ops = [a.op for a in r.add_chunk(np.arange(10, 14), True, 2.0) if isinstance(a, PostWrite) and a.op.peer == d0]
+    assert [(op.layers, op.chunk, op.nbytes) for op in ops] == [(range(0, 1), 0, 32), (range(1, 2), 1, 32)]
+    t = RoomTracker(2, {0: 64}, num_layers=2, token_bytes={0: 64})
+    for op in ops:
+        assert t.arrive_direct(0, op.chunk, 0, 2, op.nbytes, layers=op.layers).outcome is Outcome.ACCEPTED
+    assert t.complete
+
+
+@pytest.mark.parametrize("extra", [{"pp_size": 2, "pp_rank": 0, "stage": range(0, 1)}, {"draft": "draft"}],
+                         ids=["pp", "draft"])
+def test_a_prefill_with_pp_or_a_draft_facing_decode_dcp_fails_the_room_naming_it(extra):
+    from kvstage.transfer.draft_kv import DraftKV
+
+    if extra.get("draft"):
+        extra = {"draft": DraftKV(num_layers=1)}
+    r = PrefillRoom(room=7, num_pages=4, layout=mla(tp=1, **extra), me=1000, now=0.0, timeouts=Timeouts(metadata=50),
+                    op_ids=itertools.count(1), num_tokens=7)
+    d0 = PeerKey("dec", 0, 2000)
+    r.add_meta(d0, 2, dcp_meta(d0, [3, 4]), 1.0, dcp=lay(2))
+    assert r.state is KVPoll.Failed and "from a prefill without PP (no staging, state pools or draft)" in r.failure
+
+
+def test_equal_dcp_a_prefill_rank_told_of_a_room_it_does_not_write_only_takes_note():
+    """Prefill TP 4 DCP 2 -> decode TP 2 DCP 2: decode rank d is written by prefill rank d % 4,
+    so prefill rank 3 writes nobody; decode rank 3 % 2 = 1 tells it of the room (a notice: the
+    same DCP rank, as the DCP size divides both TP sizes), and it fails nothing and writes nothing."""
+    r = PrefillRoom(room=7, num_pages=3, layout=mla(tp=4, rank=3, dcp=2), me=1000, now=0.0,
+                    timeouts=Timeouts(metadata=50), op_ids=itertools.count(1), num_tokens=9)
+    d1 = PeerKey("dec", 1, 2001)
+    acts = r.add_meta(d1, 2, dcp_meta(d1, [6, 2, 8]), 1.0, dcp=lay(2))
+    acts += r.add_chunk(np.array([4, 5, 7]), True, 2.0)
+    assert r.state is not KVPoll.Failed, r.failure
+    assert not [a for a in acts if isinstance(a, PostWrite)]
