@@ -79,8 +79,12 @@ class KvstageKVManager(CommonKVManager):
         self.receivers: dict[int, object] = {}      # decode: room -> its kvstage receiver, until clear()
         # a hybrid model's full-attention pool may be MLA although its pool as a whole is not
         mla = bool(is_mla_backend) or bool(getattr(args, "is_hybrid_mla_backend", False))
+        # decode context parallel: SGLang's attention DCP size (its DCP rank is tp_rank % size, as
+        # kvstage's); unsupported_features refused every shape kvstage does not serve
         layout = kv_layout(args, self.attn_tp_size, self.attn_tp_rank, mla, server_args,
-                           pp_size=self.pp_size, pp_rank=self.pp_rank, decode=not self.is_prefill)
+                           pp_size=self.pp_size, pp_rank=self.pp_rank, decode=not self.is_prefill,
+                           dcp_size=int(self.dcp_size or 1))
+        self.kv_dcp_size = layout.dcp_size
         device = device_of(server_args, args)
         self.kv_device = torch.device(device)
         self.draft_equal_tp_only = draft_equal_tp_only(args, mla, server_args)
@@ -222,11 +226,18 @@ def _backend_name() -> str:
 
 
 class _Handle:
-    """What sender and receiver share: the kvstage handle, terminal-state bookkeeping, metrics."""
+    """What sender and receiver share: the kvstage handle, terminal-state bookkeeping, metrics.
+
+    `request_tokens`: the request's token count, which SGLang's sender and receiver interfaces
+    do not carry; the plugin's hooks on SGLang's queues set it from the request before the
+    sender's init() and the receiver's send_metadata() (plugin.tell_prefill_tokens,
+    plugin.tell_decode_tokens). kvstage needs it when the decode side has decode context
+    parallel (a rank's last page is partly filled); None: not known."""
 
     kv_mgr: KvstageKVManager
     bootstrap_room: int
     conclude_state: KVPoll | None
+    request_tokens: int | None = None
 
     def _end(self, state: int, reason: str | None = None) -> int:
         if state == KVPoll.Failed and reason is not None:
@@ -321,7 +332,7 @@ class KvstageKVSender(_Handle, CommonKVSender):
 
     def _init_handle(self, state_indices) -> str | None:
         try:
-            self._handle.init(self.num_kv_indices + self._prefix_pages,
+            self._handle.init(self.num_kv_indices + self._prefix_pages, num_tokens=self.request_tokens,
                               **pools.init_items(self.kv_mgr, self.aux_index, state_indices))
         except (ValueError, RuntimeError) as exc:
             return f"init: {exc}"
@@ -468,9 +479,18 @@ class KvstageKVReceiver(_Handle, CommonKVReceiver):
             self._end(KVPoll.Failed, "a host KV destination, but this manager has no host KV buffers")
             return
         prefix = int(decode_prefix_len or 0)
+        # decode context parallel: SGLang's page indices here are its virtual pages of page_size x
+        # dcp_size tokens (its allocator's page), each one page of this rank's own tokens: what
+        # kvstage takes as this rank's local pages; the prefix is whole virtual pages
+        dcp = self.kv_mgr.kv_dcp_size
+        unit = self.kv_mgr.page_size * dcp
         problem = None
-        if prefix % self.kv_mgr.page_size:
-            problem = f"decode_prefix_len {prefix} is not a whole number of {self.kv_mgr.page_size}-token pages"
+        if prefix % unit:
+            problem = (f"decode_prefix_len {prefix} is not a whole number of {unit}-token pages"
+                       + (f" (page_size {self.kv_mgr.page_size} x decode context parallel {dcp})" if dcp > 1 else ""))
+        elif dcp > 1 and self.request_tokens is None:
+            problem = (f"decode context parallel (dcp_size {dcp}) needs the request's token count, which SGLang's "
+                       f"decode queue did not give (kvstage's plugin hook on DecodePreallocQueue._send_kv_metadata)")
         elif self.kv_mgr.draft_equal_tp_only and int(self.prefill_info.attn_tp_size) != self.kv_mgr.attn_tp_size:
             problem = (f"the kvstage backend moves {self.kv_mgr.draft_equal_tp_only} between equal attention TP "
                        f"sizes only (prefill TP {self.prefill_info.attn_tp_size}, decode TP {self.kv_mgr.attn_tp_size})")
@@ -482,8 +502,8 @@ class KvstageKVReceiver(_Handle, CommonKVReceiver):
             return
         self._aux_index = aux_index
         try:
-            self._handle.init(np.asarray(kv_indices, dtype=np.int64).reshape(-1),
-                              prefix_pages=prefix // self.kv_mgr.page_size,
+            self._handle.init(np.asarray(kv_indices, dtype=np.int64).reshape(-1), prefix_pages=prefix // unit,
+                              num_tokens=self.request_tokens if dcp > 1 else None,
                               **pools.init_items(self.kv_mgr, aux_index, state_indices))
         except (ValueError, RuntimeError) as exc:
             self._handle.abort()

@@ -47,14 +47,20 @@ def kv_entries(args) -> tuple[Entries, Entries | None]:
 
 
 def kv_layout(args, attn_tp_size: int, attn_tp_rank: int, mla: bool, server_args=None, *, pp_size: int = 1,
-              pp_rank: int = 0, decode: bool = False) -> KVLayout:
+              pp_rank: int = 0, decode: bool = False, dcp_size: int = 1) -> KVLayout:
     """SGLang's decode side does not fill kv_head_num/total_kv_head_num in KVArgs (its prefill
     side does): they then come from the model config, local heads as kvstage's layout defines.
     A PP prefill stage's KVArgs list only its layers, the first at `prefill_start_layer` of the
     model's (the decode side's) KV layers; the model's count comes from the last stage's end or,
     on the other stages, from the model config. A PP decode stage's KVArgs list only its layers
     too but name no start layer (SGLang's decode fills no prefill_start_layer): its stage is the
-    one SGLang's model loader gives it, `get_pp_indices` of the model config's layer count."""
+    one SGLang's model loader gives it, `get_pp_indices` of the model config's layer count.
+
+    Decode context parallel: `dcp_size` is SGLang's attention DCP size (`attn_dcp_size`, the
+    manager's `dcp_size`). SGLang's DCP groups are consecutive TP ranks (its DCP rank is
+    `tp_rank % dcp_size`), as kvstage's (`KVLayout.dcp_rank`); each rank's KV entries hold one
+    physical page of `page_size` of its own tokens per page index (KVArgs.page_size is the
+    physical page size), so the item sizes map as without DCP."""
     target, draft = kv_entries(args)
     ptrs, items = target.ptrs, target.items
     page = int(args.page_size)
@@ -83,7 +89,7 @@ def kv_layout(args, attn_tp_size: int, attn_tp_rank: int, mla: bool, server_args
         num_layers = stage.stop if pp_rank == pp_size - 1 else model_layers(server_args)
     layout = KVLayout(num_layers=num_layers, total_kv_heads=total, head_dim=items[0] // (page * heads),
                       dtype=torch.uint8, page_size=page, tp_size=attn_tp_size, tp_rank=attn_tp_rank, mla=mla,
-                      pp_size=pp_size, pp_rank=pp_rank, stage=stage)
+                      pp_size=pp_size, pp_rank=pp_rank, stage=stage, dcp_size=dcp_size)
     if draft is None:
         return layout
     heads = None if mla else draft_model_kv_heads(server_args)
@@ -218,8 +224,7 @@ def unsupported_features(mgr, args) -> list[str]:
                        f"(num_draft_entries)")
     if mgr.attn_cp_size > 1:
         out.append(f"context parallelism (attn_cp_size {mgr.attn_cp_size})")
-    if getattr(mgr, "dcp_size", 1) and getattr(mgr, "dcp_size", 1) > 1:
-        out.append(f"decode context parallelism (dcp_size {mgr.dcp_size})")
+    out += dcp_problems(mgr, args)
     if mgr.kv_shard_size > 1:
         out.append("KV cache sharding")
     if mgr.defer_decode_allocation:
@@ -245,6 +250,51 @@ def unsupported_features(mgr, args) -> list[str]:
                        "components (SWA host pools)")
         if hisparse:
             out.append("host KV destinations with HiSparse")
+    return out
+
+
+def dcp_problems(mgr, args) -> list[str]:
+    """What of a rank with decode context parallelism (SGLang's attn_dcp_size above 1) kvstage
+    does not serve, by name (empty: no DCP). kvstage's engine moves a DCP request direct and KV
+    only (docs/protocol.md, "Decode context parallel"), while SGLang's requests always carry an
+    aux row (the first output token), which this adapter moves as a pool item: so every DCP rank
+    is refused until the engine moves pool items beside DCP, with that reason last. Named before
+    it, what would stay refused then: DCP on the prefill side (SGLang's N -> N; untested here),
+    a non-MLA pool, a draft's KV (SGLang splits no draft entry), state components or a hybrid
+    pool, PP, a DCP rank that is not the attention TP rank mod dcp_size, host KV destinations,
+    HiSparse and the staged path forced. The layout (kv_layout's dcp_size) and the request's
+    token count (plugin.tell_*_tokens) are mapped already."""
+    dcp = int(getattr(mgr, "dcp_size", 1) or 1)
+    if dcp <= 1:
+        return []
+    name = f"decode context parallelism (dcp_size {dcp})"
+    out = []
+    mode = getattr(mgr, "disaggregation_mode", None)
+    if str(getattr(mode, "value", mode)) == "prefill":
+        out.append(f"{name} on the prefill side (SGLang's prefill DCP N -> decode DCP N: no test moves it through "
+                   f"this adapter)")
+    if not getattr(mgr, "is_mla_backend", False):
+        out.append(f"{name} beside a non-MLA KV pool (SGLang serves DCP for MLA only)")
+    if getattr(args, "is_hybrid_mla_backend", False) or getattr(args, "state_types", None):
+        out.append(f"{name} with a hybrid KV pool or state components (kvstage moves the KV only under DCP)")
+    if int(getattr(args, "num_draft_entries", 0) or 0):
+        out.append(f"{name} with speculative-decoding draft KV (num_draft_entries; kvstage splits no draft "
+                   f"under DCP)")
+    if mgr.pp_size > 1:
+        out.append(f"{name} with pipeline parallelism (pp_size {mgr.pp_size})")
+    if mgr.attn_tp_size % dcp or int(getattr(mgr, "dcp_rank", 0)) != mgr.attn_tp_rank % dcp:
+        out.append(f"{name} whose DCP rank {getattr(mgr, 'dcp_rank', 0)} is not attention TP rank "
+                   f"{mgr.attn_tp_rank} mod {dcp} (attention TP {mgr.attn_tp_size})")
+    if getattr(args, "host_kv_data_ptrs", None):
+        out.append(f"{name} with host KV destinations (host_kv_data_ptrs)")
+    if getattr(getattr(mgr, "server_args", None), "enable_hisparse", False):
+        out.append(f"{name} with HiSparse")
+    from .plugin import staging_flag
+    if staging_flag():
+        out.append(f"{name} with the staged path forced (SGLANG_DISAGG_STAGING_BUFFER): kvstage moves DCP "
+                   f"requests direct only")
+    out.append(f"{name}: kvstage's engine moves no pool items beside DCP yet, and each SGLang request's aux row "
+               f"(its first output token) is one")
     return out
 
 

@@ -6,7 +6,12 @@
 - get_kv_class returns the classes of `conn.py` for it (an AROUND hook; other backends pass);
 - SGLANG_DISAGG_STAGING_BUFFER, which SGLang refuses for any backend but mooncake and nixl and
   which would also switch on SGLang's own staging machinery, is taken over for backend kvstage
-  before SGLang validates its arguments: it becomes KVSTAGE_SGLANG_STAGING, read by this adapter.
+  before SGLang validates its arguments: it becomes KVSTAGE_SGLANG_STAGING, read by this adapter;
+- the request's token count, which SGLang's sender and receiver interfaces do not carry and
+  kvstage needs under decode context parallel, is handed to kvstage's sender and receiver by
+  BEFORE hooks on the two queue methods that start them (PrefillBootstrapQueue.finalize_bootstrap
+  before the sender's init(), DecodePreallocQueue._send_kv_metadata before the receiver's
+  send_metadata()); a sender or receiver of another backend is left alone.
 
 kvstage's core reads only KVSTAGE_* variables (transfer/config.py). SGLang's names for its knobs
 are read here and passed to EngineConfig as arguments (`engine_options`): the staging switch
@@ -38,6 +43,10 @@ def install() -> None:
     HookRegistry.register("sglang.srt.disaggregation.utils.get_kv_class", around_get_kv_class, HookType.AROUND)
     HookRegistry.register("sglang.srt.arg_groups.pd_disaggregation_hook.handle_pd_disaggregation",
                           take_staging_flag, HookType.BEFORE)
+    HookRegistry.register("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.finalize_bootstrap",
+                          tell_prefill_tokens, HookType.BEFORE)
+    HookRegistry.register("sglang.srt.disaggregation.decode.DecodePreallocQueue._send_kv_metadata",
+                          tell_decode_tokens, HookType.BEFORE)
 
 
 def add_enum_member(enum_cls, name: str, value: str) -> None:
@@ -64,6 +73,27 @@ def around_get_kv_class(original, transfer_backend, class_type):
     return {KVClassType.MANAGER: conn.KvstageKVManager, KVClassType.SENDER: conn.KvstageKVSender,
             KVClassType.RECEIVER: conn.KvstageKVReceiver,
             KVClassType.BOOTSTRAP_SERVER: conn.KvstageKVBootstrapServer}[class_type]
+
+
+def tell_prefill_tokens(queue, req, *args, **kwargs):
+    """Before SGLang's prefill starts a request's sender (finalize_bootstrap): the request's
+    token count, what SGLang counts its pages by (len(origin_input_ids)), for kvstage's sender."""
+    sender = getattr(req, "disagg_kv_sender", None)
+    if hasattr(sender, "request_tokens"):
+        sender.request_tokens = len(req.origin_input_ids)
+    return None
+
+
+def tell_decode_tokens(queue, decode_req, *args, **kwargs):
+    """Before SGLang's decode sends a request's metadata (_send_kv_metadata): the tokens the
+    prefill computes for it, as SGLang's decode allocates them (its _rebootstrap_prefill_len:
+    the prompt, plus the outputs for a request bootstrapped again), for kvstage's receiver."""
+    receiver = getattr(decode_req, "kv_receiver", None)
+    if hasattr(receiver, "request_tokens"):
+        req = decode_req.req
+        length = getattr(type(queue), "_rebootstrap_prefill_len", None)
+        receiver.request_tokens = int(length(req)) if length is not None else len(req.origin_input_ids)
+    return None
 
 
 def take_staging_flag(server_args, *args, **kwargs):

@@ -133,6 +133,18 @@ def test_layout_mla_is_one_latent_per_layer():
     assert (lay.num_layers, lay.total_kv_heads, lay.head_dim, lay.mla) == (3, 1, 1152, True)
 
 
+def test_layout_with_decode_context_parallel_is_the_dcp_group_of_attention_tp():
+    """SGLang's KVArgs under DCP: page_size is the physical page (each rank's page of its own
+    tokens), so the latent's bytes map as without DCP; the DCP rank is the attention TP rank mod
+    dcp_size, SGLang's tp_rank % dcp_size."""
+    args = SimpleNamespace(kv_data_ptrs=[1, 2, 3], kv_item_lens=[16 * 576 * 2] * 3, page_size=16)
+    lay = kv_layout(args, attn_tp_size=4, attn_tp_rank=3, mla=True, dcp_size=2)
+    assert (lay.dcp_size, lay.dcp_rank, lay.head_dim, lay.page_size) == (2, 1, 1152, 16)
+    assert kv_layout(args, attn_tp_size=4, attn_tp_rank=3, mla=True).dcp_size == 1
+    with pytest.raises(ValueError, match="MLA only"):
+        kv_layout(kv_args(), attn_tp_size=4, attn_tp_rank=3, mla=False, dcp_size=2)
+
+
 @pytest.mark.parametrize("args,match", [
     (SimpleNamespace(kv_data_ptrs=[1, 2, 3], kv_item_lens=[64] * 3, page_size=4, kv_head_num=1,
                      total_kv_head_num=1), "K layers then V layers"),
@@ -161,8 +173,9 @@ def test_aux_rows_are_host_memory_beside_a_cuda_cache(monkeypatch, kv, nvlink, w
 
 def plain_mgr(**kw):
     """What unsupported_features reads of a manager: SGLang's parallel sizes and server args."""
-    base = dict(pp_size=1, attn_cp_size=1, dcp_size=1, kv_shard_size=1, defer_decode_allocation=False,
-                attn_tp_size=2, state_tp_size=2, server_args=SimpleNamespace(enable_hisparse=False, device="cuda"))
+    base = dict(pp_size=1, attn_cp_size=1, dcp_size=1, dcp_rank=0, kv_shard_size=1, defer_decode_allocation=False,
+                attn_tp_size=2, attn_tp_rank=0, state_tp_size=2, is_mla_backend=False,
+                server_args=SimpleNamespace(enable_hisparse=False, device="cuda"))
     base.update(kw)
     return SimpleNamespace(**base)
 
@@ -179,13 +192,12 @@ def plain_mgr(**kw):
     (plain_mgr(pp_size=2, disaggregation_mode=SimpleNamespace(value="prefill")), {"kv_layer_ids": [0, 3]},
      "pipeline parallelism (pp_size 2) with a hybrid KV pool"),
     (plain_mgr(attn_cp_size=2), {}, "context parallelism"),
-    (plain_mgr(dcp_size=2), {}, "decode context parallelism"),
     (plain_mgr(kv_shard_size=2), {}, "KV cache sharding"),
     (plain_mgr(defer_decode_allocation=True), {}, "prefill_complete"),
     (plain_mgr(pp_size=2, disaggregation_mode=SimpleNamespace(value="prefill")), {"num_draft_entries": 2},
      "pipeline parallelism (pp_size 2) with speculative-decoding draft KV"),
     (plain_mgr(), {"kv_layout": "dsv4"}, "KV layout"),
-], ids=["hisparse-draft", "mem-kinds", "host-destinations-state", "host-destinations-hisparse", "decode-pp", "pp-hybrid", "cp", "dcp", "kv-sharding", "prefill-complete",
+], ids=["hisparse-draft", "mem-kinds", "host-destinations-state", "host-destinations-hisparse", "decode-pp", "pp-hybrid", "cp", "kv-sharding", "prefill-complete",
         "pp-draft", "kv-layout"])
 def test_features_kvstage_does_not_move_are_named_at_start(mgr, args, named):
     problems = unsupported_features(mgr, SimpleNamespace(**args))
@@ -351,3 +363,67 @@ def test_rendezvous_per_prefill_instance_or_one_etcd_for_the_fleet():
     assert address_from_route("10.0.0.7:8998", route_answer(None, one)) == one
     assert address_from_route("10.0.0.7:8998", route_answer(41234, None)) == "10.0.0.7:41234"
     assert address_from_route("[fd00::7]:8998", route_answer(41234, None)) == "[fd00::7]:41234"
+
+
+def dcp_mgr(**kw):
+    """A decode rank of attention TP 2 with DCP 2 of an MLA model (SGLang's manager fields)."""
+    return plain_mgr(**{"dcp_size": 2, "dcp_rank": 1, "attn_tp_rank": 1, "is_mla_backend": True,
+                        "disaggregation_mode": SimpleNamespace(value="decode"), **kw})
+
+
+AUX_ROW = "kvstage's engine moves no pool items beside DCP yet"
+
+
+@pytest.mark.parametrize("mgr,args,named", [
+    (dcp_mgr(), {}, None),
+    (dcp_mgr(disaggregation_mode=SimpleNamespace(value="prefill")), {}, "on the prefill side"),
+    (dcp_mgr(is_mla_backend=False), {}, "beside a non-MLA KV pool"),
+    (dcp_mgr(), {"state_types": ["mamba"]}, "with a hybrid KV pool or state components"),
+    (dcp_mgr(), {"is_hybrid_mla_backend": True}, "with a hybrid KV pool or state components"),
+    (dcp_mgr(), {"num_draft_entries": 2}, "with speculative-decoding draft KV"),
+    (dcp_mgr(pp_size=2), {"kv_layer_ids": []}, "with pipeline parallelism (pp_size 2)"),
+    (dcp_mgr(dcp_rank=0), {}, "whose DCP rank 0 is not attention TP rank 1 mod 2"),
+    (dcp_mgr(), {"host_kv_data_ptrs": [4096]}, "with host KV destinations"),
+    (dcp_mgr(server_args=SimpleNamespace(enable_hisparse=True, device="cuda")), {}, "with HiSparse"),
+], ids=["aux-row", "prefill", "mha", "state", "hybrid-mla", "draft", "pp", "rank", "host", "hisparse"])
+def test_decode_context_parallel_is_refused_at_start_naming_why(monkeypatch, mgr, args, named):
+    """Every DCP rank is refused while kvstage's engine moves no pool items beside DCP (SGLang's
+    aux row is one), that reason last; what would stay refused beyond it is named before it."""
+    for name in SGLANG_AND_KVSTAGE_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    problems = unsupported_features(mgr, SimpleNamespace(**args))
+    assert AUX_ROW in problems[-1] and "decode context parallelism (dcp_size 2)" in problems[-1], problems
+    assert [p for p in problems[:-1] if named and named in p] == problems[:-1] and len(problems) == 1 + bool(named)
+
+
+def test_decode_context_parallel_with_the_staged_path_forced_is_named(monkeypatch):
+    for name in SGLANG_AND_KVSTAGE_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(plugin.SGLANG_STAGING_ENV, "1")
+    assert "with the staged path forced" in unsupported_features(dcp_mgr(), SimpleNamespace())[0]
+
+
+class KvstageLike:
+    request_tokens = None       # what kvstage's sender and receiver declare (conn._Handle)
+
+
+def test_request_tokens_reach_kvstages_sender_and_receiver_only():
+    """The plugin's BEFORE hooks on SGLang's queue methods hand kvstage's sender and receiver the
+    request's token count (what SGLang counts its pages by); another backend's are left alone."""
+    sender, other = KvstageLike(), SimpleNamespace()
+    assert plugin.tell_prefill_tokens(object(), SimpleNamespace(disagg_kv_sender=sender,
+                                                                origin_input_ids=[7] * 19)) is None
+    plugin.tell_prefill_tokens(object(), SimpleNamespace(disagg_kv_sender=other, origin_input_ids=[7] * 19))
+    assert sender.request_tokens == 19 and not hasattr(other, "request_tokens")
+
+    class Queue:   # SGLang's DecodePreallocQueue: a request bootstrapped again is recomputed with its outputs
+        @staticmethod
+        def _rebootstrap_prefill_len(req):
+            return len(req.origin_input_ids) + len(req.output_ids)
+
+    receiver = KvstageLike()
+    req = SimpleNamespace(origin_input_ids=[1] * 30, output_ids=[2] * 3)
+    assert plugin.tell_decode_tokens(Queue(), SimpleNamespace(kv_receiver=receiver, req=req), [0], 4) is None
+    assert receiver.request_tokens == 33
+    plugin.tell_decode_tokens(object(), SimpleNamespace(kv_receiver=receiver, req=req))
+    assert receiver.request_tokens == 30
