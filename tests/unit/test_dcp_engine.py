@@ -314,6 +314,30 @@ def test_a_decode_dcp_room_without_its_token_count_or_with_the_wrong_pages_fails
     assert r.state is KVPoll.Failed and words in r.failure and "decode DCP rank 1 of 2" in r.failure
 
 
+def test_a_decode_room_failing_before_its_metadata_tells_its_prefill_ranks_and_their_sender_fails():
+    """A decode room that fails at init (here: no token count under DCP), before any RoomMeta
+    went out, still tells every prefill rank of its plan; a sender there that waits for the
+    room's metadata fails with the decode's reason instead of waiting for it."""
+    r = dcp_decode_room()
+    acts = r.init(np.array([6, 8]), 1.0, prefix_pages=0, num_tokens=None)
+    assert r.state is KVPoll.Failed
+    told = [a for a in acts if isinstance(a, Send) and type(a.msg).__name__ == "RoomFailed"]
+    assert [(a.peer, a.msg.room, a.msg.session) for a in told] == [(PeerKey("pre", 0, 900), 7, 55)]
+    sender = PrefillRoom(room=7, num_pages=3, layout=mla(tp=1), me=900, now=0.0, timeouts=Timeouts(metadata=50),
+                         op_ids=itertools.count(1), num_tokens=9)
+    m = told[0].msg
+    sender.on_room_failed(PeerKey("dec", 1, 2001), m.session, m.kind, m.reason, 2.0)
+    assert sender.state is KVPoll.Failed and "token count" in sender.failure
+
+
+def test_a_decode_room_aborted_before_init_tells_its_prefill_ranks():
+    r = dcp_decode_room()
+    acts = r.abort(None, 1.0)
+    assert r.state is KVPoll.Failed
+    assert [a.peer for a in acts if isinstance(a, Send) and type(a.msg).__name__ == "RoomFailed"] == \
+        [PeerKey("pre", 0, 900)]
+
+
 def test_a_decode_dcp_rank_owning_none_of_the_tokens_succeeds_once_its_metadata_is_out():
     r = dcp_decode_room(rank=1)
     r.init(np.array([3]), 1.0, num_tokens=1)

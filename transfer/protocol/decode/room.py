@@ -641,7 +641,11 @@ class DecodeRoom(RoomBase[DecodeAction]):
         return []
 
     def _told_of_failure(self) -> list[tuple[PeerKey, int]]:
-        return [(peer, self.session) for peer in self._all_prefill()] if self.meta_sent else []
+        """Every prefill rank the room's plan names, once it has one: also when the room fails
+        before its metadata went out (at init, or aborted before it), so a sender waiting for
+        that metadata fails too instead of waiting for it (a prefill rank that has no sender for
+        the room yet parks the failure, room_uses.py)."""
+        return [(peer, self.session) for peer in self._all_prefill()] if self.plan is not None else []
 
     # -- internals --------------------------------------------------------------------------
     def totals(self) -> RoomTotals:
