@@ -11,7 +11,9 @@ never handing back bytes that do not match their digest.
   its trailer before it is handed on. `put_pieces`/`get_pieces` do the same with no copy at all,
   straight from and into registered memory given as (address, size) pieces per page (SGLang's
   host pool), by ONE `batch_put_from_multi_buffers` / `batch_get_into_multi_buffers`; the same
-  objects, so either path reads what the other wrote.
+  objects, so either path reads what the other wrote. `get_pieces` digests a large batch in two
+  halves, one on the store's digest thread (xxhash lets go of Python's lock), and returns only
+  once both halves are checked.
 - Object keys are ``kvstage/<namespace digest>/<kind>/<key>``: another namespace finds nothing.
 - Eviction is Mooncake's, per object: unlike the file store, the pages of one batch are not
   evicted together (a request's KV and states may part; a missing state is a miss by SGLang's
@@ -26,7 +28,9 @@ import logging
 import struct
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 
+import numpy as np
 import torch
 import xxhash
 
@@ -41,6 +45,11 @@ log = logging.getLogger(__name__)
 _TRAILER = struct.Struct("<4sIQ")   # magic, version, xxh3-64
 MAGIC = b"KVSM"
 VERSION = 1
+_TRAILER_DTYPE = np.dtype([("magic", "S4"), ("version", "<u4"), ("digest", "<u8")])
+assert _TRAILER_DTYPE.itemsize == _TRAILER.size
+
+#: A batch read of at least this many bytes is digested in two halves on two threads.
+PARALLEL_DIGEST_BYTES = 8 << 20
 
 
 def _digest(pieces: Sequence[tuple[int, int]]) -> int:
@@ -51,6 +60,10 @@ def _digest(pieces: Sequence[tuple[int, int]]) -> int:
     return h.intdigest()
 
 
+def _digests(pages: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
+    return [_digest(p) for p in pages]
+
+
 class MooncakePageStore:
     """`master`: the master's RPC address (host:port); `metadata`: its HTTP metadata server URL
     (``http://host:port/metadata``) or an etcd address; `segment_bytes`: the memory this client
@@ -58,7 +71,7 @@ class MooncakePageStore:
 
     def __init__(self, *, namespace: str, master: str, metadata: str, staging_bytes: int,
                  segment_bytes: int = 1 << 30, local_hostname: str = "127.0.0.1", protocol: str = "tcp",
-                 device: str = "") -> None:
+                 device: str = "", parallel_digest_bytes: int = PARALLEL_DIGEST_BYTES) -> None:
         from mooncake.store import MooncakeDistributedStore
         self.namespace = namespace
         self._prefix = f"kvstage/{hashlib.sha256(namespace.encode()).hexdigest()[:20]}/"
@@ -77,6 +90,8 @@ class MooncakePageStore:
         self._wlock = threading.Lock()
         self._rlock = threading.Lock()
         self.read_only = False
+        self.parallel_digest_bytes = parallel_digest_bytes
+        self._digester = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstage-mooncake-digest")
 
     def _key(self, pk: PageKey) -> str:
         return f"{self._prefix}{pk.kind}/{pk.key}"
@@ -222,39 +237,58 @@ class MooncakePageStore:
     def get_pieces(self, pks: Sequence[PageKey], pieces: Sequence[Sequence[tuple[int, int]]]) -> list[bool]:
         """Read each page straight into its pieces (registered memory), then check it against its
         trailer: a page that does not match is a miss (False). Its pieces then hold bytes that
-        must not be used: SGLang frees the host pages of a miss without reading them."""
+        must not be used: SGLang frees the host pages of a miss without reading them.
+
+        One `batch_get_into_multi_buffers` per batch; then the digests of the pages read whole,
+        in two halves when the batch holds at least `parallel_digest_bytes`: one on the store's
+        digest thread, one on the calling thread (xxhash lets go of Python's lock on large
+        inputs, docs/storage.md). Every page is checked before this returns."""
         ok = [False] * len(pks)
+        sizes = [sum(n for _, n in p) for p in pieces]
         per = self.staging_bytes // _TRAILER.size
         for start in range(0, len(pks), per):
-            batch = list(range(start, min(len(pks), start + per)))
+            batch = range(start, min(len(pks), start + per))
             with self._rlock:
-                buf = self._rbuf.tensor
-                sizes = [sum(n for _, n in pieces[i]) for i in batch]
+                base = self._rbuf.addr - start * _TRAILER.size      # page i's trailer: base + 16 i
                 try:
                     got = self._store.batch_get_into_multi_buffers(
                         [self._key(pks[i]) for i in batch],
-                        [[p for p, _ in pieces[i]] + [self._rbuf.addr + j * _TRAILER.size] for j, i in enumerate(batch)],
+                        [[p for p, _ in pieces[i]] + [base + i * _TRAILER.size] for i in batch],
                         [[n for _, n in pieces[i]] + [_TRAILER.size] for i in batch])
                 except Exception as exc:
                     got = [-1] * len(batch)
                     self.stats.last_error = f"batch_get_into_multi_buffers failed: {exc}"
                 self.stats.reads += 1
-                for j, (i, n, size) in enumerate(zip(batch, got, sizes)):
-                    if n != size + _TRAILER.size:
-                        continue
-                    magic, version, digest = _TRAILER.unpack(
-                        bytes(buf[j * _TRAILER.size:(j + 1) * _TRAILER.size].numpy()))
-                    if magic != MAGIC or version != VERSION or _digest(pieces[i]) != digest:
-                        self.stats.pages_corrupt += 1
-                        self.stats.last_error = f"page {pks[i].key!r} failed its digest: a miss"
-                        log.warning("kvstage storage: %s", self.stats.last_error)
-                        continue
-                    ok[i] = True
-                    self.stats.bytes_read += size
+                trailers = self._rbuf.tensor[: len(batch) * _TRAILER.size].numpy().view(_TRAILER_DTYPE)
+                self._check(pks, pieces, sizes, batch, got, trailers, ok)
+                del trailers
         n_ok = sum(ok)
         self.stats.pages_read += n_ok
         self.stats.pages_missed += len(ok) - n_ok
         return ok
+
+    def _check(self, pks, pieces, sizes, batch: range, got, trailers, ok: list[bool]) -> None:
+        """Pages of `batch` whose object came back whole and matches its trailer: ok."""
+        header = ((trailers["magic"] == MAGIC) & (trailers["version"] == VERSION)).tolist()
+        expected = trailers["digest"].tolist()
+        whole = [i for j, i in enumerate(batch) if got[j] == sizes[i] + _TRAILER.size]
+        split = len(whole) // 2 if sum(sizes[i] for i in whole) >= self.parallel_digest_bytes else 0
+        theirs = self._digester.submit(_digests, [pieces[i] for i in whole[:split]]) if split else None
+        try:
+            mine = _digests([pieces[i] for i in whole[split:]])
+        finally:
+            if theirs is not None:
+                wait([theirs])        # the other half ends before this returns, whatever happened here
+        digests = (theirs.result() if theirs is not None else []) + mine
+        for i, digest in zip(whole, digests):
+            j = i - batch.start
+            if not header[j] or digest != expected[j]:
+                self.stats.pages_corrupt += 1
+                self.stats.last_error = f"page {pks[i].key!r} failed its digest: a miss"
+                log.warning("kvstage storage: %s", self.stats.last_error)
+                continue
+            ok[i] = True
+            self.stats.bytes_read += sizes[i]
 
     def _count_puts(self, batch, res, sizes, ok) -> None:
         self.stats.writes += 1
@@ -279,6 +313,7 @@ class MooncakePageStore:
                 self._store.unregister_buffer(self._rbuf.addr)
             except Exception:
                 pass
+            self._digester.shutdown()
             self._store.close()
             self._wbuf.close()
             self._rbuf.close()
