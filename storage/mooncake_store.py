@@ -11,9 +11,7 @@ never handing back bytes that do not match their digest.
   its trailer before it is handed on. `put_pieces`/`get_pieces` do the same with no copy at all,
   straight from and into registered memory given as (address, size) pieces per page (SGLang's
   host pool), by ONE `batch_put_from_multi_buffers` / `batch_get_into_multi_buffers`; the same
-  objects, so either path reads what the other wrote. `get_pieces` digests a large batch in two
-  halves, one on the store's digest thread (xxhash lets go of Python's lock), and returns only
-  once both halves are checked.
+  objects, so either path reads what the other wrote.
 - Object keys are ``kvstage/<namespace digest>/<kind>/<key>``: another namespace finds nothing.
 - Eviction is Mooncake's, per object: unlike the file store, the pages of one batch are not
   evicted together (a request's KV and states may part; a missing state is a miss by SGLang's
@@ -28,7 +26,6 @@ import logging
 import struct
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -48,9 +45,6 @@ VERSION = 1
 _TRAILER_DTYPE = np.dtype([("magic", "S4"), ("version", "<u4"), ("digest", "<u8")])
 assert _TRAILER_DTYPE.itemsize == _TRAILER.size
 
-#: A batch read of at least this many bytes is digested in two halves on two threads.
-PARALLEL_DIGEST_BYTES = 8 << 20
-
 
 def _digest(pieces: Sequence[tuple[int, int]]) -> int:
     """xxh3-64 of a page's pieces, read in place."""
@@ -60,10 +54,6 @@ def _digest(pieces: Sequence[tuple[int, int]]) -> int:
     return h.intdigest()
 
 
-def _digests(pages: Sequence[Sequence[tuple[int, int]]]) -> list[int]:
-    return [_digest(p) for p in pages]
-
-
 class MooncakePageStore:
     """`master`: the master's RPC address (host:port); `metadata`: its HTTP metadata server URL
     (``http://host:port/metadata``) or an etcd address; `segment_bytes`: the memory this client
@@ -71,7 +61,7 @@ class MooncakePageStore:
 
     def __init__(self, *, namespace: str, master: str, metadata: str, staging_bytes: int,
                  segment_bytes: int = 1 << 30, local_hostname: str = "127.0.0.1", protocol: str = "tcp",
-                 device: str = "", parallel_digest_bytes: int = PARALLEL_DIGEST_BYTES) -> None:
+                 device: str = "") -> None:
         from mooncake.store import MooncakeDistributedStore
         self.namespace = namespace
         self._prefix = f"kvstage/{hashlib.sha256(namespace.encode()).hexdigest()[:20]}/"
@@ -90,8 +80,6 @@ class MooncakePageStore:
         self._wlock = threading.Lock()
         self._rlock = threading.Lock()
         self.read_only = False
-        self.parallel_digest_bytes = parallel_digest_bytes
-        self._digester = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstage-mooncake-digest")
 
     def _key(self, pk: PageKey) -> str:
         return f"{self._prefix}{pk.kind}/{pk.key}"
@@ -239,10 +227,9 @@ class MooncakePageStore:
         trailer: a page that does not match is a miss (False). Its pieces then hold bytes that
         must not be used: SGLang frees the host pages of a miss without reading them.
 
-        One `batch_get_into_multi_buffers` per batch; then the digests of the pages read whole,
-        in two halves when the batch holds at least `parallel_digest_bytes`: one on the store's
-        digest thread, one on the calling thread (xxhash lets go of Python's lock on large
-        inputs, docs/storage.md). Every page is checked before this returns."""
+        One `batch_get_into_multi_buffers` per batch, then the batch's trailers read in one step
+        (numpy) and each page read whole digested on this thread (digesting in two halves on
+        two threads, or beside the get in parts, was measured no faster here: docs/storage.md)."""
         ok = [False] * len(pks)
         sizes = [sum(n for _, n in p) for p in pieces]
         per = self.staging_bytes // _TRAILER.size
@@ -271,18 +258,10 @@ class MooncakePageStore:
         """Pages of `batch` whose object came back whole and matches its trailer: ok."""
         header = ((trailers["magic"] == MAGIC) & (trailers["version"] == VERSION)).tolist()
         expected = trailers["digest"].tolist()
-        whole = [i for j, i in enumerate(batch) if got[j] == sizes[i] + _TRAILER.size]
-        split = len(whole) // 2 if sum(sizes[i] for i in whole) >= self.parallel_digest_bytes else 0
-        theirs = self._digester.submit(_digests, [pieces[i] for i in whole[:split]]) if split else None
-        try:
-            mine = _digests([pieces[i] for i in whole[split:]])
-        finally:
-            if theirs is not None:
-                wait([theirs])        # the other half ends before this returns, whatever happened here
-        digests = (theirs.result() if theirs is not None else []) + mine
-        for i, digest in zip(whole, digests):
-            j = i - batch.start
-            if not header[j] or digest != expected[j]:
+        for j, i in enumerate(batch):
+            if got[j] != sizes[i] + _TRAILER.size:
+                continue
+            if not header[j] or _digest(pieces[i]) != expected[j]:
                 self.stats.pages_corrupt += 1
                 self.stats.last_error = f"page {pks[i].key!r} failed its digest: a miss"
                 log.warning("kvstage storage: %s", self.stats.last_error)
@@ -313,7 +292,6 @@ class MooncakePageStore:
                 self._store.unregister_buffer(self._rbuf.addr)
             except Exception:
                 pass
-            self._digester.shutdown()
             self._store.close()
             self._wbuf.close()
             self._rbuf.close()

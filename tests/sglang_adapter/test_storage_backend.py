@@ -183,9 +183,8 @@ def test_mooncake_store_behind_the_same_backend(tmp_path):
         assert b.store._store.put(b.store._key(PageKey(kind, "bad")), bytes(raw)) == 0
         assert b.batch_get_v1([keys[1], "bad"], dst) == [True, False]
         assert b.stats()["pages_corrupt"] == 1
-        # the digests in two halves on two threads: a bad page in either half is a miss, and
-        # each good page is matched with its own digest
-        b.store.parallel_digest_bytes = 0
+        # trailers checked in one step per batch: bad pages first and last are misses, and
+        # each good page between them is matched with its own trailer
         assert b.store._store.put(b.store._key(PageKey(kind, "bad2")), bytes(raw)) == 0
         assert b.batch_get_v1(["bad", keys[2], keys[3], "bad2"], dst) == [False, True, True, False]
         assert b.stats()["pages_corrupt"] == 3
