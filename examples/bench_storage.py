@@ -11,7 +11,8 @@
   with POSIX_FADV_DONTNEED first).
 - with --mooncake, Mooncake Store (a mooncake_master started here for each, tcp): kvstage's store behind
   the same backend (kvstage_store=mooncake) against SGLang's own mooncake backend (zero copy
-  from its registered host pool), both through batch_set_v1 / batch_get_v1.
+  from its registered host pool), both through batch_set_v1 / batch_get_v1. --mooncake-only runs
+  just these two (no local files, no dd): an A/B of the Mooncake path in a minute.
 - dd: one O_DIRECT write of the same bytes from an aligned buffer, one O_DIRECT read: the disk's
   bound, without any host-pool copy.
 
@@ -74,8 +75,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--mooncake", action="store_true",
                     help="also Mooncake Store (a local mooncake_master): kvstage's store against SGLang's mooncake backend")
+    ap.add_argument("--mooncake-only", action="store_true",
+                    help="with --mooncake: only the two Mooncake contenders (no local files, no dd)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
+    args.mooncake = args.mooncake or args.mooncake_only
 
     from sglang.srt.mem_cache.hicache_storage import HiCacheFile
     from sglang.srt.mem_cache.storage import StorageBackendFactory
@@ -185,6 +189,9 @@ def main() -> int:
 
         contenders["kvstage-mooncake"] = v1_rw(mk, "km")
         contenders["sglang-mooncake"] = v1_rw(sm, "sm")
+        if args.mooncake_only:
+            for c in ("kvstage", "sglang-file", "dd"):
+                del contenders[c]
     names = list(contenders)
     times: dict[str, dict[str, list[float]]] = {c: {} for c in names}
     load0 = os.getloadavg()
@@ -207,10 +214,11 @@ def main() -> int:
         for k, v in t.items():
             print(f"{c:<12} {k:<13} {statistics.median(v) * 1e3:10.1f} {gbps[c][k]:7.2f}")
     ratios = {}
-    for op in ("write", "read"):
-        ratios[f"{op} kvstage/sglang-file"] = gbps["kvstage"][op] / gbps["sglang-file"][op]
-        ratios[f"{op} kvstage/dd"] = gbps["kvstage"][op] / gbps["dd"][op]
-    ratios["write kvstage/sglang-file-nosync"] = gbps["kvstage"]["write"] / gbps["sglang-file"]["write-nosync"]
+    if "kvstage" in gbps:
+        for op in ("write", "read"):
+            ratios[f"{op} kvstage/sglang-file"] = gbps["kvstage"][op] / gbps["sglang-file"][op]
+            ratios[f"{op} kvstage/dd"] = gbps["kvstage"][op] / gbps["dd"][op]
+        ratios["write kvstage/sglang-file-nosync"] = gbps["kvstage"]["write"] / gbps["sglang-file"]["write-nosync"]
     if args.mooncake:
         for op in ("write", "read"):
             ratios[f"{op} kvstage-mooncake/sglang-mooncake"] = (gbps["kvstage-mooncake"][op]
@@ -222,6 +230,8 @@ def main() -> int:
         verdict = "" if goal is None else f"  (goal >= {goal}x: {'PASS' if v >= goal else 'MISS'})"
         print(f"{k:<36} {v:5.2f}x{verdict}")
     print(f"# kvstage store stats: {ks.stats()}")
+    if args.mooncake:
+        print(f"# kvstage Mooncake store stats: {mk.stats()}")
     print(f"# load average at the end: {os.getloadavg()[0]:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"pages": n, "page_bytes": page_bytes, "rounds": args.rounds,

@@ -319,7 +319,8 @@ class KvstageHiCacheStorage(HiCacheStorage):
                    for s in starts]
             inn = [lambda src, s=s: pool.pool.set_from_flat_data_page(
                 s, src.view(pool.pool.get_dummy_flat_data_page().dtype)) for s in starts]
-        return [PageKey(pool.kind, k) for k in keys], [pool.page_bytes] * n, out, inn
+        kind = pool.kind
+        return [PageKey(kind, k) for k in keys], [pool.page_bytes] * n, out, inn
 
     def _io(self, parts: list[tuple[_Pool, list[str], torch.Tensor]], write: bool) -> list[list[bool]]:
         store = self.store
@@ -350,7 +351,8 @@ class KvstageHiCacheStorage(HiCacheStorage):
                 store.register(buf.data_ptr(), buf.numel() * buf.element_size())
                 self._registered.add(pool.name)
             bounds.append((len(pks), len(pks) + len(keys)))
-            pks += [PageKey(pool.kind, k) for k in keys]
+            kind = pool.kind
+            pks += [PageKey(kind, k) for k in keys]
             pieces += pool.pieces(idx, len(keys)) if keys else []
         ok = store.put_pieces(pks, pieces) if write else store.get_pieces(pks, pieces)
         return [ok[a:b] for a, b in bounds]

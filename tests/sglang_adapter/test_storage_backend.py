@@ -183,6 +183,13 @@ def test_mooncake_store_behind_the_same_backend(tmp_path):
         assert b.store._store.put(b.store._key(PageKey(kind, "bad")), bytes(raw)) == 0
         assert b.batch_get_v1([keys[1], "bad"], dst) == [True, False]
         assert b.stats()["pages_corrupt"] == 1
+        # trailers checked in one step per batch: bad pages first and last are misses, and
+        # each good page between them is matched with its own trailer
+        assert b.store._store.put(b.store._key(PageKey(kind, "bad2")), bytes(raw)) == 0
+        assert b.batch_get_v1(["bad", keys[2], keys[3], "bad2"], dst) == [False, True, True, False]
+        assert b.stats()["pages_corrupt"] == 3
+        assert all(torch.equal(pool.get_data_page(int(dst[at * PAGE]), flat=True),
+                               pool.get_data_page(int(src[i * PAGE]), flat=True)) for at, i in ((1, 2), (2, 3)))
         b.close()
 
 
