@@ -91,6 +91,12 @@ class KVPattern:
     def fill_tokens(self, tensors: list[torch.Tensor], room: int, slots: np.ndarray, tokens: np.ndarray) -> None:
         """Write the pattern of the request's token `tokens[i]` into cache slot `slots[i]` of every
         tensor (a prefill rank of a DCP group holds its tokens at its local slots)."""
+        for tensor, where, want in self._token_rows(tensors, room, slots, tokens):
+            tensor.view(torch.uint8).view(-1, self.layout.token_bytes)[where.to(tensor.device)] = want.to(tensor.device)
+
+    def _token_rows(self, tensors: list[torch.Tensor], room: int, slots: np.ndarray, tokens: np.ndarray):
+        """For each tensor: (the tensor, its cache slots `slots`, the pattern bytes of the request's
+        tokens `tokens` there, one row a token); nothing for no token."""
         ps = self.layout.page_size
         tok = np.asarray(tokens, dtype=np.int64)
         if tok.size == 0:
@@ -100,24 +106,15 @@ class KVPattern:
         rows, offs = torch.as_tensor(tok // ps - first), torch.as_tensor(tok % ps)
         where = torch.as_tensor(np.asarray(slots, dtype=np.int64))
         for t, tensor in enumerate(tensors):
-            want = self._expected(t, keys).reshape(last - first + 1, ps, -1)[rows, offs]
-            tensor.view(torch.uint8).view(-1, self.layout.token_bytes)[where.to(tensor.device)] = want.to(tensor.device)
+            yield tensor, where, self._expected(t, keys).reshape(last - first + 1, ps, -1)[rows, offs]
 
     def check_tokens(self, tensors: list[torch.Tensor], room: int, slots: np.ndarray, tokens: np.ndarray) -> str | None:
         """None when cache slot `slots[i]` holds exactly the pattern of the request's token
         `tokens[i]` (its page tokens[i] // page_size, offset tokens[i] % page_size), in every
         tensor, else what differs: the bytes a decode context parallel rank holds, each token
         at its own local slot (token_mapping.py)."""
-        ps = self.layout.page_size
         tok = np.asarray(tokens, dtype=np.int64)
-        if tok.size == 0:
-            return None
-        first, last = int(tok.min()) // ps, int(tok.max()) // ps
-        keys = self._keys(room, last - first + 1, first)
-        rows, offs = torch.as_tensor(tok // ps - first), torch.as_tensor(tok % ps)
-        where = torch.as_tensor(np.asarray(slots, dtype=np.int64))
-        for t, tensor in enumerate(tensors):
-            want = self._expected(t, keys).reshape(last - first + 1, ps, -1)[rows, offs]
+        for t, (tensor, where, want) in enumerate(self._token_rows(tensors, room, slots, tokens)):
             got = tensor.view(torch.uint8).view(-1, self.layout.token_bytes)[where.to(tensor.device)].cpu()
             if not torch.equal(got, want):
                 bad = int((got != want).any(dim=1).nonzero()[0])
