@@ -226,6 +226,32 @@ def respell(name: str, generation: int) -> str | None:
     return ".".join("0" * generation + format(int(o), "o") for o in octets) + ":" + port
 
 
+BIND_ATTEMPTS = 5   # engines started while other processes take ports: a lost race is tried again
+
+
+def start_engine(make: Callable[[], TransferEngine], host: str, protocol: str, device_name: str,
+                 attempts: int = BIND_ATTEMPTS) -> TransferEngine:
+    """A Mooncake TransferEngine initialized on `host` with the P2P handshake. Mooncake picks its
+    RPC port itself; when another process took that port between Mooncake's pick and its bind
+    ("bind: Address already in use"), a new engine is started, up to `attempts` in all. Any other
+    failure, or the last lost race, raises BackendError with Mooncake's words."""
+    for attempt in range(1, attempts + 1):
+        engine = make()
+        try:
+            ret = engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
+        except RuntimeError as exc:
+            if "Address already in use" not in str(exc) or attempt == attempts:
+                raise BackendError(f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol!r}) "
+                                   f"failed (attempt {attempt} of {attempts}): {exc}") from exc
+            log.warning("Mooncake's RPC port was taken before it bound it (%s); starting another engine "
+                        "(attempt %d of %d)", exc, attempt + 1, attempts)
+            continue
+        if ret != 0:
+            raise BackendError(f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol!r}) returned {ret}")
+        return engine
+    raise AssertionError("unreachable: the last attempt returns or raises")
+
+
 def _build_memory_kinds() -> tuple[str, ...]:
     """DRAM only for the non-CUDA build (what CPU machines install): it can neither register
     device memory nor write into a peer's; both kinds for a CUDA build."""
@@ -282,10 +308,7 @@ class MooncakeBackend(Backend):
         self.host = host
         self.protocol = protocol
         self._threads_per_peer = submit_threads_per_peer
-        self._engine = TransferEngine()
-        ret = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
-        if ret != 0:
-            raise BackendError(f"Mooncake TransferEngine.initialize({host!r}, P2PHANDSHAKE, {protocol!r}) returned {ret}")
+        self._engine = start_engine(TransferEngine, host, protocol, device_name)
         self._name = f"{host}:{self._engine.get_rpc_port()}"
         self._instance = secrets.token_hex(8)   # tells this engine from a later one on the same address
         self._regs: dict[int, Registration] = {}
