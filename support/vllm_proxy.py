@@ -18,5 +18,7 @@ def pd_complete(prefill_url: str, decode_url: str, ids: list[int], max_tokens: i
     t1 = time.perf_counter()
     params = first.get("kv_transfer_params")
     assert params, f"the prefill server returned no kv_transfer_params: {first}"
-    out = complete(decode_url, ids, max_tokens, procs, kv_transfer_params=params)
+    # the decode server is up by now: an error is this request's (its KV load failed), and the
+    # same kv_transfer_params (a room that has ended) would fail again
+    out = complete(decode_url, ids, max_tokens, procs, kv_transfer_params=params, retry_errors=False)
     return token_ids(out), params, t1 - t0, time.perf_counter() - t1

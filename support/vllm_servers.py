@@ -61,9 +61,12 @@ def wait_healthy(procs: list[Proc], urls: list[str]) -> None:
 def env_for(cores: str, **extra) -> dict:
     """A server's environment: offline, a small CPU KV cache, its core binding."""
     # OpenMP threads that spin between parallel regions starve everything else on 2 shared cores
-    # (kvstage's heartbeats included): passive waits, and a longer lease than on a quiet host
+    # (kvstage's heartbeats included): passive waits, and a longer lease than on a quiet host. The
+    # CI VM is itself paused by its host now and then (its kernel logged a workqueue "stuck for
+    # 53s" once): a pause longer than the lease runs every writer's fence out at once on resume, so
+    # the lease is longer than that (docs/vllm.md)
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND=cores,
-               OMP_WAIT_POLICY="PASSIVE", KMP_BLOCKTIME="0", KVSTAGE_TIMEOUT_LEASE="30",
+               OMP_WAIT_POLICY="PASSIVE", KMP_BLOCKTIME="0", KVSTAGE_TIMEOUT_LEASE="90",
                VLLM_HOST_IP="127.0.0.1",
                VLLM_ENABLE_V1_MULTIPROCESSING="1", **extra)
     return env
@@ -91,9 +94,10 @@ def nixl_config(role: str, connector: str = "NixlConnector") -> dict:
 
 
 def complete(url: str, ids: list[int], max_tokens: int, procs: list[Proc], kv_transfer_params: dict | None = None,
-             timeout: float = REQUEST_S) -> dict:
+             timeout: float = REQUEST_S, retry_errors: bool = True) -> dict:
     """One greedy completion from token ids (the response JSON), retried until the deadline
-    while the server is not ready; an assertion naming the server that exited."""
+    while the server is not ready (`retry_errors`: also on an HTTP 5xx; off, such an answer is an
+    assertion at once, with the servers' logs); an assertion naming the server that exited."""
     body = {"model": "m", "prompt": ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
             "return_token_ids": True}
     if kv_transfer_params is not None:
@@ -107,6 +111,8 @@ def complete(url: str, ids: list[int], max_tokens: int, procs: list[Proc], kv_tr
             error = f"HTTP {r.status_code}: {r.text[:500]}"
             if r.status_code < 500 and r.status_code != 404:
                 raise AssertionError(f"{url}: {error}")
+            if not retry_errors and r.status_code >= 500:
+                assert_serving(procs, False, f"{url}: {error}")
         except requests.RequestException as exc:
             error = str(exc)
         assert_serving(procs, time.monotonic() < deadline, f"no answer from {url}: {error}")

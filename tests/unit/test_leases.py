@@ -85,3 +85,54 @@ def test_the_fence_holds_when_the_reader_judges_silence_up_to_its_last_look(step
         for t in (now, now + 0.5, now + 1.5):
             if not reader.alive(t, looked=t - late):
                 assert not writer.may_write(t)
+
+
+def heartbeat_pair(stall: tuple[float, float], until: float, *, lease: float = 30.0, base: float = 1.0,
+             delay: float = 0.05, tick: float = 0.01) -> tuple[list[float], float]:
+    """Two peers heartbeating each other (each when its Lease says one is due, delivered `delay`
+    later); A sends nothing during `stall` (start, end). Returns the gaps between the heartbeats
+    either sent after the stall's end + 2 lease, and the longest fence lag (now - fence_base) of
+    either in that time."""
+    a, b = Lease(lease, 0.0), Lease(lease, 0.0)
+    in_flight: list[tuple[float, Lease, int, int]] = []
+    last = {id(a): 0.0, id(b): 0.0}
+    gaps, lag, settle = [], 0.0, stall[1] + 2 * lease
+    for i in range(int(until / tick)):
+        now = i * tick
+        for m in [m for m in in_flight if m[0] <= now]:
+            in_flight.remove(m)
+            m[1].on_heartbeat(m[2], m[3], now)
+        for me, other in ((a, b), (b, a)):
+            if me is a and stall[0] <= now < stall[1]:
+                continue
+            if now >= me.beat_due:
+                if now > settle:
+                    gaps.append(round(now - last[id(me)], 2))
+                last[id(me)] = now
+                me.beat_sent(now, base)
+                in_flight.append((now + delay, other, *me.next_heartbeat(now)))
+        if now > settle:
+            lag = max(lag, now - a.fence_base, now - b.fence_base)
+    return gaps, lag
+
+
+def test_one_late_heartbeat_is_not_echoed_between_the_peers():
+    # A's loop held up for 10 s once: afterwards both go back to their 1 s interval and the
+    # fence lags about one interval, as before the stall (it echoed for good: gaps of a quarter
+    # lease, the fence lagging over 8 s)
+    quiet, quiet_lag = heartbeat_pair((0, 0), 150)
+    gaps, lag = heartbeat_pair((20, 30), 150)
+    assert max(gaps) <= 1.01, sorted(set(gaps))
+    assert lag < 2.2
+    assert max(quiet) <= 1.01 and quiet_lag < 2.2
+
+
+def test_a_peer_that_heartbeats_less_often_still_sets_the_pace():
+    lease = Lease(30, 0.0)
+    for k in range(1, 8):                      # the peer heartbeats every 4 s
+        lease.on_heartbeat(seq=k, ack=0, now=4.0 * k)
+    lease.beat_sent(28.0, own=1.0)
+    assert lease.peer_every == 4.0 and lease.beat_due == 32.0
+    lease.on_heartbeat(seq=8, ack=0, now=29.0)  # then every second: followed at once
+    lease.beat_sent(29.0, own=1.0)
+    assert lease.beat_due == 30.0

@@ -177,3 +177,25 @@ def test_a_held_up_control_thread_does_not_take_its_lateness_for_the_peers_silen
     liveness.tick(12.1, looked=12.05)     # the socket read to the end: nothing from the peer in 12 s
     assert peer.state == "lost" and "lease expired" in peer.reason
     assert any(isinstance(m, Goodbye) for m in sent)
+
+
+def test_a_writer_whose_fence_ran_out_says_how_it_stood():
+    # the reason tells a slow peer from a slow writer: the peer was heard 1 s ago and heartbeats
+    # every 2 s, but acknowledged nothing sent in the last 12 s; this rank's loop was on time
+    ctx = SimpleNamespace(stats=Stats(), sock=SimpleNamespace(send=lambda ep, msg: True, forget=lambda ep: None))
+    peers = peer_table(me=1, sock=ctx.sock, stats=ctx.stats)
+    lease = Lease(10.0, 0.0)
+    for seq in range(1, 6):
+        lease.on_heartbeat(seq=seq, ack=0, now=2.0 * seq + 1)
+    peer = Peer(key=PeerKey("dc", 0, 77), role="decode", tp_size=1, endpoint="tcp://d:1", lease=lease,
+                state="connected")
+    peers.peers[77] = peer
+    liveness = Liveness(me=1, peers=peers, timeouts=SimpleNamespace(lease=10.0, heartbeat=1.0, connect=3.0),
+                        stats=ctx.stats, ring=SimpleNamespace(allocator=None), side=SimpleNamespace(writes_to_peers=True),
+                        heartbeats=None)
+    liveness.tick(12.0, looked=12.0)
+    assert peer.state == "lost", peer.state
+    assert peer.reason.startswith("its acknowledgements stopped (write lease expired: "), peer.reason
+    for part in ("went out 12.0 s ago, lease 10 s", "last heard 1.0 s ago", "heartbeats every 2.0 s",
+                 "0.0 s late"):
+        assert part in peer.reason, (part, peer.reason)

@@ -12,7 +12,7 @@ fleet must run the same).
 from __future__ import annotations
 
 from ..config import Timeouts
-from ..protocol.leases import heartbeat_interval
+from ..protocol.leases import Lease, heartbeat_interval
 from ..protocol.messages import EngineBeat, Goodbye, Heartbeat
 from ..protocol.routing import PeerState
 from .interfaces import Counters, EventHandler, HeartbeatSink, LeaseHooks, MessageHandler, RingOwner
@@ -59,7 +59,7 @@ class Liveness:
                 if not peer.lease.alive(now, looked):
                     self.peers.lost(peer, f"silent for {t.lease:g} s (lease expired)", now)
                 elif self.side.writes_to_peers and not peer.lease.may_write(now):
-                    self.peers.lost(peer, "its acknowledgements stopped (write lease expired)", now)
+                    self.peers.lost(peer, fence_ran_out(peer.lease, now, looked), now)
         self._heartbeats(now)
 
     def _heartbeats(self, now: float) -> None:
@@ -80,6 +80,17 @@ class Liveness:
                 extra = {"wm_epoch": self.me, "wm_round": wm.round, "wm_tail": wm.tail}
             self.peers.send(peer.key, Heartbeat(src=self.me, dst=peer.key.incarnation, seq=seq, ack=ack, **extra))
             self.stats.count("heartbeats_sent", "rank")
+
+
+def fence_ran_out(lease: Lease, now: float, looked: float | None) -> str:
+    """Why a writer stopped writing to a peer, with what tells a slow peer from a slow self: how
+    long ago the heartbeat it last acknowledged went out, when it was last heard, how often it
+    heartbeats, and how late this rank's own loop read its socket."""
+    late = 0.0 if looked is None else max(0.0, now - looked)
+    return (f"its acknowledgements stopped (write lease expired: the last heartbeat of ours it acknowledged "
+            f"went out {now - lease.fence_base:.1f} s ago, lease {lease.lease_s:g} s; it was last heard "
+            f"{now - lease.last_heard:.1f} s ago and heartbeats every {lease.peer_every:.1f} s; this rank's "
+            f"loop read its socket {late:.1f} s late)")
 
 
 MODE_MISMATCH = ("it runs {theirs}-pair leases and this rank {ours}-pair leases (EngineConfig.leases, "

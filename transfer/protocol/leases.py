@@ -22,6 +22,11 @@ second, longer with more peers (peers / HEARTBEATS_PER_S), and never longer than
 lease, so at least four heartbeats fit in a lease and a writer's fence is renewed at least every
 half lease; or as often as the peer heartbeats it when that is less often (`pair_interval`), so
 two peers settle on the longer of their intervals and a rank receives no more than it sends.
+How often the peer heartbeats is the shortest of its last `GAPS_KEPT` gaps, not its latest: one
+late heartbeat (its loop held up) would otherwise be answered by as long a gap of ours, which the
+peer answers in turn, so a single hiccup echoed between the two for as long as they are
+connected, each gap up to a quarter of the lease, and the write fence lagged by up to half a lease
+instead of about one interval (tests/unit/test_leases.py).
 With a 1 s interval and a 10 s lease, a rank with N peers sends N a second up to
 20 peers, 20 a second up to 50 peers, and 0.4 N past that, and receives as many or fewer: a
 rank of a 64 x 64 fleet of TP 8 engines (32 peers) sends and receives 40 a second instead of 64
@@ -33,6 +38,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 HEARTBEATS_PER_S = 20.0   # what a rank sends per second at most, while the lease allows it
+GAPS_KEPT = 4             # the peer's heartbeat gaps its interval is judged from (the shortest)
 
 
 def heartbeat_interval(peers: int, *, base: float, lease: float, per_s: float = HEARTBEATS_PER_S) -> float:
@@ -65,8 +71,14 @@ class Lease:
         self._sent: OrderedDict[int, float] = OrderedDict({0: now})  # our seq -> send time
         self.fence_base = now             # send time of the highest heartbeat the peer acked
         self.beat_heard: float | None = None   # when the peer's latest heartbeat came
-        self.peer_every = 0.0             # the gap before it: how often the peer heartbeats us
+        self._gaps: tuple[float, ...] = ()     # the gaps before its last GAPS_KEPT heartbeats
         self.beat_due = now               # when our next heartbeat to the peer is due
+
+    @property
+    def peer_every(self) -> float:
+        """How often the peer heartbeats us: the shortest of its last GAPS_KEPT gaps (0 before
+        two heartbeats came), so one late heartbeat is not taken for its interval."""
+        return min(self._gaps, default=0.0)
 
     def heard(self, now: float) -> None:
         self.last_heard = max(self.last_heard, now)
@@ -88,7 +100,7 @@ class Lease:
         self.heard(now)
         if seq > self.peer_seq:   # a new one: how long after the one before
             if self.beat_heard is not None:
-                self.peer_every = now - self.beat_heard
+                self._gaps = (*self._gaps[1 - GAPS_KEPT:], now - self.beat_heard)
             self.beat_heard = now
         self.peer_seq = max(self.peer_seq, seq)
         sent = self._sent.get(ack)
