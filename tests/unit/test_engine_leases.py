@@ -56,6 +56,7 @@ def test_an_acknowledgement_fences_at_the_time_of_the_stamp_it_names_whoever_rel
     me.on_beat(EngineBeat(src=8, dst=7, sibling=True, acks=[Ack(1, 7, 12345)]), now=6.5)   # not ours
     assert not me.may_write(1, 12.0)
     assert [v.kind for v in me.verdicts(12.0, writes=True)] == [LossKind.FENCED]
+    assert "the last stamp of ours it acknowledged is 10.0 s old, lease 10 s" in me.verdicts(12.0, writes=True)[0].reason
 
 
 def test_two_engines_settle_on_the_longer_slot_so_a_rank_receives_no_more_than_it_sends():

@@ -15,6 +15,20 @@ from kvstage.adapters.sglang import plugin
 from kvstage.adapters.sglang.geometry import kv_layout, kv_memory_device, unsupported_features
 
 
+@pytest.fixture(autouse=True)
+def staging_variables_restored():
+    """take_staging_flag writes os.environ itself (as in SGLang's process): whatever a test
+    leaves in the staging and ring variables is put back as it was, so no later test inherits it."""
+    names = (plugin.STAGING_ENV, plugin.SGLANG_STAGING_ENV, plugin.SGLANG_RING_MB_ENV)
+    before = {n: os.environ.get(n) for n in names}
+    yield
+    for n, v in before.items():
+        if v is None:
+            os.environ.pop(n, None)
+        else:
+            os.environ[n] = v
+
+
 class Backend(enum.Enum):
     MOONCAKE = "mooncake"
     NIXL = "nixl"

@@ -253,7 +253,10 @@ class EngineLeases:
             if upto - remote.seen.heard > self.lease:
                 out.append(PeerLost(rank, LossKind.SILENT, f"no stamp of it heard for {self.lease:g} s (lease expired)"))
             elif writes and not self.may_write(rank, now):
-                out.append(PeerLost(rank, LossKind.FENCED, "its acknowledgements stopped (write lease expired)"))
+                out.append(PeerLost(rank, LossKind.FENCED, (
+                    f"its acknowledgements stopped (write lease expired: the last stamp of ours it acknowledged is "
+                    f"{now - remote.fence:.1f} s old, lease {self.lease:g} s; it was last heard "
+                    f"{now - remote.seen.heard:.1f} s ago)")))
         return out
 
     def may_write(self, rank: int, now: float) -> bool:
