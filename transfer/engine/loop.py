@@ -85,23 +85,42 @@ class Lateness:
     """The longest delays the control thread has seen (stats(): ctrl_tick_late_max_s, how late a
     tick ran; ctrl_round_max_s, the longest round from wake-up to its end; backend_step_max_s,
     the longest backend step inside one). Kept in plain floats by the control thread and handed
-    to Stats once a tick, so a round pays two clock reads and no lock."""
+    to Stats once a tick, so a round pays two clock reads and no lock.
 
-    def __init__(self) -> None:
+    A backend step or a tick late by `warn_s` or more (the engine's: a quarter of the lease, what
+    a heartbeat interval may reach) is also logged as a warning naming `who`: a long step held
+    the control thread inside a backend call (NIXL's Python calls keep the GIL, so the whole
+    process waits with it), a late tick without one means the process itself was held up (the
+    GIL held by another thread, a busy or paused machine). At most one warning each `every_s`."""
+
+    def __init__(self, *, who: str = "", warn_s: float = float("inf"), every_s: float = 10.0) -> None:
         self.round_max = self.step_max = 0.0
+        self.who, self.warn_s, self.every_s = who, warn_s, every_s
+        self._warned_at = -float("inf")
 
-    def step(self, seconds: float) -> None:
+    def step(self, seconds: float, now: float) -> None:
         if seconds > self.step_max:
             self.step_max = seconds
+        if seconds >= self.warn_s:
+            self._warn(now, "a backend call held its control thread for %.1f s (NIXL's keep the GIL: the whole "
+                       "process waited)", seconds)
 
     def round(self, seconds: float) -> None:
         if seconds > self.round_max:
             self.round_max = seconds
 
-    def tick(self, late: float, stats: Stats) -> None:
+    def tick(self, late: float, stats: Stats, now: float) -> None:
         stats.maximum("ctrl_tick_late_max_s", round(max(late, 0.0), 4))
         stats.maximum("ctrl_round_max_s", round(self.round_max, 4))
         stats.maximum("backend_step_max_s", round(self.step_max, 4))
+        if late >= self.warn_s:
+            self._warn(now, "its control loop ran %.1f s late (the process was held up: the GIL, a busy or "
+                       "paused machine); peers may have stopped hearing it", late)
+
+    def _warn(self, now: float, what: str, seconds: float) -> None:
+        if now - self._warned_at >= self.every_s:
+            self._warned_at = now
+            log.warning("kvstage %s: " + what, self.who, seconds)
 
 
 class EngineLoop:
@@ -207,7 +226,8 @@ class EngineLoop:
         self.died: str | None = None            # why the control thread stopped on an error
         self._death_lock = threading.Lock()     # post() against _die(): no event slips past both
         self.meter = ThreadMeter("ctrl")             # wake-ups = rounds of the loop
-        self._starved = Lateness()                   # how late the loop ran, for stats()
+        self._starved = Lateness(who=f"{cfg.role.value} rank {me} of {cfg.engine_id}",   # how late the loop
+                                 warn_s=c.t.lease / 4)                                     # ran, for stats()
         self.steps: dict[str, int] = {a.value: 0 for a in Activity}  # backend steps, by what was in flight
 
     def _build_prefill(self, c: EngineContext) -> None:
@@ -335,7 +355,8 @@ class EngineLoop:
                 self.steps[act.value] += 1
                 stepped = time.monotonic()
                 tags, progressed = self._step()
-                self._starved.step(time.monotonic() - stepped)
+                done = time.monotonic()
+                self._starved.step(done - stepped, done)
                 if tags:
                     self._safely(self.router.on_tags, tags)
                 for ev in self.events.drain():   # completions the step found, handled this round
@@ -344,7 +365,7 @@ class EngineLoop:
                 now = time.monotonic()
                 self._starved.round(now - woke)
                 if now >= self._next_tick:
-                    self._starved.tick(now - self._next_tick if self._next_tick else 0.0, self.ctx.stats)
+                    self._starved.tick(now - self._next_tick if self._next_tick else 0.0, self.ctx.stats, now)
                     busy |= self._read_socket()     # leases are judged on everything that came in
                     now = time.monotonic()
                     self._next_tick = now + TICK
