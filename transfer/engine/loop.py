@@ -102,8 +102,8 @@ class Lateness:
         if seconds > self.step_max:
             self.step_max = seconds
         if seconds >= self.warn_s:
-            self._warn(now, "a backend call held its control thread for %.1f s (NIXL's keep the GIL: the whole "
-                       "process waited)", seconds)
+            self._warn(now, "a backend call held its control thread for %.1f s (a backend whose Python calls "
+                       "keep the GIL, as NIXL's do, held the whole process with it)", seconds)
 
     def round(self, seconds: float) -> None:
         if seconds > self.round_max:
