@@ -226,7 +226,7 @@ class EngineLoop:
         self.died: str | None = None            # why the control thread stopped on an error
         self._death_lock = threading.Lock()     # post() against _die(): no event slips past both
         self.meter = ThreadMeter("ctrl")             # wake-ups = rounds of the loop
-        self._starved = Lateness(who=f"{cfg.role.value} rank {me} of {cfg.engine_id}",   # how late the loop
+        self._starved = Lateness(who=f"{cfg.role.value} rank {layout.rank} of {cfg.engine_id}",   # how late the loop
                                  warn_s=c.t.lease / 4)                                     # ran, for stats()
         self.steps: dict[str, int] = {a.value: 0 for a in Activity}  # backend steps, by what was in flight
 
