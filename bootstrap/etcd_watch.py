@@ -82,6 +82,8 @@ class PrefixWatch:
                 except (requests.RequestException, etcd_exc.Etcd3Exception, BootstrapError, ValueError) as exc:
                     log.debug("etcd watch on %s ended: %s", member.url, exc)
                 except Exception:  # noqa: BLE001 - a bug here must not end the watch for good
+                    if self._stop.is_set():
+                        return   # stop() shut the stream under the reading thread: whatever it raised
                     log.exception("etcd watch on %s failed", member.url)
                 finally:
                     self.connected.clear()

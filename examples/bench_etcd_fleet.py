@@ -5,14 +5,21 @@
 
 It starts a real three-member etcd cluster on this machine (support/etcd_cluster.py) and
 --procs worker processes, each holding --clients rendezvous clients (kvstage.bootstrap's etcd
-rendezvous, one per rank, as every rank of a fleet has its own). Every client registers its rank
-(ranks are grouped 8 to an engine) and keeps its lease alive; then each looks up --lookups
-random engines (what a decode rank does when it meets a prefill engine; the first lookup starts
-the client's watch), timed. Then every client still running looks up one engine of the last
-worker, and that worker is killed (SIGKILL: no lease revoked): etcd deletes its ranks' keys once
-their leases run out, and each watching client's on_gone callback says when it heard. Printed
+rendezvous, one per rank, as every rank of a fleet has its own), and one more process holding
+one engine (8 ranks), the one that dies. Every client registers its rank (ranks are grouped 8 to
+an engine) and keeps its lease alive; then each looks up --lookups random engines (what a decode
+rank does when it meets a prefill engine; the first lookup starts the client's watch), timed, all
+at once, --threads per process back to back: a fleet's start-up, when every decode rank meets
+every prefill engine. Then one client in this process (a rank's own process, whose lookups no
+other client's threads hold up) looks up random engines at --paced a second for --paced-s seconds,
+timed: a fleet at work, where a rank now and then meets an engine it has not met yet; the same
+client did the same before the fleet started, on one engine alone in etcd (the baseline). Then every
+client of the --procs workers looks up the dying engine, and its process is killed (SIGKILL: no
+lease revoked): etcd deletes its ranks' keys once their leases run out, and each watching
+client's on_gone callback says when it heard. Printed
 (JSON): registration and lookup latency percentiles, the delay from the kill to each rank-gone
-notice (goal: within TTL + 2 s), and each etcd member's CPU seconds and resident memory.
+notice (goal: within TTL + 2 s), and each etcd member's CPU seconds, resident memory and leader
+changes seen (a new leader extends every lease by etcd's own rule, which delays the notices).
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import statistics
 import sys
 import threading
 import time
+import urllib.request
 
 from kvstage.bootstrap import BootstrapError, RankInfo, open_rendezvous
 from kvstage.support.etcd_cluster import EtcdCluster
@@ -41,19 +49,20 @@ class WorkerFailed(RuntimeError):
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--procs", type=int, default=10, help="worker processes (the last one is killed)")
+    p.add_argument("--procs", type=int, default=10, help="worker processes (and one more: the engine killed)")
     p.add_argument("--clients", type=int, default=100, help="rendezvous clients (ranks) per process")
     p.add_argument("--lookups", type=int, default=10, help="timed lookups per client")
     p.add_argument("--threads", type=int, default=4, help="lookup threads per process")
+    p.add_argument("--paced", type=float, default=20.0, help="paced lookups per second, from one client")
+    p.add_argument("--paced-s", type=float, default=20.0, help="how long the paced lookups go on (0: none)")
     p.add_argument("--ttl", type=int, default=10, help="each rank's lease, seconds (etcd rendezvous' default)")
     p.add_argument("--members", type=int, default=3)
     p.add_argument("--json", help="write the figures here too")
     a = p.parse_args(argv)
-    if a.procs < 2 or a.clients < 1 or a.lookups < 0 or a.threads < 1 or a.ttl < 1:
-        p.error("--procs >= 2, --clients, --threads, --ttl >= 1, --lookups >= 0")
-    if (a.procs * a.clients) % TP or a.clients < 2 * TP:
-        p.error(f"the ranks (--procs x --clients) must be whole engines of {TP}, and --clients >= {2 * TP} "
-                "(the last process holds a whole engine to kill)")
+    if a.procs < 1 or a.clients < 1 or a.lookups < 0 or a.threads < 1 or a.ttl < 1 or a.paced <= 0 or a.paced_s < 0:
+        p.error("--procs, --clients, --threads, --ttl >= 1, --lookups, --paced-s >= 0, --paced > 0")
+    if (a.procs * a.clients) % TP:
+        p.error(f"the ranks (--procs x --clients) must be whole engines of {TP}")
     return a
 
 
@@ -71,20 +80,21 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
-def worker(w: int, a: argparse.Namespace, url: str, engines: int, cmd: mp.Queue, out: mp.Queue) -> None:
-    """One process of --clients ranks; an error ends it with a ("failed", w, reason) report, so the
+def worker(w: int, ranks: range, a: argparse.Namespace, url: str, engines: int, cmd: mp.Queue,
+           out: mp.Queue) -> None:
+    """One process holding `ranks`; an error ends it with a ("failed", w, reason) report, so the
     main process stops at once instead of waiting for a report that will not come."""
     try:
-        run_worker(w, a, url, engines, cmd, out)
+        run_worker(w, ranks, a, url, engines, cmd, out)
     except BaseException as exc:
         out.put(("failed", w, f"{type(exc).__name__}: {exc}"[:500]))
         raise SystemExit(1) from None
 
 
-def run_worker(w: int, a: argparse.Namespace, url: str, engines: int, cmd: mp.Queue, out: mp.Queue) -> None:
+def run_worker(w: int, ranks: range, a: argparse.Namespace, url: str, engines: int, cmd: mp.Queue,
+               out: mp.Queue) -> None:
     """Registers the process' ranks, times lookups, reports rank-gone notices."""
-    first = w * a.clients
-    clients = [open_rendezvous(url) for _ in range(a.clients)]
+    clients = [open_rendezvous(url) for _ in ranks]
     heard: list[tuple[str, int, float]] = []
     lock = threading.Lock()
 
@@ -95,7 +105,7 @@ def run_worker(w: int, a: argparse.Namespace, url: str, engines: int, cmd: mp.Qu
         c.on_gone(gone)
     reg, refused = [], []
     for i, c in enumerate(clients):
-        info = rank_info(first + i)
+        info = rank_info(ranks[i])
         t = time.perf_counter()
         for attempt in range(3):   # an overloaded etcd may let a fresh lease expire before its put
             try:
@@ -138,12 +148,67 @@ def run_worker(w: int, a: argparse.Namespace, url: str, engines: int, cmd: mp.Qu
                 out.put(("heard", w, list(heard)))
         elif msg == "stop":
             break
-    for c in clients:
-        c.close()
+    # no close(): each revoke would reach every rank still watching (a thousand ranks closing
+    # one by one make half a million watch events, which would load the next run); the keys
+    # go with the cluster
+    out.put(("stopped", w, None))
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
+def paced(url: str, engines: list[str], rate: float, seconds: float) -> list[float]:
+    """Lookups of random `engines` by one client of this process at `rate` a second for
+    `seconds`, each timed (one after the other: a lookup longer than 1 / rate delays the next)."""
+    lat: list[float] = []
+    rng = random.Random(-1)
+    with open_rendezvous(url) as client:
+        start = time.perf_counter()
+        for i in range(int(rate * seconds)):
+            wait = start + i / rate - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)   # the pace itself, not a wait for a condition
+            t = time.perf_counter()
+            client.lookup(rng.choice(engines), timeout_s=30)
+            lat.append(time.perf_counter() - t)
+    return lat
+
+
+def paced_alone(url: str, a: argparse.Namespace) -> list[float]:
+    """The paced lookups before the fleet starts: one engine registered (kept alive) in an
+    otherwise empty etcd, looked up the same way; the baseline of the same run."""
+    with open_rendezvous(url) as holder:
+        for r in range(TP):
+            info = RankInfo(engine_id="alone", role="prefill", tp_size=TP, tp_rank=r,
+                            ctrl_endpoint=f"tcp://127.0.0.1:{19000 + r}", backend="nixl",
+                            backend_identity="x" * 600, layout=rank_info(r).layout, pools=rank_info(r).pools,
+                            incarnation=1)
+            holder.register(info)
+            holder.start_keepalive(info)
+        return paced(url, ["alone"], a.paced, a.paced_s)
+
+
+def lat_ms(lat: list[float]) -> dict:
+    return {"p50": round(pct(lat, 50) * 1e3, 2), "p99": round(pct(lat, 99) * 1e3, 2),
+            "max": round(max(lat, default=0) * 1e3, 2)}
+
+
+def leader_changes(endpoint: str) -> int | None:
+    """etcd_server_leader_changes_seen_total from the member's /metrics (None: it did not answer)."""
+    try:
+        with urllib.request.urlopen(f"http://{endpoint}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith("etcd_server_leader_changes_seen_total "):
+            return int(float(line.split()[1]))
+    return None
 
 
 def etcd_usage(ec: EtcdCluster) -> list[dict]:
-    """Each member's CPU seconds (user + system) and resident memory, from /proc."""
+    """Each member's CPU seconds (user + system), resident memory (from /proc) and leader changes
+    seen."""
     tick = os.sysconf("SC_CLK_TCK")
     rows = []
     for m in ec.members:
@@ -153,30 +218,34 @@ def etcd_usage(ec: EtcdCluster) -> list[dict]:
         with open(f"/proc/{pid}/status") as f:
             rss = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
         rows.append({"member": m.name, "cpu_s": round((int(fields[11]) + int(fields[12])) / tick, 2),
-                     "rss_mib": round(rss / 1024, 1)})
+                     "rss_mib": round(rss / 1024, 1), "leader_changes": leader_changes(m.endpoint)})
     return rows
 
 
 def main(argv=None) -> int:
     a = parse(argv)
     ranks = a.procs * a.clients
-    engines = -(-ranks // TP)
+    engines = ranks // TP   # e0 .. e{engines - 1}; the engine killed is e{engines}, in a process of its own
     ctx = mp.get_context("spawn")
-    res: dict = {"procs": a.procs, "clients_per_proc": a.clients, "ranks": ranks, "engines": engines, "ttl_s": a.ttl,
+    res: dict = {"procs": a.procs, "clients_per_proc": a.clients, "ranks": ranks + TP, "engines": engines + 1,
+                 "ttl_s": a.ttl,
                  "members": a.members, "load_1min_start": round(os.getloadavg()[0], 2)}
     with EtcdCluster(a.members) as ec:   # started by the with
         url = ec.url(f"fleet{os.getpid()}", ttl=a.ttl)
+        alone = paced_alone(url, a)
+        res["paced"] = {"per_s": a.paced, "seconds": a.paced_s, "alone_lookup_ms": lat_ms(alone)}
         usage = {"start": etcd_usage(ec)}
-        cmds = [ctx.Queue() for _ in range(a.procs)]
+        cmds = [ctx.Queue() for _ in range(a.procs + 1)]
         out = ctx.Queue()
-        procs = [ctx.Process(target=worker, args=(w, a, url, engines, cmds[w], out), daemon=True)
-                 for w in range(a.procs)]
+        held = [range(w * a.clients, (w + 1) * a.clients) for w in range(a.procs)] + [range(ranks, ranks + TP)]
+        procs = [ctx.Process(target=worker, args=(w, held[w], a, url, engines, cmds[w], out), daemon=True)
+                 for w in range(a.procs + 1)]
         fleet = Fleet(procs=procs, cmds=cmds, out=out)
         t0 = time.perf_counter()
         for p in procs:
             p.start()
         try:
-            ok = measure(a, res, ec, fleet, usage, t0)
+            ok = measure(a, res, ec, fleet, usage, t0, url=url, engines=engines)
         except WorkerFailed as exc:   # the figures so far, and why the run stopped
             res["failed"] = str(exc)
             ok = False
@@ -223,10 +292,11 @@ class Fleet:
         return got
 
 
-def measure(a: argparse.Namespace, res: dict, ec: EtcdCluster, fleet: Fleet, usage: dict, t0: float) -> bool:
+def measure(a: argparse.Namespace, res: dict, ec: EtcdCluster, fleet: Fleet, usage: dict, t0: float, *,
+            url: str, engines: int) -> bool:
     """Registration, lookups, then the kill and the rank-gone notices; the figures go into `res`,
     etcd's usage at each stage into `usage`. True when every notice came within TTL + 2 s."""
-    got = fleet.collect("registered", a.procs).values()
+    got = fleet.collect("registered", a.procs + 1).values()
     reg = [x for v, _ in got for x in v]
     res["register_refused"] = sum(len(r) for _, r in got)
     res["register_refused_examples"] = sorted({x for _, r in got for x in r})[:3]
@@ -236,7 +306,7 @@ def measure(a: argparse.Namespace, res: dict, ec: EtcdCluster, fleet: Fleet, usa
     for c in fleet.cmds:
         c.put("lookup")
     t1 = time.perf_counter()
-    lat = [x for v in fleet.collect("looked_up", a.procs).values() for x in v]
+    lat = [x for v in fleet.collect("looked_up", a.procs + 1).values() for x in v]
     took = time.perf_counter() - t1
     res["lookups"] = len(lat)
     res["lookup_ms"] = {"p50": round(pct(lat, 50) * 1e3, 2), "p90": round(pct(lat, 90) * 1e3, 2),
@@ -244,17 +314,21 @@ def measure(a: argparse.Namespace, res: dict, ec: EtcdCluster, fleet: Fleet, usa
                         "mean": round(statistics.fmean(lat) * 1e3, 2) if lat else 0.0}
     res["lookups_per_s"] = round(len(lat) / took, 1)
     usage["after_lookups"] = etcd_usage(ec)
-    victim = a.procs - 1
-    target = f"e{-(-victim * a.clients // TP)}"   # the first engine all of whose ranks the victim holds
+    lat = paced(url, [f"e{i}" for i in range(engines)], a.paced, a.paced_s)
+    res["paced"]["lookups"] = len(lat)
+    res["paced"]["lookup_ms"] = lat_ms(lat)
+    usage["after_paced"] = etcd_usage(ec)
+    victim = a.procs
+    target = f"e{engines}"
     for w in range(victim):
         fleet.cmds[w].put(target)
     fleet.collect("watching", victim)
-    time.sleep(a.ttl / 3 + 0.5)   # past the victims' next keepalive, so their leases are fresh
+    time.sleep(a.ttl / 3 + 0.5)   # past the victim's next keepalive, so its leases are fresh
     t_kill = time.time()
     fleet.killed.add(victim)
     fleet.procs[victim].kill()
     fleet.procs[victim].join()
-    want = victim * a.clients * TP   # every other client hears of each of its ranks
+    want = victim * a.clients * TP   # every client of the other processes hears of each of its ranks
     deadline = time.monotonic() + a.ttl + 30
     delays: list[float] = []
     while time.monotonic() < deadline:
@@ -269,12 +343,22 @@ def measure(a: argparse.Namespace, res: dict, ec: EtcdCluster, fleet: Fleet, usa
                     "delay_after_kill_s": {"min": round(min(delays, default=0), 2),
                                            "p50": round(pct(delays, 50), 2), "p99": round(pct(delays, 99), 2),
                                            "max": round(max(delays, default=0), 2)},
-                    "goal_s": a.ttl + 2}
+                    "goal_s": a.ttl + 2, "leader_changes_since_lookups": leader_changes_since(usage, ec)}
     for w in range(victim):
         fleet.cmds[w].put("stop")
+    fleet.collect("stopped", victim)
     for p in fleet.procs[:victim]:
         p.join(60)
     return res["watch"]["notices"] >= want and res["watch"]["delay_after_kill_s"]["max"] <= a.ttl + 2
+
+
+def leader_changes_since(usage: dict, ec: EtcdCluster) -> int | None:
+    """The most leader changes any member saw since the paced lookups ended (None: not known)."""
+    now = {m["member"]: m["leader_changes"] for m in etcd_usage(ec)}
+    seen = [now[m["member"]] - m["leader_changes"] for m in usage["after_paced"]
+            if m["leader_changes"] is not None and now.get(m["member"]) is not None]
+    return max(seen) if seen else None
+
 
 if __name__ == "__main__":
     sys.exit(main())

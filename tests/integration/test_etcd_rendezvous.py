@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -113,6 +114,31 @@ def test_the_keepalive_registers_again_after_its_key_was_lost(etcd3, ns):
         until(lambda: etcd3.keys(prefix) == [prefix + "pf/0"], 3.0, "the keepalive wrote the record again")
         with EtcdRendezvous(etcd3.url(ns, TTL)) as b:
             assert b.lookup("pf", timeout_s=1)[0].epoch == rec.epoch   # same incarnation, same epoch
+
+
+def test_the_keepalive_renews_every_third_of_the_ttl_whatever_the_interval_asked(etcd3, ns):
+    """etcd counts a lease from each renewal: the engine's 1 s heartbeat interval would only add
+    requests (a thousand ranks renewing each second overloaded a 2-core machine, docs/scale.md)."""
+    ttl = 3
+    with EtcdRendezvous(etcd3.url(ns, ttl)) as a:
+        renewals: list[float] = []
+        three = threading.Event()
+        call = a._members.call
+
+        def counted(what, fn):
+            if what == "renew a lease":
+                renewals.append(time.monotonic())
+                if len(renewals) == 3:
+                    three.set()
+            return call(what, fn)
+        a._members.call = counted
+        a.register(info(0, 11, tp=1))
+        a.start_keepalive(info(0, 11, tp=1), interval_s=0.05)
+        assert three.wait(4 * ttl), f"3 renewals not within {4 * ttl} s: {renewals}"
+        gaps = [b - a_ for a_, b in zip(renewals, renewals[1:])]
+        assert min(gaps) >= ttl / 3 - 0.05, gaps
+        with EtcdRendezvous(etcd3.url(ns, ttl)) as b:
+            assert [r.info for r in b.lookup("pf", timeout_s=1)] == [info(0, 11, tp=1)]   # kept all along
 
 
 @pytest.mark.parametrize("which", ["granted", "held"])
