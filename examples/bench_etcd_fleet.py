@@ -228,8 +228,7 @@ def main(argv=None) -> int:
     engines = ranks // TP   # e0 .. e{engines - 1}; the engine killed is e{engines}, in a process of its own
     ctx = mp.get_context("spawn")
     res: dict = {"procs": a.procs, "clients_per_proc": a.clients, "ranks": ranks + TP, "engines": engines + 1,
-                 "ttl_s": a.ttl,
-                 "members": a.members, "load_1min_start": round(os.getloadavg()[0], 2)}
+                 "ttl_s": a.ttl, "members": a.members, "load_1min_start": round(os.getloadavg()[0], 2)}
     with EtcdCluster(a.members) as ec:   # started by the with
         url = ec.url(f"fleet{os.getpid()}", ttl=a.ttl)
         alone = paced_alone(url, a)
