@@ -26,3 +26,15 @@ def test_a_move_reaches_only_the_writers_whose_granted_regions_it_may_unblock():
     assert f.publish([(1, 1800)], 800, SIZE) == [1]  # a new blocked region of 1
     f.forget(1)
     assert f.before_grant(1, 800)                    # a new connection starts from nothing told
+
+
+def test_moves_that_unblock_none_of_a_writers_regions_are_not_sent_to_it():
+    """A ring that stalled and then moves in small steps: the writer blocked far behind hears only
+    the step that makes its region writable, one message rather than one per step."""
+    f = WatermarkFanout()
+    f.before_grant(1, 0)
+    f.before_grant(2, 0)
+    pending = [(1, 1300), (2, 1900)]       # writable from 300 and from 900
+    told = [f.publish(pending, linear, SIZE) for linear in range(100, 1001, 100)]
+    assert told == [[], [], [1], [], [], [], [], [], [2], []]
+    assert f.publish(pending, 1000, SIZE) == []

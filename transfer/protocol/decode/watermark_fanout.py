@@ -8,12 +8,15 @@ connected to dozens of prefill engines, most of which have nothing in its ring
 before its grant (`before_grant`; the connection keeps the order, so the update is applied
 first): a region granted while the ring has room is then writable at once, and needs no more.
 A move is sent only to the writers that still have a region granted here that has not landed
-from them and that their view does not allow yet (`publish`, with `pending_parts`): those are
-the only ones a move can unblock. The heartbeats still carry the watermark to every staging
+from them, that their view does not allow yet and that the new position does (`publish`, with
+`pending_parts`): those are the only ones the move unblocks. A move that unblocks none of a
+writer's regions is not sent to it: after a stalled ring moves again, in many small steps, each
+blocked region costs one message, not one per step (docs/scale.md). The heartbeats still carry the watermark to every staging
 peer (engine/liveness.py), so nothing waits longer than a heartbeat if a message is lost.
 
 Invariant: whenever the watermark moves, every writer with a granted, unlanded region that its
-last told position did not allow is told the new position.
+last told position did not allow and the new position allows is told the new position; so a
+writer's region that the ring allows is one its last told position allows.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ class WatermarkFanout:
         """The watermark moved to `linear` in a ring of `size` bytes. `pending`: (writer
         incarnation, linear end of a region granted to it whose bytes have not landed from it).
         The writers to tell, in order: those with such a region their last told position does
-        not allow."""
-        out = sorted({p for p, end in pending if self._told.get(p, -1) + size < end and self._told.get(p, -1) < linear})
+        not allow and `linear` does (a region ending at `end` is writable once the watermark is at
+        `end - size` or later)."""
+        out = sorted({p for p, end in pending if self._told.get(p, -1) + size < end <= linear + size})
         for p in out:
             self._told[p] = linear
         return out
