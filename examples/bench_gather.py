@@ -34,6 +34,7 @@ import sys
 import threading
 import time
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -273,6 +274,79 @@ def run_threads(args, caches, out_buf, gen) -> None:
             print(f"  {op:8s} {name:52s} {statistics.median(gbs):6.2f} ({max(gbs):5.2f})")
 
 
+def run_one_page(args, out_buf) -> None:
+    """A one-page request's piece (TP 1 -> 2: half the heads of one page of 16 tokens, every layer,
+    K and V): the call as the workers make it (CHOSEN) against one `copy_` per (K/V, layer) block,
+    alone and beside a thread that runs Python without blocking (a busy control thread, at its
+    worst). Every torch call lets go of Python's lock; taking it back from a thread running Python
+    can wait up to sys.getswitchinterval(), so what counts here is the calls per copy, not the bytes.
+    Median microseconds per call over interleaved rounds."""
+    ps, H, L = 16, args.heads, args.layers
+    dtype = DTYPES[args.dtype]
+    es = torch.empty(0, dtype=dtype).element_size()
+    h0, h1 = 0, max(1, H // 2)
+    P = 64
+    src = [torch.randint(0, 256, (P * ps, H, args.head_dim * es), dtype=torch.uint8).view(dtype) for _ in range(2 * L)]
+    dst = [torch.zeros_like(t) for t in src]
+    k, v, dk, dv = tuple(src[:L]), tuple(src[L:]), tuple(dst[:L]), tuple(dst[L:])
+    nbytes = region_nbytes(L, True, ps, h1 - h0, args.head_dim, es)
+    out = out_buf.region(0, nbytes)
+    r = args.head_dim * es // 8
+    sv = [t.view(torch.uint8).view(torch.int64).view(P, ps, H, r)[:, :, h0:h1] for t in src]
+    dv8 = [t.view(torch.uint8).view(torch.int64).view(P, ps, H, r)[:, :, h0:h1] for t in dst]
+    g, sc = Gatherer(caches_fixed=True), Scatterer(caches_fixed=True)
+    page = [0]
+
+    def gather_blocks():
+        p = page[0] = (page[0] + 1) % P
+        o = out[:nbytes].view(torch.int64).view(2 * L, 1, ps, h1 - h0, r)
+        for i in range(2 * L):
+            o[i].copy_(sv[i][p:p + 1])
+
+    def scatter_blocks():
+        o = out[:nbytes].view(torch.int64).view(2 * L, 1, ps, h1 - h0, r)
+        for i in range(2 * L):
+            dv8[i][page[0]:page[0] + 1].copy_(o[i])
+
+    def gather_chosen():
+        p = page[0] = (page[0] + 1) % P
+        g.gather(k, v, np.array([p]), ps, (h0, h1), out, room=p)
+
+    def scatter_chosen():
+        sc.scatter(out, dk, dv, np.array([page[0]]), ps, (h0, h1), room=page[0])
+
+    cases = [("gather", "copy_ per block", gather_blocks), ("gather", "CHOSEN", gather_chosen),
+             ("scatter", "copy_ per block", scatter_blocks), ("scatter", "CHOSEN", scatter_chosen)]
+    print(f"\none page: {L} layers x K,V x {ps} tokens x heads [{h0},{h1}) of {H}, region {nbytes >> 10} KiB; "
+          f"median (p90) us per call over {args.rounds} interleaved rounds of 20 calls")
+    for contended in (False, True):
+        stop = threading.Event()
+
+        def spin() -> None:
+            n = 0
+            while not stop.is_set():
+                n += 1
+
+        th = threading.Thread(target=spin, daemon=True)
+        if contended:
+            th.start()
+        times: dict[str, list[float]] = {f"{op} {name}": [] for op, name, _ in cases}
+        for _ in range(args.rounds):
+            for op, name, f in cases:
+                f()
+                for _ in range(20):
+                    t0 = time.perf_counter()
+                    f()
+                    times[f"{op} {name}"].append((time.perf_counter() - t0) * 1e6)
+        stop.set()
+        if contended:
+            th.join()
+        label = "beside a thread running Python" if contended else "alone"
+        for key, ts in times.items():
+            ts.sort()
+            print(f"  {label:31s} {key:24s} {statistics.median(ts):9.0f} ({ts[int(len(ts) * 0.9)]:7.0f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=16)
@@ -286,6 +360,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="page size 16 only, 3 rounds")
     ap.add_argument("--skip-u8", action="store_true", help="leave out the byte-wide formulations")
+    ap.add_argument("--one-page", action="store_true",
+                    help="only the one-page piece: calls per copy, alone and beside a thread running Python")
     args = ap.parse_args()
     page_sizes = [int(x) for x in args.page_sizes.split(",")]
     if args.quick:
@@ -314,6 +390,10 @@ def main() -> None:
         return cache_memo[ps]
 
     full = region_nbytes(args.layers, True, args.tokens, H, args.head_dim, es)
+    if args.one_page:
+        with StagingBuffer.host(full) as buf:
+            run_one_page(args, buf)
+        return
     with StagingBuffer.host(full) as buf:
         for ps in page_sizes:
             for heads in head_cases:

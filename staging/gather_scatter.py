@@ -137,6 +137,8 @@ class _TorchCopier(Planner):
         caches = prep.rows if by_row else prep.pages if plan.whole else prep.sliced(plan.h0, plan.h1)
         shape = (plan.n, -1) if by_row else (plan.n, prep.page_size, plan.h1 - plan.h0, prep.r)
         staged = alignment(region) < prep.unit.nbytes
+        if not staged and not isinstance(pages, torch.Tensor):
+            return self._copy_runs(plan, caches, shape, total)
         parts: Sequence[torch.Tensor]
         if staged:
             tmp = self._scratch(block, prep.cache.device)
@@ -163,6 +165,28 @@ class _TorchCopier(Planner):
                             at_cache.copy_(at_region)
                 if staged and gather:
                     region[i * block: (i + 1) * block].copy_(tmp)
+        return total
+
+
+    @staticmethod
+    def _copy_runs(plan: CopyPlan, caches: Sequence[torch.Tensor], shape: tuple[int, ...], total: int) -> int:
+        """A page list of few runs, region aligned: every (K/V, layer) block's runs in ONE torch
+        call (`cat` into the region, or `_foreach_copy_` from its split), not one `copy_` each.
+
+        Each torch call lets go of Python's lock and must take it back; with another thread
+        running Python meanwhile (the control thread, the other transfer worker), taking it back
+        can wait up to `sys.getswitchinterval()` (5 ms). One call per block made a one-page
+        gather of 64 blocks that many waits (docs/staging_kernels.md, "One call per copy");
+        the views are cut with indexing, which keeps the lock."""
+        runs = plan.pages
+        assert not isinstance(runs, torch.Tensor)
+        views = [cache[run.page: run.page + run.length] for cache in caches for run in runs]
+        rows = plan.region[:total].view(plan.prep.unit.dtype).view(-1, *shape[1:])
+        with torch.no_grad():
+            if plan.gather:
+                torch.cat(views, out=rows)
+            else:
+                torch._foreach_copy_(views, rows.split_with_sizes([run.length for run in runs] * len(caches)))
         return total
 
 

@@ -482,3 +482,48 @@ def test_no_cuda_initialisation_on_cpu_paths():
         Scatterer().scatter(out, k, v, [2], 2, (0, 2))
         del out
     assert not torch.cuda.is_initialized()
+
+
+# ----------------------------------------------------------------------------- calls per copy
+
+_COPIES = {"copy_", "cat", "index_select", "index_copy_", "_foreach_copy_"}
+
+
+class _CountCopies(torch.overrides.TorchFunctionMode):
+    """Counts the torch calls that move bytes (each lets go of Python's lock and takes it back)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in _COPIES:
+            self.calls.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(("pages", "gather_calls"), [([5], ["cat"]), ([5, 6, 7], ["cat"]),
+                                                     ([9, 10, 2, 3], ["index_select"] * 32)],
+                         ids=["one-page", "one-run", "two-runs"])
+def test_a_few_runs_move_in_one_torch_call_not_one_per_layer(pages, gather_calls):
+    """A page list of few runs (a one-page request's) moves all of its 2 x 16 (K/V, layer) blocks
+    in one torch call: a call per block waited for Python's lock once each under load
+    (docs/staging_kernels.md, "One call per copy"). A gather of two runs takes the page index, one
+    call per block, as before. Both directions stay bit-exact."""
+    gen = torch.Generator().manual_seed(3)
+    k, v = make_cache(16, True, 12, 4, 4, 32, torch.bfloat16, gen)
+    dk, dv = make_cache(16, True, 12, 4, 4, 32, torch.bfloat16, gen)
+    n = region_nbytes(16, True, len(pages) * 4, 2, 32, 2)
+    out = torch.empty(n, dtype=torch.uint8)
+    g, s = Gatherer(), Scatterer()
+    with _CountCopies() as gathered:
+        g.gather(tuple(k), tuple(v), np.asarray(pages), 4, (2, 4), out)
+    dst = list(range(len(pages)))
+    with _CountCopies() as scattered:
+        s.scatter(out, tuple(dk), tuple(dv), np.asarray(dst), 4, (0, 2))
+    assert gathered.calls == gather_calls
+    assert scattered.calls == ["_foreach_copy_"]
+    np.testing.assert_array_equal(out.numpy(), numpy_region(k, v, pages, 4, (2, 4)))
+    for src_t, dst_t in zip(k + v, dk + dv, strict=True):
+        np.testing.assert_array_equal(byte_pages(dst_t, 4)[dst][:, :, 0:2], byte_pages(src_t, 4)[pages][:, :, 2:4])
