@@ -39,7 +39,9 @@ whole-page ``index_select`` up to 1.7x faster than byte elements.
 - consecutive pages: a scatter of at most two runs of consecutive pages uses plain slice copies
   instead of ``index_copy_`` (1.1-1.9x faster); so does a gather of ONE run where that measured
   faster (whole pages under 8 KiB; head slices of multi-token pages). With more runs the
-  per-copy overhead loses;
+  per-copy overhead loses. The slices of all blocks move in ONE torch call (``cat`` into the
+  region, ``_foreach_copy_`` from it), not one per block: each call lets go of Python's lock and
+  may wait to take it back;
 - a region not aligned to the unit is staged through a reusable aligned temp, one (K/V, layer)
   block at a time, so misalignment costs one extra memcpy, not the slow byte-wide kernels.
 
@@ -166,7 +168,6 @@ class _TorchCopier(Planner):
                 if staged and gather:
                     region[i * block: (i + 1) * block].copy_(tmp)
         return total
-
 
     @staticmethod
     def _copy_runs(plan: CopyPlan, caches: Sequence[torch.Tensor], shape: tuple[int, ...], total: int) -> int:
