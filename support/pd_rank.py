@@ -62,10 +62,15 @@ successes (decode: verified bit-exact)}.
 Per manager, gil_hog: true starts, once per process and before any manager, a thread that always
 wants the GIL (gil_hog() below): the stand-in for a serving engine's scheduler loop, whose Python
 holds the GIL most of the time (examples/soak.py --starve).
+
+With PD_RANK_PROFILE_DIR set in its environment (the benchmarks and clusters pass theirs on), the
+process profiles the CPU time of each kvstage thread (cProfile on time.thread_time) and writes
+DIR/<pid>-<role>-<thread>.prof at its end, for `python -m pstats` (docs/trace.md, "CPU per thread").
 """
 
 from __future__ import annotations
 
+import cProfile
 import dataclasses
 import faulthandler
 import functools
@@ -78,6 +83,7 @@ import threading
 import time
 import traceback
 import zlib
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -724,9 +730,39 @@ def gil_hog() -> None:
             n += 1
 
 
+def profile_kvstage_threads(out_dir: str) -> Callable[[str], None]:
+    """Profile the CPU time of every kvstage thread started from now on (cProfile on
+    time.thread_time: time a thread waits for the interpreter or the CPU is not counted); the
+    function returned writes one pstats file per thread, named by `role` and the thread."""
+    profiles: list[tuple[str, cProfile.Profile]] = []
+    lock = threading.Lock()
+
+    def first_call(*_: object) -> None:   # the first profile event of each new thread
+        name = threading.current_thread().name
+        if not name.startswith("kvstage"):
+            sys.setprofile(None)
+            return
+        prof = cProfile.Profile(time.thread_time)
+        with lock:
+            profiles.append((name, prof))
+        prof.enable()
+
+    threading.setprofile(first_call)
+
+    def dump(role: str) -> None:
+        os.makedirs(out_dir, exist_ok=True)
+        with lock:
+            for i, (name, prof) in enumerate(profiles):
+                prof.dump_stats(os.path.join(out_dir, f"{os.getpid()}-{role}-{name}-{i}.prof"))
+
+    return dump
+
+
 def main() -> int:
     faulthandler.enable()  # a crash in native code (NIXL, UCX, Mooncake) leaves every thread's stack in the log
     spec = json.load(open(sys.argv[1]))
+    profile_dir = os.environ.get("PD_RANK_PROFILE_DIR")
+    dump_profiles = profile_kvstage_threads(profile_dir) if profile_dir else None
     logging.basicConfig(level=getattr(logging, spec.get("log_level", "WARNING")),
                         format="%(asctime)s %(process)d %(threadName)s %(name)s %(levelname)s %(message)s")
     results = [{"name": m.get("name", f"{m['engine']}/{m['rank']}"), "role": m["role"]} for m in spec["managers"]]
@@ -746,6 +782,8 @@ def main() -> int:
     for t in threads:
         t.join()
     _HOG_STOP.set()
+    if dump_profiles is not None:
+        dump_profiles("+".join(sorted({m["role"] for m in spec["managers"]})))
     _write_json(spec["result"], results)
     return 0
 

@@ -425,3 +425,35 @@ def test_a_remainder_that_holds_the_last_page_carries_the_pool_block():
     (last,) = granted(d, p, ring, req)
     assert last.pools and last.nbytes == PAGE + sum(c.nbytes for c in last.pools)
     assert land_granted(d, ring, last).verdict is TagVerdict.OK and d.state is KVPoll.Success
+
+
+def test_a_room_is_done_with_credits_once_its_last_send_was_issued_and_not_before():
+    """`credits_done` lets the engine forget a room that will never again write staged chunks
+    to a decode rank (its purse is asked after every write, and scanning the rooms in flight
+    that only wait for their writes made that quadratic): never while a chunk may still come,
+    and never while the prefix is unknown, when `wants_credits` is False only for a while."""
+    _, _, _, purses = world()
+    p = prefill(purses)
+    assert not p.credits_done(DEC) and p.wants_credits(DEC)           # no last send yet
+    acts = p.add_chunk(np.arange(2), False, 2.0)
+    assert writes(acts) and not p.credits_done(DEC)                   # more pages may come
+    acts = p.add_chunk(np.arange(2, N), True, 2.5)
+    assert writes(acts) and p.credits_done(DEC) and not p.wants_credits(DEC)
+    other = PeerKey("decode", 0, 2001)                                # a restarted decode rank
+    assert not p.credits_done(other)
+
+
+def test_a_room_waiting_for_a_decode_ranks_metadata_is_not_done_with_credits():
+    """Two decode ranks, the last send in before the second one's metadata: nothing is issued
+    yet and `wants_credits` reads False, but the chunks will go out once the metadata agrees."""
+    dec1 = PeerKey("decode", 1, 2002)
+    lay = KVLayout(num_layers=2, total_kv_heads=2, head_dim=4, dtype=torch.uint8, page_size=2, tp_size=1, tp_rank=0,
+                   mla=False)
+    _, _, _, purses = world()
+    p = prefill(purses, layout=lay, decode_tp=2)
+    acts = p.add_chunk(np.arange(N), True, 2.0)
+    assert not writes(acts)
+    assert not p.credits_done(DEC) and not p.wants_credits(DEC)
+    p.add_meta(dec1, 2, RoomMeta(src=dec1.incarnation, dst=PREF.incarnation, room=7, session=SESSION, num_pages=N,
+                                 staged=True), 3.0)
+    assert p.credits_done(DEC)

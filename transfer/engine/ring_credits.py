@@ -221,8 +221,8 @@ class PrefillCredits:
         self.credits_on, self.piece_cap, self.heartbeat, self.dispatch = credits, piece_cap, heartbeat, dispatch
         self._piece_bytes = 0   # set at the first connection: a worker's buffer, and the piece cap
         self.purses: dict[int, tuple[PeerKey, CreditPurse]] = {}
-        # per decode peer (incarnation): the rooms that took its metadata and have not ended, the
-        # only ones `settle` asks whether they still write staged chunks there (not every room)
+        # per decode peer (incarnation): the rooms that took its metadata and may still write
+        # staged chunks there, the only ones `settle` asks (not every room; `_wanted` drops the rest)
         self.takers: dict[int, set[int]] = {}
         self.resent_at = 0.0
 
@@ -287,15 +287,18 @@ class PrefillCredits:
             self.takers.setdefault(peer.incarnation, set()).add(room_id)
 
     def _wanted(self, peer: PeerKey) -> bool:
-        """Whether a room still writes staged chunks to `peer`; forgets the rooms that ended.
-        Only rooms that took `peer`'s metadata can (`PrefillRoom.wants_credits` needs its flow),
-        so this costs the rooms in flight towards `peer`, not every room of the rank."""
+        """Whether a room still writes staged chunks to `peer`; forgets the rooms that never will
+        again (`PrefillRoom.credits_done`: ended, or every chunk issued there). Only rooms that
+        took `peer`'s metadata can (`PrefillRoom.wants_credits` needs its flow), and only those
+        still sending are kept, so this costs the rooms still sending towards `peer`: not every
+        room of the rank, nor the rooms in flight that wait for their writes to land (it was
+        called for each write, so scanning those made it quadratic in the rooms in flight)."""
         rooms = self.takers.get(peer.incarnation)
         if not rooms:
             return False
         for room_id in list(rooms):
             room = self.book.get(room_id)
-            if room is None or room.ended:
+            if room is None or room.credits_done(peer):
                 rooms.discard(room_id)
             elif room.wants_credits(peer):
                 return True

@@ -795,6 +795,19 @@ class PrefillRoom(RoomBase[PrefillAction]):
         return not (self.last and flow.issued == len(self.sendable)
                     and (self.batcher is None or len(self.batcher) == 0))
 
+    def credits_done(self, peer: PeerKey) -> bool:
+        """Whether this room will never again write staged chunks to `peer`, so that
+        `wants_credits(peer)` stays False for good: it ended, or its last send came, every chunk
+        of it is known past the prefix and was issued towards `peer`, and no layer-wise unit waits.
+        (Before every decode rank's metadata agreed on the prefix, `wants_credits` may be False
+        for a while and then True again: not done.)"""
+        if self.ended:
+            return True
+        flow = self.flows.get(peer.tp_rank)
+        return (flow is not None and flow.peer == peer and self.last and self.prefix is not None
+                and self._synced == len(self.chunks) and flow.issued == len(self.sendable)
+                and (self.batcher is None or len(self.batcher) == 0))
+
     def _chunk_writes(self, flow: Flow, a: Assignment, chunk: Chunk) -> ChunkWrites:
         return ChunkWrites(room=self.room, me=self.me, writer=self.layout.rank, peer=flow.peer, session=flow.session,
                            assignment=a, chunk=chunk, wire=self._wire(chunk),
