@@ -65,7 +65,8 @@ holds the GIL most of the time (examples/soak.py --starve).
 
 With PD_RANK_PROFILE_DIR set in its environment (the benchmarks and clusters pass theirs on), the
 process profiles the CPU time of each kvstage thread (cProfile on time.thread_time) and writes
-DIR/<pid>-<role>-<thread>.prof at its end, for `python -m pstats` (docs/trace.md, "CPU per thread").
+DIR/<pid>-<role>-<thread>-<i>.prof at its end, for `python -m pstats` or
+`python -m kvstage.support.profile_report DIR` (docs/trace.md, "CPU per thread").
 """
 
 from __future__ import annotations
