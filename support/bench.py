@@ -124,6 +124,9 @@ def parse(argv=None):
     p.add_argument("--lengths", type=_ints, default="256,1024,2048,4096,8192,16384,32768", help="tokens per request")
     p.add_argument("--inflight", type=_ints, default="1,4,16,64", help="rooms in flight for the concurrency sweep")
     p.add_argument("--inflight-tokens", type=_int(1), default=256)
+    p.add_argument("--inflight-rounds", type=_int(1), default=1,
+                   help="rounds of each rooms-in-flight figure (each a full window's worth of requests, after "
+                        "the previous round drained): the figure is their median, with their range")
     p.add_argument("--latency-requests", type=_int(1), default=300)
     p.add_argument("--latency-path", choices=("direct", "staged"), default="direct",
                    help="one-page latency: direct P1 -> D1, or staged P1 -> D2 (staging forced; ring credits as KVSTAGE_CREDITS says)")
@@ -291,6 +294,12 @@ def length_sweep(a, transport: str, path: str) -> list[dict]:
     return out
 
 
+def _spread(r: dict) -> str:
+    """A rooms-in-flight figure's range over its rounds, when it had more than one."""
+    rates = r.get("gbps_rounds", [])
+    return f" [{min(rates):.2f}-{max(rates):.2f}]" if len(rates) > 1 else ""
+
+
 def inflight_sweep(a, transport: str, path: str) -> list[dict]:
     P, D, staged = (1, 2, path == "staged")
     t = a.inflight_tokens
@@ -299,21 +308,26 @@ def inflight_sweep(a, transport: str, path: str) -> list[dict]:
     per_k = max(kmax, 16)
     if path == "direct" and a.layers * 2 * t * per_k > 4 * MAX_DIRECT_DESCRIPTORS[transport]:
         per_k = max(1, 4 * MAX_DIRECT_DESCRIPTORS[transport] // (a.layers * 2 * t))
-    rooms, k_of = [], {}
+    rooms, round_of = [], {}
     room_id = 1
     for k in a.inflight:
-        for i in range(per_k):
-            rooms.append({"room": room_id, "pages": pages, "chunks": [pages], "window": k, "drain_before": i == 0})
-            k_of[room_id] = k
-            room_id += 1
+        for rnd in range(a.inflight_rounds):
+            for i in range(per_k):
+                rooms.append({"room": room_id, "pages": pages, "chunks": [pages], "window": k, "drain_before": i == 0})
+                round_of[room_id] = (k, rnd)
+                room_id += 1
     recs = run_kvstage(a, transport, P, D, staged, rooms, geometry(a, t, kmax), verify=[1])
     out = []
     nbytes = pages * a.page_size * token_bytes(a)
     for k in a.inflight:
-        mine = [r for r in recs if k_of[r["room"]] == k]
-        span = max(r["end"] for r in mine) - min(r["t_send"] for r in mine)
+        rates, mine = [], []
+        for rnd in range(a.inflight_rounds):
+            part = [r for r in recs if round_of[r["room"]] == (k, rnd)]
+            span = max(r["end"] for r in part) - min(r["t_send"] for r in part)
+            rates.append(nbytes * len(part) / span / 1e9)
+            mine += part
         out.append({"transport": transport, "path": path, "inflight": k, "requests": len(mine), "bytes": nbytes * len(mine),
-                    "seconds": span, "gbps": nbytes * len(mine) / span / 1e9,
+                    "rounds": len(rates), "gbps": statistics.median(rates), "gbps_rounds": rates,
                     "p50_ms": statistics.median(per_request_seconds(mine)) * 1e3})
     return out
 
@@ -366,13 +380,14 @@ def report(a, res: dict) -> list[str]:
             length_table(a, res, tr, w)
         conc = [r for r in res["inflight"] if r["transport"] == tr]
         if conc:
-            w(f"-- {tr}: {a.inflight_tokens}-token requests, rooms in flight (aggregate GB/s, p50 per request)")
+            rounds = f", median of {a.inflight_rounds} rounds [their range]" if a.inflight_rounds > 1 else ""
+            w(f"-- {tr}: {a.inflight_tokens}-token requests, rooms in flight (aggregate GB/s{rounds}, p50 per request)")
             for k in a.inflight:
                 s = next((r for r in conc if r["path"] == "staged" and r["inflight"] == k), None)
                 d = next((r for r in conc if r["path"] == "direct" and r["inflight"] == k), None)
-                w(f"   {k:3d} in flight: staged {s['gbps']:6.2f} GB/s (p50 {s['p50_ms']:7.1f} ms)"
-                  + (f"   direct {d['gbps']:6.2f} GB/s (p50 {d['p50_ms']:7.1f} ms)   x{s['gbps'] / d['gbps']:.1f}"
-                     if d else "") if s else f"   {k:3d}: -")
+                w(f"   {k:3d} in flight: staged {s['gbps']:6.2f} GB/s{_spread(s)} (p50 {s['p50_ms']:7.1f} ms)"
+                  + (f"   direct {d['gbps']:6.2f} GB/s{_spread(d)} (p50 {d['p50_ms']:7.1f} ms)   "
+                     f"x{s['gbps'] / d['gbps']:.1f}" if d else "") if s else f"   {k:3d}: -")
         for key in (tr, f"{tr}/1-layer"):
             lat = res["latency"].get(key)
             if lat:

@@ -18,6 +18,7 @@ def run_bench(*args: str, timeout: float = 20.0) -> subprocess.CompletedProcess:
     (["--lengths", "0"], "--lengths"), (["--lengths", ""], "--lengths"), (["--layers", "0"], "--layers"),
     (["--heads", "-1"], "--heads"), (["--page-size", "1.5"], "--page-size"), (["--chunk-tokens", "-1"], "--chunk-tokens"),
     (["--latency-requests", "0"], "--latency-requests"), (["--inflight-tokens", "0"], "--inflight-tokens"),
+    (["--inflight-rounds", "0"], "--inflight-rounds"),
     (["--ring-mb", "0"], "--ring-mb"), (["--buffer-mb", "nan"], "--buffer-mb"), (["--transports", "ucx"], "--transports"),
 ])
 def test_bad_argument_is_a_usage_error(args, option, capsys):
