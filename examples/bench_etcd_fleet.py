@@ -20,6 +20,11 @@ client's on_gone callback says when it heard. Printed
 (JSON): registration and lookup latency percentiles, the delay from the kill to each rank-gone
 notice (goal: within TTL + 2 s), and each etcd member's CPU seconds, resident memory and leader
 changes seen (a new leader extends every lease by etcd's own rule, which delays the notices).
+
+--fleet-nice 19 runs the worker processes at the lowest priority, so that etcd's members and the
+paced client get the cores first: on one machine, the nearest to a fleet whose ranks run on
+hosts of their own. The fleet's requests still reach etcd as before; only its clients' own CPU
+no longer competes with etcd's.
 """
 
 from __future__ import annotations
@@ -57,6 +62,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--paced-s", type=float, default=20.0, help="how long the paced lookups go on (0: none)")
     p.add_argument("--ttl", type=int, default=10, help="each rank's lease, seconds (etcd rendezvous' default)")
     p.add_argument("--members", type=int, default=3)
+    p.add_argument("--fleet-nice", type=int, default=0, choices=range(0, 20), metavar="0..19",
+                   help="the worker processes' niceness: 19 gives etcd and the paced client the cores "
+                        "first, as on a fleet whose ranks run on hosts of their own")
     p.add_argument("--json", help="write the figures here too")
     a = p.parse_args(argv)
     if a.procs < 1 or a.clients < 1 or a.lookups < 0 or a.threads < 1 or a.ttl < 1 or a.paced <= 0 or a.paced_s < 0:
@@ -94,6 +102,7 @@ def worker(w: int, ranks: range, a: argparse.Namespace, url: str, engines: int, 
 def run_worker(w: int, ranks: range, a: argparse.Namespace, url: str, engines: int, cmd: mp.Queue,
                out: mp.Queue) -> None:
     """Registers the process' ranks, times lookups, reports rank-gone notices."""
+    os.nice(a.fleet_nice)
     clients = [open_rendezvous(url) for _ in ranks]
     heard: list[tuple[str, int, float]] = []
     lock = threading.Lock()
@@ -117,7 +126,7 @@ def run_worker(w: int, ranks: range, a: argparse.Namespace, url: str, engines: i
                     raise
         reg.append(time.perf_counter() - t)
         c.start_keepalive(info)
-    out.put(("registered", w, (reg, refused)))
+    out.put(("registered", w, (reg, refused, os.getpriority(os.PRIO_PROCESS, 0))))
     assert cmd.get() == "lookup"
     rng = random.Random(w)
     jobs = [(c, f"e{rng.randrange(engines)}") for c in clients for _ in range(a.lookups)]
@@ -228,7 +237,7 @@ def main(argv=None) -> int:
     engines = ranks // TP   # e0 .. e{engines - 1}; the engine killed is e{engines}, in a process of its own
     ctx = mp.get_context("spawn")
     res: dict = {"procs": a.procs, "clients_per_proc": a.clients, "ranks": ranks + TP, "engines": engines + 1,
-                 "ttl_s": a.ttl, "members": a.members, "load_1min_start": round(os.getloadavg()[0], 2)}
+                 "ttl_s": a.ttl, "members": a.members, "fleet_nice": a.fleet_nice, "load_1min_start": round(os.getloadavg()[0], 2)}
     with EtcdCluster(a.members) as ec:   # started by the with
         url = ec.url(f"fleet{os.getpid()}", ttl=a.ttl)
         alone = paced_alone(url, a)
@@ -296,9 +305,10 @@ def measure(a: argparse.Namespace, res: dict, ec: EtcdCluster, fleet: Fleet, usa
     """Registration, lookups, then the kill and the rank-gone notices; the figures go into `res`,
     etcd's usage at each stage into `usage`. True when every notice came within TTL + 2 s."""
     got = fleet.collect("registered", a.procs + 1).values()
-    reg = [x for v, _ in got for x in v]
-    res["register_refused"] = sum(len(r) for _, r in got)
-    res["register_refused_examples"] = sorted({x for _, r in got for x in r})[:3]
+    reg = [x for v, _, _ in got for x in v]
+    res["register_refused"] = sum(len(r) for _, r, _ in got)
+    res["register_refused_examples"] = sorted({x for _, r, _ in got for x in r})[:3]
+    res["fleet_niceness_seen"] = sorted({n for _, _, n in got})
     res["register_all_s"] = round(time.perf_counter() - t0, 2)
     res["register_ms"] = {"p50": round(pct(reg, 50) * 1e3, 2), "p99": round(pct(reg, 99) * 1e3, 2)}
     usage["after_register"] = etcd_usage(ec)

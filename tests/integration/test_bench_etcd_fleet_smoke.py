@@ -18,9 +18,11 @@ pytestmark = pytest.mark.integration
 def test_smallest_fleet_registers_looks_up_and_hears_every_death(tmp_path):
     out = tmp_path / "etcd.json"
     res = run_example("bench_etcd_fleet.py", ["--procs", "2", "--clients", "16", "--lookups", "2", "--ttl", "1",
-                                              "--paced", "10", "--paced-s", "1", "--json", str(out)], timeout=120)
+                                              "--paced", "10", "--paced-s", "1", "--fleet-nice", "19",
+                                              "--json", str(out)], timeout=120)
     assert out.exists(), res.stdout[-4000:]
     got = json.loads(out.read_text())
+    assert got["fleet_nice"] == 19 and got["fleet_niceness_seen"] == [19]   # every worker lowered itself
     assert got["ranks"] == 32 + 8 and got["lookups"] == (32 + 8) * 2     # and the engine that dies
     assert got["paced"]["lookups"] == 10 and got["paced"]["lookup_ms"]["p50"] > 0
     assert got["paced"]["alone_lookup_ms"]["p50"] > 0
