@@ -12,7 +12,7 @@ from kvstage.transfer.engine.liveness import Liveness
 from kvstage.transfer.engine.peers import Peer
 from kvstage.transfer.engine.stats import Stats
 from kvstage.transfer.protocol.actions import PeerKey
-from kvstage.transfer.protocol.leases import HEARTBEATS_PER_S, Lease, heartbeat_interval
+from kvstage.transfer.protocol.leases import HEARTBEATS_PER_S, Lease, heartbeat_interval, over_rate
 from kvstage.transfer.protocol.messages import Heartbeat
 
 LEASE, BASE, TICK = 10.0, 1.0, 0.1
@@ -26,6 +26,24 @@ def test_the_interval_is_the_configured_one_until_the_rate_would_pass_the_bound_
     assert heartbeat_interval(5, base=3.0, lease=LEASE) == 3.0          # a longer configured interval stays
     with pytest.raises(ValueError):
         heartbeat_interval(5, base=BASE, lease=LEASE, per_s=0)
+
+
+def test_past_a_quarter_lease_of_peers_at_the_bound_the_rate_is_over_it():
+    """50 peers at 2.5 s each are 20 a second: the most rank-pair leases can keep to the bound."""
+    assert not over_rate(50, base=BASE, lease=LEASE)
+    assert over_rate(51, base=BASE, lease=LEASE)
+    assert not over_rate(100, base=BASE, lease=40.0)      # a longer lease spaces them further
+    assert over_rate(216, base=BASE, lease=LEASE)
+
+
+@pytest.mark.parametrize("n_peers, warned", [(50, False), (216, True)])
+def test_a_rank_past_the_rate_says_once_that_engine_pair_leases_would_beat_less(caplog, n_peers, warned):
+    with caplog.at_level("WARNING", logger="kvstage.liveness"):
+        run_liveness(n_peers, 3.0)
+    said = [r.getMessage() for r in caplog.records if "KVSTAGE_LEASES=engine" in r.getMessage()]
+    assert len(said) == (1 if warned else 0), said
+    if warned:
+        assert f"connected to {n_peers} peer ranks" in said[0] and "86 heartbeats a second" in said[0]
 
 
 def run_liveness(n_peers: int, seconds: float, peer_every: float = TICK) -> dict[int, list[float]]:

@@ -11,12 +11,16 @@ fleet must run the same).
 
 from __future__ import annotations
 
+import logging
+
 from ..config import Timeouts
-from ..protocol.leases import Lease, heartbeat_interval
+from ..protocol.leases import Lease, heartbeat_interval, over_rate
 from ..protocol.messages import EngineBeat, Goodbye, Heartbeat
 from ..protocol.routing import PeerState
 from .interfaces import Counters, EventHandler, HeartbeatSink, LeaseHooks, MessageHandler, RingOwner
 from .peers import Peer, PeerTable
+
+log = logging.getLogger("kvstage.liveness")
 
 
 class Liveness:
@@ -33,6 +37,7 @@ class Liveness:
         self.handlers: dict[type, MessageHandler] = {Heartbeat: self.on_Heartbeat, Goodbye: self.on_Goodbye,
                                                      EngineBeat: self.on_EngineBeat}
         self.events: dict[type, EventHandler] = {}
+        self._said_over_rate = False   # the warning that engine-pair leases would beat less is said once
 
     def on_Heartbeat(self, peer: Peer, msg: Heartbeat, now: float) -> None:
         self.stats.count("heartbeats_received", "rank")
@@ -68,6 +73,13 @@ class Liveness:
         ring piggyback its watermark, so a lost WatermarkUpdate costs at most one interval."""
         connected = self.peers.connected()
         own = heartbeat_interval(len(connected), base=self.t.heartbeat, lease=self.t.lease)
+        if not self._said_over_rate and over_rate(len(connected), base=self.t.heartbeat, lease=self.t.lease):
+            self._said_over_rate = True
+            log.warning("rank %d is connected to %d peer ranks: with rank-pair leases it sends %.0f heartbeats a "
+                        "second and receives up to as many (one per peer every quarter lease). Engine-pair leases "
+                        "(KVSTAGE_LEASES=engine, or EngineConfig.leases='engine', on every engine of the fleet) "
+                        "pool the liveness of an engine's ranks: docs/scale.md#engine-pair-leases",
+                        self.me, len(connected), len(connected) / own)
         allocator = self.ring.allocator
         wm = allocator.watermark if allocator is not None else None
         for peer in connected:

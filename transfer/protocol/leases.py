@@ -50,6 +50,13 @@ def heartbeat_interval(peers: int, *, base: float, lease: float, per_s: float = 
     return max(base, min(peers / per_s, lease / 4))
 
 
+def over_rate(peers: int, *, base: float, lease: float, per_s: float = HEARTBEATS_PER_S) -> bool:
+    """True when `peers` connected peers make a rank send more than `per_s` heartbeats a second
+    even at the longest interval (a quarter of the lease): past ``per_s * lease / 4`` peers (50 with
+    a 10 s lease), where only engine-pair leases (engine_leases.py) keep the rate down."""
+    return peers / heartbeat_interval(peers, base=base, lease=lease, per_s=per_s) > per_s
+
+
 def pair_interval(own: float, peer_every: float, lease: float) -> float:
     """Seconds between our heartbeats to one peer: our own interval, or as long as the peer
     takes between its heartbeats to us when that is longer (up to a quarter of the lease). Two
