@@ -274,3 +274,15 @@ def test_a_failed_decode_room_holds_its_memory_for_a_silent_writer_only_until_it
     assert not r.released
     r.tick(None, now + quarantine)
     assert r.released
+
+
+def test_an_ended_decode_room_answers_a_writer_done_only_when_the_writer_asks_again():
+    """Its outcome went to the writer as it ended (RoomFailed here: aborted at T0); a WriterDone
+    that crossed it gets no second answer, one a heartbeat later does (room_uses.repeats_outcome)."""
+    r, _ = d_metadata_out_no_write()
+    sent = r.abort(None, T0)
+    assert r.state is F and [type(a.msg).__name__ for a in sent if hasattr(a, "msg")] == ["RoomFailed"]
+    done = WriterDone(src=PREF.incarnation, dst=DEC[0].incarnation, room=7, session=SESSION, writes=1, nbytes=64)
+    assert r.on_writer_done(PREF, done, T0 + 0.01) == []
+    again = r.on_writer_done(PREF, done, T0 + TO.heartbeat)
+    assert [type(a.msg).__name__ for a in again] == ["RoomFailed"] and again[0].peer == PREF

@@ -17,6 +17,7 @@ from kvstage.transfer.protocol.room_uses import (
     tombstone_obsolete,
     unserved_answer,
     use_without_sender,
+    writer_done_answer,
 )
 
 DEC = PeerKey("decode", 0, 7)          # decode incarnation 7
@@ -105,6 +106,22 @@ def test_an_ended_room_says_done_only_to_its_own_session():
     assert (failed_.kind, failed_.reason) == ("aborted", "by the caller")
     other = ended_answer(succeeded=True, kind="gone", reason="it succeeded", last_session=5, session=4, room=77)
     assert other.kind is FailureKind.PROTOCOL and "session 4" in other.reason
+
+
+def test_a_writer_done_that_crossed_the_outcome_is_not_answered_one_asked_again_is():
+    """The outcome went to every writer as the room ended at 10.0 (retry 1 s): a WriterDone
+    within the retry crossed it; one a retry later is the writer asking again."""
+    def answer(now, session=5, succeeded=True):
+        return writer_done_answer(succeeded=succeeded, kind="aborted", reason="by the caller", last_session=5,
+                                  session=session, room=77, ended_at=10.0, now=now, retry=1.0)
+    assert answer(10.0) is None and answer(10.99) is None
+    again = answer(11.0)
+    assert again is not None and again.use is RoomUse.THIS and again.kind is None        # RoomDone again
+    failed_ = answer(12.0, succeeded=False)
+    assert failed_ is not None and (failed_.kind, failed_.reason) == ("aborted", "by the caller")
+    assert answer(12.0, succeeded=False) is not None and answer(10.5, succeeded=False) is None
+    other = answer(10.0, session=4)   # another use of the id: always told, at once
+    assert other is not None and other.use is RoomUse.OTHER and other.kind is FailureKind.PROTOCOL
 
 
 def test_earlier_uses_cover_every_older_session_of_their_ranks():

@@ -39,7 +39,7 @@ from ..protocol.messages import (
 )
 from ..protocol.quiet import Arrival, ExpectedWrites
 from ..protocol.ring import RingAllocator
-from ..protocol.room_uses import RoomUse, ended_answer
+from ..protocol.room_uses import EndedAnswer, RoomUse, ended_answer, writer_done_answer
 from ..protocol.routing import PeerState
 from ..protocol.tags import Tag, TagCodec, TagKind
 from .decode_planning import EnginePlanner
@@ -154,19 +154,19 @@ class DecodeSide:
             self.stats.maximum("ring_high_water_bytes", min(a.high_water, a.size))
             self.stats.maximum("ring_backlog_high_water_bytes", a.high_water)
         elif room is None:
-            self._answer_finished(peer, msg.room, msg.session)
+            self._answer_finished(peer, msg.room, msg.session, now)
 
     def on_WriterDone(self, peer: Peer, msg: WriterDone, now: float) -> None:
         room = self.book.get(msg.room)
         if room is not None:
             self.book.apply(room, room.on_writer_done(peer.key, msg, now))
         else:
-            self._answer_finished(peer, msg.room, msg.session)
+            self._answer_finished(peer, msg.room, msg.session, now, writer_done=True)
 
     def on_TagsAgain(self, peer: Peer, msg: TagsAgain, now: float) -> None:
         """A writer repeats the tags of its completed writes (messages.TagsAgain)."""
         if self.book.get(msg.room) is None:
-            return self._answer_finished(peer, msg.room, msg.session)
+            return self._answer_finished(peer, msg.room, msg.session, now)
         for raw in msg.tags:
             self._tag_again(peer, msg, raw, now)
 
@@ -212,16 +212,26 @@ class DecodeSide:
         if room is not None:
             self.book.apply(room, room.on_room_failed(peer.key, msg.session, msg.kind, msg.reason, now))
 
-    def _answer_finished(self, peer: Peer, room_id: int, session: int) -> None:
-        """A writer still asks about a room that is over here: repeat the outcome."""
+    def _answer_finished(self, peer: Peer, room_id: int, session: int, now: float, writer_done: bool = False) -> None:
+        """A writer still asks about a room that is over here: repeat the outcome (to a
+        WriterDone only when it is the writer asking again: room_uses.repeats_outcome)."""
         done = self.book.finished.get(room_id)
         if done is None:
             self.stats.count("dropped_messages", "unknown_room")
             return
-        state, kind, why, last_session = done
+        succeeded = done.state is KVPoll.Success
+        answer: EndedAnswer | None
+        if writer_done:
+            answer = writer_done_answer(succeeded=succeeded, kind=done.kind, reason=done.reason,
+                                        last_session=done.session, session=session, room=room_id,
+                                        ended_at=done.ended_at, now=now, retry=self.t.heartbeat)
+        else:
+            answer = ended_answer(succeeded=succeeded, kind=done.kind, reason=done.reason, last_session=done.session,
+                                  session=session, room=room_id)
+        if answer is None:
+            self.stats.count("dropped_messages", "crossed_the_outcome")
+            return
         me, dst = self.me, peer.key.incarnation
-        answer = ended_answer(succeeded=state is KVPoll.Success, kind=kind, reason=why, last_session=last_session,
-                              session=session, room=room_id)
         if answer.kind is None:
             self.peers.send(peer.key, RoomDone(src=me, dst=dst, room=room_id, session=session))
         else:

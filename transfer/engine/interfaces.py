@@ -80,6 +80,10 @@ class Room(Protocol[A_co]):
     @property
     def failure_kind(self) -> str | None: ...
 
+    @property
+    def ended_at(self) -> float | None:
+        """When the room reached Success or Failed (None before)."""
+
     def totals(self) -> RoomTotals: ...
 
     def fail(self, kind: str, reason: str, now: float) -> Sequence[A_co]: ...

@@ -230,7 +230,8 @@ class PrefillSide:
                                  earlier=self.used_sessions.get(room_id, EarlierUses()),
                                  served=self.served.get(room_id, ()))
         if use is RoomUse.OVER and item.is_meta:  # the decode side must not wait for a room that is over here
-            _, kind_, why, _ = self.book.finished[room_id]
+            done = self.book.finished[room_id]
+            kind_, why = done.kind, done.reason
             self.peers.send(key, RoomFailed(src=me, dst=key.incarnation, room=room_id, session=msg.session,
                                             kind=kind_, reason=f"the prefill sender of this room has finished: {why}"))
             self.peers.send(key, Quiesced(src=me, dst=key.incarnation, room=room_id, session=msg.session))

@@ -71,6 +71,7 @@ class FinishedRoom(NamedTuple):
     kind: str            # its failure kind, "gone" when it succeeded
     reason: str
     session: int         # the decode room's own session; 0 on a prefill rank
+    ended_at: float      # when it reached Success or Failed (the control thread's clock)
 
 
 A = TypeVar("A", PrefillAction, DecodeAction)
@@ -180,11 +181,13 @@ class RoomBook(Generic[R, A]):
                                    status.descriptors if self.REPORTS_DESCRIPTORS else None)
 
     def _released(self, room: R) -> None:
+        assert room.ended_at is not None, "a room is released only once it ended"
         self.rooms.pop(room.room, None)
         self.status.pop(room.room, None)
         self.finished[room.room] = FinishedRoom(state=room.state, kind=room.failure_kind or "gone",
                                                 reason=room.failure or "it succeeded",
-                                                session=getattr(room, "session", 0))
+                                                session=getattr(room, "session", 0),
+                                                ended_at=room.ended_at)
         self._hooks().released(room)
         while len(self.finished) > FINISHED_MEMORY:
             gone, _ = self.finished.popitem(last=False)

@@ -37,6 +37,7 @@ class RoomBase(Generic[A]):
     failure: str | None = None          # instance attribute once the room failed
     failure_kind: str | None = None     # a FailureKind, or "remote_<kind>" for a peer's
     released = False
+    ended_at: float | None = None       # instance attribute once the room ended (Success or Failed)
 
     def __init__(self, *, room: int, me: int, layout: KVLayout, now: float, timeouts: Timeouts,
                  pools: tuple[PoolSpec, ...] = ()):
@@ -61,6 +62,8 @@ class RoomBase(Generic[A]):
         if state == self.state:
             return []
         self.state = state
+        if state in FINAL:
+            self.ended_at = now
         return [StatusChanged(state=state, failure=self.failure, failure_kind=self.failure_kind)] + self._entered(state, now)
 
     def _entered(self, state: KVPoll, now: float) -> list[A]:

@@ -185,6 +185,29 @@ def ended_answer(*, succeeded: bool, kind: str, reason: str, last_session: int, 
     return EndedAnswer(RoomUse.THIS) if succeeded else EndedAnswer(RoomUse.THIS, kind, reason)
 
 
+def repeats_outcome(*, ended_at: float, now: float, retry: float) -> bool:
+    """Whether a decode rank answers a writer's WriterDone about a room it ended (RoomDone or
+    RoomFailed again). The outcome went to every writer when the room ended, so a WriterDone
+    that crossed it on the way (one that comes within `retry` of the end: a writer sends it as
+    its own writes complete, and again only `retry` later while it hears nothing) needs no
+    answer; one that comes later is the writer asking again, whose answer may have been lost
+    (a dropped message, a connection made anew): answered. A lost outcome so costs at most two
+    of the writer's retries, and a one-page request no second RoomDone per writer."""
+    return now - ended_at >= retry
+
+
+def writer_done_answer(*, succeeded: bool, kind: str, reason: str, last_session: int, session: int, room: int,
+                       ended_at: float, now: float, retry: float) -> EndedAnswer | None:
+    """The answer to a WriterDone about a room that ended here (and was released): the
+    outcome again only when the writer is asking again (`repeats_outcome`); None when it
+    crossed the outcome on the way. A WriterDone of another use of the id is always answered
+    (ended_answer: a protocol failure)."""
+    if session == last_session and not repeats_outcome(ended_at=ended_at, now=now, retry=retry):
+        return None
+    return ended_answer(succeeded=succeeded, kind=kind, reason=reason, last_session=last_session, session=session,
+                        room=room)
+
+
 # -- decode, a room failed before its metadata went out ---------------------------------------------
 def tombstone_obsolete(*, room: int, session: int, started_room: int, started_session: int) -> bool:
     """A RoomFailed not yet sent for `room`'s use `session` (it failed before its metadata went

@@ -58,6 +58,7 @@ from ..messages import AllocGrant, AllocRequest, Piece, RoomDone, RoomMeta, Writ
 from ..pool_parts import PoolCopy, block_bytes, part_offsets, request_copies, writer_segments
 from ..ring import Region, RingAllocator
 from ..room_base import RoomBase
+from ..room_uses import repeats_outcome
 from ..tags import Tag, TagKind
 from ..token_mapping import local_pages, local_tokens
 from .chunk_pieces import PiecesRefused, chunk_pieces
@@ -561,8 +562,10 @@ class DecodeRoom(RoomBase[DecodeAction]):
         if w is None or msg.session != self.session:
             return []
         self.acked |= 1 << peer.tp_rank
-        if self.ended:
-            return self._outcome(peer)   # our answer may have been lost: say it again
+        if self.ended:   # asked again: our answer may have been lost (room_uses.repeats_outcome)
+            assert self.ended_at is not None, "an ended room knows when it ended"
+            return self._outcome(peer) if repeats_outcome(ended_at=self.ended_at, now=now,
+                                                          retry=self.timeouts.heartbeat) else []
         if w.done_at is None:
             w.done_at, w.done_writes = now, msg.writes
         return []
