@@ -81,6 +81,14 @@ def test_a_one_page_request_is_traced_on_both_sides_in_causal_order(tmp_path):
     assert sum(r.kind is Hop.BACKEND_DONE for r in hops) == 2
     assert [r.detail for r in hops if r.kind is Hop.WAITER_WOKEN and r.process == "prefill0"][-1] == "wait() returned"
 
+    # the writes answer the metadata that completed the room's plan (prefill/room.py answers_meta):
+    # a MetaAck goes only to the decode rank whose metadata came first; each decode rank tells its
+    # writer the outcome once: a WriterDone that crossed it gets no second RoomDone
+    # (room_uses.repeats_outcome), unless the writer asked again a heartbeat later
+    sends = [r.detail for r in hops if r.kind is Hop.SOCKET_SEND]
+    assert sends.count("MetaAck") == 1, sends
+    assert sends.count("RoomDone") == 2 or sends.count("WriterDone") > 2, sends
+
     c = hop_report.counts(hops)
     assert c.hops == len(hops) and c.process_switches >= 4 and c.wakes >= 10
     # the multi-piece request: 4 pages of 256 KiB per decode rank in 0.5 MiB pieces: 2 writes each

@@ -33,7 +33,7 @@ from kvstage.transfer.protocol.decode.room import DecodeRoom, RoomPlan, TagVerdi
 from kvstage.transfer.protocol.head_mapping import compute_assignments
 from kvstage.transfer.protocol.messages import AllocGrant, AllocRequest, HelloAck, Quiesced, RoomMeta, peer_codec
 from kvstage.transfer.protocol.prefill.credits import REMAINDER, CreditPurse, chunk_number, cut_pieces, remainder_number
-from kvstage.transfer.protocol.prefill.room import PrefillRoom
+from kvstage.transfer.protocol.prefill.room import PrefillRoom, answers_meta
 from kvstage.transfer.protocol.ring import RingAllocator
 from kvstage.transfer.protocol.tags import TagKind
 from kvstage.wire import sign
@@ -457,3 +457,20 @@ def test_a_room_waiting_for_a_decode_ranks_metadata_is_not_done_with_credits():
     p.add_meta(dec1, 2, RoomMeta(src=dec1.incarnation, dst=PREF.incarnation, room=7, session=SESSION, num_pages=N,
                                  staged=True), 3.0)
     assert p.credits_done(DEC)
+
+
+def test_metadata_a_write_answers_needs_no_meta_ack_and_metadata_before_the_send_does():
+    """prefill/room.py answers_meta: the shell sends a MetaAck only when the room's actions on the
+    metadata tell the decode rank nothing (its write's WritePosted or tag is the acknowledgement)."""
+    _, _, _, purses = world()
+    p = PrefillRoom(room=7, num_pages=N, layout=LAYOUT, me=PREF.incarnation, now=0.0, timeouts=Timeouts(),
+                    op_ids=itertools.count(700), credits=purses)
+    p.add_chunk(np.arange(N), True, 0.5)     # the sender is ready before the decode rank's metadata
+    meta = RoomMeta(src=DEC.incarnation, dst=PREF.incarnation, room=7, session=SESSION, num_pages=N, staged=True)
+    acts = p.add_meta(DEC, 1, meta, 1.0)
+    assert writes(acts) and answers_meta(acts, DEC)
+    assert not answers_meta(acts, PeerKey("decode", 1, 2001))          # another decode rank heard nothing
+    waiting = PrefillRoom(room=8, num_pages=N, layout=LAYOUT, me=PREF.incarnation, now=0.0, timeouts=Timeouts(),
+                          op_ids=itertools.count(800), credits=purses)
+    early = waiting.add_meta(DEC, 1, msgspec.structs.replace(meta, room=8), 1.0)   # nothing sent yet: no write
+    assert not writes(early) and not answers_meta(early, DEC)

@@ -190,8 +190,11 @@ class DecodeSide:
         self.on_tag(peer, tag, now)
 
     def on_WritePosted(self, peer: Peer, msg: WritePosted, now: float) -> None:
-        """A writer's backend took a write towards this rank: poll until its tag is in."""
+        """A writer's backend took a write towards this rank: poll until its tag is in. It also
+        says the writer has this room's metadata (a writer that wrote sends no MetaAck)."""
         room = self.book.get(msg.room)
+        if room is not None:
+            room.on_meta_ack(peer.key, msg.session)
         if room is None or room.session != msg.session or msg.room not in self.eager_rooms:
             self.stats.count("write_announcements", "not_waiting")  # say, its tag ended the room
             return

@@ -36,7 +36,7 @@ from ..protocol.messages import (
 )
 from ..protocol.path_choice import WriterCosts
 from ..protocol.prefill.layer_sends import PER_CHUNK, LayerGrouping
-from ..protocol.prefill.room import PrefillRoom
+from ..protocol.prefill.room import PrefillRoom, answers_meta
 from ..protocol.ring import Watermark
 from ..protocol.room_uses import NO_EARLIER_USES, EarlierUses, Parked, RoomUse, unserved_answer, use_without_sender
 from ..protocol.routing import HelloVerdict, PeerState, hello_verdict
@@ -215,7 +215,10 @@ class PrefillSide:
             self.book.apply(room, room.abort(now))
 
     # -- messages about rooms -------------------------------------------------------------------
-    def _input(self, room_id: int, item: Parked, now: float) -> None:
+    def _input(self, room_id: int, item: Parked, now: float) -> bool:
+        """Hand a room's input to its sender, or park it for the sender to come. True when the
+        room's answer to metadata already tells its decode rank the metadata came
+        (prefill/room.py answers_meta): no MetaAck needed."""
         room = self.book.get(room_id)
         if room is not None:
             return self._item(room, item, now)
@@ -237,36 +240,39 @@ class PrefillSide:
             self.peers.send(key, Quiesced(src=me, dst=key.incarnation, room=room_id, session=msg.session))
         if use is not RoomUse.NEXT:  # SERVED: metadata this room already served (and acked) again: no news
             self.stats.count("dropped_messages", "finished_room")
-            return
+            return False
         if len(self.pending) >= MAX_PENDING_ROOMS and room_id not in self.pending:
             self.stats.count("dropped_messages", "too_many_pending_rooms")
-            return
+            return False
         self.pending[room_id].append(item)
         self.pending_since.setdefault(room_id, now)
+        return False
 
-    def _item(self, room: PrefillRoom, item: Parked, now: float, early: bool = False) -> None:
+    def _item(self, room: PrefillRoom, item: Parked, now: float, early: bool = False) -> bool:
         key, msg = item.peer, item.msg
         if isinstance(msg, RoomMeta):
             use = room.meta_use(key, msg.session)
             if use is RoomUse.STALE:  # a retransmission from the id's earlier use, acked late
                 self.stats.count("dropped_messages", "stale_room_meta")
-                return
+                return False
             if use is RoomUse.NEXT:  # this use is over at that decode rank: keep it for the next sender
                 self.pending[room.room].append(item)
                 self.pending_since.setdefault(room.room, now)
-                return
+                return False
             peer = self.peers.get(key.incarnation)
             if peer is None or peer.state != PeerState.CONNECTED:
-                return
+                return False
             self.credits.took_meta(room.room, key)
-            self.book.apply(room, room.add_meta(key, peer.tp_size, msg, now, stage=peer.stage, dcp=peer.dcp))
-        else:
-            self.book.apply(room, room.on_room_failed(key, msg.session, msg.kind, msg.reason, now, early=early))
+            actions = room.add_meta(key, peer.tp_size, msg, now, stage=peer.stage, dcp=peer.dcp)
+            self.book.apply(room, actions)
+            return answers_meta(actions, key)
+        self.book.apply(room, room.on_room_failed(key, msg.session, msg.kind, msg.reason, now, early=early))
+        return False
 
     def on_RoomMeta(self, peer: Peer, msg: RoomMeta, now: float) -> None:
-        self._input(msg.room, Parked(peer.key, msg), now)  # the write goes out first
-        self.peers.send(peer.key, MetaAck(src=self.me, dst=peer.key.incarnation, room=msg.room,
-                                          session=msg.session))
+        if not self._input(msg.room, Parked(peer.key, msg), now):  # the write goes out first
+            self.peers.send(peer.key, MetaAck(src=self.me, dst=peer.key.incarnation, room=msg.room,
+                                              session=msg.session))
 
     def on_AllocGrant(self, peer: Peer, msg: AllocGrant, now: float) -> None:
         room = self.book.get(msg.room)

@@ -856,3 +856,17 @@ class PrefillRoom(RoomBase[PrefillAction]):
                     out.append(Send(flow.peer, Quiesced(src=self.me, dst=flow.peer.incarnation, room=self.room,
                                                         session=flow.session)))
         return out + self._release()
+
+
+def answers_meta(actions: list[PrefillAction], peer: PeerKey) -> bool:
+    """Whether a room's `actions` on a decode rank's metadata tell that rank the metadata came,
+    so that no MetaAck need go with them: a write towards it (its WritePosted or its tag follows,
+    each of which the decode room takes as the acknowledgement) or a message to it about the
+    room (AllocRequest, RoomFailed, ...). A staged write that then waits for ring space may leave
+    the decode rank to send its metadata again a heartbeat later: that copy is acknowledged."""
+    for a in actions:
+        if isinstance(a, PostWrite) and a.op.peer == peer:
+            return True
+        if isinstance(a, Send) and a.peer == peer:
+            return True
+    return False
