@@ -67,9 +67,16 @@ from ..transfer.protocol.messages import (
 )
 from ..transfer.protocol.peering import LookupState, needs_lookup
 from ..transfer.protocol.pieces import max_piece_pages
-from ..transfer.protocol.prefill.room import PrefillRoom
+from ..transfer.protocol.prefill.room import PrefillRoom, answers_meta
 from ..transfer.protocol.ring import RemoteWatermark, RingAllocator, Watermark
-from ..transfer.protocol.room_uses import EarlierUses, Parked, RoomUse, ended_answer, use_without_sender
+from ..transfer.protocol.room_uses import (
+    EarlierUses,
+    Parked,
+    RoomUse,
+    ended_answer,
+    use_without_sender,
+    writer_done_answer,
+)
 from ..wire import MAC_BYTES
 from .network import Network, NetworkModel
 
@@ -154,7 +161,7 @@ class Rank:
     # what the engine shell keeps of released rooms (engine/rooms.py, prefill_side.py): room ->
     # (state, failure kind, reason, session); prefill: sessions the id's uses dealt with, and the
     # metadata a successful use served; messages parked for a sender not created yet
-    finished: dict[int, tuple[KVPoll, str, str, int]] = field(default_factory=dict)
+    finished: dict[int, tuple[KVPoll, str, str, int, float]] = field(default_factory=dict)   # state, kind, why, session, ended at
     used_sessions: dict[int, EarlierUses] = field(default_factory=dict)
     served: dict[int, frozenset[tuple[int, int]]] = field(default_factory=dict)
     parked: dict[int, list[Parked]] = field(default_factory=dict)
@@ -533,7 +540,7 @@ class Fleet:
         if r is None:
             return
         rank.finished[req.room] = (r.state, r.failure_kind or "gone", r.failure or "it succeeded",
-                                   getattr(r, "session", 0))
+                                   getattr(r, "session", 0), r.ended_at if r.ended_at is not None else self.now)
         if rank.side == "prefill":
             if r.state is KVPoll.Success:
                 rank.served[req.room] = frozenset((f.peer.incarnation, f.session) for f in r.flows.values())
@@ -666,10 +673,11 @@ class Fleet:
         req = self.open.get(room)
         r = rank.rooms.get(room)
         if rank.side == "prefill":
-            if isinstance(msg, RoomMeta):
-                self.send(dst, src, MetaAck(src=rank.key.incarnation, dst=skey.incarnation, room=room, session=msg.session))
             if isinstance(msg, (RoomMeta, RoomFailed)):
-                self._prefill_item(dst, Parked(skey, msg), req)
+                answered = self._prefill_item(dst, Parked(skey, msg), req)
+                if isinstance(msg, RoomMeta) and not answered:   # engine/prefill_side.py on_RoomMeta
+                    self.send(dst, src, MetaAck(src=rank.key.incarnation, dst=skey.incarnation, room=room,
+                                                session=msg.session))
                 return
             if r is None:
                 return
@@ -685,7 +693,7 @@ class Fleet:
         else:
             if r is None:
                 if isinstance(msg, (AllocRequest, WriterDone, TagsAgain)):
-                    self._answer_finished(dst, src, room, msg.session)
+                    self._answer_finished(dst, src, room, msg.session, writer_done=isinstance(msg, WriterDone))
                 return
             if isinstance(msg, AllocRequest):
                 self._alloc_asked.setdefault((src, dst, room, msg.chunk), self.now)
@@ -713,10 +721,10 @@ class Fleet:
                 raise AssertionError(f"decode got {msg}")
         self.apply(dst, out, req if req is not None and isinstance(msg, RoomMessage) else None)
 
-    def _prefill_item(self, p: int, item: Parked, req: Request | None) -> None:
+    def _prefill_item(self, p: int, item: Parked, req: Request | None) -> bool:
         """The prefill shell's handling of metadata and failures (engine/prefill_side.py, _input
         and _item): to the sender, or parked for one not created yet, or answered for a room
-        that is over here."""
+        that is over here. True when the room's actions answer the metadata (no MetaAck)."""
         rank = self.ranks[p]
         msg, key, room = item.msg, item.peer, item.msg.room
         src = self.by_key[key]
@@ -725,37 +733,47 @@ class Fleet:
             if isinstance(msg, RoomMeta):
                 use = r.meta_use(key, msg.session)
                 if use is RoomUse.STALE:
-                    return
+                    return False
                 if use is RoomUse.NEXT:
                     rank.parked.setdefault(room, []).append(item)
-                    return
+                    return False
                 out = self.core(r.add_meta, key, self.ranks[src].layout.tp_size, msg, self.now)
-            else:
-                out = self.core(r.on_room_failed, key, msg.session, msg.kind, msg.reason, self.now)
+                self.apply(p, out, req)
+                return answers_meta(out, key)
+            out = self.core(r.on_room_failed, key, msg.session, msg.kind, msg.reason, self.now)
             self.apply(p, out, req)
-            return
+            return False
         me = rank.key.incarnation
         if not item.is_meta:   # nothing of ours for this room is in flight to that peer
             self.send(p, src, Quiesced(src=me, dst=key.incarnation, room=room, session=msg.session))
         use = use_without_sender(item, ended=room in rank.finished, earlier=rank.used_sessions.get(room, EarlierUses()),
                                  served=rank.served.get(room, ()))
         if use is RoomUse.OVER and item.is_meta:   # the decode side must not wait for a room that is over here
-            _, kind, why, _ = rank.finished[room]
+            _, kind, why, _, _ = rank.finished[room]
             self.send(p, src, RoomFailed(src=me, dst=key.incarnation, room=room, session=msg.session, kind=kind,
                                          reason=f"the prefill sender of this room has finished: {why}"))
             self.send(p, src, Quiesced(src=me, dst=key.incarnation, room=room, session=msg.session))
         if use is RoomUse.NEXT:
             rank.parked.setdefault(room, []).append(item)
+        return False
 
-    def _answer_finished(self, d: int, p: int, room: int, session: int) -> None:
-        """The decode shell: a writer still asks about a room that is over here."""
+    def _answer_finished(self, d: int, p: int, room: int, session: int, writer_done: bool = False) -> None:
+        """The decode shell: a writer still asks about a room that is over here (to a WriterDone
+        only when the writer asks again: room_uses.writer_done_answer)."""
         rank = self.ranks[d]
         done = rank.finished.get(room)
         if done is None:
             return
-        state, kind, why, last = done
-        answer = ended_answer(succeeded=state is KVPoll.Success, kind=kind, reason=why, last_session=last,
-                              session=session, room=room)
+        state, kind, why, last, ended_at = done
+        if writer_done:
+            answer = writer_done_answer(succeeded=state is KVPoll.Success, kind=kind, reason=why, last_session=last,
+                                        session=session, room=room, ended_at=ended_at, now=self.now,
+                                        retry=self.cfg.timeouts.heartbeat)
+            if answer is None:
+                return
+        else:
+            answer = ended_answer(succeeded=state is KVPoll.Success, kind=kind, reason=why, last_session=last,
+                                  session=session, room=room)
         me, dst = rank.key.incarnation, self.ranks[p].key.incarnation
         if answer.kind is None:
             self.send(d, p, RoomDone(src=me, dst=dst, room=room, session=session))
