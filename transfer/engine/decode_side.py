@@ -231,8 +231,9 @@ class DecodeSide:
         else:
             answer = ended_answer(succeeded=succeeded, kind=done.kind, reason=done.reason, last_session=done.session,
                                   session=session, room=room_id)
+        if writer_done:   # not a dropped message: the protocol's normal crossing (room_uses.repeats_outcome)
+            self.stats.count("writer_done_answers", "repeated" if answer is not None else "crossed_the_outcome")
         if answer is None:
-            self.stats.count("dropped_messages", "crossed_the_outcome")
             return
         me, dst = self.me, peer.key.incarnation
         if answer.kind is None:

@@ -33,6 +33,7 @@ Group = Literal[
     "heartbeats_received", "heartbeats_sent", "sibling_lookups",
     "internal_errors", "path_choices", "path_reasons", "peers_lost", "rooms", "rooms_failed_by_kind", "scatters",
     "tags_again", "tags_by_arrival", "write_announcements", "write_failures", "write_requests_by_path",
+    "writer_done_answers",
     # sums of seconds by label
     "path_actual_s", "path_predicted_s",
 ]
