@@ -9,10 +9,17 @@ a cache on a GPU, uploaded: a copy from pageable memory, which waits for the str
 synchronisation on every call).
 
 A `PlanCache` keeps, per room, the validated lists it saw (`PageIndex`: the host copy, its runs of
-consecutive pages, the index tensor per device, uploaded once). A list is found by VALUE (its
-dtype and bytes), never by identity, so a new or changed list never reuses a stale entry, and an
-entry can only be shared by calls that would have built the same one. What it was validated
-against (the cache's page count, whether repeats are allowed) is part of the key.
+consecutive pages, the index tensor per device, uploaded once).
+
+A list that is ONE run of consecutive pages (a one-page piece, a piece of contiguous pages) is
+never uploaded: its index is a view of a tensor 0, 1, 2, ... per device (`COUNTING`), built once
+and complete before any thread may use it. On a GPU that saves the one-page request's gather and
+scatter their upload, and the wait for it (docs/staging_kernels.md, "Host work per call").
+
+A list is found by VALUE (its dtype and bytes), never by identity, so a new or changed list
+never reuses a stale entry, and an entry can only be shared by calls that would have built the
+same one. What it was validated against (the cache's page count, whether repeats are allowed) is
+part of the key.
 
 Most pieces are gathered once, though, and each is a slice of a larger array: the protocol cuts
 a chunk's pieces out of the chunk's page array, and the decode rank its pieces out of the room's.
@@ -40,7 +47,7 @@ import torch
 
 from .page_lists import check_pages
 
-__all__ = ["PageIndex", "PageRun", "PlanCache", "page_runs"]
+__all__ = ["COUNTING", "Counting", "PageIndex", "PageRun", "PlanCache", "page_runs"]
 
 MAX_ROOMS = 64
 PER_ROOM = 16
@@ -68,6 +75,41 @@ def page_runs(pages: np.ndarray, max_runs: int) -> tuple[PageRun, ...] | None:
     return tuple(PageRun(s, int(pages[s]), e - s) for s, e in zip(starts, ends, strict=True))
 
 
+class Counting:
+    """0, 1, 2, ... as an int64 tensor per device (8 bytes a page, up to the largest page asked for),
+    grown when a view asks for more: the index of a
+    run of consecutive pages [start, start + n) is `view(device, start, n)`, with no upload.
+
+    Invariants: a tensor once handed out is never written (growing makes a new one; views of
+    the old one keep it alive); on a GPU a new tensor is complete before it is handed out, so
+    any thread's stream may read it. Thread-safe."""
+
+    MIN = 1024
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_device: dict[torch.device, torch.Tensor] = {}
+
+    def view(self, device: torch.device, start: int, n: int) -> torch.Tensor:
+        if start < 0 or n < 0:
+            raise ValueError(f"a run of consecutive pages starts at a page >= 0 and has >= 0 pages, got {start}, {n}")
+        t = self._by_device.get(device)
+        if t is None or t.shape[0] < start + n:
+            with self._lock:
+                t = self._by_device.get(device)
+                if t is None or t.shape[0] < start + n:
+                    size = max(start + n, 2 * (t.shape[0] if t is not None else 0), self.MIN)
+                    t = torch.arange(size, dtype=torch.int64, device=device)
+                    if device.type == "cuda":   # once per growth: complete before any stream reads it
+                        torch.cuda.current_stream(device).synchronize()
+                    self._by_device[device] = t
+        return t[start:start + n]
+
+
+#: the counting tensors every PlanCache's lists share (one per device)
+COUNTING = Counting()
+
+
 def _upload(host: np.ndarray, device: torch.device) -> torch.Tensor:
     """The list as an int64 tensor on `device`. On the CPU it shares `host` (which the entry owns);
     elsewhere it is copied once and the copy completes before any thread may use it (one stream
@@ -84,7 +126,8 @@ def _upload(host: np.ndarray, device: torch.device) -> torch.Tensor:
 class PageIndex:
     """One validated page list as plans need it: its host copy (owned, never the caller's
     memory), its runs for a given limit on runs, and its index tensor per device. `part(at, n)`:
-    the list's slice [at, at + n), whose index is a view of this one's (no upload of its own)."""
+    the list's slice [at, at + n), whose index is a view of this one's (no upload of its own),
+    or of `COUNTING` when the slice is one run."""
 
     __slots__ = ("host", "n", "_runs", "_index", "nbytes", "_parent", "_at", "_parts")
 
@@ -108,9 +151,14 @@ class PageIndex:
             return runs
 
     def index(self, device: torch.device) -> torch.Tensor:
+        """The list as an int64 tensor on `device`: a view of `COUNTING` when it is one run, else
+        a view of its whole list's index (a part), else its own upload."""
         t = self._index.get(device)
         if t is None:
-            if self._parent is not None:
+            run = self.runs(1) if self.n else None
+            if run is not None:
+                t = COUNTING.view(device, run[0].page, self.n)
+            elif self._parent is not None:
                 t = self._parent.index(device)[self._at:self._at + self.n]
             else:
                 t = _upload(self.host, device)

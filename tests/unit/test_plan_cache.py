@@ -16,7 +16,7 @@ import torch
 from kvstage.staging import triton_kernels as tk
 from kvstage.staging.copy_plan import Direction
 from kvstage.staging.gather_scatter import Gatherer, Scatterer, region_nbytes
-from kvstage.staging.plan_cache import PlanCache
+from kvstage.staging.plan_cache import COUNTING, Counting, PlanCache
 from kvstage.staging.workers import LandedPart, ScatterJob, ScatterWorker, TransferWorkers
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not tk.interpreted() else "cpu")
@@ -237,6 +237,44 @@ def test_pieces_of_a_rooms_list_share_one_validated_and_indexed_list(impl):
     if impl == "triton":     # index tensors: views of one
         storages = {t.untyped_storage().data_ptr() for t in indexes}
         assert len(storages) == 1 and [t.tolist() for t in indexes] == [p.tolist() for p in pieces]
+
+
+def test_a_run_of_consecutive_pages_is_a_view_of_the_counting_tensor_not_an_index_of_its_own():
+    """A one-page piece, or any run of consecutive pages, is never uploaded: its index is a view
+    of COUNTING (0, 1, 2, ...), and the bytes are a fresh plan's. A piece that is one run, cut
+    from a room list that is not, is such a view too; the room's other pieces view its index."""
+    k, v = make_cache(14)
+    plans = PlanCache()
+    g, s = tk.TritonGatherer(plans), tk.TritonScatterer(plans)
+    room_pages = np.array([9, 3, 4, 5, 0])
+    cases = [(1, np.array([4])), (2, np.array([6, 7, 8])), (3, np.arange(PAGES)),
+             (4, room_pages[1:4]), (4, room_pages[3:5])]
+    indexes = []
+    for room, pages in cases:
+        out = region(pages.size)
+        g.gather(k, v, pages, PS, (1, 3), out, room=room)
+        assert torch.equal(out, fresh_gather(k, v, pages.tolist()))
+        indexes.append(g.plan(Direction.GATHER, k, v, pages, PS, (1, 3), out, room=room).pages)
+        want_k, want_v = make_cache(15)
+        got_k, got_v = make_cache(15)
+        Scatterer().scatter(out, list(want_k), list(want_v), pages.copy(), PS, (0, 2))
+        s.scatter(out, got_k, got_v, pages, PS, (0, 2), room=room)
+        assert raw(got_k) == raw(want_k) and raw(got_v) == raw(want_v)
+    assert [t.tolist() for t in indexes] == [p.tolist() for _, p in cases]
+    counting = COUNTING.view(k[0].device, 0, 1).untyped_storage().data_ptr()   # keyed by the caches' device
+    assert [t.untyped_storage().data_ptr() == counting for t in indexes] == [True, True, True, True, False]
+
+
+def test_counting_views_keep_their_values_as_it_grows():
+    c, cpu = Counting(), torch.device("cpu")
+    first = c.view(cpu, 5, 3)
+    far = c.view(cpu, Counting.MIN + 10, 4)    # past the first tensor: a larger one
+    assert first.tolist() == [5, 6, 7] and far.tolist() == list(range(Counting.MIN + 10, Counting.MIN + 14))
+    assert c.view(cpu, 0, 2).untyped_storage().data_ptr() == far.untyped_storage().data_ptr()
+    assert first.untyped_storage().data_ptr() != far.untyped_storage().data_ptr()
+    assert c.view(cpu, 3, 0).numel() == 0
+    with pytest.raises(ValueError, match="starts at a page >= 0"):
+        c.view(cpu, -1, 2)
 
 
 def test_a_rooms_list_written_to_is_validated_again():
