@@ -76,9 +76,9 @@ def page_runs(pages: np.ndarray, max_runs: int) -> tuple[PageRun, ...] | None:
 
 
 class Counting:
-    """0, 1, 2, ... as an int64 tensor per device (8 bytes a page, up to the largest page asked for),
-    grown when a view asks for more: the index of a
-    run of consecutive pages [start, start + n) is `view(device, start, n)`, with no upload.
+    """0, 1, 2, ... as an int64 tensor per device (8 bytes a page, up to the largest page asked
+    for), grown when a view asks for more: the index of a run of consecutive pages
+    [start, start + n) is `view(device, start, n)`, with no upload.
 
     Invariants: a tensor once handed out is never written (growing makes a new one; views of
     the old one keep it alive); on a GPU a new tensor is complete before it is handed out, so
