@@ -255,14 +255,14 @@ def unsupported_features(mgr, args) -> list[str]:
 
 def dcp_problems(mgr, args) -> list[str]:
     """What of a rank with decode context parallelism (SGLang's attn_dcp_size above 1) kvstage
-    does not serve, by name (empty: no DCP). kvstage's engine moves a DCP request direct and KV
-    only (docs/protocol.md, "Decode context parallel"), while SGLang's requests always carry an
-    aux row (the first output token), which this adapter moves as a pool item: so every DCP rank
-    is refused until the engine moves pool items beside DCP, with that reason last. Named before
-    it, what would stay refused then: DCP on the prefill side (SGLang's N -> N; untested here),
-    a non-MLA pool, a draft's KV (SGLang splits no draft entry), state components or a hybrid
-    pool, PP, a DCP rank that is not the attention TP rank mod dcp_size, host KV destinations,
-    HiSparse and the staged path forced. The layout (kv_layout's dcp_size) and the request's
+    does not serve, by name (empty: no DCP). kvstage's engine moves a DCP request direct, its KV
+    and its pool items (SGLang's aux row is one; docs/protocol.md, "Decode context parallel"),
+    but SGLang 0.5.23 itself refuses decode DCP for a backend it does not list, and no test has
+    moved a DCP request through SGLang's classes: every DCP rank is refused, with that reason
+    last. Named before it, what would stay refused then: DCP on the prefill side (SGLang's
+    N -> N; untested here), a non-MLA pool, a draft's KV (SGLang splits no draft entry), state
+    components or a hybrid pool, PP, a DCP rank that is not the attention TP rank mod dcp_size,
+    host KV destinations, HiSparse and the staged path forced. The layout (kv_layout's dcp_size) and the request's
     token count (plugin.tell_*_tokens) are mapped already."""
     dcp = int(getattr(mgr, "dcp_size", 1) or 1)
     if dcp <= 1:
@@ -293,8 +293,8 @@ def dcp_problems(mgr, args) -> list[str]:
     if staging_flag():
         out.append(f"{name} with the staged path forced (SGLANG_DISAGG_STAGING_BUFFER): kvstage moves DCP "
                    f"requests direct only")
-    out.append(f"{name}: kvstage's engine moves no pool items beside DCP yet, and each SGLang request's aux row "
-               f"(its first output token) is one")
+    out.append(f"{name}: SGLang 0.5.23 refuses decode DCP for a transfer backend it does not list (kvstage among "
+               f"them: its pd_disaggregation_hook), and no test has moved a DCP request through SGLang's classes")
     return out
 
 

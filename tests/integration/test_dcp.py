@@ -1,12 +1,13 @@
 """Decode context parallel between real processes (real NIXL or Mooncake, the real bootstrap
 server): prefill DCP 1 -> decode DCP 2 (MLA, direct) puts every token on the decode rank that owns
 it, at its local slot, bit-exact, with a decode prefix and the final partial page exact (every
-other slot of the room's pages untouched); a pairing kvstage's engine cannot move fails every
+other slot of the room's pages untouched), and each request's aux row (a pool item) whole on every
+decode rank, the one owning no token included; a pairing kvstage's engine cannot move fails every
 request on both sides, kind `layout`, with the reason naming both layouts
 (token_mapping.engine_refusal), long before any deadline, and nothing hangs."""
 
 import pytest
-from engine_cases import Case, Topo, each_rank, problems, random_rooms, run_cases
+from engine_cases import LAYERED_AUX, Case, Topo, each_rank, problems, random_rooms, run_cases
 
 from kvstage.transfer.protocol.token_mapping import DCPLayout, local_pages
 
@@ -17,11 +18,14 @@ SHAPES = [(1, 0), (7, 0), (8, 0), (37, 1), (61, 2), (5, 0)]   # (tokens, decode 
 WANT = {0: 1, 1: 7, 2: 8, 3: 37 - 8, 4: 61 - 16, 5: 5}     # tokens moved past the prefix, per room
 
 
-def split_case(backend: str, prefill_dcp: int = 1, base: int = 3300) -> Case:
+def split_case(backend: str, prefill_dcp: int = 1, base: int = 3300, aux: bool = False) -> Case:
     """Prefill TP 2 / DCP `prefill_dcp` (1 or 2) -> decode TP 2 DCP 2, pages of 4 tokens (a
     virtual page of 8): one token, a partial last page, whole virtual pages, prefixes of one and
     two virtual pages, in uneven chunks on the prefill side (MLA: decode rank d is written by
-    prefill rank d % 2, which holds the same DCP rank when the prefill has DCP 2)."""
+    prefill rank d % 2, which holds the same DCP rank when the prefill has DCP 2). `aux`: each
+    request also carries an aux row (SGLang's first output token), one item of a replicated pool
+    on every rank, which each decode rank gets whole (the one-token request's rank 1, owning no
+    token, gets it alone)."""
     dec = DCPLayout(dcp_size=2, page_size=PS, mla=True)
     pre = DCPLayout(dcp_size=prefill_dcp, page_size=PS, mla=True)
     pre_rooms, dec_rooms = [], []
@@ -29,14 +33,16 @@ def split_case(backend: str, prefill_dcp: int = 1, base: int = 3300) -> Case:
         room = base + i
         pages = local_pages(pre, tokens)
         chunks = [pages] if pages < 4 else [1, pages - 3, 2]
-        pre_rooms.append({"room": room, "pages": pages, "chunks": chunks, "dcp_tokens": tokens})
-        rec = {"room": room, "pages": local_pages(dec, tokens), "dcp_tokens": tokens}
+        items = {"pool_items": {"aux": 1}} if aux else {}
+        pre_rooms.append({"room": room, "pages": pages, "chunks": chunks, "dcp_tokens": tokens, **items})
+        rec = {"room": room, "pages": local_pages(dec, tokens), "dcp_tokens": tokens, **items}
         if prefix:
             rec["prefix_pages"] = prefix
         dec_rooms.append(rec)
     return Case(topo=Topo(P=2, D=2, H=1, mla=True), page_size=PS, dtype="bfloat16", backend=backend, layers=2,
-                head_dim=16, pages=64, label=f"dcp{prefill_dcp}2", prefill_extra={"rooms": pre_rooms, "dcp": prefill_dcp},
-                decode_extra={"rooms": dec_rooms, "dcp": 2})
+                head_dim=16, pages=64, label=f"dcp{prefill_dcp}2{'aux' if aux else ''}",
+                prefill_extra={"rooms": pre_rooms, "dcp": prefill_dcp}, decode_extra={"rooms": dec_rooms, "dcp": 2},
+                pools={"aux": LAYERED_AUX} if aux else {})
 
 
 def refused_case(topo: Topo, backend: str, label: str, prefill_dcp: int, decode_dcp: int, base: int) -> Case:
@@ -48,11 +54,12 @@ def refused_case(topo: Topo, backend: str, label: str, prefill_dcp: int, decode_
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", ["nixl", "mooncake"])
 def test_dcp_1_and_2_to_2_are_bit_exact_on_each_rank_and_an_unserved_pairing_fails_on_both_sides(backend):
-    """One cluster, three engine pairs: prefill DCP 1 -> decode DCP 2 and prefill DCP 2 -> decode
-    DCP 2 (split_case), every token on its rank, bit-exact; prefill TP 2 DCP 2 -> decode TP 1 (DCP
-    on the prefill side only: SGLang does not serve it), every room Failed on every rank with the
-    reason naming both layouts."""
-    moved = [split_case(backend, 1, 3300), split_case(backend, 2, 3400)]
+    """One cluster, four engine pairs: prefill DCP 1 -> decode DCP 2 and prefill DCP 2 -> decode
+    DCP 2 (split_case), every token on its rank, bit-exact, and DCP 1 -> 2 again with an aux row
+    per request, every rank's item bit-exact too; prefill TP 2 DCP 2 -> decode TP 1 (DCP on the
+    prefill side only: SGLang does not serve it), every room Failed on every rank with the reason
+    naming both layouts."""
+    moved = [split_case(backend, 1, 3300), split_case(backend, 2, 3400), split_case(backend, 1, 3500, aux=True)]
     refused = refused_case(Topo(P=2, D=1, H=1, mla=True), backend, "pside", 2, 1, 3100)
     results, codes, logs, _ = run_cases([*moved, refused], timeout=120)
     bad = problems({c.name: results[c.name] for c in moved}, codes, logs)

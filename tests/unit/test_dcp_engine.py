@@ -16,6 +16,7 @@ import torch
 from kvstage.transfer.config import Timeouts
 from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.poll import KVPoll
+from kvstage.transfer.pool_spec import PoolSpec
 from kvstage.transfer.protocol.actions import PeerKey, PostWrite, Send
 from kvstage.transfer.protocol.hello_admission import PrefillFacts, admit_hello
 from kvstage.transfer.protocol.messages import Hello, KVMemory, RoomMeta, peer_codec
@@ -279,7 +280,7 @@ def test_a_dcp_tracker_takes_one_write_of_exactly_its_tokens():
     assert RoomTracker(1, {0: 32}, num_layers=2, token_bytes={0: 0}).complete   # owns no token: nothing to wait for
 
 
-def dcp_decode_room(rank: int = 1):
+def dcp_decode_room(rank: int = 1, pools: tuple[PoolSpec, ...] = ()):
     from kvstage.transfer.protocol.decode.plan import RoomPlan
     from kvstage.transfer.protocol.decode.room import DecodeRoom
     from kvstage.transfer.protocol.head_mapping import compute_assignments
@@ -288,7 +289,7 @@ def dcp_decode_room(rank: int = 1):
     a = compute_assignments(1, 2, 1, True).find(0, rank)
     plan = RoomPlan(writers=((PeerKey("pre", 0, 900), a),), notices=(), staged=False,
                     head_page_bytes=lay.num_kv * lay.num_layers * lay.page_size * lay.head_bytes)
-    room = DecodeRoom(room=7, session=55, me=2001, layout=lay, now=0.0, timeouts=Timeouts(metadata=50))
+    room = DecodeRoom(room=7, session=55, me=2001, layout=lay, now=0.0, timeouts=Timeouts(metadata=50), pools=pools)
     room.on_plan(plan, 0.0)
     return room
 
@@ -360,6 +361,65 @@ def test_a_dcp_write_over_the_descriptor_cap_goes_in_layer_groups_the_tracker_ad
     assert t.complete
 
 
+AUX = PoolSpec(name="aux", sharding="replicated", heads=0, dtypes=["uint8"], rows=[[24]])
+
+
+def aux_meta(peer: PeerKey, pages: list[int], item: int) -> RoomMeta:
+    return msgspec.structs.replace(dcp_meta(peer, pages), pool_items={"aux": np.array([item], dtype="<i8").tobytes()})
+
+
+def test_pool_items_ride_with_each_decode_dcp_ranks_last_write_and_a_rank_owning_no_token_gets_them_alone():
+    """An aux row (SGLang's, one per request) beside DCP: 7 tokens to decode DCP 2 in two layer
+    groups, the second (the last layer) carrying the rank's aux item; a 1-token request, whose
+    rank 1 owns no token, writes rank 1 its aux item in a write of every layer and no token. The
+    decode trackers take each write to the byte and complete on it."""
+    from kvstage.transfer.protocol.decode.tracker import Outcome, RoomTracker
+
+    r = PrefillRoom(room=7, num_pages=4, layout=mla(tp=1), me=1000, now=0.0, timeouts=Timeouts(metadata=50),
+                    op_ids=itertools.count(1), num_tokens=7, max_ranges=4, pools=(AUX,), pool_items={"aux": np.array([9])})
+    d0, d1 = PeerKey("dec", 0, 2000), PeerKey("dec", 1, 2001)
+    r.add_meta(d0, 2, aux_meta(d0, [3, 4], 5), 1.0, dcp=lay(2))
+    r.add_meta(d1, 2, aux_meta(d1, [5, 9], 6), 1.0, dcp=lay(2))
+    ops = [a.op for a in r.add_chunk(np.arange(10, 14), True, 2.0) if isinstance(a, PostWrite)]
+    assert r.state is not KVPoll.Failed
+    by_rank = {d: [op for op in ops if op.peer.tp_rank == d] for d in (0, 1)}
+    assert [(op.layers, op.nbytes, len(op.pools)) for op in by_rank[0]] == [(range(0, 1), 32, 0), (range(1, 2), 56, 1)]
+    (copy,) = by_rank[1][1].pools
+    assert ([int(x) for x in copy.src_items], [int(x) for x in copy.dst_items], copy.nbytes) == ([9], [6], 24)
+    t = RoomTracker(2, {0: 64}, {0: 24}, num_layers=2, token_bytes={0: 64})
+    for op in by_rank[0]:
+        assert t.arrive_direct(0, op.chunk, 0, 2, op.nbytes, layers=op.layers).outcome is Outcome.ACCEPTED
+    assert t.complete
+
+    one = PrefillRoom(room=7, num_pages=1, layout=mla(tp=1), me=1000, now=0.0, timeouts=Timeouts(metadata=50),
+                      op_ids=itertools.count(1), num_tokens=1, pools=(AUX,), pool_items={"aux": np.array([2])})
+    one.add_meta(d0, 2, aux_meta(d0, [0], 5), 1.0, dcp=lay(2))
+    one.add_meta(d1, 2, aux_meta(d1, [1], 6), 1.0, dcp=lay(2))
+    ops = {a.op.peer.tp_rank: a.op for a in one.add_chunk(np.array([5]), True, 2.0) if isinstance(a, PostWrite)}
+    assert sorted(ops) == [0, 1]
+    alone = ops[1]
+    assert (alone.layers, alone.nbytes, int(alone.token_runs[2].size), len(alone.pools)) == (range(0, 2), 24, 0, 1)
+    t = RoomTracker(1, {0: 32}, {0: 24}, num_layers=2, token_bytes={0: 0})
+    assert not t.complete   # it owns no token, but its aux item is still to come
+    assert t.arrive_direct(0, alone.chunk, 0, 1, alone.nbytes, layers=alone.layers).outcome is Outcome.ACCEPTED
+    assert t.complete
+
+
+def test_a_decode_dcp_room_with_an_aux_item_waits_for_it_even_owning_no_token():
+    r = dcp_decode_room(rank=1, pools=(AUX,))
+    r.init(np.array([3]), 1.0, num_tokens=1, pool_items={"aux": np.array([4])})
+    assert r.state is not KVPoll.Success and r.state is not KVPoll.Failed
+
+
+def test_pool_item_counts_that_differ_beside_dcp_fail_the_room_naming_the_pool():
+    r = PrefillRoom(room=7, num_pages=4, layout=mla(tp=1), me=1000, now=0.0, timeouts=Timeouts(metadata=50),
+                    op_ids=itertools.count(1), num_tokens=7, pools=(AUX,), pool_items={"aux": np.array([9])})
+    d0 = PeerKey("dec", 0, 2000)
+    r.add_meta(d0, 2, msgspec.structs.replace(dcp_meta(d0, [3, 4]), pool_items={"aux": np.array([1, 2], dtype="<i8").tobytes()}),
+               1.0, dcp=lay(2))
+    assert r.state is KVPoll.Failed and "aux" in r.failure
+
+
 @pytest.mark.parametrize("extra", [{"pp_size": 2, "pp_rank": 0, "stage": range(0, 1)}, {"draft": "draft"}],
                          ids=["pp", "draft"])
 def test_a_prefill_with_pp_or_a_draft_facing_decode_dcp_fails_the_room_naming_it(extra):
@@ -371,7 +431,7 @@ def test_a_prefill_with_pp_or_a_draft_facing_decode_dcp_fails_the_room_naming_it
                     op_ids=itertools.count(1), num_tokens=7)
     d0 = PeerKey("dec", 0, 2000)
     r.add_meta(d0, 2, dcp_meta(d0, [3, 4]), 1.0, dcp=lay(2))
-    assert r.state is KVPoll.Failed and "from a prefill without PP (no staging, state pools or draft)" in r.failure
+    assert r.state is KVPoll.Failed and "from a prefill without PP (no staging or draft)" in r.failure
 
 
 def test_equal_dcp_a_prefill_rank_told_of_a_room_it_does_not_write_only_takes_note():

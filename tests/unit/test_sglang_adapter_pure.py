@@ -385,7 +385,7 @@ def dcp_mgr(**kw):
                         "disaggregation_mode": SimpleNamespace(value="decode"), **kw})
 
 
-AUX_ROW = "kvstage's engine moves no pool items beside DCP yet"
+SGLANG_GATE = "SGLang 0.5.23 refuses decode DCP for a transfer backend it does not list"
 
 
 @pytest.mark.parametrize("mgr,args,named", [
@@ -399,14 +399,14 @@ AUX_ROW = "kvstage's engine moves no pool items beside DCP yet"
     (dcp_mgr(dcp_rank=0), {}, "whose DCP rank 0 is not attention TP rank 1 mod 2"),
     (dcp_mgr(), {"host_kv_data_ptrs": [4096]}, "with host KV destinations"),
     (dcp_mgr(server_args=SimpleNamespace(enable_hisparse=True, device="cuda")), {}, "with HiSparse"),
-], ids=["aux-row", "prefill", "mha", "state", "hybrid-mla", "draft", "pp", "rank", "host", "hisparse"])
+], ids=["sglang-gate", "prefill", "mha", "state", "hybrid-mla", "draft", "pp", "rank", "host", "hisparse"])
 def test_decode_context_parallel_is_refused_at_start_naming_why(monkeypatch, mgr, args, named):
-    """Every DCP rank is refused while kvstage's engine moves no pool items beside DCP (SGLang's
-    aux row is one), that reason last; what would stay refused beyond it is named before it."""
+    """Every DCP rank is refused while SGLang itself refuses decode DCP for backend kvstage, that
+    reason last; what would stay refused beyond it is named before it."""
     for name in SGLANG_AND_KVSTAGE_ENVS:
         monkeypatch.delenv(name, raising=False)
     problems = unsupported_features(mgr, SimpleNamespace(**args))
-    assert AUX_ROW in problems[-1] and "decode context parallelism (dcp_size 2)" in problems[-1], problems
+    assert SGLANG_GATE in problems[-1] and "decode context parallelism (dcp_size 2)" in problems[-1], problems
     assert [p for p in problems[:-1] if named and named in p] == problems[:-1] and len(problems) == 1 + bool(named)
 
 

@@ -285,8 +285,8 @@ class DecodeRoom(RoomBase[DecodeAction]):
         if self.prefix + n != want:
             return (f"{where}: {self.num_tokens} tokens take {want} pages on every DCP rank, this rank was given "
                     f"{self.prefix} prefix pages and {n} more")
-        if p.staged or self.pool_items or p.draft_pools:
-            return f"{where}: decode context parallel moves the KV only, direct (no staging, state pools or draft)"
+        if p.staged or p.draft_pools:
+            return f"{where}: decode context parallel moves the KV and the pool items direct (no staging or draft)"
         tokens = local_tokens(dcp, lay.dcp_rank, self.num_tokens, self.prefix * lay.page_size * lay.dcp_size)
         return {w: tokens * b // lay.page_size for w, b in p.writer_bytes.items()}
 

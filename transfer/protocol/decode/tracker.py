@@ -99,7 +99,9 @@ class RoomTracker:
         `token_bytes` (decode context parallel, direct): writer rank -> the exact bytes it writes
         over every layer (this rank's tokens of the request, a last page partly filled:
         token_mapping.local_tokens), in writes of every page and a range of layers each, their
-        bytes in proportion; None: whole pages."""
+        bytes in proportion, the write of the last layer also carrying `final_extra` (a rank
+        owning no token gets its pool items in a write of every layer and no token bytes);
+        None: whole pages."""
         if num_pages <= 0:
             raise ValueError("a room has at least one page")
         if not writer_page_bytes:
@@ -263,7 +265,7 @@ class RoomTracker:
                 return Arrival(Outcome.REJECTED, f"writer {writer} wrote pages [{page_start}, {page_start + num_pages}): "
                                                  f"a decode context parallel room takes writes of all of its "
                                                  f"{self.num_pages} pages")
-            want = self.token_bytes.get(writer, -1) * len(lay) // len(self._held)
+            want = self.token_bytes.get(writer, -1) * len(lay) // len(self._held) + self._extra(writer, 0, num_pages, lay)
         if nbytes != want:
             return Arrival(Outcome.REJECTED, f"writer {writer} sent {nbytes} bytes for {num_pages} pages of "
                                              f"{len(lay)} layers, expected {want}")
@@ -307,8 +309,8 @@ class RoomTracker:
         """Every byte of the room is in place (staged: scattered; direct: landed)."""
         if self._pieces or self._scattered_cells:
             return self._scattered_cells == self.num_pages * len(self._held)
-        if self.token_bytes is not None and not any(self.token_bytes.values()):
-            return True   # decode context parallel: a rank owning none of the request's tokens gets no write
+        if self.token_bytes is not None and not any(self.token_bytes.values()) and not self.final_extra:
+            return True   # decode context parallel: a rank owning none of the request's tokens (nor pool items) gets no write
         return all(n == self.num_pages * len(self.layers_of(w)) for w, n in zip(self._writers, self._counts()))
 
     @property

@@ -336,13 +336,9 @@ class PrefillRoom(RoomBase[PrefillAction]):
         if meta.num_pages != self.num_pages:
             return self.fail(FailureKind.PROTOCOL, f"decode rank {rank} expects {meta.num_pages} pages, this "
                                          f"prefill rank was given {self.num_pages}", now)
-        theirs = {k: v.size for k, v in meta.items().items()}
-        if not self.last:   # pools whose items come with the last send are checked then
-            theirs = {k: n for k, n in theirs.items() if k in self.pool_items}
-        mismatch = counts_mismatch(self.pool_items, theirs)
-        if mismatch and flow.assignment is not None and self._gets_pools(flow):
-            return self.fail(FailureKind.POOL, f"decode rank {rank}: {mismatch}", now)
-        flow.pool_dst = meta.items() or NO_ENTRIES   # no pools: the shared empty map
+        failed = self._take_pool_dst(flow, meta, now)
+        if failed is not None:
+            return failed
         if not 0 <= meta.prefix_pages < self.num_pages:
             return self.fail(FailureKind.PROTOCOL, f"decode rank {rank} holds a prefix of {meta.prefix_pages} pages of a "
                                          f"{self.num_pages}-page request: at least one page must be sent", now)
@@ -354,6 +350,19 @@ class PrefillRoom(RoomBase[PrefillAction]):
             flow.dst_pages = pages
         flow.move(FlowEvent.CHECKED)
         return []
+
+    def _take_pool_dst(self, flow: Flow, meta: RoomMeta, now: float) -> list[PrefillAction] | None:
+        """The decode rank's pool items against this request's (pools whose items come with the
+        last send are checked then): None when they agree (its items kept on the flow), else the
+        room fails."""
+        theirs = {k: v.size for k, v in meta.items().items()}
+        if not self.last:
+            theirs = {k: n for k, n in theirs.items() if k in self.pool_items}
+        mismatch = counts_mismatch(self.pool_items, theirs)
+        if mismatch and flow.assignment is not None and self._gets_pools(flow):
+            return self.fail(FailureKind.POOL, f"decode rank {flow.peer.tp_rank}: {mismatch}", now)
+        flow.pool_dst = meta.items() or NO_ENTRIES   # no pools: the shared empty map
+        return None
 
     def _check_dcp_meta(self, flow: Flow, meta: RoomMeta, now: float) -> list[PrefillAction]:
         """Decode context parallel (token_mapping.py): the decode rank's local pages against the
@@ -372,12 +381,15 @@ class PrefillRoom(RoomBase[PrefillAction]):
             return self.fail(FailureKind.PROTOCOL, f"{both}: decode rank {rank} holds {meta.num_pages} pages with a "
                                                    f"prefix of {meta.prefix_pages} for {tokens} tokens, which take "
                                                    f"{local_pages(theirs, tokens)} pages on each decode DCP rank", now)
-        if meta.staged or self.pool_items or meta.pool_items or self.layout.draft is not None or self.layout.pp_size > 1:
-            return self.fail(FailureKind.LAYOUT, f"{both}: decode context parallel moves the KV only, direct, from a "
-                                                 f"prefill without PP (no staging, state pools or draft)", now)
+        if meta.staged or self.layout.draft is not None or self.layout.pp_size > 1:
+            return self.fail(FailureKind.LAYOUT, f"{both}: decode context parallel moves the KV and the pool items "
+                                                 f"direct, from a prefill without PP (no staging or draft)", now)
         if flow.assignment is not None and mine.dcp_size > 1 and rank % theirs.dcp_size != self.layout.dcp_rank:
             return self.fail(FailureKind.LAYOUT, f"{both}: prefill DCP rank {self.layout.dcp_rank} would write decode "
                                                  f"DCP rank {rank % theirs.dcp_size}", now)
+        failed = self._take_pool_dst(flow, meta, now)
+        if failed is not None:
+            return failed
         if flow.assignment is not None:
             pages = meta.pages()
             if pages.size != meta.num_pages - meta.prefix_pages:
@@ -392,7 +404,10 @@ class PrefillRoom(RoomBase[PrefillAction]):
         """Decode context parallel, direct: the writes carrying the decode rank's tokens of the
         request (token_mapping.build_pair's runs), once the last send is in: one of every layer,
         or, where that would exceed `max_ranges` descriptors, one per group of layers that fits
-        (each numbered as a chunk of its own; a run is one descriptor per layer and tensor)."""
+        (each numbered as a chunk of its own; a run is one descriptor per layer and tensor). The
+        write of the last layer also carries the request's pool items for that rank (as the last
+        page's write does without DCP); a rank that owns none of the tokens gets them in a write
+        of their own, of every layer and no token."""
         assert self.dcp is not None and self.num_tokens is not None and self.prefix is not None
         assert flow.dst_pages is not None, "a direct flow has its destination pages from its metadata"
         lay = self.layout
@@ -401,21 +416,26 @@ class PrefillRoom(RoomBase[PrefillAction]):
                           prefix=self.prefix * lay.page_size * lay.dcp_size, src_pages=tuple(src.tolist()),
                           dst_pages=tuple(flow.dst_pages.tolist()), decode_rank=flow.peer.tp_rank % self.dcp.dcp_size)
         flow.issued = len(self.sendable)
-        if not pair.num_tokens:   # the decode rank owns none of the tokens (a request shorter than its DCP group)
+        m = self._mapping
+        copies = request_copies(writer_segments(self.pools, m.prefill_tp, m.decode_tp, a), self.pool_items,
+                                flow.pool_dst) if self.pool_items else ()
+        if not pair.num_tokens and not copies:   # the decode rank owns none of the tokens (a short request)
             return []
         ready = tuple(r for c in self.sendable for r in c.ready)
         runs = (pair.src_slot, pair.dst_slot, pair.length)
-        step = max(1, self.max_ranges // (int(pair.length.size) * lay.num_kv))
+        step = max(1, self.max_ranges // max(1, int(pair.length.size) * lay.num_kv))
         out: list[PrefillAction] = []
         for part, first in enumerate(range(lay.layers.start, lay.layers.stop, step)):
             layers = range(first, min(first + step, lay.layers.stop))
-            nbytes = pair.num_tokens * self._bytes_per_page(a.num_heads, layers) // lay.page_size
+            pools = copies if layers.stop == lay.layers.stop else ()
+            nbytes = pair.num_tokens * self._bytes_per_page(a.num_heads, layers) // lay.page_size + block_bytes(pools)
             tag = make_tag(TagKind.DIRECT, room=self.room, session=flow.session, epoch=flow.peer.incarnation,
                            src=self.me, writer=lay.rank, chunk=part, piece=0, page_start=0,
                            num_pages=int(flow.dst_pages.size), layers=layers, nbytes=nbytes)
             op = WriteOp(op_id=next(self._op_ids), room=self.room, peer=flow.peer, staged=False, chunk=part, piece=0,
                          src_pages=np.asarray(src), dst_pages=flow.dst_pages, src_heads=a.src_heads,
-                         dst_heads=a.dst_heads, nbytes=nbytes, tag=tag, layers=layers, ready=ready, token_runs=runs)
+                         dst_heads=a.dst_heads, nbytes=nbytes, tag=tag, pools=pools, layers=layers, ready=ready,
+                         token_runs=runs)
             out.append(self._post(flow, op))
         return out
 
