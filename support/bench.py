@@ -447,6 +447,32 @@ def targets(a, res: dict) -> list[str]:
         if lat:
             ok = lat["p50_ms"] < 1 and lat["p99_ms"] < 5
             out.append(f"{'PASS' if ok else 'MISS'} {tr} one page p50 {lat['p50_ms']:.2f} ms, p99 {lat['p99_ms']:.2f} ms")
+        if getattr(a, "device", "cpu") == "cuda":
+            out += gpu_targets(tr, rows)
+    return out
+
+
+#: issue 47's goals for a staged heterogeneous request on a GPU: 256 MiB within 2 ms, 1 GiB at 200 GB/s or more
+GPU_STAGED_MS = {256 * MiB: 2.0}
+GPU_STAGED_GBPS = {1024 * MiB: 200.0}
+
+
+def gpu_targets(tr: str, rows: dict) -> list[str]:
+    """Issue 47's GPU goal lines for the staged rows of the request sizes it names (the
+    benchmark's default model: 256 MiB at 2048 tokens, 1 GiB at 8192)."""
+    out = []
+    for (path, t), r in sorted(rows.items()):
+        if path != "staged":
+            continue
+        ms, mib = r["seconds"] * 1e3, r["bytes"] // MiB
+        if r["bytes"] in GPU_STAGED_MS:
+            goal = GPU_STAGED_MS[r["bytes"]]
+            out.append(f"{'PASS' if ms <= goal else 'MISS'} {tr} {t} tokens ({mib} MiB) staged in {ms:.2f} ms "
+                       f"(GPU goal <= {goal:g} ms)")
+        if r["bytes"] in GPU_STAGED_GBPS:
+            goal = GPU_STAGED_GBPS[r["bytes"]]
+            out.append(f"{'PASS' if r['gbps'] >= goal else 'MISS'} {tr} {t} tokens ({mib} MiB) staged at "
+                       f"{r['gbps']:.1f} GB/s (GPU goal >= {goal:g} GB/s)")
     return out
 
 

@@ -12,7 +12,8 @@
 3. The kernel benchmark (examples/bench_gpu_kernels.py), its figures printed and saved.
 4. A short transfer benchmark with VRAM KV caches (examples/bench.py --device cuda, NIXL, one
    process per rank on GPU 0): staged, direct and equal TP (the path chosen from measured
-   costs, docs/path_choice.md) at 2048 tokens, and the one-page latency; its table printed.
+   costs, docs/path_choice.md) at 2048 and 8192 tokens, and the one-page latency; its table
+   printed, with issue 47's GPU goals (256 MiB staged <= 2 ms, 1 GiB >= 200 GB/s) checked.
 5. The SGLang adapter on the GPU: the scheduler-class tests with CUDA KV caches
    (tests/sglang_adapter/test_cuda_*.py; host aux rows, the overlap schedule's early send on a
    real CUDA event, state pools, draft KV, deferred release; Mooncake where its CUDA build is
@@ -168,9 +169,10 @@ def mooncake_cuda() -> bool:
 
 
 def bench_command(py: str, json_path: str) -> list[str]:
-    """The short transfer benchmark of step 4 (a few minutes on one GPU)."""
+    """The short transfer benchmark of step 4 (a few minutes on one GPU): 2048 and 8192 tokens
+    (256 MiB and 1 GiB, issue 47's GPU goals, which its report checks) and the one-page latency."""
     return [py, "examples/bench.py", "--device", "cuda", "--transports", "nixl", "--sections", "lengths,latency",
-            "--lengths", "2048", "--latency-requests", "40", "--json", json_path,
+            "--lengths", "2048,8192", "--latency-requests", "40", "--json", json_path,
             "--plots", str(Path(json_path).parent / "gpu_plots")]
 
 

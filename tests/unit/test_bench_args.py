@@ -75,4 +75,27 @@ def bench_parses(argv: list[str]) -> bool:
     from kvstage.support import bench
 
     a = bench.parse(argv)
-    return a.device == "cuda" and a.lengths == [2048] and a.transports == ["nixl"]
+    return a.device == "cuda" and a.lengths == [2048, 8192] and a.transports == ["nixl"]
+
+
+def test_a_gpu_run_checks_issue_47s_staged_goals_at_256_mib_and_1_gib():
+    """bench.py's report on a GPU: 256 MiB staged within 2 ms, 1 GiB at 200 GB/s or more (the
+    H200's figures of 2026-11-28 miss both); a CPU run's report names neither."""
+    from kvstage.support import bench
+
+    MiB = 1 << 20
+    rows = {("staged", 2048): {"bytes": 256 * MiB, "seconds": 0.01498, "gbps": 17.9},
+            ("staged", 8192): {"bytes": 1024 * MiB, "seconds": 0.0278, "gbps": 38.6},
+            ("direct", 2048): {"bytes": 256 * MiB, "seconds": 2.2, "gbps": 0.12}}
+    assert bench.gpu_targets("nixl", rows) == [
+        "MISS nixl 2048 tokens (256 MiB) staged in 14.98 ms (GPU goal <= 2 ms)",
+        "MISS nixl 8192 tokens (1024 MiB) staged at 38.6 GB/s (GPU goal >= 200 GB/s)"]
+    fast = {("staged", 2048): {"bytes": 256 * MiB, "seconds": 0.0019, "gbps": 141.3},
+            ("staged", 8192): {"bytes": 1024 * MiB, "seconds": 0.005, "gbps": 214.7}}
+    assert [line.split()[0] for line in bench.gpu_targets("nixl", fast)] == ["PASS", "PASS"]
+    res = {"lengths": [{"transport": "nixl", "path": p, "tokens": t, **r} for (p, t), r in rows.items()],
+           "raw": {}, "latency": {}}
+    on_gpu = bench.targets(bench.parse(["--device", "cuda", "--transports", "nixl", "--lengths", "2048,8192"]), res)
+    on_cpu = bench.targets(bench.parse(["--transports", "nixl", "--lengths", "2048,8192"]), res)
+    assert [x for x in on_gpu if "GPU goal" in x] == bench.gpu_targets("nixl", rows)
+    assert not [x for x in on_cpu if "GPU goal" in x]
