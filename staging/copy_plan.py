@@ -286,6 +286,15 @@ class Planner:
         return CopyPlan(direction=direction, prep=prep, h0=h0, h1=h1, n=n, pages=plan_pages, region=region,
                         nbytes=nbytes)
 
+    def prepare(self, direction: Direction, k: Any, v: Any, pages: Any, page_size: Any, *, room: Hashable) -> bool:
+        """Validate and index `pages` for `room` now (on a GPU: upload them), as the first call in
+        `direction` on a piece of them would, so that call finds them kept (`PlanCache.prepare`).
+        True when they were kept; False when a piece of them would be validated on its own (not
+        a slice of a plain integer array, or a list that does not validate: that call says why)."""
+        prep = self._prepare(k, v, page_size, direction.value)
+        return self.plans.prepare(room, pages, prep.cache.num_pages, direction.value, prep.cache.device,
+                                  unique=direction is Direction.SCATTER)
+
     def forget_room(self, room: Hashable) -> None:
         """Drop the page lists kept for `room` (it was released)."""
         self.plans.forget(room)

@@ -273,6 +273,22 @@ class PlanCache:
         self._put(room, key, entry)
         return entry
 
+    def prepare(self, room: Hashable, pages: object, limit: int, what: str, device: torch.device, *,
+                unique: bool) -> bool:
+        """The whole array `pages` is (or is a slice of), validated and indexed for `device` now
+        and kept under `room`, as the first call on a piece of it would: that call then finds it.
+        True when kept; False when a piece of it would be validated on its own (see `pages`)."""
+        if not isinstance(pages, np.ndarray) or pages.ndim != 1 or pages.size == 0:
+            return False
+        base = pages if pages.base is None else slice_of(pages)
+        if base is None or base.dtype.kind not in "iu" or not base.flags.c_contiguous:
+            return False
+        got = self._piece(room, base, base, limit, what, unique)
+        if got is None:
+            return False
+        got.index(device)
+        return True
+
     def _piece(self, room: Hashable, base: np.ndarray, pages: np.ndarray, limit: int, what: str,
                unique: bool) -> PageIndex | None:
         """`pages` as a slice of the room's whole list `base`, validated and indexed once for the

@@ -46,6 +46,7 @@ import torch
 from ..hop_trace import TRACE, Hop
 from .buffer_space import BufferSpace
 from .buffers import StagingBuffer
+from .copy_plan import Direction
 from .copy_streams import use_own_stream
 from .digests import digest
 from .gather_scatter import GathersKV, ScattersKV
@@ -287,6 +288,10 @@ def _reported_on_completion() -> None:
     """A posted piece's report: none here, its write's completion reports it (`on_done`)."""
 
 
+def _nothing_to_report() -> None:
+    """A prepared page list's report: none (nothing waits for it)."""
+
+
 def time_split(t0: float, queued: float, seconds: float) -> str:
     """A gather's or scatter's time as the hop trace shows it: until its copies were queued (the
     host's work: the plan, its checks, the launch), then the wait for the device to finish them
@@ -328,6 +333,15 @@ class ScatterJob:
         return sum(p.view.numel() for p in self.parts) + sum(b.view.numel() for b in self.pools)
 
 
+@dataclass(frozen=True)
+class PreparePages:
+    """A room's destination pages, to be validated and indexed (uploaded) before its first piece
+    lands (ScatterWorker.prepare)."""
+
+    room: int
+    pages: np.ndarray
+
+
 # report(room, key, ok, reason, seconds, failure kind)
 ScatterReport = Callable[..., None]
 
@@ -352,11 +366,19 @@ class ScatterWorker:
         # the page lists of each room, validated and indexed once (plan_cache.py); thread-safe: the
         # scatter thread and run_here (the control thread) share it
         self.plans = PlanCache()
-        self._thread: JobThreads[ScatterJob] = JobThreads([("kvstage-scatter", "scatter")], self._worker, "scatter")
+        self._thread: JobThreads[ScatterJob | PreparePages] = JobThreads([("kvstage-scatter", "scatter")], self._worker,
+                                                                        "scatter")
         self.meter = self._thread.meters[0]
 
     def submit(self, job: ScatterJob) -> None:
         self._thread.submit(job)
+
+    def prepare(self, room: int, pages: np.ndarray) -> None:
+        """A staged room's destination pages are known: the scatter thread validates and indexes
+        them (on a GPU: uploads them) in the room's kept lists (plan_cache.py) when it is next
+        free, before the room's first piece, which is queued after it, so the first scatter finds
+        them kept. A list that does not validate is left for that scatter to refuse, as before."""
+        self._thread.submit(PreparePages(room, pages))
 
     def takes_here(self, job: ScatterJob) -> bool:
         """Whether `job` is small enough for `run_here`."""
@@ -378,15 +400,20 @@ class ScatterWorker:
         """A released room: drop the page lists kept for it (any thread)."""
         self.plans.forget(room)
 
-    def _worker(self, index: int, meter: ThreadMeter) -> Callable[[ScatterJob], Callable[[], None]]:
+    def _worker(self, index: int, meter: ThreadMeter) -> Callable[[ScatterJob | PreparePages], Callable[[], None]]:
         from ..transfer.protocol.kinds import FailureKind  # lazy: keeps staging importable on its own
 
         device = self._k[0].device
         use_own_stream(device, self._own_streams)   # on the thread that scatters (-1: the control thread)
         scatterer = self._scatterer_class(self.plans, caches_fixed=True)  # Triton kernels on CUDA, torch otherwise (staging/kernels.py)
         layers = LayerSlices(self._k, self._v)
+        every_layer = range(len(self._k))
 
-        def work(job: ScatterJob) -> Callable[[], None]:
+        def work(job: ScatterJob | PreparePages) -> Callable[[], None]:
+            if isinstance(job, PreparePages):
+                k, v = layers.of(every_layer)
+                scatterer.prepare(Direction.SCATTER, k, v, job.pages, self._page_size, room=job.room)
+                return _nothing_to_report
             room, key, report = job.room, job.key, self._report
             t0 = time.perf_counter()
             if TRACE.on:

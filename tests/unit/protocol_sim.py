@@ -24,6 +24,7 @@ from kvstage.transfer.protocol.actions import (
     DecodePrefix,
     PeerKey,
     PostWrite,
+    PrepareScatter,
     PublishWatermark,
     Released,
     Scatter,
@@ -286,7 +287,7 @@ class World:
                             tail=wm.tail,
                         ),
                     )
-            elif isinstance(a, (StatusChanged, Released)):
+            elif isinstance(a, (StatusChanged, Released, PrepareScatter)):   # a hint to the scatter: no effect here
                 pass
             else:
                 raise AssertionError(f"unexpected decode action {a}")

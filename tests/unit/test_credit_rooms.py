@@ -8,6 +8,7 @@ only the engine shell between them is left out (docs/protocol.md, "Ring credits"
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import msgspec
@@ -22,6 +23,7 @@ from kvstage.transfer.pool_spec import PoolSpec
 from kvstage.transfer.protocol.actions import (
     PeerKey,
     PostWrite,
+    PrepareScatter,
     ReleaseCredit,
     Scatter,
     Send,
@@ -115,6 +117,22 @@ def land(d: DecodeRoom, ledger: CreditLedger, ring: RingAllocator, op, now: floa
         if isinstance(a, ReleaseCredit):
             ledger.release(a.peer, a.span)
     return res
+
+
+def test_a_staged_decode_room_asks_once_for_its_pages_to_be_made_ready_a_direct_one_never():
+    """PrepareScatter: with its metadata, a staged room hands the scatter its destination pages
+    (the array its pieces are slices of), once; a direct room scatters nothing and asks nothing."""
+    d = DecodeRoom(room=7, session=SESSION, me=DEC.incarnation, layout=LAYOUT, now=0.0, timeouts=Timeouts())
+    d.on_plan(plan(), 0.0)
+    dst = np.arange(10, 10 + N)
+    (ask,) = [a for a in d.init(dst, 1.0) if isinstance(a, PrepareScatter)]
+    assert ask.room == 7 and ask.dst_pages is d.dst_pages and ask.dst_pages is dst
+    assert not [a for a in d.tick(None, 2.0) if isinstance(a, PrepareScatter)]
+    direct = DecodeRoom(room=8, session=SESSION, me=DEC.incarnation, layout=LAYOUT, now=0.0, timeouts=Timeouts())
+    direct.on_plan(dataclasses.replace(plan(), staged=False), 0.0)
+    acts = direct.init(np.arange(10, 10 + N), 1.0)
+    assert [a.msg.staged for a in acts if isinstance(a, Send) and isinstance(a.msg, RoomMeta)] == [False]
+    assert not [a for a in acts if isinstance(a, PrepareScatter)]
 
 
 def test_a_single_writer_request_writes_into_its_credit_without_asking_and_gives_it_back():

@@ -211,6 +211,37 @@ def test_the_scatter_thread_keeps_a_rooms_list_until_the_room_is_released():
         worker.stop()
 
 
+def test_a_staged_rooms_pages_prepared_before_its_first_piece_are_found_kept_by_the_scatter():
+    """ScatterWorker.prepare (a decode room's PrepareScatter): the room's destination array is
+    validated and indexed on the scatter thread before any piece lands; each piece, a slice of
+    it, is then served from that entry (hits, no new entry) and moves the same bytes."""
+    src_k, src_v = make_cache(16, device=torch.device("cpu"))
+    ring = torch.empty(region_nbytes(LAYERS, True, 2 * PS, 2, HD, 2), dtype=torch.uint8)
+    Gatherer().gather(src_k, src_v, [4, 1], PS, (1, 3), ring)
+    dst_k, dst_v = make_cache(17, device=torch.device("cpu"))
+    want_k, want_v = [t.clone() for t in dst_k], [t.clone() for t in dst_v]
+    Scatterer().scatter(ring, want_k, want_v, [9, 2], PS, (1, 3))
+    room_pages = np.array([5, 9, 2, 11])
+    reports: queue.SimpleQueue = queue.SimpleQueue()
+    worker = ScatterWorker(dst_k, dst_v, PS, report=lambda *a: reports.put(a))
+    try:
+        worker.prepare(22, room_pages)
+        worker.submit(ScatterJob(room=22, key=(0, 1), pages=room_pages[1:3], layers=range(LAYERS),
+                                 parts=(LandedPart(ring, (1, 3)),)))
+        assert reports.get(timeout=30)[2] is True
+        assert worker.plans.rooms() == [22] and len(worker.plans) == 1
+        assert (worker.plans.hits, worker.plans.misses) == (1, 1)   # prepared: one miss; the piece: a hit
+        assert raw(dst_k) == raw(want_k) and raw(dst_v) == raw(want_v)
+    finally:
+        worker.stop()
+    plans = PlanCache()
+    assert plans.prepare(1, room_pages[1:3], PAGES, "scatter", torch.device("cpu"), unique=True)   # a slice: its array
+    assert not plans.prepare(2, [1, 2], PAGES, "scatter", torch.device("cpu"), unique=True)       # no array: per call
+    assert not plans.prepare(3, np.array([1, 1]), PAGES, "scatter", torch.device("cpu"), unique=True)  # repeats
+    assert not plans.prepare(4, np.array([1, 99]), PAGES, "scatter", torch.device("cpu"), unique=True)  # out of range
+    assert plans.rooms() == [1, 3]   # the list with repeats is kept (a gather may take it), never for a scatter
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_pieces_of_a_rooms_list_share_one_validated_and_indexed_list(impl):
     """The protocol cuts a room's pieces out of the room's page array: the whole array is

@@ -19,7 +19,7 @@ from ...wire import WireError
 from ..config import Timeouts
 from ..layout import KVLayout, LayoutSummary
 from ..poll import KVPoll
-from ..protocol.actions import DecodeAction, ReleaseCredit, Scatter, Send, StatusChanged
+from ..protocol.actions import DecodeAction, PrepareScatter, ReleaseCredit, Scatter, Send, StatusChanged
 from ..protocol.decode.room import DecodeRoom, TagVerdict
 from ..protocol.decode.watermark_fanout import WatermarkFanout, pending_parts
 from ..protocol.kinds import FailureKind
@@ -280,6 +280,10 @@ class DecodeSide:
         else:
             self.stats.count("dropped_tags", verdict)
         self.book.apply(room, actions)
+
+    def prepare_scatter(self, a: PrepareScatter) -> None:
+        assert self.scatterer is not None, "a staged room on a rank without a staging ring"
+        self.scatterer.prepare(a.room, a.dst_pages)
 
     def scatter(self, s: Scatter) -> None:
         view = self.staging.ring_view

@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from ..protocol.actions import (
         AwaitUnit,
         PeerKey,
+        PrepareScatter,
         ReleaseCredit,
         RoomTotals,
         Scatter,
@@ -147,6 +148,10 @@ class DecodeRoomHooks(RoomHooks[DecodeRoom], Protocol):
     def scatter(self, a: Scatter) -> None:
         """Staged: a piece landed whole in the ring; copy it into the cache (inline, or queued to
         the scatter thread; its result comes back as a ScatterDone event)."""
+
+    def prepare_scatter(self, a: PrepareScatter) -> None:
+        """Staged: a room's destination pages are known; the scatter may make them ready now
+        (validated, indexed, uploaded), off the request's path. Never waited for."""
 
     def publish_watermark(self) -> None:
         """Staged: ring regions were freed; tell every writer of the ring."""

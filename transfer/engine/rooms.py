@@ -27,6 +27,7 @@ from ..protocol.actions import (
     Dropped,
     PostWrite,
     PrefillAction,
+    PrepareScatter,
     PublishWatermark,
     ReleaseCredit,
     Released,
@@ -263,6 +264,8 @@ class DecodeBook(RoomBook[DecodeRoom, DecodeAction]):
                     failed |= self._shared(room, a)
                 case Scatter():
                     self._decode_hooks().scatter(a)
+                case PrepareScatter():
+                    self._decode_hooks().prepare_scatter(a)
                 case PublishWatermark():
                     self._decode_hooks().publish_watermark()
                 case ReleaseCredit():

@@ -114,6 +114,16 @@ class Scatter:
 
 
 @dataclass(frozen=True)
+class PrepareScatter:
+    """Decode (staged): the room's destination pages are known and its pieces will be scattered
+    into them. The scatter may validate and index them now (on a GPU: upload them), off the
+    request's path, so the first piece that lands finds them ready. A hint: nothing waits for it."""
+
+    room: int
+    dst_pages: np.ndarray
+
+
+@dataclass(frozen=True)
 class PublishWatermark:
     """Decode: the ring's watermark moved; tell every writer of the ring."""
 
@@ -195,6 +205,6 @@ PrefillAction = SharedAction | PostWrite | AwaitUnit | SettleCredits | DecodePre
 """Everything a prefill room (prefill/room.py) returns: the shared actions and the prefill-only
 ones. The prefill book's `match` is exhaustive over it (mypy checks it with assert_never)."""
 
-DecodeAction = SharedAction | Scatter | PublishWatermark | ReleaseCredit
+DecodeAction = SharedAction | Scatter | PrepareScatter | PublishWatermark | ReleaseCredit
 """Everything a decode room (decode/room.py) returns: the shared actions and the decode-only
 ones. The decode book's `match` is exhaustive over it (mypy checks it with assert_never)."""

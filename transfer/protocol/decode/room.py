@@ -43,6 +43,7 @@ from ..actions import (
     PartCheck,
     PeerKey,
     PoolPlacement,
+    PrepareScatter,
     PublishWatermark,
     ReleaseCredit,
     RoomTotals,
@@ -272,6 +273,8 @@ class DecodeRoom(RoomBase[DecodeAction]):
         self.meta_sent = True
         self._retry_at = now + self.timeouts.heartbeat
         out = self._metas(self._all_prefill()) + self._move(RoomEvent.METADATA_OUT, now)
+        if p.staged:   # its pieces will be scattered into these pages: they may be made ready now
+            out.append(PrepareScatter(self.room, self._dst))
         return out + (self._check_complete(now) if token_bytes is not None else [])
 
     def _dcp_bytes(self, p: RoomPlan, n: int) -> dict[int, int] | str:
