@@ -47,7 +47,7 @@ import torch
 
 from .page_lists import check_pages
 
-__all__ = ["COUNTING", "Counting", "PageIndex", "PageRun", "PlanCache", "page_runs"]
+__all__ = ["COUNTING", "Counting", "PageIndex", "PageRun", "PlanCache", "needs_upload", "page_runs"]
 
 MAX_ROOMS = 64
 PER_ROOM = 16
@@ -73,6 +73,16 @@ def page_runs(pages: np.ndarray, max_runs: int) -> tuple[PageRun, ...] | None:
     starts = [0, *breaks.tolist()]
     ends = [*breaks.tolist(), int(pages.shape[0])]
     return tuple(PageRun(s, int(pages[s]), e - s) for s, e in zip(starts, ends, strict=True))
+
+
+def needs_upload(device: torch.device, pages: object) -> bool:
+    """Whether a page list would be uploaded for a cache on `device`: an integer array of more
+    than one run of consecutive pages, for a cache off the CPU (on the CPU an index shares the
+    host array; one run is a view of `COUNTING`)."""
+    if device.type == "cpu" or not isinstance(pages, np.ndarray) or pages.ndim != 1 or pages.size == 0 \
+            or pages.dtype.kind not in "iu":
+        return False
+    return page_runs(pages, 1) is None
 
 
 class Counting:

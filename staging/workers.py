@@ -52,7 +52,7 @@ from .digests import digest
 from .gather_scatter import GathersKV, ScattersKV
 from .job_threads import JobThreads
 from .kernels import gatherer_class, scatterer_class
-from .plan_cache import PlanCache
+from .plan_cache import PlanCache, needs_upload
 from .pool_copies import LandedBlock, PoolBytes, gather_pools, scatter_pools
 from .thread_meter import ThreadMeter
 
@@ -374,11 +374,14 @@ class ScatterWorker:
         self._thread.submit(job)
 
     def prepare(self, room: int, pages: np.ndarray) -> None:
-        """A staged room's destination pages are known: the scatter thread validates and indexes
-        them (on a GPU: uploads them) in the room's kept lists (plan_cache.py) when it is next
-        free, before the room's first piece, which is queued after it, so the first scatter finds
-        them kept. A list that does not validate is left for that scatter to refuse, as before."""
-        self._thread.submit(PreparePages(room, pages))
+        """A staged room's destination pages are known. Where they would be uploaded (a cache on
+        a GPU, a list of more than one run: plan_cache.needs_upload) the scatter thread validates
+        and uploads them into the room's kept lists when it is next free, before the room's first
+        piece, which is queued after it, so the first scatter finds them kept; elsewhere nothing
+        is done (there is nothing to take off the request's path that would pay for the thread's
+        wake-up). A list that does not validate is left for that scatter to refuse, as before."""
+        if needs_upload(self._k[0].device, pages):
+            self._thread.submit(PreparePages(room, pages))
 
     def takes_here(self, job: ScatterJob) -> bool:
         """Whether `job` is small enough for `run_here`."""

@@ -16,7 +16,7 @@ import torch
 from kvstage.staging import triton_kernels as tk
 from kvstage.staging.copy_plan import Direction
 from kvstage.staging.gather_scatter import Gatherer, Scatterer, region_nbytes
-from kvstage.staging.plan_cache import COUNTING, Counting, PlanCache
+from kvstage.staging.plan_cache import COUNTING, Counting, PlanCache, needs_upload
 from kvstage.staging.workers import LandedPart, ScatterJob, ScatterWorker, TransferWorkers
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() and not tk.interpreted() else "cpu")
@@ -211,35 +211,54 @@ def test_the_scatter_thread_keeps_a_rooms_list_until_the_room_is_released():
         worker.stop()
 
 
-def test_a_staged_rooms_pages_prepared_before_its_first_piece_are_found_kept_by_the_scatter():
-    """ScatterWorker.prepare (a decode room's PrepareScatter): the room's destination array is
-    validated and indexed on the scatter thread before any piece lands; each piece, a slice of
-    it, is then served from that entry (hits, no new entry) and moves the same bytes."""
-    src_k, src_v = make_cache(16, device=torch.device("cpu"))
-    ring = torch.empty(region_nbytes(LAYERS, True, 2 * PS, 2, HD, 2), dtype=torch.uint8)
-    Gatherer().gather(src_k, src_v, [4, 1], PS, (1, 3), ring)
-    dst_k, dst_v = make_cache(17, device=torch.device("cpu"))
-    want_k, want_v = [t.clone() for t in dst_k], [t.clone() for t in dst_v]
-    Scatterer().scatter(ring, want_k, want_v, [9, 2], PS, (1, 3))
+@pytest.mark.parametrize("impl", IMPLS)
+def test_a_rooms_pages_prepared_before_its_first_piece_are_found_kept(impl):
+    """Planner.prepare (what the scatter thread does for a decode room's PrepareScatter): the
+    room's destination array is validated and indexed before any piece lands; each piece, a
+    slice of it, is then served from that entry (a hit, no new entry) and moves the same bytes."""
+    _, scls = IMPLS[impl]
+    src_k, src_v = make_cache(16)
+    ring = region(2)
+    Gatherer().gather(list(src_k), list(src_v), [4, 1], PS, (1, 3), ring)
+    want_k, want_v = make_cache(17)
+    got_k, got_v = make_cache(17)
+    Scatterer().scatter(ring, list(want_k), list(want_v), [9, 2], PS, (1, 3))
     room_pages = np.array([5, 9, 2, 11])
+    plans = PlanCache()
+    s = scls(plans)
+    assert s.prepare(Direction.SCATTER, got_k, got_v, room_pages, PS, room=22)
+    assert (plans.hits, plans.misses, plans.rooms()) == (0, 1, [22])
+    s.scatter(ring, got_k, got_v, room_pages[1:3], PS, (1, 3), room=22)
+    assert (plans.hits, plans.misses, len(plans)) == (1, 1, 1)
+    assert raw(got_k) == raw(want_k) and raw(got_v) == raw(want_v)
+    cpu = torch.device("cpu")
+    assert plans.prepare(1, room_pages[1:3], PAGES, "scatter", cpu, unique=True)          # a slice: its array
+    assert not plans.prepare(2, [1, 2], PAGES, "scatter", cpu, unique=True)               # no array: per call
+    assert not plans.prepare(3, np.array([1, 1]), PAGES, "scatter", cpu, unique=True)     # repeats
+    assert not plans.prepare(4, np.array([1, 99]), PAGES, "scatter", cpu, unique=True)    # out of range
+    assert plans.rooms() == [22, 1, 3]   # the list with repeats is kept (a gather may take it), never for a scatter
+
+
+def test_only_a_list_that_would_be_uploaded_is_prepared_ahead():
+    """needs_upload: a cache off the CPU and a list of more than one run; the scatter thread of
+    a CPU cache does nothing for a prepare (its one scatter below is the room's only miss)."""
+    gpu, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert needs_upload(gpu, np.array([5, 9, 2])) and needs_upload(gpu, np.array([3, 4, 6], dtype=np.int32))
+    assert not needs_upload(gpu, np.array([4, 5, 6])) and not needs_upload(gpu, np.array([7]))   # one run: a view
+    assert not needs_upload(cpu, np.array([5, 9, 2])) and not needs_upload(gpu, [5, 9, 2])
+    dst_k, dst_v = make_cache(18, device=cpu)
+    ring = torch.zeros(region_nbytes(LAYERS, True, 2 * PS, 2, HD, 2), dtype=torch.uint8)
     reports: queue.SimpleQueue = queue.SimpleQueue()
     worker = ScatterWorker(dst_k, dst_v, PS, report=lambda *a: reports.put(a))
     try:
-        worker.prepare(22, room_pages)
-        worker.submit(ScatterJob(room=22, key=(0, 1), pages=room_pages[1:3], layers=range(LAYERS),
+        room_pages = np.array([5, 9, 2, 11])
+        worker.prepare(23, room_pages)
+        worker.submit(ScatterJob(room=23, key=(0, 0), pages=room_pages[1:3], layers=range(LAYERS),
                                  parts=(LandedPart(ring, (1, 3)),)))
         assert reports.get(timeout=30)[2] is True
-        assert worker.plans.rooms() == [22] and len(worker.plans) == 1
-        assert (worker.plans.hits, worker.plans.misses) == (1, 1)   # prepared: one miss; the piece: a hit
-        assert raw(dst_k) == raw(want_k) and raw(dst_v) == raw(want_v)
+        assert (worker.plans.hits, worker.plans.misses) == (0, 1)
     finally:
         worker.stop()
-    plans = PlanCache()
-    assert plans.prepare(1, room_pages[1:3], PAGES, "scatter", torch.device("cpu"), unique=True)   # a slice: its array
-    assert not plans.prepare(2, [1, 2], PAGES, "scatter", torch.device("cpu"), unique=True)       # no array: per call
-    assert not plans.prepare(3, np.array([1, 1]), PAGES, "scatter", torch.device("cpu"), unique=True)  # repeats
-    assert not plans.prepare(4, np.array([1, 99]), PAGES, "scatter", torch.device("cpu"), unique=True)  # out of range
-    assert plans.rooms() == [1, 3]   # the list with repeats is kept (a gather may take it), never for a scatter
 
 
 @pytest.mark.parametrize("impl", IMPLS)
