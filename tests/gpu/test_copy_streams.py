@@ -1,6 +1,7 @@
 """Each kvstage thread that copies on a GPU does so on a non-blocking stream of its own
 (staging/copy_streams.py): a transfer worker's and the scatter worker's waits then cover their own
-copies only. Run by `make gpu-check` only (tests/gpu/conftest.py)."""
+copies only; a decode room's pages prepared on the scatter thread (ScatterWorker.prepare) are
+uploaded there once, before its first piece. Run by `make gpu-check` only (tests/gpu/conftest.py)."""
 
 from __future__ import annotations
 
@@ -94,5 +95,37 @@ def test_the_scatter_thread_copies_on_the_stream_the_option_says(monkeypatch, ow
     for src, dst in ((src_k, dst_k), (src_v, dst_v)):
         for s, d in zip(src, dst, strict=True):
             for sp, dp in ((6, 2), (1, 7), (3, 0)):
+                assert torch.equal(d[dp * page:(dp + 1) * page, 1:3], s[sp * page:(sp + 1) * page, 1:3])
+            assert not d[:, 0].any() and not d[:, 3].any()
+
+
+def test_a_rooms_pages_prepared_on_the_scatter_thread_are_uploaded_once_and_scattered_bit_exact():
+    """ScatterWorker.prepare on a GPU cache (a decode room's PrepareScatter): a list of several
+    runs is validated and uploaded on the scatter thread before the room's first piece; that
+    piece, a slice of it, finds it kept (one miss, one hit) and lands bit-exact."""
+    page, heads, head_bytes, pages = 4, 4, 32, 16
+    shape = (pages * page, heads, head_bytes)
+    gen = torch.Generator().manual_seed(6)
+    src_k = [torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).to(DEV) for _ in range(3)]
+    src_v = [torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).to(DEV) for _ in range(3)]
+    ring = torch.empty(1 << 16, dtype=torch.uint8, device=DEV)
+    n = Gatherer().gather(src_k, src_v, torch.tensor([6, 1, 3]), page, (1, 3), ring)
+    dst_k = [torch.zeros(shape, dtype=torch.uint8, device=DEV) for _ in range(3)]
+    dst_v = [torch.zeros(shape, dtype=torch.uint8, device=DEV) for _ in range(3)]
+    room_pages = np.array([11, 2, 9, 0, 14])
+    reports: queue.SimpleQueue = queue.SimpleQueue()
+    worker = ScatterWorker(dst_k, dst_v, page, report=lambda *a: reports.put(a))
+    try:
+        worker.prepare(4, room_pages)
+        worker.submit(ScatterJob(room=4, key=(0, 0), pages=room_pages[1:4], layers=range(3),
+                                 parts=(LandedPart(ring[:n], (1, 3)),)))
+        _room, _key, ok, reason, _s, _kind = reports.get(timeout=60)
+        assert ok, reason
+        assert (worker.plans.hits, worker.plans.misses) == (1, 1)
+    finally:
+        worker.stop()
+    for src, dst in ((src_k, dst_k), (src_v, dst_v)):
+        for s, d in zip(src, dst, strict=True):
+            for sp, dp in ((6, 2), (1, 9), (3, 0)):
                 assert torch.equal(d[dp * page:(dp + 1) * page, 1:3], s[sp * page:(sp + 1) * page, 1:3])
             assert not d[:, 0].any() and not d[:, 3].any()
