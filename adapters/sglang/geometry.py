@@ -276,7 +276,8 @@ def dcp_problems(mgr, args) -> list[str]:
     if not getattr(mgr, "is_mla_backend", False):
         out.append(f"{name} beside a non-MLA KV pool (SGLang serves DCP for MLA only)")
     if getattr(args, "is_hybrid_mla_backend", False) or getattr(args, "state_types", None):
-        out.append(f"{name} with a hybrid KV pool or state components (kvstage moves the KV only under DCP)")
+        out.append(f"{name} with a hybrid KV pool or state components (beside DCP kvstage has moved an aux row only, "
+                   f"in its tests)")
     if int(getattr(args, "num_draft_entries", 0) or 0):
         out.append(f"{name} with speculative-decoding draft KV (num_draft_entries; kvstage splits no draft "
                    f"under DCP)")
