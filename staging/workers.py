@@ -414,8 +414,11 @@ class ScatterWorker:
 
         def work(job: ScatterJob | PreparePages) -> Callable[[], None]:
             if isinstance(job, PreparePages):
-                k, v = layers.of(every_layer)
-                scatterer.prepare(Direction.SCATTER, k, v, job.pages, self._page_size, room=job.room)
+                try:
+                    k, v = layers.of(every_layer)
+                    scatterer.prepare(Direction.SCATTER, k, v, job.pages, self._page_size, room=job.room)
+                except Exception:  # noqa: BLE001 - a hint only: the room's scatters do it again and fail it
+                    log.exception("preparing the pages of room %s failed", job.room)
                 return _nothing_to_report
             room, key, report = job.room, job.key, self._report
             t0 = time.perf_counter()

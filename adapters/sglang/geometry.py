@@ -262,8 +262,8 @@ def dcp_problems(mgr, args) -> list[str]:
     last. Named before it, what would stay refused then: DCP on the prefill side (SGLang's
     N -> N; untested here), a non-MLA pool, a draft's KV (SGLang splits no draft entry), state
     components or a hybrid pool, PP, a DCP rank that is not the attention TP rank mod dcp_size,
-    host KV destinations, HiSparse and the staged path forced. The layout (kv_layout's dcp_size) and the request's
-    token count (plugin.tell_*_tokens) are mapped already."""
+    host KV destinations, HiSparse and the staged path forced. The layout (kv_layout's
+    dcp_size) and the request's token count (plugin.tell_*_tokens) are mapped already."""
     dcp = int(getattr(mgr, "dcp_size", 1) or 1)
     if dcp <= 1:
         return []

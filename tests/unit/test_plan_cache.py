@@ -368,3 +368,25 @@ def test_pieces_of_an_int32_list_are_compared_by_value():
             g.gather(k, v, room_pages[lo:lo + 2], PS, (1, 3), out, room=3)
             assert torch.equal(out, fresh_gather(k, v, room_pages[lo:lo + 2].tolist()))
     assert len(plans) == 1 and plans.hits == 3   # one whole list, built once
+
+
+def test_a_prepare_that_raises_leaves_the_scatter_thread_serving(monkeypatch):
+    """A prepared list is a hint: its failure is logged, and the room's scatters still run."""
+    import kvstage.staging.workers as workers
+
+    def boom(*_a, **_k):
+        raise RuntimeError("no device")
+
+    monkeypatch.setattr(workers, "needs_upload", lambda device, pages: True)
+    monkeypatch.setattr(Scatterer, "prepare", boom)
+    dst_k, dst_v = make_cache(19, device=torch.device("cpu"))
+    ring = torch.zeros(region_nbytes(LAYERS, True, 2 * PS, 2, HD, 2), dtype=torch.uint8)
+    reports: queue.SimpleQueue = queue.SimpleQueue()
+    worker = ScatterWorker(dst_k, dst_v, PS, report=lambda *a: reports.put(a))
+    try:
+        worker.prepare(24, np.array([5, 9, 2]))
+        worker.submit(ScatterJob(room=24, key=(0, 0), pages=np.array([9, 2]), layers=range(LAYERS),
+                                 parts=(LandedPart(ring, (1, 3)),)))
+        assert reports.get(timeout=30)[2] is True
+    finally:
+        worker.stop()
