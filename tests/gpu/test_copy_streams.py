@@ -59,19 +59,37 @@ def test_a_thread_takes_a_non_blocking_stream_of_its_own_and_no_other_thread_cha
     assert use_own_stream(torch.device("cpu"), True) is False
 
 
+PAGE, SRC_PAGES = 4, [6, 1, 3]
+
+
+def landed_piece(*, pages: int, seed: int):
+    """Three layers of K and V (4 heads of 32 bytes, pages of 4 tokens) on the GPU, heads 1-2 of
+    pages 6, 1 and 3 gathered into a ring, and zeroed destination caches: (src_k, src_v, the
+    landed part, dst_k, dst_v)."""
+    shape = (pages * PAGE, 4, 32)
+    gen = torch.Generator().manual_seed(seed)
+    src_k = [torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).to(DEV) for _ in range(3)]
+    src_v = [torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).to(DEV) for _ in range(3)]
+    ring = torch.empty(1 << 16, dtype=torch.uint8, device=DEV)
+    n = Gatherer().gather(src_k, src_v, torch.tensor(SRC_PAGES), PAGE, (1, 3), ring)
+    dst_k = [torch.zeros(shape, dtype=torch.uint8, device=DEV) for _ in range(3)]
+    dst_v = [torch.zeros(shape, dtype=torch.uint8, device=DEV) for _ in range(3)]
+    return src_k, src_v, LandedPart(ring[:n], (1, 3)), dst_k, dst_v
+
+
+def assert_scattered(src: list, dst: list, dst_pages: list[int]) -> None:
+    """Heads 1-2 of SRC_PAGES landed in `dst_pages`, bit-exact, and heads 0 and 3 untouched."""
+    for s, d in zip(src, dst, strict=True):
+        for sp, dp in zip(SRC_PAGES, dst_pages, strict=True):
+            assert torch.equal(d[dp * PAGE:(dp + 1) * PAGE, 1:3], s[sp * PAGE:(sp + 1) * PAGE, 1:3])
+        assert not d[:, 0].any() and not d[:, 3].any()
+
+
 @pytest.mark.parametrize("own", [True, False], ids=["own-streams", "default-stream"])
 def test_the_scatter_thread_copies_on_the_stream_the_option_says(monkeypatch, own):
     """The scatter thread takes its stream before its first scatter (or keeps the default one
     with the option off), and a landed piece reaches the cache bit-exact through it."""
-    page, heads, head_bytes, pages = 4, 4, 32, 8
-    shape = (pages * page, heads, head_bytes)
-    gen = torch.Generator().manual_seed(5)
-    src_k = [torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).to(DEV) for _ in range(3)]
-    src_v = [torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).to(DEV) for _ in range(3)]
-    ring = torch.empty(1 << 16, dtype=torch.uint8, device=DEV)
-    n = Gatherer().gather(src_k, src_v, torch.tensor([6, 1, 3]), page, (1, 3), ring)
-    dst_k = [torch.zeros(shape, dtype=torch.uint8, device=DEV) for _ in range(3)]
-    dst_v = [torch.zeros(shape, dtype=torch.uint8, device=DEV) for _ in range(3)]
+    src_k, src_v, landed, dst_k, dst_v = landed_piece(pages=8, seed=5)
     streams: queue.SimpleQueue = queue.SimpleQueue()
 
     def spy(device: torch.device, enabled: bool) -> bool:
@@ -81,10 +99,10 @@ def test_the_scatter_thread_copies_on_the_stream_the_option_says(monkeypatch, ow
 
     monkeypatch.setattr(workers, "use_own_stream", spy)
     reports: queue.SimpleQueue = queue.SimpleQueue()
-    worker = ScatterWorker(dst_k, dst_v, page, report=lambda *a: reports.put(a), own_streams=own)
+    worker = ScatterWorker(dst_k, dst_v, PAGE, report=lambda *a: reports.put(a), own_streams=own)
     try:
         worker.submit(ScatterJob(room=1, key=(0, 0), pages=np.array([2, 7, 0]), layers=range(3),
-                                 parts=(LandedPart(ring[:n], (1, 3)),)))
+                                 parts=(landed,)))
         _room, _key, ok, reason, _s, _kind = reports.get(timeout=60)
     finally:
         worker.stop()
@@ -92,40 +110,23 @@ def test_the_scatter_thread_copies_on_the_stream_the_option_says(monkeypatch, ow
     name, stream = streams.get_nowait()
     assert name == "kvstage-scatter"
     assert (stream != torch.cuda.default_stream(DEV)) == own
-    for src, dst in ((src_k, dst_k), (src_v, dst_v)):
-        for s, d in zip(src, dst, strict=True):
-            for sp, dp in ((6, 2), (1, 7), (3, 0)):
-                assert torch.equal(d[dp * page:(dp + 1) * page, 1:3], s[sp * page:(sp + 1) * page, 1:3])
-            assert not d[:, 0].any() and not d[:, 3].any()
+    assert_scattered(src_k + src_v, dst_k + dst_v, [2, 7, 0])
 
 
 def test_a_rooms_pages_prepared_on_the_scatter_thread_are_uploaded_once_and_scattered_bit_exact():
     """ScatterWorker.prepare on a GPU cache (a decode room's PrepareScatter): a list of several
     runs is validated and uploaded on the scatter thread before the room's first piece; that
     piece, a slice of it, finds it kept (one miss, one hit) and lands bit-exact."""
-    page, heads, head_bytes, pages = 4, 4, 32, 16
-    shape = (pages * page, heads, head_bytes)
-    gen = torch.Generator().manual_seed(6)
-    src_k = [torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).to(DEV) for _ in range(3)]
-    src_v = [torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen).to(DEV) for _ in range(3)]
-    ring = torch.empty(1 << 16, dtype=torch.uint8, device=DEV)
-    n = Gatherer().gather(src_k, src_v, torch.tensor([6, 1, 3]), page, (1, 3), ring)
-    dst_k = [torch.zeros(shape, dtype=torch.uint8, device=DEV) for _ in range(3)]
-    dst_v = [torch.zeros(shape, dtype=torch.uint8, device=DEV) for _ in range(3)]
+    src_k, src_v, landed, dst_k, dst_v = landed_piece(pages=16, seed=6)
     room_pages = np.array([11, 2, 9, 0, 14])
     reports: queue.SimpleQueue = queue.SimpleQueue()
-    worker = ScatterWorker(dst_k, dst_v, page, report=lambda *a: reports.put(a))
+    worker = ScatterWorker(dst_k, dst_v, PAGE, report=lambda *a: reports.put(a))
     try:
         worker.prepare(4, room_pages)
-        worker.submit(ScatterJob(room=4, key=(0, 0), pages=room_pages[1:4], layers=range(3),
-                                 parts=(LandedPart(ring[:n], (1, 3)),)))
+        worker.submit(ScatterJob(room=4, key=(0, 0), pages=room_pages[1:4], layers=range(3), parts=(landed,)))
         _room, _key, ok, reason, _s, _kind = reports.get(timeout=60)
         assert ok, reason
         assert (worker.plans.hits, worker.plans.misses) == (1, 1)
     finally:
         worker.stop()
-    for src, dst in ((src_k, dst_k), (src_v, dst_v)):
-        for s, d in zip(src, dst, strict=True):
-            for sp, dp in ((6, 2), (1, 9), (3, 0)):
-                assert torch.equal(d[dp * page:(dp + 1) * page, 1:3], s[sp * page:(sp + 1) * page, 1:3])
-            assert not d[:, 0].any() and not d[:, 3].any()
+    assert_scattered(src_k + src_v, dst_k + dst_v, [2, 9, 0])
