@@ -23,9 +23,10 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-WIRE_VERSION = 6   # 2: layer ranges in AllocRequest and tags (layer-wise sending); 3: HelloAck.costs (path choice);
+WIRE_VERSION = 7   # 2: layer ranges in AllocRequest and tags (layer-wise sending); 3: HelloAck.costs (path choice);
                    # 4: HelloAck.credits and credit tags (ring credits); 5: Hello.pp_size/stage_* (decode PP);
-                   # 6: Hello.dcp_size/dcp_rank (decode context parallel) and the EngineBeat message (engine-pair leases)
+                   # 6: Hello.dcp_size/dcp_rank (decode context parallel) and the EngineBeat message (engine-pair leases);
+                   # 7: Tag.pages_mask (KV page sharding)
 MAC_BYTES = 16
 DEFAULT_MAX_FRAME = 4 << 20  # bytes; a NIXL agent's metadata is a few KiB
 TOKEN_ENV = "KVSTAGE_AUTH_TOKEN"

@@ -46,8 +46,8 @@ class KVPattern:
         mine = torch.stack([block(kv, i) for kv in range(layout.num_kv) for i in layout.layers])
         self.base = mine[:, heads].permute(0, 2, 1, 3).contiguous().view(self.udtype).view(len(mine), -1)
 
-    def _keys(self, room: int, n: int, first: int = 0) -> torch.Tensor:
-        i = np.arange(first, first + n, dtype=np.uint64)
+    def _keys(self, room: int, n: int, first: int = 0, positions: np.ndarray | None = None) -> torch.Tensor:
+        i = np.arange(first, first + n, dtype=np.uint64) if positions is None else np.asarray(positions, dtype=np.uint64)
         x = np.uint64(room * 0x9E3779B97F4A7C15 % 2**64) + i * np.uint64(0xBF58476D1CE4E5B9)  # wraps mod 2**64
         x ^= x >> np.uint64(31)
         x = x * np.uint64(0x94D049BB133111EB)
@@ -59,11 +59,12 @@ class KVPattern:
         return (self.base[t][None, :] ^ keys[:, None]).view(torch.uint8)
 
     def fill(self, tensors: list[torch.Tensor], room: int, pages: np.ndarray, first: int = 0,
-             only: Collection[int] | None = None) -> None:
+             only: Collection[int] | None = None, positions: np.ndarray | None = None) -> None:
         """Write the request's pattern into cache `pages` (request order, from request page
-        `first`) of every tensor, or of tensors whose index is in `only`."""
+        `first`; or the request pages `positions`, one for each cache page) of every tensor, or of
+        tensors whose index is in `only`."""
         pages_t = torch.as_tensor(np.asarray(pages, dtype=np.int64))
-        keys = self._keys(room, len(pages), first)
+        keys = self._keys(room, len(pages), first, positions)
         for t, tensor in enumerate(tensors):
             if only is not None and t not in only:
                 continue

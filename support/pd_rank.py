@@ -41,6 +41,10 @@ Per manager, path ("auto", "staged", "direct") and calibrate: EngineConfig's (do
 leases ("rank", "engine"): EngineConfig.leases (docs/configuration.md).
 Per manager, dp_rank is the prefill engine's data-parallel rank (EngineConfig.dp_rank).
 Per manager, dcp: the engine's decode context parallel size (KVLayout.dcp_size; MLA geometry).
+Per manager, shards (a prefill of MLA geometry): KVLayout.page_shards, the KV pages sharded over its
+TP group. Every rank of the engine then draws the same logical pages for a room (its seed leaves
+the rank out) from the logical pool of pages x shards, and fills the positions whose page it owns
+(logical page l on rank l % shards, local page l // shards).
 Geometry draft: draft KV entries (KVLayout.draft) after the layers; a decode rank
 fills its draft entries with the byte UNWRITTEN at start, checks only the entries the prefill has
 (prefill_draft: the prefill's draft count, default its own) and records per room whether its
@@ -121,6 +125,7 @@ def build(spec: dict, bootstrap: str) -> tuple[KVManager, KVLayout, KVBuffers, K
                       dtype=DTYPES[g["dtype"]], page_size=g["page_size"], tp_size=spec["tp"],
                       tp_rank=tp_rank, mla=g.get("mla", False), pp_size=pp, pp_rank=pp_rank,
                       stage=stage_layers(spec, g["layers"], pp)[pp_rank], dcp_size=spec.get("dcp", 1),
+                      page_shards=spec.get("shards", 1),
                       draft=DraftKV(num_layers=g["draft"], total_kv_heads=g.get("draft_heads"),
                                     head_dim=g.get("draft_head_dim")) if g.get("draft") else None)
     shape = (g["pages"] * layout.page_size, layout.local_heads, layout.head_dim)
@@ -202,8 +207,11 @@ def drive(spec: dict, bootstrap: str, result: dict) -> None:
         _write_json(spec["metrics_file"], {"port": mgr.metrics_port})
     if spec.get("bench", {}).get("mode") == "latency":
         return drive_latency(mgr, spec, buffers, pattern, result)
-    rng = random.Random(zlib.crc32(repr((spec.get("seed", 0), spec["engine"], spec["rank"])).encode()))
-    pool = Pages(spec["geometry"]["pages"], rng, contiguous=spec.get("contiguous", False))
+    shards = layout.page_shards
+    # sharded pages: every rank of the engine draws the same logical pages (SPMD, as a serving engine's allocator)
+    rng = random.Random(zlib.crc32(repr((spec.get("seed", 0), spec["engine"],
+                                         spec["rank"] if shards == 1 else "shards")).encode()))
+    pool = Pages(spec["geometry"]["pages"] * shards, rng, contiguous=spec.get("contiguous", False))
     items = pool_pattern.Items(buffers.pools, rng)
     rooms = list(spec["rooms"])
     window = spec.get("inflight", 16)
@@ -399,6 +407,10 @@ def start_room(mgr: KVManager, spec: dict, r: dict, pages: np.ndarray, pattern: 
         if verifies(spec, r["room"]):
             if r.get("dcp_tokens") and pattern.layout.dcp_size > 1:   # a prefill DCP rank: its tokens
                 fill_dcp(r, pattern, tensors, pages)
+            elif pattern.layout.page_shards > 1:   # sharded pages: the positions whose page this rank holds
+                lay = pattern.layout
+                mine = np.flatnonzero(pages % lay.page_shards == lay.tp_rank)
+                pattern.fill(tensors, r.get("pattern_key", r["room"]), pages[mine] // lay.page_shards, positions=mine)
             elif not r.get("layer_sends"):   # layer-wise: each send's layers are filled once it is ready
                 pattern.fill(tensors, r.get("pattern_key", r["room"]), pages)
             if pattern.draft is not None:  # a draft of its own geometry moves with the last piece

@@ -113,6 +113,10 @@ class KVBuffers:
             if self.draft_as_pools and draft is not None and draft.total_kv_heads else {}
         self.pools = {**user, **own}
         self.pool_specs = [self.pools[n].spec(n, layout) for n in sorted(self.pools)]
+        heads = [s.name for s in self.pool_specs if s.sharding == "heads"]
+        if layout.page_shards > 1 and heads:   # the pools ride with whichever rank owns the last page
+            raise ValueError(f"pools {heads} are split by heads, which KV page sharding (page_shards="
+                             f"{layout.page_shards}) does not serve: only replicated pools move beside it")
         named = [(f"{name}[{i}]", t) for name, tensors, _ in groups for i, t in enumerate(tensors)]
         for n in sorted(user):
             for i, t in enumerate(self.pools[n].tensors):

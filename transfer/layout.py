@@ -114,6 +114,12 @@ class KVLayout:
     rank is ``tp_rank % dcp_size`` (consecutive TP ranks form the group, as in SGLang and vLLM),
     so `dcp_size` must divide `tp_size`; not with PP nor a draft (not served).
 
+    KV page sharding (a prefill rank, protocol/page_shards.py): `page_shards` > 1 splits the
+    request's logical pages over the TP group (MLA only, as SGLang's `--enable-kv-cache-sharding`):
+    logical page l lives on rank ``l % page_shards`` at local page ``l // page_shards``, so the
+    pages given to `send()` are logical ids below ``page_shards`` times this rank's pages.
+    `page_shards` is the TP size; not with PP, DCP nor a draft (not served).
+
     Pipeline parallelism (prefill only): stage `pp_rank` of `pp_size` holds the model's layers
     `stage` (None: all of them) and its buffers hold only those, in order; `num_layers` stays
     the model's. The stages of an engine must tile [0, num_layers), which the decode side
@@ -141,6 +147,7 @@ class KVLayout:
     stage: range | None = None
     draft: DraftKV | None = None
     dcp_size: int = 1
+    page_shards: int = 1
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "total_kv_heads", "head_dim", "page_size", "tp_size", "pp_size"):
@@ -173,6 +180,20 @@ class KVLayout:
         if self.draft is not None:
             self._check_draft()
         self._check_dcp()
+        self._check_page_shards()
+
+    def _check_page_shards(self) -> None:
+        _positive_int("page_shards", self.page_shards)
+        if self.page_shards == 1:
+            return
+        where = f"page_shards={self.page_shards}"
+        if not self.mla:
+            raise ValueError(f"{where}: KV page sharding is served for MLA only (as SGLang's)")
+        if self.page_shards != self.tp_size:
+            raise ValueError(f"{where}: the pages are sharded over the whole TP group, tp_size={self.tp_size}")
+        if self.pp_size > 1 or self.dcp_size > 1 or self.draft is not None:
+            other = "PP" if self.pp_size > 1 else "DCP" if self.dcp_size > 1 else "draft KV"
+            raise ValueError(f"{where} with {other} is not served")
 
     def _check_dcp(self) -> None:
         _positive_int("dcp_size", self.dcp_size)

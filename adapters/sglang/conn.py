@@ -83,7 +83,8 @@ class KvstageKVManager(CommonKVManager):
         # kvstage's); unsupported_features refused every shape kvstage does not serve
         layout = kv_layout(args, self.attn_tp_size, self.attn_tp_rank, mla, server_args,
                            pp_size=self.pp_size, pp_rank=self.pp_rank, decode=not self.is_prefill,
-                           dcp_size=int(self.dcp_size or 1))
+                           dcp_size=int(self.dcp_size or 1),
+                           page_shards=int(getattr(self, "kv_shard_size", 1) or 1) if self.is_prefill else 1)
         self.kv_dcp_size = layout.dcp_size
         device = device_of(server_args, args)
         self.kv_device = torch.device(device)

@@ -47,7 +47,7 @@ def kv_entries(args) -> tuple[Entries, Entries | None]:
 
 
 def kv_layout(args, attn_tp_size: int, attn_tp_rank: int, mla: bool, server_args=None, *, pp_size: int = 1,
-              pp_rank: int = 0, decode: bool = False, dcp_size: int = 1) -> KVLayout:
+              pp_rank: int = 0, decode: bool = False, dcp_size: int = 1, page_shards: int = 1) -> KVLayout:
     """SGLang's decode side does not fill kv_head_num/total_kv_head_num in KVArgs (its prefill
     side does): they then come from the model config, local heads as kvstage's layout defines.
     A PP prefill stage's KVArgs list only its layers, the first at `prefill_start_layer` of the
@@ -60,7 +60,11 @@ def kv_layout(args, attn_tp_size: int, attn_tp_rank: int, mla: bool, server_args
     manager's `dcp_size`). SGLang's DCP groups are consecutive TP ranks (its DCP rank is
     `tp_rank % dcp_size`), as kvstage's (`KVLayout.dcp_rank`); each rank's KV entries hold one
     physical page of `page_size` of its own tokens per page index (KVArgs.page_size is the
-    physical page size), so the item sizes map as without DCP."""
+    physical page size), so the item sizes map as without DCP.
+
+    KV cache sharding: `page_shards` is the size of SGLang's KV shard group (the manager's
+    `kv_shard_size`; for an MLA model its attention TP group): the rank's KV entries hold its
+    local pages, and the page ids SGLang sends are the logical ones (KVLayout.page_shards)."""
     target, draft = kv_entries(args)
     ptrs, items = target.ptrs, target.items
     page = int(args.page_size)
@@ -89,7 +93,7 @@ def kv_layout(args, attn_tp_size: int, attn_tp_rank: int, mla: bool, server_args
         num_layers = stage.stop if pp_rank == pp_size - 1 else model_layers(server_args)
     layout = KVLayout(num_layers=num_layers, total_kv_heads=total, head_dim=items[0] // (page * heads),
                       dtype=torch.uint8, page_size=page, tp_size=attn_tp_size, tp_rank=attn_tp_rank, mla=mla,
-                      pp_size=pp_size, pp_rank=pp_rank, stage=stage, dcp_size=dcp_size)
+                      pp_size=pp_size, pp_rank=pp_rank, stage=stage, dcp_size=dcp_size, page_shards=page_shards)
     if draft is None:
         return layout
     heads = None if mla else draft_model_kv_heads(server_args)
@@ -225,8 +229,7 @@ def unsupported_features(mgr, args) -> list[str]:
     if mgr.attn_cp_size > 1:
         out.append(f"context parallelism (attn_cp_size {mgr.attn_cp_size})")
     out += dcp_problems(mgr, args)
-    if mgr.kv_shard_size > 1:
-        out.append("KV cache sharding")
+    out += shard_problems(mgr, args)
     if mgr.defer_decode_allocation:
         out.append("--disaggregation-decode-allocation-policy prefill_complete")
     state_tp = getattr(mgr, "state_tp_size", mgr.attn_tp_size)
@@ -250,6 +253,38 @@ def unsupported_features(mgr, args) -> list[str]:
                        "components (SWA host pools)")
         if hisparse:
             out.append("host KV destinations with HiSparse")
+    return out
+
+
+def shard_problems(mgr, args) -> list[str]:
+    """What of a rank with KV cache sharding (SGLang's kv_shard_size above 1) kvstage does not
+    serve, by name (empty: no sharding). kvstage's engine moves a sharded MLA prefill's requests
+    to a decode engine of its TP size, each page from the rank that owns it, with the aux row
+    (docs/protocol.md, "KV page sharding"), but SGLang 0.5.23 itself refuses
+    `--enable-kv-cache-sharding` for any transfer backend but mooncake and nixl (its
+    kv_shard_hook) and needs the fa3 or trtllm_mla attention backend (CUDA only), so no test
+    has moved a sharded request through SGLang's classes: every sharded rank is refused, with
+    that reason last. Named before it, what would stay refused then: a shard group other than
+    the whole attention TP group of an MLA model (GQA shards over prefill CP, refused as CP),
+    state components (SGLang's sharded DSA indexer pages), draft KV and PP. The layout
+    (kv_layout's page_shards) is mapped already."""
+    shards = int(getattr(mgr, "kv_shard_size", 1) or 1)
+    if shards <= 1:
+        return []
+    name = f"KV cache sharding (kv_shard_size {shards})"
+    out = []
+    if not getattr(mgr, "is_mla_backend", False) or shards != mgr.attn_tp_size:
+        out.append(f"{name} other than an MLA model's pages over its whole attention TP group "
+                   f"(attention TP {mgr.attn_tp_size})")
+    if getattr(args, "state_types", None) or getattr(args, "is_hybrid_mla_backend", False):
+        out.append(f"{name} with state components or a hybrid KV pool (SGLang's sharded DSA indexer pages)")
+    if int(getattr(args, "num_draft_entries", 0) or 0):
+        out.append(f"{name} with speculative-decoding draft KV (num_draft_entries)")
+    if mgr.pp_size > 1:
+        out.append(f"{name} with pipeline parallelism (pp_size {mgr.pp_size})")
+    out.append(f"{name}: SGLang 0.5.23 refuses --enable-kv-cache-sharding for any transfer backend but mooncake and "
+               f"nixl (its kv_shard_hook) and runs it on the fa3 or trtllm_mla attention backend only (CUDA), so no "
+               f"test has moved a sharded request through SGLang's classes")
     return out
 
 

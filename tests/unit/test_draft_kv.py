@@ -173,7 +173,7 @@ def test_decode_learns_the_prefill_entries_from_its_records():
     with pytest.raises(ValueError, match=r"disagree on the draft KV entries: \[1, 2\]"):
         peering.read_stages("e", recs, 3)
     # the published stage is the model's layers only (a PP decode check tiles the model with it)
-    assert peering.stage_record(layout(draft=2)) == {"pp_size": 1, "stage_start": 0, "stage_stop": 3}
+    assert peering.stage_record(layout(draft=2)) == {"pp_size": 1, "stage_start": 0, "stage_stop": 3, "page_shards": 1}
 
 
 def test_plan_counts_the_prefill_entries_only():

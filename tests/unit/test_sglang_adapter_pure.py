@@ -206,7 +206,7 @@ def plain_mgr(**kw):
     (plain_mgr(pp_size=2, disaggregation_mode=SimpleNamespace(value="prefill")), {"kv_layer_ids": [0, 3]},
      "pipeline parallelism (pp_size 2) with a hybrid KV pool"),
     (plain_mgr(attn_cp_size=2), {}, "context parallelism"),
-    (plain_mgr(kv_shard_size=2), {}, "KV cache sharding"),
+    (plain_mgr(kv_shard_size=2, is_mla_backend=True), {}, "KV cache sharding (kv_shard_size 2): SGLang 0.5.23"),
     (plain_mgr(defer_decode_allocation=True), {}, "prefill_complete"),
     (plain_mgr(pp_size=2, disaggregation_mode=SimpleNamespace(value="prefill")), {"num_draft_entries": 2},
      "pipeline parallelism (pp_size 2) with speculative-decoding draft KV"),
@@ -408,6 +408,32 @@ def test_decode_context_parallel_is_refused_at_start_naming_why(monkeypatch, mgr
     problems = unsupported_features(mgr, SimpleNamespace(**args))
     assert SGLANG_GATE in problems[-1] and "decode context parallelism (dcp_size 2)" in problems[-1], problems
     assert [p for p in problems[:-1] if named and named in p] == problems[:-1] and len(problems) == 1 + bool(named)
+
+
+SHARD_GATE = "SGLang 0.5.23 refuses --enable-kv-cache-sharding for any transfer backend but mooncake and nixl"
+
+
+@pytest.mark.parametrize("mgr,args,named", [
+    (plain_mgr(kv_shard_size=2, is_mla_backend=True), {}, None),
+    (plain_mgr(kv_shard_size=2), {}, "other than an MLA model's pages over its whole attention TP group"),
+    (plain_mgr(kv_shard_size=2, is_mla_backend=True, attn_tp_size=4), {}, "whole attention TP group"),
+    (plain_mgr(kv_shard_size=2, is_mla_backend=True), {"state_types": ["dsa"]}, "with state components"),
+    (plain_mgr(kv_shard_size=2, is_mla_backend=True), {"num_draft_entries": 1}, "with speculative-decoding draft"),
+], ids=["sglang-gate", "mha", "part-of-tp", "dsa-state", "draft"])
+def test_kv_cache_sharding_is_refused_at_start_naming_why(mgr, args, named):
+    """Every sharded rank is refused while SGLang itself refuses --enable-kv-cache-sharding for
+    backend kvstage, that reason last; what would stay refused beyond it is named before it."""
+    problems = unsupported_features(mgr, SimpleNamespace(**args))
+    assert SHARD_GATE in problems[-1] and "KV cache sharding (kv_shard_size 2)" in problems[-1], problems
+    assert [p for p in problems[:-1] if named and named in p] == problems[:-1] and len(problems) == 1 + bool(named)
+
+
+def test_layout_of_a_sharded_prefill_holds_its_local_pages_of_the_logical_ones():
+    args = SimpleNamespace(kv_data_ptrs=[1, 2, 3], kv_item_lens=[16 * 576 * 2] * 3, page_size=16)
+    lay = kv_layout(args, attn_tp_size=2, attn_tp_rank=1, mla=True, page_shards=2)
+    assert (lay.page_shards, lay.tp_rank, lay.head_dim) == (2, 1, 1152)
+    with pytest.raises(ValueError, match="whole TP group"):
+        kv_layout(args, attn_tp_size=4, attn_tp_rank=1, mla=True, page_shards=2)
 
 
 def test_decode_context_parallel_with_the_staged_path_forced_is_named(monkeypatch):

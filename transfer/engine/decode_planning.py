@@ -230,7 +230,7 @@ class EnginePlanner:
         """The engine's ranks this decode rank deals with; ValueError when its TP size cannot
         share the heads or its PP stages do not tile the model."""
         stages = peering.read_stages(view.name, view.records, self.layout.num_layers)
-        return peering.needed_ranks(stages.tp_size, self.layout, stages.layers, stages.draft_pools)
+        return peering.needed_ranks(stages.tp_size, self.layout, stages.layers, stages.draft_pools, stages.page_shards)
 
     def _log_fallback(self, engine_id: str, mapping: HeadMapping, writers: list[Peer]) -> None:
         why = peering.fallback_reason(self.ring.allocator is not None, self.layout.mla,

@@ -303,7 +303,9 @@ class KVManager:
         check_num_tokens(room, num_tokens)
         items = check_pool_items(pool_items, self.buffers.pools, f"room {room} sender()")
         status = self._claim(room)
-        handle = KVSender(self._post, self.num_pages, room, num_pages, status, self._forget, self.buffers.pools,
+        # sharded pages (KVLayout.page_shards): send() takes logical page ids, this rank holding 1 in page_shards
+        handle = KVSender(self._post, self.num_pages * self.layout.page_shards, room, num_pages, status, self._forget,
+                          self.buffers.pools,
                           layers=self.layout.layers, pool_items=items)
         self._post(NewSender(room=room, num_pages=num_pages, status=status, pool_items=items, num_tokens=num_tokens))
         return handle

@@ -9,6 +9,8 @@ each (prefill rank, decode rank) pair is at most one assignment with one source 
 destination head range.
 
 MLA: the latent is replicated on every rank; decode rank d is written by prefill rank d % P.
+A prefill that shards its KV pages (page_shards.py, `page_shards` = P = D) holds each page on
+one rank only: every prefill rank writes every decode rank, each the pages it owns.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class HeadMapping:
     total_heads: int
     mla: bool
     assignments: tuple[Assignment, ...]
+    page_shards: int = 1        # > 1: the prefill shards its pages; each writer writes the pages it owns
 
     def for_prefill(self, prefill_rank: int) -> list[Assignment]:
         """Flows a prefill rank writes (empty for ranks holding only unneeded replicas)."""
@@ -109,16 +112,29 @@ def build_mapping(prefill: KVLayout, decode: KVLayout) -> HeadMapping:
         raise ValueError(f"total_kv_heads differ: prefill {prefill.total_kv_heads}, decode {decode.total_kv_heads}")
     if prefill.mla != decode.mla:
         raise ValueError(f"mla differs: prefill {prefill.mla}, decode {decode.mla}")
-    return compute_assignments(prefill.tp_size, decode.tp_size, prefill.total_kv_heads, prefill.mla)
+    return compute_assignments(prefill.tp_size, decode.tp_size, prefill.total_kv_heads, prefill.mla,
+                               prefill.page_shards)
+
+
+def compute_assignments(P: int, D: int, H: int, mla: bool = False, page_shards: int = 1) -> HeadMapping:
+    """The mapping for prefill TP `P`, decode TP `D` and `H` global KV heads (memoized: a pure
+    function of its arguments, and every room of an engine pair asks the same question: one
+    object per question however it is asked, so rooms share it).
+    `page_shards` > 1: the prefill shards its pages over its TP group (MLA, P = D = page_shards)."""
+    return _assignments(P, D, H, bool(mla), page_shards)
 
 
 @functools.lru_cache(maxsize=256)
-def compute_assignments(P: int, D: int, H: int, mla: bool = False) -> HeadMapping:
-    """The mapping for prefill TP `P`, decode TP `D` and `H` global KV heads (memoized: a pure
-    function of its arguments, and every room of an engine pair asks the same question)."""
+def _assignments(P: int, D: int, H: int, mla: bool, page_shards: int) -> HeadMapping:
     for name, tp in (("prefill tp_size", P), ("decode tp_size", D)):
         if tp <= 0 or (not mla and H % tp and tp % H):
             raise ValueError(f"{name}={tp} does not divide, and is not a multiple of, total_kv_heads={H}")
+    if page_shards != 1:
+        if not mla or not P == D == page_shards:
+            raise ValueError(f"pages sharded {page_shards} ways need an MLA model and prefill and decode TP sizes "
+                             f"equal to it, got prefill TP {P}, decode TP {D}{'' if mla else ', not MLA'}")
+        every = [Assignment(p, d, (0, 1), (0, 1), p, P) for d in range(D) for p in range(P)]
+        return HeadMapping(P, D, H, True, tuple(every), page_shards)
     if mla:
         if H != 1:
             raise ValueError("MLA has exactly one latent head")

@@ -15,6 +15,7 @@ from typing import Any
 from ..layout import KVLayout
 from .head_mapping import HeadMapping, compute_assignments
 from .kinds import Role, StrKind
+from .page_shards import ShardSide, pairing_problem
 from .routing import PeerState
 from .stage_mapping import sources_of
 
@@ -33,14 +34,23 @@ class NeededRanks:
 
 
 def needed_ranks(prefill_tp: int, layout: KVLayout, stages: tuple[range, ...] | None = None,
-                 draft_pools: int = 0) -> NeededRanks:
+                 draft_pools: int = 0, page_shards: int = 1) -> NeededRanks:
     """The prefill ranks a decode rank deals with. `stages`: each PP stage's layers, in stage
     order (None: one stage of every layer); rank s * prefill_tp + p is TP rank p of stage s,
     and each stage's ranks write the decode rank's heads for their own layers. A decode rank
     with PP deals only with the stages overlapping its own, each for the overlap
     (stage_mapping.sources_of). Raises ValueError when the two TP sizes cannot share the heads
-    or the stages do not hold every layer of this rank's stage."""
-    mapping = compute_assignments(prefill_tp, layout.tp_size, layout.total_kv_heads, layout.mla)
+    or the stages do not hold every layer of this rank's stage. `page_shards` > 1: the prefill
+    shards its pages over its TP group (page_shards.py): every one of its ranks writes this rank,
+    and a pairing kvstage does not serve raises ValueError naming both sides."""
+    problem = pairing_problem(
+        ShardSide(tp_size=prefill_tp, mla=layout.mla, page_shards=page_shards, pp_size=len(stages or (0,)),
+                  draft_pools=draft_pools),
+        ShardSide(tp_size=layout.tp_size, mla=layout.mla, page_shards=layout.page_shards, pp_size=layout.pp_size,
+                  dcp_size=layout.dcp_size))
+    if problem:
+        raise ValueError(problem)
+    mapping = compute_assignments(prefill_tp, layout.tp_size, layout.total_kv_heads, layout.mla, page_shards)
     writers, notices = mapping.prefill_peers_of(layout.tp_rank)
     stages = stages if stages is not None else (range(layout.num_layers),)
     # decode PP: only the prefill stages holding some of this rank's stage, each for the overlap
@@ -53,8 +63,9 @@ def needed_ranks(prefill_tp: int, layout: KVLayout, stages: tuple[range, ...] | 
 
 # What a PP prefill rank registers besides its layout summary (bootstrap RankInfo.layout):
 # its engine's PP size and its stage's layers. Its registered tp_size and tp_rank are the
-# engine's rank count and its rank (KVLayout.ranks, KVLayout.rank).
-PP_SIZE, STAGE_START, STAGE_STOP = "pp_size", "stage_start", "stage_stop"
+# engine's rank count and its rank (KVLayout.ranks, KVLayout.rank). Every rank also registers
+# how many ways its engine shards its KV pages (KVLayout.page_shards; absent: 1).
+PP_SIZE, STAGE_START, STAGE_STOP, PAGE_SHARDS = "pp_size", "stage_start", "stage_stop", "page_shards"
 # From its layout summary: the draft's entries and geometry (LayoutSummary.draft_*), compared
 # with the target's total_kv_heads and head_dim to tell a draft of its own geometry.
 DRAFT_LAYERS, DRAFT_HEADS, DRAFT_HEAD_DIM = "draft_layers", "draft_kv_heads", "draft_head_dim"
@@ -62,7 +73,8 @@ DRAFT_LAYERS, DRAFT_HEADS, DRAFT_HEAD_DIM = "draft_layers", "draft_kv_heads", "d
 
 def stage_record(layout: KVLayout) -> dict[str, int]:
     assert layout.stage is not None, "set by KVLayout"
-    return {PP_SIZE: layout.pp_size, STAGE_START: layout.stage.start, STAGE_STOP: layout.stage.stop}
+    return {PP_SIZE: layout.pp_size, STAGE_START: layout.stage.start, STAGE_STOP: layout.stage.stop,
+            PAGE_SHARDS: layout.page_shards}
 
 
 @dataclass(frozen=True)
@@ -73,6 +85,7 @@ class PrefillStages:
     tp_size: int
     layers: tuple[range, ...]    # by PP rank
     draft_pools: int = 0         # draft entries of their own geometry, written as pools (draft_kv.py)
+    page_shards: int = 1         # how many ways the engine shards its KV pages (page_shards.py)
 
 
 def read_stages(engine_id: str, records: list[Any], num_layers: int) -> PrefillStages:
@@ -112,12 +125,16 @@ def read_stages(engine_id: str, records: list[Any], num_layers: int) -> PrefillS
     if len(drafts) != 1 or min(drafts) < 0:
         raise ValueError(f"prefill engine {engine_id}: its ranks disagree on the draft KV entries: {sorted(drafts)}")
     draft = drafts.pop()
+    shards = {field_of(r, PAGE_SHARDS, 1) for r in records}
+    if len(shards) != 1 or min(shards) < 1:
+        raise ValueError(f"prefill engine {engine_id}: its ranks disagree on how many ways its KV pages are "
+                         f"sharded: {sorted(shards)}")
     rec = records[-1]
     own = draft and (field_of(rec, DRAFT_HEADS, 0), field_of(rec, DRAFT_HEAD_DIM, 0)) != (
         field_of(rec, "total_kv_heads", 0), field_of(rec, "head_dim", 0))
     if not own:
         stages[-1] = range(stages[-1].start, stages[-1].stop + draft)
-    return PrefillStages(tp, tuple(stages), draft if own else 0)
+    return PrefillStages(tp, tuple(stages), draft if own else 0, shards.pop())
 
 
 class LookupState(StrKind):

@@ -45,13 +45,15 @@ class Tag(msgspec.Struct, frozen=True, array_like=True):
     digest: int = 0     # xxh3-64 of the bytes written, in gather order (EngineConfig(verify=True))
     group: int = 0      # direct: which of the logical write's backend writes this is (one per
     groups: int = 1     # pair of memory kinds; every group's tag is the same but for `group`)
+    pages_mask: bytes = b""   # direct, from a prefill that shards its pages (page_shards.py): bit i set
+                              # means page position page_start + i is in the write; empty: every one
 
 
 def make_tag(kind: TagKind, *, room: int, session: int, epoch: int, src: int, writer: int,
              chunk: int, piece: int, page_start: int, num_pages: int, layers: range, nbytes: int,
-             ring_start: int = -1) -> Tag:
+             ring_start: int = -1, pages_mask: bytes = b"") -> Tag:
     return Tag(WIRE_VERSION, kind, room, session, epoch, src, writer, chunk, piece,
-               page_start, num_pages, nbytes, ring_start, layers.start, len(layers))
+               page_start, num_pages, nbytes, ring_start, layers.start, len(layers), pages_mask=pages_mask)
 
 
 class TagCodec:

@@ -68,6 +68,8 @@ class RoomPlan:
                                   # sizes are set, so for_pages may choose it for any TP sizes
     path: PathInputs | None = None   # the costs the choice per request weighs (None: `staged` as planned)
     choice: PathChoice | None = None  # the path this room's request took and why (for_pages)
+    page_shards: int = 1          # > 1: the prefill shards its pages (page_shards.py): the writers share the
+                                  # room's cells, each writing the pages it owns (direct only: MLA)
     writer_bytes: Mapping[int, int] = field(init=False, repr=False, compare=False)   # writer rank -> bytes per page
     writer_ranks: tuple[int, ...] = field(init=False, repr=False, compare=False)     # writer ranks, plan order
 
@@ -249,4 +251,4 @@ def plan_room(layout: KVLayout, mapping: HeadMapping, writers: dict[int, WriterO
                     decode_tp=mapping.decode_tp, ring_size=ring_size,
                     buffer_bytes=min(o.buffer_bytes for o in writers.values()) if writers else 0,
                     writer_layers={w: o.layers for w, o in writers.items() if o.layers is not None},
-                    draft_pools=draft_pools, can_stage=bool(mpp), path=path)
+                    draft_pools=draft_pools, can_stage=bool(mpp), path=path, page_shards=mapping.page_shards)

@@ -56,6 +56,7 @@ from ..head_mapping import Assignment
 from ..kinds import FailureKind, StrKind, TransferPath, remote_kind
 from ..lifecycle import DECODE_TRANSITIONS, RoomEvent
 from ..messages import AllocGrant, AllocRequest, Piece, RoomDone, RoomMeta, WriterDone, encode_pages
+from ..page_shards import pool_assignment
 from ..pool_parts import PoolCopy, block_bytes, part_offsets, request_copies, writer_segments
 from ..ring import Region, RingAllocator
 from ..room_base import RoomBase
@@ -256,8 +257,8 @@ class DecodeRoom(RoomBase[DecodeAction]):
                 [draft_pool_name(i) for i in range(p.draft_pools)], self._dst, self.layout.page_size)}
         # the pools move with the last layer's writes: a PP prefill's last stage writes them (to a
         # decode PP stage, the prefill stage holding that stage's last layer)
-        self.pool_copies = {r: request_copies(writer_segments(self.pools, p.prefill_tp, p.decode_tp,
-                                                              self.writers[r].assignment), None, self.pool_items)
+        self.pool_copies = {r: request_copies(writer_segments(self.pools, p.prefill_tp, p.decode_tp, pool_assignment(
+                                self.writers[r].assignment, p.page_shards)), None, self.pool_items)
                             for r in last_stage} if self.pool_items else {}
         token_bytes = None
         if self.layout.dcp_size > 1:
@@ -269,7 +270,7 @@ class DecodeRoom(RoomBase[DecodeAction]):
         self.tracker = RoomTracker(n, p.writer_bytes, {r: block_bytes(c) for r, c in self.pool_copies.items()},
                                    num_layers=entries, writer_layers=p.writer_layers,
                                    held=self.layout.layers if self.layout.pp_size > 1 else None,
-                                   writers=p.writer_ranks, token_bytes=token_bytes)
+                                   writers=p.writer_ranks, token_bytes=token_bytes, shared=p.page_shards > 1)
         self.meta_sent = True
         self._retry_at = now + self.timeouts.heartbeat
         out = self._metas(self._all_prefill()) + self._move(RoomEvent.METADATA_OUT, now)
@@ -387,7 +388,7 @@ class DecodeRoom(RoomBase[DecodeAction]):
                 return TagVerdict.REJECTED, self.fail(FailureKind.PROTOCOL, f"tag from {peer} is not a direct tag for this rank: "
                                                          f"{tag}", now)
             arrival = self._tracker.arrive_direct(tag.writer, tag.chunk, tag.page_start, tag.num_pages, tag.nbytes,
-                                                 tag.group, tag.groups, _layers(tag))
+                                                 tag.group, tag.groups, _layers(tag), tag.pages_mask)
         if arrival.outcome is Outcome.DUPLICATE:
             return TagVerdict.DUPLICATE, []
         if arrival.outcome is Outcome.PARTIAL:
@@ -524,8 +525,12 @@ class DecodeRoom(RoomBase[DecodeAction]):
         if tag.page_start < 0 or tag.num_pages <= 0 or tag.page_start + tag.num_pages > self._tracker.num_pages \
                 or not self._tracker.layers_ok(layers):
             return None
-        final = self._tracker.final(tag.page_start, tag.num_pages, layers)
-        return PageSpan(pages=self._dst[tag.page_start:tag.page_start + tag.num_pages], layers=layers,
+        mask = self._tracker.page_mask(tag.pages_mask, tag.num_pages)
+        if isinstance(mask, str):
+            return None
+        final = self._tracker.final(tag.page_start, tag.num_pages, layers, mask)
+        pages = self._dst[tag.page_start:tag.page_start + tag.num_pages]
+        return PageSpan(pages=pages if mask is None else pages[mask], layers=layers,
                         heads=w.assignment.dst_heads, copies=self.pool_copies.get(tag.writer, ()) if final else (),
                         nbytes=tag.nbytes)
 

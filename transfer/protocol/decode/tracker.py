@@ -9,7 +9,9 @@ writer); a piece is ready to scatter once all its writers have landed, and the r
 once pieces covering every cell have been scattered.
 
 Direct path: writes land in the KV pages themselves; each writer must cover every cell of the
-room exactly once with the expected number of bytes.
+room exactly once with the expected number of bytes. From a prefill that shards its pages
+(page_shards.py) the writers share the cells instead (`shared`): each write names the positions
+it holds with a page mask, and every cell must come exactly once from any writer.
 
 Arrivals may come in any order; exact duplicates are ignored; anything else that disagrees
 is rejected with a reason, and the caller fails the room.
@@ -28,6 +30,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 import numpy as np
+
+from ..page_shards import decode_mask
 
 MAX_GROUPS = 16   # pairs of memory kinds, plus pools with writes of their own: a few at most
 _NONE: Mapping[int, int] = MappingProxyType({})   # no state pool bytes: shared by every tracker
@@ -83,11 +87,12 @@ class RoomTracker:
 
     __slots__ = ("num_pages", "num_layers", "writer_page_bytes", "final_extra", "_all_layers", "_stage_layers",
                  "_held", "_writers", "_covered", "_covered_count", "_pieces", "_planned", "_scattered_cells",
-                 "_direct_seen", "_groups", "token_bytes")
+                 "_direct_seen", "_groups", "token_bytes", "shared")
 
     def __init__(self, num_pages: int, writer_page_bytes: Mapping[int, int], final_extra: Mapping[int, int] = {},
                  num_layers: int = 1, writer_layers: Mapping[int, range] = {}, held: range | None = None,
-                 writers: tuple[int, ...] | None = None, token_bytes: Mapping[int, int] | None = None):
+                 writers: tuple[int, ...] | None = None, token_bytes: Mapping[int, int] | None = None,
+                 shared: bool = False):
         """`writer_page_bytes`: expected writer rank -> bytes it writes per page of the room
         (every layer; a read-only map, MappingProxyType, is kept as given: the rooms of one
         plan share it, RoomPlan.writer_bytes; any other is copied); `final_extra`: writer rank
@@ -101,7 +106,10 @@ class RoomTracker:
         token_mapping.local_tokens), in writes of every page and a range of layers each, their
         bytes in proportion, the write of the last layer also carrying `final_extra` (a rank
         owning no token gets its pool items in a write of every layer and no token bytes);
-        None: whole pages."""
+        None: whole pages. `shared` (a prefill sharding its pages, direct): the writers share the
+        cells, each write naming its positions with a page mask (`arrive_direct`), every cell
+        taken once from any writer; the write holding the last page of the last layer carries
+        that writer's `final_extra`."""
         if num_pages <= 0:
             raise ValueError("a room has at least one page")
         if not writer_page_bytes:
@@ -111,6 +119,7 @@ class RoomTracker:
         self.num_pages = num_pages
         self.num_layers = num_layers
         self.token_bytes = token_bytes
+        self.shared = shared
         self.writer_page_bytes: Mapping[int, int] = (writer_page_bytes if type(writer_page_bytes) is MappingProxyType
                                                      else dict(writer_page_bytes))
         self.final_extra: Mapping[int, int] = dict(final_extra) if final_extra else _NONE
@@ -159,9 +168,24 @@ class RoomTracker:
         """What `writer` writes for `num_pages` pages of `layers` (None: all), pools aside."""
         return num_pages * self.writer_page_bytes[writer] * len(self._layers(layers)) // self.num_layers
 
-    def final(self, page_start: int, num_pages: int, layers: range | None = None) -> bool:
-        """Whether these cells hold the room's last page of its last layer (the pools' write)."""
-        return page_start + num_pages == self.num_pages and self._layers(layers).stop == self._held.stop
+    def final(self, page_start: int, num_pages: int, layers: range | None = None,
+              mask: np.ndarray | None = None) -> bool:
+        """Whether these cells hold the room's last page of its last layer (the pools' write);
+        `mask`: the positions of the range a sharded writer's write holds (None: all)."""
+        return (page_start + num_pages == self.num_pages and self._layers(layers).stop == self._held.stop
+                and (mask is None or bool(mask[-1])))
+
+    def page_mask(self, pages_mask: bytes, num_pages: int) -> np.ndarray | None | str:
+        """A direct write's page mask (Tag.pages_mask): None when it has none (every position of
+        its range), the mask, or why it cannot be one of this room's."""
+        if not pages_mask:
+            return None
+        if not self.shared:
+            return "a page mask in a room whose prefill does not shard its pages"
+        mask = decode_mask(pages_mask, num_pages)
+        if mask is None or not mask.any():
+            return f"a page mask of {len(pages_mask)} bytes that names no page, or a page outside its {num_pages}"
+        return mask
 
     def layers_ok(self, layers: range) -> bool:
         return len(layers) > 0 and 0 <= layers.start and layers.stop <= self.num_layers
@@ -237,10 +261,12 @@ class RoomTracker:
 
     # -- direct path ----------------------------------------------------------------------
     def arrive_direct(self, writer: int, chunk: int, page_start: int, num_pages: int, nbytes: int,
-                      group: int = 0, groups: int = 1, layers: range | None = None) -> Arrival:
+                      group: int = 0, groups: int = 1, layers: range | None = None,
+                      pages_mask: bytes = b"") -> Arrival:
         """One tagged backend write. A logical write whose memory spans several pairs of kinds
         comes as `groups` backend writes with the same tag but for `group`: it counts (and its
-        pages are covered) only once every group landed; until then PARTIAL."""
+        pages are covered) only once every group landed; until then PARTIAL. `pages_mask`: the
+        positions of the range a sharded writer's write holds (`shared` rooms only)."""
         if writer not in self.writer_page_bytes:
             return Arrival(Outcome.REJECTED, f"writer {writer} is not expected in this room")
         key = (writer, chunk, page_start, num_pages)
@@ -259,7 +285,12 @@ class RoomTracker:
             held = self.layers_of(writer)
             return Arrival(Outcome.REJECTED, f"writer {writer} wrote layers [{lay.start}, {lay.stop}), its PP stage "
                                              f"holds [{held.start}, {held.stop})")
-        want = self.bytes_of(writer, num_pages, lay) + self._extra(writer, page_start, num_pages, lay)
+        mask = self.page_mask(pages_mask, num_pages)
+        if isinstance(mask, str):
+            return Arrival(Outcome.REJECTED, f"writer {writer} sent {mask}")
+        count = num_pages if mask is None else int(mask.sum())
+        want = self.bytes_of(writer, count, lay) + (self.final_extra.get(writer, 0)
+                                                   if self.final(page_start, num_pages, lay, mask) else 0)
         if self.token_bytes is not None:   # DCP: writes of every page and some layers, of this rank's tokens
             if page_start != 0 or num_pages != self.num_pages:
                 return Arrival(Outcome.REJECTED, f"writer {writer} wrote pages [{page_start}, {page_start + num_pages}): "
@@ -270,15 +301,22 @@ class RoomTracker:
             return Arrival(Outcome.REJECTED, f"writer {writer} sent {nbytes} bytes for {num_pages} pages of "
                                              f"{len(lay)} layers, expected {want}")
         if self._covered is None or self._covered_count is None or self._direct_seen is None:
-            self._covered = np.zeros((len(self._writers), self.num_pages, self.num_layers), dtype=bool)
-            self._covered_count, self._direct_seen = [0] * len(self._writers), set()
-        i = self._writers.index(writer)
+            rows = 1 if self.shared else len(self._writers)   # shared: one grid for every writer
+            self._covered = np.zeros((rows, self.num_pages, self.num_layers), dtype=bool)
+            self._covered_count, self._direct_seen = [0] * rows, set()
+        i = 0 if self.shared else self._writers.index(writer)
         cells = self._covered[i, page_start:page_start + num_pages, lay.start:lay.stop]
+        if mask is not None:
+            cells = cells[mask]   # a copy: written back below
         if cells.any():
             return Arrival(Outcome.REJECTED, f"writer {writer} wrote pages [{page_start}, "
-                                             f"{page_start + num_pages}) of layers [{lay.start}, {lay.stop}) twice")
-        cells[...] = True
-        self._covered_count[i] += num_pages * len(lay)
+                                             f"{page_start + num_pages}) of layers [{lay.start}, {lay.stop}) twice"
+                                             + (" (a page another writer wrote)" if self.shared else ""))
+        if mask is None:
+            self._covered[i, page_start:page_start + num_pages, lay.start:lay.stop] = True
+        else:
+            self._covered[i, page_start + np.flatnonzero(mask), lay.start:lay.stop] = True
+        self._covered_count[i] += count * len(lay)
         self._direct_seen.add(key)
         if self._groups is not None:
             self._groups.pop(key, None)
@@ -311,6 +349,8 @@ class RoomTracker:
             return self._scattered_cells == self.num_pages * len(self._held)
         if self.token_bytes is not None and not any(self.token_bytes.values()) and not self.final_extra:
             return True   # decode context parallel: a rank owning none of the request's tokens (nor pool items) gets no write
+        if self.shared:
+            return self._counts()[0] == self.num_pages * len(self._held)
         return all(n == self.num_pages * len(self.layers_of(w)) for w, n in zip(self._writers, self._counts()))
 
     @property
@@ -318,11 +358,15 @@ class RoomTracker:
         """Pages' worth of cells in place (a page counts once every layer of it is)."""
         if self._pieces:
             return self._scattered_cells // len(self._held)
+        if self.shared:
+            grid = self._covered
+            return 0 if grid is None else int(grid[0][:, self._held.start:self._held.stop].all(axis=1).sum())
         return min(n // len(self.layers_of(w)) for w, n in zip(self._writers, self._counts()))
 
     def _counts(self) -> list[int]:
-        """Direct path: cells covered per writer, in `_writers` order."""
-        return self._covered_count if self._covered_count is not None else [0] * len(self._writers)
+        """Direct path: cells covered per writer, in `_writers` order (shared: one count)."""
+        rows = 1 if self.shared else len(self._writers)
+        return self._covered_count if self._covered_count is not None else [0] * rows
 
     def _extra(self, writer: int, page_start: int, num_pages: int, layers: range | None = None) -> int:
         return self.final_extra.get(writer, 0) if self.final(page_start, num_pages, layers) else 0

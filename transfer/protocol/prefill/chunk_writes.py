@@ -2,7 +2,9 @@
 
 Direct: one write per chunk into the decode rank's own pages, split by page range where it would
 exceed `max_ranges` descriptors (a write of millions of ranges would hold the backend for
-seconds at a time), each part with its own tag. Staged: one write per ring piece the decode rank
+seconds at a time), each part with its own tag. A rank of a prefill that shards its pages
+(page_shards.py) writes only the positions it owns, from its local pages, each part's tag naming
+them with a page mask; a part where it owns none is not written. Staged: one write per ring piece the decode rank
 granted, this writer's part at its offset inside the piece. The write ending at the request's
 last page of the model's last entry also carries the state pool items (pool_parts.py).
 
@@ -20,6 +22,7 @@ import numpy as np
 from ..actions import PeerKey, WriteOp
 from ..head_mapping import Assignment
 from ..messages import AllocGrant
+from ..page_shards import MAX_MASK_PAGES, encode_mask, owned
 from ..pool_parts import PoolCopy, block_bytes
 from ..tags import Tag, TagKind, make_tag
 from .flows import Chunk
@@ -41,32 +44,47 @@ class ChunkWrites:
     pools_at: int | None     # page end (from the prefix) of the write carrying the pools; None: none of this chunk's
 
     def _tag(self, kind: TagKind, *, chunk: int, piece: int, page_start: int, num_pages: int, nbytes: int,
-             epoch: int, ring_start: int = -1) -> Tag:
+             epoch: int, ring_start: int = -1, pages_mask: bytes = b"") -> Tag:
         return make_tag(kind, room=self.room, session=self.session, epoch=epoch, src=self.me, writer=self.writer,
                         chunk=chunk, piece=piece, page_start=page_start, num_pages=num_pages,
-                        layers=self.chunk.layers, nbytes=nbytes, ring_start=ring_start)
+                        layers=self.chunk.layers, nbytes=nbytes, ring_start=ring_start, pages_mask=pages_mask)
 
 
 def direct_writes(w: ChunkWrites, *, dst_pages: np.ndarray, ranges_per_page: int, max_ranges: int,
-                  pools: Callable[[], tuple[PoolCopy, ...]], op_ids: Iterator[int]) -> list[WriteOp]:
+                  pools: Callable[[], tuple[PoolCopy, ...]], op_ids: Iterator[int],
+                  shard: tuple[int, int] | None = None) -> list[WriteOp]:
     """The chunk's direct writes. `dst_pages`: the decode rank's pages from the prefix on;
     `ranges_per_page`: descriptors one page of the chunk takes; `pools`: the request's pool
-    copies, asked for only by the write that carries them."""
+    copies, asked for only by the write that carries them. `shard` (page shards, this rank's
+    index among them): the chunk's pages are logical ids; only the positions this rank owns are
+    written, from their local pages, and the pools only by the write holding the last one."""
     a, chunk = w.assignment, w.chunk
     step = max(1, max_ranges // ranges_per_page)
+    if shard is not None:
+        step = min(step, MAX_MASK_PAGES)
     out: list[WriteOp] = []
     for part, lo in enumerate(range(0, chunk.pages.size, step)):
         pages = chunk.pages[lo:lo + step]
         start = chunk.page_start + lo
+        dst = dst_pages[start:start + pages.size]
+        ends = start + pages.size == w.pools_at
+        mask = b""
+        if shard is not None:
+            mine = owned(pages, *shard)
+            ends = ends and bool(mine.mask[-1])
+            if not mine.count:
+                continue   # every position of this part lives on other ranks
+            mask, pages, dst = encode_mask(mine.mask), mine.local, dst[mine.mask]
         nbytes = pages.size * w.head_page_bytes * a.num_heads
         copies: tuple[PoolCopy, ...] = ()
-        if start + pages.size == w.pools_at:
+        if ends:
             copies = pools()
             nbytes += block_bytes(copies)
-        tag = w._tag(TagKind.DIRECT, chunk=w.wire, piece=part, page_start=start, num_pages=int(pages.size),
-                     nbytes=nbytes, epoch=w.peer.incarnation)
+        tag = w._tag(TagKind.DIRECT, chunk=w.wire, piece=part, page_start=start,
+                     num_pages=int(chunk.pages[lo:lo + step].size), nbytes=nbytes, epoch=w.peer.incarnation,
+                     pages_mask=mask)
         out.append(WriteOp(op_id=next(op_ids), room=w.room, peer=w.peer, staged=False, chunk=w.wire, piece=part,
-                           src_pages=pages, dst_pages=dst_pages[start:start + pages.size], src_heads=a.src_heads,
+                           src_pages=pages, dst_pages=dst, src_heads=a.src_heads,
                            dst_heads=a.dst_heads, nbytes=nbytes, tag=tag, pools=copies, layers=chunk.layers,
                            ready=chunk.ready))
     return out

@@ -44,6 +44,7 @@ from ..head_mapping import Assignment, HeadMapping, compute_assignments
 from ..kinds import FailureKind, TransferPath
 from ..lifecycle import PREFILL_TRANSITIONS, RoomEvent
 from ..messages import AllocGrant, AllocRequest, Piece, Quiesced, RoomFailed, RoomMeta, TagsAgain, WriterDone
+from ..page_shards import ShardSide, pairing_problem, pool_assignment
 from ..pool_parts import block_bytes, counts_mismatch, final_part, request_copies, writer_segments
 from ..room_base import RoomBase
 from ..room_uses import NO_EARLIER_USES, Bound, EarlierUses, RoomUse, failure_use, meta_use
@@ -226,13 +227,21 @@ class PrefillRoom(RoomBase[PrefillAction]):
             if refusal is not None:
                 return self._refuse(peer, meta, refusal, now)
             self.dcp = theirs
+        if self.layout.page_shards > 1:   # sharded pages: only the pairings page_shards.py serves
+            lay = self.layout
+            refusal = pairing_problem(
+                ShardSide(tp_size=lay.tp_size, mla=lay.mla, page_shards=lay.page_shards),
+                ShardSide(tp_size=decode_tp, mla=lay.mla, pp_size=stage.pp_size if stage else 1,
+                          dcp_size=dcp.dcp_size if dcp else 1))
+            if refusal is not None:
+                return self._refuse(peer, meta, refusal, now)
         if self.decode_engine is not None and peer.engine_id != self.decode_engine:
             return [Send(peer, RoomFailed(src=self.me, dst=peer.incarnation, room=self.room, session=meta.session,
                                           kind=FailureKind.PROTOCOL, reason=f"room {self.room} is already bound to "
                                                                   f"decode engine {self.decode_engine}"))]
         if self.mapping is None:
             self.mapping = compute_assignments(self.layout.tp_size, decode_tp, self.layout.total_kv_heads,
-                                               self.layout.mla)
+                                               self.layout.mla, self.layout.page_shards)
             self.decode_engine = peer.engine_id
             self.expected = tuple(sorted(set(self._mapping.decode_peers_of(self.layout.tp_rank))))
         if self.decode_stages if stage is None else (self.flows and not self.decode_stages):
@@ -838,11 +847,12 @@ class PrefillRoom(RoomBase[PrefillAction]):
         whole = self._mapping.prefill_tp == self._mapping.decode_tp or self.layout.mla
         assert flow.dst_pages is not None, "a direct flow has its destination pages from its metadata"
         m = self._mapping
+        pool_flow = pool_assignment(a, m.page_shards)
         ops = direct_writes(self._chunk_writes(flow, a, chunk), dst_pages=flow.dst_pages, max_ranges=self.max_ranges,
                             ranges_per_page=self.layout.num_kv * len(chunk.layers) * (1 if whole else self.layout.page_size),
-                            pools=lambda: request_copies(writer_segments(self.pools, m.prefill_tp, m.decode_tp, a),
+                            pools=lambda: request_copies(writer_segments(self.pools, m.prefill_tp, m.decode_tp, pool_flow),
                                                          self.pool_items, flow.pool_dst),
-                            op_ids=self._op_ids)
+                            op_ids=self._op_ids, shard=(m.page_shards, self.layout.tp_rank) if m.page_shards > 1 else None)
         return [self._post(flow, op) for op in ops]
 
     def _flow_finished_writing(self, flow: Flow) -> bool:

@@ -1,0 +1,54 @@
+"""KV page sharding between real processes (real NIXL or Mooncake, the real bootstrap server): a
+prefill engine of TP 2 that shards an MLA model's pages (logical page l on rank l % 2 at local page
+l // 2, transfer/protocol/page_shards.py) -> a decode engine of TP 2. Every decode rank takes every
+page of each request from whichever prefill rank owns it, bit-exact, with prefix hits, uneven
+chunks and each request's aux row (a pool item, carried by the owner of the last page), every
+write's digest checked where it landed (EngineConfig(verify=True)); a decode
+engine of another TP size fails every request on both sides, kind `layout`, with the reason naming
+both sides, long before any deadline, and nothing hangs."""
+
+import pytest
+from engine_cases import LAYERED_AUX, Case, Topo, each_rank, problems, random_rooms, run_cases
+
+
+def sharded_case(backend: str, base: int) -> Case:
+    rooms = random_rooms(base, 10, 4, max_tokens=160, base=base)
+    for i, r in enumerate(rooms):
+        r["pool_items"] = {"aux": 1}
+        if i % 3 == 1 and r["pages"] > 2:
+            r["prefix_pages"] = 2   # a prefix hit: positions 0 and 1 stay as the decode rank holds them
+    return Case(topo=Topo(P=2, D=2, H=1, mla=True), page_size=4, dtype="bfloat16", backend=backend, rooms=rooms,
+                layers=3, head_dim=16, pages=256, label="shards", prefill_extra={"shards": 2},
+                pools={"aux": LAYERED_AUX}, extra={"verify": True})   # each write's digest over its masked pages
+
+
+def refused_case(backend: str, base: int) -> Case:
+    return Case(topo=Topo(P=2, D=1, H=1, mla=True), page_size=4, dtype="bfloat16", backend=backend,
+                rooms=random_rooms(base, 3, 4, 60, base), layers=2, head_dim=16, pages=64, label="shards-d1",
+                prefill_extra={"shards": 2})
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_a_sharded_prefill_moves_every_page_to_each_decode_rank_and_an_unserved_pairing_fails_on_both_sides(backend):
+    moved, refused = sharded_case(backend, 4100), refused_case(backend, 4200)
+    results, codes, logs, _ = run_cases([moved, refused], timeout=120)
+    bad = problems({moved.name: results[moved.name]}, codes, logs)
+    assert not bad, "\n".join(bad[:10])
+    writers = set()
+    for _c, side, res in each_rank([moved], results):
+        assert len(res["rooms"]) == 10, (side, res)
+        for rec in res["rooms"]:
+            assert rec["state"] == "Success", (side, rec)
+            if side == "decode":
+                assert rec["verified"] is True and rec.get("prefix_intact", True) is True, rec
+            else:
+                writers.add((res["name"], rec["metrics"]["backend_writes"] > 0))
+    # both prefill ranks wrote: each owns some pages of the requests
+    assert {w for w in writers if w[1]} and len({n for n, wrote in writers if wrote}) == 2, writers
+    for c, side, res in each_rank([refused], results):
+        assert len(res["rooms"]) == 3, (c.name, side, res)
+        for rec in res["rooms"]:
+            assert rec["state"] == "Failed", (c.name, side, rec)
+            assert rec["kind"] in ("layout", "remote_layout"), (c.name, side, rec)
+            assert "prefill TP 2 (MLA, KV pages sharded 2 ways) -> decode TP 1 (MLA)" in rec["failure"], rec
