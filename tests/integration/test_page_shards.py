@@ -3,7 +3,9 @@ prefill engine of TP 2 that shards an MLA model's pages (logical page l on rank 
 l // 2, transfer/protocol/page_shards.py) -> a decode engine of TP 2. Every decode rank takes every
 page of each request from whichever prefill rank owns it, bit-exact, with prefix hits, uneven
 chunks and each request's aux row (a pool item, carried by the owner of the last page), every
-write's digest checked where it landed (EngineConfig(verify=True)); a decode
+write's digest checked where it landed (EngineConfig(verify=True)); a room whose tags one writer
+rewrites fails on both sides (its landed bytes' digest, or its tag, disagrees) while the others
+succeed; a decode
 engine of another TP size fails every request on both sides, kind `layout`, with the reason naming
 both sides, long before any deadline, and nothing hangs."""
 
@@ -11,15 +13,19 @@ import pytest
 from engine_cases import LAYERED_AUX, Case, Topo, each_rank, problems, random_rooms, run_cases
 
 
-def sharded_case(backend: str, base: int) -> Case:
+def sharded_case(backend: str, base: int) -> tuple[Case, int]:
+    """The moved case, and the room whose tags prefill rank 1 rewrites (page range moved one on:
+    its mask then names cells another writer wrote, or pages past the room)."""
     rooms = random_rooms(base, 10, 4, max_tokens=160, base=base)
     for i, r in enumerate(rooms):
         r["pool_items"] = {"aux": 1}
         if i % 3 == 1 and r["pages"] > 2:
             r["prefix_pages"] = 2   # a prefix hit: positions 0 and 1 stay as the decode rank holds them
+    bad = max(rooms, key=lambda r: r["pages"])["room"]
     return Case(topo=Topo(P=2, D=2, H=1, mla=True), page_size=4, dtype="bfloat16", backend=backend, rooms=rooms,
                 layers=3, head_dim=16, pages=256, label="shards", prefill_extra={"shards": 2},
-                pools={"aux": LAYERED_AUX}, extra={"verify": True})   # each write's digest over its masked pages
+                pools={"aux": LAYERED_AUX}, extra={"verify": True},   # each write's digest over its masked pages
+                rank_extra={("prefill", 1): {"faults": {"corrupt_rooms": [bad]}}}), bad
 
 
 def refused_case(backend: str, base: int) -> Case:
@@ -31,14 +37,21 @@ def refused_case(backend: str, base: int) -> Case:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", ["nixl", "mooncake"])
 def test_a_sharded_prefill_moves_every_page_to_each_decode_rank_and_an_unserved_pairing_fails_on_both_sides(backend):
-    moved, refused = sharded_case(backend, 4100), refused_case(backend, 4200)
+    (moved, corrupt), refused = sharded_case(backend, 4100), refused_case(backend, 4200)
     results, codes, logs, _ = run_cases([moved, refused], timeout=120)
-    bad = problems({moved.name: results[moved.name]}, codes, logs)
+    good = {moved.name: {side: [{**res, "rooms": [r for r in res["rooms"] if r["room"] != corrupt]}
+                                for res in ranks] for side, ranks in results[moved.name].items()}}
+    bad = problems(good, codes, logs)
     assert not bad, "\n".join(bad[:10])
     writers = set()
     for _c, side, res in each_rank([moved], results):
         assert len(res["rooms"]) == 10, (side, res)
         for rec in res["rooms"]:
+            if rec["room"] == corrupt:   # failed on every rank of both sides: its digest (verify) or its tag
+                kind = rec["kind"].removeprefix("remote_")
+                assert rec["state"] == "Failed" and kind in ("corrupt", "tag_mismatch"), rec
+                assert ("corrupt data from prefill rank 1" if kind == "corrupt" else "rejected") in rec["failure"], rec
+                continue
             assert rec["state"] == "Success", (side, rec)
             if side == "decode":
                 assert rec["verified"] is True and rec.get("prefix_intact", True) is True, rec
