@@ -77,6 +77,17 @@ class KvstageKVManager(CommonKVManager):
         self._rendezvous_lock = threading.Lock()
         self._own_server: InProcessServer | None = None
         self.receivers: dict[int, object] = {}      # decode: room -> its kvstage receiver, until clear()
+        # prefill CP where CP rank 0 sends (geometry.cp_problems): the other CP ranks hold the same
+        # KV and move nothing, as SGLang's own dummy CP ranks; they run no kvstage engine, and their
+        # senders succeed at their last send (KvstageKVSender)
+        self.dummy_cp_rank = self.is_prefill and bool(getattr(self, "is_dummy_cp_rank", False))
+        if self.dummy_cp_rank:
+            self.engine: KVManager | None = None
+            self.host_engine: KVManager | None = None
+            self.gate = None
+            log.info("kvstage prefill CP rank %d of %d (attention TP rank %d): CP rank 0 moves the KV, this rank "
+                     "runs no kvstage engine", self.attn_cp_rank, self.attn_cp_size, self.attn_tp_rank)
+            return
         # a hybrid model's full-attention pool may be MLA although its pool as a whole is not
         mla = bool(is_mla_backend) or bool(getattr(args, "is_hybrid_mla_backend", False))
         # decode context parallel: SGLang's attention DCP size (its DCP rank is tp_rank % size, as
@@ -119,7 +130,7 @@ class KvstageKVManager(CommonKVManager):
         # SGLang's host pool has the device KV's layout; kvstage sees it as a second cache, in
         # DRAM, behind an engine of its own: a request sent to it is a request like any other
         # (staged or direct, by that engine's own path choice), written into host memory.
-        self.host_engine: KVManager | None = None
+        self.host_engine = None
         if not self.is_prefill and getattr(args, "host_kv_data_ptrs", None):
             host_buffers = pools.make_buffers(layout, pools.host_kv_args(args), "cpu", self.state.pools)
             # its own ports: a fixed KVSTAGE_CTRL_PORT or KVSTAGE_METRICS_PORT belongs to the device engine
@@ -197,7 +208,8 @@ class KvstageKVManager(CommonKVManager):
     def teardown(self) -> None:
         if self.gate is not None:
             self.gate.close()
-        self.engine.close()
+        if self.engine is not None:
+            self.engine.close()
         if self.host_engine is not None:
             self.host_engine.close()
         if self._own_server is not None:
@@ -292,7 +304,11 @@ class _Handle:
 class KvstageKVSender(_Handle, CommonKVSender):
     """Prefill side of one request. SGLang gives the page count of what it sends (the pages
     past the decode prefix) and sends without a last flag; kvstage counts the whole request,
-    so the prefix pages are prepended to the first send (kvstage skips them)."""
+    so the prefix pages are prepended to the first send (kvstage skips them).
+
+    On a dummy CP rank (a prefill CP rank other than 0, KvstageKVManager.dummy_cp_rank) it moves
+    nothing: WaitingForInput at once, Success once SGLang sent every page it announced (at once
+    when it announced none), Failed when aborted; CP rank 0 moves the request's KV."""
 
     def __init__(self, mgr: KvstageKVManager, bootstrap_addr: str, bootstrap_room: int,
                  req_has_disagg_prefill_dp_rank: bool = False):
@@ -306,6 +322,9 @@ class KvstageKVSender(_Handle, CommonKVSender):
         # with a CUDA cache SGLang may hand the page indices as a pinned host tensor that its
         # copy is still filling (indices_event): the gate waits, the scheduler does not copy
         self.supports_host_tensor_indices = mgr.gate is not None and mgr.kv_device.type == "cuda"
+        self._dummy = mgr.dummy_cp_rank
+        if self._dummy:
+            return
         if self.conclude_state is not None or mgr.request_status.get(bootstrap_room) == KVPoll.Failed:
             self.conclude_state = KVPoll.Failed
             return
@@ -327,6 +346,8 @@ class KvstageKVSender(_Handle, CommonKVSender):
         """`num_kv_indices`: the pages SGLang will send, past the prefix pop_decode_prefix_len()
         gave it (none popped: SGLang sends every page)."""
         self.num_kv_indices, self.aux_index = num_kv_indices, aux_index
+        if self._dummy and self.conclude_state is None and num_kv_indices <= 0:
+            self._end(KVPoll.Success)
         if self._handle is None or self.conclude_state is not None:
             return
         self._fail_now(self._init_handle(None))
@@ -354,6 +375,11 @@ class KvstageKVSender(_Handle, CommonKVSender):
         or the pages are read, never on the scheduler's thread (send_gate.py)."""
         events = [e for e in (self._early_send_wait_event, indices_event) if e is not None]
         self._early_send_wait_event = None      # it belongs to this chunk only
+        if self._dummy and self.conclude_state is None:   # CP rank 0 sends these pages
+            self._sent += int(np.asarray(kv_indices).size)
+            if self._sent >= self.num_kv_indices:
+                self._end(KVPoll.Success)
+            return
         if self.conclude_state is not None or self._handle is None:
             return
         self._fail_now(self._sends.send(kv_indices, state_indices, events))
@@ -394,6 +420,8 @@ class KvstageKVSender(_Handle, CommonKVSender):
     def poll(self) -> KVPoll:
         if self.conclude_state is not None:
             return self.conclude_state
+        if self._dummy:
+            return KVPoll.WaitingForInput
         if self._handle is None:
             return self._end(KVPoll.Failed)
         if self._sends.failure is not None:     # a send on the gate's thread failed

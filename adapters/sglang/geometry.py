@@ -226,8 +226,7 @@ def unsupported_features(mgr, args) -> list[str]:
         elif getattr(args, "num_draft_entries", 0):
             out.append(f"pipeline parallelism (pp_size {mgr.pp_size}) with speculative-decoding draft KV "
                        f"(num_draft_entries)")
-    if mgr.attn_cp_size > 1:
-        out.append(f"context parallelism (attn_cp_size {mgr.attn_cp_size})")
+    out += cp_problems(mgr)
     out += dcp_problems(mgr, args)
     out += shard_problems(mgr, args)
     if mgr.defer_decode_allocation:
@@ -253,6 +252,32 @@ def unsupported_features(mgr, args) -> list[str]:
                        "components (SWA host pools)")
         if hisparse:
             out.append("host KV destinations with HiSparse")
+    return out
+
+
+def cp_problems(mgr) -> list[str]:
+    """What of a rank with attention context parallelism (SGLang's attn_cp_size above 1) kvstage
+    does not serve, by name (empty: no CP, or a served one). Served: a prefill with CP where only
+    CP rank 0 sends (SGLang's default for a plain pool: every CP rank holds the whole KV, so CP
+    rank 0 moves it as a CP-1 prefill of attention TP ranks, and the other CP ranks are dummy
+    senders, `is_dummy_cp_rank`, that succeed at their last send, as SGLang's own). Refused:
+    every CP rank sending its part of the pages (`enable_all_cp_ranks_for_transfer`: SGLang's
+    SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER, a hybrid MLA pool, DSA cache layer split or KV
+    sharding over CP), CP-TP group sharing, and CP on a decode (SGLang refuses it too)."""
+    cp = int(getattr(mgr, "attn_cp_size", 1) or 1)
+    if cp <= 1:
+        return []
+    name = f"context parallelism (attn_cp_size {cp})"
+    mode = getattr(mgr, "disaggregation_mode", None)
+    if str(getattr(mode, "value", mode)) != "prefill":
+        return [f"{name} on a decode (SGLang's decode takes CP 1 only)"]
+    out = []
+    if getattr(mgr, "enable_all_cp_ranks_for_transfer", False):
+        out.append(f"{name} with every CP rank sending its part of the pages (SGLANG_DISAGGREGATION_ALL_CP_RANKS_"
+                   f"TRANSFER, a hybrid MLA pool, DSA cache layer split or KV sharding over CP): kvstage moves a CP "
+                   f"prefill's KV from CP rank 0")
+    if getattr(getattr(mgr, "server_args", None), "enable_cp_tp_group_sharing", False):
+        out.append(f"{name} with CP-TP group sharing (--enable-cp-tp-group-sharing)")
     return out
 
 

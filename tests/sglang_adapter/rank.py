@@ -16,7 +16,9 @@ the target's as SGLang appends it (num_draft_entries), filled and checked like t
 aux row carries the draft's hidden states and top-k as well. draft["model"]: the draft model's
 directory (its config names its KV heads), set as SGLang's speculative_draft_model_path. With
 "prefill_pp" the prefill is pipeline-parallel (pp_stage.py): --rank is the world rank (PP rank x
-TP + TP rank), each stage holds its layers only, over SGLang's real process groups.
+TP + TP rank), each stage holds its layers only, over SGLang's real process groups. With
+"prefill_cp" the prefill has attention context parallelism (SGLang's --enable-prefill-cp): --tp
+is CP x attention TP, and every CP rank holds the whole KV of its heads.
 
 The KV device is data (scenario "device": "cpu", the default, or "cuda"): the KV, draft and state
 tensors live there (GPU 0: ServerArgs(device=...), KVArgs.gpu_id) and their patterns are built
@@ -95,13 +97,19 @@ class Rank:
         self.mla = bool(sc.get("mla"))     # one latent "head", the same on every rank; no V
         # DP attention (scenario "<role>_dp"): tp ranks = dp x attention TP, heads split over attention TP
         self.dp = int(sc.get(f"{a.role}_dp") or 1)
-        self.attn_tp, self.attn_rank, self.dp_rank = a.tp // self.dp, tp_rank % (a.tp // self.dp), tp_rank // (a.tp // self.dp)
+        # prefill attention CP (scenario "prefill_cp"): tp ranks = dp x CP x attention TP, each CP rank
+        # holding the whole KV of its attention TP rank's heads (SGLang's default: CP rank 0 sends)
+        self.cp = int(sc.get(f"{a.role}_cp") or 1)
+        self.attn_tp = a.tp // self.dp // self.cp
+        self.attn_rank, self.cp_rank = tp_rank % self.attn_tp, tp_rank // self.attn_tp % self.cp
+        self.dp_rank = tp_rank // (self.attn_tp * self.cp)
         self.local = 1 if self.mla else self.H // self.attn_tp
         self.heads = [0] if self.mla else list(range(self.attn_rank * self.local, (self.attn_rank + 1) * self.local))
         self.num_pages = sc["num_pages"]
         self.device = kv_device(sc.get("device", "cpu"))
+        cp = {"attn_cp_size": self.cp, "enable_prefill_cp": True, "cp_strategy": "interleave"} if self.cp > 1 else {}
         sa = ServerArgs(model_path=sc["model"], tp_size=a.tp, pp_size=self.pp, dp_size=self.dp,
-                        enable_dp_attention=self.dp > 1,
+                        enable_dp_attention=self.dp > 1, **cp,
                         disaggregation_mode=a.role,
                         disaggregation_transfer_backend="kvstage", disaggregation_bootstrap_port=sc["bootstrap_port"],
                         device=self.device.type, host="127.0.0.1", port=sc["http_port"] + (0 if self.prefill else 1),
@@ -110,7 +118,7 @@ class Rank:
             sa.speculative_algorithm, sa.speculative_draft_model_path = "EAGLE", sc["draft"]["model"]
             sa.speculative_eagle_topk, sa.speculative_num_steps, sa.speculative_num_draft_tokens = 1, 1, 2
         publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=a.rank))
-        init_groups(a, self.pp, self.attn_rank, self.attn_tp, sc["gloo"] + f"-{a.role}-pp")
+        init_groups(a, self.pp, self.attn_rank, self.attn_tp, sc["gloo"] + f"-{a.role}-pp", self.cp_rank, self.cp)
         backend = TransferBackend("kvstage")
         tokens = self.num_pages * self.ps
         dev = self.device

@@ -205,13 +205,20 @@ def plain_mgr(**kw):
      "pipeline parallelism (pp_size 2) with a hybrid KV pool or state components"),
     (plain_mgr(pp_size=2, disaggregation_mode=SimpleNamespace(value="prefill")), {"kv_layer_ids": [0, 3]},
      "pipeline parallelism (pp_size 2) with a hybrid KV pool"),
-    (plain_mgr(attn_cp_size=2), {}, "context parallelism"),
+    (plain_mgr(attn_cp_size=2, disaggregation_mode=SimpleNamespace(value="decode")), {},
+     "context parallelism (attn_cp_size 2) on a decode"),
+    (plain_mgr(attn_cp_size=2, disaggregation_mode=SimpleNamespace(value="prefill"),
+               enable_all_cp_ranks_for_transfer=True), {}, "with every CP rank sending its part of the pages"),
+    (plain_mgr(attn_cp_size=2, disaggregation_mode=SimpleNamespace(value="prefill"),
+               server_args=SimpleNamespace(enable_hisparse=False, device="cuda", enable_cp_tp_group_sharing=True)),
+     {}, "CP-TP group sharing"),
     (plain_mgr(kv_shard_size=2, is_mla_backend=True), {}, "KV cache sharding (kv_shard_size 2): SGLang 0.5.23"),
     (plain_mgr(defer_decode_allocation=True), {}, "prefill_complete"),
     (plain_mgr(pp_size=2, disaggregation_mode=SimpleNamespace(value="prefill")), {"num_draft_entries": 2},
      "pipeline parallelism (pp_size 2) with speculative-decoding draft KV"),
     (plain_mgr(), {"kv_layout": "dsv4"}, "KV layout"),
-], ids=["hisparse-draft", "mem-kinds", "host-destinations-state", "host-destinations-hisparse", "decode-pp", "pp-hybrid", "cp", "kv-sharding", "prefill-complete",
+], ids=["hisparse-draft", "mem-kinds", "host-destinations-state", "host-destinations-hisparse", "decode-pp", "pp-hybrid",
+        "cp-decode", "cp-all-ranks", "cp-tp-sharing", "kv-sharding", "prefill-complete",
         "pp-draft", "kv-layout"])
 def test_features_kvstage_does_not_move_are_named_at_start(mgr, args, named):
     problems = unsupported_features(mgr, SimpleNamespace(**args))
@@ -227,6 +234,10 @@ def test_a_plain_gpu_deployment_is_not_refused():
     cpu = plain_mgr(server_args=SimpleNamespace(enable_hisparse=False, device="cpu"))
     assert unsupported_features(cpu, SimpleNamespace(kv_data_mem_kinds=["DRAM"] * 4)) == []
     assert unsupported_features(plain_mgr(), SimpleNamespace(num_draft_entries=2)) == []   # speculative decoding
+    # prefill CP where CP rank 0 sends (SGLang's default): the other CP ranks are dummy senders
+    cp_prefill = plain_mgr(attn_cp_size=2, disaggregation_mode=SimpleNamespace(value="prefill"),
+                           enable_all_cp_ranks_for_transfer=False)
+    assert unsupported_features(cp_prefill, SimpleNamespace()) == []
 
 
 def test_hisparse_and_host_destinations_are_destinations_like_any_other():
