@@ -203,9 +203,11 @@ def run_kvstage(a, transport: str, P: int, D: int, staged: bool, rooms: list[dic
 
 def run_ranks(a, transport: str, P: int, D: int, staged: bool, rooms: list[dict], geom: dict,
               contiguous: bool = False, timeout: float = 900, verify: list | None = None,
-              extra: dict | None = None) -> tuple[list, list]:
+              extra: dict | None = None, prefill_extra: dict | None = None,
+              decode_extra: dict | None = None) -> tuple[list, list]:
     """One cluster; every prefill and every decode rank's result (room records, stats), each
-    room checked to have succeeded."""
+    room checked to have succeeded. `prefill_extra` / `decode_extra`: more spec keys for one
+    side's ranks only (e.g. its own room specs, a DCP size)."""
     kind, env = TRANSPORTS[transport]
     bench = {"mode": "throughput", "verify": verify if verify is not None else []}
     common = {"backend": kind, "staging": staged, "geometry": geom, "rooms": rooms, "ring_mb": a.ring_mb,
@@ -216,9 +218,10 @@ def run_ranks(a, transport: str, P: int, D: int, staged: bool, rooms: list[dict]
     common.update(extra or {})
     with Cluster(env=env) as cl:
         common["barrier"] = cl.barrier(P + D, timeout_s=timeout)
-        pre = [cl.launch([{**common, "role": "prefill", "engine": "pf", "rank": r, "tp": P}], f"p{r}") for r in range(P)]
-        dec = [cl.launch([{**common, "role": "decode", "engine": "dc", "peer_engine": "pf", "rank": r, "tp": D}],
-                         f"d{r}") for r in range(D)]
+        pre = [cl.launch([{**common, **(prefill_extra or {}), "role": "prefill", "engine": "pf", "rank": r, "tp": P}],
+                         f"p{r}") for r in range(P)]
+        dec = [cl.launch([{**common, **(decode_extra or {}), "role": "decode", "engine": "dc", "peer_engine": "pf",
+                           "rank": r, "tp": D}], f"d{r}") for r in range(D)]
         cl.wait(timeout + 120)
         bad = []
         for p in pre + dec:
