@@ -607,8 +607,14 @@ def send_layers(h, r: dict, st: dict, n: int, num_chunks: int) -> bool:
         # this rank's tensors: K of each of its (stage's) layers, then V of each
         held = len(stage)
         only = [kv * held + layer - stage.start for kv in range(st["pattern"].layout.num_kv) for layer in range(a, b)]
-        fill = functools.partial(st["pattern"].fill, st["tensors"], r.get("pattern_key", r["room"]), pages,
-                                 st["sent"], only)
+        lay = st["pattern"].layout
+        if lay.page_shards > 1:   # sharded pages: the positions whose page this rank holds
+            mine = np.flatnonzero(pages % lay.page_shards == lay.tp_rank)
+            fill = functools.partial(st["pattern"].fill, st["tensors"], r.get("pattern_key", r["room"]),
+                                     pages[mine] // lay.page_shards, only=only, positions=st["sent"] + mine)
+        else:
+            fill = functools.partial(st["pattern"].fill, st["tensors"], r.get("pattern_key", r["room"]), pages,
+                                     st["sent"], only)
     final = i == len(sends) - 1 and st["chunk"] == num_chunks - 1
     extra = {"pool_items": st["items"]} if final and r.get("pool_items_with_last") else {}
     if final:

@@ -2,7 +2,7 @@
 prefill engine of TP 2 that shards an MLA model's pages (logical page l on rank l % 2 at local page
 l // 2, transfer/protocol/page_shards.py) -> a decode engine of TP 2. Every decode rank takes every
 page of each request from whichever prefill rank owns it, bit-exact, with prefix hits, uneven
-chunks and each request's aux row (a pool item, carried by the owner of the last page), every
+chunks, layer-wise sends and each request's aux row (a pool item, carried by the owner of the last page), every
 write's digest checked where it landed (EngineConfig(verify=True)); a room whose tags one writer
 rewrites fails on both sides (its landed bytes' digest, or its tag, disagrees) while the others
 succeed; a decode
@@ -28,6 +28,17 @@ def sharded_case(backend: str, base: int) -> tuple[Case, int]:
                 rank_extra={("prefill", 1): {"faults": {"corrupt_rooms": [bad]}}}), bad
 
 
+def layerwise_case(backend: str, base: int) -> Case:
+    """The same shape sent layer-wise: each chunk as layers [0, 1) then [1, 3), each send with its
+    readiness object (the layers filled once it is waited on), an aux row with the last."""
+    rooms = random_rooms(base, 6, 4, max_tokens=120, base=base)
+    for r in rooms:
+        r["layer_sends"], r["pool_items"] = [[0, 1], [1, 3]], {"aux": 1}
+    return Case(topo=Topo(P=2, D=2, H=1, mla=True), page_size=4, dtype="bfloat16", backend=backend, rooms=rooms,
+                layers=3, head_dim=16, pages=256, label="shards-layerwise", prefill_extra={"shards": 2},
+                pools={"aux": LAYERED_AUX})
+
+
 def refused_case(backend: str, base: int) -> Case:
     return Case(topo=Topo(P=2, D=1, H=1, mla=True), page_size=4, dtype="bfloat16", backend=backend,
                 rooms=random_rooms(base, 3, 4, 60, base), layers=2, head_dim=16, pages=64, label="shards-d1",
@@ -38,9 +49,11 @@ def refused_case(backend: str, base: int) -> Case:
 @pytest.mark.parametrize("backend", ["nixl", "mooncake"])
 def test_a_sharded_prefill_moves_every_page_to_each_decode_rank_and_an_unserved_pairing_fails_on_both_sides(backend):
     (moved, corrupt), refused = sharded_case(backend, 4100), refused_case(backend, 4200)
-    results, codes, logs, _ = run_cases([moved, refused], timeout=120)
+    layerwise = layerwise_case(backend, 4300)
+    results, codes, logs, _ = run_cases([moved, refused, layerwise], timeout=120)
     good = {moved.name: {side: [{**res, "rooms": [r for r in res["rooms"] if r["room"] != corrupt]}
-                                for res in ranks] for side, ranks in results[moved.name].items()}}
+                                for res in ranks] for side, ranks in results[moved.name].items()},
+            layerwise.name: results[layerwise.name]}
     bad = problems(good, codes, logs)
     assert not bad, "\n".join(bad[:10])
     writers = set()
@@ -59,6 +72,10 @@ def test_a_sharded_prefill_moves_every_page_to_each_decode_rank_and_an_unserved_
                 writers.add((res["name"], rec["metrics"]["backend_writes"] > 0))
     # both prefill ranks wrote: each owns some pages of the requests
     assert {w for w in writers if w[1]} and len({n for n, wrote in writers if wrote}) == 2, writers
+    for _c, side, res in each_rank([layerwise], results):   # every layer of every page, from its owner
+        assert len(res["rooms"]) == 6 and all(rec["state"] == "Success" for rec in res["rooms"]), (side, res)
+        if side == "decode":   # (problems() above checked every byte of these rooms)
+            assert all(rec["verified"] is True for rec in res["rooms"]), res
     for c, side, res in each_rank([refused], results):
         assert len(res["rooms"]) == 3, (c.name, side, res)
         for rec in res["rooms"]:
