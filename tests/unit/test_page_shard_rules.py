@@ -199,6 +199,16 @@ def test_the_shared_tracker_is_complete_only_once_every_layer_of_every_page_land
     assert t.complete and t.pages_done == 6
 
 
+def test_a_decode_rank_that_would_shard_its_pages_fails_before_anything_starts():
+    from kvstage.transfer.config import EngineConfig
+    from kvstage.transfer.engine.manager import KVManager
+    lay = KVLayout(num_layers=2, total_kv_heads=1, head_dim=8, dtype=torch.bfloat16, page_size=4, tp_size=2,
+                   tp_rank=0, mla=True, page_shards=2)
+    cfg = EngineConfig(role="decode", engine_id="e", bootstrap="127.0.0.1:1", staging=False)
+    with pytest.raises(ValueError, match="page_shards=2 on a decode rank"):
+        KVManager(cfg, lay, None)   # type: ignore[arg-type] - refused before the buffers are looked at
+
+
 def test_a_sharded_rank_takes_replicated_pools_and_refuses_pools_split_by_heads():
     lay = KVLayout(num_layers=2, total_kv_heads=1, head_dim=8, dtype=torch.bfloat16, page_size=4, tp_size=2,
                    tp_rank=0, mla=True, page_shards=2)

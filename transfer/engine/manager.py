@@ -67,6 +67,9 @@ class KVManager:
         if self.config.path == PathMode.STAGED and layout.mla:
             raise ValueError("path='staged' (EngineConfig.path / KVSTAGE_PATH) cannot be used with an MLA model: "
                              "its latent is replicated and moves as whole pages on the direct path")
+        if self.config.role == Role.DECODE and layout.page_shards > 1:
+            raise ValueError(f"page_shards={layout.page_shards} on a decode rank: KV page sharding is a prefill's "
+                             f"(SGLang shards prefill engines only); a decode takes every page whole")
         self.layout = layout
         self.buffers = buffers.validate(layout)
         self.num_pages = buffers.num_pages
