@@ -65,9 +65,9 @@ def direct_writes(w: ChunkWrites, *, dst_pages: np.ndarray, ranges_per_page: int
     out: list[WriteOp] = []
     for part, lo in enumerate(range(0, chunk.pages.size, step)):
         pages = chunk.pages[lo:lo + step]
-        start = chunk.page_start + lo
-        dst = dst_pages[start:start + pages.size]
-        ends = start + pages.size == w.pools_at
+        start, span = chunk.page_start + lo, int(pages.size)   # the part's positions (a mask may hold fewer)
+        dst = dst_pages[start:start + span]
+        ends = start + span == w.pools_at
         mask = b""
         if shard is not None:
             mine = owned(pages, *shard)
@@ -81,7 +81,7 @@ def direct_writes(w: ChunkWrites, *, dst_pages: np.ndarray, ranges_per_page: int
             copies = pools()
             nbytes += block_bytes(copies)
         tag = w._tag(TagKind.DIRECT, chunk=w.wire, piece=part, page_start=start,
-                     num_pages=int(chunk.pages[lo:lo + step].size), nbytes=nbytes, epoch=w.peer.incarnation,
+                     num_pages=span, nbytes=nbytes, epoch=w.peer.incarnation,
                      pages_mask=mask)
         out.append(WriteOp(op_id=next(op_ids), room=w.room, peer=w.peer, staged=False, chunk=w.wire, piece=part,
                            src_pages=pages, dst_pages=dst, src_heads=a.src_heads,
