@@ -21,6 +21,10 @@ control thread): the worker is not woken for it. Watermark waits happen before a
 (the control thread only hands out pieces whose ring region is free), so a worker never blocks on
 the decode side; it blocks only while its buffer has no part free.
 
+A relayout (decode context parallel, token_mapping.Relayout) is a job like the others: its
+`pages` are pool slots (`page_tokens` 1) and its write lands as the decode rank's runs of slots
+(`dst_rows`) instead of one part of a ring.
+
 ## Decode: the scatter thread
 
 The decode scatter thread copies landed ring pieces into the paged KV cache, off the
@@ -81,6 +85,10 @@ class GatherJob:
     on_posted: Callable[[], object] | None = None   # runs on the backend's owner as it takes the write
     seal: Callable[[int], bytes] | None = None   # verify: the tag carrying the gathered bytes' digest
     ready: tuple[object, ...] = ()   # the caller's readiness objects: synchronize()d before the gather
+    page_tokens: int | None = None   # tokens an entry of `pages` holds: None, the cache's page size; 1 when
+                                     # `pages` are pool slots (a relayout, token_mapping.Relayout)
+    dst_rows: np.ndarray | None = None   # N x 3 (address, length, device): where the gathered bytes land, in
+                                         # order (a relayout); None: one contiguous part at `dst_addr`
 
 
 # submit(peer, src, dst, tag, on_done, dst_kind=kind) posts one write on the backend's thread
@@ -218,7 +226,7 @@ class TransferWorkers:
                     at = space.take(job.nbytes)   # waits while the writes in flight fill the buffer
                 part = buf.tensor[at: at + job.nbytes]
                 # a host page list: validated, indexed and uploaded once per room and list (PlanCache)
-                n = gatherer.gather(k, v, job.pages, self._page_size, job.heads, part, room=room)
+                n = gatherer.gather(k, v, job.pages, job.page_tokens or self._page_size, job.heads, part, room=room)
                 if job.pools:
                     n += gather_pools(self._pools, job.pools, part, n)
                 t_queued = time.perf_counter()
@@ -242,7 +250,10 @@ class TransferWorkers:
                 space.give(taken)   # the backend has let go of the part
                 report(op_id, room, ok, reason, gather_s, tag)
 
-            src, dst = write_rows(buf.addr + at, buf.device, job.dst_addr, job.dst_device, job.nbytes, self._range)
+            if job.dst_rows is None:
+                src, dst = write_rows(buf.addr + at, buf.device, job.dst_addr, job.dst_device, job.nbytes, self._range)
+            else:
+                src, dst = spread_rows(buf.addr + at, buf.device, job.dst_rows), job.dst_rows
             try:
                 self._submit(job.peer, src, dst, tag, on_done, job.on_posted, dst_kind=job.dst_kind, room=room)
             except Exception as exc:  # noqa: BLE001 - not posted (the engine is stopping): its room fails
@@ -282,6 +293,17 @@ def write_rows(src_addr: int, src_device: int, dst_addr: int, dst_device: int, n
     src = np.stack([np.uint64(src_addr) + offsets, sizes, np.full_like(offsets, src_device)], axis=1)
     dst = np.stack([np.uint64(dst_addr) + offsets, sizes, np.full_like(offsets, dst_device)], axis=1)
     return src, dst
+
+
+def spread_rows(src_addr: int, src_device: int, dst_rows: np.ndarray) -> np.ndarray:
+    """The source rows of a write from `src_addr` on whose bytes land as `dst_rows` (N x 3:
+    address, length, device), in order: the same lengths, back to back."""
+    lengths = dst_rows[:, 1]
+    src = np.empty_like(dst_rows)
+    src[:, 0] = np.uint64(src_addr) + np.cumsum(lengths) - lengths
+    src[:, 1] = lengths
+    src[:, 2] = src_device
+    return src
 
 
 def _reported_on_completion() -> None:

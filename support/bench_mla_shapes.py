@@ -1,7 +1,9 @@
 """What decode context parallel and KV page sharding cost: one MLA request of the same tokens
 moved as a plain prefill TP 2 -> decode TP 2 (each decode rank written by one prefill rank), as
-prefill TP 2 -> decode TP 2 with DCP 2 (each decode rank takes every other token, one range per
-token and layer, docs/protocol.md "Decode context parallel"), and from a prefill TP 2 that shards
+prefill TP 2 -> decode TP 2 with DCP 2 (each decode rank takes every other token, docs/protocol.md
+"Decode context parallel"): gathered into the prefill's staging buffers and written as runs of
+decode slots (`dcp`, the relayout) or, staging off, one range per token and layer from the cache
+(`dcp-runs`), and from a prefill TP 2 that shards
 its pages (each decode rank written by both prefill ranks, each the pages it owns, "KV page
 sharding"). The shapes run in alternated rounds (plain, DCP, sharded, then the reverse), each
 round a fresh cluster of real rank processes over the real backend, one request in flight; the
@@ -38,6 +40,7 @@ class Shape:
     name: str
     prefill: dict
     decode: dict
+    staging: bool = True   # the prefill ranks' staging buffers: what a DCP split is gathered into
 
     @property
     def dcp(self) -> int:
@@ -46,6 +49,7 @@ class Shape:
 
 SHAPES = (Shape(name="plain", prefill={}, decode={}),
           Shape(name="dcp", prefill={}, decode={"dcp": 2}),
+          Shape(name="dcp-runs", prefill={}, decode={"dcp": 2}, staging=False),
           Shape(name="sharded", prefill={"shards": 2}, decode={}))
 
 
@@ -93,12 +97,15 @@ def one_round(a: argparse.Namespace, shape: Shape, base: int) -> dict[str, Any]:
     geom = {"layers": a.layers, "heads": 1, "head_dim": a.head_dim, "dtype": "bfloat16", "page_size": a.page_size,
             "pages": pages, "mla": True}
     ns = argparse.Namespace(ring_mb=64, buffer_mb=64, device="cpu")   # MiB; an MLA request moves direct
-    pre, _dec = run_ranks(ns, a.transport, 2, 2, False, pre_rooms, geom, verify=[base],
+    pre, _dec = run_ranks(ns, a.transport, 2, 2, shape.staging, pre_rooms, geom, verify=[base],
+                          extra={"path": "auto"},   # MLA moves direct; staging on gives the prefill its buffers
                           prefill_extra={**shape.prefill, "rooms": pre_rooms},
                           decode_extra={**shape.decode, "rooms": dec_rooms})
     recs = sorted(pre[0]["rooms"], key=lambda r: r["room"])
     seconds = [r["end"] - r["t_send"] for r in recs if r["room"] != base]
-    return {"shape": shape.name, "seconds": seconds, "median_s": statistics.median(seconds)}
+    relayouts = sum(int(p["stats"].get("relayout_writes", 0)) for p in pre)
+    return {"shape": shape.name, "seconds": seconds, "median_s": statistics.median(seconds),
+            "relayout_writes": relayouts}
 
 
 def run(a: argparse.Namespace) -> dict[str, Any]:

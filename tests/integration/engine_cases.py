@@ -186,3 +186,18 @@ def problems(results: dict, codes: list, logs: dict, expect_success: bool = True
             elif "Traceback" in text or "ERROR" in text:
                 bad.append(f"--- {name}\n{text[-3000:]}")
     return bad
+
+
+def corrupt_rooms(name: str, dec: dict) -> set[int]:
+    """A decode rank's rooms under the corrupt_data fault with verify on: each Failed as
+    `corrupt` with the digests named, or Success and bit-exact; the failed ones exactly those a
+    byte was flipped in (no miss, no false alarm). Returns them."""
+    assert not dec.get("error"), dec.get("traceback")
+    failed = {r["room"] for r in dec["rooms"] if r["state"] == "Failed"}
+    for r in dec["rooms"]:
+        if r["state"] == "Failed":
+            assert r["kind"] == "corrupt" and "digest" in r["failure"], (name, r)
+        else:
+            assert r["state"] == "Success" and r["verified"] is True, (name, r)
+    assert set(dec["corrupted_rooms"]) == failed, (name, dec["corrupted_rooms"], failed)
+    return failed

@@ -1,5 +1,5 @@
-"""examples/bench_mla_shapes.py in its smallest configuration, so it cannot rot: the three MLA
-shapes (plain, DCP 2, sharded prefill) in two alternated rounds of real rank processes over real
+"""examples/bench_mla_shapes.py in its smallest configuration, so it cannot rot: the four MLA
+shapes (plain, DCP 2 relayouted and as token runs, sharded prefill) in two alternated rounds of real rank processes over real
 NIXL, each round's first request verified bit-exact on every decode rank (the run fails
 otherwise). No figure is checked; what is checked is the rounds' order and that every shape has
 a figure and a ratio to the plain one."""
@@ -17,10 +17,15 @@ def test_the_shapes_run_in_alternated_rounds_and_each_gets_a_ratio_to_plain(tmp_
                                               "--json", str(out)], timeout=300)
     assert res.returncode == 0, res.stdout[-4000:]
     rounds = [line.split()[:3] for line in res.stdout.splitlines() if line.startswith("round ")]
-    assert rounds == [["round", "0", "plain"], ["round", "0", "dcp"], ["round", "0", "sharded"],
-                      ["round", "1", "sharded"], ["round", "1", "dcp"], ["round", "1", "plain"]]
+    assert rounds == [["round", "0", "plain"], ["round", "0", "dcp"], ["round", "0", "dcp-runs"],
+                      ["round", "0", "sharded"], ["round", "1", "sharded"], ["round", "1", "dcp-runs"],
+                      ["round", "1", "dcp"], ["round", "1", "plain"]]
     data = json.loads(out.read_text())
-    assert sorted(data["summary"]) == ["dcp", "plain", "sharded"]
+    assert sorted(data["summary"]) == ["dcp", "dcp-runs", "plain", "sharded"]
+    # the dcp shape's three requests go through the staging buffers, two writes each (one per
+    # decode rank); the token runs' shape, with staging off, gathers none
+    assert {r["shape"]: r["relayout_writes"] for r in data["rounds"]} == {
+        "plain": 0, "dcp": 6, "dcp-runs": 0, "sharded": 0}
     assert data["summary"]["plain"]["ratio_to_plain"] == 1.0
     assert all(len(s["round_ratios"]) == 2 and s["median_ms"] > 0 for s in data["summary"].values())
     assert all(len(r["seconds"]) == 2 for r in data["rounds"])

@@ -45,6 +45,7 @@ from kvstage.transfer.protocol.messages import (
     WriterDone,
 )
 from kvstage.transfer.protocol.pieces import max_piece_pages
+from kvstage.transfer.protocol.prefill.chunk_writes import WriteLimits
 from kvstage.transfer.protocol.prefill.layer_sends import PER_CHUNK, LayerGrouping
 from kvstage.transfer.protocol.prefill.room import PrefillRoom
 from kvstage.transfer.protocol.ring import RemoteWatermark, RingAllocator, Watermark
@@ -205,7 +206,7 @@ class World:
                 now=self.now,
                 timeouts=self.timeouts,
                 op_ids=self.op_ids,
-                max_ranges=self.max_ranges,
+                limits=WriteLimits(max_ranges=self.max_ranges),
                 grouping=self.grouping,
             )
             self.status_p[(p, room)] = KVPoll.Bootstrapping

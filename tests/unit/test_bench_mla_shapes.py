@@ -9,11 +9,14 @@ from kvstage.support.bench_mla_shapes import SHAPES, parse, rooms_for, summarize
 
 def test_the_rooms_of_a_dcp_round_name_their_tokens_and_the_decode_holds_its_local_pages():
     a = parse(["--tokens", "100", "--page-size", "16", "--requests", "2"])
-    plain, dcp, sharded = SHAPES
-    pre, dec = rooms_for(a, dcp, 500)
-    assert [r["room"] for r in pre] == [500, 501, 502] == [r["room"] for r in dec]
-    assert {r["pages"] for r in pre} == {7} and {r["pages"] for r in dec} == {4}   # ceil(100 / 32) virtual pages
-    assert all(r["dcp_tokens"] == 100 for r in pre + dec)
+    shapes = {s.name: s for s in SHAPES}
+    plain, sharded = shapes["plain"], shapes["sharded"]
+    for dcp in (shapes["dcp"], shapes["dcp-runs"]):
+        pre, dec = rooms_for(a, dcp, 500)
+        assert [r["room"] for r in pre] == [500, 501, 502] == [r["room"] for r in dec]
+        assert {r["pages"] for r in pre} == {7} and {r["pages"] for r in dec} == {4}   # ceil(100 / 32) virtual pages
+        assert all(r["dcp_tokens"] == 100 for r in pre + dec)
+    assert [s.name for s in SHAPES if not s.staging] == ["dcp-runs"]   # the token runs, with no buffer to gather into
     for shape in (plain, sharded):
         pre, dec = rooms_for(a, shape, 0)
         assert all(r["pages"] == 7 and "dcp_tokens" not in r for r in pre + dec)

@@ -20,6 +20,7 @@ from kvstage.transfer.pool_spec import PoolSpec
 from kvstage.transfer.protocol.actions import PeerKey, PostWrite, Send
 from kvstage.transfer.protocol.hello_admission import PrefillFacts, admit_hello
 from kvstage.transfer.protocol.messages import Hello, KVMemory, RoomMeta, peer_codec
+from kvstage.transfer.protocol.prefill.chunk_writes import WriteLimits
 from kvstage.transfer.protocol.prefill.room import PrefillRoom
 from kvstage.transfer.protocol.token_mapping import DCPLayout, check_dcp_rank, engine_refusal
 from kvstage.wire import WIRE_VERSION
@@ -349,7 +350,7 @@ def test_a_dcp_write_over_the_descriptor_cap_goes_in_layer_groups_the_tracker_ad
     from kvstage.transfer.protocol.decode.tracker import Outcome, RoomTracker
 
     r = PrefillRoom(room=7, num_pages=4, layout=mla(tp=1), me=1000, now=0.0, timeouts=Timeouts(metadata=50),
-                    op_ids=itertools.count(1), num_tokens=7, max_ranges=4)   # 4 runs a layer: one layer a write
+                    op_ids=itertools.count(1), num_tokens=7, limits=WriteLimits(max_ranges=4))   # 4 runs a layer: one layer a write
     d0, d1 = PeerKey("dec", 0, 2000), PeerKey("dec", 1, 2001)
     r.add_meta(d0, 2, dcp_meta(d0, [3, 4]), 1.0, dcp=lay(2))
     r.add_meta(d1, 2, dcp_meta(d1, [5, 9]), 1.0, dcp=lay(2))
@@ -376,7 +377,7 @@ def test_pool_items_ride_with_each_decode_dcp_ranks_last_write_and_a_rank_owning
     from kvstage.transfer.protocol.decode.tracker import Outcome, RoomTracker
 
     r = PrefillRoom(room=7, num_pages=4, layout=mla(tp=1), me=1000, now=0.0, timeouts=Timeouts(metadata=50),
-                    op_ids=itertools.count(1), num_tokens=7, max_ranges=4, pools=(AUX,), pool_items={"aux": np.array([9])})
+                    op_ids=itertools.count(1), num_tokens=7, limits=WriteLimits(max_ranges=4), pools=(AUX,), pool_items={"aux": np.array([9])})
     d0, d1 = PeerKey("dec", 0, 2000), PeerKey("dec", 1, 2001)
     r.add_meta(d0, 2, aux_meta(d0, [3, 4], 5), 1.0, dcp=lay(2))
     r.add_meta(d1, 2, aux_meta(d1, [5, 9], 6), 1.0, dcp=lay(2))
@@ -445,3 +446,70 @@ def test_equal_dcp_a_prefill_rank_told_of_a_room_it_does_not_write_only_takes_no
     acts += r.add_chunk(np.array([4, 5, 7]), True, 2.0)
     assert r.state is not KVPoll.Failed, r.failure
     assert not [a for a in acts if isinstance(a, PostWrite)]
+
+
+# -- the relayout: a split's tokens gathered into a staging buffer, written as the decode's runs --
+
+def relayout_room(relayout_bytes: int, **kw) -> PrefillRoom:
+    """7 tokens (pages of 2, one 8-byte latent a token and layer: 8 bytes a token a layer) from
+    prefill DCP 1 -> decode DCP 2; decode rank 0's pages 3, 4 are consecutive, rank 1's 5, 9
+    are not."""
+    return PrefillRoom(room=7, num_pages=4, layout=mla(tp=1), me=1000, now=0.0, timeouts=Timeouts(metadata=50),
+                       op_ids=itertools.count(1), num_tokens=7, limits=WriteLimits(relayout_bytes=relayout_bytes), **kw)
+
+
+def relayout_ops(r: PrefillRoom, pools: bool = False) -> dict[int, list]:
+    d0, d1 = PeerKey("dec", 0, 2000), PeerKey("dec", 1, 2001)
+    r.add_meta(d0, 2, aux_meta(d0, [3, 4], 5) if pools else dcp_meta(d0, [3, 4]), 1.0, dcp=lay(2))
+    r.add_meta(d1, 2, aux_meta(d1, [5, 9], 6) if pools else dcp_meta(d1, [5, 9]), 1.0, dcp=lay(2))
+    ops = [a.op for a in r.add_chunk(np.arange(10, 14), True, 2.0) if isinstance(a, PostWrite)]
+    assert r.state is not KVPoll.Failed, r.failure
+    return {d: [op for op in ops if op.peer.tp_rank == d] for d in (0, 1)}
+
+
+def test_a_split_with_staging_buffers_gathers_each_ranks_tokens_and_writes_the_decodes_slot_runs():
+    """Rank 0's four tokens (prefill slots 20, 22, 24, 26: four runs of one) land in one run of
+    decode slots 6..9; rank 1's three (21, 23, 25) in slots 10, 11 and 18 (two runs). Both layers
+    fit a 64-byte buffer: one write each, with the tag and bytes the direct runs' write has."""
+    ops = relayout_ops(relayout_room(64))
+    plain = relayout_ops(relayout_room(0))
+    for d, (want_src, want_dst, want_len) in {0: ([20, 22, 24, 26], [6], [4]), 1: ([21, 23, 25], [10, 18], [2, 1])}.items():
+        (op,) = ops[d]
+        (ref,) = plain[d]
+        moves = op.relayout
+        assert moves is not None and ref.relayout is None
+        assert ([int(x) for x in moves.src_slots], [int(x) for x in moves.dst_slot], [int(x) for x in moves.length]) \
+            == (want_src, want_dst, want_len)
+        assert (op.layers, op.nbytes, op.tag) == (ref.layers, ref.nbytes, ref.tag)
+        assert all(np.array_equal(a, b) for a, b in zip(op.token_runs, ref.token_runs, strict=True))
+
+
+def test_a_relayout_write_holds_the_layers_its_buffer_holds_and_a_layer_too_big_goes_as_direct_runs():
+    """32 bytes a layer for rank 0, 24 for rank 1: a 40-byte buffer holds one layer (two writes
+    each, numbered as chunks as the descriptor cap's groups are); a 30-byte one holds rank 1's
+    layer but not rank 0's, whose writes go as direct runs; the last write carries the aux item,
+    whose 24 bytes count against the buffer too."""
+    ops = relayout_ops(relayout_room(40))
+    assert [(op.layers, op.chunk, op.relayout is not None) for op in ops[0]] == [
+        (range(0, 1), 0, True), (range(1, 2), 1, True)]
+    ops = relayout_ops(relayout_room(30))
+    assert [op.relayout is not None for op in ops[0]] == [False]
+    assert [(op.layers, op.relayout is not None) for op in ops[1]] == [(range(0, 1), True), (range(1, 2), True)]
+    ops = relayout_ops(relayout_room(40 + 24, pools=(AUX,), pool_items={"aux": np.array([9])}), pools=True)
+    assert [(op.layers, op.nbytes, len(op.pools), op.relayout is not None) for op in ops[0]] == [
+        (range(0, 1), 32, 0, True), (range(1, 2), 56, 1, True)]
+
+
+def test_runs_that_already_are_pages_and_a_lone_token_are_not_relayouted():
+    """Equal DCP (slot for slot: runs of pages on both sides) and a one-token flow gain nothing
+    from a gather: they go as direct runs whatever the buffers."""
+    from kvstage.transfer.protocol.token_mapping import build_pair, worth_relayout
+
+    equal = build_pair(prefill=lay(2), decode=lay(2), num_tokens=9, prefix=0, src_pages=(4, 5, 7),
+                       dst_pages=(6, 2, 8), decode_rank=1)
+    lone = build_pair(prefill=lay(1), decode=lay(2), num_tokens=1, prefix=0, src_pages=(5,), dst_pages=(0,),
+                      decode_rank=0)
+    split = build_pair(prefill=lay(1), decode=lay(2), num_tokens=7, prefix=0, src_pages=(10, 11, 12, 13),
+                       dst_pages=(3, 4), decode_rank=0)
+    assert worth_relayout(equal) is None and worth_relayout(lone) is None
+    assert worth_relayout(split) is not None

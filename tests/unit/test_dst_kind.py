@@ -2,13 +2,16 @@
 
 NIXL describes the destination of a write with a memory kind; a CPU -> GPU write described as
 DRAM is rejected. These tests record what arrives at the Backend interface: from BackendOwner,
-FaultyBackend, the transfer workers (staged) and the engine's write queue (direct and staged).
+FaultyBackend, the transfer workers (staged) and the engine's write queue (direct, staged, and a
+decode context parallel write relayouted through a staging buffer); and a write the queue cannot
+build fails its op rather than staying in flight.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -222,7 +225,7 @@ def _queue(peer) -> WriteQueue:
         me=1, peers={11: peer}, book=book, write_timeout=5.0, watermark_timeout=5.0, stats=Stats(),
         backend=RecordingOwner(), staging=SimpleNamespace(region_free=lambda inc, start, n: True),
         tags=SimpleNamespace(encode=lambda tag: tag),
-        integrity=SimpleNamespace(direct_tags=lambda op, groups: [op.tag] * groups, sealer=lambda tag: None),
+        integrity=SimpleNamespace(direct_tags=lambda op, groups=1: [op.tag] * groups, sealer=lambda tag: None),
         observer=None, post=lambda ev: None, geometry=geo,
         layout=SimpleNamespace(page_size=2, head_bytes=16, num_kv=2, layers=range(1), local=lambda layers: layers),
         buffers=SimpleNamespace(kind="DRAM", pools={}), workers=workers)
@@ -246,3 +249,40 @@ def test_staged_job_carries_the_peer_ring_mem_kind():
     q = _queue(_peer())
     q.post(_op(staged=True), time.monotonic())
     assert [(j.peer, j.dst_device, j.dst_kind) for j in q.workers.jobs] == [("decode-0", 1, "VRAM")]
+
+
+def test_a_relayout_job_gathers_pool_slots_and_lands_as_the_peers_slot_runs_in_its_kv_mem_kind():
+    """A DCP write with a relayout (token_mapping.Relayout): prefill slots 0, 2, 4 gathered at
+    page size 1 and landed as decode slots 1..3 of K then V (one run, 48 bytes a tensor), in the
+    peer's KV memory kind, with the tag integrity gives the direct write."""
+    from kvstage.transfer.protocol.token_mapping import Relayout
+
+    q = _queue(_peer())
+    moves = Relayout(src_slots=np.array([0, 2, 4]), dst_slot=np.array([1]), length=np.array([3]))
+    q.post(replace(_op(staged=False), nbytes=96, relayout=moves, token_runs=(np.array([0, 2, 4]), np.array([1, 2, 3]),
+                                                                            np.ones(3, dtype=np.int64))),
+           time.monotonic())
+    (job,) = q.workers.jobs
+    assert q.backend.kinds == []   # nothing written from the cache itself
+    assert (job.page_tokens, [int(s) for s in job.pages], job.nbytes, job.dst_kind, job.tag) == (1, [0, 2, 4], 96,
+                                                                                                  "VRAM", b"tag")
+    assert job.dst_rows.tolist() == [[(1 << 22) + 16, 48, 1], [(1 << 23) + 16, 48, 1]]
+
+
+def test_a_write_that_cannot_be_built_fails_its_op_with_the_reason_and_is_never_posted():
+    """A bug while building a direct write (here: its tags) must not leave the op in flight, where
+    its room would wait for it forever and never be released: the op completes failed, naming
+    the exception."""
+    done: list = []
+    room = SimpleNamespace(state=None, on_write_done=lambda op_id, ok, reason, now, tags: done.append((op_id, ok, reason)))
+    q = _queue(_peer())
+    q.book = SimpleNamespace(get={7: room}.get, status={}, apply=lambda room, actions: None)
+
+    def broken(op, groups=1):
+        raise ValueError("gather: out has 96 bytes, the region needs 256")
+
+    q.integrity = SimpleNamespace(direct_tags=broken)
+    q.post(_op(staged=False), time.monotonic())
+    assert done == [(1, False, "its write could not be built: ValueError: gather: out has 96 bytes, the region "
+                               "needs 256")]
+    assert q.backend.kinds == [] and q.deadlines.expired(time.monotonic() + 60) == []

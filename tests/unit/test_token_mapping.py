@@ -283,8 +283,9 @@ def test_bad_requests_raise_naming_both_layouts(kw, match):
 @settings(max_examples=60, deadline=None)
 @given(requests(), st.booleans())
 def test_simulated_copy_is_bit_exact(req, staged):
-    """Apply the runs (direct) or the gather + piece runs (staged) to numpy pools; every decode
-    slot holds its token's bytes as SGLang's rule places them, and nothing else changed."""
+    """Apply the runs (direct) or the relayout (staged: the tokens gathered in piece order, then
+    landed as the destination runs) to numpy pools; every decode slot holds its token's bytes
+    as SGLang's rule places them, and nothing else changed."""
     rng = np.random.default_rng(0)
     ps, n, pn = req["decode"].page_size, req["decode"].dcp_size, req["prefill"].dcp_size
     width = 5  # bytes per token (one layer's latent, say)
@@ -299,15 +300,14 @@ def test_simulated_copy_is_bit_exact(req, staged):
     m = build_token_mapping(**req)
     for pair in m.pairs:
         src, dst = src_pools[pair.prefill_rank], dst_pools[pair.decode_rank]
-        if staged:
-            piece = np.concatenate(
-                [src[s : s + k] for s, k in zip(pair.src_slot, pair.length, strict=True)]
-                or [np.empty((0, width), np.uint8)]
-            )
-            assert len(piece) == pair.num_tokens
-            for r in pair.piece_runs:
-                at = r.dst_page * ps + r.dst_offset
-                dst[at : at + r.length] = piece[r.piece_offset : r.piece_offset + r.length]
+        if staged:   # the relayout: gathered slot by slot, landed run after run in order
+            moves = pair.relayout()
+            piece = src[moves.src_slots]
+            assert len(piece) == pair.num_tokens == int(moves.length.sum())
+            at = 0
+            for d, k in zip(moves.dst_slot, moves.length, strict=True):
+                dst[d : d + k] = piece[at : at + k]
+                at += k
         else:
             for s, d, k in zip(pair.src_slot, pair.dst_slot, pair.length, strict=True):
                 dst[d : d + k] = src[s : s + k]

@@ -364,3 +364,15 @@ def test_cpu_workers_do_not_import_triton():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("head_dim", [576, 72])
+def test_a_relayout_gathers_pool_slots_of_a_paged_mla_cache_token_by_token(head_dim):
+    """A DCP relayout (token_mapping.Relayout) gathers pool slots of a cache of 16-token pages at
+    page size 1: every other token of three scattered pages, in order, as the tokens themselves
+    (both kernels, bit-exact)."""
+    k, _ = make_cache(3, False, 8, 16, 1, head_dim, torch.bfloat16, head_dim)
+    slots = np.concatenate([np.arange(p * 16, p * 16 + 16, 2) for p in (5, 1, 6)])
+    region = check_gather(k, None, slots, 1, (0, 1))
+    want = torch.cat([t[torch.as_tensor(slots, device=DEVICE)].reshape(-1).view(torch.uint8) for t in k])
+    assert torch.equal(region, want)

@@ -28,6 +28,7 @@ from ..layout import KVLayout
 from ..protocol.actions import Scatter, WriteOp
 from ..protocol.decode.room import DecodeRoom, PageSpan, RingSpan
 from ..protocol.tags import Tag, TagCodec
+from ..protocol.token_mapping import run_slots
 from .stats import Stats
 
 
@@ -57,8 +58,10 @@ class Integrity:
         if self.verify:
             b = self.buffers
             k, v = b.layer_views(op.layers)
-            d = gathered_digest(self._gather(), k, v, op.src_pages, self.layout.page_size, op.src_heads,
-                                b.pools, op.pools, op.nbytes)
+            pages, page_size = op.src_pages, self.layout.page_size
+            if op.token_runs is not None:   # decode context parallel: the tokens' slots, in order
+                pages, page_size = run_slots(op.token_runs[0], op.token_runs[2]), 1
+            d = gathered_digest(self._gather(), k, v, pages, page_size, op.src_heads, b.pools, op.pools, op.nbytes)
             tag = msgspec.structs.replace(tag, digest=d)
         if groups == 1:
             return [self.tags.encode(tag)]
@@ -84,8 +87,8 @@ class Integrity:
             return None  # staged pieces are checked on the scatter thread, before the scatter
         b = self.buffers
         k, v = b.layer_views(span.layers)
-        got = gathered_digest(self._gather(), k, v, span.pages, self.layout.page_size, span.heads, b.pools,
-                              span.copies, span.nbytes, dst=True)
+        got = gathered_digest(self._gather(), k, v, span.pages, span.page_tokens or self.layout.page_size, span.heads,
+                              b.pools, span.copies, span.nbytes, dst=True)
         if got != tag.digest:
             return (f"corrupt data from prefill rank {tag.writer}, chunk {tag.chunk} part {tag.piece}: the landed "
                     f"bytes' digest {got:#018x} is not the sent {tag.digest:#018x}")
@@ -100,7 +103,10 @@ class Integrity:
                      for c in s.checks)
 
     def _flip(self, room: int, span: RingSpan | PageSpan) -> None:
-        """Flip one byte of what the write landed (the fault `corrupt_data`)."""
+        """Flip one byte of what the write landed (the fault `corrupt_data`); none where no KV
+        byte landed (a DCP rank's write of its pool items alone)."""
+        if isinstance(span, PageSpan) and not len(span.pages):
+            return
         stats = self.stats
         stats.count("faults_injected", "corrupt_data")
         if room not in self.corrupted_rooms:
@@ -110,8 +116,7 @@ class Integrity:
             v = self.handler.ring_view(span.offset + self._rng.randrange(span.nbytes), 1)
         else:
             pages, heads = span.pages, span.heads
-            lay = self.layout
             k = self.buffers.entry_k[self._rng.choice(span.layers) - self.buffers.first_layer]
-            token = int(pages[self._rng.randrange(len(pages))]) * lay.page_size
+            token = int(pages[self._rng.randrange(len(pages))]) * (span.page_tokens or self.layout.page_size)
             v = k[token, heads[0]].view(torch.uint8)[:1]
         v.bitwise_xor_(0xFF)

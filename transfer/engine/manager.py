@@ -146,12 +146,15 @@ class KVManager:
         self._backend.call(lambda b: b.deregister(reg))
 
     def _start_staging(self, cfg: ResolvedConfig) -> None:
-        staged = cfg.staging and not self.layout.mla and cfg.path != PathMode.DIRECT   # forced direct: no ring, no buffers
+        staging = cfg.staging and cfg.path != PathMode.DIRECT   # forced direct: no ring, no buffers
+        staged = staging and not self.layout.mla
+        # an MLA prefill stages nothing, but writes a decode with context parallel through its
+        # buffers: each decode rank's tokens gathered into one (token_mapping.Relayout)
         workers, buffer_mb, ring_mb = cfg.staging_workers, cfg.staging_buffer_mb, cfg.ring_mb
         self._handler = StagingHandler(
             cfg.role, lambda r: self._backend.call(lambda b: b.register(r)), self._deregister,
             epoch=self.incarnation, device=self.buffers.device,
-            workers=workers if staged and cfg.role == Role.PREFILL else 0,
+            workers=workers if staging and cfg.role == Role.PREFILL else 0,
             buffer_bytes=int(buffer_mb * (1 << 20)),
             ring_bytes=int(ring_mb * (1 << 20)) if staged and cfg.role == Role.DECODE else 0)
         self._handler.open()

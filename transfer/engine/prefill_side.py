@@ -35,6 +35,7 @@ from ..protocol.messages import (
     WatermarkUpdate,
 )
 from ..protocol.path_choice import WriterCosts
+from ..protocol.prefill.chunk_writes import WriteLimits
 from ..protocol.prefill.layer_sends import PER_CHUNK, LayerGrouping
 from ..protocol.prefill.room import PrefillRoom, answers_meta
 from ..protocol.ring import Watermark
@@ -92,6 +93,7 @@ class PrefillSide:
         self.stats, self.sock, self.backend, self.staging = stats, sock, backend, staging
         self.peers, self.book, self.writes = peers, book, writes
         self.grouping = grouping
+        self.limits = WriteLimits(relayout_bytes=staging.buffer_bytes)   # shared by every room of the rank
         self.served: dict[int, frozenset[tuple[int, int]]] = {}          # room that succeeded -> its (decode incarnation, session)s
         self.used_sessions: dict[int, EarlierUses] = {}  # finished room -> its uses' sessions (stale for the next)
         self.pending: dict[int, list[Parked]] = defaultdict(list)  # room -> messages that came before its sender
@@ -186,7 +188,8 @@ class PrefillSide:
         room = PrefillRoom(room=ev.room, num_pages=ev.num_pages, layout=self.layout, me=self.me, now=now,
                            timeouts=self.t, op_ids=_OP_IDS, stale=self.used_sessions.pop(ev.room, NO_EARLIER_USES),
                            pools=tuple(self.summary.pools), pool_items=ev.pool_items,
-                           grouping=self.grouping, credits=self.credits, num_tokens=ev.num_tokens)
+                           grouping=self.grouping, credits=self.credits, num_tokens=ev.num_tokens,
+                           limits=self.limits)
         self.book.add(room, ev.status)
         self.served.pop(ev.room, None)
         for item in self.pending.pop(ev.room, []):

@@ -18,8 +18,8 @@ if TYPE_CHECKING:
 MAX_TRACKED_PIECES = 100_000
 
 Number = Literal[
-    "bytes_posted", "bytes_received", "bytes_sent", "corrupted_rooms", "descriptors", "gather_s", "scatter_s",
-    "staged_bytes", "staged_writes", "tags_received", "watermark_wait_s", "watermark_waits",
+    "bytes_posted", "bytes_received", "bytes_sent", "corrupted_rooms", "descriptors", "gather_s", "relayout_writes",
+    "scatter_s", "staged_bytes", "staged_writes", "tags_received", "watermark_wait_s", "watermark_waits",
     "watermark_waits_started", "write_requests", "writes_announced",
     # maxima
     "backend_step_max_s", "ctrl_round_max_s", "ctrl_tick_late_max_s", "heard_gap_max_s",

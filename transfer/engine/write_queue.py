@@ -15,9 +15,12 @@ complete (docs/backends.md).
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
+
+import numpy as np
 
 from ...staging.workers import GatherJob, Report, TransferWorkers
 from ..kv_buffers import KVBuffers
@@ -30,6 +33,7 @@ from ..protocol.direct_ranges import (
     direct_descriptors,
     pool_descriptor_parts,
     rows_of,
+    slot_rows,
     token_rows,
 )
 from ..protocol.kinds import FailureKind
@@ -43,6 +47,8 @@ from .interfaces import Counters, Observer, PeerOutbox, PieceCounters, Post, Sta
 from .peers import Peer
 from .ready_waiter import ReadyJob, ReadyWaiter
 from .rooms import PrefillBook
+
+log = logging.getLogger(__name__)
 
 
 class WriteQueue:
@@ -88,7 +94,18 @@ class WriteQueue:
             op_id, room = op.op_id, op.room
             return self.waiter.submit(ReadyJob(ready=op.ready, event=lambda error: LayersReady(
                 op_id=op_id, room=room, error=error)))
-        groups = self._direct_groups(op, peer)
+        try:   # what the write is made of: where that raises (a bug), the op fails, never stays in flight
+            job = self._relayout_job(op, peer) if op.relayout is not None and self.workers is not None else None
+            if job is None:
+                groups = self._direct_groups(op, peer)
+                tags = tuple(self.integrity.direct_tags(op, len(groups)))
+        except Exception as exc:  # noqa: BLE001 - its room fails with the reason, the rank goes on
+            log.exception("room %s: building write %s failed", op.room, op.op_id)
+            self.stats.count("internal_errors", "write_build")
+            return self._finish(op.room, op.op_id, False, f"its write could not be built: {type(exc).__name__}: {exc}",
+                                now)
+        if job is not None:
+            return self._post_relayout(op, job, now)
         self.stats.add("write_requests", len(groups))
         self.stats.add("descriptors", sum(len(g.src) for g in groups))
         self._count(op, sum(len(g.src) for g in groups), writes=len(groups))
@@ -99,13 +116,62 @@ class WriteQueue:
             at = self._posted(op_id, room, group)
             self.deadlines.restart(op_id, at + self.write_s)
 
-        tags = tuple(self.integrity.direct_tags(op, len(groups)))
         done = AllWritesDone(len(groups), lambda ok, reason: self.post_event(
             WriteDone(op_id=op_id, room=room, ok=ok, reason=reason, tags=tags)))
         for i, (g, tag) in enumerate(zip(groups, tags)):
             self.backend.submit_write(peer.backend_name, g.src, g.dst, tag, done.one, functools.partial(posted, i),
                                      dst_kind=g.dst_kind, room=room)
         self.stats.add("bytes_posted", op.nbytes)
+
+    def _relayout_job(self, op: WriteOp, peer: Peer) -> GatherJob | None:
+        """A direct DCP write gathered into a staging buffer first (token_mapping.Relayout): the
+        job gathering its tokens, and its pool items after them, and writing them as one backend
+        write to the decode rank's slot runs, then its pool items; None (the write goes as
+        direct runs) where its pool items would need a backend write of their own (another
+        memory kind there, or a pool that writes alone). The decode rank sees the same write
+        and tag either way."""
+        moves, kv = op.relayout, _memory(peer)
+        assert moves is not None, "a relayout op carries its relayout"
+        rows = [slot_rows(self._peer_geometry(peer).of_layers(op.layers), moves.dst_slot, moves.length)]
+        if op.pools:
+            mems = {m.name: m for m in kv.pools}
+            for name, _src, dst in pool_descriptor_parts(self.buffers.pools, kv.pools, op.pools):
+                if mems[name].mem_kind != kv.mem_kind or mems[name].own_writes or self.buffers.pools[name].own_writes:
+                    return None
+                rows.append(dst)
+        dst_rows = np.concatenate(rows) if len(rows) > 1 else rows[0]
+        if int(dst_rows[:, 1].sum()) != op.nbytes:
+            raise ValueError(f"a relayout's rows hold {int(dst_rows[:, 1].sum())} bytes, its write {op.nbytes}")
+        op_id, room = op.op_id, op.room
+
+        def posted() -> None:   # on this thread; the deadline counts from the post, not the queue
+            self.deadlines.restart(op_id, self._posted(op_id, room) + self.write_s)
+
+        return GatherJob(op_id=op_id, room=room, peer=peer.backend_name, pages=moves.src_slots, page_tokens=1,
+                         layers=self.layout.local(op.layers), heads=op.src_heads, nbytes=op.nbytes, dst_addr=0,
+                         dst_device=kv.device, dst_rows=dst_rows, tag=self.integrity.direct_tags(op)[0],
+                         dst_kind=kv.mem_kind, pools=op.pools, on_posted=posted)
+
+    def _post_relayout(self, op: WriteOp, job: GatherJob, now: float) -> None:
+        """Count a relayout's write, start its deadline and hand its gather out."""
+        assert job.dst_rows is not None, "a relayout lands as rows"
+        self._count(op, len(job.dst_rows))
+        self.stats.add("write_requests")
+        self.stats.add("descriptors", len(job.dst_rows))
+        self.stats.add("relayout_writes")
+        self.stats.add("bytes_posted", op.nbytes)
+        self.deadlines.start(op.op_id, op.room, now + self.write_s)
+        self._gather(job)
+
+    def _gather(self, job: GatherJob) -> None:
+        """Hand `job` to a transfer worker, or run it here when it is small and its layers are
+        written: the hand-off there and back would cost more than the copy."""
+        assert self.workers is not None, "a gather on a rank with transfer workers"
+        if self.workers.takes_here(job) and self.workers.run_here(job):
+            self.stats.count("gathers", "inline")
+        else:
+            self.stats.count("gathers", "thread")
+            self.workers.submit(job)
 
     def _direct_groups(self, op: WriteOp, peer: Peer) -> list[WriteGroup]:
         """The backend writes of a direct op: its KV ranges and, on the write carrying the last
@@ -175,11 +241,7 @@ class WriteQueue:
                 dst_device=ring.device, tag=self.tags.encode(op.tag), dst_kind=ring.mem_kind, pools=op.pools,
                 on_posted=functools.partial(self._posted, op.op_id, op.room),
                 seal=self.integrity.sealer(op.tag))
-            if self.workers.takes_here(job) and self.workers.run_here(job):   # no hand-off there and back
-                stats.count("gathers", "inline")
-            else:
-                stats.count("gathers", "thread")
-                self.workers.submit(job)
+            self._gather(job)
 
     def await_unit(self, a: AwaitUnit) -> None:
         """A batching room's held unit: wait for its layers off this thread (UnitReady comes back)."""

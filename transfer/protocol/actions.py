@@ -19,6 +19,7 @@ from .kinds import TransferPath
 from .messages import PeerMessage
 from .pool_parts import PoolCopy
 from .tags import Tag
+from .token_mapping import Relayout
 
 
 class PeerKey(NamedTuple):
@@ -40,7 +41,7 @@ class Send:
 
 @dataclass(frozen=True, kw_only=True)
 class WriteOp:
-    """One backend write request a prefill room wants made (keyword-only: 15 fields)."""
+    """One backend write request a prefill room wants made (keyword-only: 20 fields)."""
 
     op_id: int
     room: int
@@ -62,6 +63,8 @@ class WriteOp:
     credit: CreditSpan | None = None   # staged into a ring credit: its place there (ring_start is its start)
     token_runs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None   # direct, decode context parallel: the
                                        # runs (source slot, destination slot, tokens) it moves instead of whole pages
+    relayout: Relayout | None = None   # direct, decode context parallel, where the rank has staging buffers:
+                                       # the same tokens gathered into one and written as the decode's slot runs
 
     @property
     def num_pages(self) -> int:

@@ -111,6 +111,17 @@ def token_rows(src: CacheGeometry, dst: CacheGeometry, src_slot: np.ndarray, dst
                       np.asarray(length, dtype=np.uint64) * stride)
 
 
+def slot_rows(geo: CacheGeometry, slot: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """The N x 3 (address, length, device) rows of runs of whole tokens in every tensor of one
+    cache, tensor by tensor (K of each layer, then V of each): run i is `length[i]` tokens from
+    pool slot `slot[i]` on. Where a relayout's gathered tokens land (token_mapping.Relayout),
+    in the order the gather wrote them."""
+    stride = np.uint64(geo.token_stride)
+    addr = np.asarray(geo.bases, dtype=np.uint64)[:, None] + (np.asarray(slot, dtype=np.uint64) * stride)[None, :]
+    lengths = np.broadcast_to((np.asarray(length, dtype=np.uint64) * stride)[None, :], addr.shape)
+    return _rows(addr, lengths, geo.device)
+
+
 def rows_of(rows: TensorRows, src: CacheGeometry, dst: CacheGeometry) -> tuple[np.ndarray, np.ndarray]:
     """Source and destination N x 3 (address, length, device) arrays: `rows` in every tensor of
     the two caches, tensor by tensor (K of each layer, then V of each)."""

@@ -36,6 +36,10 @@ Invariants (tested in ``tests/unit/test_token_mapping.py``):
 - the staged piece of a decode rank is its tokens in increasing position, which is also
   increasing local slot, so the piece lands by ``piece_runs`` in page runs; the direct runs'
   sources, read in order, are exactly the piece.
+
+A prefill rank with staging buffers writes a split this way (``PairTokens.relayout``,
+``worth_relayout``): it gathers the piece into a buffer and writes it as the piece runs, a few
+ranges per layer, instead of one range per token and layer.
 """
 
 from __future__ import annotations
@@ -131,6 +135,62 @@ class PairTokens:
             )
             for t, s, d, n in zip(self.first_token, self.src_slot, self.dst_slot, self.length, strict=True)
         )
+
+
+    def relayout(self) -> Relayout:
+        """The flow as a relayout: its tokens gathered on the prefill rank into one buffer, in
+        piece order, and written from there as the decode rank's runs of consecutive slots."""
+        runs = self.piece_runs
+        return Relayout(src_slots=run_slots(self.src_slot, self.length),
+                        dst_slot=np.asarray([r.dst_page * self.page_size + r.dst_offset for r in runs], dtype=np.int64),
+                        length=np.asarray([r.length for r in runs], dtype=np.int64))
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class Relayout:
+    """One pair's tokens moved through a staging buffer (decode context parallel, the prefill
+    rank's side): `src_slots` are the prefill pool slots of the pair's tokens in piece order,
+    gathered per tensor one token after the other; the gathered tokens land as the runs
+    (`dst_slot`, `length`) of consecutive decode slots, in the same order. A write then needs
+    one range per destination run and tensor instead of one per source run and tensor
+    (`PairTokens.src_slot`), where a split of the tokens over N decode ranks leaves source runs
+    of one token each."""
+
+    src_slots: np.ndarray   # int64, one per token, in piece order
+    dst_slot: np.ndarray    # int64, each destination run's first decode pool slot
+    length: np.ndarray      # int64, tokens per destination run; sums to len(src_slots)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.src_slots.size)
+
+
+def run_slots(slot: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """Every slot of runs of consecutive slots (`length[i]` from `slot[i]` on), in order."""
+    slot, length = np.asarray(slot, dtype=np.int64), np.asarray(length, dtype=np.int64)
+    starts = np.cumsum(length) - length
+    offsets = np.arange(int(length.sum()), dtype=np.int64) - np.repeat(starts, length)
+    out: np.ndarray = np.repeat(slot, length) + offsets
+    return out
+
+
+def first_slots(pages: np.ndarray, count: int, page_size: int) -> np.ndarray:
+    """The first `count` pool slots of a page list, in order (a DCP rank's local slots)."""
+    index = np.arange(count, dtype=np.int64)
+    out: np.ndarray = np.asarray(pages, dtype=np.int64)[index // page_size] * page_size + index % page_size
+    return out
+
+
+def worth_relayout(pair: PairTokens) -> Relayout | None:
+    """The pair's relayout where it pays: where its source runs are shorter than a page on
+    average (a DCP split: runs of one token) and its destination runs fewer. The gather copies
+    every byte once more, which only replacing many short ranges by fewer long ones is worth;
+    where both sides already move runs of pages (DCP N -> N), None: the direct runs."""
+    runs = int(pair.length.size)
+    if not runs or pair.num_tokens >= runs * pair.page_size:
+        return None
+    moves = pair.relayout()
+    return moves if moves.length.size < runs else None
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)

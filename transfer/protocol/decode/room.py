@@ -62,7 +62,7 @@ from ..ring import Region, RingAllocator
 from ..room_base import RoomBase
 from ..room_uses import repeats_outcome
 from ..tags import Tag, TagKind
-from ..token_mapping import local_pages, local_tokens
+from ..token_mapping import first_slots, local_pages, local_tokens
 from .chunk_pieces import PiecesRefused, chunk_pieces
 from .credits import Claim
 from .plan import PlanRefused, RoomPlan, WriterOffer, plan_room
@@ -104,6 +104,8 @@ class PageSpan:
     heads: tuple[int, int]
     copies: tuple[PoolCopy, ...]
     nbytes: int
+    page_tokens: int | None = None   # tokens an entry of `pages` holds: None, the page size; 1 when `pages` are
+                                     # pool slots (decode context parallel: this rank's tokens, in order)
 
 
 class TagVerdict(StrKind):
@@ -529,10 +531,15 @@ class DecodeRoom(RoomBase[DecodeAction]):
         if isinstance(mask, str):
             return None
         final = self._tracker.final(tag.page_start, tag.num_pages, layers, mask)
+        copies = self.pool_copies.get(tag.writer, ()) if final else ()
+        if self.layout.dcp_size > 1:   # every write holds all of this rank's tokens of its layers
+            lay, n = self.layout, self.num_tokens or 0
+            tokens = local_tokens(lay.dcp(), lay.dcp_rank, n, self.prefix * lay.page_size * lay.dcp_size)
+            return PageSpan(pages=first_slots(self._dst, tokens, lay.page_size), layers=layers,
+                            heads=w.assignment.dst_heads, copies=copies, nbytes=tag.nbytes, page_tokens=1)
         pages = self._dst[tag.page_start:tag.page_start + tag.num_pages]
         return PageSpan(pages=pages if mask is None else pages[mask], layers=layers,
-                        heads=w.assignment.dst_heads, copies=self.pool_copies.get(tag.writer, ()) if final else (),
-                        nbytes=tag.nbytes)
+                        heads=w.assignment.dst_heads, copies=copies, nbytes=tag.nbytes)
 
     def _scatter(self, piece: ExpectedPiece, now: float) -> Scatter:
         self.scattering[piece.key] = now

@@ -28,6 +28,19 @@ from ..tags import Tag, TagKind, make_tag
 from .flows import Chunk
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WriteLimits:
+    """What one write of a prefill rank may hold: the same for all its rooms, one object they
+    share (a room holds no copy of its own)."""
+
+    max_ranges: int = 65536   # direct path: descriptors a write at most
+    relayout_bytes: int = 0   # decode context parallel: the bytes one staging buffer can gather for a
+                              # write (0: no buffers, no relayout; token_mapping.Relayout)
+
+
+DEFAULT_LIMITS = WriteLimits()
+
+
 @dataclass(frozen=True, kw_only=True)
 class ChunkWrites:
     """What every write of one chunk towards one decode rank shares."""

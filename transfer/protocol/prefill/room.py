@@ -50,8 +50,8 @@ from ..room_base import RoomBase
 from ..room_uses import NO_EARLIER_USES, Bound, EarlierUses, RoomUse, failure_use, meta_use
 from ..stage_mapping import DecodeStage, decode_coverage, flow_layers, uncovered
 from ..tags import TagKind, make_tag
-from ..token_mapping import DCPLayout, build_pair, engine_refusal, local_pages
-from .chunk_writes import ChunkWrites, direct_writes, granted_writes
+from ..token_mapping import DCPLayout, PairTokens, Relayout, build_pair, engine_refusal, local_pages, worth_relayout
+from .chunk_writes import DEFAULT_LIMITS, ChunkWrites, WriteLimits, direct_writes, granted_writes
 from .credits import CreditPurses, chunk_number, cut_pieces, remainder_number
 from .flow_timers import due_again, overdue
 from .flows import (
@@ -87,7 +87,7 @@ class PrefillRoom(RoomBase[PrefillAction]):
     early: Mapping[tuple[PeerKey, int], tuple[str, str]] = NO_ENTRIES
 
     def __init__(self, *, room: int, num_pages: int | None, layout: KVLayout, me: int, now: float,
-                 timeouts: Timeouts, op_ids: itertools.count[int] | None = None, max_ranges: int = 65536,
+                 timeouts: Timeouts, op_ids: itertools.count[int] | None = None, limits: WriteLimits = DEFAULT_LIMITS,
                  stale: EarlierUses | None = None, pools: tuple[PoolSpec, ...] = (),
                  pool_items: dict[str, np.ndarray] | None = None, grouping: LayerGrouping = PER_CHUNK,
                  credits: CreditPurses | None = None, num_tokens: int | None = None):
@@ -96,13 +96,14 @@ class PrefillRoom(RoomBase[PrefillAction]):
         `pool_items`: this request's items of them (validated by the caller's handle).
         `credits`: the ring credits decode peers gave this rank (None: every staged chunk asks).
         `num_tokens`: the request's token count (needed when either side has decode context
-        parallel; may come with init() instead)."""
+        parallel; may come with init() instead). `limits`: what one write may hold (the rank's,
+        shared by its rooms)."""
         if num_pages is not None and num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         super().__init__(room=room, me=me, layout=layout, now=now, timeouts=timeouts, pools=pools)
         self.num_pages = num_pages
         self._op_ids = op_ids or itertools.count(1)
-        self.max_ranges = max_ranges  # direct path: descriptors per write at most
+        self.limits = limits
         self.grouping = grouping
         self.ledger = SendLedger(room=room, stage=layout.layers)   # what the caller sent, per layer
         self.grouper: LayerGrouper | None = None                    # sends -> write units, from the first send
@@ -412,11 +413,13 @@ class PrefillRoom(RoomBase[PrefillAction]):
     def _dcp_write(self, flow: Flow, a: Assignment) -> list[PrefillAction]:
         """Decode context parallel, direct: the writes carrying the decode rank's tokens of the
         request (token_mapping.build_pair's runs), once the last send is in: one of every layer,
-        or, where that would exceed `max_ranges` descriptors, one per group of layers that fits
+        or, where that would exceed `limits.max_ranges` descriptors, one per group of layers that fits
         (each numbered as a chunk of its own; a run is one descriptor per layer and tensor). The
         write of the last layer also carries the request's pool items for that rank (as the last
         page's write does without DCP); a rank that owns none of the tokens gets them in a write
-        of their own, of every layer and no token."""
+        of their own, of every layer and no token. Where the rank has staging buffers and the
+        relayout cuts the ranges (`_relayout`), each write is gathered into one first and holds
+        the layers that fit it; the decode rank sees the same writes either way."""
         assert self.dcp is not None and self.num_tokens is not None and self.prefix is not None
         assert flow.dst_pages is not None, "a direct flow has its destination pages from its metadata"
         lay = self.layout
@@ -432,7 +435,7 @@ class PrefillRoom(RoomBase[PrefillAction]):
             return []
         ready = tuple(r for c in self.sendable for r in c.ready)
         runs = (pair.src_slot, pair.dst_slot, pair.length)
-        step = max(1, self.max_ranges // max(1, int(pair.length.size) * lay.num_kv))
+        moves, step = self._relayout(pair, a, block_bytes(copies))
         out: list[PrefillAction] = []
         for part, first in enumerate(range(lay.layers.start, lay.layers.stop, step)):
             layers = range(first, min(first + step, lay.layers.stop))
@@ -444,9 +447,24 @@ class PrefillRoom(RoomBase[PrefillAction]):
             op = WriteOp(op_id=next(self._op_ids), room=self.room, peer=flow.peer, staged=False, chunk=part, piece=0,
                          src_pages=np.asarray(src), dst_pages=flow.dst_pages, src_heads=a.src_heads,
                          dst_heads=a.dst_heads, nbytes=nbytes, tag=tag, pools=pools, layers=layers, ready=ready,
-                         token_runs=runs)
+                         token_runs=runs, relayout=moves)
             out.append(self._post(flow, op))
         return out
+
+    def _relayout(self, pair: PairTokens, a: Assignment, pool_bytes: int) -> tuple[Relayout | None, int]:
+        """How a DCP flow's writes go: its relayout (None: its direct runs) and the layers a
+        write holds. A relayout write holds the layers whose gathered bytes, and the pool
+        bytes beside the last, fit `limits.relayout_bytes`, and whose destination runs fit
+        `limits.max_ranges`; a flow whose one layer does not fit goes as direct runs."""
+        lay = self.layout
+        moves = worth_relayout(pair) if self.limits.relayout_bytes else None
+        if moves is not None:
+            layer_bytes = pair.num_tokens * self._bytes_per_page(a.num_heads, range(1)) // lay.page_size
+            fit = min((self.limits.relayout_bytes - pool_bytes) // layer_bytes,
+                      self.limits.max_ranges // (int(moves.length.size) * lay.num_kv))
+            if fit >= 1:
+                return moves, fit
+        return None, max(1, self.limits.max_ranges // max(1, int(pair.length.size) * lay.num_kv))
 
     def on_grant(self, peer: PeerKey, grant: AllocGrant, now: float) -> list[PrefillAction]:
         """Ring space for a chunk this rank asked for: the whole chunk, or (a number from
@@ -848,7 +866,8 @@ class PrefillRoom(RoomBase[PrefillAction]):
         assert flow.dst_pages is not None, "a direct flow has its destination pages from its metadata"
         m = self._mapping
         pool_flow = pool_assignment(a, m.page_shards)
-        ops = direct_writes(self._chunk_writes(flow, a, chunk), dst_pages=flow.dst_pages, max_ranges=self.max_ranges,
+        ops = direct_writes(self._chunk_writes(flow, a, chunk), dst_pages=flow.dst_pages,
+                            max_ranges=self.limits.max_ranges,
                             ranges_per_page=self.layout.num_kv * len(chunk.layers) * (1 if whole else self.layout.page_size),
                             pools=lambda: request_copies(writer_segments(self.pools, m.prefill_tp, m.decode_tp, pool_flow),
                                                          self.pool_items, flow.pool_dst),
