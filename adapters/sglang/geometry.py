@@ -322,8 +322,10 @@ def dcp_problems(mgr, args) -> list[str]:
     last. Named before it, what would stay refused then: DCP on the prefill side (SGLang's
     N -> N; untested here), a non-MLA pool, a draft's KV (SGLang splits no draft entry), state
     components or a hybrid pool, PP, a DCP rank that is not the attention TP rank mod dcp_size,
-    host KV destinations, HiSparse and the staged path forced. The layout (kv_layout's
-    dcp_size) and the request's token count (plugin.tell_*_tokens) are mapped already."""
+    host KV destinations and HiSparse. The layout (kv_layout's dcp_size) and the request's token
+    count (plugin.tell_*_tokens) are mapped already. SGLang's staging flag is no problem: it
+    turns kvstage's staging on, which on an MLA decode rank changes nothing (an MLA model moves
+    direct) and gives its prefill the buffers a DCP split is relayouted through."""
     dcp = int(getattr(mgr, "dcp_size", 1) or 1)
     if dcp <= 1:
         return []
@@ -350,10 +352,6 @@ def dcp_problems(mgr, args) -> list[str]:
         out.append(f"{name} with host KV destinations (host_kv_data_ptrs)")
     if getattr(getattr(mgr, "server_args", None), "enable_hisparse", False):
         out.append(f"{name} with HiSparse")
-    from .plugin import staging_flag
-    if staging_flag():
-        out.append(f"{name} with the staged path forced (SGLANG_DISAGG_STAGING_BUFFER): kvstage moves DCP "
-                   f"requests direct only")
     out.append(f"{name}: SGLang 0.5.23 refuses decode DCP for a transfer backend it does not list (kvstage among "
                f"them: its pd_disaggregation_hook), and no test has moved a DCP request through SGLang's classes")
     return out
