@@ -5,7 +5,8 @@
 1. The Triton gather/scatter kernel tests, compiled for the device (TRITON_INTERPRET=0), not
    under the CPU interpreter CI uses.
 2. Two-process transfers with a VRAM KV cache and a host aux pool, staged and direct, bit-exact
-   over real NIXL (tests/gpu/test_gpu_path.py); the path choice on VRAM, equal TP staged
+   over real NIXL (tests/gpu/test_gpu_path.py); decode context parallel on VRAM, as token runs
+   and relayouted through a VRAM staging buffer (tests/gpu/test_gpu_dcp.py); the path choice on VRAM, equal TP staged
    (tests/gpu/test_gpu_path_choice.py); Mooncake on VRAM where its CUDA build
    (mooncake-transfer-engine-cuda13) is installed (tests/gpu/test_gpu_mooncake.py), else the
    verdict line says it was not run.
