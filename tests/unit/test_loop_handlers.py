@@ -17,6 +17,16 @@ from kvstage.transfer.protocol.messages import Goodbye, Hello, KVMemory
 from kvstage.transfer.protocol.tags import TagCodec, TagKind, make_tag
 
 
+class SettlingWrites:
+    """The write queue as the loop's internal-error path uses it: the rooms it was told to settle."""
+
+    def __init__(self):
+        self.settled = []
+
+    def settle_lost(self, room_id, reason, now):
+        self.settled.append(room_id)
+
+
 def prefill_rank_parts(rooms: dict, backend=None):
     """A prefill rank's parts, and the bits of its context the tests read (stats, tags, backend)."""
     ctx = SimpleNamespace(role="prefill", stats=Stats(), tags=TagCodec(None), backend=backend)
@@ -60,6 +70,7 @@ class Raising:
 def bare_loop(rooms: dict, backend=None) -> EngineLoop:
     loop = EngineLoop.__new__(EngineLoop)
     loop.ctx, loop.peers, loop.book, loop.side = prefill_rank_parts(rooms, backend)
+    loop.writes = SettlingWrites()
     return loop
 
 
@@ -70,7 +81,7 @@ def test_backend_step_raising_fails_rooms_with_writes_in_flight_and_the_loop_goe
     assert tags == []
     assert loop.ctx.stats.snapshot()["internal_errors"] == {"backend_step": 1}
     assert [k for k, _ in busy.failed] == ["internal"] and "KeyError" in busy.failed[0][1]
-    assert idle.failed == []
+    assert idle.failed == [] and loop.writes.settled == [1]   # its writes the error lost end too
 
 
 def test_a_raising_handler_fails_the_room_it_names():
@@ -82,7 +93,7 @@ def test_a_raising_handler_fails_the_room_it_names():
     loop._safely(handler, SimpleNamespace(room=1))
     assert loop.ctx.stats.snapshot()["internal_errors"] == {"SimpleNamespace": 1}
     assert [k for k, _ in named.failed] == ["internal"]
-    assert other.failed == []
+    assert other.failed == [] and loop.writes.settled == [1]
 
 
 # -- a late Goodbye of an earlier connection (seen under load in test_peer_frozen_past_its_lease) -------

@@ -436,7 +436,9 @@ class EngineLoop:
     def _internal_error(self, what: str, room_id: object, exc: Exception) -> None:
         """Count an exception inside the loop and fail the rooms it may have left stuck, kind
         "internal": the room the input names, else every room the side says may be stuck
-        (writes in flight on prefill, notifications awaited on decode)."""
+        (writes in flight on prefill, notifications awaited on decode); then, on a prefill rank,
+        end each such room's writes the raising input lost before the write queue took them
+        (`WriteQueue.settle_lost`), so that it is released."""
         self.ctx.stats.count("internal_errors", what)
         if isinstance(room_id, int) and not isinstance(room_id, bool):
             ids = [room_id] if room_id in self.book.rooms else []
@@ -447,6 +449,8 @@ class EngineLoop:
         for r in ids:
             try:
                 self.book.fail(r, FailureKind.INTERNAL, reason, now)
+                if self.writes is not None:   # a prefill rank: the room's writes the error lost
+                    self.writes.settle_lost(r, reason, now)
             except Exception:  # noqa: BLE001
                 log.exception("control thread: failing room %s after an internal error failed", r)
 

@@ -268,6 +268,18 @@ class WriteQueue:
         if self.workers is not None:
             self.workers.forget_room(room_id)
 
+    def settle_lost(self, room_id: int, reason: str, now: float) -> None:
+        """Complete, failed with `reason`, each write op of the room this queue never took (its
+        PostWrite lost with an input that raised): nothing else would ever complete it, and the
+        room is released only once none is left. Ops it holds (waiting for ring space or their
+        layers, with a worker, or posted) complete as they do."""
+        room = self.book.get(room_id)
+        if room is None:
+            return
+        for op_id in [o for o in room.ops if o not in self.deadlines and o not in self.not_ready
+                      and not self.staged.holds(o)]:
+            self._finish(room_id, op_id, False, reason, now)
+
     def cancel_room(self, room_id: int, now: float) -> None:
         for op in self.staged.cancel_room(room_id):
             self._finish(op.room, op.op_id, False, "cancelled: the room failed", now)

@@ -29,6 +29,10 @@ class StagedQueue:
     def __len__(self) -> int:
         return sum(len(q) for q in self._by_peer.values())
 
+    def holds(self, op_id: int) -> bool:
+        """Whether the op of that id waits here."""
+        return any(op.op_id == op_id for queue in self._by_peer.values() for op, _ in queue)
+
     def add(self, peer: int, op: WriteOp, now: float) -> None:
         self._by_peer.setdefault(peer, []).append((op, now))
 
