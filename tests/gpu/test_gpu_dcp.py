@@ -2,7 +2,7 @@
 KV caches on the GPU, as token runs written from the cache and relayouted (each decode rank's
 tokens gathered at page size 1 by the compiled Triton kernel into a VRAM staging buffer, then
 written as the decode's slot runs), each request with an aux row: every token bit-exact on the
-rank that owns it, and the relayout taken where it should be. Run by `make gpu-check` only
+rank that owns it, the relayout taken where it should be, and its kernels built at start. Run by `make gpu-check` only
 (tests/gpu/conftest.py)."""
 
 from __future__ import annotations
@@ -25,3 +25,5 @@ def test_dcp_on_vram_moves_bit_exact_as_runs_and_relayouted():
     bad = problems(results, codes, logs)
     assert not bad, "\n".join(bad[:10])
     check_moved(moved, results, {moved[1].name: 10, moved[2].name: 2})
+    for case in moved[1:]:   # an MLA prefill with buffers built the relayout's kernels (page size 1) at start
+        assert all(p["stats"].get("kernel_warmup_s", 0) > 0 for p in results[case.name]["prefill"]), case.name

@@ -161,16 +161,21 @@ class KVManager:
         self._stack.callback(self._handler.close)
         self._calibration = self._calibrate(cfg, staged)
         if staged:
-            self._warm_kernels(cfg)
+            self._warm_kernels(cfg, self.layout.page_size)
+        elif staging and cfg.role == Role.PREFILL:   # an MLA prefill's relayouts gather token by token
+            self._warm_kernels(cfg, 1)
 
-    def _warm_kernels(self, cfg: ResolvedConfig) -> None:
+    def _warm_kernels(self, cfg: ResolvedConfig, page_tokens: int) -> None:
         """Every gather/scatter kernel this layout can use, built (or loaded from Triton's cache)
-        now rather than in the first staged request (staging/warmup.py); nothing on CPU."""
+        now rather than in the first staged request (staging/warmup.py); nothing on CPU.
+        `page_tokens`: the tokens a gathered entry holds (the page size; 1 for the relayout's
+        pool slots, token_mapping.Relayout)."""
         b, lay = self.buffers, self.layout
         try:
-            launches, seconds = warm_kernels(role=cfg.role, k=b.entry_k, v=b.entry_v, page_size=lay.page_size,
-                                             local_heads=lay.local_heads, num_pages=b.num_pages,
-                                             region_bytes=lay.num_kv * len(b.entry_k) * lay.page_size * lay.token_bytes)
+            launches, seconds = warm_kernels(role=cfg.role, k=b.entry_k, v=b.entry_v, page_size=page_tokens,
+                                             local_heads=lay.local_heads,
+                                             num_pages=b.num_pages * lay.page_size // page_tokens,
+                                             region_bytes=lay.num_kv * len(b.entry_k) * page_tokens * lay.token_bytes)
         except Exception as exc:  # noqa: BLE001 - the first request then compiles, as before
             log.warning("kvstage %s: building the staging kernels at start failed (%s: %s); the first staged "
                         "request builds them", self.name, type(exc).__name__, exc)
