@@ -134,3 +134,20 @@ def test_after_an_internal_error_the_ops_the_queue_never_took_complete_failed_an
     assert done == [(4, False, "internal error in the control thread (x)")]
     q.settle_lost(8, "no such room", now)   # a room already gone: nothing to settle
     assert len(done) == 1
+
+
+def test_a_staged_piece_that_cannot_be_made_a_job_fails_its_op_and_starts_no_deadline():
+    """The staged path's twin of the one above: its tag cannot be encoded (a bug), so the piece
+    completes failed with the reason, reaches no worker, and leaves no deadline running."""
+    done: list = []
+    room = SimpleNamespace(state=None, on_write_done=lambda op_id, ok, reason, now, tags: done.append((op_id, ok, reason)))
+    q = _queue(_peer())
+    q.book = SimpleNamespace(get={7: room}.get, status={}, apply=lambda room, actions: None)
+
+    def broken(tag):
+        raise ValueError("tag too long")
+
+    q.tags = SimpleNamespace(encode=broken)
+    q.post(_op(staged=True), time.monotonic())
+    assert done == [(1, False, "its write could not be built: ValueError: tag too long")]
+    assert q.workers.jobs == [] and q.deadlines.expired(time.monotonic() + 60) == [] and not q.staged.holds(1)

@@ -100,10 +100,7 @@ class WriteQueue:
                 groups = self._direct_groups(op, peer)
                 tags = tuple(self.integrity.direct_tags(op, len(groups)))
         except Exception as exc:  # noqa: BLE001 - its room fails with the reason, the rank goes on
-            log.exception("room %s: building write %s failed", op.room, op.op_id)
-            self.stats.count("internal_errors", "write_build")
-            return self._finish(op.room, op.op_id, False, f"its write could not be built: {type(exc).__name__}: {exc}",
-                                now)
+            return self._unbuilt(op, exc, now)
         if job is not None:
             return self._post_relayout(op, job, now)
         self.stats.add("write_requests", len(groups))
@@ -122,6 +119,13 @@ class WriteQueue:
             self.backend.submit_write(peer.backend_name, g.src, g.dst, tag, done.one, functools.partial(posted, i),
                                      dst_kind=g.dst_kind, room=room)
         self.stats.add("bytes_posted", op.nbytes)
+
+    def _unbuilt(self, op: WriteOp, exc: Exception, now: float) -> None:
+        """A write that raised while it was being built (a bug): it completes failed, naming the
+        exception, rather than stay in flight with its room waiting for it."""
+        log.error("room %s: building write %s failed", op.room, op.op_id, exc_info=exc)
+        self.stats.count("internal_errors", "write_build")
+        self._finish(op.room, op.op_id, False, f"its write could not be built: {type(exc).__name__}: {exc}", now)
 
     def _relayout_job(self, op: WriteOp, peer: Peer) -> GatherJob | None:
         """A direct DCP write gathered into a staging buffer first (token_mapping.Relayout): the
@@ -223,6 +227,21 @@ class WriteQueue:
             if since != now:
                 stats.add("watermark_waits")
                 stats.add("watermark_wait_s", now - since)
+            assert self.workers is not None and peer is not None and peer.ring is not None, \
+                "a staged piece without transfer workers here or a ring there"
+            ring = peer.ring
+            try:   # as in post(): a piece that cannot be made into a job fails, never stays in flight
+                job = GatherJob(
+                    op_id=op.op_id, room=op.room, peer=peer.backend_name, pages=op.src_pages,
+                    layers=self.layout.local(op.layers),
+                    ready=op.ready, heads=op.src_heads,
+                    nbytes=op.nbytes, dst_addr=ring.addr + op.ring_start % ring.size + op.writer_offset,
+                    dst_device=ring.device, tag=self.tags.encode(op.tag), dst_kind=ring.mem_kind, pools=op.pools,
+                    on_posted=functools.partial(self._posted, op.op_id, op.room),
+                    seal=self.integrity.sealer(op.tag))
+            except Exception as exc:  # noqa: BLE001 - its room fails with the reason, the rank goes on
+                self._unbuilt(op, exc, now)
+                continue
             stats.add("write_requests")
             stats.add("descriptors")
             stats.add("staged_writes")
@@ -230,17 +249,6 @@ class WriteQueue:
             stats.staged_write((peer_inc, op.room, op.chunk, op.piece))
             self._count(op, 1)
             self.deadlines.start(op.op_id, op.room, now + self.write_s)
-            assert self.workers is not None and peer is not None and peer.ring is not None, \
-                "a staged piece without transfer workers here or a ring there"
-            ring = peer.ring
-            job = GatherJob(
-                op_id=op.op_id, room=op.room, peer=peer.backend_name, pages=op.src_pages,
-                layers=self.layout.local(op.layers),
-                ready=op.ready, heads=op.src_heads,
-                nbytes=op.nbytes, dst_addr=ring.addr + op.ring_start % ring.size + op.writer_offset,
-                dst_device=ring.device, tag=self.tags.encode(op.tag), dst_kind=ring.mem_kind, pools=op.pools,
-                on_posted=functools.partial(self._posted, op.op_id, op.room),
-                seal=self.integrity.sealer(op.tag))
             self._gather(job)
 
     def await_unit(self, a: AwaitUnit) -> None:
