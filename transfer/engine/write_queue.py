@@ -133,7 +133,8 @@ class WriteQueue:
         write to the decode rank's slot runs, then its pool items; None (the write goes as
         direct runs) where its pool items would need a backend write of their own (another
         memory kind there, or a pool that writes alone). The decode rank sees the same write
-        and tag either way."""
+        and tag either way; verifying, the tag's digest is that of the gathered bytes, which are
+        the direct write's in its order (no second gather on this thread)."""
         moves, kv = op.relayout, _memory(peer)
         assert moves is not None, "a relayout op carries its relayout"
         rows = [slot_rows(self._peer_geometry(peer).of_layers(op.layers), moves.dst_slot, moves.length)]
@@ -153,8 +154,10 @@ class WriteQueue:
 
         return GatherJob(op_id=op_id, room=room, peer=peer.backend_name, pages=moves.src_slots, page_tokens=1,
                          layers=self.layout.local(op.layers), heads=op.src_heads, nbytes=op.nbytes, dst_addr=0,
-                         dst_device=kv.device, dst_rows=dst_rows, tag=self.integrity.direct_tags(op)[0],
-                         dst_kind=kv.mem_kind, pools=op.pools, on_posted=posted)
+                         dst_device=kv.device, dst_rows=dst_rows, tag=self.tags.encode(op.tag),
+                         dst_kind=kv.mem_kind, pools=op.pools, on_posted=posted,
+                         # verify: the gathered bytes are the write's, in order: sealed as a staged piece's are
+                         seal=self.integrity.sealer(op.tag))
 
     def _post_relayout(self, op: WriteOp, job: GatherJob, now: float) -> None:
         """Count a relayout's write, start its deadline and hand its gather out."""
