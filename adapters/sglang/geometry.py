@@ -315,17 +315,18 @@ def shard_problems(mgr, args) -> list[str]:
 
 def dcp_problems(mgr, args) -> list[str]:
     """What of a rank with decode context parallelism (SGLang's attn_dcp_size above 1) kvstage
-    does not serve, by name (empty: no DCP). kvstage's engine moves a DCP request direct, its KV
-    and its pool items (SGLang's aux row is one; docs/protocol.md, "Decode context parallel"),
-    but SGLang 0.5.23 itself refuses decode DCP for a backend it does not list, and no test has
-    moved a DCP request through SGLang's classes: every DCP rank is refused, with that reason
-    last. Named before it, what would stay refused then: DCP on the prefill side (SGLang's
+    does not serve, by name (empty: no DCP, or a DCP decode rank it serves). kvstage's engine
+    moves a DCP request direct, its KV and its pool items (SGLang's aux row is one;
+    docs/protocol.md, "Decode context parallel"), relayouted through the prefill's staging
+    buffers where it has them; the layout (kv_layout's dcp_size) and the request's token count
+    (plugin.tell_*_tokens) are mapped, and the plugin lets SGLang's argument check accept decode
+    DCP for backend kvstage (plugin.around_pd_checks); tests/sglang_adapter/test_dcp_classes.py
+    moves it through SGLang's classes. Refused, by name: DCP on the prefill side (SGLang's
     N -> N; untested here), a non-MLA pool, a draft's KV (SGLang splits no draft entry), state
     components or a hybrid pool, PP, a DCP rank that is not the attention TP rank mod dcp_size,
-    host KV destinations and HiSparse. The layout (kv_layout's dcp_size) and the request's token
-    count (plugin.tell_*_tokens) are mapped already. SGLang's staging flag is no problem: it
-    turns kvstage's staging on, which on an MLA decode rank changes nothing (an MLA model moves
-    direct) and gives its prefill the buffers a DCP split is relayouted through."""
+    host KV destinations and HiSparse. SGLang's staging flag is no problem: it turns kvstage's
+    staging on, which on an MLA decode rank changes nothing (an MLA model moves direct) and gives
+    its prefill the buffers a DCP split is relayouted through."""
     dcp = int(getattr(mgr, "dcp_size", 1) or 1)
     if dcp <= 1:
         return []
@@ -352,8 +353,6 @@ def dcp_problems(mgr, args) -> list[str]:
         out.append(f"{name} with host KV destinations (host_kv_data_ptrs)")
     if getattr(getattr(mgr, "server_args", None), "enable_hisparse", False):
         out.append(f"{name} with HiSparse")
-    out.append(f"{name}: SGLang 0.5.23 refuses decode DCP for a transfer backend it does not list (kvstage among "
-               f"them: its pd_disaggregation_hook), and no test has moved a DCP request through SGLang's classes")
     return out
 
 

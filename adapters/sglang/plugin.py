@@ -7,6 +7,10 @@
 - SGLANG_DISAGG_STAGING_BUFFER, which SGLang refuses for any backend but mooncake and nixl and
   which would also switch on SGLang's own staging machinery, is taken over for backend kvstage
   before SGLang validates its arguments: it becomes KVSTAGE_SGLANG_STAGING, read by this adapter;
+- decode context parallel, which SGLang's argument check accepts on a decode only for the
+  backends it lists (mooncake, nixl, mori, ascend, fake), is checked for backend kvstage as for
+  nixl: every other check of that function runs as it would (an AROUND hook on
+  handle_pd_disaggregation, which also takes the staging flag over first);
 - the request's token count, which SGLang's sender and receiver interfaces do not carry and
   kvstage needs under decode context parallel, is handed to kvstage's sender and receiver by
   BEFORE hooks on the two queue methods that start them (PrefillBootstrapQueue.finalize_bootstrap
@@ -42,7 +46,7 @@ def install() -> None:
     add_enum_member(TransferBackend, "KVSTAGE", BACKEND)
     HookRegistry.register("sglang.srt.disaggregation.utils.get_kv_class", around_get_kv_class, HookType.AROUND)
     HookRegistry.register("sglang.srt.arg_groups.pd_disaggregation_hook.handle_pd_disaggregation",
-                          take_staging_flag, HookType.BEFORE)
+                          around_pd_checks, HookType.AROUND)
     HookRegistry.register("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue.finalize_bootstrap",
                           tell_prefill_tokens, HookType.BEFORE)
     HookRegistry.register("sglang.srt.disaggregation.decode.DecodePreallocQueue._send_kv_metadata",
@@ -94,6 +98,35 @@ def tell_decode_tokens(queue, decode_req, *args, **kwargs):
         length = getattr(type(queue), "_rebootstrap_prefill_len", None)
         receiver.request_tokens = int(length(req)) if length is not None else len(req.origin_input_ids)
     return None
+
+
+#: a backend whose decode DCP SGLang's argument check accepts, and whose checks are otherwise
+#: those of any backend but mooncake (SGLang 0.5.23's handle_pd_disaggregation)
+DCP_CHECKED_AS = "nixl"
+
+
+def around_pd_checks(original, server_args, *args, **kwargs):
+    """SGLang's PD argument check (handle_pd_disaggregation), for backend kvstage: the staging
+    flag taken over first (`take_staging_flag`); on a decode with decode context parallel
+    (dcp_size above 1), the check runs with the backend resolved as DCP_CHECKED_AS, which
+    SGLang's list of decode DCP backends names, and resolved as the operator's kvstage again
+    afterwards, whatever the check did (both through SGLang's declare_resolution: resolution
+    never writes the operator's input, and the last declaration wins). kvstage's own refusals of
+    a DCP rank it does not serve come later, when its manager starts (geometry.dcp_problems).
+    Any other backend, or no DCP: the check as SGLang wrote it."""
+    from sglang.srt.arg_groups.overrides import declare_resolution
+
+    take_staging_flag(server_args)
+    mode = getattr(server_args, "disaggregation_mode", None)
+    if not (is_kvstage(getattr(server_args, "disaggregation_transfer_backend", None))
+            and str(getattr(mode, "value", mode)) == "decode" and int(getattr(server_args, "dcp_size", 1) or 1) > 1):
+        return original(server_args, *args, **kwargs)
+    source = "kvstage plugin: decode context parallel"
+    declare_resolution(server_args, source, disaggregation_transfer_backend=DCP_CHECKED_AS)
+    try:
+        return original(server_args, *args, **kwargs)
+    finally:
+        declare_resolution(server_args, source, disaggregation_transfer_backend=BACKEND)
 
 
 def take_staging_flag(server_args, *args, **kwargs):

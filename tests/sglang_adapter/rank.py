@@ -18,7 +18,12 @@ directory (its config names its KV heads), set as SGLang's speculative_draft_mod
 "prefill_pp" the prefill is pipeline-parallel (pp_stage.py): --rank is the world rank (PP rank x
 TP + TP rank), each stage holds its layers only, over SGLang's real process groups. With
 "prefill_cp" the prefill has attention context parallelism (SGLang's --enable-prefill-cp): --tp
-is CP x attention TP, and every CP rank holds the whole KV of its heads.
+is CP x attention TP, and every CP rank holds the whole KV of its heads. With "decode_dcp" the
+decode has decode context parallel (SGLang's --dcp-size, MLA): DCP rank r (attention TP rank mod
+N) holds the request's tokens t with t % N == r, at local slot t // N; a request's "tokens" (its
+prompt length, which the plugin's hooks hand to the sender and the receiver) may end inside a
+page, and each decode rank checks the tokens it owns and that the rest of its pages still hold
+the sentinel.
 
 The KV device is data (scenario "device": "cpu", the default, or "cuda"): the KV, draft and state
 tensors live there (GPU 0: ServerArgs(device=...), KVArgs.gpu_id) and their patterns are built
@@ -103,11 +108,16 @@ class Rank:
         self.attn_tp = a.tp // self.dp // self.cp
         self.attn_rank, self.cp_rank = tp_rank % self.attn_tp, tp_rank // self.attn_tp % self.cp
         self.dp_rank = tp_rank // (self.attn_tp * self.cp)
+        # decode context parallel (scenario "decode_dcp"): SGLang's DCP rank is the attention TP rank mod N
+        self.dcp = int(sc.get(f"{a.role}_dcp") or 1)
+        self.dcp_rank = self.attn_rank % self.dcp
         self.local = 1 if self.mla else self.H // self.attn_tp
         self.heads = [0] if self.mla else list(range(self.attn_rank * self.local, (self.attn_rank + 1) * self.local))
         self.num_pages = sc["num_pages"]
         self.device = kv_device(sc.get("device", "cpu"))
         cp = {"attn_cp_size": self.cp, "enable_prefill_cp": True, "cp_strategy": "interleave"} if self.cp > 1 else {}
+        if self.dcp > 1:
+            cp["dcp_size"] = self.dcp
         sa = ServerArgs(model_path=sc["model"], tp_size=a.tp, pp_size=self.pp, dp_size=self.dp,
                         enable_dp_attention=self.dp > 1, **cp,
                         disaggregation_mode=a.role,
@@ -234,6 +244,27 @@ class Rank:
                         got = bufs[layer].view(torch.int16)[page * self.ps:(page + 1) * self.ps]
                         if not torch.equal(got, pattern(room, s.base + layer, kv, s.heads, tokens, s.hd, got.device)):
                             bad.append(f"room {room} page {page} {s.name} layer {layer} {'KV'[kv]} differs")
+        return bad
+
+    def check_dcp(self, room: int, pages, prefix_tokens: int, tokens: int) -> list[str]:
+        """Decode context parallel: slot s of this rank's `pages` (its local slots from
+        prefix_tokens // N on) holds global token (local slot) * N + DCP rank: its pattern where
+        that token is below `tokens`, the sentinel past the request's end."""
+        bad = []
+        for i, page in enumerate(pages):
+            local = prefix_tokens // self.dcp + i * self.ps + torch.arange(self.ps)
+            ids = local * self.dcp + self.dcp_rank
+            mine = ids < tokens
+            for s in self.sets:
+                for layer in range(len(s.k)):
+                    for kv, bufs in s.kinds():
+                        got = bufs[layer].view(torch.int16)[page * self.ps:(page + 1) * self.ps]
+                        want = pattern(room, s.base + layer, kv, s.heads, ids.tolist(), s.hd, got.device)
+                        if not torch.equal(got[mine], want[mine]):
+                            bad.append(f"room {room} page {page} {s.name} layer {layer} {'KV'[kv]} differs")
+                        if not bool((got[~mine] == SENTINEL).all()):
+                            bad.append(f"room {room} page {page} {s.name} layer {layer} {'KV'[kv]}: a slot past "
+                                       f"token {tokens} was written")
         return bad
 
     def untouched(self, owned: set, sets=None) -> list[str]:
@@ -373,6 +404,8 @@ def run_prefill(r: Rank, sc, out) -> None:
                     x["swa"] = [next(swa_pages) for _ in range(w)]
                     r.state.fill(q["room"], x["slot"], x["swa"], q["pages"] - w)
                     state = r.state.indices(x["slot"], x["swa"])
+                if q.get("tokens") is not None:   # as the plugin's hook before finalize_bootstrap
+                    s.request_tokens = q["tokens"]
                 s.init(len(suffix), x["row"])
                 if q.get("abort") == "prefill":
                     s.abort()
@@ -450,8 +483,11 @@ def run_decode(r: Rank, sc, out) -> None:
             continue
         rec = r.Receiver(r.mgr, r.addr, q["room"])
         rec.init(q.get("dp_rank", 0))
+        # under DCP each rank gets the request's virtual pages of page_size x N tokens past the prefix
+        n = (q["pages"] - q["prefix"] if r.dcp == 1
+             else -(-(q["tokens"] - q["prefix"] * r.ps) // (r.ps * r.dcp)))
         reqs.append({"q": q, "r": rec, "st": "boot", "row": next(rows),
-                     "pages": [next(host_pages if q.get("host") else pages) for _ in range(q["pages"] - q["prefix"])],
+                     "pages": [next(host_pages if q.get("host") else pages) for _ in range(n)],
                      "slot": sc["state"]["slots"] - 1 - i if r.state is not None else None})
     errors: list[str] = []
     owned: set = set()
@@ -473,6 +509,8 @@ def run_decode(r: Rank, sc, out) -> None:
                     state = r.state.indices(x["slot"], x["swa"])
                 where = KVTransferDestination.HOST if q.get("host") else KVTransferDestination.DEVICE
                 x["supports_host"] = bool(rec.supports_host_destination)
+                if q.get("tokens") is not None:   # as the plugin's hook before _send_kv_metadata
+                    rec.request_tokens = q["tokens"]
                 rec.send_metadata(np.asarray(x["pages"], dtype=np.int32), x["row"], state,
                                   decode_prefix_len=q["prefix"] * r.ps, destination=where)
                 if q.get("abort") == "decode":
@@ -483,6 +521,9 @@ def run_decode(r: Rank, sc, out) -> None:
                 if st == P.Success and q.get("host"):
                     owned_host.update(x["pages"])
                     errors += r.check(q["room"], x["pages"], q["prefix"] * r.ps, sets=[r.host_set])
+                elif st == P.Success and r.dcp > 1:
+                    owned.update(x["pages"])
+                    errors += r.check_dcp(q["room"], x["pages"], q["prefix"] * r.ps, q["tokens"])
                 elif st == P.Success:
                     owned.update(x["pages"])
                     errors += r.check(q["room"], x["pages"], q["prefix"] * r.ps)

@@ -396,11 +396,7 @@ def dcp_mgr(**kw):
                         "disaggregation_mode": SimpleNamespace(value="decode"), **kw})
 
 
-SGLANG_GATE = "SGLang 0.5.23 refuses decode DCP for a transfer backend it does not list"
-
-
 @pytest.mark.parametrize("mgr,args,named", [
-    (dcp_mgr(), {}, None),
     (dcp_mgr(disaggregation_mode=SimpleNamespace(value="prefill")), {}, "on the prefill side"),
     (dcp_mgr(is_mla_backend=False), {}, "beside a non-MLA KV pool"),
     (dcp_mgr(), {"state_types": ["mamba"]}, "with a hybrid KV pool or state components"),
@@ -410,15 +406,25 @@ SGLANG_GATE = "SGLang 0.5.23 refuses decode DCP for a transfer backend it does n
     (dcp_mgr(dcp_rank=0), {}, "whose DCP rank 0 is not attention TP rank 1 mod 2"),
     (dcp_mgr(), {"host_kv_data_ptrs": [4096]}, "with host KV destinations"),
     (dcp_mgr(server_args=SimpleNamespace(enable_hisparse=True, device="cuda")), {}, "with HiSparse"),
-], ids=["sglang-gate", "prefill", "mha", "state", "hybrid-mla", "draft", "pp", "rank", "host", "hisparse"])
-def test_decode_context_parallel_is_refused_at_start_naming_why(monkeypatch, mgr, args, named):
-    """Every DCP rank is refused while SGLang itself refuses decode DCP for backend kvstage, that
-    reason last; what would stay refused beyond it is named before it."""
+], ids=["prefill", "mha", "state", "hybrid-mla", "draft", "pp", "rank", "host", "hisparse"])
+def test_decode_context_parallel_kvstage_does_not_serve_is_refused_at_start_naming_why(monkeypatch, mgr, args,
+                                                                                        named):
     for name in SGLANG_AND_KVSTAGE_ENVS:
         monkeypatch.delenv(name, raising=False)
-    problems = unsupported_features(mgr, SimpleNamespace(**args))
-    assert SGLANG_GATE in problems[-1] and "decode context parallelism (dcp_size 2)" in problems[-1], problems
-    assert [p for p in problems[:-1] if named and named in p] == problems[:-1] and len(problems) == 1 + bool(named)
+    (only,) = unsupported_features(mgr, SimpleNamespace(**args))
+    assert named in only and "decode context parallelism (dcp_size 2)" in only, only
+
+
+@pytest.mark.parametrize("staging", [None, "1"], ids=["staging-unset", "sglang-staging-flag"])
+def test_a_decode_dcp_rank_of_an_mla_pool_starts(monkeypatch, staging):
+    """An MLA decode rank of attention TP 2 with DCP 2 is served (tests/sglang_adapter/
+    test_dcp_classes.py moves it through SGLang's classes); SGLang's staging flag, which turns
+    kvstage's staging on (its prefill relayouts a DCP split), adds no problem."""
+    for name in SGLANG_AND_KVSTAGE_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    if staging:
+        monkeypatch.setenv(plugin.SGLANG_STAGING_ENV, staging)
+    assert unsupported_features(dcp_mgr(), SimpleNamespace()) == []
 
 
 SHARD_GATE = "SGLang 0.5.23 refuses --enable-kv-cache-sharding for any transfer backend but mooncake and nixl"
@@ -445,16 +451,6 @@ def test_layout_of_a_sharded_prefill_holds_its_local_pages_of_the_logical_ones()
     assert (lay.page_shards, lay.tp_rank, lay.head_dim) == (2, 1, 1152)
     with pytest.raises(ValueError, match="whole TP group"):
         kv_layout(args, attn_tp_size=4, attn_tp_rank=1, mla=True, page_shards=2)
-
-
-def test_decode_context_parallel_with_sglangs_staging_flag_on_is_refused_for_sglangs_own_gate_only(monkeypatch):
-    """SGLang's staging flag turns kvstage's staging on (an MLA decode rank still moves direct;
-    its prefill relayouts a DCP split through its buffers): it adds no DCP problem."""
-    for name in SGLANG_AND_KVSTAGE_ENVS:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv(plugin.SGLANG_STAGING_ENV, "1")
-    (only,) = unsupported_features(dcp_mgr(), SimpleNamespace())
-    assert "SGLang 0.5.23 refuses decode DCP for a transfer backend it does not list" in only
 
 
 class KvstageLike:

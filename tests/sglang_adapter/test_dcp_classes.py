@@ -1,0 +1,48 @@
+"""A decode with decode context parallel through SGLang's real transfer classes (scheduler-class
+harness): SGLang's --dcp-size 2 on an MLA decode of attention TP 2, so decode rank r holds the
+request's tokens t with t % 2 == r, at local slot t // 2, in pages of its own. Each request's
+token count (which the plugin's hooks hand to kvstage's sender and receiver) ends inside a
+page or on a page's end, some with a decode prefix of whole virtual pages; each decode rank
+checks every token it owns, that no slot past the request's end was written, that no page
+outside a successful request was, and the aux row. Both backends; with SGLang's staging flag
+the prefill relayouts each decode rank's tokens through its staging buffers."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from scenario import expect, run
+
+PS, DCP = 4, 2
+TOKEN_BYTES = 2 * 8 * 2   # the harness's MLA model: 2 layers of one latent head of 8 bf16 values
+
+
+def dcp_requests(seed: int, n: int) -> list[dict]:
+    """Requests of 1 to 29 tokens past a prefix of 0 or 1 virtual page (PS x DCP tokens)."""
+    rnd = random.Random(seed)
+    out = []
+    for i in range(n):
+        prefix_tokens = PS * DCP * (i % 2)
+        tokens = prefix_tokens + rnd.choice([1, PS - 1, PS, PS + 1, PS * DCP, PS * DCP + 3, rnd.randint(9, 29)])
+        pages = -(-tokens // PS)
+        suffix = pages - prefix_tokens // PS
+        cut = rnd.randint(1, suffix) if suffix > 1 else suffix
+        out.append({"room": rnd.randrange(1, 1 << 63), "pages": pages, "prefix": prefix_tokens // PS,
+                    "tokens": tokens, "chunks": [c for c in (cut, suffix - cut) if c]})
+    return out
+
+
+@pytest.mark.parametrize("prefill_tp,backend,staging", [(1, "nixl", False), (2, "mooncake", True)],
+                         ids=["P1-D2dcp2-nixl", "P2-D2dcp2-mooncake-staged"])
+def test_decode_dcp_receives_each_token_on_its_rank(tmp_path, model_dir, bootstrap_server, prefill_tp, backend,
+                                                     staging):
+    reqs = dcp_requests(55 + prefill_tp, 7)
+    results = run(tmp_path, model_dir, bootstrap_server, prefill_tp, 2, reqs, backend=backend, staging=staging,
+                  mla=True, decode_dcp=DCP)
+    expect(results, reqs, lambda i: "Success")
+    for q in reqs:   # each decode rank received its own tokens' KV and the aux row, nothing else
+        got = [results[("decode", r)]["rooms"][str(q["room"])]["bytes"] for r in range(DCP)]
+        owned = [sum(1 for t in range(q["prefix"] * PS, q["tokens"]) if t % DCP == r) for r in range(DCP)]
+        aux = {g - TOKEN_BYTES * o for g, o in zip(got, owned)}
+        assert len(aux) == 1 and aux.pop() > 0, (q, got, owned)

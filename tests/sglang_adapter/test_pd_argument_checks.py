@@ -1,0 +1,38 @@
+"""SGLang's PD argument check (handle_pd_disaggregation) through kvstage's plugin, run by
+SGLang's own resolution of its ServerArgs (`resolve_once`, as a launcher or `publish` calls
+it): a decode with decode context parallel is accepted for backend kvstage
+(SGLang 0.5.23 lists the backends whose decode DCP it accepts, and kvstage is not among them),
+the backend stays kvstage once resolved, and the staging flag is still taken over first."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def server_args(model_dir: str, **kw):
+    from sglang.srt.plugins import load_plugins
+    load_plugins()
+    from sglang.srt.server_args import ServerArgs
+    sa = ServerArgs(model_path=model_dir, tp_size=2, disaggregation_mode="decode", device="cpu", host="127.0.0.1",
+                    port=30000, skip_tokenizer_init=True, page_size=4, **kw)
+    sa.resolve_once()
+    return sa
+
+
+def test_decode_dcp_passes_the_check_for_kvstage_and_stays_kvstage(model_dir, monkeypatch):
+    from sglang.srt.arg_groups.model_override_base import resolved_view
+    monkeypatch.setenv("SGLANG_DISAGG_STAGING_BUFFER", "1")
+    monkeypatch.delenv("KVSTAGE_SGLANG_STAGING", raising=False)
+    sa = server_args(model_dir, dcp_size=2, disaggregation_transfer_backend="kvstage")
+    assert resolved_view(sa).disaggregation_transfer_backend == "kvstage"
+    assert "SGLANG_DISAGG_STAGING_BUFFER" not in os.environ and os.environ["KVSTAGE_SGLANG_STAGING"] == "1"
+
+
+def test_sglangs_check_still_refuses_what_it_refuses_for_kvstage(model_dir):
+    """Only the backend list of decode DCP is read as nixl's: SGLang's other refusals stand
+    (here: decode host receive beside HiSparse)."""
+    with pytest.raises(ValueError, match="Decode host receive"):
+        server_args(model_dir, dcp_size=2, disaggregation_transfer_backend="kvstage", enable_hisparse=True,
+                    disaggregation_decode_host_receive_threshold=0.5)
