@@ -102,13 +102,29 @@ def start_pd(model: str, logs: Path, env: dict, backend: str, decode_tp: int = 1
                           logs / "decode.log", env))
         for p, port in zip(procs, (pp, dp)):
             wait_healthy(p, f"http://127.0.0.1:{port}/health")
-        rp = free_port()
-        procs.append(Proc("router", [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
-                                     "--mini-lb", "--prefill", f"http://127.0.0.1:{pp}", str(bp),
-                                     "--decode", f"http://127.0.0.1:{dp}", "--host", "127.0.0.1",
-                                     "--port", str(rp)], logs / "router.log", env))
+        router, url = start_router(f"http://127.0.0.1:{pp}", bp, f"http://127.0.0.1:{dp}", logs / "router.log", env)
+        procs.append(router)
     except BaseException:
         for p in reversed(procs):
             p.stop()
         raise
-    return procs, f"http://127.0.0.1:{rp}", f"http://127.0.0.1:{pp}"
+    return procs, url, f"http://127.0.0.1:{pp}"
+
+
+def start_router(prefill_url: str, bootstrap_port: int, decode_url: str, log: Path, env: dict) -> tuple[Proc, str]:
+    """SGLang's mini-lb PD router in front of one prefill (with its bootstrap port) and one
+    decode server; returns the process and its URL."""
+    rp = free_port()
+    router = Proc("router", [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation", "--mini-lb",
+                             "--prefill", prefill_url, str(bootstrap_port), "--decode", decode_url,
+                             "--host", "127.0.0.1", "--port", str(rp)], log, env)
+    return router, f"http://127.0.0.1:{rp}"
+
+
+def switch_role(server_url: str, new_role: str) -> dict:
+    """SGLang's PD role switch of an idle server started with --enable-pd-role-switch
+    (POST /pd_role_switch); its answer. On CPU no decode graph is captured: 0 GB asked for it."""
+    r = requests.post(f"{server_url}/pd_role_switch", json={"new_role": new_role, "decode_cuda_graph_memory_gb": 0},
+                      timeout=300)
+    r.raise_for_status()
+    return r.json()

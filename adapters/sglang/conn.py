@@ -64,6 +64,10 @@ class KvstageKVManager(CommonKVManager):
     # SGLang's deferred decode KV release: a failed request's pages and aux slot stay held until
     # is_abort_release_safe() below says that kvstage knows no write of it can still land
     supports_deferred_decode_kv_release = True
+    # SGLang's PD role switch (--enable-pd-role-switch): on an idle instance it calls teardown(),
+    # then builds the other role's manager over the same KV pool; teardown() below lets go of
+    # everything this manager holds (tests/sglang_adapter/test_role_switch.py)
+    supports_role_switch = True
 
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: ServerArgs,
                  is_mla_backend: bool | None = False):
@@ -206,6 +210,10 @@ class KvstageKVManager(CommonKVManager):
         return self.engine
 
     def teardown(self) -> None:
+        """Everything this manager holds, let go (at the server's end, and before SGLang's PD
+        role switch builds the other role's manager over the same KV pool): the send gate, the
+        kvstage engines (their threads, backend registrations and rendezvous records), a
+        decode's own rendezvous server, and the socket SGLang's CommonKVManager bound."""
         if self.gate is not None:
             self.gate.close()
         if self.engine is not None:
@@ -214,6 +222,9 @@ class KvstageKVManager(CommonKVManager):
             self.host_engine.close()
         if self._own_server is not None:
             self._own_server.close()
+        self.receivers.clear()
+        self.server_socket.close(linger=0)
+        self._zmq_ctx.destroy(linger=0)
 
 
 def _check_release_timeout(enabled: bool, timeouts) -> None:

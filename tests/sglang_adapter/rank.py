@@ -44,6 +44,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -78,7 +79,10 @@ def aux_ids(room: int) -> torch.Tensor:
 
 
 class Rank:
-    def __init__(self, a, sc):
+    def __init__(self, a, sc, kv: tuple[list, list] | None = None):
+        """`kv`: the (K, V) tensors of the rank this one replaces in its process (a PD role
+        switch: SGLang keeps the KV pool and builds the other role's transfer classes over it);
+        None: new ones."""
         from sglang.srt.plugins import load_plugins
         load_plugins()                       # kvstage's plugin: backend choice + get_kv_class hook
         from sglang.srt.disaggregation.utils import (
@@ -132,10 +136,10 @@ class Rank:
         backend = TransferBackend("kvstage")
         tokens = self.num_pages * self.ps
         dev = self.device
-        self.k = [torch.full((tokens, self.local, self.hd), 0, dtype=torch.bfloat16, device=dev)
-                  for _ in range(self.layers)]
-        self.v = [] if self.mla else [torch.full((tokens, self.local, self.hd), 0, dtype=torch.bfloat16, device=dev)
-                                      for _ in range(self.layers)]
+        self.k = kv[0] if kv else [torch.full((tokens, self.local, self.hd), 0, dtype=torch.bfloat16, device=dev)
+                                   for _ in range(self.layers)]
+        self.v = kv[1] if kv else [] if self.mla else [
+            torch.full((tokens, self.local, self.hd), 0, dtype=torch.bfloat16, device=dev) for _ in range(self.layers)]
         self.sets = [KVSet(base=self.stage.start, k=self.k, v=self.v, heads=self.heads, hd=self.hd)]
         # speculative decoding: the draft model's KV, appended after the target's (on decode always;
         # on prefill unless draft["prefill"] is false: decode-only speculation)
@@ -325,7 +329,6 @@ class ForwardDone:
         self.x, self.write = x, write
 
     def synchronize(self) -> None:
-        import threading
         self.x["event_thread"] = threading.current_thread().name
         self.write()
 
@@ -341,7 +344,6 @@ class CudaForwardDone(torch.cuda.Event):
         self.x = x
 
     def synchronize(self) -> None:
-        import threading
         self.x["event_thread"] = threading.current_thread().name
         super().synchronize()
 
@@ -643,6 +645,8 @@ def main() -> int:
     p.add_argument("--out", required=True)
     a = p.parse_args()
     sc = json.load(open(a.scenario))
+    if sc.get("switch"):
+        return run_switch(a, sc)
     try:
         r = Rank(a, sc)
         if r.pp > 1 and r.prefill:
@@ -656,6 +660,58 @@ def main() -> int:
             while not os.path.exists(sc["release"]) and time.monotonic() < deadline:
                 time.sleep(0.05)
         r.mgr.teardown()
+    except Exception:  # noqa: BLE001 - the test reads the traceback from the report
+        with open(a.out, "w") as f:
+            json.dump({"crash": traceback.format_exc()}, f)
+        return 1
+    return 0
+
+
+def run_switch(a, sc) -> int:
+    """A PD role switch (scenario "switch"): this process plays its role for the scenario's
+    requests (reported to `--out`.1), tears its manager down as SGLang's role switch does
+    (KVManager.teardown), then plays the other role over the same KV tensors for
+    switch["requests"] (reported to `--out`; what the teardown left running, its kvstage threads
+    and SGLang's socket, to `--out`.teardown). The old decode builds its prefill first; the old
+    prefill builds its decode once that prefill is registered (sync files). The KV keeps what the
+    first role left in it; every page is set to the sentinel before the second role starts, as
+    a new role's pool holds nothing it may rely on."""
+    sync = Path(sc["sync"])
+
+    def play(r: Rank, reqs, out: str) -> None:
+        (run_prefill if r.prefill else run_decode)(r, {**sc, "requests": reqs}, out)
+
+    def wait_for(name: str) -> None:
+        deadline = time.monotonic() + sc["deadline_s"]
+        while not (sync / name).exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{name} never came")
+            time.sleep(0.02)
+
+    try:
+        first = Rank(a, sc)
+        play(first, sc["requests"], a.out + ".1")
+        if first.prefill:          # as a prefill server: registered until its decode is done
+            wait_for("decoded-1")
+        else:
+            (sync / "decoded-1").touch()
+        first.mgr.teardown()
+        # what the torn-down manager left running or open (`--out`.teardown)
+        left = {"threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("kvstage")),
+                "socket_closed": bool(first.mgr.server_socket.closed)}
+        Path(a.out + ".teardown").write_text(json.dumps(left))
+        other = argparse.Namespace(**{**vars(a), "role": "decode" if first.prefill else "prefill"})
+        if first.prefill:
+            wait_for("prefill-2")
+        second = Rank(other, sc, kv=(first.k, first.v))   # sets every page to the sentinel
+        if second.prefill:
+            (sync / "prefill-2").touch()
+        play(second, sc["switch"]["requests"], a.out)
+        if second.prefill:
+            wait_for("decoded-2")
+        else:
+            (sync / "decoded-2").touch()
+        second.mgr.teardown()
     except Exception:  # noqa: BLE001 - the test reads the traceback from the report
         with open(a.out, "w") as f:
             json.dump({"crash": traceback.format_exc()}, f)
