@@ -670,7 +670,7 @@ def main() -> int:
 def run_switch(a, sc) -> int:
     """A PD role switch (scenario "switch"): this process plays its role for the scenario's
     requests (reported to `--out`.1), tears its manager down as SGLang's role switch does
-    (KVManager.teardown), then plays the other role over the same KV tensors for
+    (KvstageKVManager.teardown), then plays the other role over the same KV tensors for
     switch["requests"] (reported to `--out`; what the teardown left running, its kvstage threads
     and SGLang's socket, to `--out`.teardown). The old decode builds its prefill first; the old
     prefill builds its decode once that prefill is registered (sync files). The KV keeps what the
