@@ -661,10 +661,15 @@ def main() -> int:
                 time.sleep(0.05)
         r.mgr.teardown()
     except Exception:  # noqa: BLE001 - the test reads the traceback from the report
-        with open(a.out, "w") as f:
-            json.dump({"crash": traceback.format_exc()}, f)
-        return 1
+        return crashed(a.out)
     return 0
+
+
+def crashed(out: str) -> int:
+    """A rank that raised: its traceback as its report (the test reads it); the exit status."""
+    with open(out, "w") as f:
+        json.dump({"crash": traceback.format_exc()}, f)
+    return 1
 
 
 def run_switch(a, sc) -> int:
@@ -713,9 +718,7 @@ def run_switch(a, sc) -> int:
             (sync / "decoded-2").touch()
         second.mgr.teardown()
     except Exception:  # noqa: BLE001 - the test reads the traceback from the report
-        with open(a.out, "w") as f:
-            json.dump({"crash": traceback.format_exc()}, f)
-        return 1
+        return crashed(a.out)
     return 0
 
 
