@@ -38,7 +38,7 @@ from kvstage import EngineConfig, KVManager, KVTransferError
 from kvstage.bootstrap.in_process import InProcessServer, join_host_port
 from kvstage.transfer.config import METRICS_PORT_ENV
 
-from . import pools, send_gate
+from . import pools, prefill_complete, send_gate
 from .geometry import (
     device_of,
     draft_equal_tp_only,
@@ -68,6 +68,8 @@ class KvstageKVManager(CommonKVManager):
     # then builds the other role's manager over the same KV pool; teardown() below lets go of
     # everything this manager holds (tests/sglang_adapter/test_role_switch.py)
     supports_role_switch = True
+    # SGLang's status messages (prefill_complete.py) carry the prefill's failure reason
+    kv_status_msg_carries_reason = True
 
     def __init__(self, args: KVArgs, disaggregation_mode: DisaggregationMode, server_args: ServerArgs,
                  is_mla_backend: bool | None = False):
@@ -89,6 +91,7 @@ class KvstageKVManager(CommonKVManager):
             self.engine: KVManager | None = None
             self.host_engine: KVManager | None = None
             self.gate = None
+            self.bootstrap_channel = None
             log.info("kvstage prefill CP rank %d of %d (attention TP rank %d): CP rank 0 moves the KV, this rank "
                      "runs no kvstage engine", self.attn_cp_rank, self.attn_cp_size, self.attn_tp_rank)
             return
@@ -148,6 +151,10 @@ class KvstageKVManager(CommonKVManager):
                  self.engine.config.staging, self.engine.metrics_port)
         if not self.is_prefill:
             _check_release_timeout(self.enable_deferred_decode_kv_release, self.engine.config.timeouts)
+        # SGLang's prefill_complete allocation policy: its bootstrap and status messages on this
+        # manager's socket (prefill_complete.py)
+        self.bootstrap_channel = (prefill_complete.BootstrapChannel(self, prefill=self.is_prefill)
+                                  if self.defer_decode_allocation else None)
 
     def _own_bootstrap_addr(self) -> str:
         """Where this prefill instance's SGLang bootstrap server is reached (as SGLang's own
@@ -213,9 +220,12 @@ class KvstageKVManager(CommonKVManager):
         """Everything this manager holds, let go (at the server's end, and before SGLang's PD
         role switch builds the other role's manager over the same KV pool): the send gate, the
         kvstage engines (their threads, backend registrations and rendezvous records), a
-        decode's own rendezvous server, and the socket SGLang's CommonKVManager bound."""
+        decode's own rendezvous server, the thread reading SGLang's bootstrap messages
+        (prefill_complete), and the socket SGLang's CommonKVManager bound."""
         if self.gate is not None:
             self.gate.close()
+        if self.bootstrap_channel is not None:
+            self.bootstrap_channel.close()
         if self.engine is not None:
             self.engine.close()
         if self.host_engine is not None:
@@ -376,6 +386,15 @@ class KvstageKVSender(_Handle, CommonKVSender):
             self._handle.abort()
             self._end(KVPoll.Failed, failure)
 
+    def _end(self, state: int, reason: str | None = None) -> int:
+        """As _Handle's; under SGLang's prefill_complete policy a failure is also told to a decode
+        that announced the room and may still wait for the prefill to compute it (SGLang's
+        status channel; once the decode sent its metadata kvstage's own abort tells it)."""
+        mgr = self.kv_mgr
+        if state == KVPoll.Failed and mgr.deferred_bootstrap is not None and self._owns_bootstrap_room:
+            mgr._notify_bootstrap(self.bootstrap_room, mgr.deferred_bootstrap.fail(self.bootstrap_room))
+        return super()._end(state, reason)
+
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         return num_pages > 0
 
@@ -437,6 +456,11 @@ class KvstageKVSender(_Handle, CommonKVSender):
             return self._end(KVPoll.Failed)
         if self._sends.failure is not None:     # a send on the gate's thread failed
             return self._end(KVPoll.Failed, self._sends.failure)
+        if self.kv_mgr.deferred_bootstrap is not None and self.kv_mgr.request_status.get(self.bootstrap_room) == KVPoll.Failed:
+            # prefill_complete: the decode's ABORT came before its metadata (BootstrapChannel)
+            self._handle.abort()
+            return self._end(KVPoll.Failed, f"the decode side aborted room {self.bootstrap_room} before it sent its "
+                                            f"metadata ({prefill_complete.POLICY})")
         state = self._kv_state()
         if state == KVPoll.Success:
             return self._end(KVPoll.Success)
@@ -453,6 +477,15 @@ class KvstageKVSender(_Handle, CommonKVSender):
 
     def clear(self) -> None:
         self._sends.cancel()
+        mgr = self.kv_mgr
+        if mgr.deferred_bootstrap is not None and self._owns_bootstrap_room:
+            # prefill_complete: the room leaves SGLang's table; a decode still waiting for it is
+            # told it failed, unless the request succeeded (kvstage told the decode that itself)
+            told = mgr.deferred_bootstrap.close(self.bootstrap_room, self,
+                                                success=self.conclude_state == KVPoll.Success)
+            self._owns_bootstrap_room = False
+            if told is not None and told[1]:
+                mgr._notify_bootstrap(self.bootstrap_room, told)
         self._clear_handle()
         self.kv_mgr.req_to_decode_prefix_len.pop(self.bootstrap_room, None)
         self.kv_mgr.transfer_infos.pop(self.bootstrap_room, None)
@@ -469,6 +502,9 @@ class KvstageKVReceiver(_Handle, CommonKVReceiver):
         self._aux_index: int | None = None
         self._kv_done_at: float | None = None
         self.bootstrap_infos = None
+        # prefill_complete: when this receiver announced its room to the prefill (its metadata
+        # waits for the prefill's WaitingForInput); None: not waiting (prefill_complete.py)
+        self._announced_at: float | None = None
 
     def init(self, prefill_dp_rank: int):
         if self.conclude_state is not None:
@@ -479,6 +515,11 @@ class KvstageKVReceiver(_Handle, CommonKVReceiver):
             return
         self.prefill_info, self.prefill_dp_rank = info, prefill_dp_rank
         self.require_staging = False          # SGLang's own staging machinery stays off
+        policy = prefill_complete.POLICY if self.kv_mgr.defer_decode_allocation else "early"
+        problem = prefill_complete.peer_problem(info, policy)
+        if problem is not None:
+            self._end(KVPoll.Failed, problem)
+            return
         try:
             self._rendezvous = self.kv_mgr.rendezvous_for(self.bootstrap_addr)
         except (ValueError, RuntimeError) as exc:
@@ -487,6 +528,13 @@ class KvstageKVReceiver(_Handle, CommonKVReceiver):
         self.bootstrap_infos = []             # kvstage owns the peer connections
         if self.kv_mgr.host_engine is None:   # one destination: the receiver starts now
             self._open(KVTransferDestination.DEVICE)
+        if self.kv_mgr.defer_decode_allocation and self._handle is not None:
+            failure = prefill_complete.announce(self)
+            if failure is not None:
+                self._handle.abort()
+                self._end(KVPoll.Failed, failure)
+                return
+            self._announced_at = time.time()
 
     def _open(self, destination) -> bool:
         """The kvstage receiver of the room, on the engine of `destination`. With host KV
@@ -511,6 +559,7 @@ class KvstageKVReceiver(_Handle, CommonKVReceiver):
         """`destination` HOST: `kv_indices` are pages of SGLang's host pool (host KV destinations)."""
         if self.conclude_state is not None:
             return
+        self._announced_at = None             # prefill_complete: no longer waiting for the prefill
         if self._handle is None:
             if self._rendezvous is None or not self._open(destination):
                 return
@@ -559,6 +608,11 @@ class KvstageKVReceiver(_Handle, CommonKVReceiver):
             # chose the destination: ready for it as soon as the prefill's rendezvous is known
             return KVPoll.WaitingForInput if self._rendezvous is not None else KVPoll.Bootstrapping
         state = self._kv_state()
+        if self._announced_at is not None:   # prefill_complete, before the metadata
+            if state == KVPoll.Failed:
+                self._withdraw()
+                return state
+            return self._wait_for_prefill()
         if state != KVPoll.Success:
             return state
         # the aux row must name this request before SGLang reads it
@@ -571,7 +625,25 @@ class KvstageKVReceiver(_Handle, CommonKVReceiver):
                                             f"{self._aux_index} does not name this request")
         return KVPoll.Transferring
 
+    def _wait_for_prefill(self) -> int:
+        """prefill_complete, before the metadata: the prefill's word on its KV (its status
+        messages, BootstrapChannel), or SGLang's waiting timeout."""
+        state, reason = prefill_complete.source_state(self.kv_mgr, self.bootstrap_room, time.time() - self._announced_at)
+        if state == KVPoll.Failed:
+            self._withdraw()
+            self._handle.abort()
+            return self._end(KVPoll.Failed, reason)
+        return state
+
+    def _withdraw(self) -> None:
+        """prefill_complete: a room announced and ended before its metadata is withdrawn at the
+        prefill (SGLang's ABORT), whose sender would otherwise wait for metadata that never comes."""
+        if self._announced_at is not None:
+            self._announced_at = None
+            prefill_complete.withdraw(self)
+
     def abort(self):
+        self._withdraw()
         if self._handle is not None:
             self._handle.abort()
         if self.conclude_state != KVPoll.Success:
@@ -583,6 +655,7 @@ class KvstageKVReceiver(_Handle, CommonKVReceiver):
         failure, a transport error) before it holds the request's pages. kvstage's abort reaches
         every prefill rank of the room (those the failure did not come from are told, and told
         again until each one quiesced); on a room that already failed it changes nothing."""
+        self._withdraw()
         if not self.abort_notified and self._handle is not None:
             self._handle.abort()
         self.abort_notified = True
@@ -602,6 +675,7 @@ class KvstageKVReceiver(_Handle, CommonKVReceiver):
         self.kv_mgr.addr_to_rooms_tracker[self.bootstrap_addr].discard(self.bootstrap_room)
 
     def clear(self) -> None:
+        self._withdraw()
         self._clear_handle()
         if self._handle is not None and self.kv_mgr.receivers.get(self.bootstrap_room) is self._handle:
             del self.kv_mgr.receivers[self.bootstrap_room]

@@ -229,8 +229,6 @@ def unsupported_features(mgr, args) -> list[str]:
     out += cp_problems(mgr)
     out += dcp_problems(mgr, args)
     out += shard_problems(mgr, args)
-    if mgr.defer_decode_allocation:
-        out.append("--disaggregation-decode-allocation-policy prefill_complete")
     state_tp = getattr(mgr, "state_tp_size", mgr.attn_tp_size)
     if getattr(args, "state_types", None) and state_tp != mgr.attn_tp_size:
         out.append(f"state laid out over {state_tp} ranks beside attention TP {mgr.attn_tp_size} (CP-TP group sharing)")

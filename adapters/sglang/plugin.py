@@ -9,8 +9,9 @@
   before SGLang validates its arguments: it becomes KVSTAGE_SGLANG_STAGING, read by this adapter;
 - decode context parallel, which SGLang's argument check accepts on a decode only for the
   backends it lists (mooncake, nixl, mori, ascend, fake), is checked for backend kvstage as for
-  nixl: every other check of that function runs as it would (an AROUND hook on
-  handle_pd_disaggregation, which also takes the staging flag over first);
+  nixl, and `--disaggregation-decode-allocation-policy prefill_complete`, which it accepts for
+  mooncake only, as for mooncake: every other check of that function runs as it would (an
+  AROUND hook on handle_pd_disaggregation, which also takes the staging flag over first);
 - the request's token count, which SGLang's sender and receiver interfaces do not carry and
   kvstage needs under decode context parallel, is handed to kvstage's sender and receiver by
   BEFORE hooks on the two queue methods that start them (PrefillBootstrapQueue.finalize_bootstrap
@@ -103,26 +104,44 @@ def tell_decode_tokens(queue, decode_req, *args, **kwargs):
 #: a backend whose decode DCP SGLang's argument check accepts, and whose checks are otherwise
 #: those of any backend but mooncake (SGLang 0.5.23's handle_pd_disaggregation)
 DCP_CHECKED_AS = "nixl"
+#: the one backend SGLang's argument check accepts the prefill_complete allocation policy for
+#: (its _validate_prefill_complete; it also accepts decode DCP)
+PREFILL_COMPLETE_CHECKED_AS = "mooncake"
+
+
+def checked_as(server_args) -> str | None:
+    """The backend SGLang's PD argument check should see for backend kvstage: mooncake under the
+    prefill_complete allocation policy, nixl on a decode with decode context parallel, None
+    (kvstage itself) otherwise or for any other backend."""
+    if not is_kvstage(getattr(server_args, "disaggregation_transfer_backend", None)):
+        return None
+    if getattr(server_args, "disaggregation_decode_allocation_policy", "early") == "prefill_complete":
+        return PREFILL_COMPLETE_CHECKED_AS
+    mode = getattr(server_args, "disaggregation_mode", None)
+    if str(getattr(mode, "value", mode)) == "decode" and int(getattr(server_args, "dcp_size", 1) or 1) > 1:
+        return DCP_CHECKED_AS
+    return None
 
 
 def around_pd_checks(original, server_args, *args, **kwargs):
     """SGLang's PD argument check (handle_pd_disaggregation), for backend kvstage: the staging
-    flag taken over first (`take_staging_flag`); on a decode with decode context parallel
-    (dcp_size above 1), the check runs with the backend resolved as DCP_CHECKED_AS, which
-    SGLang's list of decode DCP backends names, and resolved as the operator's kvstage again
-    afterwards, whatever the check did (both through SGLang's declare_resolution: resolution
-    never writes the operator's input, and the last declaration wins). kvstage's own refusals of
-    a DCP rank it does not serve come later, when its manager starts (geometry.dcp_problems).
-    Any other backend, or no DCP: the check as SGLang wrote it."""
+    flag taken over first (`take_staging_flag`); under the prefill_complete allocation policy, or
+    on a decode with decode context parallel (dcp_size above 1), the check runs with the backend
+    resolved as the one SGLang accepts that for (`checked_as`), and resolved as the operator's
+    kvstage again afterwards, whatever the check did (both through SGLang's declare_resolution:
+    resolution never writes the operator's input, and the last declaration wins). Every other
+    check of the function runs as written: prefill_complete keeps SGLang's own limits (attention
+    TP 1, no CP or PP, no staging buffer, ...). kvstage's own refusals of a DCP rank it does not
+    serve come later, when its manager starts (geometry.dcp_problems). Any other backend, or
+    neither feature: the check as SGLang wrote it."""
     from sglang.srt.arg_groups.overrides import declare_resolution
 
     take_staging_flag(server_args)
-    mode = getattr(server_args, "disaggregation_mode", None)
-    if not (is_kvstage(getattr(server_args, "disaggregation_transfer_backend", None))
-            and str(getattr(mode, "value", mode)) == "decode" and int(getattr(server_args, "dcp_size", 1) or 1) > 1):
+    backend = checked_as(server_args)
+    if backend is None:
         return original(server_args, *args, **kwargs)
-    source = "kvstage plugin: decode context parallel"
-    declare_resolution(server_args, source, disaggregation_transfer_backend=DCP_CHECKED_AS)
+    source = "kvstage plugin: a PD feature SGLang checks per backend"
+    declare_resolution(server_args, source, disaggregation_transfer_backend=backend)
     try:
         return original(server_args, *args, **kwargs)
     finally:

@@ -23,7 +23,11 @@ decode has decode context parallel (SGLang's --dcp-size, MLA): DCP rank r (atten
 N) holds the request's tokens t with t % N == r, at local slot t // N; a request's "tokens" (its
 prompt length, which the plugin's hooks hand to the sender and the receiver) may end inside a
 page, and each decode rank checks the tokens it owns and that the rest of its pages still hold
-the sentinel.
+the sentinel. With "prefill_complete" both sides run SGLang's prefill_complete allocation
+policy: the decode announces each room at init() and must not poll WaitingForInput before the
+prefill called mark_prefill_complete() (the prefill writes a `marking-ROOM` file in the sync
+folder just before; a request's "mark_after" rooms are marked only once the decode finished
+them, a `done-ROOM` file), and the prefill must not see the decode's metadata before it marked.
 
 The KV device is data (scenario "device": "cpu", the default, or "cuda"): the KV, draft and state
 tensors live there (GPU 0: ServerArgs(device=...), KVArgs.gpu_id) and their patterns are built
@@ -127,7 +131,9 @@ class Rank:
                         disaggregation_mode=a.role,
                         disaggregation_transfer_backend="kvstage", disaggregation_bootstrap_port=sc["bootstrap_port"],
                         device=self.device.type, host="127.0.0.1", port=sc["http_port"] + (0 if self.prefill else 1),
-                        skip_tokenizer_init=True, page_size=self.ps)
+                        skip_tokenizer_init=True, page_size=self.ps,
+                        disaggregation_decode_allocation_policy="prefill_complete" if sc.get("prefill_complete")
+                        else "early")
         if (sc.get("draft") or {}).get("model"):   # a draft model of its own: SGLang's speculative server args
             sa.speculative_algorithm, sa.speculative_draft_model_path = "EAGLE", sc["draft"]["model"]
             sa.speculative_eagle_topk, sa.speculative_num_steps, sa.speculative_num_draft_tokens = 1, 1, 2
@@ -377,12 +383,24 @@ def run_prefill(r: Rank, sc, out) -> None:
     # die_at_room: the rank dies once that request is ready for its KV, after every request before
     # it ended and before any after it started (each room's outcome is then known on decode)
     die = next((i for i, q in enumerate(sc["requests"]) if q["room"] == sc.get("die_at_room")), None)
+    errors: list[str] = []
     while any(x["st"] != "done" for x in reqs) and time.monotonic() < deadline:
         for i, x in enumerate(reqs):
             q, s = x["q"], x["s"]
             if x["st"] == "done" or (die is not None and i > die):
                 continue
             st = s.poll()
+            if sc.get("prefill_complete") and x["st"] == "boot" and not x.get("marked"):
+                if st == P.WaitingForInput:
+                    errors.append(f"room {q['room']}: the decode's metadata came before the prefill completed it")
+                elif st == P.Bootstrapping and mark_now(sc, q):
+                    x["marked"] = True
+                    if q.get("abort") == "prefill-early":   # the prefill fails it before it completes
+                        s.abort()
+                    else:
+                        (Path(sc["sync"]) / f"marking-{q['room']}").touch()
+                        s.mark_prefill_complete()
+                    continue
             if x["st"] == "boot" and st == P.WaitingForInput:
                 if i == die:
                     if any(y["st"] != "done" for y in reqs[:die]):
@@ -441,7 +459,13 @@ def run_prefill(r: Rank, sc, out) -> None:
                 x["bytes"] = m.transfer_total_bytes
                 x["st"] = "done"
         time.sleep(0.002)
-    report(out, reqs, [])
+    report(out, reqs, errors)
+
+
+def mark_now(sc, q) -> bool:
+    """prefill_complete: whether the prefill may complete request `q` now: once the decode finished
+    every room of its "mark_after" (a `done-ROOM` file each)."""
+    return all((Path(sc["sync"]) / f"done-{room}").exists() for room in q.get("mark_after", ()))
 
 
 def wait_first_write(sender, deadline: float) -> bool:
@@ -485,6 +509,8 @@ def run_decode(r: Rank, sc, out) -> None:
             continue
         rec = r.Receiver(r.mgr, r.addr, q["room"])
         rec.init(q.get("dp_rank", 0))
+        if q.get("abort") == "decode-early":   # before its metadata (prefill_complete: while it waits)
+            rec.abort()
         # under DCP each rank gets the request's virtual pages of page_size x N tokens past the prefix
         n = (q["pages"] - q["prefix"] if r.dcp == 1
              else -(-(q["tokens"] - q["prefix"] * r.ps) // (r.ps * r.dcp)))
@@ -502,6 +528,8 @@ def run_decode(r: Rank, sc, out) -> None:
                 continue
             st = rec.poll()
             if x["st"] == "boot" and st == P.WaitingForInput:
+                if sc.get("prefill_complete") and not (Path(sc["sync"]) / f"marking-{q['room']}").exists():
+                    errors.append(f"room {q['room']}: WaitingForInput before the prefill completed it")
                 if q.get("late_meta") and r.pp_rank > 0 and not prefill_stage_popped(r, q["room"]):
                     continue   # its metadata waits until this stage's prefill ranks popped the prefix
                 state = None
@@ -553,6 +581,7 @@ def run_decode(r: Rank, sc, out) -> None:
                 x["path"] = kv.path if kv is not None else None
                 x["prefill_engine"] = rec._handle.prefill_engine if rec._handle is not None else None
                 x["st"] = "done"
+                (Path(sc["sync"]) / f"done-{q['room']}").touch()
         time.sleep(0.002)
     errors += r.untouched(owned)
     if r.host_set is not None:

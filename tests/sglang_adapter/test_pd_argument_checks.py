@@ -2,7 +2,9 @@
 SGLang's own resolution of its ServerArgs (`resolve_once`, as a launcher or `publish` calls
 it): a decode with decode context parallel is accepted for backend kvstage
 (SGLang 0.5.23 lists the backends whose decode DCP it accepts, and kvstage is not among them),
-the backend stays kvstage once resolved, and the staging flag is still taken over first."""
+and so is the prefill_complete allocation policy on both roles (which it accepts for mooncake
+only); the backend stays kvstage once resolved, the staging flag is still taken over first, and
+SGLang's other refusals stand."""
 
 from __future__ import annotations
 
@@ -15,8 +17,9 @@ def server_args(model_dir: str, **kw):
     from sglang.srt.plugins import load_plugins
     load_plugins()
     from sglang.srt.server_args import ServerArgs
-    sa = ServerArgs(model_path=model_dir, tp_size=2, disaggregation_mode="decode", device="cpu", host="127.0.0.1",
-                    port=30000, skip_tokenizer_init=True, page_size=4, **kw)
+    kw = {"tp_size": 2, "disaggregation_mode": "decode", **kw}
+    sa = ServerArgs(model_path=model_dir, device="cpu", host="127.0.0.1", port=30000, skip_tokenizer_init=True,
+                    page_size=4, **kw)
     sa.resolve_once()
     return sa
 
@@ -36,3 +39,21 @@ def test_sglangs_check_still_refuses_what_it_refuses_for_kvstage(model_dir):
     with pytest.raises(ValueError, match="Decode host receive"):
         server_args(model_dir, dcp_size=2, disaggregation_transfer_backend="kvstage", enable_hisparse=True,
                     disaggregation_decode_host_receive_threshold=0.5)
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_prefill_complete_passes_the_check_for_kvstage_and_stays_kvstage(model_dir, mode):
+    from sglang.srt.arg_groups.model_override_base import resolved_view
+    sa = server_args(model_dir, tp_size=1, disaggregation_mode=mode, disaggregation_transfer_backend="kvstage",
+                     disaggregation_decode_allocation_policy="prefill_complete")
+    view = resolved_view(sa)
+    assert view.disaggregation_transfer_backend == "kvstage"
+    assert view.disaggregation_decode_allocation_policy == "prefill_complete"
+    if mode == "prefill":   # SGLang's own resolution for the policy still ran: optimistic prefill on
+        assert view.optimistic_prefill_attempts >= 1
+
+
+def test_sglangs_limits_of_prefill_complete_stand_for_kvstage(model_dir):
+    with pytest.raises(ValueError, match="attention tensor parallelism greater than one"):
+        server_args(model_dir, tp_size=2, disaggregation_transfer_backend="kvstage",
+                    disaggregation_decode_allocation_policy="prefill_complete")

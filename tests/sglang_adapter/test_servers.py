@@ -2,7 +2,8 @@
 `--disaggregation-transfer-backend kvstage`, behind `sglang_router --pd-disaggregation --mini-lb`.
 Greedy output through kvstage must equal a single (non-PD) server's, token for token, on the
 direct path and on the staged path (prefill TP 1 -> decode TP 2), and before and after the two
-servers switch roles (SGLang's --enable-pd-role-switch, POST /pd_role_switch). The model is a tiny random
+servers switch roles (SGLang's --enable-pd-role-switch, POST /pd_role_switch), and with
+SGLang's prefill_complete allocation policy. The model is a tiny random
 Llama built here with transformers, served in float32 (a TP 2 decode's all-reduce rounds bf16
 differently from one rank's sums, which can flip a greedy token after a dozen steps: that is
 arithmetic, not transfer); no tokenizer (token ids in, token ids out). Server handling is in
@@ -16,6 +17,7 @@ import os
 import random
 
 import pytest
+import requests
 
 from kvstage.support.cluster import free_port
 from kvstage.support.sglang_servers import (
@@ -71,6 +73,26 @@ def test_pd_through_kvstage_equals_a_single_server(tiny_model, reference, tmp_pa
         for p in reversed(procs):
             p.stop()
     (tmp_path / "outputs.json").write_text(json.dumps({"reference": reference, "pd": got}))
+
+
+@pytest.mark.timeout(1200)   # two server starts (and the reference server's, on first use)
+def test_pd_with_prefill_complete_allocation_through_kvstage_equals_a_single_server(tiny_model, reference, tmp_path):
+    """SGLang's --disaggregation-decode-allocation-policy prefill_complete on both servers: the
+    decode reserves a request's pages only once the prefill computed it (the prefill's word comes
+    over SGLang's status channel, kvstage's adapter reads it: prefill_complete.py); the KV then
+    moves through kvstage as for any request."""
+    env = env_for(SGLANG_DISAGG_STAGING_BUFFER="0", SGLANG_CPU_OMP_THREADS_BIND="0")
+    procs, url, prefill_url = start_pd(tiny_model, tmp_path, env, "kvstage",
+                                       extra=("--disaggregation-decode-allocation-policy", "prefill_complete"))
+    try:
+        assert [generate(url, ids, procs, MAX_NEW) for ids in PROMPTS] == reference
+        info = requests.get(f"{prefill_url}/server_info", timeout=30).json()
+        assert info["disaggregation_decode_allocation_policy"] == "prefill_complete", info
+        text = (tmp_path / "prefill.log").read_text() + (tmp_path / "decode.log").read_text()
+        assert "Traceback" not in text, text[-4000:]
+    finally:
+        for p in reversed(procs):
+            p.stop()
 
 
 @pytest.mark.timeout(1200)   # two server starts, two routers (and the reference server's, on first use)

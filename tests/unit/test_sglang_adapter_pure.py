@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from kvstage.adapters.sglang import plugin
+from kvstage.adapters.sglang import plugin, prefill_complete
 from kvstage.adapters.sglang.geometry import kv_layout, kv_memory_device, unsupported_features
 
 
@@ -213,12 +213,11 @@ def plain_mgr(**kw):
                server_args=SimpleNamespace(enable_hisparse=False, device="cuda", enable_cp_tp_group_sharing=True)),
      {}, "CP-TP group sharing"),
     (plain_mgr(kv_shard_size=2, is_mla_backend=True), {}, "KV cache sharding (kv_shard_size 2): SGLang 0.5.23"),
-    (plain_mgr(defer_decode_allocation=True), {}, "prefill_complete"),
     (plain_mgr(pp_size=2, disaggregation_mode=SimpleNamespace(value="prefill")), {"num_draft_entries": 2},
      "pipeline parallelism (pp_size 2) with speculative-decoding draft KV"),
     (plain_mgr(), {"kv_layout": "dsv4"}, "KV layout"),
 ], ids=["hisparse-draft", "mem-kinds", "host-destinations-state", "host-destinations-hisparse", "decode-pp", "pp-hybrid",
-        "cp-decode", "cp-all-ranks", "cp-tp-sharing", "kv-sharding", "prefill-complete",
+        "cp-decode", "cp-all-ranks", "cp-tp-sharing", "kv-sharding",
         "pp-draft", "kv-layout"])
 def test_features_kvstage_does_not_move_are_named_at_start(mgr, args, named):
     problems = unsupported_features(mgr, SimpleNamespace(**args))
@@ -477,3 +476,41 @@ def test_request_tokens_reach_kvstages_sender_and_receiver_only():
     assert receiver.request_tokens == 33
     plugin.tell_decode_tokens(object(), SimpleNamespace(kv_receiver=receiver, req=req))
     assert receiver.request_tokens == 30
+
+
+@pytest.mark.parametrize("args,backend", [
+    (dict(disaggregation_mode="decode", dcp_size=2), "nixl"),
+    (dict(disaggregation_mode="prefill", dcp_size=2), None),
+    (dict(disaggregation_mode="decode", dcp_size=1), None),
+    (dict(disaggregation_mode="prefill", disaggregation_decode_allocation_policy="prefill_complete"), "mooncake"),
+    (dict(disaggregation_mode="decode", dcp_size=2, disaggregation_decode_allocation_policy="prefill_complete"),
+     "mooncake"),
+    (dict(disaggregation_mode="decode", disaggregation_transfer_backend="nixl", dcp_size=2,
+          disaggregation_decode_allocation_policy="prefill_complete"), None),
+], ids=["decode-dcp", "prefill-dcp", "plain", "prefill-complete", "prefill-complete-and-dcp", "other-backend"])
+def test_sglangs_pd_check_sees_the_backend_that_it_accepts_the_feature_for(args, backend):
+    """kvstage's plugin runs SGLang's PD argument check as for nixl on a decode with DCP, as for
+    mooncake under prefill_complete (which SGLang accepts for mooncake only, and which also gets
+    SGLang's refusal of DCP beside it), and as written otherwise."""
+    server_args = SimpleNamespace(**{"disaggregation_transfer_backend": "kvstage", **args})
+    assert plugin.checked_as(server_args) == backend
+
+
+def prefill_info(**kw):
+    return SimpleNamespace(**{"decode_allocation_policy": "prefill_complete", "attn_tp_size": 1, "attn_cp_size": 1,
+                              "pp_size": 1, **kw})
+
+
+@pytest.mark.parametrize("info,policy,named", [
+    (prefill_info(), "prefill_complete", None),
+    (prefill_info(decode_allocation_policy="early"), "early", None),
+    (prefill_info(decode_allocation_policy="early"), "prefill_complete", "prefill early, decode prefill_complete"),
+    (prefill_info(), "early", "prefill prefill_complete, decode early"),
+    (prefill_info(attn_tp_size=2), "prefill_complete", "TP 2, CP 1, PP 1"),
+    (prefill_info(pp_size=2), "prefill_complete", "TP 1, CP 1, PP 2"),
+    (prefill_info(attn_tp_size=2, decode_allocation_policy="early"), "early", None),
+], ids=["both-prefill-complete", "both-early", "decode-only", "prefill-only", "prefill-tp2", "prefill-pp2",
+        "early-tp2"])
+def test_a_decode_refuses_a_prefill_of_another_allocation_policy_or_shape(info, policy, named):
+    problem = prefill_complete.peer_problem(info, policy)
+    assert (problem is None) if named is None else (named in problem), problem

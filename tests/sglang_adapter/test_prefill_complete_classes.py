@@ -1,0 +1,25 @@
+"""SGLang's prefill_complete allocation policy through SGLang's real transfer classes
+(scheduler-class harness), prefill TP 1 -> decode TP 1 (SGLang allows the policy only there):
+each decode receiver announces its room at init() and polls WaitingForInput only once the
+prefill's sender called mark_prefill_complete(); two requests are completed only after the
+decode finished others (`mark_after`), so a decode that reserved early would be seen doing it.
+A decode that aborts while it waits fails the prefill's request with a reason, and a prefill
+that fails a request before completing it fails the waiting decode's. Both backends."""
+
+from __future__ import annotations
+
+import pytest
+from scenario import expect, requests_for, run
+
+
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_decode_reserves_only_after_the_prefill_completed(tmp_path, model_dir, bootstrap_server, backend):
+    reqs = requests_for(47, 6, abort={3: "decode-early", 4: "prefill-early"})
+    reqs[1]["mark_after"] = [reqs[0]["room"], reqs[2]["room"]]
+    reqs[5]["mark_after"] = [reqs[1]["room"]]
+    results = run(tmp_path, model_dir, bootstrap_server, 1, 1, reqs, backend=backend, prefill_complete=True)
+    expect(results, reqs, lambda i: "Failed" if i in (3, 4) else "Success")
+    prefill, decode = results[("prefill", 0)]["rooms"], results[("decode", 0)]["rooms"]
+    assert "before it sent its metadata" in prefill[str(reqs[3]["room"])]["error"], prefill[str(reqs[3]["room"])]
+    assert "the prefill failed the request before it completed it: Prefill bootstrap failed" in decode[str(reqs[4]["room"])]["error"], decode[str(reqs[4]["room"])]
+    assert all(prefill[str(q["room"])].get("marked") for i, q in enumerate(reqs) if i != 3)
