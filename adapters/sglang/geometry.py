@@ -281,16 +281,16 @@ def cp_problems(mgr) -> list[str]:
 
 def shard_problems(mgr, args) -> list[str]:
     """What of a rank with KV cache sharding (SGLang's kv_shard_size above 1) kvstage does not
-    serve, by name (empty: no sharding). kvstage's engine moves a sharded MLA prefill's requests
-    to a decode engine of its TP size, each page from the rank that owns it, with the aux row
-    (docs/protocol.md, "KV page sharding"), but SGLang 0.5.23 itself refuses
-    `--enable-kv-cache-sharding` for any transfer backend but mooncake and nixl (its
-    kv_shard_hook) and needs the fa3 or trtllm_mla attention backend (CUDA only), so no test
-    has moved a sharded request through SGLang's classes: every sharded rank is refused, with
-    that reason last. Named before it, what would stay refused then: a shard group other than
-    the whole attention TP group of an MLA model (GQA shards over prefill CP, refused as CP),
-    state components (SGLang's sharded DSA indexer pages), draft KV and PP. The layout
-    (kv_layout's page_shards) is mapped already."""
+    serve, by name (empty: no sharding, or a sharded rank it serves). Served: an MLA model's
+    prefill sharded over its whole attention TP group (SGLang's plain-TP MLA sharding), each
+    page sent by the rank that owns it to a decode of the same attention TP size, the aux row
+    with the last page (docs/protocol.md, "KV page sharding"; the layout's page_shards from
+    kv_shard_size, SGLang's logical page ids passed as they are). The plugin lets SGLang's
+    argument check accept the sharding for backend kvstage (plugin.around_kv_shard_checks);
+    tests/sglang_adapter/test_kv_shard_classes.py moves it through SGLang's classes. Refused, by
+    name: a shard group other than an MLA model's whole attention TP group (GQA shards over
+    prefill CP, refused as CP too), state components or a hybrid pool (SGLang's sharded DSA
+    indexer pages), draft KV and PP."""
     shards = int(getattr(mgr, "kv_shard_size", 1) or 1)
     if shards <= 1:
         return []
@@ -305,9 +305,6 @@ def shard_problems(mgr, args) -> list[str]:
         out.append(f"{name} with speculative-decoding draft KV (num_draft_entries)")
     if mgr.pp_size > 1:
         out.append(f"{name} with pipeline parallelism (pp_size {mgr.pp_size})")
-    out.append(f"{name}: SGLang 0.5.23 refuses --enable-kv-cache-sharding for any transfer backend but mooncake and "
-               f"nixl (its kv_shard_hook) and runs it on the fa3 or trtllm_mla attention backend only (CUDA), so no "
-               f"test has moved a sharded request through SGLang's classes")
     return out
 
 

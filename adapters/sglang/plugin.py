@@ -7,6 +7,9 @@
 - SGLANG_DISAGG_STAGING_BUFFER, which SGLang refuses for any backend but mooncake and nixl and
   which would also switch on SGLang's own staging machinery, is taken over for backend kvstage
   before SGLang validates its arguments: it becomes KVSTAGE_SGLANG_STAGING, read by this adapter;
+- KV cache sharding (`--enable-kv-cache-sharding`), which SGLang's check accepts for mooncake and
+  nixl only, is checked for backend kvstage as for mooncake (a wrapper of that resolution step,
+  registered through SGLang's `register_resolution_hook`);
 - decode context parallel, which SGLang's argument check accepts on a decode only for the
   backends it lists (mooncake, nixl, mori, ascend, fake), is checked for backend kvstage as for
   nixl, and `--disaggregation-decode-allocation-policy prefill_complete`, which it accepts for
@@ -52,6 +55,11 @@ def install() -> None:
                           tell_prefill_tokens, HookType.BEFORE)
     HookRegistry.register("sglang.srt.disaggregation.decode.DecodePreallocQueue._send_kv_metadata",
                           tell_decode_tokens, HookType.BEFORE)
+    # SGLang's own mechanism for wrapping a step of its argument resolution (the pipeline calls
+    # this step by a name it imported early, which HookRegistry's patch would not reach)
+    from sglang.srt.arg_groups import resolution_hooks
+    if around_kv_shard_checks not in resolution_hooks._HOOKS.get(KV_SHARD_STEP, []):
+        resolution_hooks.register_resolution_hook(KV_SHARD_STEP)(around_kv_shard_checks)
 
 
 def add_enum_member(enum_cls, name: str, value: str) -> None:
@@ -144,6 +152,34 @@ def around_pd_checks(original, server_args, *args, **kwargs):
     declare_resolution(server_args, source, disaggregation_transfer_backend=backend)
     try:
         return original(server_args, *args, **kwargs)
+    finally:
+        declare_resolution(server_args, source, disaggregation_transfer_backend=BACKEND)
+
+
+#: SGLang's resolution step that validates KV cache sharding, and the backend it is checked as
+#: for backend kvstage: one of the two it accepts (mooncake, nixl), and the one whose further
+#: checks (DSA sharding needs mooncake) leave kvstage's own refusals to name what it does not move
+KV_SHARD_STEP = "handle_kv_cache_sharding"
+KV_SHARD_CHECKED_AS = "mooncake"
+
+
+def around_kv_shard_checks(server_args, previous) -> None:
+    """SGLang's KV cache sharding check (handle_kv_cache_sharding), for backend kvstage: run with
+    the backend resolved as KV_SHARD_CHECKED_AS, and as kvstage again afterwards (SGLang's
+    declare_resolution), so its list of backends that route sends through its common sender
+    accepts kvstage, which takes SGLang's logical page ids itself (docs/protocol.md, "KV page
+    sharding"). Every other check of it stands (the attention backend, MLA over the whole
+    attention TP group or GQA over prefill CP, ...); kvstage's manager refuses at start what it
+    does not move (geometry.shard_problems). Any other backend: the check as SGLang wrote it."""
+    from sglang.srt.arg_groups.overrides import declare_resolution
+
+    if not is_kvstage(getattr(server_args, "disaggregation_transfer_backend", None)):
+        previous(server_args)
+        return
+    source = "kvstage plugin: KV cache sharding"
+    declare_resolution(server_args, source, disaggregation_transfer_backend=KV_SHARD_CHECKED_AS)
+    try:
+        previous(server_args)
     finally:
         declare_resolution(server_args, source, disaggregation_transfer_backend=BACKEND)
 

@@ -61,6 +61,20 @@ if not collect_ignore_glob:
         (d / "config.json").write_text(json.dumps(dict(cfg, num_hidden_layers=3)))
         return str(d)
 
+    @pytest.fixture(scope="module")
+    def mla_model_dir(tmp_path_factory) -> str:
+        """A DeepSeek V3 config of 2 layers: a model SGLang takes as MLA (its KV cache sharding
+        resolves for plain-TP MLA only; test_kv_shard_classes.py)."""
+        d = tmp_path_factory.mktemp("mla-model")
+        (d / "config.json").write_text(json.dumps({
+            "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 64,
+            "intermediate_size": 128, "moe_intermediate_size": 32, "num_attention_heads": 4,
+            "num_key_value_heads": 4, "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 512,
+            "torch_dtype": "bfloat16", "kv_lora_rank": 4, "q_lora_rank": None, "qk_rope_head_dim": 4,
+            "qk_nope_head_dim": 8, "v_head_dim": 8, "n_routed_experts": 4, "num_experts_per_tok": 2,
+            "first_k_dense_replace": 2, "n_shared_experts": 1, "bos_token_id": 1, "eos_token_id": 2}))
+        return str(d)
+
     @pytest.fixture
     def bootstrap_server():
         """The prefill instance's SGLang bootstrap server, as SGLang's launcher starts it: the class

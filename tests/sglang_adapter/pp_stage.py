@@ -20,11 +20,13 @@ from pathlib import Path
 from types import SimpleNamespace
 
 
-def init_groups(a, pp: int, attn_rank: int, attn_tp: int, store_file: str, cp_rank: int = 0, cp: int = 1) -> None:
+def init_groups(a, pp: int, attn_rank: int, attn_tp: int, store_file: str, cp_rank: int = 0, cp: int = 1,
+                kv_shard: bool = False) -> None:
     """The process groups SGLang's transfer code reads. Under PP, SGLang's own WORLD, TP, PP and
     attention-TP/CP groups over gloo, at the widths the rank published (PPConsensusStore needs a
     real PP group); without, no torch.distributed: the groups as metadata (with prefill attention
-    CP, its CP group's too)."""
+    CP, its CP group's too; with KV cache sharding the CP group of one rank, which SGLang's
+    get_kv_shard_group reads before it takes an MLA model's attention TP group)."""
     from sglang.srt.runtime_context import get_parallel
     if pp > 1:
         from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
@@ -34,7 +36,7 @@ def init_groups(a, pp: int, attn_rank: int, attn_tp: int, store_file: str, cp_ra
         return
     group = lambda rank, size: SimpleNamespace(rank_in_group=rank, world_size=size, is_first_rank=rank == 0,
                                                is_last_rank=rank == size - 1)
-    cp_group = {"attn_cp_group": group(cp_rank, cp)} if cp > 1 else {}
+    cp_group = {"attn_cp_group": group(cp_rank, cp)} if cp > 1 or kv_shard else {}
     get_parallel().override_permanently(pp_group=group(0, 1), world_group=group(a.rank, a.tp),
                                         tp_group=group(a.rank, a.tp), attn_tp_group=group(attn_rank, attn_tp),
                                         **cp_group)

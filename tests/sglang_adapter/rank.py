@@ -23,7 +23,10 @@ decode has decode context parallel (SGLang's --dcp-size, MLA): DCP rank r (atten
 N) holds the request's tokens t with t % N == r, at local slot t // N; a request's "tokens" (its
 prompt length, which the plugin's hooks hand to the sender and the receiver) may end inside a
 page, and each decode rank checks the tokens it owns and that the rest of its pages still hold
-the sentinel. With "prefill_complete" both sides run SGLang's prefill_complete allocation
+the sentinel. With "kv_shard" the prefill (MLA, its ServerArgs with SGLang's
+--enable-kv-cache-sharding) holds logical page l on attention TP rank l % N at local page l // N,
+writes only the pages it owns, and every rank sends the same logical page ids, as SGLang's
+scheduler does. With "prefill_complete" both sides run SGLang's prefill_complete allocation
 policy: the decode announces each room at init() and must not poll WaitingForInput before the
 prefill called mark_prefill_complete() (the prefill writes a `marking-ROOM` file in the sync
 folder just before; a request's "mark_after" rooms are marked only once the decode finished
@@ -126,6 +129,11 @@ class Rank:
         cp = {"attn_cp_size": self.cp, "enable_prefill_cp": True, "cp_strategy": "interleave"} if self.cp > 1 else {}
         if self.dcp > 1:
             cp["dcp_size"] = self.dcp
+        # KV cache sharding (scenario "kv_shard", prefill, MLA): logical page l on attention TP rank
+        # l % N at local page l // N; SGLang resolves it with the fa3 attention backend (never run here)
+        self.shards = self.attn_tp if sc.get("kv_shard") and self.prefill else 1
+        if self.shards > 1:
+            cp.update(enable_kv_cache_sharding=True, attention_backend="fa3")
         sa = ServerArgs(model_path=sc["model"], tp_size=a.tp, pp_size=self.pp, dp_size=self.dp,
                         enable_dp_attention=self.dp > 1, **cp,
                         disaggregation_mode=a.role,
@@ -138,7 +146,8 @@ class Rank:
             sa.speculative_algorithm, sa.speculative_draft_model_path = "EAGLE", sc["draft"]["model"]
             sa.speculative_eagle_topk, sa.speculative_num_steps, sa.speculative_num_draft_tokens = 1, 1, 2
         publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=a.rank))
-        init_groups(a, self.pp, self.attn_rank, self.attn_tp, sc["gloo"] + f"-{a.role}-pp", self.cp_rank, self.cp)
+        init_groups(a, self.pp, self.attn_rank, self.attn_tp, sc["gloo"] + f"-{a.role}-pp", self.cp_rank, self.cp,
+                    kv_shard=self.shards > 1)
         backend = TransferBackend("kvstage")
         tokens = self.num_pages * self.ps
         dev = self.device
@@ -231,8 +240,12 @@ class Rank:
 
     def fill(self, room: int, pages, first_token: int, *, wait: bool = True) -> None:
         """Writes the pattern of `room` into `pages`; `wait`: synchronised before it returns (on
-        CUDA; the early chunk's fill on a side stream does not wait)."""
-        for i, page in enumerate(pages):
+        CUDA; the early chunk's fill on a side stream does not wait). Under KV cache sharding
+        `pages` are logical: this rank writes those it owns, at their local pages."""
+        for i, logical in enumerate(pages):
+            if logical % self.shards != self.attn_rank % self.shards:
+                continue
+            page = logical // self.shards
             tokens = range(first_token + i * self.ps, first_token + (i + 1) * self.ps)
             for s in self.sets:
                 for layer in range(len(s.k)):
@@ -409,6 +422,8 @@ def run_prefill(r: Rank, sc, out) -> None:
                 k = s.pop_decode_prefix_len() // r.ps
                 x["prefix_seen"] = k
                 suffix = x["pages"][k:]
+                if r.shards > 1:   # KV cache sharding: the logical pages of the request this rank holds
+                    x["owned"] = sum(1 for page in suffix if page % r.shards == r.attn_rank)
                 # early_event: the first chunk's KV is written by "the previous forward pass",
                 # finished when SGLang's event completes: kvstage must wait for it before reading
                 late = q["chunks"][0] if q.get("early_event") else 0

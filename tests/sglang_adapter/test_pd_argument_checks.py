@@ -2,8 +2,8 @@
 SGLang's own resolution of its ServerArgs (`resolve_once`, as a launcher or `publish` calls
 it): a decode with decode context parallel is accepted for backend kvstage
 (SGLang 0.5.23 lists the backends whose decode DCP it accepts, and kvstage is not among them),
-and so is the prefill_complete allocation policy on both roles (which it accepts for mooncake
-only); the backend stays kvstage once resolved, the staging flag is still taken over first, and
+and so are the prefill_complete allocation policy on both roles (which it accepts for mooncake
+only) and KV cache sharding on a prefill (mooncake and nixl only); the backend stays kvstage once resolved, the staging flag is still taken over first, and
 SGLang's other refusals stand."""
 
 from __future__ import annotations
@@ -57,3 +57,20 @@ def test_sglangs_limits_of_prefill_complete_stand_for_kvstage(model_dir):
     with pytest.raises(ValueError, match="attention tensor parallelism greater than one"):
         server_args(model_dir, tp_size=2, disaggregation_transfer_backend="kvstage",
                     disaggregation_decode_allocation_policy="prefill_complete")
+
+
+def test_kv_cache_sharding_passes_the_check_for_kvstage_and_stays_kvstage(mla_model_dir):
+    """SGLang resolves --enable-kv-cache-sharding for plain-TP MLA on the fa3 attention backend
+    (a CUDA one: named here, never run); its list of transfer backends now accepts kvstage."""
+    from sglang.srt.arg_groups.model_override_base import resolved_view
+    sa = server_args(mla_model_dir, disaggregation_mode="prefill", disaggregation_transfer_backend="kvstage",
+                     enable_kv_cache_sharding=True, attention_backend="fa3")
+    view = resolved_view(sa)
+    assert view.disaggregation_transfer_backend == "kvstage" and view.enable_kv_cache_sharding
+
+
+def test_sglangs_limits_of_kv_cache_sharding_stand_for_kvstage(model_dir):
+    """A GQA model's KV is sharded over prefill CP only (SGLang's rule, kept)."""
+    with pytest.raises(ValueError, match="GQA models shards across attention-CP ranks"):
+        server_args(model_dir, disaggregation_mode="prefill", disaggregation_transfer_backend="kvstage",
+                    enable_kv_cache_sharding=True, attention_backend="fa3")

@@ -212,7 +212,7 @@ def plain_mgr(**kw):
     (plain_mgr(attn_cp_size=2, disaggregation_mode=SimpleNamespace(value="prefill"),
                server_args=SimpleNamespace(enable_hisparse=False, device="cuda", enable_cp_tp_group_sharing=True)),
      {}, "CP-TP group sharing"),
-    (plain_mgr(kv_shard_size=2, is_mla_backend=True), {}, "KV cache sharding (kv_shard_size 2): SGLang 0.5.23"),
+    (plain_mgr(kv_shard_size=2), {}, "KV cache sharding (kv_shard_size 2) other than an MLA model's pages"),
     (plain_mgr(pp_size=2, disaggregation_mode=SimpleNamespace(value="prefill")), {"num_draft_entries": 2},
      "pipeline parallelism (pp_size 2) with speculative-decoding draft KV"),
     (plain_mgr(), {"kv_layout": "dsv4"}, "KV layout"),
@@ -426,22 +426,22 @@ def test_a_decode_dcp_rank_of_an_mla_pool_starts(monkeypatch, staging):
     assert unsupported_features(dcp_mgr(), SimpleNamespace()) == []
 
 
-SHARD_GATE = "SGLang 0.5.23 refuses --enable-kv-cache-sharding for any transfer backend but mooncake and nixl"
-
-
 @pytest.mark.parametrize("mgr,args,named", [
     (plain_mgr(kv_shard_size=2, is_mla_backend=True), {}, None),
     (plain_mgr(kv_shard_size=2), {}, "other than an MLA model's pages over its whole attention TP group"),
     (plain_mgr(kv_shard_size=2, is_mla_backend=True, attn_tp_size=4), {}, "whole attention TP group"),
     (plain_mgr(kv_shard_size=2, is_mla_backend=True), {"state_types": ["dsa"]}, "with state components"),
     (plain_mgr(kv_shard_size=2, is_mla_backend=True), {"num_draft_entries": 1}, "with speculative-decoding draft"),
-], ids=["sglang-gate", "mha", "part-of-tp", "dsa-state", "draft"])
-def test_kv_cache_sharding_is_refused_at_start_naming_why(mgr, args, named):
-    """Every sharded rank is refused while SGLang itself refuses --enable-kv-cache-sharding for
-    backend kvstage, that reason last; what would stay refused beyond it is named before it."""
-    problems = unsupported_features(mgr, SimpleNamespace(**args))
-    assert SHARD_GATE in problems[-1] and "KV cache sharding (kv_shard_size 2)" in problems[-1], problems
-    assert [p for p in problems[:-1] if named and named in p] == problems[:-1] and len(problems) == 1 + bool(named)
+    (plain_mgr(kv_shard_size=2, is_mla_backend=True, pp_size=2), {}, "with pipeline parallelism"),
+], ids=["mla-over-attention-tp", "mha", "part-of-tp", "dsa-state", "draft", "pp"])
+def test_kv_cache_sharding_starts_where_kvstage_moves_it_and_is_refused_naming_why_elsewhere(mgr, args, named):
+    """An MLA model's pages sharded over the whole attention TP group start (kvstage's engine
+    moves them, each page from its owner); any other sharding is refused at start, by name."""
+    problems = [p for p in unsupported_features(mgr, SimpleNamespace(**args)) if "KV cache sharding" in p]
+    if named is None:
+        assert unsupported_features(mgr, SimpleNamespace(**args)) == []
+    else:
+        assert len(problems) == 1 and named in problems[0] and "(kv_shard_size 2)" in problems[0], problems
 
 
 def test_layout_of_a_sharded_prefill_holds_its_local_pages_of_the_logical_ones():
