@@ -358,10 +358,11 @@ class KvstageKVSender(_Handle, CommonKVSender):
         """The prefix SGLang leaves out of its sends: what kvstage knows of the decode side's
         now (0 before its metadata came: a PP stage past the first may be told to start by PP
         rank 0's poll first). init() counts exactly this many stand-in pages, whatever arrives
-        in between."""
+        in between. In tokens: pages of page_size x dcp_size tokens on a prefill with decode
+        context parallel (its allocator's pages, each one local page of every DCP rank)."""
         pages = self._handle.decode_prefix_pages if self._handle is not None else None
         self._prefix_pages = pages or 0
-        return self._prefix_pages * self.kv_mgr.page_size
+        return self._prefix_pages * self.kv_mgr.page_size * getattr(self.kv_mgr, "kv_dcp_size", 1)
 
     def init(self, num_kv_indices: int, aux_index: int | None = None):
         """`num_kv_indices`: the pages SGLang will send, past the prefix pop_decode_prefix_len()

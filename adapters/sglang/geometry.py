@@ -310,14 +310,16 @@ def shard_problems(mgr, args) -> list[str]:
 
 def dcp_problems(mgr, args) -> list[str]:
     """What of a rank with decode context parallelism (SGLang's attn_dcp_size above 1) kvstage
-    does not serve, by name (empty: no DCP, or a DCP decode rank it serves). kvstage's engine
-    moves a DCP request direct, its KV and its pool items (SGLang's aux row is one;
-    docs/protocol.md, "Decode context parallel"), relayouted through the prefill's staging
-    buffers where it has them; the layout (kv_layout's dcp_size) and the request's token count
-    (plugin.tell_*_tokens) are mapped, and the plugin lets SGLang's argument check accept decode
-    DCP for backend kvstage (plugin.around_pd_checks); tests/sglang_adapter/test_dcp_classes.py
-    moves it through SGLang's classes. Refused, by name: DCP on the prefill side (SGLang's
-    N -> N; untested here), a non-MLA pool, a draft's KV (SGLang splits no draft entry), state
+    does not serve, by name (empty: no DCP, or a DCP rank it serves: a decode's, from a prefill
+    of DCP 1 or of its own DCP size, and a prefill's, to a decode of its DCP size). kvstage's
+    engine moves a DCP request direct, its KV and its pool items (SGLang's aux row is one;
+    docs/protocol.md, "Decode context parallel"), a 1 -> N split relayouted through the
+    prefill's staging buffers where it has them; the layout (kv_layout's dcp_size) and the
+    request's token count (plugin.tell_*_tokens) are mapped, and the plugin lets SGLang's
+    argument check accept decode DCP for backend kvstage (plugin.around_pd_checks);
+    tests/sglang_adapter/test_dcp_classes.py moves both pairings through SGLang's classes. A
+    pairing SGLang does not serve either (DCP on one side only but a 1 -> N split, N -> M)
+    fails each request on both sides, naming both layouts. Refused, by name: a non-MLA pool, a draft's KV (SGLang splits no draft entry), state
     components or a hybrid pool, PP, a DCP rank that is not the attention TP rank mod dcp_size,
     host KV destinations and HiSparse. SGLang's staging flag is no problem: it turns kvstage's
     staging on, which on an MLA decode rank changes nothing (an MLA model moves direct) and gives
@@ -327,10 +329,6 @@ def dcp_problems(mgr, args) -> list[str]:
         return []
     name = f"decode context parallelism (dcp_size {dcp})"
     out = []
-    mode = getattr(mgr, "disaggregation_mode", None)
-    if str(getattr(mode, "value", mode)) == "prefill":
-        out.append(f"{name} on the prefill side (SGLang's prefill DCP N -> decode DCP N: no test moves it through "
-                   f"this adapter)")
     if not getattr(mgr, "is_mla_backend", False):
         out.append(f"{name} beside a non-MLA KV pool (SGLang serves DCP for MLA only)")
     if getattr(args, "is_hybrid_mla_backend", False) or getattr(args, "state_types", None):

@@ -269,6 +269,21 @@ class Rank:
                             bad.append(f"room {room} page {page} {s.name} layer {layer} {'KV'[kv]} differs")
         return bad
 
+    def fill_dcp(self, room: int, pages, prefix_tokens: int, tokens: int) -> None:
+        """A prefill with decode context parallel (DCP N -> N): slot s of this rank's `pages` (its
+        local slots from prefix_tokens // N on) holds global token (local slot) * N + DCP rank;
+        the slots past the request's end get the pattern of the token they would hold (not the
+        sentinel), so a decode slot written past the end is told apart."""
+        for i, page in enumerate(pages):
+            local = prefix_tokens // self.dcp + i * self.ps + torch.arange(self.ps)
+            ids = (local * self.dcp + self.dcp_rank).tolist()
+            for s in self.sets:
+                for layer in range(len(s.k)):
+                    for kv, bufs in s.kinds():
+                        bufs[layer].view(torch.int16)[page * self.ps:(page + 1) * self.ps] = pattern(
+                            room, s.base + layer, kv, s.heads, ids, s.hd, self.device)
+        self.sync()
+
     def check_dcp(self, room: int, pages, prefix_tokens: int, tokens: int) -> list[str]:
         """Decode context parallel: slot s of this rank's `pages` (its local slots from
         prefix_tokens // N on) holds global token (local slot) * N + DCP rank: its pattern where
@@ -419,7 +434,8 @@ def run_prefill(r: Rank, sc, out) -> None:
                     if any(y["st"] != "done" for y in reqs[:die]):
                         continue
                     os.kill(os.getpid(), signal.SIGKILL)   # a prefill rank dies mid-request
-                k = s.pop_decode_prefix_len() // r.ps
+                # SGLang's pages here: a DCP prefill's are its virtual pages of page_size x N tokens
+                k = s.pop_decode_prefix_len() // (r.ps * r.dcp)
                 x["prefix_seen"] = k
                 suffix = x["pages"][k:]
                 if r.shards > 1:   # KV cache sharding: the logical pages of the request this rank holds
@@ -427,7 +443,10 @@ def run_prefill(r: Rank, sc, out) -> None:
                 # early_event: the first chunk's KV is written by "the previous forward pass",
                 # finished when SGLang's event completes: kvstage must wait for it before reading
                 late = q["chunks"][0] if q.get("early_event") else 0
-                r.fill(q["room"], suffix[late:], (k + late) * r.ps)
+                if r.dcp > 1:
+                    r.fill_dcp(q["room"], suffix, k * r.ps * r.dcp, q["tokens"])
+                else:
+                    r.fill(q["room"], suffix[late:], (k + late) * r.ps)
                 r.meta.output_ids[x["row"]] = aux_ids(q["room"])
                 r.meta.bootstrap_room[x["row"], 0] = q["room"]
                 hidden, topk_p, topk_ids = spec_aux(q["room"])

@@ -5,7 +5,9 @@ token count (which the plugin's hooks hand to kvstage's sender and receiver) end
 page or on a page's end, some with a decode prefix of whole virtual pages; each decode rank
 checks every token it owns, that no slot past the request's end was written, that no page
 outside a successful request was, and the aux row. Both backends; with SGLang's staging flag
-the prefill relayouts each decode rank's tokens through its staging buffers."""
+the prefill relayouts each decode rank's tokens through its staging buffers. A prefill of the
+same DCP size (SGLang's N -> N pairing) sends each DCP rank's own pages to the decode's rank of
+that DCP rank, with the slots past each request's end holding data that must not move."""
 
 from __future__ import annotations
 
@@ -40,6 +42,37 @@ def test_decode_dcp_receives_each_token_on_its_rank(tmp_path, model_dir, bootstr
     reqs = dcp_requests(55 + prefill_tp, 7)
     results = run(tmp_path, model_dir, bootstrap_server, prefill_tp, 2, reqs, backend=backend, staging=staging,
                   mla=True, decode_dcp=DCP)
+    expect(results, reqs, lambda i: "Success")
+    for q in reqs:   # each decode rank received its own tokens' KV and the aux row, nothing else
+        got = [results[("decode", r)]["rooms"][str(q["room"])]["bytes"] for r in range(DCP)]
+        owned = [sum(1 for t in range(q["prefix"] * PS, q["tokens"]) if t % DCP == r) for r in range(DCP)]
+        aux = {g - TOKEN_BYTES * o for g, o in zip(got, owned)}
+        assert len(aux) == 1 and aux.pop() > 0, (q, got, owned)
+
+
+def equal_dcp_requests(seed: int, n: int) -> list[dict]:
+    """DCP N -> N: requests of 1 to 29 tokens past a prefix of 0 or 1 virtual page; "pages" are
+    the prefill's virtual pages (page_size x N tokens each), "prefix" in pages of page_size."""
+    rnd = random.Random(seed)
+    out = []
+    for i in range(n):
+        prefix_virtual = i % 2
+        tokens = prefix_virtual * PS * DCP + rnd.choice([1, PS - 1, PS, PS + 1, PS * DCP, PS * DCP + 3,
+                                                         rnd.randint(9, 29)])
+        virtual = -(-tokens // (PS * DCP))
+        suffix = virtual - prefix_virtual
+        cut = rnd.randint(1, suffix) if suffix > 1 else suffix
+        out.append({"room": rnd.randrange(1, 1 << 63), "pages": virtual, "prefix": prefix_virtual * DCP,
+                    "tokens": tokens, "chunks": [c for c in (cut, suffix - cut) if c]})
+    return out
+
+
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_a_prefill_of_the_decodes_dcp_size_sends_each_rank_its_own_pages(tmp_path, model_dir, bootstrap_server,
+                                                                         backend):
+    reqs = equal_dcp_requests(77, 7)
+    results = run(tmp_path, model_dir, bootstrap_server, 2, 2, reqs, backend=backend, mla=True, decode_dcp=DCP,
+                  prefill_dcp=DCP)
     expect(results, reqs, lambda i: "Success")
     for q in reqs:   # each decode rank received its own tokens' KV and the aux row, nothing else
         got = [results[("decode", r)]["rooms"][str(q["room"])]["bytes"] for r in range(DCP)]

@@ -20,6 +20,9 @@ def test_decode_reserves_only_after_the_prefill_completed(tmp_path, model_dir, b
     results = run(tmp_path, model_dir, bootstrap_server, 1, 1, reqs, backend=backend, prefill_complete=True)
     expect(results, reqs, lambda i: "Failed" if i in (3, 4) else "Success")
     prefill, decode = results[("prefill", 0)]["rooms"], results[("decode", 0)]["rooms"]
-    assert "before it sent its metadata" in prefill[str(reqs[3]["room"])]["error"], prefill[str(reqs[3]["room"])]
+    # the decode's ABORT reaches the prefill after its sender was made, or before (SGLang's table
+    # then holds the room as cancelled, and the sender fails as it is made)
+    aborted = prefill[str(reqs[3]["room"])]["error"]
+    assert "before it sent its metadata" in aborted or "Duplicate or cancelled bootstrap room" in aborted, aborted
     assert "the prefill failed the request before it completed it: Prefill bootstrap failed" in decode[str(reqs[4]["room"])]["error"], decode[str(reqs[4]["room"])]
     assert all(prefill[str(q["room"])].get("marked") for i, q in enumerate(reqs) if i != 3)

@@ -396,7 +396,6 @@ def dcp_mgr(**kw):
 
 
 @pytest.mark.parametrize("mgr,args,named", [
-    (dcp_mgr(disaggregation_mode=SimpleNamespace(value="prefill")), {}, "on the prefill side"),
     (dcp_mgr(is_mla_backend=False), {}, "beside a non-MLA KV pool"),
     (dcp_mgr(), {"state_types": ["mamba"]}, "with a hybrid KV pool or state components"),
     (dcp_mgr(), {"is_hybrid_mla_backend": True}, "with a hybrid KV pool or state components"),
@@ -405,7 +404,7 @@ def dcp_mgr(**kw):
     (dcp_mgr(dcp_rank=0), {}, "whose DCP rank 0 is not attention TP rank 1 mod 2"),
     (dcp_mgr(), {"host_kv_data_ptrs": [4096]}, "with host KV destinations"),
     (dcp_mgr(server_args=SimpleNamespace(enable_hisparse=True, device="cuda")), {}, "with HiSparse"),
-], ids=["prefill", "mha", "state", "hybrid-mla", "draft", "pp", "rank", "host", "hisparse"])
+], ids=["mha", "state", "hybrid-mla", "draft", "pp", "rank", "host", "hisparse"])
 def test_decode_context_parallel_kvstage_does_not_serve_is_refused_at_start_naming_why(monkeypatch, mgr, args,
                                                                                         named):
     for name in SGLANG_AND_KVSTAGE_ENVS:
@@ -415,15 +414,16 @@ def test_decode_context_parallel_kvstage_does_not_serve_is_refused_at_start_nami
 
 
 @pytest.mark.parametrize("staging", [None, "1"], ids=["staging-unset", "sglang-staging-flag"])
-def test_a_decode_dcp_rank_of_an_mla_pool_starts(monkeypatch, staging):
-    """An MLA decode rank of attention TP 2 with DCP 2 is served (tests/sglang_adapter/
-    test_dcp_classes.py moves it through SGLang's classes); SGLang's staging flag, which turns
-    kvstage's staging on (its prefill relayouts a DCP split), adds no problem."""
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_a_dcp_rank_of_an_mla_pool_starts(monkeypatch, staging, mode):
+    """An MLA decode or prefill rank of attention TP 2 with DCP 2 is served (tests/sglang_adapter/
+    test_dcp_classes.py moves 1 -> 2 and 2 -> 2 through SGLang's classes); SGLang's staging flag,
+    which turns kvstage's staging on (its prefill relayouts a DCP split), adds no problem."""
     for name in SGLANG_AND_KVSTAGE_ENVS:
         monkeypatch.delenv(name, raising=False)
     if staging:
         monkeypatch.setenv(plugin.SGLANG_STAGING_ENV, staging)
-    assert unsupported_features(dcp_mgr(), SimpleNamespace()) == []
+    assert unsupported_features(dcp_mgr(disaggregation_mode=SimpleNamespace(value=mode)), SimpleNamespace()) == []
 
 
 @pytest.mark.parametrize("mgr,args,named", [
