@@ -723,9 +723,17 @@ def main() -> int:
             while not os.path.exists(sc["release"]) and time.monotonic() < deadline:
                 time.sleep(0.05)
         r.mgr.teardown()
+        Path(a.out + ".teardown").write_text(json.dumps(left_running(r.mgr)))
     except Exception:  # noqa: BLE001 - the test reads the traceback from the report
         return crashed(a.out)
     return 0
+
+
+def left_running(mgr) -> dict:
+    """What a torn-down manager left running or open (a rank's `--out`.teardown): the kvstage
+    threads of this process, and whether SGLang's socket is closed."""
+    return {"threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("kvstage")),
+            "socket_closed": bool(mgr.server_socket.closed)}
 
 
 def crashed(out: str) -> int:
@@ -765,9 +773,7 @@ def run_switch(a, sc) -> int:
             (sync / "decoded-1").touch()
         first.mgr.teardown()
         # what the torn-down manager left running or open (`--out`.teardown)
-        left = {"threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("kvstage")),
-                "socket_closed": bool(first.mgr.server_socket.closed)}
-        Path(a.out + ".teardown").write_text(json.dumps(left))
+        Path(a.out + ".teardown").write_text(json.dumps(left_running(first.mgr)))
         other = argparse.Namespace(**{**vars(a), "role": "decode" if first.prefill else "prefill"})
         if first.prefill:
             wait_for("prefill-2")

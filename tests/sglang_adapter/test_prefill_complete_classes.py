@@ -4,9 +4,13 @@ each decode receiver announces its room at init() and polls WaitingForInput only
 prefill's sender called mark_prefill_complete(); two requests are completed only after the
 decode finished others (`mark_after`), so a decode that reserved early would be seen doing it.
 A decode that aborts while it waits fails the prefill's request with a reason, and a prefill
-that fails a request before completing it fails the waiting decode's. Both backends."""
+that fails a request before completing it fails the waiting decode's. At the end each rank's
+manager is torn down: the thread reading SGLang's bootstrap messages is gone with kvstage's
+others, and SGLang's socket is closed. Both backends."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from scenario import expect, requests_for, run
@@ -26,3 +30,8 @@ def test_decode_reserves_only_after_the_prefill_completed(tmp_path, model_dir, b
     assert "before it sent its metadata" in aborted or "Duplicate or cancelled bootstrap room" in aborted, aborted
     assert "the prefill failed the request before it completed it: Prefill bootstrap failed" in decode[str(reqs[4]["room"])]["error"], decode[str(reqs[4]["room"])]
     assert all(prefill[str(q["room"])].get("marked") for i, q in enumerate(reqs) if i != 3)
+    for role in ("prefill", "decode"):
+        left = json.loads((tmp_path / f"{role}0.json.teardown").read_text())
+        assert left == {"threads": [], "socket_closed": True}, (role, left)
+        log = (tmp_path / f"{role}0.log").read_text()
+        assert "Exception in thread" not in log, log[-3000:]   # stopped, not killed by its socket's close
