@@ -457,7 +457,8 @@ class KvstageKVSender(_Handle, CommonKVSender):
             return self._end(KVPoll.Failed)
         if self._sends.failure is not None:     # a send on the gate's thread failed
             return self._end(KVPoll.Failed, self._sends.failure)
-        if self.kv_mgr.deferred_bootstrap is not None and self.kv_mgr.request_status.get(self.bootstrap_room) == KVPoll.Failed:
+        mgr = self.kv_mgr
+        if mgr.deferred_bootstrap is not None and mgr.request_status.get(self.bootstrap_room) == KVPoll.Failed:
             # prefill_complete: the decode's ABORT came before its metadata (BootstrapChannel)
             self._handle.abort()
             return self._end(KVPoll.Failed, f"the decode side aborted room {self.bootstrap_room} before it sent its "
@@ -629,7 +630,8 @@ class KvstageKVReceiver(_Handle, CommonKVReceiver):
     def _wait_for_prefill(self) -> int:
         """prefill_complete, before the metadata: the prefill's word on its KV (its status
         messages, BootstrapChannel), or SGLang's waiting timeout."""
-        state, reason = prefill_complete.source_state(self.kv_mgr, self.bootstrap_room, time.time() - self._announced_at)
+        waited = time.time() - self._announced_at
+        state, reason = prefill_complete.source_state(self.kv_mgr, self.bootstrap_room, waited)
         if state == KVPoll.Failed:
             self._withdraw()
             self._handle.abort()

@@ -318,10 +318,10 @@ def dcp_problems(mgr, args) -> list[str]:
     request's token count (plugin.tell_*_tokens) are mapped, and the plugin lets SGLang's
     argument check accept decode DCP for backend kvstage (plugin.around_pd_checks);
     tests/sglang_adapter/test_dcp_classes.py moves both pairings through SGLang's classes. A
-    pairing SGLang does not serve either (DCP on one side only but a 1 -> N split, N -> M)
-    fails each request on both sides, naming both layouts. Refused, by name: a non-MLA pool, a draft's KV (SGLang splits no draft entry), state
-    components or a hybrid pool, PP, a DCP rank that is not the attention TP rank mod dcp_size,
-    host KV destinations and HiSparse. SGLang's staging flag is no problem: it turns kvstage's
+    pairing SGLang does not serve either (prefill DCP N -> decode DCP 1 or M) fails each request
+    on both sides, naming both layouts. Refused, by name: a non-MLA pool, a draft's KV (SGLang
+    splits no draft entry), state components or a hybrid pool, PP, a DCP rank that is not the
+    attention TP rank mod dcp_size, host KV destinations and HiSparse. SGLang's staging flag is no problem: it turns kvstage's
     staging on, which on an MLA decode rank changes nothing (an MLA model moves direct) and gives
     its prefill the buffers a DCP split is relayouted through."""
     dcp = int(getattr(mgr, "dcp_size", 1) or 1)
