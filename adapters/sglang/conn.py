@@ -40,6 +40,7 @@ from kvstage.transfer.config import METRICS_PORT_ENV
 
 from . import pools, prefill_complete, send_gate
 from .geometry import (
+    cp_ranks_hold_copies,
     device_of,
     draft_equal_tp_only,
     dsa_tail_slot_bytes,
@@ -86,7 +87,10 @@ class KvstageKVManager(CommonKVManager):
         # prefill CP where CP rank 0 sends (geometry.cp_problems): the other CP ranks hold the same
         # KV and move nothing, as SGLang's own dummy CP ranks; they run no kvstage engine, and their
         # senders succeed at their last send (KvstageKVSender)
-        self.dummy_cp_rank = self.is_prefill and bool(getattr(self, "is_dummy_cp_rank", False))
+        # (SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER splits SGLang's sending, not the KV: every CP
+        # rank holds it whole, and CP rank 0 moves it as without the variable, cp_ranks_hold_copies)
+        self.dummy_cp_rank = self.is_prefill and (bool(getattr(self, "is_dummy_cp_rank", False)) or (
+            cp_ranks_hold_copies(self) and self.attn_cp_rank != 0))
         if self.dummy_cp_rank:
             self.engine: KVManager | None = None
             self.host_engine: KVManager | None = None

@@ -253,14 +253,31 @@ def unsupported_features(mgr, args) -> list[str]:
     return out
 
 
+def cp_ranks_hold_copies(mgr) -> bool:
+    """Whether every attention CP rank of this prefill holds the whole KV of its heads although
+    SGLang has them all send (its `enable_all_cp_ranks_for_transfer`): only
+    SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER asked for it, a split of the sending work, not
+    of the KV (no hybrid MLA pool, DSA cache layer split or KV sharding, whose CP ranks hold
+    parts). kvstage then moves the KV from CP rank 0 as without the variable: the bytes that
+    arrive are the same."""
+    server_args = getattr(mgr, "server_args", None)
+    return (int(getattr(mgr, "attn_cp_size", 1) or 1) > 1
+            and bool(getattr(mgr, "enable_all_cp_ranks_for_transfer", False))
+            and not getattr(mgr, "is_hybrid_mla_backend", False)
+            and not getattr(server_args, "enable_dsa_cache_layer_split", False)
+            and int(getattr(mgr, "kv_shard_size", 1) or 1) <= 1
+            and not getattr(server_args, "enable_cp_tp_group_sharing", False))
+
+
 def cp_problems(mgr) -> list[str]:
     """What of a rank with attention context parallelism (SGLang's attn_cp_size above 1) kvstage
     does not serve, by name (empty: no CP, or a served one). Served: a prefill with CP where only
     CP rank 0 sends (SGLang's default for a plain pool: every CP rank holds the whole KV, so CP
     rank 0 moves it as a CP-1 prefill of attention TP ranks, and the other CP ranks are dummy
-    senders, `is_dummy_cp_rank`, that succeed at their last send, as SGLang's own). Refused:
-    every CP rank sending its part of the pages (`enable_all_cp_ranks_for_transfer`: SGLang's
-    SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER, a hybrid MLA pool, DSA cache layer split or KV
+    senders, `is_dummy_cp_rank`, that succeed at their last send, as SGLang's own); the same
+    with SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER, which splits the sending, not the KV
+    (`cp_ranks_hold_copies`). Refused: every CP rank holding and sending its part of the pages
+    (`enable_all_cp_ranks_for_transfer` for a hybrid MLA pool, DSA cache layer split or KV
     sharding over CP), CP-TP group sharing, and CP on a decode (SGLang refuses it too)."""
     cp = int(getattr(mgr, "attn_cp_size", 1) or 1)
     if cp <= 1:
@@ -270,10 +287,9 @@ def cp_problems(mgr) -> list[str]:
     if str(getattr(mode, "value", mode)) != "prefill":
         return [f"{name} on a decode (SGLang's decode takes CP 1 only)"]
     out = []
-    if getattr(mgr, "enable_all_cp_ranks_for_transfer", False):
-        out.append(f"{name} with every CP rank sending its part of the pages (SGLANG_DISAGGREGATION_ALL_CP_RANKS_"
-                   f"TRANSFER, a hybrid MLA pool, DSA cache layer split or KV sharding over CP): kvstage moves a CP "
-                   f"prefill's KV from CP rank 0")
+    if getattr(mgr, "enable_all_cp_ranks_for_transfer", False) and not cp_ranks_hold_copies(mgr):
+        out.append(f"{name} with every CP rank holding and sending its part of the pages (a hybrid MLA pool, DSA "
+                   f"cache layer split or KV sharding over CP): kvstage moves a CP prefill's KV from CP rank 0")
     if getattr(getattr(mgr, "server_args", None), "enable_cp_tp_group_sharing", False):
         out.append(f"{name} with CP-TP group sharing (--enable-cp-tp-group-sharing)")
     return out

@@ -208,7 +208,8 @@ def plain_mgr(**kw):
     (plain_mgr(attn_cp_size=2, disaggregation_mode=SimpleNamespace(value="decode")), {},
      "context parallelism (attn_cp_size 2) on a decode"),
     (plain_mgr(attn_cp_size=2, disaggregation_mode=SimpleNamespace(value="prefill"),
-               enable_all_cp_ranks_for_transfer=True), {}, "with every CP rank sending its part of the pages"),
+               enable_all_cp_ranks_for_transfer=True, is_hybrid_mla_backend=True), {},
+     "with every CP rank holding and sending its part of the pages"),
     (plain_mgr(attn_cp_size=2, disaggregation_mode=SimpleNamespace(value="prefill"),
                server_args=SimpleNamespace(enable_hisparse=False, device="cuda", enable_cp_tp_group_sharing=True)),
      {}, "CP-TP group sharing"),
@@ -514,3 +515,21 @@ def prefill_info(**kw):
 def test_a_decode_refuses_a_prefill_of_another_allocation_policy_or_shape(info, policy, named):
     problem = prefill_complete.peer_problem(info, policy)
     assert (problem is None) if named is None else (named in problem), problem
+
+
+@pytest.mark.parametrize("kw,served", [
+    ({}, True),
+    ({"is_hybrid_mla_backend": True}, False),
+    ({"kv_shard_size": 2}, False),
+    ({"server_args": SimpleNamespace(enable_hisparse=False, device="cuda", enable_dsa_cache_layer_split=True)}, False),
+], ids=["plain-pool", "hybrid-mla", "kv-sharding", "dsa-layer-split"])
+def test_all_cp_ranks_sending_is_served_where_each_cp_rank_holds_the_whole_kv(kw, served):
+    """SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER on a plain pool splits SGLang's sending, not the
+    KV: kvstage serves it as without the variable (CP rank 0 moves the KV); where the CP ranks
+    hold parts of it, every rank is refused at start."""
+    mgr = plain_mgr(**{"attn_cp_size": 2, "disaggregation_mode": SimpleNamespace(value="prefill"),
+                       "enable_all_cp_ranks_for_transfer": True, **kw})
+    from kvstage.adapters.sglang.geometry import cp_ranks_hold_copies
+    assert cp_ranks_hold_copies(mgr) is served
+    problems = [p for p in unsupported_features(mgr, SimpleNamespace()) if "context parallelism" in p]
+    assert (problems == []) is served, problems
