@@ -343,6 +343,7 @@ class KvstageKVSender(_Handle, CommonKVSender):
         # SGLang names a request's state only with its last send: the aux row goes with init(),
         # the state items with kvstage's last send, and the KV streams chunk by chunk meanwhile
         self._sent, self._last_send_at = 0, None
+        self._awaiting_mark = False             # prefill_complete: the kvstage sender not made yet
         self._sends = send_gate.RequestSends(mgr.gate, self._send_now, self._abort_handle)
         # with a CUDA cache SGLang may hand the page indices as a pinned host tensor that its
         # copy is still filling (indices_event): the gate waits, the scheduler does not copy
@@ -353,10 +354,27 @@ class KvstageKVSender(_Handle, CommonKVSender):
         if self.conclude_state is not None or mgr.request_status.get(bootstrap_room) == KVPoll.Failed:
             self.conclude_state = KVPoll.Failed
             return
+        # prefill_complete: the kvstage sender is made when the prefill completes the request
+        # (mark_prefill_complete), so kvstage's metadata deadline counts from there, not from the
+        # prefill's queue and compute before it (the decode sends no metadata until then)
+        self._awaiting_mark = mgr.deferred_bootstrap is not None
+        if not self._awaiting_mark:
+            self._make_handle()
+
+    def _make_handle(self) -> None:
         try:
-            self._handle = mgr.engine.sender(bootstrap_room)
+            self._handle = self.kv_mgr.engine.sender(self.bootstrap_room)
         except (ValueError, RuntimeError) as exc:
-            self._end(KVPoll.Failed, f"kvstage refused room {bootstrap_room}: {exc}")
+            self._end(KVPoll.Failed, f"kvstage refused room {self.bootstrap_room}: {exc}")
+
+    def mark_prefill_complete(self) -> None:
+        """prefill_complete: the request is computed. The kvstage sender is made, then SGLang's
+        own step tells a decode that announced the room (prefill_complete.py)."""
+        if self._awaiting_mark and self.conclude_state is None:
+            self._awaiting_mark = False
+            self._make_handle()
+        if self.conclude_state is None:
+            CommonKVSender.mark_prefill_complete(self)
 
     def pop_decode_prefix_len(self) -> int:
         """The prefix SGLang leaves out of its sends: what kvstage knows of the decode side's
@@ -372,6 +390,9 @@ class KvstageKVSender(_Handle, CommonKVSender):
         """`num_kv_indices`: the pages SGLang will send, past the prefix pop_decode_prefix_len()
         gave it (none popped: SGLang sends every page)."""
         self.num_kv_indices, self.aux_index = num_kv_indices, aux_index
+        if self._awaiting_mark and self.conclude_state is None:   # SGLang completes a request before this
+            self._awaiting_mark = False
+            self._make_handle()
         if self._dummy and self.conclude_state is None and num_kv_indices <= 0:
             self._end(KVPoll.Success)
         if self._handle is None or self.conclude_state is not None:
@@ -457,16 +478,18 @@ class KvstageKVSender(_Handle, CommonKVSender):
             return self.conclude_state
         if self._dummy:
             return KVPoll.WaitingForInput
-        if self._handle is None:
-            return self._end(KVPoll.Failed)
-        if self._sends.failure is not None:     # a send on the gate's thread failed
-            return self._end(KVPoll.Failed, self._sends.failure)
         mgr = self.kv_mgr
         if mgr.deferred_bootstrap is not None and mgr.request_status.get(self.bootstrap_room) == KVPoll.Failed:
             # prefill_complete: the decode's ABORT came before its metadata (BootstrapChannel)
-            self._handle.abort()
+            if self._handle is not None:
+                self._handle.abort()
             return self._end(KVPoll.Failed, f"the decode side aborted room {self.bootstrap_room} before it sent its "
                                             f"metadata ({prefill_complete.POLICY})")
+        if self._handle is None:
+            # prefill_complete: not completed yet (mark_prefill_complete makes the kvstage sender)
+            return KVPoll.Bootstrapping if self._awaiting_mark else self._end(KVPoll.Failed)
+        if self._sends.failure is not None:     # a send on the gate's thread failed
+            return self._end(KVPoll.Failed, self._sends.failure)
         state = self._kv_state()
         if state == KVPoll.Success:
             return self._end(KVPoll.Success)

@@ -405,7 +405,8 @@ def run_prefill(r: Rank, sc, out) -> None:
     for i, q in enumerate(sc["requests"]):
         if q.get("dp_rank", 0) != r.dp_rank:      # the router sent it to another prefill DP rank
             continue
-        reqs.append({"q": q, "s": r.Sender(r.mgr, r.addr, q["room"]), "st": "boot", "row": next(rows),
+        reqs.append({"q": q, "s": r.Sender(r.mgr, r.addr, q["room"]), "made": time.monotonic(), "st": "boot",
+                     "row": next(rows),
                      "pages": [next(pages) for _ in range(q["pages"])], "slot": 1 + i})
     deadline = time.monotonic() + sc["deadline_s"]
     # die_at_room: the rank dies once that request is ready for its KV, after every request before
@@ -421,7 +422,7 @@ def run_prefill(r: Rank, sc, out) -> None:
             if sc.get("prefill_complete") and x["st"] == "boot" and not x.get("marked"):
                 if st == P.WaitingForInput:
                     errors.append(f"room {q['room']}: the decode's metadata came before the prefill completed it")
-                elif st == P.Bootstrapping and mark_now(sc, q):
+                elif st == P.Bootstrapping and mark_now(sc, q, time.monotonic() - x["made"]):
                     x["marked"] = True
                     if q.get("abort") == "prefill-early":   # the prefill fails it before it completes
                         s.abort()
@@ -496,10 +497,12 @@ def run_prefill(r: Rank, sc, out) -> None:
     report(out, reqs, errors)
 
 
-def mark_now(sc, q) -> bool:
+def mark_now(sc, q, waited_s: float) -> bool:
     """prefill_complete: whether the prefill may complete request `q` now: once the decode finished
-    every room of its "mark_after" (a `done-ROOM` file each)."""
-    return all((Path(sc["sync"]) / f"done-{room}").exists() for room in q.get("mark_after", ()))
+    every room of its "mark_after" (a `done-ROOM` file each), and `waited_s` since its sender was
+    made reached its "mark_after_s" (a prefill that queued and computed that long)."""
+    return waited_s >= q.get("mark_after_s", 0) and all(
+        (Path(sc["sync"]) / f"done-{room}").exists() for room in q.get("mark_after", ()))
 
 
 def wait_first_write(sender, deadline: float) -> bool:

@@ -21,7 +21,11 @@ def test_decode_reserves_only_after_the_prefill_completed(tmp_path, model_dir, b
     reqs = requests_for(47, 6, abort={3: "decode-early", 4: "prefill-early"})
     reqs[1]["mark_after"] = [reqs[0]["room"], reqs[2]["room"]]
     reqs[5]["mark_after"] = [reqs[1]["room"]]
-    results = run(tmp_path, model_dir, bootstrap_server, 1, 1, reqs, backend=backend, prefill_complete=True)
+    # a request the prefill completes 6 s after its sender was made, past kvstage's metadata deadline
+    # of 3 s here: that deadline counts from the completion (the decode sends nothing before it)
+    reqs[0]["mark_after_s"] = 6
+    results = run(tmp_path, model_dir, bootstrap_server, 1, 1, reqs, backend=backend, prefill_complete=True,
+                  extra_env={"KVSTAGE_TIMEOUT_METADATA": "3"})
     expect(results, reqs, lambda i: "Failed" if i in (3, 4) else "Success")
     prefill, decode = results[("prefill", 0)]["rooms"], results[("decode", 0)]["rooms"]
     # the decode's ABORT reaches the prefill after its sender was made, or before (SGLang's table
