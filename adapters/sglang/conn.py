@@ -390,7 +390,8 @@ class KvstageKVSender(_Handle, CommonKVSender):
         """`num_kv_indices`: the pages SGLang will send, past the prefix pop_decode_prefix_len()
         gave it (none popped: SGLang sends every page)."""
         self.num_kv_indices, self.aux_index = num_kv_indices, aux_index
-        if self._awaiting_mark and self.conclude_state is None:   # SGLang completes a request before this
+        if self._awaiting_mark and self.conclude_state is None:
+            # SGLang marks a request complete before its init(); should it not, the sender is made here
             self._awaiting_mark = False
             self._make_handle()
         if self._dummy and self.conclude_state is None and num_kv_indices <= 0:
