@@ -27,7 +27,8 @@ the sentinel. With "kv_shard" the prefill (MLA, its ServerArgs with SGLang's
 --enable-kv-cache-sharding) holds logical page l on attention TP rank l % N at local page l // N,
 writes only the pages it owns, and every rank sends the same logical page ids, as SGLang's
 scheduler does. With "prefill_complete" both sides run SGLang's prefill_complete allocation
-policy: the decode announces each room at init() and must not poll WaitingForInput before the
+policy ("decode": the decode only, a deployment whose roles disagree): the decode announces each
+room at init() and must not poll WaitingForInput before the
 prefill called mark_prefill_complete() (the prefill writes a `marking-ROOM` file in the sync
 folder just before; a request's "mark_after" rooms are marked only once the decode finished
 them, a `done-ROOM` file), and the prefill must not see the decode's metadata before it marked.
@@ -140,8 +141,8 @@ class Rank:
                         disaggregation_transfer_backend="kvstage", disaggregation_bootstrap_port=sc["bootstrap_port"],
                         device=self.device.type, host="127.0.0.1", port=sc["http_port"] + (0 if self.prefill else 1),
                         skip_tokenizer_init=True, page_size=self.ps,
-                        disaggregation_decode_allocation_policy="prefill_complete" if sc.get("prefill_complete")
-                        else "early")
+                        disaggregation_decode_allocation_policy="prefill_complete"
+                        if sc.get("prefill_complete") in (True, a.role) else "early")
         if (sc.get("draft") or {}).get("model"):   # a draft model of its own: SGLang's speculative server args
             sa.speculative_algorithm, sa.speculative_draft_model_path = "EAGLE", sc["draft"]["model"]
             sa.speculative_eagle_topk, sa.speculative_num_steps, sa.speculative_num_draft_tokens = 1, 1, 2
@@ -419,7 +420,7 @@ def run_prefill(r: Rank, sc, out) -> None:
             if x["st"] == "done" or (die is not None and i > die):
                 continue
             st = s.poll()
-            if sc.get("prefill_complete") and x["st"] == "boot" and not x.get("marked"):
+            if sc.get("prefill_complete") is True and x["st"] == "boot" and not x.get("marked"):
                 if st == P.WaitingForInput:
                     errors.append(f"room {q['room']}: the decode's metadata came before the prefill completed it")
                 elif st == P.Bootstrapping and mark_now(sc, q, time.monotonic() - x["made"]):
@@ -565,7 +566,7 @@ def run_decode(r: Rank, sc, out) -> None:
                 continue
             st = rec.poll()
             if x["st"] == "boot" and st == P.WaitingForInput:
-                if sc.get("prefill_complete") and not (Path(sc["sync"]) / f"marking-{q['room']}").exists():
+                if sc.get("prefill_complete") is True and not (Path(sc["sync"]) / f"marking-{q['room']}").exists():
                     errors.append(f"room {q['room']}: WaitingForInput before the prefill completed it")
                 if q.get("late_meta") and r.pp_rank > 0 and not prefill_stage_popped(r, q["room"]):
                     continue   # its metadata waits until this stage's prefill ranks popped the prefix

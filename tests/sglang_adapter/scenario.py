@@ -49,7 +49,7 @@ def run(tmp_path, model_dir, port, prefill_tp, decode_tp, reqs, *, backend="nixl
     "pages" are virtual pages of page_size x N tokens, their "prefix" in pages of page_size); `switch`: a PD role switch, the
     requests each process plays in its second role (rank.run_switch; its first role's report is
     the process's report file plus ".1"); `prefill_complete`: SGLang's prefill_complete allocation
-    policy on both sides (a request's "mark_after": rooms the decode must finish before the
+    policy on both sides ("decode": on the decode only) (a request's "mark_after": rooms the decode must finish before the
     prefill completes it); `kv_shard`: the prefill's MLA pages sharded over its attention TP ranks
     (SGLang's --enable-kv-cache-sharding; `model_dir` an MLA model's config); `prefill_pp`: a PP prefill, prefill_tp x prefill_pp processes (world ranks); `decode_pp`
     likewise a PP decode (its results keyed by world rank); `layers`: the

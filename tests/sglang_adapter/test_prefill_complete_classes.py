@@ -39,3 +39,19 @@ def test_decode_reserves_only_after_the_prefill_completed(tmp_path, model_dir, b
         assert left == {"threads": [], "socket_closed": True}, (role, left)
         log = (tmp_path / f"{role}0.log").read_text()
         assert "Exception in thread" not in log, log[-3000:]   # stopped, not killed by its socket's close
+
+
+def test_a_decode_whose_prefill_runs_the_other_policy_fails_each_request_naming_both(tmp_path, model_dir,
+                                                                                     bootstrap_server):
+    """The decode runs prefill_complete, the prefill the default policy (SGLang's own check refuses
+    the pairing too): each decode receiver fails at init() naming both policies, and the prefill's
+    senders, whose metadata never comes, fail at kvstage's metadata deadline (3 s here)."""
+    reqs = requests_for(59, 3)
+    results = run(tmp_path, model_dir, bootstrap_server, 1, 1, reqs, prefill_complete="decode",
+                  extra_env={"KVSTAGE_TIMEOUT_METADATA": "3"})
+    expect(results, reqs, lambda i: "Failed")
+    for q in reqs:
+        decode = results[("decode", 0)]["rooms"][str(q["room"])]["error"]
+        assert "decode allocation policy mismatch: prefill early, decode prefill_complete" in decode, decode
+        prefill = results[("prefill", 0)]["rooms"][str(q["room"])]["error"]
+        assert "no room metadata" in prefill, prefill
