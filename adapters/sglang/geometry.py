@@ -335,9 +335,12 @@ def dcp_problems(mgr, args) -> list[str]:
     argument check accept decode DCP for backend kvstage (plugin.around_pd_checks);
     tests/sglang_adapter/test_dcp_classes.py moves both pairings through SGLang's classes. A
     pairing SGLang does not serve either (prefill DCP N -> decode DCP 1 or M) fails each request
-    on both sides, naming both layouts. Refused, by name: a non-MLA pool, a draft's KV (SGLang
-    splits no draft entry), state components or a hybrid pool, PP, a DCP rank that is not the
-    attention TP rank mod dcp_size, host KV destinations and HiSparse. SGLang's staging flag is no problem: it turns kvstage's
+    on both sides, naming both layouts. A hybrid MLA pool's Mamba slots (Kimi Linear: MLA
+    layers beside linear-attention state) are pool items like the aux row, split over the decode's
+    attention TP ranks by their heads, whatever its DCP. Refused, by name: a pool that is neither
+    MLA nor hybrid MLA, a draft's KV (SGLang splits no draft entry), state components other than
+    Mamba slots, PP, a DCP rank that is not the attention TP rank mod dcp_size, host KV
+    destinations and HiSparse. SGLang's staging flag is no problem: it turns kvstage's
     staging on, which on an MLA decode rank changes nothing (an MLA model moves direct) and gives
     its prefill the buffers a DCP split is relayouted through."""
     dcp = int(getattr(mgr, "dcp_size", 1) or 1)
@@ -345,11 +348,12 @@ def dcp_problems(mgr, args) -> list[str]:
         return []
     name = f"decode context parallelism (dcp_size {dcp})"
     out = []
-    if not getattr(mgr, "is_mla_backend", False):
-        out.append(f"{name} beside a non-MLA KV pool (SGLang serves DCP for MLA only)")
-    if getattr(args, "is_hybrid_mla_backend", False) or getattr(args, "state_types", None):
-        out.append(f"{name} with a hybrid KV pool or state components (beside DCP kvstage has moved an aux row only, "
-                   f"in its tests)")
+    if not (getattr(mgr, "is_mla_backend", False) or getattr(args, "is_hybrid_mla_backend", False)):
+        out.append(f"{name} beside a non-MLA KV pool (SGLang serves DCP for MLA and hybrid MLA pools only)")
+    others = sorted({str(getattr(st, "value", st)) for st in getattr(args, "state_types", None) or ()} - {"mamba"})
+    if others:
+        out.append(f"{name} with state components {others} (beside DCP kvstage moves Mamba slots, a hybrid MLA "
+                   f"pool's, and the aux row)")
     if int(getattr(args, "num_draft_entries", 0) or 0):
         out.append(f"{name} with speculative-decoding draft KV (num_draft_entries; kvstage splits no draft "
                    f"under DCP)")

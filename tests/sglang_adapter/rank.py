@@ -10,7 +10,8 @@ KV contents are a pattern of (room, layer, K/V, global head, token), so each sid
 bytes on its own: prefill writes it, decode compares every byte it received, and checks that
 every page no successful request owns still holds the sentinel (no byte in a wrong page). With
 "state" in the scenario the ranks also hold SGLang state components (state_harness.py): Mamba
-slots and SWA window pages, named per request with state_indices on both sides, checked alike.
+slots and SWA window pages (with "mla" and state "mamba_only": Mamba slots beside MLA layers, a
+hybrid MLA pool as Kimi Linear's), named per request with state_indices on both sides, checked alike.
 With "draft" the ranks also hold a speculative-decoding draft model's KV, appended to KVArgs after
 the target's as SGLang appends it (num_draft_entries), filled and checked like the target's; the
 aux row carries the draft's hidden states and top-k as well. draft["model"]: the draft model's
@@ -218,7 +219,10 @@ class Rank:
         if self.prefill or self.pp == 1:
             args.prefill_start_layer, args.prefill_end_layer = self.stage.start, self.stage.stop if self.pp > 1 else None
         args.num_draft_entries = sum(len(s.k) + len(s.v) for s in self.sets[1:])
-        args.is_hybrid_mla_backend = False
+        # a hybrid pool of MLA layers (Kimi Linear): SGLang's is_mla_backend is False for the pool as a
+        # whole, and KVArgs say its full-attention layers are MLA
+        hybrid_mla = self.mla and bool((sc.get("state") or {}).get("mamba_only"))
+        args.is_hybrid_mla_backend = hybrid_mla
         mode = DisaggregationMode.PREFILL if self.prefill else DisaggregationMode.DECODE
         if self.prefill and sc.get("hold"):   # this rank's writes of one room land hold["s"] late
             from functools import partial
@@ -226,7 +230,7 @@ class Rank:
             from kvstage.adapters.sglang import conn
             conn.EngineConfig = partial(conn.EngineConfig, faults={"hold_write_rooms": [sc["hold"]["room"]],
                                                                    "hold_write_s": sc["hold"]["s"]})
-        self.mgr = get_kv_class(backend, KVClassType.MANAGER)(args, mode, sa, self.mla)
+        self.mgr = get_kv_class(backend, KVClassType.MANAGER)(args, mode, sa, self.mla and not hybrid_mla)
         self.Sender = get_kv_class(backend, KVClassType.SENDER)
         self.Receiver = get_kv_class(backend, KVClassType.RECEIVER)
         self.addr = f"127.0.0.1:{sc['bootstrap_port']}"
@@ -474,7 +478,9 @@ def run_prefill(r: Rank, sc, out) -> None:
                         last = c == len(q["chunks"]) - 1
                         s.send(np.asarray(suffix[done:done + n], dtype=np.int32), state if last else None)
                         done += n
-                        if not last and state is not None:   # streamed: a write leaves before the last send
+                        # streamed: a write leaves before the last send (a DCP split is written once
+                        # the last send is in, docs/protocol.md, "Decode context parallel")
+                        if not last and state is not None and sc["decode_dcp"] == 1:
                             x["streamed"] = wait_first_write(s, time.monotonic() + 20)
                 if q.get("abort") == "prefill-held":   # fail the request while its write is in flight
                     injected = r.mgr.engine._backend.backend.injected

@@ -1,5 +1,6 @@
-"""A rank's SGLang state components for rank.py: Mamba slots and SWA window pages, or (MLA)
-DSA indexer pages.
+"""A rank's SGLang state components for rank.py: Mamba slots and SWA window pages, (MLA) DSA
+indexer pages, or (MLA, "mamba_only") Mamba slots alone: the hybrid MLA pool of a Kimi Linear
+model, full-attention MLA layers beside linear-attention state.
 
 Real torch tensors whose pointers go into KVArgs exactly as SGLang's setup_state_kv_args lays
 them out (per component: tensor-major x layer pointer lists, item sizes, TP dims per tensor, rows
@@ -43,7 +44,7 @@ class StateSide:
         self.cfg, self.tp, self.rank, self.page, self.device = cfg, tp, rank, page, device
         # decode holds more slots and state pages than prefill, as real servers' sizes differ
         self.slots, self.num_pages = cfg["slots"] + 4 * decode, num_pages + 8 * decode
-        self.gdn, self.dsa = bool(cfg.get("gdn")), bool(cfg.get("dsa"))
+        self.gdn, self.dsa, self.mamba_only = bool(cfg.get("gdn")), bool(cfg.get("dsa")), bool(cfg.get("mamba_only"))
         self.mamba = []          # (tensor id, layer, tensor [slots, rows, local units | whole, inner], global units)
         for tid, (name, rows, units, inner) in enumerate([] if self.dsa else MAMBA):
             for layer in range(LAYERS):
@@ -55,7 +56,9 @@ class StateSide:
                 self.mamba.append((tid, layer, t, self._units(name, units)))
         self.local_heads = kv_heads // tp
         self.heads = torch.arange(rank * self.local_heads, (rank + 1) * self.local_heads)
-        if self.dsa:          # paged state: SWA (K layers, then V layers) or DSA
+        if self.mamba_only:
+            self.swa = []
+        elif self.dsa:          # paged state: SWA (K layers, then V layers) or DSA
             self.swa = [torch.empty(self.num_pages * page, 3, dtype=torch.int16, device=device) for _ in range(LAYERS)]
         else:
             self.swa = [torch.empty(self.num_pages * page, self.local_heads, head_dim, dtype=torch.int16, device=device)
@@ -90,6 +93,15 @@ class StateSide:
             args.state_conv_shard_groups = [[]]
             return
         m = [t for _, _, t, _ in self.mamba]
+        if self.mamba_only:
+            args.state_types = [StateType.MAMBA]
+            args.state_data_ptrs, args.state_data_lens = [[t.data_ptr() for t in m]], [[t.nbytes for t in m]]
+            args.state_item_lens = [[t[0].nbytes for t in m]]
+            args.state_dim_per_tensor = [[0 if u is None else t.shape[2] for _, _, t, u in self.mamba]]
+            args.state_slice_outer_counts = [[1 if u is None else t.shape[1] for _, _, t, u in self.mamba]]
+            args.state_conv_shard_groups = [[None for _ in self.mamba]]
+            args.state_layer_ids = [[layer for _, layer, _, _ in self.mamba]]
+            return
         args.state_types = [StateType.MAMBA, StateType.SWA]
         args.state_data_ptrs = [[t.data_ptr() for t in m], [t.data_ptr() for t in self.swa]]
         args.state_data_lens = [[t.nbytes for t in m], [t.nbytes for t in self.swa]]
@@ -149,7 +161,10 @@ class StateSide:
         return bad
 
     def indices(self, slot: int, pages) -> list:
-        """state_indices as SGLang's schedulers build them: Mamba [array(slot)], SWA/DSA page array."""
+        """state_indices as SGLang's schedulers build them: Mamba [array(slot)], SWA/DSA page array
+        (mamba_only: the Mamba entry alone)."""
         if self.dsa:
             return [np.asarray(pages, dtype=np.int32)]
+        if self.mamba_only:
+            return [[np.array(slot, dtype=np.int64)]]
         return [[np.array(slot, dtype=np.int64)], np.asarray(pages, dtype=np.int32)]

@@ -7,7 +7,8 @@ checks every token it owns, that no slot past the request's end was written, tha
 outside a successful request was, and the aux row. Both backends; with SGLang's staging flag
 the prefill relayouts each decode rank's tokens through its staging buffers. A prefill of the
 same DCP size (SGLang's N -> N pairing) sends each DCP rank's own pages to the decode's rank of
-that DCP rank, with the slots past each request's end holding data that must not move."""
+that DCP rank, with the slots past each request's end holding data that must not move. A hybrid
+MLA pool with Mamba slots (Kimi Linear) moves its state beside the split KV."""
 
 from __future__ import annotations
 
@@ -46,6 +47,22 @@ def test_decode_dcp_receives_each_token_on_its_rank(tmp_path, model_dir, bootstr
     each_rank_got_its_tokens_and_the_aux_row(results, reqs)
 
 
+@pytest.mark.parametrize("prefill_tp,backend,staging", [(1, "mooncake", False), (2, "nixl", True)],
+                         ids=["P1-D2dcp2-mooncake", "P2-D2dcp2-nixl-staged"])
+def test_a_kimi_linear_pool_beside_decode_dcp_moves_its_mamba_slots(tmp_path, model_dir, bootstrap_server,
+                                                                    prefill_tp, backend, staging):
+    """Kimi Linear's shape: a hybrid MLA pool (SGLang's is_hybrid_mla_backend) whose Mamba slots
+    (sharded over attention TP on their units, rows before the TP axis, replicated) move beside
+    the DCP-split KV. Each decode rank checks its tokens and the aux row as above, and its share
+    of every slot's state bit-exact at a slot other than the prefill's; no other slot is written."""
+    reqs = dcp_requests(91 + prefill_tp, 6)
+    results = run(tmp_path, model_dir, bootstrap_server, prefill_tp, 2, reqs, backend=backend, staging=staging,
+                  mla=True, decode_dcp=DCP, state={"slots": 12, "swa_pages": 0, "mamba_only": True})
+    expect(results, reqs, lambda i: "Success")
+    rooms = [results[("decode", r)]["rooms"] for r in range(DCP)]
+    assert all(rank[str(q["room"])]["state_bad"] == [] for rank in rooms for q in reqs), rooms
+
+
 def each_rank_got_its_tokens_and_the_aux_row(results, reqs) -> None:
     """Each decode rank received its own tokens' KV and the aux row, nothing else."""
     for q in reqs:
@@ -80,3 +97,4 @@ def test_a_prefill_of_the_decodes_dcp_size_sends_each_rank_its_own_pages(tmp_pat
                   prefill_dcp=DCP)
     expect(results, reqs, lambda i: "Success")
     each_rank_got_its_tokens_and_the_aux_row(results, reqs)
+

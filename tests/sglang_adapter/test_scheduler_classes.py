@@ -104,6 +104,24 @@ def test_state_components(tmp_path, model_dir, bootstrap_server, prefill_tp, dec
                 "staged" if staging else "direct"}
 
 
+@pytest.mark.parametrize("prefill_tp,decode_tp,backend", [(2, 2, "nixl"), (1, 2, "mooncake")],
+                         ids=["P2-D2-nixl", "P1-D2-mooncake"])
+def test_a_kimi_linear_pool_moves_its_mamba_slots_beside_mla_layers(tmp_path, model_dir, bootstrap_server,
+                                                                     prefill_tp, decode_tp, backend):
+    """A hybrid MLA pool (Kimi Linear: SGLang's is_hybrid_mla_backend, is_mla_backend False): its
+    MLA layers' KV and its Mamba slots (units sharded over attention TP, rows before the TP axis,
+    replicated) move with each request, every byte checked on decode at a slot other than the
+    prefill's, no other slot written. At equal TP each decode rank's KV and state come from the
+    prefill rank of its TP rank; from TP 1, both from the one prefill rank."""
+    reqs = requests_for(29 + prefill_tp, 5, prefix={2: 1})
+    results = run(tmp_path, model_dir, bootstrap_server, prefill_tp, decode_tp, reqs, backend=backend, mla=True,
+                  state={"slots": 12, "swa_pages": 0, "mamba_only": True})
+    expect(results, reqs, lambda i: "Success")
+    for r in range(decode_tp):
+        rooms = results[("decode", r)]["rooms"]
+        assert all(rooms[str(q["room"])]["state_bad"] == [] for q in reqs), rooms
+
+
 EAGLE = {"layers": 1, "heads": 4, "head_dim": 8}     # the target's geometry (4 heads of 8 bf16)
 
 

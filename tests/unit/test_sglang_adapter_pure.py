@@ -398,14 +398,16 @@ def dcp_mgr(**kw):
 
 @pytest.mark.parametrize("mgr,args,named", [
     (dcp_mgr(is_mla_backend=False), {}, "beside a non-MLA KV pool"),
-    (dcp_mgr(), {"state_types": ["mamba"]}, "with a hybrid KV pool or state components"),
-    (dcp_mgr(), {"is_hybrid_mla_backend": True}, "with a hybrid KV pool or state components"),
+    (dcp_mgr(is_mla_backend=False), {"state_types": ["mamba"]}, "beside a non-MLA KV pool"),
+    (dcp_mgr(), {"state_types": ["dsa"]}, "with state components ['dsa']"),
+    (dcp_mgr(is_mla_backend=False), {"is_hybrid_mla_backend": True, "state_types": ["mamba", "swa"]},
+     "with state components ['swa']"),
     (dcp_mgr(), {"num_draft_entries": 2}, "with speculative-decoding draft KV"),
     (dcp_mgr(pp_size=2), {"kv_layer_ids": []}, "with pipeline parallelism (pp_size 2)"),
     (dcp_mgr(dcp_rank=0), {}, "whose DCP rank 0 is not attention TP rank 1 mod 2"),
     (dcp_mgr(), {"host_kv_data_ptrs": [4096]}, "with host KV destinations"),
     (dcp_mgr(server_args=SimpleNamespace(enable_hisparse=True, device="cuda")), {}, "with HiSparse"),
-], ids=["mha", "state", "hybrid-mla", "draft", "pp", "rank", "host", "hisparse"])
+], ids=["mha", "mha-mamba", "dsa", "hybrid-mla-swa", "draft", "pp", "rank", "host", "hisparse"])
 def test_decode_context_parallel_kvstage_does_not_serve_is_refused_at_start_naming_why(monkeypatch, mgr, args,
                                                                                         named):
     for name in SGLANG_AND_KVSTAGE_ENVS:
@@ -425,6 +427,16 @@ def test_a_dcp_rank_of_an_mla_pool_starts(monkeypatch, staging, mode):
     if staging:
         monkeypatch.setenv(plugin.SGLANG_STAGING_ENV, staging)
     assert unsupported_features(dcp_mgr(disaggregation_mode=SimpleNamespace(value=mode)), SimpleNamespace()) == []
+
+
+def test_a_dcp_rank_of_a_hybrid_mla_pool_with_mamba_slots_starts(monkeypatch):
+    """Kimi Linear's pool beside decode DCP: MLA layers in a hybrid pool (SGLang's is_mla_backend
+    False, KVArgs.is_hybrid_mla_backend True) with Mamba slots is served
+    (tests/sglang_adapter/test_dcp_classes.py moves it through SGLang's classes)."""
+    for name in SGLANG_AND_KVSTAGE_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    args = SimpleNamespace(is_hybrid_mla_backend=True, state_types=["mamba"])
+    assert unsupported_features(dcp_mgr(is_mla_backend=False), args) == []
 
 
 @pytest.mark.parametrize("mgr,args,named", [
