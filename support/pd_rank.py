@@ -234,7 +234,7 @@ def drive(spec: dict, bootstrap: str, result: dict) -> None:
             pages = pool.take(r["pages"])
             if pages is None:
                 break
-            taken = items.take(room_item_counts(spec, r))
+            taken = items.take(room_item_counts(spec, r, buffers.pools))
             if taken is None:
                 pool.give(pages)
                 break
@@ -391,11 +391,14 @@ def _write_json(path: str, obj: object) -> None:
     os.replace(tmp, path)
 
 
-def room_item_counts(spec: dict, r: dict) -> dict:
+def room_item_counts(spec: dict, r: dict, pools: dict) -> dict:
     """How many items of each pool the room takes on this rank ({"aux": 1, ...}): the room's
-    `pool_items`, or `pool_items_decode` on a decode rank (a mismatch on purpose)."""
+    `pool_items`, or `pool_items_decode` on a decode rank (a mismatch on purpose), of the pools
+    this rank registered (a PP stage: those of its layers)."""
     counts = r.get("pool_items", {})
-    return r.get("pool_items_decode", counts) if spec["role"] == "decode" else counts
+    counts = r.get("pool_items_decode", counts) if spec["role"] == "decode" else counts
+    layered = {n for n, p in (spec.get("geometry") or {}).get("pools", {}).items() if p.get("layer") is not None}
+    return {n: c for n, c in counts.items() if n in pools or n not in layered}
 
 
 def start_room(mgr: KVManager, spec: dict, r: dict, pages: np.ndarray, pattern: KVPattern, tensors,

@@ -6,7 +6,9 @@ Geometry spec: {"aux": {"sharding": "replicated", "items": 16, "tensors": [["flo
 ["int32", [2]]]}, "mamba": {"sharding": "heads", "heads": 8, "items": 8, "tensors": [["float32",
 [16, 4]]]}}: per tensor its dtype and the shape of one item past the head dimension (heads) or
 of the whole item (replicated). A heads pool may give "blocks" instead of "heads" (global sizes of
-sub-blocks sharded each on its own, GDN's conv state: `StatePool(blocks=...)`).
+sub-blocks sharded each on its own, GDN's conv state: `StatePool(blocks=...)`). A pool may give
+"layer": the model layer it belongs to (a hybrid model's per-layer state, `StatePool(layer=...)`):
+only a rank whose PP stage holds that layer registers it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,10 @@ from kvstage import StatePool
 
 def make_pools(spec: dict, layout) -> dict:
     pools = {}
+    stage = range(layout.layers.start, min(layout.layers.stop, layout.num_layers))
     for name, p in sorted(spec.items()):
+        if p.get("layer") is not None and p["layer"] not in stage:
+            continue   # another PP stage's layer: that stage registers it
         blocks = p.get("blocks")
         heads = (sum(blocks) if blocks else p.get("heads", layout.total_kv_heads)) if p["sharding"] == "heads" else None
         local = [_local_heads(heads, blocks, layout.tp_size)] if heads else []
@@ -36,6 +41,7 @@ def make_pools(spec: dict, layout) -> dict:
             heads=heads,
             blocks=blocks,
             own_writes=bool(p.get("own_writes", False)),
+            layer=p.get("layer"),
         )
     return pools
 

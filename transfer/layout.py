@@ -78,15 +78,17 @@ class LayoutSummary(msgspec.Struct, frozen=True, kw_only=True):
     draft_kv_heads: int = 0
     draft_head_dim: int = 0
 
-    def mismatches(self, other: LayoutSummary) -> list[str]:
+    def mismatches(self, other: LayoutSummary, shared: range | None = None) -> list[str]:
         """Human-readable differences, empty when compatible. `self` is the prefill's summary
-        (its rank checks each decode rank's Hello): the draft pairing rule is one-sided."""
+        (its rank checks each decode rank's Hello): the draft pairing rule is one-sided.
+        `shared`: the model layers both ranks' PP stages hold (None: all), whose pools both
+        must register (pool_spec.pool_mismatches)."""
         out = []
         for name in self.__struct_fields__:
             mine, theirs = getattr(self, name), getattr(other, name)
             if name == "pools":   # a draft's own pools are compared as its draft_* fields
                 out += pool_mismatches([p for p in mine if not is_draft_pool(p.name)],
-                                       [p for p in theirs if not is_draft_pool(p.name)])
+                                       [p for p in theirs if not is_draft_pool(p.name)], shared)
             elif name.startswith("draft_"):
                 continue
             elif mine != theirs:

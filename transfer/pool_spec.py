@@ -41,7 +41,10 @@ def dtype_bytes(name: str) -> int:
 
 class PoolSpec(msgspec.Struct, frozen=True, kw_only=True):
     """What both sides must agree on for one pool (TP sizes may differ): per tensor, its dtype
-    and the shape of one item past the head dimension (heads) or of the whole item (replicated)."""
+    and the shape of one item past the head dimension (heads) or of the whole item (replicated).
+    `layer` binds the pool to one model layer (a hybrid model's per-layer state): only ranks
+    whose PP stage holds that layer register it, and it moves between the stages that hold it;
+    -1: the request's pool, written with the model's last layer."""
 
     name: str
     sharding: str
@@ -49,6 +52,11 @@ class PoolSpec(msgspec.Struct, frozen=True, kw_only=True):
     dtypes: list[str]
     rows: list[list[int]]
     blocks: list[int] = []      # global sizes of a heads pool's sub-blocks; [] means one block of `heads`
+    layer: int = -1             # the model layer the pool belongs to; -1: none
+
+    def held_by(self, layers: range) -> bool:
+        """Whether a rank whose stage holds `layers` has this pool (every rank: a pool of no layer)."""
+        return self.layer < 0 or self.layer in layers
 
     def head_blocks(self) -> list[int]:
         """The global sizes of the sub-blocks each rank holds its share of (one for most pools)."""
@@ -59,11 +67,14 @@ class PoolSpec(msgspec.Struct, frozen=True, kw_only=True):
         return math.prod(self.rows[tensor]) * dtype_bytes(self.dtypes[tensor])
 
 
-def pool_mismatches(mine: Sequence[PoolSpec], theirs: Sequence[PoolSpec]) -> list[str]:
-    """Readable differences between two ranks' pools; empty when they can exchange items."""
+def pool_mismatches(mine: Sequence[PoolSpec], theirs: Sequence[PoolSpec], shared: range | None = None) -> list[str]:
+    """Readable differences between two ranks' pools; empty when they can exchange items.
+    `shared`: the model layers both ranks' PP stages hold (None: every layer); a pool of a layer
+    outside them is registered on one side only, as it should be."""
     a, b = {p.name: p for p in mine}, {p.name: p for p in theirs}
-    out = [f"pool {n!r}: registered here only" for n in sorted(set(a) - set(b))]
-    out += [f"pool {n!r}: registered at the peer only" for n in sorted(set(b) - set(a))]
+    both = shared if shared is not None else range(0, 1 << 30)
+    out = [f"pool {n!r}: registered here only" for n in sorted(set(a) - set(b)) if a[n].held_by(both)]
+    out += [f"pool {n!r}: registered at the peer only" for n in sorted(set(b) - set(a)) if b[n].held_by(both)]
     for n in sorted(set(a) & set(b)):
         for field in PoolSpec.__struct_fields__[1:]:
             if getattr(a[n], field) != getattr(b[n], field):

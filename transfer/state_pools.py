@@ -42,6 +42,8 @@ class StatePool:
     sharding: str = "replicated"
     heads: int | None = None
     blocks: Sequence[int] | None = None   # heads pools: global sub-block sizes along dim 1 (module docstring)
+    layer: int | None = None    # the model layer the pool belongs to (per-layer state under PP: a stage
+                                # registers the pools of its own layers only); None: the request's
     own_writes: bool = False    # its items travel apart from the KV even when their memory kind is
                                 # the KV's (docs/protocol.md "Regions and memory kinds"): what a
                                 # host pool beside a device cache does, on any machine
@@ -83,6 +85,10 @@ class StatePool:
             local = sum(b // tp for b in blocks) if blocks else max(1, heads // tp)
         elif self.heads is not None:
             raise ValueError(f"{where}: heads is only for sharding='heads'")
+        layer, stage = -1 if self.layer is None else self.layer, range(layout.layers.start, min(layout.layers.stop, layout.num_layers))
+        if isinstance(layer, bool) or not isinstance(layer, int) or not (self.layer is None or layer in stage):
+            raise ValueError(f"{where}: layer must be None or a model layer of this rank's stage "
+                             f"[{layout.layers.start}, {min(layout.layers.stop, layout.num_layers)}), got {self.layer!r}")
         if not isinstance(self.own_writes, bool):
             raise ValueError(f"{where}: own_writes must be a bool, got {self.own_writes!r}")
         items: int | None = None
@@ -113,7 +119,8 @@ class StatePool:
             rows.append(list(t.shape[2:] if self.sharding == "heads" else t.shape[1:]))
         assert items is not None   # the tensors are a non-empty list, each checked above
         self.num_items = int(items)
-        return PoolSpec(name=name, sharding=self.sharding, heads=heads, dtypes=dtypes, rows=rows, blocks=blocks)
+        return PoolSpec(name=name, sharding=self.sharding, heads=heads, dtypes=dtypes, rows=rows, blocks=blocks,
+                        layer=layer)
 
     def _blocks(self, where: str, tp: int) -> list[int]:
         """`blocks` validated: positive ints; several blocks each divide by this rank's TP size (no

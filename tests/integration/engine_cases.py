@@ -85,23 +85,33 @@ def random_rooms(seed: int, count: int, page_size: int, max_tokens: int = 300, b
 LAYERED_AUX = {"sharding": "replicated", "items": 16, "tensors": [["float32", [5]], ["int32", [3]]]}
 
 
+def layer_pool(layer: int) -> dict:
+    """A hybrid model's state of one layer (a Mamba slot's share of 4 heads, and a replicated
+    part), registered only where that layer is (`StatePool(layer=...)`)."""
+    return {"sharding": "heads", "heads": 4, "items": 8, "layer": layer, "tensors": [["int16", [3]], ["uint8", [5]]]}
+
+
 def layered_case(topo: Topo, staging: bool, backend: str, *, seed: int, base: int, label: str, layers: int,
                  layer_sends: list | None = None, group: int = 1, min_tokens: int = 0, pools: bool = False,
-                 prefix: bool = False) -> Case:
+                 prefix: bool = False, layer_pools: bool = False) -> Case:
     """Six short rooms of pages of 4 tokens, each sent as `layer_sends` (None: every layer at
-    once), every other one with a 1-page prefix hit (`prefix`), each with an aux row (`pools`);
-    the prefill groups layers by `group` above `min_tokens` tokens."""
+    once), every other one with a 1-page prefix hit (`prefix`), each with an aux row (`pools`)
+    and a state slot in a pool of each layer (`layer_pools`); the prefill groups layers by
+    `group` above `min_tokens` tokens."""
     rooms = random_rooms(seed, 6, 4, max_tokens=120, base=base)
     for i, r in enumerate(rooms):
         if layer_sends:
             r["layer_sends"] = layer_sends
         if prefix and i % 2 and r["pages"] > 1:
             r["prefix_pages"] = 1
-        if pools:
-            r["pool_items"] = {"aux": 1}
+        if pools or layer_pools:
+            r["pool_items"] = {"aux": 1, **({f"layer{n}": 1 for n in range(layers)} if layer_pools else {})}
+    spec = {"aux": LAYERED_AUX} if pools or layer_pools else {}
+    if layer_pools:
+        spec |= {f"layer{n}": layer_pool(n) for n in range(layers)}
     return Case(topo=topo, page_size=4, dtype="bfloat16", staging=staging, backend=backend, rooms=rooms,
                 layers=layers, prefill_extra={"layer_group": group, "layerwise_min_tokens": min_tokens},
-                label=label, pools={"aux": LAYERED_AUX} if pools else {})
+                label=label, pools=spec)
 
 
 def manager_specs(case: Case, role: str, rank: int, barrier: dict) -> dict:

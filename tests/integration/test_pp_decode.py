@@ -17,11 +17,11 @@ LAYERS = 6
 
 
 def dpp_case(topo: Topo, staging: bool, backend: str, seed: int, *, layer_sends: list | None = None,
-             pools: bool = False, prefix: bool = False, forced: bool = False) -> Case:
+             pools: bool = False, prefix: bool = False, forced: bool = False, layer_pools: bool = False) -> Case:
     """`forced`: the staged path at equal TP too (EngineConfig.path "staged": whole pages), so
     that a case needs no more rank processes than the others."""
     case = layered_case(topo, staging, backend, seed=seed, base=8500 + 10 * seed, label=f"dpp{seed}", layers=LAYERS,
-                        layer_sends=layer_sends, pools=pools, prefix=prefix)
+                        layer_sends=layer_sends, pools=pools, prefix=prefix, layer_pools=layer_pools)
     if forced:
         case.extra = {"path": "staged"}
     return case
@@ -83,3 +83,25 @@ def test_decode_pp_moves_bit_exact_and_decode_stages_that_do_not_tile_fail_both_
             assert "cannot pair with the decode engine's stages" in why, (side, rec)
             assert "prefill rank 0 (no PP, 6 layers)" in why, (side, rec)
             assert "leave layers [2, 3) to no stage" in why and "decode PP stage 1 of 2 [3, 6)" in why, (side, rec)
+
+
+@pytest.mark.timeout(300)
+def test_each_decode_stage_gets_the_state_pools_of_its_layers_from_the_stages_holding_them():
+    """A hybrid model's per-layer state (a pool per layer, `StatePool(layer=...)`) beside an aux
+    row of no layer, into decode stages: each decode stage registers and receives the pools of
+    its own layers, each from the prefill stage that holds the layer (with the last page of the
+    last layer that stage writes there), and the aux row comes to the last decode stage; PP
+    1 -> 2 staged, 2 -> 2 direct, and 2 -> 3 (stage bounds that differ) staged with end-to-end
+    digests and over Mooncake direct; every pool byte checked on the decode."""
+    cases = [
+        dpp_case(Topo(P=2, D=1, H=4, dpp=2), True, "nixl", 11, layer_pools=True),                  # PP 1 -> 2, staged
+        dpp_case(Topo(P=1, D=1, H=4, pp=2, dpp=2), False, "nixl", 12, layer_pools=True, prefix=True),   # PP 2 -> 2
+        dpp_case(Topo(P=1, D=1, H=4, pp=2, dpp=3), True, "nixl", 13, layer_pools=True, forced=True),    # PP 2 -> 3
+        dpp_case(Topo(P=1, D=1, H=4, pp=2, dpp=3), False, "mooncake", 14, layer_pools=True, prefix=True,
+                 layer_sends=[[3, 6], [0, 3]]),                                                     # PP 2 -> 3, Mooncake
+    ]
+    cases[2].extra = {**cases[2].extra, "verify": True}
+    results, codes, logs, _ = run_cases(cases, timeout=200)
+    bad = problems(results, codes, logs)
+    assert not bad, "\n".join(bad[:10])
+    check(cases, results)

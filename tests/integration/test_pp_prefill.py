@@ -16,9 +16,9 @@ LAYERS = 6
 
 
 def pp_case(topo: Topo, staging: bool, backend: str, seed: int, *, layer_sends: list | None = None,
-            pools: bool = False, prefix: bool = False) -> Case:
+            pools: bool = False, prefix: bool = False, layer_pools: bool = False) -> Case:
     return layered_case(topo, staging, backend, seed=seed, base=7500 + 10 * seed, label=f"pp{seed}", layers=LAYERS,
-                        layer_sends=layer_sends, pools=pools, prefix=prefix)
+                        layer_sends=layer_sends, pools=pools, prefix=prefix, layer_pools=layer_pools)
 
 
 @pytest.mark.timeout(400)
@@ -43,6 +43,25 @@ def test_pp_prefill_moves_bit_exact(backend):
             sent = len(r["chunks"]) - sum(1 for i in range(len(r["chunks"]))
                                           if sum(r["chunks"][:i + 1]) <= r.get("prefix_pages", 0))
             assert rec["metrics"]["backend_writes"] == c.topo.P * c.topo.pp * sent, (c.name, r, rec["metrics"])
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_each_stage_moves_the_state_pools_of_its_own_layers(backend):
+    """A hybrid model's per-layer state (a pool per layer, `StatePool(layer=...)`, registered only
+    by the stage holding that layer) beside an aux row of no layer: each stage writes its layers'
+    pools with the last page of its last layer, the last stage the aux row too, and the decode
+    rank (no PP) checks every byte of every pool; direct and staged, with prefix hits."""
+    cases = [
+        pp_case(Topo(P=1, D=1, H=4, pp=2), False, backend, 6, layer_pools=True, prefix=True),
+        pp_case(Topo(P=2, D=1, H=4, pp=2), True, backend, 7, layer_pools=True),
+        pp_case(Topo(P=1, D=2, H=4, pp=2), False, backend, 8, layer_pools=True, layer_sends=[[3, 6], [0, 3]]),
+    ]
+    results, codes, logs, _ = run_cases(cases, timeout=300)
+    bad = problems(results, codes, logs)
+    assert not bad, "\n".join(bad[:10])
+    for c, side, res in each_rank(cases, results):
+        assert len(res["rooms"]) == 6 and all(rec["state"] == "Success" for rec in res["rooms"]), (c.name, side, res)
 
 
 @pytest.mark.timeout(300)

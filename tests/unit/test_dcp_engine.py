@@ -66,8 +66,8 @@ def hello(**kw) -> Hello:
 
 
 def facts() -> PrefillFacts:
-    return PrefillFacts(summary=mla().summary(), tp_size=1, total_kv_heads=1, mla=True, num_layers=2, verify=False,
-                        backend="nixl", memory_kinds=("DRAM",))
+    return PrefillFacts(summary=mla().summary(), tp_size=1, total_kv_heads=1, mla=True, num_layers=2, stage=range(2),
+                        verify=False, backend="nixl", memory_kinds=("DRAM",))
 
 
 def test_the_hello_carries_the_dcp_group_and_round_trips():

@@ -17,8 +17,8 @@ POOL = PoolSpec(name="aux", sharding="replicated", heads=0, dtypes=["int32"], ro
 
 
 def facts(**kw) -> PrefillFacts:
-    base = dict(summary=LAYOUT.summary(), tp_size=2, total_kv_heads=8, mla=False, num_layers=4, verify=False,
-                backend="nixl", memory_kinds=("DRAM",))
+    base = dict(summary=LAYOUT.summary(), tp_size=2, total_kv_heads=8, mla=False, num_layers=4, stage=range(4),
+                verify=False, backend="nixl", memory_kinds=("DRAM",))
     return PrefillFacts(**(base | kw))
 
 
@@ -66,3 +66,18 @@ def test_pools_must_match_before_they_are_weighed():
     with_pool = msgspec.structs.replace(LAYOUT.summary(), pools=[POOL])
     assert "pool 'aux': registered here only" in admit_hello(hello(), facts(summary=with_pool)).problems[0]
     assert admit_hello(hello(layout=with_pool), facts(summary=with_pool)).ok
+
+
+def test_pools_of_one_layer_are_compared_over_the_layers_both_stages_hold():
+    """A prefill stage of layers [0, 2) registers the pools of its layers; a decode rank of no PP
+    registers every layer's. Admitted; a decode stage of layers [2, 4) needs none of the
+    stage's pools and is admitted too; a decode rank without the pool of layer 1 is not."""
+    m = {n: PoolSpec(name=f"m{n}", sharding="replicated", heads=0, dtypes=["int32"], rows=[[8]], layer=n)
+         for n in range(4)}
+    stage0 = msgspec.structs.replace(LAYOUT.summary(), pools=[m[0], m[1]])
+    prefill = facts(summary=stage0, stage=range(0, 2))
+    assert admit_hello(hello(layout=msgspec.structs.replace(stage0, pools=list(m.values()))), prefill).ok
+    upper = msgspec.structs.replace(stage0, pools=[m[2], m[3]])
+    assert admit_hello(hello(layout=upper, pp_size=2, tp_size=2, tp_rank=3, stage_start=2, stage_stop=4), prefill).ok
+    (why,) = admit_hello(hello(layout=msgspec.structs.replace(stage0, pools=[m[0], m[2], m[3]])), prefill).problems
+    assert why == "pool 'm1': registered here only", why

@@ -11,6 +11,7 @@ from kvstage.transfer.pool_spec import check_pool_items, pool_mismatches
 from kvstage.transfer.protocol.head_mapping import compute_assignments
 from kvstage.transfer.protocol.pool_parts import (
     block_bytes,
+    carried_pools,
     counts_mismatch,
     final_part,
     part_offsets,
@@ -93,6 +94,49 @@ def test_pool_mismatches_are_readable():
     assert out == ["pool 'ssm': registered at the peer only", "pool 'aux' rows: [[5]] here vs [[6]] at peer"]
     assert lay.summary(mine).mismatches(lay.summary(theirs)) == out
     assert pool_mismatches(mine, mine) == []
+
+
+def stage_layout(stage: range) -> KVLayout:
+    """A prefill PP stage of a 4-layer model (two stages)."""
+    return KVLayout(num_layers=4, total_kv_heads=4, head_dim=8, dtype=torch.bfloat16, page_size=4, tp_size=1,
+                    tp_rank=0, pp_size=2, pp_rank=stage.start // 2, stage=stage)
+
+
+def test_a_pool_of_one_layer_is_registered_by_the_stage_holding_it_and_compared_where_both_hold_it():
+    """StatePool(layer=L): a stage registers the pools of its own layers only (another's is a
+    ValueError naming the stage); two ranks compare the pools of the layers both hold, a pool of
+    a layer one of them lacks being registered there only, as it should."""
+    first = stage_layout(range(0, 2))
+    state = StatePool(tensors=[torch.zeros(8, 5)], layer=1)
+    assert state.spec("m1", first).layer == 1 and StatePool(tensors=[torch.zeros(8, 5)]).spec("aux", first).layer == -1
+    for bad in (2, -1, True, "1"):
+        with pytest.raises(ValueError, match=r"layer must be None or a model layer of this rank's stage \[0, 2\)"):
+            StatePool(tensors=[torch.zeros(8, 5)], layer=bad).spec("m", first)
+    whole = KVLayout(num_layers=4, total_kv_heads=4, head_dim=8, dtype=torch.bfloat16, page_size=4, tp_size=1,
+                     tp_rank=0)
+    spec = {n: StatePool(tensors=[torch.zeros(8, 5)], layer=n).spec(f"m{n}", whole) for n in range(4)}
+    aux = StatePool(tensors=[torch.zeros(8, 3)]).spec("aux", whole)
+    stage0 = [aux, spec[0], spec[1]]
+    decode = [aux, *spec.values()]          # a decode rank of no PP holds every layer
+    assert pool_mismatches(stage0, decode, shared=range(0, 2)) == []
+    assert pool_mismatches(stage0, decode) == ["pool 'm2': registered at the peer only",
+                                               "pool 'm3': registered at the peer only"]
+    assert pool_mismatches(stage0, [aux, spec[0]], shared=range(0, 2)) == ["pool 'm1': registered here only"]
+    assert pool_mismatches([spec[0]], decode, shared=range(0, 2)) == ["pool 'aux': registered at the peer only",
+                                                                      "pool 'm1': registered at the peer only"]
+    other = StatePool(tensors=[torch.zeros(8, 5)], layer=2).spec("m1", whole)   # one name, another layer
+    assert pool_mismatches([spec[1]], [other], shared=range(0, 4)) == ["pool 'm1' layer: 1 here vs 2 at peer"]
+
+
+def test_a_flow_carries_the_pools_of_the_layers_it_writes_and_those_of_no_layer_with_the_last():
+    whole = KVLayout(num_layers=4, total_kv_heads=4, head_dim=8, dtype=torch.bfloat16, page_size=4, tp_size=1,
+                     tp_rank=0)
+    specs = [StatePool(tensors=[torch.zeros(8, 5)], layer=n).spec(f"m{n}", whole) for n in range(4)]
+    specs.append(StatePool(tensors=[torch.zeros(8, 3)]).spec("aux", whole))
+    assert [p.name for p in carried_pools(specs, range(0, 2), False)] == ["m0", "m1"]
+    assert [p.name for p in carried_pools(specs, range(2, 4), True)] == ["m2", "m3", "aux"]
+    assert [p.name for p in carried_pools(specs, range(1, 3), False)] == ["m1", "m2"]
+    assert carried_pools(specs, range(4, 4), False) == ()
 
 
 def test_request_items_are_checked_in_the_callers_thread():

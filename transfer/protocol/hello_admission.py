@@ -39,6 +39,7 @@ class PrefillFacts:
     total_kv_heads: int
     mla: bool
     num_layers: int                   # the model's
+    stage: range                      # the model layers of its PP stage (every layer without PP)
     verify: bool                      # end-to-end digests on here
     backend: str                      # "nixl" or "mooncake"
     memory_kinds: tuple[str, ...]     # the memory kinds its backend writes into ("DRAM", "VRAM")
@@ -63,7 +64,9 @@ def admit_hello(msg: Hello, me: PrefillFacts) -> Admission:
     stage, problems = decode_stage_of(pp_size=msg.pp_size, tp_size=msg.tp_size, rank=msg.tp_rank,
                                       stage_start=msg.stage_start, stage_stop=msg.stage_stop,
                                       num_layers=me.num_layers)
-    problems += me.summary.mismatches(msg.layout)
+    theirs = stage.layers if stage is not None else range(me.num_layers)
+    shared = range(max(me.stage.start, theirs.start), min(me.stage.stop, theirs.stop))
+    problems += me.summary.mismatches(msg.layout, shared)
     dcp = check_dcp_rank(msg.dcp_size, msg.dcp_rank, msg.tp_size, msg.tp_rank % msg.tp_size if msg.tp_size > 0 else 0)
     if dcp:   # a pairing of two well-formed DCP groups is judged per request (PrefillRoom.add_meta)
         problems.append(f"decode context parallel: {dcp}")

@@ -6,6 +6,11 @@ part of the last piece (so no extra write), on the direct path as more descripto
 that carries the last page. Inside a writer's pool block the order is: pools by name, each
 pool's tensors in order, each tensor's items in the order the request names them.
 
+A pool bound to a model layer (`PoolSpec.layer`, a hybrid model's per-layer state) moves in the
+flows whose writer's stage holds that layer and whose decode rank's stage does too, with the last
+page of the last layer that flow writes (`carried_pools`); a pool of no layer moves with the model's
+last layer, as above.
+
 A heads pool is split like KV heads over its own global head count, and must have the same
 writers as the KV for every decode rank (checked when peers connect): then the pool bytes of a
 flow travel in that flow's write. A pool whose head axis is several sub-blocks, each sharded on
@@ -48,6 +53,13 @@ class PoolCopy:
     dst_items: np.ndarray | None
     offset: int
     nbytes: int
+
+
+def carried_pools(specs: Sequence[PoolSpec], layers: range, unbound: bool) -> tuple[PoolSpec, ...]:
+    """The pools a flow writing `layers` (the layers both its ranks' stages hold) carries: those
+    of a layer among them, and with `unbound` (it writes the model's last layer there) the pools
+    of no layer."""
+    return tuple(s for s in specs if (s.layer in layers if s.layer >= 0 else unbound))
 
 
 def writer_segments(specs: Sequence[PoolSpec], prefill_tp: int, decode_tp: int, kv: Assignment) -> tuple[PoolSegment, ...]:

@@ -37,7 +37,9 @@ def chunk_pieces(tracker: RoomTracker, plan: RoomPlan, ring: RingAllocator, *, p
     part_bytes = [tracker.bytes_of(w, 1, layers) for w in writers]
     page_bytes = sum(part_bytes)
     planned = plan_pieces(page_start, num_pages, plan.piece_pages(part_bytes), ring.pages_fit_now(page_bytes))
-    final = tracker.final(page_start, num_pages, layers)
+    # PP: the stage's writers end their layers here alike: the last page of their last layer
+    # carries their pools (of their layers; with this rank's last layer, of no layer too)
+    final = tracker.final(page_start, num_pages, layers, writer=writers[0])
     extra = sum(tracker.final_extra.get(w, 0) for w in writers) if final else 0
     if extra:  # the last piece also holds every writer's pool block: it may need fewer pages
         planned = fit_pools(tracker, plan, planned, layers, writers)
@@ -47,7 +49,7 @@ def chunk_pieces(tracker: RoomTracker, plan: RoomPlan, ring: RingAllocator, *, p
                                  f"({plan.buffer_bytes} bytes)")
     out = []
     for start, count in planned:
-        last = tracker.final(start, count, layers)
+        last = tracker.final(start, count, layers, writer=writers[0])
         region = ring.allocate(count * page_bytes + (extra if last else 0))
         if isinstance(region, TooLarge):  # piece_pages makes this impossible
             raise AssertionError(str(region))

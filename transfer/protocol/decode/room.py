@@ -57,7 +57,7 @@ from ..kinds import FailureKind, StrKind, TransferPath, remote_kind
 from ..lifecycle import DECODE_TRANSITIONS, RoomEvent
 from ..messages import AllocGrant, AllocRequest, Piece, RoomDone, RoomMeta, WriterDone, encode_pages
 from ..page_shards import pool_assignment
-from ..pool_parts import PoolCopy, block_bytes, part_offsets, request_copies, writer_segments
+from ..pool_parts import PoolCopy, block_bytes, carried_pools, part_offsets, request_copies, writer_segments
 from ..ring import Region, RingAllocator
 from ..room_base import RoomBase
 from ..room_uses import repeats_outcome
@@ -253,15 +253,22 @@ class DecodeRoom(RoomBase[DecodeAction]):
         p = self.plan = self.plan.for_pages(self._dst, self.layout.page_size, self.layout.num_kv)  # the path, per request
         entries = p.num_layers or self.layout.num_entries   # the prefill's: a decode's extra draft entries stay unwritten
         end = self.layout.layers.stop if self.layout.pp_size > 1 else entries   # a decode PP stage's own last layer
-        last_stage = [r for r in self.writers if p.writer_layers.get(r, range(entries)).stop == end]
+        held = self.layout.layers if self.layout.pp_size > 1 else range(entries)
         if p.draft_pools:   # the prefill's draft entries of their own geometry: pools of the pages' token slots
             self.pool_items = {**self.pool_items, **request_draft_items(
                 [draft_pool_name(i) for i in range(p.draft_pools)], self._dst, self.layout.page_size)}
-        # the pools move with the last layer's writes: a PP prefill's last stage writes them (to a
-        # decode PP stage, the prefill stage holding that stage's last layer)
-        self.pool_copies = {r: request_copies(writer_segments(self.pools, p.prefill_tp, p.decode_tp, pool_assignment(
-                                self.writers[r].assignment, p.page_shards)), None, self.pool_items)
-                            for r in last_stage} if self.pool_items else {}
+        # the pools move with the last layer each writer writes here (pool_parts.carried_pools):
+        # the pools of its layers, and with this rank's last entry (a PP prefill's last stage; to
+        # a decode PP stage, the prefill stage holding that stage's last layer) the pools of none
+        self.pool_copies = {}
+        for r in self.writers if self.pool_items else ():
+            mine = p.writer_layers.get(r, range(entries))
+            mine = range(max(mine.start, held.start), min(mine.stop, held.stop))
+            copies = request_copies(writer_segments(carried_pools(self.pools, mine, mine.stop == end), p.prefill_tp,
+                                                    p.decode_tp, pool_assignment(self.writers[r].assignment,
+                                                                                 p.page_shards)), None, self.pool_items)
+            if copies:
+                self.pool_copies[r] = copies
         token_bytes = None
         if self.layout.dcp_size > 1:
             dcp = self._dcp_bytes(p, n)
@@ -464,7 +471,7 @@ class DecodeRoom(RoomBase[DecodeAction]):
                 {p.key for p in t.pieces()}:
             return f"{where} covers pages another piece of the room holds"
         want = t.bytes_of(tag.writer, tag.num_pages, layers) + (
-            t.final_extra.get(tag.writer, 0) if t.final(tag.page_start, tag.num_pages, layers) else 0)
+            t.final_extra.get(tag.writer, 0) if t.final(tag.page_start, tag.num_pages, layers, writer=tag.writer) else 0)
         if tag.nbytes != want:
             return f"{where} does not hold the {want} bytes its writer writes there"
         return None
@@ -484,8 +491,8 @@ class DecodeRoom(RoomBase[DecodeAction]):
         held = set(self._tracker.writers_of(layers))   # PP: the stage's writers only
         writers = sorted(((r, w) for r, w in self.writers.items() if r in held),
                          key=lambda rw: rw[1].assignment.writer_index)
-        final = self._tracker.final(page_start, num_pages, layers)
-        copies = [self.pool_copies.get(r, ()) if final else () for r, _ in writers]
+        copies = [self.pool_copies.get(r, ()) if self._tracker.final(page_start, num_pages, layers, writer=r) else ()
+                  for r, _ in writers]
         kv = [per_head * w.assignment.num_heads for _, w in writers]
         offsets = part_offsets([n + block_bytes(c) for n, c in zip(kv, copies)])
         return [WriterPart(rank=r, ring_offset=region.offset + off, kv_bytes=n, copies=c)
@@ -530,7 +537,7 @@ class DecodeRoom(RoomBase[DecodeAction]):
         mask = self._tracker.page_mask(tag.pages_mask, tag.num_pages)
         if isinstance(mask, str):
             return None
-        final = self._tracker.final(tag.page_start, tag.num_pages, layers, mask)
+        final = self._tracker.final(tag.page_start, tag.num_pages, layers, mask, tag.writer)
         copies = self.pool_copies.get(tag.writer, ()) if final else ()
         if self.layout.dcp_size > 1:   # every write holds all of this rank's tokens of its layers
             lay, n = self.layout, self.num_tokens or 0

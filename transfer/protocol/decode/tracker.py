@@ -169,10 +169,13 @@ class RoomTracker:
         return num_pages * self.writer_page_bytes[writer] * len(self._layers(layers)) // self.num_layers
 
     def final(self, page_start: int, num_pages: int, layers: range | None = None,
-              mask: np.ndarray | None = None) -> bool:
-        """Whether these cells hold the room's last page of its last layer (the pools' write);
-        `mask`: the positions of the range a sharded writer's write holds (None: all)."""
-        return (page_start + num_pages == self.num_pages and self._layers(layers).stop == self._held.stop
+              mask: np.ndarray | None = None, writer: int | None = None) -> bool:
+        """Whether these cells hold the room's last page of its last layer, or of the last layer
+        `writer` writes here (PP: its stage's overlap with this rank's): the write that carries
+        that writer's pools; `mask`: the positions of the range a sharded writer's write holds
+        (None: all)."""
+        end = self._held.stop if writer is None else min(self.layers_of(writer).stop, self._held.stop)
+        return (page_start + num_pages == self.num_pages and self._layers(layers).stop == end
                 and (mask is None or bool(mask[-1])))
 
     def page_mask(self, pages_mask: bytes, num_pages: int) -> np.ndarray | None | str:
@@ -290,7 +293,7 @@ class RoomTracker:
             return Arrival(Outcome.REJECTED, f"writer {writer} sent {mask}")
         count = num_pages if mask is None else int(mask.sum())
         want = self.bytes_of(writer, count, lay) + (self.final_extra.get(writer, 0)
-                                                   if self.final(page_start, num_pages, lay, mask) else 0)
+                                                   if self.final(page_start, num_pages, lay, mask, writer) else 0)
         if self.token_bytes is not None:   # DCP: writes of every page and some layers, of this rank's tokens
             if page_start != 0 or num_pages != self.num_pages:
                 return Arrival(Outcome.REJECTED, f"writer {writer} wrote pages [{page_start}, {page_start + num_pages}): "
@@ -369,7 +372,7 @@ class RoomTracker:
         return self._covered_count if self._covered_count is not None else [0] * rows
 
     def _extra(self, writer: int, page_start: int, num_pages: int, layers: range | None = None) -> int:
-        return self.final_extra.get(writer, 0) if self.final(page_start, num_pages, layers) else 0
+        return self.final_extra.get(writer, 0) if self.final(page_start, num_pages, layers, writer=writer) else 0
 
     def _in_range(self, page_start: int, num_pages: int) -> bool:
         return num_pages > 0 and page_start >= 0 and page_start + num_pages <= self.num_pages

@@ -45,7 +45,7 @@ from ..kinds import FailureKind, TransferPath
 from ..lifecycle import PREFILL_TRANSITIONS, RoomEvent
 from ..messages import AllocGrant, AllocRequest, Piece, Quiesced, RoomFailed, RoomMeta, TagsAgain, WriterDone
 from ..page_shards import ShardSide, pairing_problem, pool_assignment
-from ..pool_parts import block_bytes, counts_mismatch, final_part, request_copies, writer_segments
+from ..pool_parts import block_bytes, carried_pools, counts_mismatch, final_part, request_copies, writer_segments
 from ..room_base import RoomBase
 from ..room_uses import NO_EARLIER_USES, Bound, EarlierUses, RoomUse, failure_use, meta_use
 from ..stage_mapping import DecodeStage, decode_coverage, flow_layers, uncovered
@@ -183,7 +183,7 @@ class PrefillRoom(RoomBase[PrefillAction]):
         if self.last:   # every pool's items are known now: the counts each decode rank expects must match
             for flow in list(self.flows.values()):
                 if flow.pool_dst is not None and flow.assignment is not None and self._gets_pools(flow):
-                    mismatch = counts_mismatch(self.pool_items, {k: v.size for k, v in flow.pool_dst.items()})
+                    mismatch = self._counts_mismatch(flow, {k: v.size for k, v in flow.pool_dst.items()})
                     if mismatch:
                         return self.fail(FailureKind.POOL, f"decode rank {flow.peer.tp_rank}: {mismatch}", now)
         out = self._move(RoomEvent.INPUT, now) if self._all_metas() else []
@@ -331,10 +331,26 @@ class PrefillRoom(RoomBase[PrefillAction]):
         return (f"PP stage {lay.pp_rank} of {lay.pp_size} [{lay.layers.start}, {lay.layers.stop})" if lay.pp_size > 1
                 else f"rank {lay.rank} (no PP, {lay.num_layers} layers)")
 
+    def _written(self, flow: Flow) -> range:
+        """The entries this rank writes to that decode rank: its stage's overlap with the decode
+        rank's stage (decode PP), else its own stage's (every entry without PP)."""
+        return flow.layers if flow.layers is not None else self.layout.layers
+
+    def _flow_pools(self, flow: Flow) -> tuple[PoolSpec, ...]:
+        """The pools this rank's writes to that decode rank carry (pool_parts.carried_pools): the
+        pools of the layers it writes there, and the pools of no layer where it writes that
+        decode rank's last entry (the model's; a decode PP stage's own last layer)."""
+        written = self._written(flow)
+        return carried_pools(self.pools, written, written.stop == (flow.stage_stop or self.layout.num_entries))
+
     def _gets_pools(self, flow: Flow) -> bool:
-        """Whether this rank's writes to that decode rank carry the pools: they hold its last
-        entry (the model's; a decode PP stage's own last layer)."""
-        return flow.layers is None or flow.layers.stop == flow.stage_stop
+        return bool(self._flow_pools(flow))
+
+    def _counts_mismatch(self, flow: Flow, theirs: Mapping[str, int]) -> str:
+        """This request's pool items against the decode rank's, over the pools this flow carries."""
+        names = {p.name for p in self._flow_pools(flow)}
+        return counts_mismatch({k: v for k, v in self.pool_items.items() if k in names},
+                               {k: n for k, n in theirs.items() if k in names})
 
     def _check_meta(self, flow: Flow, meta: RoomMeta, now: float) -> list[PrefillAction]:
         """The decode rank's page count (and direct destination pages) against ours: [] when
@@ -368,7 +384,7 @@ class PrefillRoom(RoomBase[PrefillAction]):
         theirs = {k: v.size for k, v in meta.items().items()}
         if not self.last:
             theirs = {k: n for k, n in theirs.items() if k in self.pool_items}
-        mismatch = counts_mismatch(self.pool_items, theirs)
+        mismatch = self._counts_mismatch(flow, theirs)
         if mismatch and flow.assignment is not None and self._gets_pools(flow):
             return self.fail(FailureKind.POOL, f"decode rank {flow.peer.tp_rank}: {mismatch}", now)
         flow.pool_dst = meta.items() or NO_ENTRIES   # no pools: the shared empty map
@@ -429,7 +445,7 @@ class PrefillRoom(RoomBase[PrefillAction]):
                           dst_pages=tuple(flow.dst_pages.tolist()), decode_rank=flow.peer.tp_rank % self.dcp.dcp_size)
         flow.issued = len(self.sendable)
         m = self._mapping
-        copies = request_copies(writer_segments(self.pools, m.prefill_tp, m.decode_tp, a), self.pool_items,
+        copies = request_copies(writer_segments(self._flow_pools(flow), m.prefill_tp, m.decode_tp, a), self.pool_items,
                                 flow.pool_dst) if self.pool_items else ()
         if not pair.num_tokens and not copies:   # the decode rank owns none of the tokens (a short request)
             return []
@@ -482,7 +498,7 @@ class PrefillRoom(RoomBase[PrefillAction]):
         chunk, _ = self._asked(flow, index)
         w = self._chunk_writes(flow, a, chunk)
         ops = granted_writes(w, grant, op_ids=self._op_ids, last_part=(
-            (lambda kv: final_part(self.pools, self._mapping, a, kv, self.pool_items, flow.pool_dst))
+            (lambda kv: final_part(self._flow_pools(flow), self._mapping, a, kv, self.pool_items, flow.pool_dst))
             if self.pool_items else None))
         if isinstance(ops, str):
             return self.fail(FailureKind.PROTOCOL, ops, now)
@@ -730,9 +746,12 @@ class PrefillRoom(RoomBase[PrefillAction]):
 
     def _final(self, page_end: int, layers: range, flow: Flow) -> bool:
         """Whether a write ending at `page_end` over `layers` is the one carrying the request's
-        last page of the model's last layer (of its last draft entry, with a draft), hence the
-        state pool items (a PP prefill: only the last stage's)."""
-        return page_end == self._pages_to_send and layers.stop == (flow.stage_stop or self.layout.num_entries)
+        last page of the last entry this rank writes to that decode rank, hence the state pool
+        items that flow carries (`_flow_pools`: the pools of its layers; with the model's last
+        layer, of its last draft entry with a draft, the pools of no layer)."""
+        return page_end == self._pages_to_send and (
+            layers.stop == (flow.stage_stop or self.layout.num_entries)
+            or (layers.stop == self._written(flow).stop and self._gets_pools(flow)))
 
     def _add_draft_items(self) -> None:
         """A draft of its own geometry (draft_kv.py): once the request's pages and the decode's
@@ -807,7 +826,7 @@ class PrefillRoom(RoomBase[PrefillAction]):
             return None
         piece_bytes = self.credits.piece_bytes
         w = self._chunk_writes(flow, a, chunk)
-        last_part = ((lambda kv: final_part(self.pools, self._mapping, a, kv, self.pool_items, flow.pool_dst))
+        last_part = ((lambda kv: final_part(self._flow_pools(flow), self._mapping, a, kv, self.pool_items, flow.pool_dst))
                      if self.pool_items else None)
         end = chunk.page_start + int(chunk.pages.size)
         extra = block_bytes(last_part(0)[1]) if last_part is not None and w.pools_at == end else 0
@@ -869,7 +888,8 @@ class PrefillRoom(RoomBase[PrefillAction]):
         ops = direct_writes(self._chunk_writes(flow, a, chunk), dst_pages=flow.dst_pages,
                             max_ranges=self.limits.max_ranges,
                             ranges_per_page=self.layout.num_kv * len(chunk.layers) * (1 if whole else self.layout.page_size),
-                            pools=lambda: request_copies(writer_segments(self.pools, m.prefill_tp, m.decode_tp, pool_flow),
+                            pools=lambda: request_copies(writer_segments(self._flow_pools(flow), m.prefill_tp, m.decode_tp,
+                                                                         pool_flow),
                                                          self.pool_items, flow.pool_dst),
                             op_ids=self._op_ids, shard=(m.page_shards, self.layout.tp_rank) if m.page_shards > 1 else None)
         return [self._post(flow, op) for op in ops]
