@@ -18,7 +18,8 @@ differ. Each component becomes kvstage pools that move with the request's last p
 - SWA. The window's pages of the SWA sub-pool, sharded like the KV heads: NHD pages
   [page_size, heads, head] become token items of a heads pool (item = page x page_size + token),
   so each item holds whole heads. (SGLang's disaggregation takes NHD sub-pools only.)
-- DSA. Indexer pages of an MLA model, replicated over TP: a replicated pool of page items.
+- DSA. Indexer pages of an MLA model, replicated over TP: a replicated pool of page items per
+  layer (bound to it, `StatePool(layer=...)`), so that under PP each stage moves its own layers'.
 - BLOCK_SCALE / BLOCK_SCALE_SWA. MXFP8 per-block scales of the full and the SWA sub-pool, sharded
   over KV heads like the KV they scale: a heads pool, of token items like SWA, or of page items
   in SGLang's interleaved layout at page size 128.
@@ -60,6 +61,7 @@ class _Group:
     heads: int | None
     expand: int                     # pool items per SGLang index
     blocks: list | None = None   # heads sub-blocks sharded each on their own (GDN conv)
+    layer: int | None = None     # the model layer the pool belongs to (DSA: one pool per layer)
     tensors: list = field(default_factory=list)
 
 
@@ -104,7 +106,8 @@ class StateMap:
                 # a second item count under one suffix is told apart by its order, not its size
                 nth = seen[suffix] = seen.get(suffix, -1) + 1
                 name = f"state{i}.{kind}{suffix}" + (f".{nth}" if nth else "")
-                self.pools[name] = StatePool(tensors=g.tensors, sharding=g.sharding, heads=g.heads, blocks=g.blocks)
+                self.pools[name] = StatePool(tensors=g.tensors, sharding=g.sharding, heads=g.heads, blocks=g.blocks,
+                                             layer=g.layer)
                 comp.pools[name] = g.expand
             self.components.append(comp)
         if refused:
@@ -205,10 +208,10 @@ class _Entries:
 
 
 def _add(groups: dict, suffix: str, sharding: str, heads, expand: int, tensor: torch.Tensor,
-         blocks: list | None = None) -> None:
+         blocks: list | None = None, layer: int | None = None) -> None:
     """Tensors of one pool share a suffix (what they are) and their item count."""
     g = groups.setdefault((suffix, tensor.shape[0]),
-                          _Group(sharding=sharding, heads=heads, expand=expand, blocks=blocks))
+                          _Group(sharding=sharding, heads=heads, expand=expand, blocks=blocks, layer=layer))
     g.tensors.append(tensor)
 
 
@@ -300,11 +303,22 @@ def _dsa_tail(entries: _Entries, layout, args, tp: int, *, slot_bytes: int | Non
 
 
 def _dsa(entries: _Entries, layout, args, tp: int):
+    """One pool per MLA layer (`StatePool(layer=...)`): SGLang lists a DSA pool's indexer buffers
+    one per layer of the rank's PP stage, so under PP each stage registers and writes its own
+    layers' (an elided layer, a buffer of no rows, has no pool). A list of another length than
+    the stage's layers moves as one pool of no layer, without PP only."""
     if not layout.mla:
         raise NotImplementedError("DSA indexer state beside a non-MLA KV cache")
+    stage = range(layout.layers.start, min(layout.layers.stop, layout.num_layers))
+    count = len(entries.field("state_data_ptrs"))
+    if count != len(stage) and layout.pp_size > 1:
+        raise NotImplementedError(f"DSA state of {count} buffers beside PP stage [{stage.start}, {stage.stop}) of "
+                                  f"{len(stage)} layers")
     groups: dict = {}
-    for _, ptr, nbytes, item in entries:
-        _add(groups, "", "replicated", None, 1, entries.view(ptr, nbytes, (nbytes // item, item)))
+    for j, ptr, nbytes, item in entries:
+        layer = stage.start + j if count == len(stage) else None
+        _add(groups, "" if layer is None else f".L{layer}", "replicated", None, 1,
+             entries.view(ptr, nbytes, (nbytes // item, item)), layer=layer)
     return groups, None
 
 

@@ -61,8 +61,8 @@ def run_prefill_pp(r, sc, out, *, aux_row: Callable, report: Callable) -> None:
 
     P, par = r.P, get_parallel()
     last = par.pp_group.is_last_rank
-    pages = iter(range(1, r.num_pages))
-    reqs = [{"q": q, "s": r.Sender(r.mgr, r.addr, q["room"]), "st": "boot", "row": 1 + i,
+    pages, r.state_pages = iter(range(1, r.num_pages)), iter(range(1, r.num_pages))
+    reqs = [{"q": q, "s": r.Sender(r.mgr, r.addr, q["room"]), "st": "boot", "row": 1 + i, "slot": 1 + i,
              "pages": [next(pages) for _ in range(q["pages"])]} for i, q in enumerate(sc["requests"])]
     queue, sync_work = list(reqs), []
     while queue:   # the polls are PP rank 0's on every stage: all stages leave this loop together
@@ -111,7 +111,8 @@ def prefix_arrives_after_pop(r, s, room: int) -> bool:
 def start_request(r, x, last: bool, aux_row: Callable) -> None:
     """SGLang's finalize_bootstrap and chunked sends of one request on this stage. A stage past
     the first may be told WaitingForInput before its own sender heard the decode's prefix: it
-    then sends the prefix pages too (kvstage skips them), in the first chunk."""
+    then sends the prefix pages too (kvstage skips them), in the first chunk. With state in the
+    scenario (DSA pages) each stage names its own layers' state with its last send."""
     import numpy as np
 
     q, s = x["q"], x["s"]
@@ -124,9 +125,16 @@ def start_request(r, x, last: bool, aux_row: Callable) -> None:
     if last or int(r.sc.get("decode_pp") or 1) > 1:   # a PP decode: each stage's row to its decode stage
         r.meta.output_ids[x["row"]] = aux_row(q["room"])
         r.meta.bootstrap_room[x["row"], 0] = q["room"]
+    state = None
+    if r.state is not None:   # this stage's state (its layers' DSA pages), named with the last send
+        w = min(r.sc["state"]["swa_pages"], len(suffix))
+        x["swa"] = [next(r.state_pages) for _ in range(w)]
+        r.state.fill(q["room"], x["slot"], x["swa"], q["pages"] - w)
+        state = r.state.indices(x["slot"], x["swa"])
     s.init(len(suffix), x["row"])
     done = 0
-    for n in [q["chunks"][0] + q["prefix"] - k, *q["chunks"][1:]]:
-        s.send(np.asarray(suffix[done:done + n], dtype=np.int32), None)
+    sends = [q["chunks"][0] + q["prefix"] - k, *q["chunks"][1:]]
+    for i, n in enumerate(sends):
+        s.send(np.asarray(suffix[done:done + n], dtype=np.int32), state if i == len(sends) - 1 else None)
         done += n
     x["st"] = "sent"

@@ -206,7 +206,7 @@ class Rank:
         self.state = None
         if sc.get("state"):
             self.state = StateSide(sc["state"], a.tp, a.rank, self.local * a.tp, self.hd, self.ps, self.num_pages,
-                                   decode=not self.prefill, device=self.device)
+                                   decode=not self.prefill, device=self.device, layers=self.stage)
             self.state.kv_args(args)
         if self.host_set is not None:
             host = self.host_set.k + self.host_set.v

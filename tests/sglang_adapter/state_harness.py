@@ -15,7 +15,8 @@ Mamba tensors per layer, per slot (global shapes, int16):
   kimi      [rows 3, 4, 2]   sharded on its second axis (3 rows before it)
   whole     [5]              replicated over TP (dim 0)
 SWA per layer, K then V: [tokens, local KV heads, head_dim] (NHD pages). DSA per layer: [pages,
-page_size x 3] int16, the same on every rank (MLA replicates it).
+page_size x 3] int16, the same on every rank (MLA replicates it). A PP stage holds the tensors of
+its own layers only (`layers`).
 
 The tensors live on the rank's KV device (`device`: cpu or cuda), where the expected values are
 compared; a fill is synchronised before it returns (on CUDA), as the KV's is.
@@ -39,15 +40,18 @@ def value(room: int, tensor: int, layer: int, row, unit, pos) -> torch.Tensor:
 
 class StateSide:
     def __init__(self, cfg: dict, tp: int, rank: int, kv_heads: int, head_dim: int, page: int, num_pages: int,
-                 decode: bool, device: torch.device | None = None):
+                 decode: bool, device: torch.device | None = None, layers: range | None = None):
+        """`layers`: the model layers this rank holds (a PP stage's; default the first LAYERS),
+        each DSA or Mamba tensor's pattern keyed by its global layer."""
         device = device or torch.device("cpu")
         self.cfg, self.tp, self.rank, self.page, self.device = cfg, tp, rank, page, device
+        self.layers = layers if layers is not None else range(LAYERS)
         # decode holds more slots and state pages than prefill, as real servers' sizes differ
         self.slots, self.num_pages = cfg["slots"] + 4 * decode, num_pages + 8 * decode
         self.gdn, self.dsa, self.mamba_only = bool(cfg.get("gdn")), bool(cfg.get("dsa")), bool(cfg.get("mamba_only"))
         self.mamba = []          # (tensor id, layer, tensor [slots, rows, local units | whole, inner], global units)
         for tid, (name, rows, units, inner) in enumerate([] if self.dsa else MAMBA):
-            for layer in range(LAYERS):
+            for layer in self.layers:
                 if units == 0:
                     t = torch.empty(self.slots, inner, dtype=torch.int16, device=device)
                     self.mamba.append((tid, layer, t, None))
@@ -59,10 +63,10 @@ class StateSide:
         if self.mamba_only:
             self.swa = []
         elif self.dsa:          # paged state: SWA (K layers, then V layers) or DSA
-            self.swa = [torch.empty(self.num_pages * page, 3, dtype=torch.int16, device=device) for _ in range(LAYERS)]
+            self.swa = [torch.empty(self.num_pages * page, 3, dtype=torch.int16, device=device) for _ in self.layers]
         else:
             self.swa = [torch.empty(self.num_pages * page, self.local_heads, head_dim, dtype=torch.int16, device=device)
-                        for _ in range(2 * LAYERS)]
+                        for _ in range(2 * len(self.layers))]
         for t in self.tensors():
             t.fill_(SENTINEL)
         if device.type == "cuda":
@@ -120,9 +124,9 @@ class StateSide:
                      torch.arange(inner)[None, None, :]).to(self.device)
 
     def swa_expected(self, room: int, i: int, first_token: int) -> torch.Tensor:
-        if self.dsa:
+        if self.dsa:   # tensor i is layer layers[i]
             tokens = torch.arange(first_token, first_token + self.page)[:, None]
-            return value(room, 200 + i, 0, 0, 0, tokens * 64 + torch.arange(3)).to(self.device)
+            return value(room, 200 + self.layers[i], 0, 0, 0, tokens * 64 + torch.arange(3)).to(self.device)
         tokens = torch.arange(first_token, first_token + self.page)[:, None, None]
         return value(room, 100 + i, 0, 0, self.heads[None, :, None],
                      tokens * 64 + torch.arange(self.swa[0].shape[2])).to(self.device)

@@ -10,7 +10,9 @@ stages bootstrap on SGLang's PP consensus; each decode stage drives its own rece
 harness does not run SGLang's decode PP event loop, whose poll consensus passes between
 stages). Each decode stage checks every byte of its layers, its aux row (each prefill stage
 writes its own row, which kvstage moves to the decode stage holding the same layers, as SGLang's
-mooncake backend does) and that no page outside a successful request was written.
+mooncake backend does) and that no page outside a successful request was written. An MLA
+model's DSA indexer pages move stage to stage: each decode stage holds and checks its own
+layers'.
 """
 
 from __future__ import annotations
@@ -42,3 +44,13 @@ def test_pp_decode(tmp_path, model_3_layers, bootstrap_server, tp, staging):
             sent = [results[("prefill", rank)]["rooms"][str(q["room"])]["bytes"] for rank in range(2 * tp)]
             assert rooms[str(q["room"])]["bytes"] == sum(sent[stage * tp:(stage + 1) * tp]), (q, sent)
             assert sum(sent[stage * tp:(stage + 1) * tp]) >= (q["pages"] - q["prefix"]) * page_layer * layers, (q, sent)
+
+
+def test_pp_decode_gets_each_stages_dsa_pages(tmp_path, model_3_layers, bootstrap_server):
+    reqs = requests_for(37, 4, prefix={1: 1})
+    results = run(tmp_path, model_3_layers, bootstrap_server, 1, 1, reqs, backend="nixl", prefill_pp=2, decode_pp=2,
+                  layers=LAYERS, mla=True, state={"slots": 12, "swa_pages": 99, "dsa": True})
+    expect(results, reqs, lambda i: "Success")
+    for stage in (0, 1):
+        rooms = results[("decode", stage)]["rooms"]
+        assert all(rooms[str(q["room"])]["state_bad"] == [] for q in reqs), (stage, rooms)

@@ -35,3 +35,18 @@ def test_pp_prefill(tmp_path, model_3_layers, bootstrap_server, tp, staging, bac
         sent = [results[("prefill", rank)]["rooms"][str(q["room"])]["bytes"] for rank in range(2 * tp)]
         assert sum(sent[:tp]) == (q["pages"] - q["prefix"]) * page_layer, (q, sent)
         assert rooms[str(q["room"])]["bytes"] == sum(sent), (q, sent, rooms[str(q["room"])])
+
+
+@pytest.mark.parametrize("tp,backend", [(1, "nixl"), (2, "mooncake")], ids=["PP2xTP1-D1-nixl", "PP2xTP2-D1-mooncake"])
+def test_pp_prefill_moves_each_stages_dsa_pages(tmp_path, model_3_layers, bootstrap_server, tp, backend):
+    reqs = requests_for(31, 5, prefix={1: 1, 3: 1})
+    results = run(tmp_path, model_3_layers, bootstrap_server, tp, 1, reqs, backend=backend, prefill_pp=2,
+                  layers=LAYERS, mla=True, state={"slots": 12, "swa_pages": 99, "dsa": True})
+    expect(results, reqs, lambda i: "Success")
+    rooms = results[("decode", 0)]["rooms"]
+    assert all(rooms[str(q["room"])]["state_bad"] == [] for q in reqs), rooms
+    index_page = 4 * 3 * 2   # one DSA page of one layer: 4 tokens x 3 int16
+    for q in reqs:   # stage 0 wrote its one layer's KV and indexer pages, stage 1 its two layers' and the aux row
+        sent = [results[("prefill", rank)]["rooms"][str(q["room"])]["bytes"] for rank in range(2 * tp)]
+        latent = (q["pages"] - q["prefix"]) * 4 * 8 * 2   # one layer's latent: 4 tokens x 8 bf16
+        assert sum(sent[:tp]) == (q["pages"] - q["prefix"]) * index_page + latent, (q, sent)

@@ -201,10 +201,10 @@ def plain_mgr(**kw):
     (plain_mgr(), {"host_kv_data_ptrs": [4096], "state_types": ["swa"]}, "host KV destinations"),
     (plain_mgr(server_args=SimpleNamespace(enable_hisparse=True, device="cuda")), {"host_kv_data_ptrs": [4096]},
      "host KV destinations with HiSparse"),
-    (plain_mgr(pp_size=2, disaggregation_mode=SimpleNamespace(value="decode")), {"state_types": ["mamba"]},
-     "pipeline parallelism (pp_size 2) with a hybrid KV pool or state components"),
+    (plain_mgr(pp_size=2, disaggregation_mode=SimpleNamespace(value="decode")), {"state_types": ["mamba", "dsa"]},
+     "pipeline parallelism (pp_size 2) with state components ['mamba']"),
     (plain_mgr(pp_size=2, disaggregation_mode=SimpleNamespace(value="prefill")), {"kv_layer_ids": [0, 3]},
-     "pipeline parallelism (pp_size 2) with a hybrid KV pool"),
+     "pipeline parallelism (pp_size 2) with a hybrid KV pool (kv_layer_ids)"),
     (plain_mgr(attn_cp_size=2, disaggregation_mode=SimpleNamespace(value="decode")), {},
      "context parallelism (attn_cp_size 2) on a decode"),
     (plain_mgr(attn_cp_size=2, disaggregation_mode=SimpleNamespace(value="prefill"),
@@ -231,6 +231,8 @@ def test_a_plain_gpu_deployment_is_not_refused():
     assert unsupported_features(pp_prefill, SimpleNamespace(kv_layer_ids=[])) == []
     pp_decode = plain_mgr(pp_size=2, disaggregation_mode=SimpleNamespace(value="decode"))
     assert unsupported_features(pp_decode, SimpleNamespace(kv_layer_ids=[])) == []   # served since decode PP
+    # an MLA model's DSA indexer pages: each stage moves its own layers' (state.py, per-layer pools)
+    assert unsupported_features(pp_prefill, SimpleNamespace(kv_layer_ids=[], state_types=["dsa"])) == []
     cpu = plain_mgr(server_args=SimpleNamespace(enable_hisparse=False, device="cpu"))
     assert unsupported_features(cpu, SimpleNamespace(kv_data_mem_kinds=["DRAM"] * 4)) == []
     assert unsupported_features(plain_mgr(), SimpleNamespace(num_draft_entries=2)) == []   # speculative decoding
