@@ -174,3 +174,24 @@ def test_a_repeated_grant_is_the_first_even_after_a_piece_was_scattered():
     d.on_scattered(scatter.key, True, None, ring, 4.5)
     assert scatter.key[1] not in d.allocs[req.chunk].regions   # its region went back to the ring
     assert grant(5.0) == first
+
+
+def test_a_plan_is_reused_only_for_the_same_records_peers_and_path_inputs():
+    """EnginePlanner keeps each engine's last plan with what it was made of (PlanInputs): the
+    next room reuses it only when the engine's records are the same object (a lookup replaces
+    them) and every writer, notice and path input is equal; a reconnected writer (a new
+    incarnation), another buffer size or other measured costs make a new plan."""
+    from kvstage.transfer.engine.decode_planning import PlanInputs
+
+    records: list = []
+    base = dict(records=records, writers=((0, PREF, True, 1024),), notices=((1, PeerKey("prefill", 1, 1001)),),
+                path=PathInputs(mode=PathMode.AUTO, writers=(COSTS,)))
+    first = PlanInputs(**base)
+    assert first.same(PlanInputs(**base))
+    assert first.same(PlanInputs(**{**base, "path": PathInputs(mode=PathMode.AUTO, writers=(WriterCosts(
+        writes=list(COSTS.writes), gather_bytes_per_s=1e10),))}))   # equal costs, rebuilt
+    for change in (dict(records=[]), dict(writers=((0, PeerKey("prefill", 0, 999), True, 1024),)),
+                   dict(writers=((0, PREF, True, 2048),)), dict(writers=((0, PREF, False, 1024),)),
+                   dict(notices=()), dict(path=PathInputs(mode=PathMode.AUTO, writers=(None,))),
+                   dict(path=PathInputs(mode=PathMode.STAGED, writers=(COSTS,)))):
+        assert not first.same(PlanInputs(**{**base, **change})), change

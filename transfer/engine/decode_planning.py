@@ -23,7 +23,7 @@ from ..layout import KVLayout
 from ..poll import KVPoll
 from ..protocol import peering
 from ..protocol.actions import PeerKey
-from ..protocol.decode.plan import PathInputs, SharedPlans
+from ..protocol.decode.plan import PathInputs, RoomPlan, SharedPlans
 from ..protocol.decode.room import DecodeRoom, PlanRefused, WriterOffer, plan_room
 from ..protocol.head_mapping import HeadMapping
 from ..protocol.kinds import FailureKind, Role
@@ -71,10 +71,31 @@ class EngineView:
     error: str = ""
     rooms: set[int] = field(default_factory=set)                # rooms waiting for their plan
     tombstones: list[Tombstone] = field(default_factory=list)   # rooms that failed before their metadata went out
+    # the last answers worked out from `records` (replaced, never changed in place, on a lookup):
+    # the ranks this decode rank deals with, and the last plan with what it was made of
+    needed: tuple[list[RankRecord], peering.NeededRanks] | None = None
+    last_plan: tuple[PlanInputs, RoomPlan] | None = None
 
     @property
     def name(self) -> str:
         return self.engine_id or self.source.key
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanInputs:
+    """What a room's plan is made of besides this rank's fixed facts: the engine's records (the
+    same list object: a lookup replaces it), each writer's and notice's peer, and the path
+    inputs. Equal inputs make an equal plan, so the rooms of one engine reuse the last one
+    instead of planning (and interning) it again."""
+
+    records: list[RankRecord]
+    writers: tuple[tuple[int, PeerKey, bool, int], ...]   # rank, peer, staging, buffer bytes
+    notices: tuple[tuple[int, PeerKey], ...]
+    path: PathInputs
+
+    def same(self, other: PlanInputs) -> bool:
+        return (self.records is other.records and self.writers == other.writers and self.notices == other.notices
+                and self.path == other.path)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -204,6 +225,13 @@ class EnginePlanner:
         if verdict.gate is peering.Gate.WAIT:
             return
         view.rooms.discard(room.room)
+        inputs = PlanInputs(records=view.records,
+                            writers=tuple((w, peers[w].key, peers[w].staging, peers[w].buffer_bytes)
+                                          for w in need.writers),
+                            notices=tuple((n, peers[n].key) for n in need.notices),
+                            path=self._path_inputs([peers[w] for w in need.writers]))
+        if view.last_plan is not None and view.last_plan[0].same(inputs):
+            return self.book.apply(room, room.on_plan(view.last_plan[1], now))
         ring, facts = self.ring.allocator, self.facts
         plan = plan_room(self.layout, need.mapping,
                          {w: WriterOffer(peers[w].key, peers[w].staging, peers[w].buffer_bytes, need.layers[w])
@@ -211,10 +239,11 @@ class EnginePlanner:
                          {n: peers[n].key for n in need.notices}, staging=facts.staging,
                          ring_size=ring.size if ring else 0, ring_align=ring.align if ring else 1,
                          piece_cap=facts.piece_cap, epoch=self.me,
-                         draft_pools=need.draft_pools, path=self._path_inputs([peers[w] for w in need.writers]))
+                         draft_pools=need.draft_pools, path=inputs.path)
         if isinstance(plan, PlanRefused):
             return self.book.apply(room, room.on_plan_failed(plan.kind, plan.reason, now))
         plan = self._plans.intern(plan)
+        view.last_plan = (inputs, plan)
         if facts.staging and not plan.can_stage:
             self._log_fallback(view.engine_id, need.mapping, [peers[w] for w in need.writers])
         self.book.apply(room, room.on_plan(plan, now))
@@ -229,8 +258,12 @@ class EnginePlanner:
     def _needed(self, view: EngineView) -> peering.NeededRanks:
         """The engine's ranks this decode rank deals with; ValueError when its TP size cannot
         share the heads or its PP stages do not tile the model."""
+        if view.needed is not None and view.needed[0] is view.records:
+            return view.needed[1]
         stages = peering.read_stages(view.name, view.records, self.layout.num_layers)
-        return peering.needed_ranks(stages.tp_size, self.layout, stages.layers, stages.draft_pools, stages.page_shards)
+        need = peering.needed_ranks(stages.tp_size, self.layout, stages.layers, stages.draft_pools, stages.page_shards)
+        view.needed = (view.records, need)
+        return need
 
     def _log_fallback(self, engine_id: str, mapping: HeadMapping, writers: list[Peer]) -> None:
         why = peering.fallback_reason(self.ring.allocator is not None, self.layout.mla,
