@@ -85,10 +85,11 @@ class StatePool:
             local = sum(b // tp for b in blocks) if blocks else max(1, heads // tp)
         elif self.heads is not None:
             raise ValueError(f"{where}: heads is only for sharding='heads'")
-        layer, stage = -1 if self.layer is None else self.layer, range(layout.layers.start, min(layout.layers.stop, layout.num_layers))
+        layer = -1 if self.layer is None else self.layer
+        stage = range(layout.layers.start, min(layout.layers.stop, layout.num_layers))   # its model layers
         if isinstance(layer, bool) or not isinstance(layer, int) or not (self.layer is None or layer in stage):
             raise ValueError(f"{where}: layer must be None or a model layer of this rank's stage "
-                             f"[{layout.layers.start}, {min(layout.layers.stop, layout.num_layers)}), got {self.layer!r}")
+                             f"[{stage.start}, {stage.stop}), got {self.layer!r}")
         if not isinstance(self.own_writes, bool):
             raise ValueError(f"{where}: own_writes must be a bool, got {self.own_writes!r}")
         items: int | None = None
