@@ -45,7 +45,8 @@ Per manager, shards (a prefill of MLA geometry): KVLayout.page_shards, the KV pa
 TP group. Every rank of the engine then draws the same logical pages for a room (its seed leaves
 the rank out) from the logical pool of pages x shards, and fills the positions whose page it owns
 (logical page l on rank l % shards, local page l // shards).
-Geometry draft: draft KV entries (KVLayout.draft) after the layers; a decode rank
+Geometry draft: draft KV entries (KVLayout.draft) after the layers (with PP on the last stage only,
+as SGLang keeps them); a decode rank
 fills its draft entries with the byte UNWRITTEN at start, checks only the entries the prefill has
 (prefill_draft: the prefill's draft count, default its own) and records per room whether its
 other draft entries still hold UNWRITTEN on the room's pages (unwritten_intact). draft_heads and
@@ -121,13 +122,14 @@ def build(spec: dict, bootstrap: str) -> tuple[KVManager, KVLayout, KVBuffers, K
     g = spec["geometry"]
     pp = spec.get("pp", 1)
     pp_rank, tp_rank = divmod(spec["rank"], spec["tp"])
+    draft = g.get("draft") if pp_rank == pp - 1 else 0   # with PP the last stage holds the draft, as in SGLang
     layout = KVLayout(num_layers=g["layers"], total_kv_heads=g["heads"], head_dim=g["head_dim"],
                       dtype=DTYPES[g["dtype"]], page_size=g["page_size"], tp_size=spec["tp"],
                       tp_rank=tp_rank, mla=g.get("mla", False), pp_size=pp, pp_rank=pp_rank,
                       stage=stage_layers(spec, g["layers"], pp)[pp_rank], dcp_size=spec.get("dcp", 1),
                       page_shards=spec.get("shards", 1),
-                      draft=DraftKV(num_layers=g["draft"], total_kv_heads=g.get("draft_heads"),
-                                    head_dim=g.get("draft_head_dim")) if g.get("draft") else None)
+                      draft=DraftKV(num_layers=draft, total_kv_heads=g.get("draft_heads"),
+                                    head_dim=g.get("draft_head_dim")) if draft else None)
     shape = (g["pages"] * layout.page_size, layout.local_heads, layout.head_dim)
     # touched at start-up, as a serving engine's KV cache is (fresh pages fault on first write)
     device = torch.device(spec.get("device", "cpu"))   # "cuda:0": a VRAM cache (examples/gpu_check.py)
@@ -201,6 +203,7 @@ class Pages:
 
 def drive(spec: dict, bootstrap: str, result: dict) -> None:
     mgr, layout, buffers, pattern = build(spec, bootstrap)
+    result["rank"] = spec["rank"]
     result["endpoint"] = mgr.endpoint
     result["incarnation"] = mgr.incarnation
     if spec.get("metrics_file"):
@@ -639,7 +642,8 @@ def draft_entries(spec: dict, layout: KVLayout) -> tuple[list[int], list[int]]:
     """Indices into buffers.tensors() of the entries the prefill writes, and of the decode's
     draft entries beyond the prefill's (empty without decode-only speculation)."""
     sent = layout.num_layers + spec.get("prefill_draft", layout.draft_layers)
-    idx = [(kv * layout.num_entries + e, e < sent) for kv in range(layout.num_kv) for e in range(layout.num_entries)]
+    held = layout.layers   # a PP stage's entries only (the last one's draft after its layers)
+    idx = [(kv * len(held) + i, e < sent) for kv in range(layout.num_kv) for i, e in enumerate(held)]
     return [t for t, s in idx if s], [t for t, s in idx if not s]
 
 

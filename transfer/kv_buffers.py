@@ -109,7 +109,7 @@ class KVBuffers:
                 raise ValueError(f"pool name {n!r} is reserved: kvstage names a draft KV of its own geometry so")
         self.draft_as_pools = layout.draft_own_geometry
         assert draft is None or draft.total_kv_heads is not None, "KVLayout resolves the draft's heads"
-        own = draft_pools(draft.total_kv_heads, self.draft_k, self.draft_v) \
+        own = draft_pools(draft.total_kv_heads, self.draft_k, self.draft_v, layout.num_layers - 1) \
             if self.draft_as_pools and draft is not None and draft.total_kv_heads else {}
         self.pools = {**user, **own}
         self.pool_specs = [self.pools[n].spec(n, layout) for n in sorted(self.pools)]

@@ -82,7 +82,8 @@ class LayoutSummary(msgspec.Struct, frozen=True, kw_only=True):
         """Human-readable differences, empty when compatible. `self` is the prefill's summary
         (its rank checks each decode rank's Hello): the draft pairing rule is one-sided.
         `shared`: the model layers both ranks' PP stages hold (None: all), whose pools both
-        must register (pool_spec.pool_mismatches)."""
+        must register (pool_spec.pool_mismatches); the drafts are compared only where both hold
+        the model's last layer (the draft lives on the last PP stage)."""
         out = []
         for name in self.__struct_fields__:
             mine, theirs = getattr(self, name), getattr(other, name)
@@ -93,6 +94,8 @@ class LayoutSummary(msgspec.Struct, frozen=True, kw_only=True):
                 continue
             elif mine != theirs:
                 out.append(f"{name}: {mine!r} here vs {theirs!r} at peer")
+        if shared is not None and self.num_layers - 1 not in shared:
+            return out
         draft = draft_mismatch(self.draft_shape(), other.draft_shape())
         return out + ([draft] if draft else [])
 
@@ -131,8 +134,9 @@ class KVLayout:
     `draft` (speculative decoding, draft_kv.py): the draft model's KV entries. With the target's
     geometry they are held after the target's layers (entry indices [num_layers, num_entries))
     and moved like more layers; with their own (`draft_own_geometry`) they are internal heads
-    pools moved with the request's last piece. Not with PP (SGLang keeps the draft on the last
-    stage; unsupported here).
+    pools moved with the request's last piece. With PP only the last stage holds a draft (SGLang
+    runs the draft model there): its entries follow the model's last layer, and any other
+    stage given one is a ValueError.
     """
 
     num_layers: int
@@ -213,9 +217,10 @@ class KVLayout:
         d = self.draft
         if not isinstance(d, DraftKV):
             raise ValueError(f"draft must be a DraftKV or None, got {d!r}")
-        if self.pp_size > 1:
-            raise ValueError(f"draft KV with pipeline parallelism (pp_size={self.pp_size}) is not supported: SGLang "
-                             f"keeps the draft on the last stage, which kvstage does not model; run without PP")
+        if self.pp_rank != self.pp_size - 1:
+            raise ValueError(f"draft KV on PP stage {self.pp_rank} of {self.pp_size}: the draft model's entries "
+                             f"belong to the last stage (SGLang runs the draft there); give DraftKV to the ranks "
+                             f"of stage {self.pp_size - 1} only")
         heads = d.total_kv_heads if d.total_kv_heads is not None else self.total_kv_heads
         head_dim = d.head_dim if d.head_dim is not None else self.head_dim
         d = DraftKV(num_layers=d.num_layers, total_kv_heads=heads, head_dim=head_dim)
@@ -270,7 +275,7 @@ class KVLayout:
     @property
     def layers(self) -> range:
         """The entries this rank holds and sends: its PP stage's layers (all of the model's
-        without PP), then the draft's (never with PP)."""
+        without PP), then the draft's (on the last stage only with PP)."""
         assert self.stage is not None, "set by __post_init__"
         return range(self.stage.start, self.stage.stop + self.draft_layers)
 

@@ -146,11 +146,13 @@ def memory_kind(device: torch.device) -> str:
 
 
 def draft_pools(heads: int, draft_k: Sequence[torch.Tensor],
-                draft_v: Sequence[torch.Tensor] | None) -> dict[str, StatePool]:
+                draft_v: Sequence[torch.Tensor] | None, last_layer: int) -> dict[str, StatePool]:
     """One heads pool per draft entry of its own geometry: its K (and V) tensor, as the caller
     gives it ([num_pages * page_size, local draft heads, draft head_dim]): dim 0 is the token
-    slot (the pool's item), dim 1 the rank's share of the draft's `heads` global heads."""
+    slot (the pool's item), dim 1 the rank's share of the draft's `heads` global heads. Each is
+    bound to the model's `last_layer`, where the draft lives (the last PP stage), so only the
+    writes of that layer carry it, to the decode rank holding that layer."""
     vs = list(draft_v) if draft_v is not None else [None] * len(draft_k)
     return {draft_pool_name(i): StatePool(tensors=[k] + ([v] if v is not None else []), sharding="heads",
-                                          heads=heads)
+                                          heads=heads, layer=last_layer)
             for i, (k, v) in enumerate(zip(draft_k, vs))}

@@ -221,16 +221,14 @@ def unsupported_features(mgr, args) -> list[str]:
     """SGLang features this backend does not handle yet, by name (empty: all fine)."""
     out = []
     if mgr.pp_size > 1:   # a PP prefill or decode: each stage's ranks move its layers (stage_mapping.py)
-        # DSA indexer pages are per MLA layer, pools bound to their layers (state.py): each stage moves its own
+        # DSA indexer pages are per MLA layer, pools bound to their layers (state.py): each stage moves its own;
+        # a draft's KV is the last stage's (SGLang runs the draft worker there), after its layers
         others = sorted({str(getattr(st, "value", st)) for st in getattr(args, "state_types", None) or ()} - {"dsa"})
         if getattr(args, "kv_layer_ids", None):
             out.append(f"pipeline parallelism (pp_size {mgr.pp_size}) with a hybrid KV pool (kv_layer_ids)")
         elif others:
             out.append(f"pipeline parallelism (pp_size {mgr.pp_size}) with state components {others} (beside PP "
                        f"kvstage moves DSA indexer pages)")
-        elif getattr(args, "num_draft_entries", 0):
-            out.append(f"pipeline parallelism (pp_size {mgr.pp_size}) with speculative-decoding draft KV "
-                       f"(num_draft_entries)")
     out += cp_problems(mgr)
     out += dcp_problems(mgr, args)
     out += shard_problems(mgr, args)

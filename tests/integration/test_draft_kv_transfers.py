@@ -7,7 +7,8 @@ A draft of its own geometry (other heads and head_dim than the target's) moves w
 piece, every byte checked, staged and direct, hetero TP with replication, a prefix hit,
 decode-only speculation, and under the integrity check (verify=True: the draft's items are in
 each write's digest); another draft geometry on the decode, or a draft whose writers are
-not the KV's, fails on both sides with nothing written."""
+not the KV's, fails on both sides with nothing written. With pipeline parallelism on either
+side the last stage holds the draft and moves it to the decode's last stage."""
 
 from __future__ import annotations
 
@@ -21,14 +22,16 @@ LAYERS = 2
 
 def draft_case(topo: Topo, staging: bool, backend: str, *, prefill: int, decode: int, seed: int, label: str,
                layer_sends: list | None = None, prefix: bool = False, pools: bool = False,
-               from_pointers: bool = False, own: dict | None = None, decode_own: dict | None = None) -> Case:
+               from_pointers: bool = False, own: dict | None = None, decode_own: dict | None = None,
+               layers: int = LAYERS) -> Case:
     """engine_cases.layered_case's rooms over a model of LAYERS layers; the prefill holds `prefill`
     draft entries, the decode `decode` (0: none); `pools`: each room has an aux row, which
     moves with the write of the last page of the last draft entry; `from_pointers`: both sides
     hand their caches over as raw addresses in SGLang's order (target K, V, then draft K, V);
     `own`: the draft's own geometry on both sides ({"draft_heads": ..., "draft_head_dim": ...}),
-    `decode_own`: the decode's when it differs."""
-    case = layered_case(topo, staging, backend, seed=seed, base=9000 + 10 * seed, label=label, layers=LAYERS,
+    `decode_own`: the decode's when it differs; with PP (`topo.pp`, `topo.dpp`) the last stage's
+    ranks hold the draft (support/pd_rank.py)."""
+    case = layered_case(topo, staging, backend, seed=seed, base=9000 + 10 * seed, label=label, layers=layers,
                         layer_sends=layer_sends, prefix=prefix, pools=pools)
     case.extra = {"from_pointers": from_pointers}
     geo = case.geometry()
@@ -151,3 +154,46 @@ def test_a_draft_geometry_that_cannot_pair_fails_both_sides():
             assert part in rec["failure"], (c.name, side, rec["failure"])
         if side == "decode":
             assert rec["draft_untouched"] is True, rec
+
+
+@pytest.mark.timeout(300)
+def test_the_last_pp_stage_moves_the_draft_to_the_decodes_last_stage():
+    """SGLang runs the draft model on the last PP stage: its entries follow the model's last layer
+    there, on both sides. PP 2 -> 1 direct with an aux row and prefix hits; PP 2 x TP 2 -> 1
+    staged, sent layer-wise with the draft entries in the last stage's second send; PP 1 -> 2
+    staged with decode-only speculation (the decode's last stage holds one more draft entry,
+    which stays unwritten); PP 2 -> 3 (stage bounds that differ) over Mooncake with end-to-end
+    digests; a draft of its own geometry PP 2 -> 2 over Mooncake, staged, and PP 1 -> 2 over NIXL
+    (only the writes of the model's last layer carry it: none reaches the first decode stage,
+    which has no draft). Every decode stage's entries checked bit-exact, the draft's on the last."""
+    layers = 4
+    cases = [
+        draft_case(Topo(P=1, D=1, H=4, pp=2), False, "nixl", prefill=1, decode=1, seed=21, label="pp21",
+                   layers=layers, pools=True, prefix=True),
+        draft_case(Topo(P=2, D=1, H=4, pp=2), True, "nixl", prefill=2, decode=2, seed=22, label="pp2x21",
+                   layers=layers, layer_sends=[[2, 3], [3, 6], [0, 2]]),
+        draft_case(Topo(P=2, D=1, H=4, dpp=2), True, "nixl", prefill=1, decode=2, seed=23, label="dpp12",
+                   layers=layers, pools=True),
+        draft_case(Topo(P=1, D=1, H=4, pp=2, dpp=3), False, "mooncake", prefill=2, decode=2, seed=24, label="pp23",
+                   layers=layers, prefix=True),
+        draft_case(Topo(P=1, D=1, H=4, pp=2, dpp=2), True, "mooncake", prefill=1, decode=1, seed=25, label="ppown",
+                   layers=layers, own=OWN, pools=True),
+        draft_case(Topo(P=1, D=1, H=4, dpp=2), False, "nixl", prefill=1, decode=1, seed=26, label="dppown",
+                   layers=layers, own=OWN, prefix=True),
+    ]
+    cases[3].extra["verify"] = True
+    cases[4].extra["path"] = "staged"   # equal TP: whole pages through the ring
+    results, codes, logs, _ = run_cases(cases, timeout=200)
+    bad = problems(results, codes, logs)
+    assert not bad, "\n".join(bad[:10])
+    for c, side, res in each_rank(cases, results):
+        assert len(res["rooms"]) == len(c.rooms), (c.name, side)
+        if side != "decode":
+            continue
+        last = res["rank"] // c.topo.D == c.topo.dpp - 1
+        for rec in res["rooms"]:
+            assert rec["state"] == "Success" and rec["verified"] is True, (c.name, res["rank"], rec)
+            # the decode's last stage: its one draft entry beyond the prefill's still holds its start-up bytes
+            assert rec.get("unwritten_intact") is (True if c.label == "dpp12" and last else None), (c.name, rec)
+            if c.label in ("ppown", "dppown") and last:
+                assert rec["draft_untouched"] is False, rec

@@ -49,13 +49,14 @@ def stage_layers(num_layers: int, pp_rank: int, pp_size: int) -> range:
     return range(start, end)
 
 
-def run_prefill_pp(r, sc, out, *, aux_row: Callable, report: Callable) -> None:
+def run_prefill_pp(r, sc, out, *, aux_row: Callable, spec_row: Callable, report: Callable) -> None:
     """SGLang's PP prefill: bootstrap by PP rank 0's polls (kvstage's `poll_pp_consensus`),
     all-reduced over attention TP and passed down the stages (`pop_bootstrapped`); then each
     stage sends its layers of every page in chunks, and only the last stage writes the aux row
     (an earlier stage's row stays empty, so the decode's row can only be the last stage's), but
     for a PP decode (scenario "decode_pp"), which reads a row on every stage: then every stage
-    writes its own, as SGLang's send_kv_chunk does."""
+    writes its own, as SGLang's send_kv_chunk does. The stage holding a draft (the last) also puts
+    the draft's hidden states and top-k in the row (`spec_row`)."""
     from sglang.srt.disaggregation.utils import poll_and_all_reduce_prefill_pp
     from sglang.srt.runtime_context import get_parallel
 
@@ -71,7 +72,7 @@ def run_prefill_pp(r, sc, out, *, aux_row: Callable, report: Callable) -> None:
                                                sync_work)
         for x, poll in zip(queue, polls):
             if poll == P.WaitingForInput:
-                start_request(r, x, last, aux_row)
+                start_request(r, x, last, aux_row, spec_row)
             elif poll == P.Failed:
                 x["st"], x["consensus_failed"] = "sent", True
         queue = [x for x in queue if x["st"] == "boot"]
@@ -108,7 +109,7 @@ def prefix_arrives_after_pop(r, s, room: int) -> bool:
     return s._handle.decode_prefix_pages is not None
 
 
-def start_request(r, x, last: bool, aux_row: Callable) -> None:
+def start_request(r, x, last: bool, aux_row: Callable, spec_row: Callable) -> None:
     """SGLang's finalize_bootstrap and chunked sends of one request on this stage. A stage past
     the first may be told WaitingForInput before its own sender heard the decode's prefix: it
     then sends the prefix pages too (kvstage skips them), in the first chunk. With state in the
@@ -125,6 +126,10 @@ def start_request(r, x, last: bool, aux_row: Callable) -> None:
     if last or int(r.sc.get("decode_pp") or 1) > 1:   # a PP decode: each stage's row to its decode stage
         r.meta.output_ids[x["row"]] = aux_row(q["room"])
         r.meta.bootstrap_room[x["row"], 0] = q["room"]
+    if len(r.sets) > 1:   # the draft's stage: its hidden states and top-k for the decode's draft
+        hidden, topk_p, topk_ids = spec_row(q["room"])
+        r.meta.output_hidden_states[x["row"]], r.meta.output_topk_p[x["row"]] = hidden, topk_p
+        r.meta.output_topk_index[x["row"]] = topk_ids
     state = None
     if r.state is not None:   # this stage's state (its layers' DSA pages), named with the last send
         w = min(r.sc["state"]["swa_pages"], len(suffix))

@@ -159,8 +159,9 @@ class Rank:
             torch.full((tokens, self.local, self.hd), 0, dtype=torch.bfloat16, device=dev) for _ in range(self.layers)]
         self.sets = [KVSet(base=self.stage.start, k=self.k, v=self.v, heads=self.heads, hd=self.hd)]
         # speculative decoding: the draft model's KV, appended after the target's (on decode always;
-        # on prefill unless draft["prefill"] is false: decode-only speculation)
-        draft = sc.get("draft")
+        # on prefill unless draft["prefill"] is false: decode-only speculation); under PP on the last
+        # stage only, where SGLang runs the draft worker (Scheduler.maybe_init_draft_worker)
+        draft = sc.get("draft") if self.stage.stop == sc["layers"] else None
         if draft and (not self.prefill or draft.get("prefill", True)):
             # fewer draft heads than attention TP ranks: each is replicated on consecutive ranks
             local = 1 if self.mla else max(1, draft["heads"] // self.attn_tp)
@@ -723,7 +724,7 @@ def main() -> int:
     try:
         r = Rank(a, sc)
         if r.pp > 1 and r.prefill:
-            run_prefill_pp(r, sc, a.out, aux_row=aux_ids, report=report)
+            run_prefill_pp(r, sc, a.out, aux_row=aux_ids, spec_row=spec_aux, report=report)
         else:
             (run_prefill if r.prefill else run_decode_queue if sc.get("queue") else run_decode)(r, sc, a.out)
         if r.prefill:

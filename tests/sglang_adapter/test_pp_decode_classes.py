@@ -12,13 +12,15 @@ stages). Each decode stage checks every byte of its layers, its aux row (each pr
 writes its own row, which kvstage moves to the decode stage holding the same layers, as SGLang's
 mooncake backend does) and that no page outside a successful request was written. An MLA
 model's DSA indexer pages move stage to stage: each decode stage holds and checks its own
-layers'.
+layers'. A speculative decoding draft lives on each side's last stage: the prefill's last stage
+moves it to the decode's.
 """
 
 from __future__ import annotations
 
 import pytest
 from scenario import expect, requests_for, run
+from test_scheduler_classes import EAGLE
 
 LAYERS = 3   # the model_3_layers fixture's (conftest.py)
 
@@ -54,3 +56,16 @@ def test_pp_decode_gets_each_stages_dsa_pages(tmp_path, model_3_layers, bootstra
     for stage in (0, 1):
         rooms = results[("decode", stage)]["rooms"]
         assert all(rooms[str(q["room"])]["state_bad"] == [] for q in reqs), (stage, rooms)
+
+
+def test_pp_decode_gets_the_draft_on_its_last_stage(tmp_path, model_3_layers, bootstrap_server):
+    reqs = requests_for(47, 4, prefix={1: 1})
+    results = run(tmp_path, model_3_layers, bootstrap_server, 1, 1, reqs, backend="nixl", prefill_pp=2, decode_pp=2,
+                  layers=LAYERS, draft=EAGLE)
+    expect(results, reqs, lambda i: "Success")
+    page_layer = 2 * 4 * 4 * 8 * 2   # K and V of one page of one layer or draft entry
+    rooms = [results[("decode", stage)]["rooms"] for stage in (0, 1)]
+    for q in reqs:   # each stage gets an aux row of one size; the last its two layers and the draft's entry, stage
+        got = [r[str(q["room"])]["bytes"] for r in rooms]   # 0 its one layer
+        assert got[1] - got[0] == (q["pages"] - q["prefix"]) * page_layer * (3 - 1), (q, got)
+    assert all(results[("decode", 1)]["rooms"][str(q["room"])]["aux_spec_ok"] for q in reqs)

@@ -53,8 +53,16 @@ def test_entries_follow_the_layers():
     assert mb.entry_v is None and mb.tensors() == list(mb.k) + list(mb.draft_k)
 
 
+def test_the_last_pp_stage_holds_the_draft_after_the_models_last_layer():
+    last = layout(draft=2, pp_size=2, pp_rank=1, stage=range(1, 3))
+    assert last.layers == range(1, 5) and last.num_entries == 5 and last.local(range(3, 5)) == range(2, 4)
+    b = buffers(last, k=tensors(last, 2), v=tensors(last, 2)).validate(last)
+    assert b.first_layer == 1 and b.entry_k == list(b.k) + list(b.draft_k)
+    assert b.layer_views(range(3, 5))[0] == list(b.draft_k)
+
+
 @pytest.mark.parametrize("draft, kw, message", [
-    (DraftKV(num_layers=1), dict(pp_size=2, pp_rank=1, stage=range(1, 3)), "pipeline parallelism"),
+    (DraftKV(num_layers=1), dict(pp_size=2, pp_rank=0, stage=range(0, 1)), "belong to the last stage"),
     (DraftKV(num_layers=1, total_kv_heads=3), {}, "draft KV of 3 heads cannot be split over tp_size=2"),
     (DraftKV(num_layers=1, total_kv_heads=2), dict(mla=True, total_kv_heads=1), "beside an MLA target"),
     ("one", {}, "draft must be a DraftKV"),
@@ -174,6 +182,26 @@ def test_decode_learns_the_prefill_entries_from_its_records():
         peering.read_stages("e", recs, 3)
     # the published stage is the model's layers only (a PP decode check tiles the model with it)
     assert peering.stage_record(layout(draft=2)) == {"pp_size": 1, "stage_start": 0, "stage_stop": 3, "page_shards": 1}
+
+
+def test_with_pp_the_decode_reads_the_draft_from_the_prefills_last_stage():
+    recs = records(0, tp=4, num_layers=4)   # PP 2 x TP 2: stages [0, 2) and [2, 4)
+    for r in recs:
+        r.layout.update(pp_size=2, stage_start=2 * (r.tp_rank // 2), stage_stop=2 * (r.tp_rank // 2) + 2)
+    for r in recs[2:]:
+        r.layout["draft_layers"] = 1
+    assert peering.read_stages("e", recs, 4).layers == (range(0, 2), range(2, 5))
+    recs[0].layout["draft_layers"] = 1
+    with pytest.raises(ValueError, match=r"PP stages before the last register draft KV entries \(\[1\]\)"):
+        peering.read_stages("e", recs, 4)
+
+
+def test_the_drafts_are_compared_only_where_both_hold_the_models_last_layer():
+    """A prefill's last stage meets a decode stage before the last (no draft there): nothing to
+    pair; the decode's last stage must hold the prefill's draft entries."""
+    assert summary(1).mismatches(summary(0), shared=range(0, 2)) == []
+    assert "the decode no draft KV" in summary(1).mismatches(summary(0), shared=range(1, 3))[0]
+    assert "the decode no draft KV" in summary(1).mismatches(summary(0))[0]
 
 
 def test_plan_counts_the_prefill_entries_only():

@@ -150,7 +150,7 @@ def test_a_hello_with_a_newer_connection_replaces_the_old_one_and_an_older_one_i
         me=5, stats=ctx.stats, sock=ctx.sock, backend=backend, links=backend, timeouts=SimpleNamespace(lease=5.0, heartbeat=1.0),
         summary=SimpleNamespace(mismatches=lambda other, shared=None: [], pools=[]),
         layout=SimpleNamespace(tp_size=1, tp_rank=0, num_layers=2, total_kv_heads=1, mla=False, pp_size=1,
-                               layers=range(2)))
+                               layers=range(2), draft_layers=0))
 
     def hello(conn):
         return Hello(src=77, dst=5, engine_id="dec", role="decode", tp_size=1, tp_rank=0, ctrl_endpoint="tcp://d:1",

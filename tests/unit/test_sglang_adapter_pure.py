@@ -214,12 +214,9 @@ def plain_mgr(**kw):
                server_args=SimpleNamespace(enable_hisparse=False, device="cuda", enable_cp_tp_group_sharing=True)),
      {}, "CP-TP group sharing"),
     (plain_mgr(kv_shard_size=2), {}, "KV cache sharding (kv_shard_size 2) other than an MLA model's pages"),
-    (plain_mgr(pp_size=2, disaggregation_mode=SimpleNamespace(value="prefill")), {"num_draft_entries": 2},
-     "pipeline parallelism (pp_size 2) with speculative-decoding draft KV"),
     (plain_mgr(), {"kv_layout": "dsv4"}, "KV layout"),
 ], ids=["hisparse-draft", "mem-kinds", "host-destinations-state", "host-destinations-hisparse", "decode-pp", "pp-hybrid",
-        "cp-decode", "cp-all-ranks", "cp-tp-sharing", "kv-sharding",
-        "pp-draft", "kv-layout"])
+        "cp-decode", "cp-all-ranks", "cp-tp-sharing", "kv-sharding", "kv-layout"])
 def test_features_kvstage_does_not_move_are_named_at_start(mgr, args, named):
     problems = unsupported_features(mgr, SimpleNamespace(**args))
     assert len(problems) == 1 and named in problems[0], problems
@@ -236,6 +233,9 @@ def test_a_plain_gpu_deployment_is_not_refused():
     cpu = plain_mgr(server_args=SimpleNamespace(enable_hisparse=False, device="cpu"))
     assert unsupported_features(cpu, SimpleNamespace(kv_data_mem_kinds=["DRAM"] * 4)) == []
     assert unsupported_features(plain_mgr(), SimpleNamespace(num_draft_entries=2)) == []   # speculative decoding
+    # beside PP: the draft is the last stage's (KVLayout), after its layers
+    assert unsupported_features(pp_prefill, SimpleNamespace(kv_layer_ids=[], num_draft_entries=2)) == []
+    assert unsupported_features(pp_decode, SimpleNamespace(kv_layer_ids=[], num_draft_entries=1)) == []
     # prefill CP where CP rank 0 sends (SGLang's default): the other CP ranks are dummy senders
     cp_prefill = plain_mgr(attn_cp_size=2, disaggregation_mode=SimpleNamespace(value="prefill"),
                            enable_all_cp_ranks_for_transfer=False)

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvstage.transfer.config import Timeouts
+from kvstage.transfer.draft_kv import DraftKV
 from kvstage.transfer.layout import KVLayout
 from kvstage.transfer.poll import KVPoll
 from kvstage.transfer.protocol import peering
@@ -221,3 +222,32 @@ def test_a_gap_no_prefill_rank_sees_both_sides_of_fails_at_the_metadata_deadline
     r.tick(6.0)
     assert r.state is KVPoll.Failed and "leave its layers [2] to no decode stage" in r.failure, r.failure
     assert "PP stage 0 of 2 [0, 3)" in r.failure and "decode PP stage 0 of 2 [0, 2)" in r.failure
+
+
+def test_the_draft_pairs_as_more_layers_of_the_last_stages():
+    """The last stage of each engine holds the draft (KVLayout): a prefill rank sees a decode's
+    last stage going on over the draft entries it writes, and a decode's last stage takes them
+    from the prefill's last stage, as far as the prefill writes them (decode-only speculation:
+    its further entries stay unwritten); a stage before the last has no draft to pair."""
+    got, bad = decode_stage_of(pp_size=2, tp_size=1, rank=1, stage_start=3, stage_stop=6, num_layers=6, draft_layers=2)
+    assert (got, bad) == (DecodeStage(2, 1, range(3, 8)), []) and got.model_layers(6) == range(3, 6)
+    got, _ = decode_stage_of(pp_size=2, tp_size=1, rank=0, stage_start=0, stage_stop=3, num_layers=6, draft_layers=2)
+    assert got == DecodeStage(2, 0, range(0, 3))
+    # the prefill's last stage [3, 6) + 2 draft entries, against decode stages [0, 4) and [4, 8)
+    seen = {0: DecodeStage(2, 0, range(0, 4)), 1: DecodeStage(2, 1, range(4, 8))}
+    cov = decode_coverage(range(3, 8), [0], 1, seen, 8)
+    assert cov.complete and cov.expected == {0, 1} and not cov.error
+    assert flow_layers(range(3, 8), seen[1]) == range(4, 8) and flow_layers(range(3, 8), seen[0]) == range(3, 4)
+    cov = decode_coverage(range(3, 8), [0], 1, {1: DecodeStage(2, 1, range(4, 6))}, 8)
+    assert "does not end at the model's last layer" in cov.error   # a decode stage that lost the draft entries
+
+    def last(draft: int) -> KVLayout:
+        return KVLayout(num_layers=6, total_kv_heads=4, head_dim=16, dtype=torch.float16, page_size=4, tp_size=1,
+                        tp_rank=0, pp_size=2, pp_rank=1, stage=range(3, 6), draft=DraftKV(num_layers=draft))
+    pre = (range(0, 4), range(4, 7))    # prefill PP 2, TP 1, one draft entry after layer 5
+    need = peering.needed_ranks(1, last(2), pre)
+    assert need.writers == [0, 1] and need.layers == {0: range(3, 4), 1: range(4, 7)}   # entry 7 stays unwritten
+    assert peering.needed_ranks(1, last(1), pre).layers == {0: range(3, 4), 1: range(4, 7)}
+    first = decode_layout(1, 0, 2, 0, range(0, 3))
+    assert peering.needed_ranks(1, first, pre, draft_pools=1).draft_pools == 0   # a draft of its own geometry too
+    assert peering.needed_ranks(1, last(1), pre, draft_pools=1).draft_pools == 1

@@ -40,6 +40,7 @@ class PrefillFacts:
     mla: bool
     num_layers: int                   # the model's
     stage: range                      # the model layers of its PP stage (every layer without PP)
+    draft_layers: int = 0             # draft entries it writes as layers after the model's last (KVLayout.draft_layers)
     verify: bool                      # end-to-end digests on here
     backend: str                      # "nixl" or "mooncake"
     memory_kinds: tuple[str, ...]     # the memory kinds its backend writes into ("DRAM", "VRAM")
@@ -63,8 +64,8 @@ def admit_hello(msg: Hello, me: PrefillFacts) -> Admission:
     whole, digests on one side only, another backend, memory its backend cannot write into."""
     stage, problems = decode_stage_of(pp_size=msg.pp_size, tp_size=msg.tp_size, rank=msg.tp_rank,
                                       stage_start=msg.stage_start, stage_stop=msg.stage_stop,
-                                      num_layers=me.num_layers)
-    theirs = stage.layers if stage is not None else range(me.num_layers)
+                                      num_layers=me.num_layers, draft_layers=me.draft_layers)
+    theirs = stage.model_layers(me.num_layers) if stage is not None else range(me.num_layers)
     shared = range(max(me.stage.start, theirs.start), min(me.stage.stop, theirs.stop))
     problems += me.summary.mismatches(msg.layout, shared)
     dcp = check_dcp_rank(msg.dcp_size, msg.dcp_rank, msg.tp_size, msg.tp_rank % msg.tp_size if msg.tp_size > 0 else 0)

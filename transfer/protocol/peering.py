@@ -54,8 +54,13 @@ def needed_ranks(prefill_tp: int, layout: KVLayout, stages: tuple[range, ...] | 
     writers, notices = mapping.prefill_peers_of(layout.tp_rank)
     stages = stages if stages is not None else (range(layout.num_layers),)
     # decode PP: only the prefill stages holding some of this rank's stage, each for the overlap
-    held = sources_of(stages, layout.layers) if layout.pp_size > 1 else dict(enumerate(stages))
+    # (the last stage's draft entries as far as the prefill writes them: decode-only speculation
+    # leaves the decode's further ones unwritten)
+    mine = range(layout.layers.start, min(layout.layers.stop, max(stages[-1].stop, layout.num_layers)))
+    held = sources_of(stages, mine) if layout.pp_size > 1 else dict(enumerate(stages))
     layers = {s * prefill_tp + p: stage for s, stage in held.items() for p in writers + notices}
+    if layout.layers.stop < layout.num_layers:   # a decode stage before the last: the draft is not here
+        draft_pools = 0
     return NeededRanks([s * prefill_tp + w for s in held for w in writers],
                        [s * prefill_tp + n for s in held for n in notices], mapping, layers,
                        draft_pools)
@@ -121,9 +126,14 @@ def read_stages(engine_id: str, records: list[Any], num_layers: int) -> PrefillS
     if at != num_layers:
         raise ValueError(f"prefill engine {engine_id}: its PP stages' layers end at layer {at}, the model has "
                          f"{num_layers}")
-    drafts = {field_of(r, DRAFT_LAYERS, 0) for r in records}
+    # the draft lives on the last stage (KVLayout): its ranks agree on it, the others have none
+    drafts = {field_of(r, DRAFT_LAYERS, 0) for r in records[(pp - 1) * tp:]}
     if len(drafts) != 1 or min(drafts) < 0:
         raise ValueError(f"prefill engine {engine_id}: its ranks disagree on the draft KV entries: {sorted(drafts)}")
+    early = sorted({d for r in records[:(pp - 1) * tp] if (d := field_of(r, DRAFT_LAYERS, 0))})
+    if early:
+        raise ValueError(f"prefill engine {engine_id}: ranks of PP stages before the last register draft KV "
+                         f"entries ({early}); the draft belongs to the last stage")
     draft = drafts.pop()
     shards = {field_of(r, PAGE_SHARDS, 1) for r in records}
     if len(shards) != 1 or min(shards) < 1:

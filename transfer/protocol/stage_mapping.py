@@ -7,8 +7,12 @@ rank of stage [a, b) receives layer l from the ranks of the prefill stage holdin
 deals with every prefill stage overlapping [a, b), each writing the overlap only; a prefill
 rank writes the overlap of its stage with each decode stage that overlaps it. Within one pair
 of stages the head mapping (head_mapping.py) is the same as without PP, as every stage of an
-engine has the same TP size. The state pools and the draft go with the stage holding the
-model's last layer (its last layer's write carries them), on both sides.
+engine has the same TP size. The state pools of no layer go with the stage holding the
+model's last layer (its last layer's write carries them), on both sides, and so does the
+draft: the last stage of each engine holds the draft's entries, which follow the model's last
+layer as entries [num_layers, num_layers + draft entries) and pair as more layers of the last
+stages (a prefill rank sees a decode's last stage going on over the draft entries it writes,
+`decode_stage_of`; a decode rank sees the prefill's, peering.read_stages).
 
 A decode rank knows its own stage only; a prefill rank learns the decode stages from the
 decode ranks that contact it (their Hello), and a room's set of decode ranks is complete once
@@ -45,7 +49,11 @@ class DecodeStage:
 
     pp_size: int
     pp_rank: int
-    layers: range
+    layers: range    # the last stage's goes on over the draft entries the prefill writes (decode_stage_of)
+
+    def model_layers(self, num_layers: int) -> range:
+        """Its model layers, without the draft entries after them."""
+        return range(self.layers.start, min(self.layers.stop, num_layers))
 
     def text(self) -> str:
         return f"decode PP stage {self.pp_rank} of {self.pp_size} [{self.layers.start}, {self.layers.stop})"
@@ -73,14 +81,15 @@ class Coverage:
 
 
 def decode_coverage(my_stage: range, tp_peers: Iterable[int], decode_tp: int,
-                    seen: Mapping[int, DecodeStage], num_layers: int) -> Coverage:
+                    seen: Mapping[int, DecodeStage], num_entries: int) -> Coverage:
     """The decode ranks a prefill rank of stage `my_stage` deals with in a room, from the
     stages of the decode ranks whose metadata arrived (`seen`: decode engine rank -> its
     stage). `tp_peers`: the decode TP ranks of one stage the head mapping gives this rank
     (HeadMapping.decode_peers_of). Every seen stage overlapping `my_stage` contributes its
     ranks `pp_rank * decode_tp + t`; complete once they cover `my_stage`. Error when the seen
     stages disagree on the PP size, are out of stage order, overlap or leave a gap between
-    neighbours, the first does not start at layer 0 or the last end at `num_layers`, or one
+    neighbours, the first does not start at layer 0 or the last end at `num_entries` (the
+    model's layers, then the draft entries this prefill rank writes: decode_stage_of), or one
     does not overlap `my_stage`."""
     peers = sorted(set(tp_peers))
     stages: dict[int, DecodeStage] = {}
@@ -104,9 +113,9 @@ def decode_coverage(my_stage: range, tp_peers: Iterable[int], decode_tp: int,
     for st in ordered:
         if st.pp_rank == 0 and st.layers.start != 0:
             return Coverage(frozenset(), False, f"{st.text()} does not start at layer 0")
-        if st.pp_rank == st.pp_size - 1 and st.layers.stop != num_layers:
-            return Coverage(frozenset(), False, f"{st.text()} does not end at the model's last layer ({num_layers} "
-                                                f"layers)")
+        if st.pp_rank == st.pp_size - 1 and st.layers.stop != num_entries:
+            return Coverage(frozenset(), False, f"{st.text()} does not end at the model's last layer ({num_entries} "
+                                                f"entries)")
     mine = f"[{my_stage.start}, {my_stage.stop})"
     for st in ordered:
         if not len(overlap(st.layers, my_stage)):
@@ -154,12 +163,16 @@ def stage_memory(kv: KVMemory, stage: DecodeStage | None) -> KVMemory:
 
 
 def decode_stage_of(*, pp_size: int, tp_size: int, rank: int, stage_start: int, stage_stop: int,
-                    num_layers: int) -> tuple[DecodeStage | None, list[str]]:
+                    num_layers: int, draft_layers: int = 0) -> tuple[DecodeStage | None, list[str]]:
     """A decode rank's PP stage from its Hello (None: no PP there), and what is wrong with it
-    (empty: nothing). `rank`: its engine rank, `tp_size`: one stage's TP size."""
+    (empty: nothing). `rank`: its engine rank, `tp_size`: one stage's TP size. The last stage
+    (it ends at the model's last layer) goes on over the `draft_layers` entries the asking
+    prefill rank writes after the model's layers (KVLayout.draft_layers): the decode's draft
+    lives there too, holding at least those entries (draft_kv.draft_mismatch)."""
     if pp_size <= 1:
         return None, []
-    st = DecodeStage(pp_size, rank // max(tp_size, 1), range(stage_start, stage_stop))
+    stop = stage_stop + draft_layers if stage_stop == num_layers else stage_stop
+    st = DecodeStage(pp_size, rank // max(tp_size, 1), range(stage_start, stop))
     if not 0 <= stage_start < stage_stop <= num_layers or not 0 <= st.pp_rank < pp_size:
         return st, [f"decode rank {rank} of TP {tp_size} says it is in {st.text()}, which is not a stage of this "
                     f"model's {num_layers} layers"]

@@ -252,8 +252,10 @@ class DecodeRoom(RoomBase[DecodeAction]):
         n = int(self._dst.size)
         p = self.plan = self.plan.for_pages(self._dst, self.layout.page_size, self.layout.num_kv)  # the path, per request
         entries = p.num_layers or self.layout.num_entries   # the prefill's: a decode's extra draft entries stay unwritten
-        end = self.layout.layers.stop if self.layout.pp_size > 1 else entries   # a decode PP stage's own last layer
-        held = self.layout.layers if self.layout.pp_size > 1 else range(entries)
+        held = range(entries)
+        if self.layout.pp_size > 1:   # a decode PP stage's own layers, its draft entries as far as the prefill writes
+            held = range(self.layout.layers.start, max(w.stop for w in p.writer_layers.values()))
+        end = held.stop
         if p.draft_pools:   # the prefill's draft entries of their own geometry: pools of the pages' token slots
             self.pool_items = {**self.pool_items, **request_draft_items(
                 [draft_pool_name(i) for i in range(p.draft_pools)], self._dst, self.layout.page_size)}
@@ -278,7 +280,7 @@ class DecodeRoom(RoomBase[DecodeAction]):
         # the plan's writers' bytes and ranks: one map and tuple for every room of the plan
         self.tracker = RoomTracker(n, p.writer_bytes, {r: block_bytes(c) for r, c in self.pool_copies.items()},
                                    num_layers=entries, writer_layers=p.writer_layers,
-                                   held=self.layout.layers if self.layout.pp_size > 1 else None,
+                                   held=held if self.layout.pp_size > 1 else None,
                                    writers=p.writer_ranks, token_bytes=token_bytes, shared=p.page_shards > 1)
         self.meta_sent = True
         self._retry_at = now + self.timeouts.heartbeat

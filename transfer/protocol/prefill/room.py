@@ -250,7 +250,7 @@ class PrefillRoom(RoomBase[PrefillAction]):
                                               f"and others of its engine {'have no PP' if stage else 'have PP'}", now)
         if stage is not None and peer.tp_rank not in self.flows:
             cov = decode_coverage(self.layout.layers, self._mapping.decode_peers_of(self.layout.tp_rank), decode_tp,
-                                  {**(self.decode_stages or {}), peer.tp_rank: stage}, self.layout.num_layers)
+                                  {**(self.decode_stages or {}), peer.tp_rank: stage}, self.layout.num_entries)
             if cov.error:
                 return self._unpairable(peer, meta, cov.error, now)
             self.decode_stages = {**(self.decode_stages or {}), peer.tp_rank: stage}
