@@ -16,7 +16,8 @@ For each transport (NIXL with UCX's default transports, NIXL with UCX_TLS=tcp, M
            docs/path_choice.md); the table says which path each length took
 over request lengths (1 request in flight), over rooms in flight (short requests), and the
 latency of a one-page request (P1 -> D1, init() on the decode side until Success; with
---latency-path staged: P1 -> D2 on the staged path, each decode rank's requests timed), and where the
+--latency-path staged: P1 -> D2 on the staged path, each decode rank's requests timed;
+--latency-decode-tp N: to N decode ranks on either path), and where the
 time of a one-page and a 2048-token request goes, phase by phase, staged and direct
 (support/bench_phases.py, from each request's timeline).
 
@@ -130,6 +131,9 @@ def parse(argv=None):
     p.add_argument("--latency-requests", type=_int(1), default=300)
     p.add_argument("--latency-path", choices=("direct", "staged"), default="direct",
                    help="one-page latency: direct P1 -> D1, or staged P1 -> D2 (staging forced; ring credits as KVSTAGE_CREDITS says)")
+    p.add_argument("--latency-decode-tp", type=_int(1), default=None,
+                   help="one-page latency to this many decode ranks instead (the path as --latency-path says): "
+                        "tells the path's cost from the third process's")
     add_model_args(p)
     p.add_argument("--chunk-tokens", type=_int(0), default=0, help="0: a request is one chunk")
     p.add_argument("--sections", type=_sections, default=",".join(SECTIONS), help="what to measure")
@@ -344,7 +348,7 @@ def latency(a, transport: str, layers: int | None = None) -> dict:
     geom = {"layers": layers, "heads": a.heads, "head_dim": a.head_dim, "dtype": "bfloat16",
             "page_size": a.page_size, "pages": max(n, 64) + 8}
     staged = getattr(a, "latency_path", "direct") == "staged"
-    D = 2 if staged else 1
+    D = getattr(a, "latency_decode_tp", None) or (2 if staged else 1)
     common = {"backend": kind, "staging": staged, "geometry": geom, "rooms": rooms, "run_timeout_s": 300,
               "device": rank_device(a), **({"path": "staged", "calibrate": False} if staged else {}),
               "bench": {"mode": "latency", "verify": [1, n]}}
@@ -364,7 +368,7 @@ def latency(a, transport: str, layers: int | None = None) -> dict:
     page_bytes = a.page_size * token_bytes(a) * layers // a.layers
     return {"transport": transport, "requests": len(lat), "p50_ms": q(0.5), "p90_ms": q(0.9), "p99_ms": q(0.99),
             "max_ms": lat[-1], "bytes": page_bytes, "ranges": 2 * layers, "layers": layers, "samples_ms": lat,
-            "path": "staged P1->D2" if staged else "P1->D1"}
+            "path": f"{'staged ' if staged else ''}P1->D{D}"}
 
 
 # -- report -----------------------------------------------------------------------------------

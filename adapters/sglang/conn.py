@@ -41,6 +41,7 @@ from kvstage.transfer.config import METRICS_PORT_ENV
 from . import pools, prefill_complete, send_gate
 from .geometry import (
     cp_ranks_hold_copies,
+    cp_stage,
     device_of,
     draft_equal_tp_only,
     dsa_tail_slot_bytes,
@@ -103,8 +104,10 @@ class KvstageKVManager(CommonKVManager):
         mla = bool(is_mla_backend) or bool(getattr(args, "is_hybrid_mla_backend", False))
         # decode context parallel: SGLang's attention DCP size (its DCP rank is tp_rank % size, as
         # kvstage's); unsupported_features refused every shape kvstage does not serve
+        # PP, or under DSA cache layer split the CP ranks as stages of their own layers (cp_stage)
+        pp_size, pp_rank = cp_stage(self)
         layout = kv_layout(args, self.attn_tp_size, self.attn_tp_rank, mla, server_args,
-                           pp_size=self.pp_size, pp_rank=self.pp_rank, decode=not self.is_prefill,
+                           pp_size=pp_size, pp_rank=pp_rank, decode=not self.is_prefill,
                            dcp_size=int(self.dcp_size or 1),
                            page_shards=int(getattr(self, "kv_shard_size", 1) or 1) if self.is_prefill else 1)
         self.kv_dcp_size = layout.dcp_size

@@ -220,15 +220,18 @@ def device_of(server_args, args) -> str:
 def unsupported_features(mgr, args) -> list[str]:
     """SGLang features this backend does not handle yet, by name (empty: all fine)."""
     out = []
-    if mgr.pp_size > 1:   # a PP prefill or decode: each stage's ranks move its layers (stage_mapping.py)
-        # DSA indexer pages are per MLA layer, pools bound to their layers (state.py): each stage moves its own;
-        # a draft's KV is the last stage's (SGLang runs the draft worker there), after its layers
+    stages, _ = cp_stage(mgr)
+    if stages > 1:   # a PP prefill or decode, or DSA cache layer split: each stage's ranks move its layers
+        # (stage_mapping.py); DSA indexer pages are per MLA layer, pools bound to their layers (state.py):
+        # each stage moves its own; a draft's KV is the last stage's (SGLang runs the draft worker there,
+        # and sends it from the last CP rank under layer split), after its layers
+        name = (f"DSA cache layer split (attn_cp_size {stages})" if layer_split(mgr)
+                else f"pipeline parallelism (pp_size {stages})")
         others = sorted({str(getattr(st, "value", st)) for st in getattr(args, "state_types", None) or ()} - {"dsa"})
         if getattr(args, "kv_layer_ids", None):
-            out.append(f"pipeline parallelism (pp_size {mgr.pp_size}) with a hybrid KV pool (kv_layer_ids)")
+            out.append(f"{name} with a hybrid KV pool (kv_layer_ids)")
         elif others:
-            out.append(f"pipeline parallelism (pp_size {mgr.pp_size}) with state components {others} (beside PP "
-                       f"kvstage moves DSA indexer pages)")
+            out.append(f"{name} with state components {others} (beside PP kvstage moves DSA indexer pages)")
     out += cp_problems(mgr)
     out += dcp_problems(mgr, args)
     out += shard_problems(mgr, args)
@@ -256,6 +259,35 @@ def unsupported_features(mgr, args) -> list[str]:
     return out
 
 
+def layer_split(mgr) -> bool:
+    """Whether this is a prefill CP rank of SGLang's DSA cache layer split
+    (`--enable-dsa-cache-layer-split`, GLM-5.2's DSA models): each attention CP rank holds a
+    contiguous range of the model's layers (SGLang's get_layer_shard_range), its KVArgs list only
+    those with `prefill_start_layer` at the first, and the last CP rank alone lists the draft's
+    entries. kvstage serves it as a PP prefill whose stages are the CP ranks (`cp_stage`)."""
+    mode = getattr(mgr, "disaggregation_mode", None)
+    return (int(getattr(mgr, "attn_cp_size", 1) or 1) > 1 and str(getattr(mode, "value", mode)) == "prefill"
+            and _layer_split_on(mgr))
+
+
+def _layer_split_on(mgr) -> bool:
+    """SGLang's resolved flag (its parallel state, which CommonKVManager reads), else the server args'."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+        return bool(getattr(get_parallel(), "enable_dsa_cache_layer_split", False))
+    except Exception:  # noqa: BLE001 - no parallel state published (a pure unit test's manager)
+        return bool(getattr(getattr(mgr, "server_args", None), "enable_dsa_cache_layer_split", False))
+
+
+def cp_stage(mgr) -> tuple[int, int]:
+    """(PP size, PP rank) of the layout: SGLang's PP, or under DSA cache layer split the CP ranks
+    as stages (their layer ranges tile the model in CP rank order; SGLang refuses layer split
+    beside PP)."""
+    if layer_split(mgr):
+        return int(mgr.attn_cp_size), int(mgr.attn_cp_rank)
+    return int(getattr(mgr, "pp_size", 1) or 1), int(getattr(mgr, "pp_rank", 0) or 0)
+
+
 def cp_ranks_hold_copies(mgr) -> bool:
     """Whether every attention CP rank of this prefill holds the whole KV of its heads although
     SGLang has them all send (its `enable_all_cp_ranks_for_transfer`): only
@@ -267,7 +299,7 @@ def cp_ranks_hold_copies(mgr) -> bool:
     return (int(getattr(mgr, "attn_cp_size", 1) or 1) > 1
             and bool(getattr(mgr, "enable_all_cp_ranks_for_transfer", False))
             and not getattr(mgr, "is_hybrid_mla_backend", False)
-            and not getattr(server_args, "enable_dsa_cache_layer_split", False)
+            and not _layer_split_on(mgr)
             and int(getattr(mgr, "kv_shard_size", 1) or 1) <= 1
             and not getattr(server_args, "enable_cp_tp_group_sharing", False))
 
@@ -279,9 +311,11 @@ def cp_problems(mgr) -> list[str]:
     rank 0 moves it as a CP-1 prefill of attention TP ranks, and the other CP ranks are dummy
     senders, `is_dummy_cp_rank`, that succeed at their last send, as SGLang's own); the same
     with SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER, which splits the sending, not the KV
-    (`cp_ranks_hold_copies`). Refused: every CP rank holding and sending its part of the pages
-    (`enable_all_cp_ranks_for_transfer` for a hybrid MLA pool, DSA cache layer split or KV
-    sharding over CP), CP-TP group sharing, and CP on a decode (SGLang refuses it too)."""
+    (`cp_ranks_hold_copies`); DSA cache layer split, each CP rank a stage of its own layers
+    (`layer_split`), with no state beyond the DSA indexer pages. Refused: every CP rank holding
+    and sending its part of the pages otherwise (`enable_all_cp_ranks_for_transfer` for a hybrid
+    MLA pool or KV sharding over CP), CP-TP group sharing, and CP on a decode (SGLang refuses it
+    too)."""
     cp = int(getattr(mgr, "attn_cp_size", 1) or 1)
     if cp <= 1:
         return []
@@ -290,9 +324,13 @@ def cp_problems(mgr) -> list[str]:
     if str(getattr(mode, "value", mode)) != "prefill":
         return [f"{name} on a decode (SGLang's decode takes CP 1 only)"]
     out = []
-    if getattr(mgr, "enable_all_cp_ranks_for_transfer", False) and not cp_ranks_hold_copies(mgr):
-        out.append(f"{name} with every CP rank holding and sending its part of the pages (a hybrid MLA pool, DSA "
-                   f"cache layer split or KV sharding over CP): kvstage moves a CP prefill's KV from CP rank 0")
+    split = layer_split(mgr)
+    if split and (getattr(mgr, "is_hybrid_mla_backend", False) or int(getattr(mgr, "kv_shard_size", 1) or 1) > 1):
+        out.append(f"{name} with DSA cache layer split beside a hybrid MLA pool or KV sharding")
+    elif getattr(mgr, "enable_all_cp_ranks_for_transfer", False) and not (cp_ranks_hold_copies(mgr) or split):
+        out.append(f"{name} with every CP rank holding and sending its part of the pages (a hybrid MLA pool or KV "
+                   f"sharding over CP): kvstage moves a CP prefill's KV from CP rank 0, or each CP rank's layers "
+                   f"under DSA cache layer split")
     if getattr(getattr(mgr, "server_args", None), "enable_cp_tp_group_sharing", False):
         out.append(f"{name} with CP-TP group sharing (--enable-cp-tp-group-sharing)")
     return out

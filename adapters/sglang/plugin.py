@@ -9,7 +9,8 @@
   before SGLang validates its arguments: it becomes KVSTAGE_SGLANG_STAGING, read by this adapter;
 - KV cache sharding (`--enable-kv-cache-sharding`), which SGLang's check accepts for mooncake and
   nixl only, is checked for backend kvstage as for mooncake (a wrapper of that resolution step,
-  registered through SGLang's `register_resolution_hook`);
+  registered through SGLang's `register_resolution_hook`), and so is a DSA model's
+  `--enable-dsa-cache-layer-split` (mooncake only; a wrapper of the model-specific step);
 - decode context parallel, which SGLang's argument check accepts on a decode only for the
   backends it lists (mooncake, nixl, mori, ascend, fake), is checked for backend kvstage as for
   nixl, and `--disaggregation-decode-allocation-policy prefill_complete`, which it accepts for
@@ -31,6 +32,8 @@ core (KVSTAGE_STAGING, KVSTAGE_RING_MB, else the default).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from . import BACKEND
 
@@ -58,8 +61,9 @@ def install() -> None:
     # SGLang's own mechanism for wrapping a step of its argument resolution (the pipeline calls
     # this step by a name it imported early, which HookRegistry's patch would not reach)
     from sglang.srt.arg_groups import resolution_hooks
-    if around_kv_shard_checks not in resolution_hooks._HOOKS.get(KV_SHARD_STEP, []):
-        resolution_hooks.register_resolution_hook(KV_SHARD_STEP)(around_kv_shard_checks)
+    for step, hook in ((KV_SHARD_STEP, around_kv_shard_checks), (MODEL_STEP, around_model_adjustments)):
+        if hook not in resolution_hooks._HOOKS.get(step, []):
+            resolution_hooks.register_resolution_hook(step)(hook)
 
 
 def add_enum_member(enum_cls, name: str, value: str) -> None:
@@ -142,16 +146,24 @@ def around_pd_checks(original, server_args, *args, **kwargs):
     TP 1, no CP or PP, no staging buffer, ...). kvstage's own refusals of a DCP rank it does not
     serve come later, when its manager starts (geometry.dcp_problems). Any other backend, or
     neither feature: the check as SGLang wrote it."""
-    from sglang.srt.arg_groups.overrides import declare_resolution
-
     take_staging_flag(server_args)
     backend = checked_as(server_args)
     if backend is None:
         return original(server_args, *args, **kwargs)
-    source = "kvstage plugin: a PD feature SGLang checks per backend"
+    with resolved_as(server_args, backend, "kvstage plugin: a PD feature SGLang checks per backend"):
+        return original(server_args, *args, **kwargs)
+
+
+@contextmanager
+def resolved_as(server_args, backend: str, source: str) -> Iterator[None]:
+    """Within it, SGLang's resolution sees the transfer backend as `backend`; as kvstage again
+    afterwards, whatever the step did (both through SGLang's declare_resolution: resolution never
+    writes the operator's input, and the last declaration wins)."""
+    from sglang.srt.arg_groups.overrides import declare_resolution
+
     declare_resolution(server_args, source, disaggregation_transfer_backend=backend)
     try:
-        return original(server_args, *args, **kwargs)
+        yield
     finally:
         declare_resolution(server_args, source, disaggregation_transfer_backend=BACKEND)
 
@@ -171,17 +183,33 @@ def around_kv_shard_checks(server_args, previous) -> None:
     sharding"). Every other check of it stands (the attention backend, MLA over the whole
     attention TP group or GQA over prefill CP, ...); kvstage's manager refuses at start what it
     does not move (geometry.shard_problems). Any other backend: the check as SGLang wrote it."""
-    from sglang.srt.arg_groups.overrides import declare_resolution
-
     if not is_kvstage(getattr(server_args, "disaggregation_transfer_backend", None)):
         previous(server_args)
         return
-    source = "kvstage plugin: KV cache sharding"
-    declare_resolution(server_args, source, disaggregation_transfer_backend=KV_SHARD_CHECKED_AS)
-    try:
+    with resolved_as(server_args, KV_SHARD_CHECKED_AS, "kvstage plugin: KV cache sharding"):
         previous(server_args)
-    finally:
-        declare_resolution(server_args, source, disaggregation_transfer_backend=BACKEND)
+
+
+#: SGLang's resolution step of model-specific checks, where a DSA model's
+#: --enable-dsa-cache-layer-split is accepted for the mooncake backend only
+MODEL_STEP = "handle_model_specific_adjustments"
+LAYER_SPLIT_CHECKED_AS = "mooncake"
+
+
+def around_model_adjustments(server_args, previous) -> None:
+    """SGLang's model-specific step (handle_model_specific_adjustments), for backend kvstage with
+    DSA cache layer split on: run with the backend resolved as LAYER_SPLIT_CHECKED_AS, the one
+    backend its layer-split check names (the step reads the backend nowhere else), and as kvstage
+    again afterwards (SGLang's declare_resolution); kvstage serves the split's CP ranks as stages
+    of their own layers (geometry.layer_split). Its other checks of the feature stand (a DSA model,
+    prefill CP with the interleave strategy, a prefill worker, no PP). Otherwise: the step as
+    SGLang wrote it."""
+    if not (is_kvstage(getattr(server_args, "disaggregation_transfer_backend", None))
+            and getattr(server_args, "enable_dsa_cache_layer_split", False)):
+        previous(server_args)
+        return
+    with resolved_as(server_args, LAYER_SPLIT_CHECKED_AS, "kvstage plugin: DSA cache layer split"):
+        previous(server_args)
 
 
 def take_staging_flag(server_args, *args, **kwargs):

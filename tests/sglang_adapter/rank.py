@@ -19,7 +19,10 @@ directory (its config names its KV heads), set as SGLang's speculative_draft_mod
 "prefill_pp" the prefill is pipeline-parallel (pp_stage.py): --rank is the world rank (PP rank x
 TP + TP rank), each stage holds its layers only, over SGLang's real process groups. With
 "prefill_cp" the prefill has attention context parallelism (SGLang's --enable-prefill-cp): --tp
-is CP x attention TP, and every CP rank holds the whole KV of its heads. With "decode_dcp" the
+is CP x attention TP, and every CP rank holds the whole KV of its heads; with "layer_split" too
+(SGLang's DSA cache layer split) each CP rank holds only its range of the layers
+(get_layer_shard_range), lists those in its KVArgs with prefill_start_layer at the first, and
+sends them. With "decode_dcp" the
 decode has decode context parallel (SGLang's --dcp-size, MLA): DCP rank r (attention TP rank mod
 N) holds the request's tokens t with t % N == r, at local slot t // N; a request's "tokens" (its
 prompt length, which the plugin's hooks hand to the sender and the receiver) may end inside a
@@ -121,6 +124,12 @@ class Rank:
         self.attn_tp = a.tp // self.dp // self.cp
         self.attn_rank, self.cp_rank = tp_rank % self.attn_tp, tp_rank // self.attn_tp % self.cp
         self.dp_rank = tp_rank // (self.attn_tp * self.cp)
+        # DSA cache layer split (scenario "layer_split", a CP prefill): each CP rank holds its layers only
+        self.layer_split = bool(sc.get("layer_split")) and self.prefill and self.cp > 1
+        if self.layer_split:
+            from sglang.srt.layers.cp.utils import get_layer_shard_range
+            self.stage = range(*get_layer_shard_range(self.cp_rank, self.cp, sc["layers"]))
+            self.layers = len(self.stage)
         # decode context parallel (scenario "decode_dcp"): SGLang's DCP rank is the attention TP rank mod N
         self.dcp = int(sc.get(f"{a.role}_dcp") or 1)
         self.dcp_rank = self.attn_rank % self.dcp
@@ -150,6 +159,10 @@ class Rank:
         publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=a.rank))
         init_groups(a, self.pp, self.attn_rank, self.attn_tp, sc["gloo"] + f"-{a.role}-pp", self.cp_rank, self.cp,
                     kv_shard=self.shards > 1)
+        if self.layer_split:   # SGLang resolves the flag for a DSA model only (whose config's resolution stops
+            # at CUDA device queries on this machine): set as its resolution sets it, in the parallel state
+            from sglang.srt.runtime_context import get_parallel
+            get_parallel().override_permanently(enable_dsa_cache_layer_split=True)
         backend = TransferBackend("kvstage")
         tokens = self.num_pages * self.ps
         dev = self.device
@@ -194,7 +207,7 @@ class Rank:
         args.kv_data_ptrs = [t.data_ptr() for t in bufs]
         args.kv_data_lens = [t.nbytes for t in bufs]
         args.kv_item_lens = [t[: self.ps].nbytes for t in bufs]
-        args.kv_layer_ids = [] if self.pp > 1 else [   # SGLang's build_kv_layer_ids: none for a plain pool
+        args.kv_layer_ids = [] if self.pp > 1 or self.layer_split else [   # SGLang's build_kv_layer_ids: none for a plain pool
             self.layers * (s.name == "draft") + layer for s in self.sets for _, ts in s.kinds() for layer in range(len(ts))]
         args.kv_cache_dtype_str = "bfloat16"
         args.page_size = self.ps
@@ -218,7 +231,8 @@ class Rank:
         # as PrefillBootstrapQueue: the pool's start_layer, and its end_layer (None on a pool without
         # PP); SGLang's decode fills neither (a PP decode stage's KVArgs name no start layer)
         if self.prefill or self.pp == 1:
-            args.prefill_start_layer, args.prefill_end_layer = self.stage.start, self.stage.stop if self.pp > 1 else None
+            args.prefill_start_layer, args.prefill_end_layer = self.stage.start, (
+                self.stage.stop if self.pp > 1 or self.layer_split else None)
         args.num_draft_entries = sum(len(s.k) + len(s.v) for s in self.sets[1:])
         # a hybrid pool of MLA layers (Kimi Linear): SGLang's is_mla_backend is False for the pool as a
         # whole, and KVArgs say its full-attention layers are MLA
@@ -480,8 +494,9 @@ def run_prefill(r: Rank, sc, out) -> None:
                         s.send(np.asarray(suffix[done:done + n], dtype=np.int32), state if last else None)
                         done += n
                         # streamed: a write leaves before the last send (a DCP split is written once
-                        # the last send is in, docs/protocol.md, "Decode context parallel")
-                        if not last and state is not None and sc["decode_dcp"] == 1:
+                        # the last send is in, docs/protocol.md, "Decode context parallel"; an MLA
+                        # prefill of several attention TP ranks has ranks that write nothing)
+                        if not last and state is not None and sc["decode_dcp"] == 1 and not (r.mla and r.attn_tp > 1):
                             x["streamed"] = wait_first_write(s, time.monotonic() + 20)
                 if q.get("abort") == "prefill-held":   # fail the request while its write is in flight
                     injected = r.mgr.engine._backend.backend.injected

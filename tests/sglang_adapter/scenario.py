@@ -42,9 +42,11 @@ def requests_for(seed: int, n: int, **overrides) -> list[dict]:
 def run(tmp_path, model_dir, port, prefill_tp, decode_tp, reqs, *, backend="nixl", staging=False,
         die_at_room=None, extra_env=None, state=None, mla=False, hold=None, queue=False, prefill_dp=1,
         decode_dp=1, draft=None, prefill_pp=1, decode_pp=1, layers=2, device="cpu", host=False,
-        prefill_cp=1, decode_dcp=1, switch=None, prefill_complete=False, kv_shard=False, prefill_dcp=1) -> dict:
+        prefill_cp=1, decode_dcp=1, switch=None, prefill_complete=False, kv_shard=False, prefill_dcp=1,
+        layer_split=False) -> dict:
     """`prefill_cp`: a prefill with attention context parallelism, its `prefill_tp` ranks CP x
-    attention TP; `decode_dcp`: a decode with decode context parallel of that size (MLA; its
+    attention TP (`layer_split`: SGLang's DSA cache layer split, each CP rank holding its range of
+    the layers); `decode_dcp`: a decode with decode context parallel of that size (MLA; its
     requests name their "tokens"); `prefill_dcp`: the prefill's DCP size (N -> N: its requests'
     "pages" are virtual pages of page_size x N tokens, their "prefix" in pages of page_size); `switch`: a PD role switch, the
     requests each process plays in its second role (rank.run_switch; its first role's report is
@@ -62,7 +64,7 @@ def run(tmp_path, model_dir, port, prefill_tp, decode_tp, reqs, *, backend="nixl
           "decode_dp": decode_dp, "draft": draft, "prefill_pp": prefill_pp, "decode_pp": decode_pp, "device": device,
           "host": host, "sync": str(tmp_path / "sync"), "prefill_tp": prefill_tp, "prefill_cp": prefill_cp,
           "decode_dcp": decode_dcp, "prefill_dcp": prefill_dcp, "switch": {"requests": switch} if switch else None,
-          "prefill_complete": prefill_complete, "kv_shard": kv_shard}
+          "prefill_complete": prefill_complete, "kv_shard": kv_shard, "layer_split": layer_split}
     (tmp_path / "sync").mkdir(exist_ok=True)
     (tmp_path / "scenario.json").write_text(json.dumps(sc))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(SHIMS), os.environ.get("PYTHONPATH", "")]),

@@ -74,3 +74,25 @@ def test_sglangs_limits_of_kv_cache_sharding_stand_for_kvstage(model_dir):
     with pytest.raises(ValueError, match="GQA models shards across attention-CP ranks"):
         server_args(model_dir, disaggregation_mode="prefill", disaggregation_transfer_backend="kvstage",
                     enable_kv_cache_sharding=True, attention_backend="fa3")
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_dsa_cache_layer_split_is_checked_as_mooncake_for_kvstage(model_dir, split):
+    """SGLang accepts --enable-dsa-cache-layer-split for the mooncake backend only, in its
+    model-specific step (a DSA model's branch, which queries the CUDA device: not resolvable on
+    this machine). The plugin's wrapper of that step runs it with the backend resolved as mooncake
+    when the split is on, and as kvstage again afterwards; without the split, as it is."""
+    from sglang.srt.arg_groups.model_override_base import resolved_view
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import ServerArgs
+
+    from kvstage.adapters.sglang.plugin import around_model_adjustments
+    load_plugins()
+    sa = ServerArgs(model_path=model_dir, device="cpu", host="127.0.0.1", port=30000, skip_tokenizer_init=True,
+                    page_size=4, tp_size=2, attn_cp_size=2, enable_prefill_cp=True, cp_strategy="interleave",
+                    disaggregation_mode="prefill", disaggregation_transfer_backend="kvstage",
+                    enable_dsa_cache_layer_split=split)
+    seen = []
+    around_model_adjustments(sa, lambda args: seen.append(resolved_view(args).disaggregation_transfer_backend))
+    assert seen == ["mooncake" if split else "kvstage"]
+    assert resolved_view(sa).disaggregation_transfer_backend == "kvstage"

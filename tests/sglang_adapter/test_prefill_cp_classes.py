@@ -29,3 +29,27 @@ def test_prefill_cp_moves_the_kv_from_cp_rank_0(tmp_path, model_dir, bootstrap_s
         sent = [results[("prefill", rank)]["rooms"][str(q["room"])]["bytes"] for rank in range(2 * attn_tp)]
         assert all(sent[:attn_tp]) and sent[attn_tp:] == [None] * attn_tp, (q, sent)   # a dummy moved nothing
         assert results[("decode", 0)]["rooms"][str(q["room"])]["bytes"] == sum(sent[:attn_tp]), (q, sent)
+
+
+@pytest.mark.parametrize("attn_tp,backend,draft", [(1, "nixl", None), (2, "mooncake", {"layers": 1, "head_dim": 8})],
+                         ids=["CP2xTP1-D1-nixl", "CP2xTP2-D1-mooncake-mtp"])
+def test_dsa_cache_layer_split_moves_each_cp_ranks_layers(tmp_path, model_3_layers, bootstrap_server, attn_tp,
+                                                          backend, draft):
+    """SGLang's DSA cache layer split (--enable-dsa-cache-layer-split, GLM-5.2's DSA models): each
+    CP rank holds a contiguous range of the layers (get_layer_shard_range: [0, 2) and [2, 3) of
+    3), KV and DSA indexer pages, and lists only those in its KVArgs; kvstage serves the CP ranks
+    as PP stages, each sending its layers, the last one the aux row and the draft's (MLA MTP)
+    entry, as SGLang sends the draft from the last CP rank only. The decode checks every byte of
+    every layer, the indexer pages and the aux row."""
+    reqs = requests_for(53, 5, prefix={1: 1, 3: 1})
+    results = run(tmp_path, model_3_layers, bootstrap_server, 2 * attn_tp, 1, reqs, backend=backend, prefill_cp=2,
+                  layer_split=True, layers=3, mla=True, draft=draft, state={"slots": 12, "swa_pages": 99, "dsa": True})
+    assert set(results) == {("prefill", rank) for rank in range(2 * attn_tp)} | {("decode", 0)}
+    expect(results, reqs, lambda i: "Success")
+    rooms = results[("decode", 0)]["rooms"]
+    assert all(rooms[str(q["room"])]["state_bad"] == [] for q in reqs), rooms
+    latent, index_page = 4 * 8 * 2, 4 * 3 * 2   # one page of one layer: 4 tokens x 8 bf16; 4 tokens x 3 int16
+    for q in reqs:   # world rank = CP rank x attention TP + attention TP rank: CP rank 0's ranks wrote its two layers
+        sent = [results[("prefill", rank)]["rooms"][str(q["room"])]["bytes"] for rank in range(2 * attn_tp)]
+        assert sum(sent[:attn_tp]) == (q["pages"] - q["prefix"]) * 2 * (latent + index_page), (q, sent)
+        assert rooms[str(q["room"])]["bytes"] == sum(sent), (q, sent, rooms[str(q["room"])])

@@ -187,7 +187,7 @@ def test_aux_rows_are_host_memory_beside_a_cuda_cache(monkeypatch, kv, nvlink, w
 
 def plain_mgr(**kw):
     """What unsupported_features reads of a manager: SGLang's parallel sizes and server args."""
-    base = dict(pp_size=1, attn_cp_size=1, dcp_size=1, dcp_rank=0, kv_shard_size=1, defer_decode_allocation=False,
+    base = dict(pp_size=1, pp_rank=0, attn_cp_size=1, attn_cp_rank=0, dcp_size=1, dcp_rank=0, kv_shard_size=1, defer_decode_allocation=False,
                 attn_tp_size=2, attn_tp_rank=0, state_tp_size=2, is_mla_backend=False,
                 server_args=SimpleNamespace(enable_hisparse=False, device="cuda"))
     base.update(kw)
@@ -220,6 +220,33 @@ def plain_mgr(**kw):
 def test_features_kvstage_does_not_move_are_named_at_start(mgr, args, named):
     problems = unsupported_features(mgr, SimpleNamespace(**args))
     assert len(problems) == 1 and named in problems[0], problems
+
+
+def split_mgr(**kw):
+    """A prefill CP rank of SGLang's DSA cache layer split (server args' flag; no parallel state here)."""
+    base = dict(attn_cp_size=2, attn_cp_rank=1, disaggregation_mode=SimpleNamespace(value="prefill"),
+                enable_all_cp_ranks_for_transfer=True, is_mla_backend=True,
+                server_args=SimpleNamespace(enable_hisparse=False, device="cuda", enable_dsa_cache_layer_split=True))
+    return plain_mgr(**(base | kw))
+
+
+def test_dsa_cache_layer_split_is_served_as_stages_of_the_cp_ranks():
+    from kvstage.adapters.sglang.geometry import cp_stage, layer_split
+    mgr = split_mgr()
+    assert layer_split(mgr) and cp_stage(mgr) == (2, 1)
+    assert unsupported_features(mgr, SimpleNamespace(state_types=["dsa"], num_draft_entries=1)) == []
+    assert cp_stage(plain_mgr(pp_size=2, pp_rank=1)) == (2, 1) and cp_stage(plain_mgr()) == (1, 0)
+    # the last CP rank lists the layers [2, 3) of 3 from prefill_start_layer (SGLang's get_layer_shard_range)
+    args = SimpleNamespace(kv_data_ptrs=[4096], kv_data_lens=[64 * 16], kv_item_lens=[64 * 4], page_size=4,
+                           prefill_start_layer=2, num_draft_entries=0)
+    lay = kv_layout(args, 2, 0, True, None, pp_size=2, pp_rank=1)
+    assert (lay.stage, lay.num_layers, lay.rank) == (range(2, 3), 3, 2)
+    named = unsupported_features(mgr, SimpleNamespace(state_types=["mamba"]))
+    assert len(named) == 1 and "DSA cache layer split (attn_cp_size 2) with state components ['mamba']" in named[0]
+    named = unsupported_features(split_mgr(is_hybrid_mla_backend=True), SimpleNamespace())
+    assert len(named) == 1 and "DSA cache layer split beside a hybrid MLA pool" in named[0]
+    decode = split_mgr(disaggregation_mode=SimpleNamespace(value="decode"))
+    assert not layer_split(decode)
 
 
 def test_a_plain_gpu_deployment_is_not_refused():
@@ -531,19 +558,21 @@ def test_a_decode_refuses_a_prefill_of_another_allocation_policy_or_shape(info, 
     assert (problem is None) if named is None else (named in problem), problem
 
 
-@pytest.mark.parametrize("kw,served", [
-    ({}, True),
-    ({"is_hybrid_mla_backend": True}, False),
-    ({"kv_shard_size": 2}, False),
-    ({"server_args": SimpleNamespace(enable_hisparse=False, device="cuda", enable_dsa_cache_layer_split=True)}, False),
+@pytest.mark.parametrize("kw,copies,served", [
+    ({}, True, True),
+    ({"is_hybrid_mla_backend": True}, False, False),
+    ({"kv_shard_size": 2}, False, False),
+    ({"server_args": SimpleNamespace(enable_hisparse=False, device="cuda", enable_dsa_cache_layer_split=True)}, False,
+     True),
 ], ids=["plain-pool", "hybrid-mla", "kv-sharding", "dsa-layer-split"])
-def test_all_cp_ranks_sending_is_served_where_each_cp_rank_holds_the_whole_kv(kw, served):
+def test_all_cp_ranks_sending_is_served_where_each_cp_rank_holds_the_whole_kv(kw, copies, served):
     """SGLANG_DISAGGREGATION_ALL_CP_RANKS_TRANSFER on a plain pool splits SGLang's sending, not the
-    KV: kvstage serves it as without the variable (CP rank 0 moves the KV); where the CP ranks
-    hold parts of it, every rank is refused at start."""
+    KV: kvstage serves it as without the variable (CP rank 0 moves the KV); under DSA cache layer
+    split each CP rank holds its layers, a stage of its own; where the CP ranks hold other parts
+    of it, every rank is refused at start."""
     mgr = plain_mgr(**{"attn_cp_size": 2, "disaggregation_mode": SimpleNamespace(value="prefill"),
                        "enable_all_cp_ranks_for_transfer": True, **kw})
     from kvstage.adapters.sglang.geometry import cp_ranks_hold_copies
-    assert cp_ranks_hold_copies(mgr) is served
+    assert cp_ranks_hold_copies(mgr) is copies
     problems = [p for p in unsupported_features(mgr, SimpleNamespace()) if "context parallelism" in p]
     assert (problems == []) is served, problems
