@@ -123,7 +123,8 @@ class KVLayout:
     request's logical pages over the TP group (MLA only, as SGLang's `--enable-kv-cache-sharding`):
     logical page l lives on rank ``l % page_shards`` at local page ``l // page_shards``, so the
     pages given to `send()` are logical ids below ``page_shards`` times this rank's pages.
-    `page_shards` is the TP size; not with PP, DCP nor a draft (not served).
+    `page_shards` is the TP size (each PP stage's TP group shards its own layers' pages); not with
+    DCP nor a draft (not served).
 
     Pipeline parallelism (prefill only): stage `pp_rank` of `pp_size` holds the model's layers
     `stage` (None: all of them) and its buffers hold only those, in order; `num_layers` stays
@@ -197,8 +198,8 @@ class KVLayout:
             raise ValueError(f"{where}: KV page sharding is served for MLA only (as SGLang's)")
         if self.page_shards != self.tp_size:
             raise ValueError(f"{where}: the pages are sharded over the whole TP group, tp_size={self.tp_size}")
-        if self.pp_size > 1 or self.dcp_size > 1 or self.draft is not None:
-            other = "PP" if self.pp_size > 1 else "DCP" if self.dcp_size > 1 else "draft KV"
+        if self.dcp_size > 1 or self.draft is not None:
+            other = "DCP" if self.dcp_size > 1 else "draft KV"
             raise ValueError(f"{where} with {other} is not served")
 
     def _check_dcp(self) -> None:

@@ -347,7 +347,8 @@ def shard_problems(mgr, args) -> list[str]:
     tests/sglang_adapter/test_kv_shard_classes.py moves it through SGLang's classes. Refused, by
     name: a shard group other than an MLA model's whole attention TP group (GQA shards over
     prefill CP, refused as CP too), state components or a hybrid pool (SGLang's sharded DSA
-    indexer pages), draft KV and PP."""
+    indexer pages) and draft KV. Beside PP each stage's attention TP group shards its own
+    layers' pages (page_shards.py)."""
     shards = int(getattr(mgr, "kv_shard_size", 1) or 1)
     if shards <= 1:
         return []
@@ -360,8 +361,6 @@ def shard_problems(mgr, args) -> list[str]:
         out.append(f"{name} with state components or a hybrid KV pool (SGLang's sharded DSA indexer pages)")
     if int(getattr(args, "num_draft_entries", 0) or 0):
         out.append(f"{name} with speculative-decoding draft KV (num_draft_entries)")
-    if mgr.pp_size > 1:
-        out.append(f"{name} with pipeline parallelism (pp_size {mgr.pp_size})")
     return out
 
 

@@ -82,3 +82,35 @@ def test_a_sharded_prefill_moves_every_page_to_each_decode_rank_and_an_unserved_
             assert rec["state"] == "Failed", (c.name, side, rec)
             assert rec["kind"] in ("layout", "remote_layout"), (c.name, side, rec)
             assert "prefill TP 2 (MLA, KV pages sharded 2 ways) -> decode TP 1 (MLA)" in rec["failure"], rec
+
+
+def pp_case(topo: Topo, backend: str, base: int, label: str) -> Case:
+    """A sharded prefill of 2 PP stages (layers [0, 2) and [2, 3)): each stage's TP group shards
+    its own layers' pages, with prefix hits, aux rows and each write's digest."""
+    rooms = random_rooms(base, 8, 4, max_tokens=160, base=base)
+    for i, r in enumerate(rooms):
+        r["pool_items"] = {"aux": 1}
+        if i % 3 == 1 and r["pages"] > 2:
+            r["prefix_pages"] = 2
+    return Case(topo=topo, page_size=4, dtype="bfloat16", backend=backend, rooms=rooms, layers=3, head_dim=16,
+                pages=256, label=label, prefill_extra={"shards": 2, "stage_layers": [[0, 2], [2, 3]]},
+                pools={"aux": LAYERED_AUX}, extra={"verify": True})
+
+
+@pytest.mark.timeout(300)
+def test_each_pp_stage_shards_its_own_layers_pages():
+    """PP 2 x TP 2 sharded -> decode TP 2 over NIXL, and -> decode PP 2 x TP 2 over Mooncake:
+    every decode rank takes each (page, layer) from the rank of the stage holding the layer that
+    owns the page, bit-exact; every prefill rank of both stages writes."""
+    cases = [pp_case(Topo(P=2, D=2, H=1, mla=True, pp=2), "nixl", 4500, "shards-pp"),
+             pp_case(Topo(P=2, D=2, H=1, mla=True, pp=2, dpp=2), "mooncake", 4600, "shards-pp-dpp")]
+    cases[1].decode_extra = {"stage_layers": [[0, 2], [2, 3]]}
+    results, codes, logs, _ = run_cases(cases, timeout=120)
+    bad = problems(results, codes, logs)
+    assert not bad, "\n".join(bad[:10])
+    for c, side, res in each_rank(cases, results):
+        assert len(res["rooms"]) == 8 and all(rec["state"] == "Success" for rec in res["rooms"]), (c.name, side)
+        if side == "decode":
+            assert all(rec["verified"] is True for rec in res["rooms"]), (c.name, res)
+        else:   # each rank of each stage owns some pages of the requests, and writes them
+            assert sum(rec["metrics"]["backend_writes"] for rec in res["rooms"]) > 0, (c.name, res["name"])

@@ -60,12 +60,14 @@ SERVED = (ShardSide(tp_size=2, mla=True, page_shards=2), ShardSide(tp_size=2, ml
     (ShardSide(tp_size=4, mla=True, page_shards=2), ShardSide(tp_size=4, mla=True), "whole TP group"),
     (ShardSide(tp_size=2, mla=False, page_shards=2), ShardSide(tp_size=2, mla=False), "MLA only"),
     (ShardSide(tp_size=2, mla=True, page_shards=2), ShardSide(tp_size=2, mla=True, dcp_size=2), "decode context"),
-    (ShardSide(tp_size=2, mla=True, page_shards=2), ShardSide(tp_size=2, mla=True, pp_size=2), "pipeline"),
     (ShardSide(tp_size=2, mla=True, page_shards=2, draft_pools=1), ShardSide(tp_size=2, mla=True), "draft"),
     (ShardSide(tp_size=2, mla=True), ShardSide(tp_size=2, mla=True, page_shards=2), "prefill engines only"),
 ])
 def test_a_pairing_kvstage_does_not_serve_is_refused_naming_both_sides(prefill, decode, reason):
     assert pairing_problem(*SERVED) is None and pairing_problem(SERVED[1], SERVED[1]) is None
+    # each PP stage's TP group shards its own layers' pages: served with PP on either side
+    assert pairing_problem(ShardSide(tp_size=2, mla=True, page_shards=2, pp_size=2),
+                           ShardSide(tp_size=2, mla=True, pp_size=2)) is None
     why = pairing_problem(prefill, decode)
     assert why is not None and reason in why
     assert why.startswith(f"{prefill.describe('prefill')} -> {decode.describe('decode')}")

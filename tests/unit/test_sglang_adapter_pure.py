@@ -474,7 +474,7 @@ def test_a_dcp_rank_of_a_hybrid_mla_pool_with_mamba_slots_starts(monkeypatch):
     (plain_mgr(kv_shard_size=2, is_mla_backend=True, attn_tp_size=4), {}, "whole attention TP group"),
     (plain_mgr(kv_shard_size=2, is_mla_backend=True), {"state_types": ["dsa"]}, "with state components"),
     (plain_mgr(kv_shard_size=2, is_mla_backend=True), {"num_draft_entries": 1}, "with speculative-decoding draft"),
-    (plain_mgr(kv_shard_size=2, is_mla_backend=True, pp_size=2), {}, "with pipeline parallelism"),
+    (plain_mgr(kv_shard_size=2, is_mla_backend=True, pp_size=2), {}, None),
 ], ids=["mla-over-attention-tp", "mha", "part-of-tp", "dsa-state", "draft", "pp"])
 def test_kv_cache_sharding_starts_where_kvstage_moves_it_and_is_refused_naming_why_elsewhere(mgr, args, named):
     """An MLA model's pages sharded over the whole attention TP group start (kvstage's engine

@@ -21,8 +21,13 @@ Invariants (tested in ``tests/unit/test_page_shards.py``):
 - a mask round-trips through ``encode_mask`` / ``decode_mask`` for any length; a mask whose
   bits run past its write's page count is refused;
 - ``pairing_problem`` is None exactly for the pairings kvstage serves (an MLA prefill sharded
-  over its whole TP group, a decode engine of the same TP size, no DCP or PP on either side,
-  no draft pools); its reason names both layouts.
+  over its whole TP group, a decode engine of the same TP size, no DCP on either side, no draft
+  pools); its reason names both layouts.
+
+With pipeline parallelism on either side each prefill stage's TP group shards its own layers'
+pages the same way: a decode rank's writers are every rank of each stage it takes layers from
+(peering.needed_ranks), the tracker takes each (page, layer) cell once from a writer of the stage
+holding that layer, and the aux row comes with the last page of the last stage's last layer.
 """
 
 from __future__ import annotations
@@ -102,8 +107,9 @@ class ShardSide:
 def pairing_problem(prefill: ShardSide, decode: ShardSide) -> str | None:
     """Why kvstage cannot move requests from this prefill engine to this decode engine because
     of page sharding (None: it can, or neither side shards). Served, as SGLang's mooncake backend
-    serves it: a prefill of an MLA model sharded over its whole TP group, no PP, DCP or draft
-    pools there, to a decode engine that does not shard, of the same TP size, without PP or DCP."""
+    serves it: a prefill of an MLA model sharded over its whole TP group (of each PP stage), no
+    DCP or draft pools there, to a decode engine that does not shard, of the same TP size,
+    without DCP (any PP on either side)."""
     if prefill.page_shards == 1 and decode.page_shards == 1:
         return None
     both = f"{prefill.describe('prefill')} -> {decode.describe('decode')}"
@@ -115,8 +121,6 @@ def pairing_problem(prefill: ShardSide, decode: ShardSide) -> str | None:
         return f"{both}: the prefill's pages must be sharded over its whole TP group ({prefill.tp_size} ranks)"
     if decode.tp_size != prefill.tp_size:
         return f"{both}: a sharded prefill needs a decode engine of the same TP size (as SGLang's)"
-    if prefill.pp_size != 1 or decode.pp_size != 1:
-        return f"{both}: KV page sharding with pipeline parallelism is not served"
     if prefill.dcp_size != 1 or decode.dcp_size != 1:
         return f"{both}: KV page sharding with decode context parallel is not served (SGLang refuses it too)"
     if prefill.draft_pools:
