@@ -117,7 +117,8 @@ class KVLayout:
     over the ranks of a DCP group (MLA only, as SGLang's): token t lives on DCP rank ``t % dcp_size``
     at local slot ``t // dcp_size``, and this rank's pages hold its local slots only. Its DCP
     rank is ``tp_rank % dcp_size`` (consecutive TP ranks form the group, as in SGLang and vLLM),
-    so `dcp_size` must divide `tp_size`; not with PP nor a draft (not served).
+    so `dcp_size` must divide `tp_size`; with PP each stage's writes carry its layers of those
+    tokens; not with a draft (not served).
 
     KV page sharding (a prefill rank, protocol/page_shards.py): `page_shards` > 1 splits the
     request's logical pages over the TP group (MLA only, as SGLang's `--enable-kv-cache-sharding`):
@@ -211,8 +212,8 @@ class KVLayout:
         if self.tp_size % self.dcp_size:
             raise ValueError(f"dcp_size={self.dcp_size} must divide tp_size={self.tp_size} (a DCP group is "
                              f"consecutive TP ranks)")
-        if self.pp_size > 1 or self.draft is not None:
-            raise ValueError(f"dcp_size={self.dcp_size} with {'PP' if self.pp_size > 1 else 'draft KV'} is not served")
+        if self.draft is not None:
+            raise ValueError(f"dcp_size={self.dcp_size} with draft KV is not served")
 
     def _check_draft(self) -> None:
         d = self.draft

@@ -379,8 +379,9 @@ def dcp_problems(mgr, args) -> list[str]:
     layers beside linear-attention state) are pool items like the aux row, split over the decode's
     attention TP ranks by their heads, whatever its DCP. Refused, by name: a pool that is neither
     MLA nor hybrid MLA, a draft's KV (SGLang splits no draft entry), state components other than
-    Mamba slots, PP, a DCP rank that is not the attention TP rank mod dcp_size, host KV
-    destinations and HiSparse. SGLang's staging flag is no problem: it turns kvstage's
+    Mamba slots, a DCP rank that is not the attention TP rank mod dcp_size, host KV destinations
+    and HiSparse. Beside PP (on either side) each prefill stage writes each DCP rank its layers of
+    that rank's tokens. SGLang's staging flag is no problem: it turns kvstage's
     staging on, which on an MLA decode rank changes nothing (an MLA model moves direct) and gives
     its prefill the buffers a DCP split is relayouted through."""
     dcp = int(getattr(mgr, "dcp_size", 1) or 1)
@@ -397,8 +398,6 @@ def dcp_problems(mgr, args) -> list[str]:
     if int(getattr(args, "num_draft_entries", 0) or 0):
         out.append(f"{name} with speculative-decoding draft KV (num_draft_entries; kvstage splits no draft "
                    f"under DCP)")
-    if mgr.pp_size > 1:
-        out.append(f"{name} with pipeline parallelism (pp_size {mgr.pp_size})")
     if mgr.attn_tp_size % dcp or int(getattr(mgr, "dcp_rank", 0)) != mgr.attn_tp_rank % dcp:
         out.append(f"{name} whose DCP rank {getattr(mgr, 'dcp_rank', 0)} is not attention TP rank "
                    f"{mgr.attn_tp_rank} mod {dcp} (attention TP {mgr.attn_tp_size})")

@@ -4,7 +4,10 @@ it, at its local slot, bit-exact, with a decode prefix and the final partial pag
 other slot of the room's pages untouched), and each request's aux row (a pool item) whole on every
 decode rank, the one owning no token included; a pairing kvstage's engine cannot move fails every
 request on both sides, kind `layout`, with the reason naming both layouts
-(token_mapping.engine_refusal), long before any deadline, and nothing hangs."""
+(token_mapping.engine_refusal), long before any deadline, and nothing hangs. With PP on either
+side each prefill stage writes each decode rank its tokens of the layers both stages hold."""
+
+import dataclasses
 
 import pytest
 from dcp_cases import PS, check_moved, split_case
@@ -64,3 +67,21 @@ def test_with_verify_each_dcp_write_is_checked_and_a_flipped_byte_fails_only_its
     for c in cases:
         flipped = sum(len(corrupt_rooms(c.name, dec)) for dec in results[c.name]["decode"])
         assert 0 < flipped < 12, (c.name, flipped)   # some rooms of the two decode ranks, not all
+
+
+@pytest.mark.timeout(300)
+def test_dcp_beside_pp_writes_each_stages_layers_of_the_tokens_each_rank_owns():
+    """Prefill PP 2 (a layer a stage) -> decode DCP 2: as token runs and relayouted through the
+    staging buffers (every flow of two tokens or more, of each stage: 20 writes), over NIXL; and
+    -> a decode of PP 2 with DCP 2 over Mooncake. Each request has an aux row, which comes with
+    the last stage's writes; the one-token request's decode rank 1 owns no token and gets no write
+    from the first stage. Every decode rank checks its tokens bit-exact and the rest untouched."""
+    cases = [split_case("nixl", 1, 4100, aux=True), split_case("nixl", 1, 4200, aux=True, buffer_bytes=1 << 20),
+             split_case("mooncake", 1, 4300, aux=True)]
+    for c, (pp, dpp) in zip(cases, [(2, 1), (2, 1), (2, 2)]):
+        c.topo = dataclasses.replace(c.topo, pp=pp, dpp=dpp)
+        c.label += f"pp{pp}{dpp}"
+    results, codes, logs, _ = run_cases(cases, timeout=120)
+    bad = problems(results, codes, logs)
+    assert not bad, "\n".join(bad[:10])
+    check_moved(cases, results, {cases[1].name: 20})

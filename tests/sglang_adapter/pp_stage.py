@@ -136,6 +136,8 @@ def start_request(r, x, last: bool, aux_row: Callable, spec_row: Callable) -> No
         x["swa"] = [next(r.state_pages) for _ in range(w)]
         r.state.fill(q["room"], x["slot"], x["swa"], q["pages"] - w)
         state = r.state.indices(x["slot"], x["swa"])
+    if q.get("tokens") is not None:   # as the plugin's hook before finalize_bootstrap (decode DCP)
+        s.request_tokens = q["tokens"]
     s.init(len(suffix), x["row"])
     done = 0
     sends = [q["chunks"][0] + q["prefix"] - k, *q["chunks"][1:]]

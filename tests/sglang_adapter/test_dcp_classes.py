@@ -98,3 +98,17 @@ def test_a_prefill_of_the_decodes_dcp_size_sends_each_rank_its_own_pages(tmp_pat
     expect(results, reqs, lambda i: "Success")
     each_rank_got_its_tokens_and_the_aux_row(results, reqs)
 
+
+
+@pytest.mark.parametrize("backend", ["nixl", "mooncake"])
+def test_decode_dcp_beside_a_pp_prefill_gets_each_stages_layer_of_its_tokens(tmp_path, model_dir, bootstrap_server,
+                                                                             backend):
+    """A PP 2 prefill (SGLang's PP process groups and bootstrap consensus, a layer a stage) into
+    decode DCP 2: each decode rank checks every token it owns of both layers, the slots past the
+    end and the aux row (from the last stage). A decode of PP 2 with DCP is not run here: SGLang's
+    process groups refuse DCP on CPU (kvstage's engine tests move it, tests/integration/test_dcp.py)."""
+    reqs = dcp_requests(71, 6)
+    results = run(tmp_path, model_dir, bootstrap_server, 1, 2, reqs, backend=backend, mla=True, decode_dcp=DCP,
+                  prefill_pp=2)
+    expect(results, reqs, lambda i: "Success")
+    each_rank_got_its_tokens_and_the_aux_row(results, reqs)

@@ -42,11 +42,11 @@ def test_a_dcp_rank_is_its_tp_rank_modulo_the_dcp_size():
 @pytest.mark.parametrize(("kw", "words"), [
     ({"dcp": 0}, "dcp_size must be positive"),
     ({"tp": 4, "dcp": 3}, "dcp_size=3 must divide tp_size=4"),
-    ({"dcp": 2, "pp_size": 2, "stage": range(0, 1)}, "with PP is not served"),
 ])
 def test_an_impossible_dcp_layout_is_named(kw, words):
     with pytest.raises(ValueError, match=words):
         mla(**kw)
+    assert mla(dcp=2, pp_size=2, stage=range(0, 1)).dcp_size == 2   # beside PP: each stage its layers
 
 
 def test_dcp_is_refused_beside_gqa():
@@ -281,6 +281,27 @@ def test_a_dcp_tracker_takes_one_write_of_exactly_its_tokens():
     assert RoomTracker(1, {0: 32}, num_layers=2, token_bytes={0: 0}).complete   # owns no token: nothing to wait for
 
 
+def test_a_dcp_tracker_beside_pp_takes_each_stages_layers_of_its_tokens():
+    """Two writers, a PP stage each (layers [0, 1) and [1, 2)): each writes its layer of this
+    rank's tokens, counted over the room's every layer; a decode PP stage holding layer 1 only
+    expects that layer's share; a stage owning none of the tokens and no pool item writes nothing."""
+    from kvstage.transfer.protocol.decode.tracker import Outcome, RoomTracker
+
+    t = RoomTracker(2, {0: 64, 1: 64}, num_layers=2, token_bytes={0: 48, 1: 48},
+                    writer_layers={0: range(0, 1), 1: range(1, 2)})
+    assert t.arrive_direct(0, 0, 0, 2, 48, layers=range(0, 1)).outcome is Outcome.REJECTED   # both layers' bytes
+    assert t.arrive_direct(0, 0, 0, 2, 24, layers=range(0, 1)).outcome is Outcome.ACCEPTED and not t.complete
+    assert t.arrive_direct(1, 0, 0, 2, 24, layers=range(1, 2)).outcome is Outcome.ACCEPTED and t.complete
+    held = RoomTracker(2, {1: 64}, num_layers=2, token_bytes={1: 48}, writer_layers={1: range(1, 2)},
+                       held=range(1, 2))
+    assert held.arrive_direct(1, 0, 0, 2, 24, layers=range(1, 2)).outcome is Outcome.ACCEPTED and held.complete
+    # the first stage owns none of the tokens and carries no pool item: only the second's write (its aux) counts
+    aux = RoomTracker(1, {0: 32, 1: 32}, {1: 8}, num_layers=2, token_bytes={0: 0, 1: 0},
+                      writer_layers={0: range(0, 1), 1: range(1, 2)})
+    assert not aux.complete
+    assert aux.arrive_direct(1, 0, 0, 1, 8, layers=range(1, 2)).outcome is Outcome.ACCEPTED and aux.complete
+
+
 def dcp_decode_room(rank: int = 1, pools: tuple[PoolSpec, ...] = ()):
     from kvstage.transfer.protocol.decode.plan import RoomPlan
     from kvstage.transfer.protocol.decode.room import DecodeRoom
@@ -421,18 +442,20 @@ def test_pool_item_counts_that_differ_beside_dcp_fail_the_room_naming_the_pool()
     assert r.state is KVPoll.Failed and "aux" in r.failure
 
 
-@pytest.mark.parametrize("extra", [{"pp_size": 2, "pp_rank": 0, "stage": range(0, 1)}, {"draft": "draft"}],
-                         ids=["pp", "draft"])
-def test_a_prefill_with_pp_or_a_draft_facing_decode_dcp_fails_the_room_naming_it(extra):
+def test_a_prefill_with_a_draft_facing_decode_dcp_fails_the_room_naming_it_and_one_with_pp_does_not():
     from kvstage.transfer.draft_kv import DraftKV
 
-    if extra.get("draft"):
-        extra = {"draft": DraftKV(num_layers=1)}
-    r = PrefillRoom(room=7, num_pages=4, layout=mla(tp=1, **extra), me=1000, now=0.0, timeouts=Timeouts(metadata=50),
-                    op_ids=itertools.count(1), num_tokens=7)
-    d0 = PeerKey("dec", 0, 2000)
-    r.add_meta(d0, 2, dcp_meta(d0, [3, 4]), 1.0, dcp=lay(2))
-    assert r.state is KVPoll.Failed and "from a prefill without PP (no staging or draft)" in r.failure
+    def room(**extra) -> PrefillRoom:
+        r = PrefillRoom(room=7, num_pages=4, layout=mla(tp=1, **extra), me=1000, now=0.0,
+                        timeouts=Timeouts(metadata=50), op_ids=itertools.count(1), num_tokens=7)
+        d0 = PeerKey("dec", 0, 2000)
+        r.add_meta(d0, 2, dcp_meta(d0, [3, 4]), 1.0, dcp=lay(2))
+        return r
+
+    r = room(draft=DraftKV(num_layers=1))
+    assert r.state is KVPoll.Failed and "direct (no staging or draft)" in r.failure
+    # beside PP each stage writes its layers of the decode rank's tokens (nothing fails at the metadata)
+    assert room(pp_size=2, pp_rank=0, stage=range(0, 1)).state is not KVPoll.Failed
 
 
 def test_equal_dcp_a_prefill_rank_told_of_a_room_it_does_not_write_only_takes_note():

@@ -432,17 +432,22 @@ def dcp_mgr(**kw):
     (dcp_mgr(is_mla_backend=False), {"is_hybrid_mla_backend": True, "state_types": ["mamba", "swa"]},
      "with state components ['swa']"),
     (dcp_mgr(), {"num_draft_entries": 2}, "with speculative-decoding draft KV"),
-    (dcp_mgr(pp_size=2), {"kv_layer_ids": []}, "with pipeline parallelism (pp_size 2)"),
     (dcp_mgr(dcp_rank=0), {}, "whose DCP rank 0 is not attention TP rank 1 mod 2"),
     (dcp_mgr(), {"host_kv_data_ptrs": [4096]}, "with host KV destinations"),
     (dcp_mgr(server_args=SimpleNamespace(enable_hisparse=True, device="cuda")), {}, "with HiSparse"),
-], ids=["mha", "mha-mamba", "dsa", "hybrid-mla-swa", "draft", "pp", "rank", "host", "hisparse"])
+], ids=["mha", "mha-mamba", "dsa", "hybrid-mla-swa", "draft", "rank", "host", "hisparse"])
 def test_decode_context_parallel_kvstage_does_not_serve_is_refused_at_start_naming_why(monkeypatch, mgr, args,
                                                                                         named):
     for name in SGLANG_AND_KVSTAGE_ENVS:
         monkeypatch.delenv(name, raising=False)
     (only,) = unsupported_features(mgr, SimpleNamespace(**args))
     assert named in only and "decode context parallelism (dcp_size 2)" in only, only
+
+
+def test_a_dcp_rank_beside_pp_starts(monkeypatch):
+    for name in SGLANG_AND_KVSTAGE_ENVS:
+        monkeypatch.delenv(name, raising=False)
+    assert unsupported_features(dcp_mgr(pp_size=2), SimpleNamespace(kv_layer_ids=[])) == []
 
 
 @pytest.mark.parametrize("staging", [None, "1"], ids=["staging-unset", "sglang-staging-flag"])

@@ -299,7 +299,7 @@ class RoomTracker:
                 return Arrival(Outcome.REJECTED, f"writer {writer} wrote pages [{page_start}, {page_start + num_pages}): "
                                                  f"a decode context parallel room takes writes of all of its "
                                                  f"{self.num_pages} pages")
-            want = self.token_bytes.get(writer, -1) * len(lay) // len(self._held) + self._extra(writer, 0, num_pages, lay)
+            want = self.token_bytes.get(writer, -1) * len(lay) // self.num_layers + self._extra(writer, 0, num_pages, lay)
         if nbytes != want:
             return Arrival(Outcome.REJECTED, f"writer {writer} sent {nbytes} bytes for {num_pages} pages of "
                                              f"{len(lay)} layers, expected {want}")
@@ -354,7 +354,13 @@ class RoomTracker:
             return True   # decode context parallel: a rank owning none of the request's tokens (nor pool items) gets no write
         if self.shared:
             return self._counts()[0] == self.num_pages * len(self._held)
-        return all(n == self.num_pages * len(self.layers_of(w)) for w, n in zip(self._writers, self._counts()))
+        return all(n == self.num_pages * len(self.layers_of(w)) or self._writes_nothing(w)
+                   for w, n in zip(self._writers, self._counts()))
+
+    def _writes_nothing(self, writer: int) -> bool:
+        """Decode context parallel: a writer owning none of this rank's tokens and carrying no
+        pool items (a PP stage whose layers hold none of them) sends no write."""
+        return self.token_bytes is not None and not self.token_bytes.get(writer) and not self.final_extra.get(writer)
 
     @property
     def pages_done(self) -> int:

@@ -407,9 +407,9 @@ class PrefillRoom(RoomBase[PrefillAction]):
             return self.fail(FailureKind.PROTOCOL, f"{both}: decode rank {rank} holds {meta.num_pages} pages with a "
                                                    f"prefix of {meta.prefix_pages} for {tokens} tokens, which take "
                                                    f"{local_pages(theirs, tokens)} pages on each decode DCP rank", now)
-        if meta.staged or self.layout.draft is not None or self.layout.pp_size > 1:
+        if meta.staged or self.layout.draft is not None:
             return self.fail(FailureKind.LAYOUT, f"{both}: decode context parallel moves the KV and the pool items "
-                                                 f"direct, from a prefill without PP (no staging or draft)", now)
+                                                 f"direct (no staging or draft)", now)
         if flow.assignment is not None and mine.dcp_size > 1 and rank % theirs.dcp_size != self.layout.dcp_rank:
             return self.fail(FailureKind.LAYOUT, f"{both}: prefill DCP rank {self.layout.dcp_rank} would write decode "
                                                  f"DCP rank {rank % theirs.dcp_size}", now)
@@ -453,9 +453,10 @@ class PrefillRoom(RoomBase[PrefillAction]):
         runs = (pair.src_slot, pair.dst_slot, pair.length)
         moves, step = self._relayout(pair, a, block_bytes(copies))
         out: list[PrefillAction] = []
-        for part, first in enumerate(range(lay.layers.start, lay.layers.stop, step)):
-            layers = range(first, min(first + step, lay.layers.stop))
-            pools = copies if layers.stop == lay.layers.stop else ()
+        written = self._written(flow)   # with PP: the layers both stages hold
+        for part, first in enumerate(range(written.start, written.stop, step)):
+            layers = range(first, min(first + step, written.stop))
+            pools = copies if layers.stop == written.stop else ()
             nbytes = pair.num_tokens * self._bytes_per_page(a.num_heads, layers) // lay.page_size + block_bytes(pools)
             tag = make_tag(TagKind.DIRECT, room=self.room, session=flow.session, epoch=flow.peer.incarnation,
                            src=self.me, writer=lay.rank, chunk=part, piece=0, page_start=0,
