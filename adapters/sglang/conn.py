@@ -457,6 +457,9 @@ class KvstageKVSender(_Handle, CommonKVSender):
         last = self._sent + pages.size == self.num_kv_indices + self._prefix_pages
         try:
             items = self.kv_mgr.state.items(state_indices) if last and self.kv_mgr.state.pools else {}
+            if items:   # the decode's prefix beyond the one popped: SGLang named its DSA pages too
+                known = self._handle.decode_prefix_pages or 0
+                items = self.kv_mgr.state.past_prefix(items, known - self._prefix_pages)
             self._handle.send(pages, pool_items=items or None)
         except (ValueError, RuntimeError) as exc:
             return f"send: {exc}"

@@ -132,6 +132,21 @@ class StateMap:
                 out[name] = (idx[:, None] * expand + np.arange(expand, dtype=np.int64)).reshape(-1)
         return out
 
+    def past_prefix(self, items: dict, pages: int) -> dict:
+        """`items` without the first `pages` pages of page-indexed state (DSA indexer pages, which
+        SGLang names from the prefix it popped on, in page order): the pages a decode holds in its
+        prefix beyond the one the sender popped (a PP stage told to start before its decode
+        stage's metadata came pops 0, and kvstage skips those pages' KV as it learns the prefix)."""
+        if pages <= 0:
+            return items
+        out = dict(items)
+        for comp in self.components:
+            if comp.kind == "dsa":
+                for name, expand in comp.pools.items():
+                    if name in out:
+                        out[name] = out[name][pages * expand:]
+        return out
+
     def peer_problem(self, prefill_tp: int, decode_tp: int) -> str | None:
         """Why state cannot move between these attention TP sizes (None: it can)."""
         if not self.components or prefill_tp == decode_tp:

@@ -49,13 +49,18 @@ def test_pp_decode(tmp_path, model_3_layers, bootstrap_server, tp, staging):
 
 
 def test_pp_decode_gets_each_stages_dsa_pages(tmp_path, model_3_layers, bootstrap_server):
-    reqs = requests_for(37, 4, prefix={1: 1})
+    """Room #1 (a decode prefix of a page) is made `late_meta`: the second prefill stage pops a
+    prefix of 0 before its decode stage's metadata comes, and SGLang names the DSA pages of the
+    whole request; the adapter leaves out those of the decode's prefix (a race CI met once)."""
+    reqs = requests_for(37, 4, prefix={1: 1}, late_meta={1})
     results = run(tmp_path, model_3_layers, bootstrap_server, 1, 1, reqs, backend="nixl", prefill_pp=2, decode_pp=2,
                   layers=LAYERS, mla=True, state={"slots": 12, "swa_pages": 99, "dsa": True})
     expect(results, reqs, lambda i: "Success")
     for stage in (0, 1):
         rooms = results[("decode", stage)]["rooms"]
         assert all(rooms[str(q["room"])]["state_bad"] == [] for q in reqs), (stage, rooms)
+    row = results[("prefill", 1)]["rooms"][str(reqs[1]["room"])]
+    assert (row["prefix_seen"], row["prefix_after_pop"]) == (0, True), row   # the race, made to happen
 
 
 def test_pp_decode_gets_the_draft_on_its_last_stage(tmp_path, model_3_layers, bootstrap_server):
